@@ -1,0 +1,458 @@
+"""What several scripts share: config loading, the data files, distributed setup, checkpoints, metrics.
+
+Nothing here is the method; it is the plumbing that keeps sft.py, rl.py and eval.py short.
+Every script is run as
+
+    python SCRIPT.py [CONFIG.yaml] [key=value ...]        # dotted keys for nested sections: rollout.max_turns=15
+
+and maps the YAML onto its own typed dataclass with load_config(). An unknown key, a wrong type or a
+missing file stops the run at once with a message that names the key and the file (and line).
+"""
+import dataclasses
+import difflib
+import json
+import os
+import random
+import shutil
+import sys
+import time
+import types
+import typing
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent
+
+
+class ConfigError(ValueError):
+    """A bad config file, key, value or data row. The message says which."""
+
+
+# -----------------------------------------------------------------------------
+# config: YAML + key=value overrides onto a typed dataclass
+
+def _type_name(tp):
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value, tp, where):
+    """Check `value` against the annotation `tp`; convert the few lossless cases (int -> float, "1e-6" -> float)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{where}: cannot be None")
+    if origin is typing.Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{where}: {value!r} is not one of {list(typing.get_args(tp))}")
+        return value
+    if origin is list:
+        (item_tp,) = typing.get_args(tp) or (typing.Any,)
+        if isinstance(value, str):  # benchmarks=aime24,aime25 on the command line
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
+        return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}")
+        return dict(value)
+    if tp is typing.Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected an int, got {type(value).__name__} {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-6 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected a float, got {type(value).__name__} {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)  # model=123 or a numeric run name
+        raise ConfigError(f"{where}: expected a string, got {type(value).__name__} {value!r}")
+    raise ConfigError(f"{where}: unsupported config type {_type_name(tp)}")
+
+
+def _line_numbers(text):
+    """Map dotted key -> line number in a YAML document, so errors can say file:line."""
+    lines = {}
+
+    def walk(node, prefix):
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                key = f"{prefix}{key_node.value}"
+                lines[key] = key_node.start_mark.line + 1
+                walk(value_node, key + ".")
+
+    try:
+        walk(yaml.compose(text), "")
+    except yaml.YAMLError:
+        pass
+    return lines
+
+
+def _apply(cfg, updates, source, lines, prefix=""):
+    """Set the fields of dataclass instance `cfg` from the mapping `updates`, recursing into nested sections."""
+    fields = {f.name: f for f in dataclasses.fields(cfg)}
+    hints = typing.get_type_hints(type(cfg))
+    for key, value in updates.items():
+        dotted = f"{prefix}{key}"
+        line = lines.get(dotted)
+        where = f"{source}:{line}: '{dotted}'" if line else f"{source}: '{dotted}'"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+            raise ConfigError(f"{where}: unknown key{hint}; {type(cfg).__name__} has {sorted(fields)}")
+        tp = hints[key]
+        current = getattr(cfg, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}: is a section ({type(current).__name__}); expected a mapping, got {value!r}")
+            _apply(current, value, source, lines, dotted + ".")
+        else:
+            setattr(cfg, key, _coerce(value, tp, where))
+
+
+def _nest(dotted_key, value):
+    out = value
+    for part in reversed(dotted_key.split(".")):
+        out = {part: out}
+    return out
+
+
+def load_config(cls, argv=None):
+    """Build a `cls` dataclass from `[CONFIG.yaml] [key=value ...]` (default: sys.argv[1:]).
+
+    Defaults come from the dataclass, then the YAML file, then the overrides, in that order. Override
+    values are parsed as YAML scalars (`lr=1e-6`, `use_tool=false`, `benchmarks=aime24,aime25`).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cfg = cls()
+    if argv and "=" not in argv[0]:
+        path = Path(argv.pop(0))
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        text = path.read_text()
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(data).__name__}")
+        _apply(cfg, data, str(path), _line_numbers(text))
+    for arg in argv:
+        if "=" not in arg:
+            raise ConfigError(f"command line: bad override {arg!r}; expected key=value (the config file must come first)")
+        key, raw = arg.split("=", 1)
+        if not key:
+            raise ConfigError(f"command line: bad override {arg!r}; the key is empty")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        _apply(cfg, _nest(key, value), "command line", {})
+    if hasattr(cfg, "validate"):
+        cfg.validate()
+    return cfg
+
+
+def config_to_dict(cfg):
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg, run_dir):
+    """Print the resolved config and save it as run_dir/config.yaml, so every run says what it ran with."""
+    text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+    print(f"# {type(cfg).__name__}\n{text}", flush=True)
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    atomic_write_text(Path(run_dir) / "config.yaml", text)
+
+
+def atomic_write_text(path, text):
+    """Write-then-rename, so a reader never sees half a file (a crash leaves the old file intact)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# -----------------------------------------------------------------------------
+# data: JSONL problem files, validated row by row
+
+# The benchmarks eval.py knows, and the files training may read. Training never reads a benchmark file;
+# tests/test_common.py checks that no training problem equals a benchmark problem.
+BENCHMARKS = {
+    "aime24": "data/aime24.jsonl",
+    "aime25": "data/aime25.jsonl",
+    "hmmt25": "data/hmmt_feb_2025.jsonl",
+    "amc23": "data/amc23.jsonl",
+    "math500": "data/math500.jsonl",
+    "gsm8k": "data/gsm8k_test.jsonl",
+}
+TRAINING_FILES = [
+    "data/train_int_mix.jsonl",
+    "data/math_train.jsonl",
+    "data/math_test4500.jsonl",
+    "data/aime_1983_2023.jsonl",
+    "data/gsm8k_train.jsonl",
+]
+
+
+def resolve(path):
+    """Relative paths are relative to the repo, so scripts work from any working directory."""
+    path = Path(path)
+    return path if path.is_absolute() or path.exists() else REPO / path
+
+
+def load_jsonl(path, required=None):
+    """Read a JSONL file; every row must be a JSON object whose `required` keys are non-empty strings.
+
+    A bad row stops with `file:line: reason`, because a silently skipped row is a silently changed
+    dataset (and a wrong gold answer is a wrong reward).
+    """
+    path = resolve(path)
+    if not path.is_file():
+        raise ConfigError(f"data file not found: {path}")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise ConfigError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            for key in required or ():
+                if key not in row:
+                    raise ConfigError(f"{path}:{lineno}: missing key '{key}'")
+                if not isinstance(row[key], str) or not row[key].strip():
+                    raise ConfigError(f"{path}:{lineno}: '{key}' must be a non-empty string, got {row[key]!r}")
+            rows.append(row)
+    if not rows:
+        raise ConfigError(f"{path}: no rows")
+    return rows
+
+
+def load_problems(path):
+    """Math problems: rows with non-empty string id, problem and answer; ids unique within the file."""
+    rows = load_jsonl(path, required=("id", "problem", "answer"))
+    seen = {}
+    for lineno, row in enumerate(rows, 1):
+        if row["id"] in seen:
+            raise ConfigError(f"{resolve(path)}: duplicate id {row['id']!r} (rows {seen[row['id']]} and {lineno})")
+        seen[row["id"]] = lineno
+    return rows
+
+
+def normalize_problem(text):
+    """The key under which two problems count as the same: whitespace collapsed."""
+    return " ".join(text.split())
+
+
+# -----------------------------------------------------------------------------
+# distributed: one code path from `python x.py` to torchrun on 8 nodes
+
+def init_distributed():
+    """Start torch.distributed and return (rank, world_size, local_rank, device).
+
+    Under torchrun the launcher's env is used. A plain `python x.py` becomes a world of one with the same
+    env variables set, so FSDP2, the TCPStore work counter and vLLM's external_launcher mode take exactly
+    the path they take on 64 GPUs. gloo on CPU, nccl on GPU.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "cpu:gloo,cuda:nccl"  # gloo for the object collectives on CPU tensors, nccl for the rest
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend)
+    return rank, world_size, local_rank, device
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def seed_everything(seed):
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# -----------------------------------------------------------------------------
+# checkpoints: torch.distributed.checkpoint, atomic by rename
+
+CHECKPOINT_PREFIX = "step_"
+
+
+def _step_dir(ckpt_root, step):
+    return Path(ckpt_root) / f"{CHECKPOINT_PREFIX}{step:08d}"
+
+
+def latest_checkpoint(ckpt_root):
+    """The newest complete checkpoint directory, or None. A directory only gets its final name after
+    every rank has written it (see save_checkpoint), so a run killed mid-save leaves a `.tmp` directory
+    that is never picked up."""
+    ckpt_root = Path(ckpt_root)
+    if not ckpt_root.is_dir():
+        return None
+    done = sorted(p for p in ckpt_root.iterdir()
+                  if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX) and (p / "COMPLETE").exists())
+    return done[-1] if done else None
+
+
+def save_checkpoint(ckpt_root, step, model, optimizer, trainer_state, keep=2):
+    """Save model + optimizer (sharded, via DCP) and `trainer_state` (step, data position, per-rank RNG).
+
+    Written into step_N.tmp/ by all ranks, then renamed to step_N/ by rank 0 after a barrier: the rename
+    is the commit point. Needs a filesystem every rank sees (on a multi-node cluster: a shared one).
+    """
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    rank = dist.get_rank()
+    final = _step_dir(ckpt_root, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+    rng = {"python": random.getstate(), "torch": torch.get_rng_state(),
+           "numpy": __import__("numpy").random.get_state()}
+    torch.save({"trainer_state": trainer_state, "rng": rng}, tmp / f"trainer_state_rank{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        (tmp / "COMPLETE").write_text(json.dumps({"step": step, "time": time.time()}))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        # keep the newest `keep` complete checkpoints
+        old = sorted(p for p in Path(ckpt_root).iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)
+                     and not p.name.endswith(".tmp"))[:-keep]
+        for p in old:
+            shutil.rmtree(p, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(path, model, optimizer):
+    """Load a checkpoint written by save_checkpoint into an already FSDP-wrapped model and its optimizer.
+    Restores this rank's RNG streams and returns the saved trainer_state."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    path = Path(path)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    rank = dist.get_rank()
+    rank_file = path / f"trainer_state_rank{rank}.pt"
+    if not rank_file.exists():
+        raise ConfigError(f"{path}: no {rank_file.name}; was this checkpoint written by a run with a different world size?")
+    saved = torch.load(rank_file, weights_only=False)
+    random.setstate(saved["rng"]["python"])
+    torch.set_rng_state(saved["rng"]["torch"])
+    np.random.set_state(saved["rng"]["numpy"])
+    return saved["trainer_state"]
+
+
+# -----------------------------------------------------------------------------
+# metrics: one JSON line per step, optional wandb / tensorboard
+
+class MetricsLogger:
+    """Appends one JSON object per step to run_dir/metrics.jsonl (rank 0 only); mirrors to wandb/tensorboard
+    when asked. On resume, lines past the resumed step are dropped so the file stays one line per step."""
+
+    def __init__(self, run_dir, enabled=True, wandb_project="", tensorboard=False, config=None, resume_step=0):
+        self.enabled = enabled
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.wandb = self.tb = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
+            kept = [l for l in self.path.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) <= resume_step]
+            atomic_write_text(self.path, "".join(l + "\n" for l in kept))
+        if wandb_project:
+            import wandb  # optional: pip install wandb
+
+            self.wandb = wandb.init(project=wandb_project, config=config, dir=str(run_dir), resume="allow")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # optional: pip install tensorboard
+
+            self.tb = SummaryWriter(str(Path(run_dir) / "tb"))
+
+    def log(self, step, metrics):
+        if not self.enabled:
+            return
+        row = {"step": step, **{k: (float(v) if hasattr(v, "__float__") and not isinstance(v, (int, str)) else v)
+                                for k, v in metrics.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.wandb:
+            self.wandb.log(row, step=step)
+        if self.tb:
+            for k, v in row.items():
+                if isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, step)
+
+    def close(self):
+        if self.wandb:
+            self.wandb.finish()
+        if self.tb:
+            self.tb.close()

@@ -1,0 +1,126 @@
+"""Config loading, data validation and the train/benchmark split (common.py)."""
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from common import (BENCHMARKS, REPO, TRAINING_FILES, ConfigError, load_config, load_jsonl, load_problems,
+                    normalize_problem)
+
+
+@dataclasses.dataclass
+class Section:
+    max_turns: int = 10
+    temperature: float = 1.0
+
+
+@dataclasses.dataclass
+class Demo:
+    model: str = "out/tiny-model"
+    lr: float = 1e-6
+    use_tool: bool = True
+    benchmarks: list[str] = dataclasses.field(default_factory=lambda: ["aime24"])
+    run_name: str | None = None
+    rollout: Section = dataclasses.field(default_factory=Section)
+
+
+def write(tmp_path, text, name="c.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+# -- config --------------------------------------------------------------------------------------------------
+
+def test_defaults_yaml_then_overrides_in_that_order(tmp_path):
+    path = write(tmp_path, "lr: 2.0e-6\nrollout:\n  max_turns: 15\n")
+    cfg = load_config(Demo, [path, "rollout.temperature=0.6", "lr=1e-5", "benchmarks=aime24,aime25", "use_tool=false"])
+    assert cfg.rollout.max_turns == 15 and cfg.rollout.temperature == 0.6
+    assert cfg.lr == 1e-5 and isinstance(cfg.lr, float)  # YAML reads "1e-5" as a string; the float field converts it
+    assert cfg.benchmarks == ["aime24", "aime25"] and cfg.use_tool is False
+    assert load_config(Demo, []) == Demo()  # no file: the embedded defaults
+
+
+def test_unknown_key_names_the_key_the_file_and_the_line(tmp_path):
+    path = write(tmp_path, "lr: 1.0e-6\nrollout:\n  max_turn: 3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(Demo, [path])
+    msg = str(e.value)
+    assert f"{path}:3" in msg and "'rollout.max_turn'" in msg and "did you mean 'rollout.max_turns'" in msg
+
+
+def test_wrong_type_names_the_key(tmp_path):
+    path = write(tmp_path, "rollout:\n  max_turns: ten\n")
+    with pytest.raises(ConfigError, match=r"c.yaml:2: 'rollout.max_turns': expected an int, got str 'ten'"):
+        load_config(Demo, [path])
+    with pytest.raises(ConfigError, match="'use_tool': expected true/false"):
+        load_config(Demo, ["use_tool=maybe"])
+    with pytest.raises(ConfigError, match="'rollout': is a section"):
+        load_config(Demo, ["rollout=3"])
+
+
+def test_bad_override_and_missing_file():
+    with pytest.raises(ConfigError, match=r"command line: 'lrr': unknown key \(did you mean 'lr'\?\)"):
+        load_config(Demo, ["lrr=1"])
+    with pytest.raises(ConfigError, match="bad override 'lr'"):
+        load_config(Demo, ["lr=1", "lr"])
+    with pytest.raises(ConfigError, match="the key is empty"):
+        load_config(Demo, ["=1"])
+    with pytest.raises(ConfigError, match="config file not found: nope.yaml"):
+        load_config(Demo, ["nope.yaml"])
+
+
+def test_yaml_that_is_not_a_mapping(tmp_path):
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(Demo, [write(tmp_path, "- 1\n- 2\n")])
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(Demo, [write(tmp_path, "lr: [1\n")])
+
+
+def test_a_script_fails_at_once_with_the_message_not_a_traceback(tmp_path):
+    """What a user sees: tiny.py given a typo exits non-zero with one clear line."""
+    proc = subprocess.run([sys.executable, "tiny.py", "hiden_size=3"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "unknown key (did you mean 'hidden_size'?)" in proc.stderr
+
+
+# -- data ----------------------------------------------------------------------------------------------------
+
+def test_loader_reports_file_and_line_of_a_bad_row(tmp_path):
+    good = {"id": "a", "problem": "1+1?", "answer": "2"}
+    cases = {
+        "{not json\n": "c.jsonl:2: not valid JSON",
+        '["a list"]\n': "c.jsonl:2: expected a JSON object",
+        json.dumps({"id": "b", "problem": "x"}) + "\n": "c.jsonl:2: missing key 'answer'",
+        json.dumps({"id": "b", "problem": "x", "answer": 3}) + "\n": "c.jsonl:2: 'answer' must be a non-empty string",
+        json.dumps({"id": "b", "problem": "x", "answer": "  "}) + "\n": "c.jsonl:2: 'answer' must be a non-empty string",
+        json.dumps(good) + "\n": "duplicate id 'a'",
+    }
+    for bad_line, message in cases.items():
+        path = write(tmp_path, json.dumps(good) + "\n" + bad_line, "c.jsonl")
+        with pytest.raises(ConfigError, match=message):
+            load_problems(path)
+    with pytest.raises(ConfigError, match="data file not found"):
+        load_problems(tmp_path / "missing.jsonl")
+    with pytest.raises(ConfigError, match="no rows"):
+        load_jsonl(write(tmp_path, "\n", "empty.jsonl"))
+
+
+def test_every_shipped_data_file_is_valid():
+    counts = {name: len(load_problems(path)) for name, path in BENCHMARKS.items()}
+    assert counts == {"aime24": 30, "aime25": 30, "hmmt25": 30, "amc23": 40, "math500": 500, "gsm8k": 1319}
+    for path in TRAINING_FILES:
+        assert len(load_problems(path)) > 900
+
+
+def test_training_files_hold_no_benchmark_problem():
+    """Exact match after whitespace normalization (the 8-gram decontamination is in data/SOURCES.md).
+    aime_1983_2023 marks its 5 known MATH-500 duplicates with overlaps_eval; they must never be used."""
+    bench = {normalize_problem(r["problem"]) for path in BENCHMARKS.values() for r in load_problems(path)}
+    for path in TRAINING_FILES:
+        clean = [r for r in load_problems(path) if not r.get("overlaps_eval")]
+        leaked = [r["id"] for r in clean if normalize_problem(r["problem"]) in bench]
+        assert leaked == [], f"{path} contains benchmark problems: {leaked[:5]}"
+    marked = [r["id"] for r in load_problems("data/aime_1983_2023.jsonl") if r.get("overlaps_eval")]
+    assert len(marked) == 5

@@ -1,0 +1,91 @@
+"""The tiny model and its locally trained tokenizer (tiny.py): an ordinary Hugging Face directory."""
+import json
+
+import pytest
+
+from common import REPO
+from tiny import TOOL_TOKENS, make_arithmetic_problems
+
+CODE_TEMPLATE = (REPO / "configs/templates/rstar2_code.jinja").read_text()
+CODE_TOOL = json.loads((REPO / "configs/templates/python_code_with_standard_io.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def test_tokenizer_round_trips_text_math_and_code(tokenizer):
+    texts = ["Compute 4821 * 37 - 905.", "Find $\\frac{\\sqrt{2}}{2}$ when $x^2+y^2=1$.", "print(sum(range(10)))\n",
+             "ünïcødé → ∑ 😀", "  leading spaces\ttabs\n\nnewlines  ", '{"name": "f", "arguments": {"code": "x=1"}}']
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        assert tokenizer.decode(ids) == text
+
+
+def test_rstar2_tokens_are_single_tokens_and_tool_tokens_survive_skip_special(tokenizer):
+    for token in ["<|im_start|>", "<|im_end|>"] + TOOL_TOKENS:
+        ids = tokenizer(token, add_special_tokens=False).input_ids
+        assert len(ids) == 1 and ids[0] == tokenizer.convert_tokens_to_ids(token), token
+    text = "<tool_call>\n{}\n</tool_call><|im_end|>"
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "<tool_call>\n{}\n</tool_call>"
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+
+
+def test_digits_are_single_tokens(tokenizer):
+    """The Qwen pre-tokenizer splits numbers into digits; the arithmetic task relies on it."""
+    ids = tokenizer("905123", add_special_tokens=False).input_ids
+    assert [tokenizer.decode([i]) for i in ids] == list("905123")
+
+
+def test_chatml_template_renders_roles_and_generation_prompt(tokenizer):
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"},
+                {"role": "assistant", "content": "A"}, {"role": "tool", "content": "T"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\nA<|im_end|>\n"
+                    "<|im_start|>user\n<tool_response>\nT\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_rstar2_prompt_renders_exactly_the_released_text_and_is_short(tokenizer):
+    """configs/templates/rstar2_code.jinja reproduces shared/docs/reference/prompt_rendered_code.txt byte for byte,
+    and the BPE (trained on the templates) keeps the long system prompt to a few hundred tokens."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "{Question}"}], tools=[CODE_TOOL],
+                                         chat_template=CODE_TEMPLATE, add_generation_prompt=True, tokenize=False)
+    assert text.startswith("<|im_start|>system\nA conversation between User and Assistant.")
+    assert '<tools>\n{"type": "function", "function": {"name": "python_code_with_standard_io", "description": ' in text
+    assert text.endswith("This is the problem:\n{Question}<|im_end|>\n<|im_start|>assistant\n<reason>")
+    reference = REPO.parent / "shared/docs/reference/prompt_rendered_code.txt"
+    if reference.exists():  # beside the checkout in development and CI
+        assert text == reference.read_text().split("=" * 68 + "\n", 1)[1]
+    assert len(tokenizer(text, add_special_tokens=False).input_ids) < 600
+
+
+def test_model_directory_loads_with_auto_classes(tiny_model_dir, tokenizer):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    assert config.model_type == "qwen3" and config.head_dim == 64 and config.vocab_size >= len(tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    ids = tokenizer("Compute 1 + 1.", return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert logits.shape == (1, ids.shape[1], config.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_arithmetic_problems_are_deterministic_and_correct():
+    rows = make_arithmetic_problems(50, seed=3)
+    assert rows == make_arithmetic_problems(50, seed=3) and rows != make_arithmetic_problems(50, seed=4)
+    for row in rows:
+        expression = row["problem"][len("Compute "):-1]
+        assert str(eval(expression)) == row["answer"]
+
+
+def test_chatml_template_renders_tools(tokenizer):
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Q"}], tools=[CODE_TOOL], tokenize=False)
+    assert text.startswith("<|im_start|>system\n# Tools\n\nYou are provided with function signatures within <tools></tools> XML tags:\n"
+                           '<tools>\n{"type": "function", "function": {"name": "python_code_with_standard_io"')
+    assert "}}}\n</tools><|im_end|>\n<|im_start|>user\nQ<|im_end|>\n" in text

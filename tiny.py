@@ -1,0 +1,161 @@
+"""The tiny CPU world: a Qwen3-architecture causal LM small enough to train on 2 cores, a tokenizer trained
+locally in seconds (no download), and the synthetic arithmetic task the CPU demo learns.
+
+    python tiny.py                                  # writes out/tiny-model (config, weights, tokenizer)
+    python tiny.py configs/tiny_model.yaml out_dir=/tmp/m hidden_size=256
+
+The output is an ordinary Hugging Face directory: AutoModelForCausalLM / AutoTokenizer / vLLM load it exactly
+as they load Qwen3-14B, so every script runs one code path for the tiny model and the real one.
+"""
+import dataclasses
+import json
+import random
+import sys
+from pathlib import Path
+
+from common import REPO, load_config, load_jsonl
+
+# Tokens the rStar2 format needs as single tokens (paper §2.1; in the Qwen3 tokenizer these are added tokens).
+# The tool-call tokens are *not* special, as in Qwen3, so they survive decode(skip_special_tokens=True).
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+
+# Qwen2/3's pre-tokenizer regex. Training the BPE behind it matters: transformers' Qwen2Tokenizer swaps in this
+# pre-tokenizer on load, so a BPE trained behind plain ByteLevel() would encode differently after a reload
+# (shared/docs/cpu-stack.md §1). It also splits numbers into single digits, which the arithmetic task needs.
+QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+# The tokenizer's own chat template: plain Qwen-style ChatML with tools, for generic chat. The rStar2 prompt
+# itself lives in configs/templates/ and is chosen by config (rollout.py).
+CHATML_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools><|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n"
+    "{% elif message.role != 'system' %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclasses.dataclass
+class TinyConfig:
+    out_dir: str = "out/tiny-model"
+    seed: int = 0
+    # tokenizer
+    vocab_size: int = 2048           # BPE merges are learned up to this size (plus the added tokens)
+    corpus_problems: int = 3000      # training problems mixed into the BPE corpus so real text tokenizes sensibly
+    # model: Qwen3 layout. head_dim 64 because vLLM's CPU attention kernels support it (cpu-stack.md §3)
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 2
+    num_key_value_heads: int = 1
+    head_dim: int = 64
+    max_position_embeddings: int = 4096
+
+
+# -----------------------------------------------------------------------------
+# the arithmetic task: a tool is needed (a 4-layer, 128-wide model cannot multiply 4-digit numbers), and a
+# tiny model can learn to write the code and copy the result, so RL has something to improve.
+
+def make_arithmetic_problems(n, seed, split="train"):
+    """Rows {id, problem, answer} like the data/ files. Different seeds give different problems."""
+    rng = random.Random(f"arith-{split}-{seed}")
+    rows = []
+    for i in range(n):
+        a, b, c = rng.randint(100, 9999), rng.randint(11, 99), rng.randint(10, 999)
+        form = rng.randrange(3)
+        if form == 0:
+            text, value = f"{a} * {b} + {c}", a * b + c
+        elif form == 1:
+            text, value = f"{a} * {b} - {c}", a * b - c
+        else:
+            text, value = f"({a} + {c}) * {b}", (a + c) * b
+        rows.append({"id": f"arith-{split}-{i}", "problem": f"Compute {text}.", "answer": str(value)})
+    return rows
+
+
+# -----------------------------------------------------------------------------
+# tokenizer
+
+def tokenizer_corpus(cfg):
+    """Text the BPE is trained on: the rStar2 prompt templates and tool schemas (so the long system prompt
+    becomes a few hundred tokens), sample tool turns and arithmetic, and real training problems."""
+    templates = REPO / "configs" / "templates"
+    texts = [p.read_text() for p in sorted(templates.glob("*"))] * 20
+    for row in make_arithmetic_problems(2000, cfg.seed, "tokenizer"):
+        code = row["problem"][len("Compute "):-1]
+        texts.append(f'{row["problem"]} <reason> I will compute it with Python. </reason>\n<tool_call>\n'
+                     f'{{"name": "python_code_with_standard_io", "arguments": {{"code": "print({code})", "input": ""}}}}\n'
+                     f'</tool_call>\nTool call success\nstdout: {row["answer"]}\n\nexecution time: 0.01s\n'
+                     f'Tool call failure\nreason: \nstderr: Traceback (most recent call last):\nNameError: name \'x\' is not defined\n'
+                     f'<reason> The result is {row["answer"]}. </reason>\n<answer> \\boxed{{{row["answer"]}}} </answer>')
+    rows = load_jsonl("data/math_train.jsonl", required=("problem",))[: cfg.corpus_problems]
+    texts += [r["problem"] for r in rows]
+    return texts
+
+
+def build_tokenizer(cfg):
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(tokenizer_corpus(cfg), trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                 additional_special_tokens=["<|im_start|>"])
+    hf.chat_template = CHATML_TEMPLATE
+    hf.model_max_length = cfg.max_position_embeddings
+    return hf
+
+
+# -----------------------------------------------------------------------------
+# model
+
+def build_model(cfg, tokenizer):
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(cfg.seed)
+    vocab = (len(tokenizer) + 63) // 64 * 64  # padded like real checkpoints; ids past len(tokenizer) are never sampled in practice
+    config = Qwen3Config(
+        vocab_size=vocab, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def build_tiny_model(cfg=None):
+    """Build and save the tiny model + tokenizer; returns the output directory."""
+    cfg = cfg or TinyConfig()
+    out = Path(cfg.out_dir)
+    tokenizer = build_tokenizer(cfg)
+    model = build_model(cfg, tokenizer)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "tiny_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"tiny model: {n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)} -> {out}")
+    return out
+
+
+if __name__ == "__main__":
+    build_tiny_model(load_config(TinyConfig, sys.argv[1:]))
