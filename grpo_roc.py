@@ -1,0 +1,305 @@
+"""GRPO-RoC, the RL objective of rStar2-Agent (arXiv 2508.20722, §2.2), in one file.
+
+For each question the policy writes 2G rollouts that may call a Python tool (rl.py does that).
+  1. Reward r_i is 1 if the boxed answer is right, else 0 (Eq. 3). No format or tool reward.
+  2. Groups whose rewards are all equal carry no signal and are dropped (filter_groups).
+  3. Resample-on-Correct keeps G of the 2G (resample_on_correct):
+     - negatives (r = 0) are subsampled uniformly, keeping the many ways of failing;
+     - positives (r = 1) are sampled with probability inversely proportional to a penalty
+       p = p_err (Eq. 4, share of failed tool calls) + p_format (Eq. 5, repeated <answer>s),
+       so right answers reached through noisy tool use are reinforced less often (roc_penalty);
+     - each side keeps its share of the slots, so the pos/neg ratio of the 2G is preserved.
+     The penalty only chooses which positives are trained on; it never enters the reward.
+  4. Advantage A_i = (r_i - mean r) / std r over the G kept, shared by all tokens of o_i (Eq. 7).
+  5. Loss: PPO's clipped surrogate with Clip-Higher (eps_low 0.2, eps_high 0.28), averaged over
+     every model-written token of the batch (token-level, Eq. 6). No KL, no entropy term (§2.2.1).
+
+Paper vs released code (microsoft/rStar @ ecbfb94), and what this file does:
+  - positives: the paper samples ~1/p, the release takes the k lowest p. Both: positive_rule.
+  - penalty 0 (common: a clean run) has no rule in the paper; weight = 1/(p + 0.1) here.
+  - p_format's num_turns: the release counts only turns after a tool response, so a clean
+    no-tool answer scores 1; here every assistant turn counts, Eq. 5 as written (it scores 0).
+  - p_err: the release greps tool responses for "error" (missing timeouts, parse failures);
+    here the caller counts the executor's status flags.
+  - negatives: uniform in both (the release dropped penalty-sorting them, rStar PR #50).
+  - counts per side: round(|side| * G / 2G), at least min(2, available), as in the release.
+  - std: unbiased (torch.std in verl); the paper does not say which.
+  - all-equal groups: dropped, as the release's reject_equal_reward; filter_groups(enabled=).
+  - dual-clip (c = 3 on negative advantages) is a verl default the paper never mentions:
+    off here unless policy_loss(dual_clip=3.0).
+  - plain GRPO (the paper's ablation): select_group(mode="grpo"), G rollouts, no RoC.
+
+Use: imported by rl.py. `python grpo_roc.py` walks one synthetic group through steps 1-4.
+Tests: .venv/bin/python -m pytest tests/test_grpo_roc.py -q
+"""
+import math
+
+import numpy as np
+import torch
+
+# -----------------------------------------------------------------------------
+# Penalties that rank correct rollouts (Eq. 4-5)
+
+
+def roc_penalty(num_tool_calls, num_tool_errors, num_answer_tags, num_turns,
+                use_error_ratio=True, use_answer_format=True) -> float:
+    """p_total = p_err + p_format of one rollout, in [0, 2]; lower means cleaner.
+
+    num_tool_calls:  tool calls the model made, parsable or not.
+    num_tool_errors: of those, calls that failed: executor status error / timeout / oom, plus
+                     calls that did not parse. Count statuses, not the word "error" in output.
+    num_answer_tags: closed <answer>...</answer> pairs (pass 0 for unbalanced tags, which the
+                     release also scores 1).
+    num_turns:       assistant turns, the first one included.
+    The two switches mirror the release's roc_error_ratio / roc_answer_format, for ablations.
+    """
+    counts = dict(num_tool_calls=num_tool_calls, num_tool_errors=num_tool_errors,
+                  num_answer_tags=num_answer_tags, num_turns=num_turns)
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"roc_penalty: {name} must be a non-negative int, got {value!r}")
+    if num_tool_errors > num_tool_calls:
+        raise ValueError(f"roc_penalty: num_tool_errors ({num_tool_errors}) exceeds "
+                         f"num_tool_calls ({num_tool_calls})")
+    if num_turns < 1:
+        raise ValueError("roc_penalty: num_turns must be >= 1 (every rollout has an assistant turn)")
+    # Eq. 4: 0.5 with no tool call at all, which nudges the policy to use the tool; a clean
+    # tool user scores 0, one whose every call failed scores 1.
+    p_err = 0.5 if num_tool_calls == 0 else num_tool_errors / num_tool_calls
+    # Eq. 5: no answer is the worst format; otherwise each extra <answer> block costs 1/turns,
+    # capped at 1, which targets rollouts that keep reasoning after they have answered.
+    p_format = 1.0 if num_answer_tags == 0 else min(1.0, (num_answer_tags - 1) / num_turns)
+    # A switched-off term counts 0, so the sampling then ranks positives by the other alone.
+    return float(use_error_ratio * p_err + use_answer_format * p_format)
+
+
+# -----------------------------------------------------------------------------
+# Which groups and which rollouts are trained on (§2.2.3)
+
+
+def filter_groups(group_rewards, enabled=True):
+    """Drop question groups whose rewards are all equal. Returns (kept_indices, all_equal_fraction).
+
+    All-correct or all-wrong groups get zero advantage everywhere (Eq. 7), so they would only
+    dilute the token mean of Eq. 6. The release drops them and does not refill the batch; late
+    in training most groups are all-correct ("over 70%", §4.3), so the fraction is worth logging.
+    The fraction is measured even when the filter is off.
+    """
+    all_equal = []
+    for g, rewards in enumerate(group_rewards):
+        if len(rewards) == 0:
+            raise ValueError(f"filter_groups: group {g} has no rewards")
+        # Rewards are 0/1 (Eq. 3); the tolerance only absorbs float noise from summed scores.
+        all_equal.append(max(rewards) - min(rewards) <= 1e-9)
+    fraction = sum(all_equal) / len(all_equal) if all_equal else 0.0
+    kept = [g for g, same in enumerate(all_equal) if not (enabled and same)]
+    return kept, fraction
+
+
+def _check_group(rewards, penalties, keep, rng, penalties_needed):
+    if not isinstance(rng, np.random.Generator):
+        raise TypeError(f"rng must be a numpy.random.Generator (np.random.default_rng(seed)), "
+                        f"got {type(rng).__name__}")
+    if isinstance(keep, bool) or not isinstance(keep, (int, np.integer)) or keep < 1:
+        raise ValueError(f"keep must be a positive int, got {keep!r}")
+    if not all(math.isfinite(r) for r in rewards):
+        raise ValueError(f"rewards must be finite numbers, got {list(rewards)}")
+    if penalties_needed:
+        if penalties is None or len(penalties) != len(rewards):
+            raise ValueError(f"need one penalty per rollout: {len(rewards)} rewards, "
+                             f"{'no' if penalties is None else len(penalties)} penalties")
+        if not all(math.isfinite(p) and p >= 0 for p in penalties):
+            raise ValueError(f"penalties must be finite and >= 0, got {list(penalties)}")
+
+
+def resample_on_correct(rewards, penalties, keep, rng, positive_rule="sample",
+                        min_per_side=2, penalty_offset=0.1) -> list[int]:
+    """Choose `keep` (= G) of one question's 2G rollouts; returns their indices in rollout order.
+
+    rewards:   one per rollout; > 0 counts as correct (the release's rule).
+    penalties: one roc_penalty per rollout; only the positives' are used.
+    rng:       a numpy Generator; the same seed and inputs give the same selection.
+    positive_rule: "sample" (paper): draw positives without replacement, one at a time, each
+        with probability proportional to 1 / (penalty + penalty_offset). The offset gives a
+        clean rollout (penalty 0) a finite weight: 0.1 is the smallest non-zero penalty within
+        10 turns (1 failed call of 10), so a clean rollout is twice as likely as that one.
+        "topk" (release): the positives with the lowest penalties, ties in rollout order.
+    A group no larger than `keep` cannot be thinned and comes back whole (the release drops
+    groups smaller than `keep`; here they are trained on as they are).
+    """
+    _check_group(rewards, penalties, keep, rng, penalties_needed=True)
+    if positive_rule not in ("sample", "topk"):
+        raise ValueError(f"positive_rule must be 'sample' or 'topk', got {positive_rule!r}")
+    if penalty_offset <= 0:
+        raise ValueError(f"penalty_offset must be > 0 (a penalty-0 rollout needs a finite weight), "
+                         f"got {penalty_offset}")
+    if keep < 2 * min_per_side:
+        raise ValueError(f"keep ({keep}) must be at least 2 * min_per_side ({2 * min_per_side})")
+    num_rollouts = len(rewards)
+    if num_rollouts <= keep:
+        return list(range(num_rollouts))
+    positives = [i for i, r in enumerate(rewards) if r > 0]
+    negatives = [i for i, r in enumerate(rewards) if r <= 0]
+
+    # Each side keeps its share of the slots, which preserves the pos/neg ratio (§2.2.3:
+    # both sides are halved). round() rounds halves to even as in the release; with
+    # 2G rollouts the two shares always add up to G, so negatives can take the remainder.
+    num_pos = round(len(positives) * keep / num_rollouts)
+    # At least min(2, available) of each outcome, so a lone success among 2G (share 0.5,
+    # rounded to 0) is still learned from and the group keeps a contrast.
+    num_pos = max(num_pos, min(min_per_side, len(positives)))
+    num_pos = min(num_pos, keep - min(min_per_side, len(negatives)))
+    num_neg = keep - num_pos
+
+    # Negatives: a uniform subsample, "following their original distribution" (§2.2.3).
+    kept_neg = rng.choice(negatives, size=num_neg, replace=False) if num_neg else []
+    if positive_rule == "topk":
+        kept_pos = sorted(positives, key=lambda i: (penalties[i], i))[:num_pos]
+    elif num_pos:
+        # numpy draws one at a time and renormalises over those left (successive sampling),
+        # so "probability inversely proportional to p" holds for each draw, not overall.
+        weights = 1.0 / (np.asarray([penalties[i] for i in positives], float) + penalty_offset)
+        kept_pos = rng.choice(positives, size=num_pos, replace=False, p=weights / weights.sum())
+    else:
+        kept_pos = []
+    # Rollout order, whatever the rule, so rl.py can index its trajectories with it directly.
+    return sorted(int(i) for i in [*kept_pos, *kept_neg])
+
+
+def rollouts_per_prompt(group_size, mode="roc") -> int:
+    """How many rollouts rl.py samples per question: 2G for GRPO-RoC (§2.2.3), G for plain GRPO."""
+    if mode not in ("roc", "grpo"):
+        raise ValueError(f"mode must be 'roc' or 'grpo', got {mode!r}")
+    return 2 * group_size if mode == "roc" else group_size
+
+
+def select_group(rewards, penalties, keep, rng, mode="roc", positive_rule="sample",
+                 **roc_options) -> list[int]:
+    """The one call rl.py makes per group: RoC (mode="roc") or plain GRPO (mode="grpo").
+
+    Plain GRPO is the paper's ablation baseline (§4.3): rl.py samples only G rollouts
+    (rollouts_per_prompt), so this keeps them all. Given more, it thins them uniformly, which
+    is distributed exactly like sampling G. Penalties may be None in this mode.
+    """
+    if mode == "roc":
+        return resample_on_correct(rewards, penalties, keep, rng, positive_rule, **roc_options)
+    if mode != "grpo":
+        raise ValueError(f"mode must be 'roc' or 'grpo', got {mode!r}")
+    _check_group(rewards, penalties, keep, rng, penalties_needed=False)
+    if len(rewards) <= keep:
+        return list(range(len(rewards)))
+    # Rewards are ignored on purpose: the baseline must not prefer any outcome.
+    return sorted(int(i) for i in rng.choice(len(rewards), size=keep, replace=False))
+
+
+# -----------------------------------------------------------------------------
+# Advantage (Eq. 7) and the clipped token-level loss (Eq. 6)
+
+
+def group_advantages(rewards, eps=1e-6) -> list[float]:
+    """A_i = (r_i - mean(r)) / (std(r) + eps) over the rollouts kept for one question (Eq. 7).
+
+    std is the unbiased (n - 1) one, as torch.std in the release's verl GRPO; eps keeps an
+    all-equal group at exactly 0. A lone rollout has nothing to be compared with: 0.
+    Computed after RoC, on the G kept, not on the 2G sampled.
+    """
+    r = np.asarray(rewards, dtype=np.float64)
+    if r.ndim != 1 or not np.all(np.isfinite(r)):
+        raise ValueError(f"rewards must be a flat list of finite numbers, got {rewards!r}")
+    if r.size < 2:
+        return [0.0] * r.size
+    return ((r - r.mean()) / (r.std(ddof=1) + eps)).tolist()
+
+
+def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.28,
+                num_tokens=None, dual_clip=None):
+    """Clip-Higher PPO surrogate, summed over unmasked tokens and divided by num_tokens (Eq. 6).
+
+    logp, old_logp: [B, T] log-probs of the sampled tokens under the current / rollout policy.
+    advantages:     [B] (one per rollout, broadcast to its tokens, Eq. 7) or [B, T].
+    mask:           [B, T], 1 on tokens the model wrote; 0 on prompt, tool output and padding.
+    num_tokens:     the denominator. Eq. 6 divides by the tokens of the whole batch, so pass the
+        global count over all micro-batches and ranks: then micro-batch losses (and gradients)
+        add up to the full-batch token mean however the batch is split. DDP and FSDP average
+        gradients over W ranks, so there pass global_count / W. None: this batch's own count.
+    dual_clip:      None (paper), or c > 1 to bound the loss of negative-advantage tokens by
+        c * |A| as verl does by default.
+    Returns (loss, metrics). Metrics are detached 0-dim tensors; all but ratio_max are divided
+    by num_tokens too, so they also sum over micro-batches; ratio_max combines by max.
+    """
+    if logp.dim() != 2 or old_logp.shape != logp.shape or mask.shape != logp.shape:
+        raise ValueError(f"logp, old_logp and mask must share one [B, T] shape, got "
+                         f"{tuple(logp.shape)}, {tuple(old_logp.shape)}, {tuple(mask.shape)}")
+    if advantages.shape == logp.shape[:1]:
+        advantages = advantages.unsqueeze(-1)
+    elif advantages.shape != logp.shape:
+        raise ValueError(f"advantages must be [B] or [B, T] for logp {tuple(logp.shape)}, "
+                         f"got {tuple(advantages.shape)}")
+    if not 0 <= clip_low < 1 or clip_high < 0:
+        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
+    if dual_clip is not None and dual_clip <= 1:
+        raise ValueError(f"dual_clip must be None or > 1, got {dual_clip}")
+    mask = mask.bool()
+    if num_tokens is None:
+        num_tokens = mask.sum()
+    if num_tokens <= 0:
+        raise ValueError(f"num_tokens must be > 0 (is every token masked?), got {num_tokens}")
+    # The advantage and the rollout policy's log-probs are constants of the objective (Eq. 6):
+    # gradients flow only through pi_theta.
+    advantages = advantages.detach()
+
+    # Importance ratio rho = pi_theta / pi_old per token. Padding may hold any value, even
+    # -inf, so masked positions get ratio 1 before exp() can turn them into inf or nan.
+    log_ratio = torch.where(mask, logp - old_logp.detach(), 0.0)
+    ratio = torch.exp(log_ratio)
+    # min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A), negated for a loss. The clip stops
+    # the update once a token moved far enough; the higher upper bound (DAPO's Clip-Higher)
+    # lets unlikely tokens of good rollouts grow more, which delays entropy collapse.
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
+    per_token = -torch.minimum(unclipped, clipped)
+    if dual_clip is not None:
+        # For A < 0 an exploded ratio would give an unbounded loss; cap it at c * |A|.
+        per_token = torch.where(advantages < 0,
+                                torch.minimum(per_token, -dual_clip * advantages), per_token)
+    # Token-level normalisation (Eq. 6): every token of the batch weighs the same, so long
+    # rollouts are not down-weighted as a per-sequence mean would do.
+    loss = torch.where(mask, per_token, 0.0).sum() / num_tokens
+
+    with torch.no_grad():
+        # Where the clip is active the token gets no gradient: that fraction, per side.
+        clipped_low = mask & (ratio < 1 - clip_low) & (advantages < 0)
+        clipped_high = mask & (ratio > 1 + clip_high) & (advantages > 0)
+        # k3 estimator of KL(pi_old || pi_theta): non-negative, low variance (Schulman 2020).
+        kl_per_token = torch.where(mask, ratio - 1 - log_ratio, 0.0)
+        # Same denominator as the loss, so summing over micro-batches gives global values.
+        metrics = {
+            "clip_low_fraction": clipped_low.sum() / num_tokens,
+            "clip_high_fraction": clipped_high.sum() / num_tokens,
+            "approx_kl": kl_per_token.sum() / num_tokens,
+            "ratio_mean": torch.where(mask, ratio, 0.0).sum() / num_tokens,
+            "ratio_max": torch.where(mask, ratio, 0.0).max(),
+        }
+    return loss, metrics
+
+
+# -----------------------------------------------------------------------------
+# A worked example: one synthetic group through steps 1-4
+
+if __name__ == "__main__":
+    group_size = 4
+    rng = np.random.default_rng(0)
+    # 2G = 8 rollouts: (tool calls, failed calls, <answer> blocks, assistant turns, reward)
+    rollouts = [(3, 0, 1, 4, 1.0), (2, 2, 1, 3, 1.0), (0, 0, 1, 1, 1.0), (4, 1, 3, 5, 1.0),
+                (1, 0, 1, 2, 0.0), (5, 5, 0, 6, 0.0), (2, 1, 1, 3, 0.0), (0, 0, 1, 1, 0.0)]
+    rewards = [r[4] for r in rollouts]
+    penalties = [roc_penalty(*r[:4]) for r in rollouts]
+    kept_groups, all_equal_fraction = filter_groups([rewards])
+    kept = select_group(rewards, penalties, group_size, rng, mode="roc")
+    advantages = group_advantages([rewards[i] for i in kept])
+    print(f"all-equal groups: {all_equal_fraction:.0%}; kept rollouts: {kept} "
+          f"(topk would keep {select_group(rewards, penalties, group_size, rng, positive_rule='topk')})")
+    for i, (calls, errors, tags, turns, reward) in enumerate(rollouts):
+        advantage = f"{advantages[kept.index(i)]:+.3f}" if i in kept else "dropped"
+        print(f"rollout {i}: reward {reward:.0f}  calls {calls} failed {errors} answers {tags} "
+              f"turns {turns}  penalty {penalties[i]:.2f}  advantage {advantage}")

@@ -1,0 +1,378 @@
+"""Behaviour of grpo_roc.py: RoC penalties, selection, group advantages and the token-level loss.
+
+Run: .venv/bin/python -m pytest tests/test_grpo_roc.py -q   (pure numpy/torch, a few seconds)
+"""
+import itertools
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from grpo_roc import (filter_groups, group_advantages, policy_loss, resample_on_correct,
+                      roc_penalty, rollouts_per_prompt, select_group)
+
+# -----------------------------------------------------------------------------
+# roc_penalty: Eq. 4 (p_err) + Eq. 5 (p_format)
+
+
+def test_clean_tool_user_with_one_answer_has_zero_penalty():
+    assert roc_penalty(num_tool_calls=3, num_tool_errors=0, num_answer_tags=1, num_turns=4) == 0.0
+
+
+def test_error_ratio_is_failed_calls_over_all_calls():
+    assert roc_penalty(4, 1, 1, 5) == pytest.approx(0.25)
+    assert roc_penalty(2, 2, 1, 3) == pytest.approx(1.0)
+
+
+def test_no_tool_call_costs_half_and_single_turn_answer_has_no_format_penalty():
+    # Eq. 5 as written; the released code would give this rollout p_format = 1 (total 1.5).
+    assert roc_penalty(0, 0, 1, 1) == pytest.approx(0.5)
+
+
+def test_format_penalty_counts_extra_answers_per_turn_and_caps_at_one():
+    assert roc_penalty(3, 0, 3, 5) == pytest.approx(2 / 5)
+    assert roc_penalty(3, 0, 9, 2) == pytest.approx(1.0)
+    assert roc_penalty(3, 0, 0, 4) == pytest.approx(1.0)     # no answer at all
+    assert roc_penalty(0, 0, 0, 1) == pytest.approx(1.5)     # the worst: no tool, no answer
+
+
+def test_each_penalty_term_can_be_switched_off():
+    assert roc_penalty(4, 2, 3, 4, use_error_ratio=False) == pytest.approx(0.5)
+    assert roc_penalty(4, 2, 3, 4, use_answer_format=False) == pytest.approx(0.5)
+    assert roc_penalty(4, 2, 3, 4, use_error_ratio=False, use_answer_format=False) == 0.0
+
+
+@pytest.mark.parametrize("args, message", [
+    ((2, 3, 1, 1), "num_tool_errors \\(3\\) exceeds num_tool_calls \\(2\\)"),
+    ((-1, 0, 1, 1), "num_tool_calls must be a non-negative int"),
+    ((1, 0, 1.0, 1), "num_answer_tags must be a non-negative int"),
+    ((1, 0, 1, 0), "num_turns must be >= 1"),
+])
+def test_roc_penalty_rejects_impossible_counts(args, message):
+    with pytest.raises(ValueError, match=message):
+        roc_penalty(*args)
+
+
+# -----------------------------------------------------------------------------
+# filter_groups
+
+
+def test_filter_drops_all_correct_and_all_wrong_groups_and_reports_their_fraction():
+    groups = [[1, 0, 1, 1], [1, 1, 1, 1], [0, 0, 0, 0], [0, 0, 1, 0]]
+    assert filter_groups(groups) == ([0, 3], 0.5)
+
+
+def test_filter_can_be_switched_off_and_still_reports_the_fraction():
+    assert filter_groups([[1, 1], [0, 1], [0, 0]], enabled=False) == ([0, 1, 2], 2 / 3)
+
+
+def test_filter_edge_cases():
+    assert filter_groups([]) == ([], 0.0)
+    with pytest.raises(ValueError, match="group 1 has no rewards"):
+        filter_groups([[1, 0], []])
+
+
+# -----------------------------------------------------------------------------
+# resample_on_correct: counts, determinism, and who gets picked
+
+def _group(num_pos, num_rollouts, penalty_fn=lambda i: 0.1 * (i % 7)):
+    """num_pos correct rollouts spread through the group, with varied penalties."""
+    correct = set(np.random.default_rng(num_pos).choice(num_rollouts, num_pos, replace=False))
+    rewards = [1.0 if i in correct else 0.0 for i in range(num_rollouts)]
+    return rewards, [penalty_fn(i) for i in range(num_rollouts)]
+
+
+# Kept positives out of 16 for each number of positives among 32, derived by hand from the
+# rule: round(n / 2) with halves to even, then at least min(2, available) of each side.
+EXPECTED_KEPT_POSITIVES_OF_32 = [0, 1, 2, 2, 2, 2, 3, 4, 4, 4, 5, 6, 6, 6, 7, 8, 8,
+                                 8, 9, 10, 10, 10, 11, 12, 12, 12, 13, 14, 14, 14, 14, 15, 16]
+
+
+@pytest.mark.parametrize("rule", ["sample", "topk"])
+def test_counts_per_side_for_every_split_of_32(rule):
+    for num_pos in range(33):
+        rewards, penalties = _group(num_pos, 32)
+        kept = resample_on_correct(rewards, penalties, 16, np.random.default_rng(0), rule)
+        assert len(kept) == len(set(kept)) == 16 and kept == sorted(kept)
+        assert sum(rewards[i] for i in kept) == EXPECTED_KEPT_POSITIVES_OF_32[num_pos], num_pos
+
+
+@pytest.mark.parametrize("keep", [4, 5, 8, 16])
+def test_pos_neg_ratio_preserved_for_every_split_of_2g(keep):
+    for num_pos in range(2 * keep + 1):
+        rewards, penalties = _group(num_pos, 2 * keep)
+        kept = resample_on_correct(rewards, penalties, keep, np.random.default_rng(1))
+        kept_pos = sum(rewards[i] for i in kept)
+        kept_neg = keep - kept_pos
+        assert len(kept) == keep
+        # Each side is halved to within rounding, or lifted to the 2-per-side minimum.
+        assert abs(kept_pos - num_pos / 2) <= 0.5 or kept_pos == min(2, num_pos) \
+            or kept_neg == min(2, 2 * keep - num_pos), (keep, num_pos, kept_pos)
+        assert kept_pos >= min(2, num_pos) and kept_neg >= min(2, 2 * keep - num_pos)
+
+
+def test_same_seed_same_selection_and_different_seeds_differ():
+    rewards, penalties = _group(12, 32)
+    first = resample_on_correct(rewards, penalties, 16, np.random.default_rng(7))
+    assert resample_on_correct(rewards, penalties, 16, np.random.default_rng(7)) == first
+    others = {tuple(resample_on_correct(rewards, penalties, 16, np.random.default_rng(s)))
+              for s in range(20)}
+    assert len(others) > 10
+
+
+def _exact_inclusion(weights, k):
+    """P(item i is among k drawn one by one without replacement, each draw ~ weight)."""
+    inclusion = np.zeros(len(weights))
+    for order in itertools.permutations(range(len(weights)), k):
+        prob, left = 1.0, sum(weights)
+        for i in order:
+            prob *= weights[i] / left
+            left -= weights[i]
+        inclusion[list(order)] += prob
+    return inclusion
+
+
+def test_lower_penalty_positives_are_kept_more_often_at_the_exact_rate():
+    # 4 positives (penalties 0, 0.1, 0.5, 1.5) and 4 negatives; 2 of each are kept.
+    rewards = [1, 0, 1, 0, 1, 0, 1, 0]
+    penalties = [0.0, 2.0, 0.1, 2.0, 0.5, 2.0, 1.5, 2.0]
+    positives = [0, 2, 4, 6]
+    draws = 4000
+    counts = np.zeros(8)
+    for seed in range(draws):
+        counts[resample_on_correct(rewards, penalties, 4, np.random.default_rng(seed))] += 1
+    freq = counts[positives] / draws
+    assert np.all(np.diff(freq) < 0), freq
+    exact = _exact_inclusion([1 / (penalties[i] + 0.1) for i in positives], 2)
+    tolerance = 4.5 * np.sqrt(exact * (1 - exact) / draws)
+    assert np.all(np.abs(freq - exact) < tolerance), (freq, exact)
+    # Negatives ignore their (high) penalties: each is kept half the time.
+    neg_freq = counts[[1, 3, 5, 7]] / draws
+    assert np.all(np.abs(neg_freq - 0.5) < 4.5 * np.sqrt(0.25 / draws)), neg_freq
+
+
+def test_penalty_zero_weighs_twice_the_smallest_flaw():
+    # One of two positives is kept (min_per_side=1): weights 1/0.1 and 1/0.2, so 2 : 1.
+    rewards, penalties = [1, 1, 0, 0, 0, 0, 0, 0], [0.0, 0.1] + [0.0] * 6
+    picks = [resample_on_correct(rewards, penalties, 4, np.random.default_rng(s),
+                                 min_per_side=1)[0] for s in range(3000)]
+    share_clean = picks.count(0) / len(picks)
+    assert abs(share_clean - 2 / 3) < 4.5 * math.sqrt((2 / 9) / len(picks)), share_clean
+
+
+def test_topk_keeps_lowest_penalties_with_ties_in_rollout_order():
+    rewards = [1, 1, 1, 1, 1, 0, 0, 0]
+    penalties = [0.5, 0.0, 0.5, 1.0, 0.5, 0, 0, 0]
+    kept = resample_on_correct(rewards, penalties, 4, np.random.default_rng(0), "topk")
+    assert [i for i in kept if rewards[i]] == [0, 1]       # 0.0 first, then the first 0.5
+    assert resample_on_correct(rewards, penalties, 4, np.random.default_rng(5), "topk")[:2] == [0, 1]
+
+
+def test_edge_cases_all_correct_all_wrong_one_correct_and_small_groups():
+    rng = np.random.default_rng(3)
+    assert len(resample_on_correct([1] * 32, [0.5] * 32, 16, rng)) == 16
+    assert len(resample_on_correct([0] * 32, [0.5] * 32, 16, rng)) == 16
+    rewards = [0] * 32
+    rewards[9] = 1
+    kept = resample_on_correct(rewards, [0.0] * 32, 16, rng)
+    assert 9 in kept and len(kept) == 16                   # the lone success is kept
+    assert resample_on_correct([1, 0, 1], [0, 0, 0], 16, rng) == [0, 1, 2]
+    assert resample_on_correct([1, 0] * 8, [0] * 16, 16, rng) == list(range(16))
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(positive_rule="best"), ValueError, "positive_rule must be 'sample' or 'topk'"),
+    (dict(penalties=[0.0] * 5), ValueError, "8 rewards, 5 penalties"),
+    (dict(penalties=None), ValueError, "8 rewards, no penalties"),
+    (dict(penalties=[-0.1] + [0.0] * 7), ValueError, "penalties must be finite and >= 0"),
+    (dict(rng=random.Random(0)), TypeError, "rng must be a numpy.random.Generator"),
+    (dict(keep=3), ValueError, "keep \\(3\\) must be at least 2 \\* min_per_side \\(4\\)"),
+    (dict(penalty_offset=0.0), ValueError, "penalty_offset must be > 0"),
+])
+def test_resample_rejects_bad_input(kwargs, error, message):
+    args = dict(rewards=[1, 0] * 4, penalties=[0.0] * 8, keep=4, rng=np.random.default_rng(0))
+    with pytest.raises(error, match=message):
+        resample_on_correct(**{**args, **kwargs})
+
+
+# -----------------------------------------------------------------------------
+# select_group / rollouts_per_prompt: RoC vs the plain-GRPO ablation
+
+
+def test_plain_grpo_samples_g_and_keeps_them_all_without_penalties():
+    assert rollouts_per_prompt(16, "roc") == 32 and rollouts_per_prompt(16, "grpo") == 16
+    rewards = [1, 0, 0, 1, 1, 0, 1, 1]
+    assert select_group(rewards, None, 8, np.random.default_rng(0), mode="grpo") == list(range(8))
+
+
+def test_plain_grpo_thins_a_larger_group_uniformly_regardless_of_reward():
+    rewards = [1] * 2 + [0] * 14
+    kept_correct = [sum(rewards[i] for i in select_group(rewards, None, 8,
+                                                         np.random.default_rng(s), mode="grpo"))
+                    for s in range(2000)]
+    # Hypergeometric mean 2 * 8/16 = 1; RoC would always keep both correct rollouts.
+    assert abs(np.mean(kept_correct) - 1.0) < 0.06
+    assert min(kept_correct) == 0
+
+
+def test_roc_mode_is_resample_on_correct():
+    rewards, penalties = _group(11, 32)
+    assert select_group(rewards, penalties, 16, np.random.default_rng(4), positive_rule="topk") \
+        == resample_on_correct(rewards, penalties, 16, np.random.default_rng(4), "topk")
+    with pytest.raises(ValueError, match="mode must be 'roc' or 'grpo'"):
+        select_group(rewards, penalties, 16, np.random.default_rng(4), mode="ppo")
+
+
+# -----------------------------------------------------------------------------
+# group_advantages (Eq. 7)
+
+
+def test_advantages_are_standardised_with_the_unbiased_std():
+    rewards = [1, 1, 0, 0, 0, 1, 0, 0]
+    expected = (torch.tensor(rewards, dtype=torch.float64) - 3 / 8) / (
+        torch.tensor(rewards, dtype=torch.float64).std() + 1e-6)    # torch.std is unbiased
+    advantages = torch.tensor(group_advantages(rewards), dtype=torch.float64)
+    assert torch.allclose(advantages, expected, atol=1e-12)
+    biased = (torch.tensor(rewards, dtype=torch.float64) - 3 / 8) / math.sqrt(15 / 64)
+    assert not torch.allclose(advantages, biased, atol=1e-3)
+    assert group_advantages([1, 0])[0] == pytest.approx(0.5 / math.sqrt(0.5), rel=1e-5)
+
+
+def test_advantages_of_degenerate_groups_are_zero():
+    assert group_advantages([1, 1, 1, 1]) == [0.0] * 4
+    assert group_advantages([0.0]) == [0.0]
+    with pytest.raises(ValueError, match="finite"):
+        group_advantages([1.0, float("nan")])
+
+
+# -----------------------------------------------------------------------------
+# policy_loss (Eq. 6)
+
+def _batch(seed, lengths, width=None, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    width = width or max(lengths)
+    old_logp = -torch.rand(len(lengths), width, generator=gen, dtype=dtype) * 3
+    logp = (old_logp + 0.4 * torch.randn(len(lengths), width, generator=gen, dtype=dtype))
+    mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+    advantages = torch.randn(len(lengths), generator=gen, dtype=dtype)
+    return logp.requires_grad_(), old_logp, advantages, mask
+
+
+def test_loss_gradient_matches_the_hand_derived_surrogate_gradient():
+    # Ratios placed in every region: inside the clip range, above it, below it, for A > 0 and A < 0.
+    ratios = torch.tensor([[1.1, 1.5, 0.5, 1.0], [1.1, 1.5, 0.5, 1.0]], dtype=torch.float64)
+    advantages = torch.tensor([2.0, -1.0], dtype=torch.float64)
+    old_logp = torch.full((2, 4), -1.0, dtype=torch.float64)
+    logp = (old_logp + ratios.log()).requires_grad_()
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    loss, metrics = policy_loss(logp, old_logp, advantages, mask)
+    loss.backward()
+    # d/dlogp of -rho * A is -rho * A; zero where the clip is active (A > 0 and rho > 1.28,
+    # or A < 0 and rho < 0.8); the sum is divided by the 7 unmasked tokens.
+    expected = torch.tensor([[-1.1 * 2, 0.0, -0.5 * 2, 0.0],
+                             [1.1, 1.5, 0.0, 1.0]], dtype=torch.float64) / 7
+    assert torch.allclose(logp.grad, expected, atol=1e-12)
+    expected_loss = (-(1.1 + 1.28 + 0.5) * 2 + (1.1 + 1.5 + 0.8 + 1.0)) / 7
+    assert loss.item() == pytest.approx(expected_loss, abs=1e-12)
+    assert metrics["clip_high_fraction"].item() == pytest.approx(1 / 7)
+    assert metrics["clip_low_fraction"].item() == pytest.approx(1 / 7)
+    assert metrics["ratio_max"].item() == pytest.approx(1.5)
+    assert metrics["ratio_mean"].item() == pytest.approx((1.1 + 1.5 + 0.5 + 1.1 + 1.5 + 0.5 + 1) / 7)
+
+
+def test_loss_gradient_matches_float64_finite_differences():
+    logp, old_logp, advantages, mask = _batch(0, [5, 2, 4])
+    noise = torch.randn(old_logp.shape, generator=torch.Generator().manual_seed(0), dtype=old_logp.dtype)
+    logp = (old_logp + 0.05 * noise).requires_grad_()   # ratios near 1, away from the clip kinks
+    assert torch.autograd.gradcheck(
+        lambda lp: policy_loss(lp, old_logp, advantages, mask)[0], (logp,), eps=1e-6, atol=1e-8)
+
+
+def test_micro_batches_and_simulated_ranks_give_the_full_batch_loss_and_gradient():
+    lengths = [9, 2, 7, 1, 12, 4, 6]
+    logp, old_logp, advantages, mask = _batch(1, lengths)
+    full_loss, _ = policy_loss(logp, old_logp, advantages, mask)
+    full_grad, = torch.autograd.grad(full_loss, logp)
+
+    # Two ranks, each with micro-batches of uneven sequence and token counts.
+    ranks = [[[0, 1], [2]], [[3, 4, 5], [6]]]
+    global_tokens = int(mask.sum())
+    world = len(ranks)
+    total_loss, rank_grads = 0.0, []
+    for micro_batches in ranks:
+        grad = torch.zeros_like(logp)
+        for rows in micro_batches:
+            # Each rank passes global / world because data-parallel wrappers average over ranks.
+            loss, _ = policy_loss(logp[rows], old_logp[rows], advantages[rows], mask[rows],
+                                  num_tokens=global_tokens / world)
+            grad += torch.autograd.grad(loss, logp)[0]
+            total_loss += loss.item() / world
+        rank_grads.append(grad)
+    assert total_loss == pytest.approx(full_loss.item(), abs=1e-12)
+    assert torch.allclose(sum(rank_grads) / world, full_grad, atol=1e-14)
+
+    # A per-micro-batch token mean (num_tokens=None) weighs short micro-batches up: different.
+    naive = sum(torch.autograd.grad(policy_loss(logp[r], old_logp[r], advantages[r], mask[r])[0],
+                                    logp)[0] for mbs in ranks for r in mbs)
+    assert not torch.allclose(naive / 4, full_grad, atol=1e-6)
+
+
+def test_metrics_sum_over_micro_batches_to_the_full_batch_value():
+    logp, old_logp, advantages, mask = _batch(2, [8, 3, 6, 5])
+    _, full = policy_loss(logp, old_logp, advantages, mask)
+    parts = [policy_loss(logp[r], old_logp[r], advantages[r], mask[r], num_tokens=mask.sum())[1]
+             for r in ([0], [1, 2], [3])]
+    for name in ("clip_low_fraction", "clip_high_fraction", "approx_kl", "ratio_mean"):
+        assert sum(p[name] for p in parts).item() == pytest.approx(full[name].item(), abs=1e-12)
+    assert max(p["ratio_max"] for p in parts).item() == full["ratio_max"].item()
+
+
+def test_padding_with_minus_inf_is_ignored():
+    logp, old_logp, advantages, mask = _batch(3, [4, 2])
+    reference, _ = policy_loss(logp, old_logp, advantages, mask)
+    grad_reference, = torch.autograd.grad(reference, logp)
+    padded_logp = torch.where(mask, logp, float("-inf"))
+    padded_old = torch.where(mask, old_logp, float("-inf"))
+    loss, metrics = policy_loss(padded_logp, padded_old, advantages, mask)
+    grad, = torch.autograd.grad(loss, logp)
+    assert loss.item() == reference.item()
+    assert torch.equal(grad, grad_reference) and torch.isfinite(metrics["approx_kl"])
+
+
+def test_per_token_advantages_equal_broadcast_per_rollout_advantages():
+    logp, old_logp, advantages, mask = _batch(4, [3, 5, 1])
+    per_rollout, _ = policy_loss(logp, old_logp, advantages, mask)
+    per_token, _ = policy_loss(logp, old_logp, advantages[:, None].expand_as(logp), mask)
+    assert per_token.item() == per_rollout.item()
+
+
+def test_on_policy_loss_is_minus_the_token_mean_advantage_with_zero_kl():
+    logp, old_logp, advantages, mask = _batch(5, [3, 1, 4])
+    loss, metrics = policy_loss(old_logp.clone().requires_grad_(), old_logp, advantages, mask)
+    token_mean_advantage = (advantages[:, None] * mask).sum() / mask.sum()
+    assert loss.item() == pytest.approx(-token_mean_advantage.item(), abs=1e-12)
+    assert metrics["approx_kl"].item() == 0.0 and metrics["ratio_mean"].item() == 1.0
+
+
+def test_dual_clip_bounds_the_loss_of_exploded_negative_tokens():
+    old_logp = torch.zeros(1, 1, dtype=torch.float64)
+    logp = torch.full((1, 1), math.log(10.0), dtype=torch.float64)
+    advantages, mask = torch.tensor([-1.0], dtype=torch.float64), torch.ones(1, 1, dtype=torch.bool)
+    assert policy_loss(logp, old_logp, advantages, mask)[0].item() == pytest.approx(10.0)
+    assert policy_loss(logp, old_logp, advantages, mask, dual_clip=3.0)[0].item() == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(mask=torch.ones(2, 4, dtype=torch.bool)), "must share one \\[B, T\\] shape"),
+    (dict(advantages=torch.zeros(3)), "advantages must be \\[B\\] or \\[B, T\\]"),
+    (dict(mask=torch.zeros(2, 3, dtype=torch.bool)), "num_tokens must be > 0"),
+    (dict(clip_low=1.0), "need 0 <= clip_low < 1"),
+    (dict(dual_clip=1.0), "dual_clip must be None or > 1"),
+])
+def test_policy_loss_rejects_bad_input(change, message):
+    logp, old_logp, advantages, mask = _batch(6, [3, 2])
+    args = dict(logp=logp, old_logp=old_logp, advantages=advantages, mask=mask)
+    with pytest.raises(ValueError, match=message):
+        policy_loss(**{**args, **change})
