@@ -1,0 +1,322 @@
+"""Evaluate a checkpoint the paper's way: average pass@1 over n samples per problem (rStar2-Agent §5.1).
+
+    python eval.py configs/eval.yaml model=PATH benchmarks=aime24,aime25 n=16         # one process, one engine
+    torchrun --nproc_per_node=8 eval.py configs/eval.yaml model=PATH                  # one node, 8 engines
+    torchrun --nnodes=8 --nproc_per_node=8 --node_rank=R --master_addr=HOST --master_port=29500 \\
+        eval.py configs/eval.yaml model=PATH                                          # 8 nodes
+    python eval.py configs/eval_tiny.yaml model=out/tiny-model                        # CPU: tiny model, arithmetic
+    python eval.py configs/eval.yaml model=PATH rollout.use_tool=false                # no tool: plain CoT
+
+Every problem gets n samples from the agent loop training uses (rollout.py: reason, call the Python tool, read
+the result, go on, within max_turns and one token budget), graded by reward.py. Per benchmark it reports
+  - avg pass@1: the mean over problems of (correct samples / n), the paper's headline number (Table 3),
+  - pass@k: the unbiased estimator 1 - C(n-c, k) / C(n, k) (Chen et al. 2021, "Evaluating LLMs trained on code"),
+  - maj@k: is the majority answer of the first k samples correct (self-consistency),
+  - mean response tokens (Table 4), tool calls per trajectory and the tool-error rate (Fig. 4's quantity),
+as a Markdown table on stdout and in out_dir/summary.md, plus out_dir/summary.json and out_dir/samples.jsonl
+(one line per sample: prompt, response, extracted answer, correct, counts). samples.jsonl is also the resume
+point: rerun the same command and only the problems it lacks are generated.
+
+Benchmarks: the names in common.BENCHMARKS (aime24, aime25, hmmt25, amc23, math500, gsm8k), `arith` (the tiny
+demo's held-out arithmetic, tiny.make_arithmetic_problems(split="test")), or a path to a problems JSONL.
+The prompt is a switch: rollout.chat_template + rollout.tool_schema select the released-code prompt
+(<reason>, python_code_with_standard_io) or the paper's Fig. 3 prompt (<think>, execute_python_code_with_standard_io),
+so a checkpoint is measured in the format it was trained with.
+
+Protocol vs the released eval scripts (rstar2-method.md §8.1): the paper samples at temperature 0.6 with up to
+30 turns; the released aime_eval.sh leaves temperature unset (verl's default: greedy) and allows 5 turns.
+configs/eval.yaml follows the paper.
+
+Other scripts call evaluate(model_path, problems, cfg, engine=...) in-process (demo.py's before/after table,
+rl.py's periodic evaluation with the training engine).
+"""
+import dataclasses
+import difflib
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from common import BENCHMARKS, ConfigError, atomic_write_text, load_config, load_problems, resolve, save_config
+from rollout import RolloutConfig  # the agent loop's settings, shared with rl.py; importing it does not load vLLM
+
+# Benchmarks that are not files: `arith` is generated on the fly, so the demo and eval agree on it by seed.
+GENERATED_BENCHMARKS = ("arith",)
+
+
+# -----------------------------------------------------------------------------
+# config
+
+def _paper_rollout():
+    """The agent loop as the paper evaluates it (§5.1): 16 samples at temperature 0.6, up to 30K tokens and 30
+    turns. 30720 = 30 x 1024, the released eval scripts' max_response_length."""
+    return RolloutConfig(temperature=0.6, max_response_tokens=30720, max_turns=30)
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    model: str = ""                    # a local Hugging Face directory (weights + tokenizer)
+    benchmarks: list[str] = dataclasses.field(default_factory=lambda: ["aime24", "aime25", "hmmt25", "math500"])
+    limit: int = 0                     # first `limit` problems of each benchmark (0 = all); cheap smoke runs
+    n: int = 16                        # samples per problem (paper §5.1: 16)
+    ks: list[int] = dataclasses.field(default_factory=list)  # pass@k / maj@k; empty = 1, 2, 4, ... up to n, and n
+    seed: int = 0                      # sampling seeds derive from (seed, problem, sample), so reruns reproduce
+    out_dir: str = "runs/eval"
+    resume: bool = True                # reuse the finished problems in out_dir/samples.jsonl
+    chunk_problems: int = 64           # problems per generation call; samples.jsonl is appended after each one
+    require_answer_tag: bool = False   # grade only a \boxed{} inside <answer>...</answer> (reward.py)
+    reward_timeout_s: float = 5.0      # per-answer math-verify deadline
+    arith_problems: int = 100          # size of the `arith` benchmark
+    arith_seed: int = 0
+    rollout: RolloutConfig = dataclasses.field(default_factory=_paper_rollout)
+
+    def validate(self):
+        if not self.model:
+            raise ConfigError("model is required: python eval.py configs/eval.yaml model=PATH")
+        if not self.benchmarks:
+            raise ConfigError(f"benchmarks is empty; choose from {available_benchmarks()}")
+        if self.n < 1:
+            raise ConfigError(f"n must be >= 1, got {self.n}")
+        for k in self.ks:
+            if not 1 <= k <= self.n:
+                raise ConfigError(f"ks: pass@{k} needs 1 <= k <= n = {self.n}")
+        for name in ("limit", "arith_problems"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.chunk_problems < 1:
+            raise ConfigError(f"chunk_problems must be >= 1, got {self.chunk_problems}")
+        if hasattr(self.rollout, "validate"):
+            self.rollout.validate()
+
+
+def default_ks(n):
+    """1, 2, 4, ... up to n, and n itself: the usual pass@k curve, ending at the full-sample number."""
+    ks = [2 ** i for i in range(n.bit_length()) if 2 ** i <= n]
+    return ks if ks[-1] == n else ks + [n]
+
+
+# -----------------------------------------------------------------------------
+# metrics: pass@k, majority vote, the per-benchmark summary
+
+def pass_at_k(n, c, k):
+    """Unbiased estimate of pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k).
+
+    It is the chance that k samples drawn without replacement from the n include a correct one, averaged
+    exactly over all C(n, k) subsets (Chen et al. 2021, Eq. 1). For k = 1 it is c / n: the paper's avg pass@1.
+    Python's integers are exact, so this needs none of the product tricks float implementations use.
+    """
+    if not 1 <= k <= n or not 0 <= c <= n:
+        raise ValueError(f"pass_at_k: need 1 <= k <= n and 0 <= c <= n, got n={n} c={c} k={k}")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def majority_vote(answers):
+    """Index of the sample whose answer wins a plurality vote, or None when no sample has an answer.
+
+    answers: one extracted answer (str) or None per sample; None does not vote. Two answers vote together when
+    reward.fast_equivalent calls them equal ("1,080" = "1080", "\\dfrac12" = "0.5"); symbolic equality is not
+    tried, because math-verify per pair would cost more than generating. A tie goes to the answer seen first.
+    The returned sample's `correct` is the vote's correctness (its cluster shares one answer and one gold).
+    """
+    from reward import fast_equivalent
+
+    clusters = []  # [representative answer, index of its first sample, votes]
+    for i, answer in enumerate(answers):
+        if answer is None:
+            continue
+        for cluster in clusters:
+            if fast_equivalent(answer, cluster[0]) is True:
+                cluster[2] += 1
+                break
+        else:
+            clusters.append([answer, i, 1])
+    if not clusters:
+        return None
+    return max(clusters, key=lambda cluster: (cluster[2], -cluster[1]))[1]
+
+
+def summarize(groups, ks):
+    """Metrics of one benchmark from its sample records, grouped by problem: groups[p] = the n records of
+    problem p in sample order. Records are dicts as written to samples.jsonl (see sample_record)."""
+    if not groups:
+        raise ValueError("summarize: no problems")
+    n = len(groups[0])
+    if any(len(group) != n for group in groups):
+        raise ValueError(f"summarize: every problem needs the same number of samples, got {sorted({len(g) for g in groups})}")
+    samples = [record for group in groups for record in group]
+    num_correct = [sum(bool(r["correct"]) for r in group) for group in groups]
+    metrics = {"problems": len(groups), "n": n}
+    for k in ks:
+        metrics[f"pass@{k}"] = statistics.fmean(pass_at_k(n, c, k) for c in num_correct)
+    # The paper's number is a mean over n samples; its spread across the n "runs" (sample j of every problem)
+    # says how much one run of AIME (30 problems: one problem = 3.3 points) can move.
+    per_run = [statistics.fmean(bool(group[j]["correct"]) for group in groups) for j in range(n)]
+    metrics["pass@1_std"] = statistics.pstdev(per_run)
+    for k in ks:
+        # maj@k on the first k samples: samples are i.i.d., so this is an unbiased (if noisier) estimate.
+        votes = []
+        for group in groups:
+            winner = majority_vote([r["answer"] if r["finished"] else None for r in group[:k]])
+            votes.append(winner is not None and bool(group[winner]["correct"]))
+        metrics[f"maj@{k}"] = statistics.fmean(votes)
+    metrics["response_tokens"] = statistics.fmean(r["response_tokens"] for r in samples)  # model + tool tokens
+    metrics["model_tokens"] = statistics.fmean(r["model_tokens"] for r in samples)        # sampled by the model
+    calls = sum(r["num_tool_calls"] for r in samples)
+    errors = sum(r["num_tool_errors"] for r in samples)
+    metrics["tool_calls_per_trajectory"] = calls / len(samples)
+    # Pooled over calls, not averaged per trajectory: a trajectory with 20 calls weighs 20 times one with 1.
+    metrics["tool_error_rate"] = errors / calls if calls else None
+    correct = [r for r in samples if r["correct"]]
+    correct_calls = sum(r["num_tool_calls"] for r in correct)
+    # Fig. 4 tracks this one: GRPO-RoC should drive tool errors out of the trajectories it rewards.
+    metrics["tool_error_rate_in_correct"] = (sum(r["num_tool_errors"] for r in correct) / correct_calls
+                                             if correct_calls else None)
+    by_kind = Counter()
+    for r in samples:
+        by_kind.update(r["tool_errors_by_kind"])
+    metrics["tool_errors_by_kind"] = dict(sorted(by_kind.items()))
+    metrics["answer_rate"] = statistics.fmean(r["answer"] is not None for r in samples)
+    metrics["truncated_rate"] = statistics.fmean(bool(r["truncated"]) for r in samples)
+    metrics["turns"] = statistics.fmean(r["num_turns"] for r in samples)
+    return metrics
+
+
+def markdown_table(summary):
+    """The per-benchmark table, scores in percent as in the paper's Table 3."""
+    def percent(x):
+        return "-" if x is None else f"{100 * x:.1f}"
+
+    ks = sorted({int(key[len("pass@"):]) for m in summary.values() for key in m if key.startswith("pass@") and key[5:].isdigit()})
+    pass_columns = [k for k in ks if k > 1]
+    maj = max(ks) if ks else 1
+    header = (["benchmark", "problems", "n", "avg pass@1"] + [f"pass@{k}" for k in pass_columns]
+              + [f"maj@{maj}", "response tokens", "tool calls/traj", "tool-error rate", "truncated"])
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for name, m in summary.items():
+        row = [name, str(m["problems"]), str(m["n"]), f"{percent(m['pass@1'])} ± {percent(m['pass@1_std'])}"]
+        row += [percent(m.get(f"pass@{k}")) for k in pass_columns]
+        row += [percent(m.get(f"maj@{maj}")), f"{m['response_tokens']:.0f}", f"{m['tool_calls_per_trajectory']:.2f}",
+                percent(m["tool_error_rate"]), percent(m["truncated_rate"])]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+# -----------------------------------------------------------------------------
+# benchmarks: names, generated sets and files, with errors that list the choices
+
+def available_benchmarks():
+    return ", ".join(list(BENCHMARKS) + list(GENERATED_BENCHMARKS)) + ", or a path to a problems .jsonl"
+
+
+def load_benchmarks(cfg):
+    """{benchmark name: problem rows} in the order asked, each cut to the first cfg.limit problems."""
+    import tiny  # only for `arith`; cheap (no torch at import)
+
+    selected = {}
+    for entry in cfg.benchmarks:
+        path = resolve(entry)
+        if entry in BENCHMARKS:
+            name, rows = entry, load_problems(BENCHMARKS[entry])
+        elif entry == "arith":
+            name, rows = entry, tiny.make_arithmetic_problems(cfg.arith_problems, cfg.arith_seed, split="test")
+        elif entry.endswith(".jsonl") or path.is_file():
+            name, rows = Path(entry).stem, load_problems(entry)  # load_problems says file:line on a bad row
+        else:
+            close = difflib.get_close_matches(entry, list(BENCHMARKS) + list(GENERATED_BENCHMARKS), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"unknown benchmark '{entry}'{hint}; available: {available_benchmarks()}")
+        if name in selected:
+            raise ConfigError(f"benchmark '{name}' is listed twice in benchmarks={cfg.benchmarks}")
+        selected[name] = rows[: cfg.limit] if cfg.limit else rows
+    return selected
+
+
+def check_model_dir(model_path):
+    """Fail before the engine starts (about 30 s on CPU, minutes for a 14B model) if the path cannot work."""
+    path = Path(model_path)
+    if not path.is_dir():
+        raise ConfigError(f"model directory not found: {path} (eval.py reads a local Hugging Face directory; "
+                          "download a hub model first, e.g. huggingface-cli download NAME --local-dir DIR)")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{path} is not a Hugging Face model directory: it has no config.json")
+    tokenizer_files = ("tokenizer.json", "tokenizer.model", "vocab.json")
+    if not any((path / f).is_file() for f in tokenizer_files):
+        raise ConfigError(f"model directory {path} has no tokenizer (none of {', '.join(tokenizer_files)}); "
+                          "copy the tokenizer files of the model it was trained from into it")
+
+
+# -----------------------------------------------------------------------------
+# samples.jsonl: one line per sample, appended per chunk; the resume point
+
+def generation_settings(model_path, cfg):
+    """Everything that decides what a sample is. Finished samples are reused only when this matches: a resumed
+    run with another temperature, prompt or model would mix two experiments in one number."""
+    settings = {"model": str(Path(model_path).resolve()), "n": cfg.n, "seed": cfg.seed,
+                "require_answer_tag": cfg.require_answer_tag}
+    rollout = dataclasses.asdict(cfg.rollout)
+    for name in ROLLOUT_RESOURCE_FIELDS:  # how fast, not what: free to change between a run and its resume
+        rollout.pop(name, None)
+    settings["rollout"] = rollout
+    return settings
+
+
+# RolloutConfig fields that change speed or memory, never the sampled tokens.
+ROLLOUT_RESOURCE_FIELDS = ("gpu_memory_utilization", "tensor_parallel_size", "enforce_eager", "tool_workers",
+                           "max_num_seqs", "max_concurrency")
+
+
+def load_finished(out_dir, settings, n):
+    """The finished problems in out_dir/samples.jsonl: {(benchmark, problem id): its n records}.
+
+    A problem counts only when all n samples are there. A line cut off by a kill and the samples of an
+    unfinished problem are dropped from the file, so that problem is generated again, whole: its n samples
+    then come from one call with the usual seeds, never a mix of two runs.
+    """
+    out_dir = Path(out_dir)
+    samples_path, settings_path = out_dir / "samples.jsonl", out_dir / "generation.json"
+    if not samples_path.exists():
+        return {}
+    if settings_path.exists():
+        saved = json.loads(settings_path.read_text())
+        if saved != settings:
+            changed = sorted(_diff_keys(saved, settings))
+            raise ConfigError(f"{out_dir} holds samples made with other settings ({', '.join(changed)} differ); "
+                              "use another out_dir, or resume=false to start over")
+    lines = samples_path.read_text(encoding="utf-8").split("\n")
+    groups = {}
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if lineno == len(lines):  # the last line, cut off mid-write
+                continue
+            raise ConfigError(f"{samples_path}:{lineno}: not valid JSON; fix or delete the file") from None
+        groups.setdefault((record["benchmark"], record["problem_id"]), {})[record["sample_index"]] = record
+    finished = {key: [by_index[j] for j in range(n)] for key, by_index in groups.items()
+                if sorted(by_index) == list(range(n))}
+    kept = [json.dumps(r) for records in finished.values() for r in records]
+    if len(kept) != sum(1 for line in lines if line.strip()):
+        atomic_write_text(samples_path, "".join(line + "\n" for line in kept))
+    return finished
+
+
+def _diff_keys(a, b, prefix=""):
+    for key in set(a) | set(b):
+        if isinstance(a.get(key), dict) and isinstance(b.get(key), dict):
+            yield from _diff_keys(a[key], b[key], f"{prefix}{key}.")
+        elif a.get(key) != b.get(key):
+            yield f"{prefix}{key}"
+
+
+def append_samples(out_dir, records):
+    """Append whole problems to samples.jsonl, then fsync: what is on disk survives a kill."""
+    with open(Path(out_dir) / "samples.jsonl", "a", encoding="utf-8") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+        f.flush()
+        os.fsync(f.fileno())

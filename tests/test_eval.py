@@ -1,0 +1,194 @@
+"""eval.py: the metrics (pass@k, maj@k, tool-error rate) on hand-checked samples, the resume file, benchmark and
+model-directory errors, and the whole path on the tiny model through the real engine, tool and grader."""
+import itertools
+import json
+import math
+import shutil
+
+import pytest
+
+import eval as evaluation
+from common import BENCHMARKS, ConfigError
+
+
+# -----------------------------------------------------------------------------
+# pass@k and the majority vote
+
+def test_pass_at_k_equals_the_fraction_of_k_subsets_that_contain_a_correct_sample():
+    for n in range(1, 9):
+        for c in range(n + 1):
+            outcomes = [True] * c + [False] * (n - c)
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations(outcomes, k))
+                brute_force = sum(any(s) for s in subsets) / len(subsets)
+                assert evaluation.pass_at_k(n, c, k) == pytest.approx(brute_force, abs=1e-12), (n, c, k)
+
+
+def test_pass_at_1_is_the_fraction_correct_and_large_n_stays_exact():
+    assert evaluation.pass_at_k(16, 5, 1) == pytest.approx(5 / 16)
+    # C(1024, 512) overflows a float; exact integers keep the estimate right where float products drift.
+    assert evaluation.pass_at_k(1024, 1, 512) == pytest.approx(0.5)
+    assert evaluation.pass_at_k(1024, 0, 512) == 0.0
+
+
+@pytest.mark.parametrize("n, c, k", [(4, 5, 1), (4, -1, 1), (4, 2, 0), (4, 2, 5)])
+def test_pass_at_k_rejects_impossible_counts(n, c, k):
+    with pytest.raises(ValueError, match="pass_at_k"):
+        evaluation.pass_at_k(n, c, k)
+
+
+def test_majority_vote_pools_spellings_of_one_answer_and_ignores_missing_answers():
+    # "1,080" and "1080.0" are one answer (reward.fast_equivalent), so they outvote the two "1079"s.
+    assert evaluation.majority_vote(["1079", "1,080", None, "1080.0", "1079", "1080"]) == 1
+    assert evaluation.majority_vote(["\\dfrac{1}{2}", "3", "0.5"]) == 0
+    assert evaluation.majority_vote([None, None]) is None
+
+
+def test_majority_vote_tie_goes_to_the_answer_seen_first():
+    assert evaluation.majority_vote(["5", "7", "7", "5"]) == 0
+    assert evaluation.majority_vote([None, "7", "5"]) == 1
+
+
+def test_default_ks_are_powers_of_two_up_to_n_and_n():
+    assert evaluation.default_ks(16) == [1, 2, 4, 8, 16]
+    assert evaluation.default_ks(12) == [1, 2, 4, 8, 12]
+    assert evaluation.default_ks(1) == [1]
+
+
+# -----------------------------------------------------------------------------
+# the per-benchmark summary, on a set checked by hand
+
+def record(problem_id, sample_index, answer, correct, finished=True, tokens=100, model_tokens=80, calls=0,
+           errors=None, turns=1):
+    errors = errors or {}
+    return {"benchmark": "hand", "problem_id": problem_id, "sample_index": sample_index, "answer": answer,
+            "correct": correct, "finished": finished, "truncated": not finished, "response_tokens": tokens,
+            "model_tokens": model_tokens, "num_tool_calls": calls, "num_tool_errors": sum(errors.values()),
+            "tool_errors_by_kind": errors, "num_turns": turns}
+
+
+HAND_CHECKED = [
+    [  # problem A, gold 12: two correct ("12" and "12.0" are one vote), one wrong, one truncated without answer
+        record("A", 0, "12", True, tokens=100, model_tokens=80, calls=2, errors={"error": 1}, turns=3),
+        record("A", 1, "12.0", True, tokens=50, model_tokens=50),
+        record("A", 2, "13", False, tokens=30, model_tokens=20, calls=1, errors={"timeout": 1}, turns=2),
+        record("A", 3, None, False, finished=False, tokens=200, model_tokens=150, calls=3, turns=4),
+    ],
+    [  # problem B, gold 7: one correct; the truncated "7" must not vote, so "5" wins 2:1 (with it: a 2:2 tie won by 7)
+        record("B", 0, "7", True, tokens=60, model_tokens=60, calls=1, turns=2),
+        record("B", 1, "5", False, tokens=40, model_tokens=40),
+        record("B", 2, "5", False, tokens=70, model_tokens=50, calls=2, errors={"parse": 1}, turns=3),
+        record("B", 3, "7", False, finished=False, tokens=250, model_tokens=250),
+    ],
+]
+
+
+def test_summary_of_the_hand_checked_set():
+    m = evaluation.summarize(HAND_CHECKED, ks=[1, 2, 4])
+    assert (m["problems"], m["n"]) == (2, 4)
+    assert m["pass@1"] == pytest.approx((2 / 4 + 1 / 4) / 2)            # 0.375
+    assert m["pass@2"] == pytest.approx((1 - 1 / 6 + 1 - 3 / 6) / 2)    # A: 1 - C(2,2)/C(4,2); B: 1 - C(3,2)/C(4,2)
+    assert m["pass@4"] == 1.0
+    # per-run accuracy (sample j of both problems): 1, 0.5, 0, 0
+    assert m["pass@1_std"] == pytest.approx(math.sqrt(((0.625) ** 2 + 0.125 ** 2 + 2 * 0.375 ** 2) / 4))
+    assert m["maj@1"] == 1.0   # both first samples are right
+    assert m["maj@2"] == 1.0   # A: 12 and 12.0 agree; B: a 7-vs-5 tie goes to 7, seen first
+    assert m["maj@4"] == 0.5   # A: 12 wins 2:1; B: 5 wins 2:1
+    assert m["tool_calls_per_trajectory"] == pytest.approx(9 / 8)
+    assert m["tool_error_rate"] == pytest.approx(3 / 9)
+    assert m["tool_error_rate_in_correct"] == pytest.approx(1 / 3)     # A0: 1 of 2 calls, A1: none, B0: 0 of 1
+    assert m["tool_errors_by_kind"] == {"error": 1, "parse": 1, "timeout": 1}
+    assert m["response_tokens"] == pytest.approx((100 + 50 + 30 + 200 + 60 + 40 + 70 + 250) / 8)
+    assert m["model_tokens"] == pytest.approx((80 + 50 + 20 + 150 + 60 + 40 + 50 + 250) / 8)
+    assert m["answer_rate"] == pytest.approx(7 / 8)
+    assert m["truncated_rate"] == pytest.approx(2 / 8)
+    assert m["turns"] == pytest.approx((3 + 1 + 2 + 4 + 2 + 1 + 3 + 1) / 8)
+
+
+def test_summary_without_tool_calls_has_no_error_rate():
+    m = evaluation.summarize([[record("A", 0, "1", True)]], ks=[1])
+    assert m["tool_error_rate"] is None and m["tool_error_rate_in_correct"] is None
+
+
+def test_summary_rejects_problems_with_different_sample_counts():
+    with pytest.raises(ValueError, match="same number of samples"):
+        evaluation.summarize([HAND_CHECKED[0], HAND_CHECKED[1][:2]], ks=[1])
+
+
+def test_markdown_table_shows_percentages_like_the_paper():
+    table = evaluation.markdown_table({"hand": evaluation.summarize(HAND_CHECKED, ks=[1, 2, 4])})
+    header, rule, row = table.splitlines()
+    assert header.split(" | ")[3:6] == ["avg pass@1", "pass@2", "pass@4"]
+    assert "maj@4" in header
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[:6] == ["hand", "2", "4", "37.5 ± 41.5", "66.7", "100.0"]
+    assert cells[6] == "50.0"          # maj@4
+    assert cells[-2:] == ["33.3", "25.0"]  # tool-error rate, truncated
+
+
+# -----------------------------------------------------------------------------
+# benchmarks and model directories: bad input says what is wrong
+
+
+def make_cfg(**overrides):
+    cfg = evaluation.EvalConfig(model="unused")
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def test_unknown_benchmark_lists_the_available_ones():
+    with pytest.raises(ConfigError) as error:
+        evaluation.load_benchmarks(make_cfg(benchmarks=["aime2024"]))
+    message = str(error.value)
+    assert "unknown benchmark 'aime2024'" in message and "did you mean 'aime24'" in message
+    for name in list(BENCHMARKS) + ["arith"]:
+        assert name in message
+
+
+def test_benchmarks_by_name_generated_and_by_path_with_limit(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps({"id": "q1", "problem": "1+1?", "answer": "2"}) + "\n")
+    selected = evaluation.load_benchmarks(make_cfg(benchmarks=["aime24", "arith", str(path)], limit=3, arith_problems=10))
+    assert list(selected) == ["aime24", "arith", "mine"]
+    assert [r["id"] for r in selected["aime24"]] == ["aime24-I-1", "aime24-I-2", "aime24-I-3"]
+    assert len(selected["arith"]) == 3 and selected["arith"][0]["id"] == "arith-test-0"
+    assert selected["mine"] == [{"id": "q1", "problem": "1+1?", "answer": "2"}]
+
+
+def test_a_benchmark_listed_twice_is_an_error():
+    with pytest.raises(ConfigError, match="listed twice"):
+        evaluation.load_benchmarks(make_cfg(benchmarks=["gsm8k", "gsm8k"]))
+
+
+def test_a_bad_problems_file_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"id": "q1", "problem": "1+1?", "answer": "2"}\n{"id": "q2", "problem": "2+2?"}\n')
+    with pytest.raises(ConfigError, match=r"bad.jsonl:2: missing key 'answer'"):
+        evaluation.load_benchmarks(make_cfg(benchmarks=[str(path)]))
+
+
+def test_model_directory_without_tokenizer_says_so(tiny_model_dir, tmp_path):
+    evaluation.check_model_dir(tiny_model_dir)  # the real thing passes
+    bare = tmp_path / "weights-only"
+    shutil.copytree(tiny_model_dir, bare, ignore=shutil.ignore_patterns("tokenizer*", "vocab*", "chat_template*"))
+    with pytest.raises(ConfigError, match=rf"model directory {bare} has no tokenizer"):
+        evaluation.check_model_dir(bare)
+    with pytest.raises(ConfigError, match="model directory not found"):
+        evaluation.check_model_dir(tmp_path / "nope")
+    with pytest.raises(ConfigError, match="no config.json"):
+        evaluation.check_model_dir(tmp_path)
+
+
+def test_the_configs_load_and_eval_yaml_is_the_papers_protocol():
+    from common import load_config
+
+    cfg = load_config(evaluation.EvalConfig, ["configs/eval.yaml", "model=somewhere"])
+    assert (cfg.n, cfg.rollout.temperature, cfg.rollout.max_turns, cfg.rollout.max_response_tokens) == (16, 0.6, 30, 30720)
+    assert cfg.rollout.prompt_variant == "paper"
+    tiny_cfg = load_config(evaluation.EvalConfig, ["configs/eval_tiny.yaml", "rollout.prompt_variant=paper", "n=2"])
+    assert (tiny_cfg.benchmarks, tiny_cfg.n, tiny_cfg.rollout.prompt_variant) == (["arith"], 2, "paper")
+    with pytest.raises(ConfigError, match="model is required"):
+        load_config(evaluation.EvalConfig, ["configs/eval.yaml"])
+    with pytest.raises(ConfigError, match=r"pass@32 needs 1 <= k <= n = 16"):
+        load_config(evaluation.EvalConfig, ["configs/eval.yaml", "model=m", "ks=[1, 32]"])
