@@ -269,23 +269,25 @@ ROLLOUT_RESOURCE_FIELDS = ("gpu_memory_utilization", "tensor_parallel_size", "en
                            "max_num_seqs", "max_concurrency")
 
 
-def load_finished(out_dir, settings, n):
-    """The finished problems in out_dir/samples.jsonl: {(benchmark, problem id): its n records}.
+def open_samples(out_dir, settings, n, resume):
+    """The finished problems in out_dir/samples.jsonl: {(benchmark, problem id): its n records}; {} for a fresh run.
 
     A problem counts only when all n samples are there. A line cut off by a kill and the samples of an
     unfinished problem are dropped from the file, so that problem is generated again, whole: its n samples
     then come from one call with the usual seeds, never a mix of two runs.
     """
     out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     samples_path, settings_path = out_dir / "samples.jsonl", out_dir / "generation.json"
-    if not samples_path.exists():
+    if not resume or not samples_path.exists():
+        atomic_write_text(samples_path, "")
+        atomic_write_text(settings_path, json.dumps(settings, indent=1))
         return {}
-    if settings_path.exists():
-        saved = json.loads(settings_path.read_text())
-        if saved != settings:
-            changed = sorted(_diff_keys(saved, settings))
-            raise ConfigError(f"{out_dir} holds samples made with other settings ({', '.join(changed)} differ); "
-                              "use another out_dir, or resume=false to start over")
+    saved = json.loads(settings_path.read_text()) if settings_path.exists() else None
+    if saved != settings:
+        changed = sorted(_diff_keys(saved, settings)) if saved else ["generation.json is missing"]
+        raise ConfigError(f"{out_dir} holds samples made with other settings ({', '.join(changed)}); "
+                          "use another out_dir, or resume=false to start over")
     lines = samples_path.read_text(encoding="utf-8").split("\n")
     groups = {}
     for lineno, line in enumerate(lines, 1):
@@ -320,3 +322,157 @@ def append_samples(out_dir, records):
         f.write("".join(json.dumps(r) + "\n" for r in records))
         f.flush()
         os.fsync(f.fileno())
+
+
+# -----------------------------------------------------------------------------
+# generation and grading
+
+def sample_records(chunk, trajectories, tokenizer, cfg):
+    """Grade trajectories (reward.py, Eq. 3: a truncated one scores 0) and turn them into samples.jsonl lines.
+    chunk[i] = (benchmark, problem row) of the trajectories whose problem_index is i."""
+    from reward import extract_answer, score_batch
+
+    golds = [chunk[t.problem_index][1]["answer"] for t in trajectories]
+    rewards = score_batch([t.response_text for t in trajectories], golds, [t.finished for t in trajectories],
+                          require_answer_tag=cfg.require_answer_tag, timeout_s=cfg.reward_timeout_s)
+    prompts = {}  # one decode per problem, not per sample
+    records = []
+    for t, reward in zip(trajectories, rewards):
+        name, row = chunk[t.problem_index]
+        if t.problem_index not in prompts:
+            prompts[t.problem_index] = tokenizer.decode(t.prompt_ids)
+        records.append({
+            "benchmark": name, "problem_id": row["id"], "sample_index": t.sample_index,
+            "gold": row["answer"], "answer": extract_answer(t.response_text, require_answer_tag=cfg.require_answer_tag),
+            "correct": reward == 1.0, "finished": t.finished, "truncated": t.truncated, "stop_reason": t.stop_reason,
+            "response_tokens": len(t.response_ids), "model_tokens": t.num_model_tokens, "num_turns": t.num_turns,
+            "num_tool_calls": t.num_tool_calls, "num_tool_errors": t.num_tool_errors,
+            "tool_errors_by_kind": {k: v for k, v in t.tool_errors_by_kind.items() if v},
+            "num_answer_tags": t.num_answer_tags,
+            "prompt": prompts[t.problem_index], "response": t.response_text,
+        })
+    return records
+
+
+def evaluate(model_path, problems, cfg, engine=None, executor=None, tokenizer=None, out_dir=None):
+    """Sample, grade and summarise: {benchmark: metrics} (see summarize), the same on every rank.
+
+    problems: {benchmark name: rows with id/problem/answer} (a plain list of rows is named "problems").
+    engine / executor / tokenizer: pass the ones a caller already has (rl.py evaluates with its training engine,
+    whose weights are not the ones on disk); missing ones are built here from model_path and cfg.rollout.
+    out_dir: where samples.jsonl / summary.json / summary.md go and the run resumes from; None keeps it all in
+    memory (a caller with live weights must not resume from samples of other weights).
+    Under torchrun every rank calls this; ranks claim problems from the rollout's shared counter, grade their
+    own samples, and rank 0 gathers, writes and summarises.
+    """
+    import torch.distributed as dist
+
+    from common import init_distributed
+
+    if isinstance(problems, list):
+        problems = {"problems": problems}
+    check_model_dir(model_path)
+    rank, world_size, _, _ = init_distributed()
+    ks = cfg.ks or default_ks(cfg.n)
+
+    # Resume: rank 0 reads the file; every rank needs only the keys, to agree on the work that is left.
+    finished = {}
+    if out_dir is not None and rank == 0:
+        finished = open_samples(out_dir, generation_settings(model_path, cfg), cfg.n, cfg.resume)
+    done = [set(finished)]
+    if world_size > 1:
+        dist.broadcast_object_list(done, src=0)
+    todo = [(name, row) for name, rows in problems.items() for row in rows if (name, row["id"]) not in done[0]]
+    if rank == 0:
+        total = sum(len(rows) for rows in problems.values())
+        print(f"[eval] {total} problems x {cfg.n} samples: {total - len(todo)} finished in {out_dir}, "
+              f"{len(todo)} to generate on {world_size} rank(s)", flush=True)
+
+    owned = []  # what this call builds, it also closes
+    started = time.time()
+    generated_tokens = 0
+    if todo:
+        from rollout import Engine, generate
+
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model_path)
+        if engine is None:
+            engine = Engine(model_path, cfg.rollout, seed=cfg.seed)
+            owned.append(engine)
+        if executor is None and cfg.rollout.use_tool:
+            from executor import Executor
+
+            executor = Executor(workers=cfg.rollout.tool_workers or None, timeout_s=cfg.rollout.tool_timeout_s,
+                                memory_mb=cfg.rollout.tool_memory_mb)
+            owned.append(executor)
+    try:
+        for step, start in enumerate(range(0, len(todo), cfg.chunk_problems)):
+            chunk = todo[start:start + cfg.chunk_problems]
+            # step numbers the chunk, so the per-request seeds (seed, step, problem, sample) never repeat.
+            groups = generate(engine, executor, tokenizer, [row["problem"] for _, row in chunk], cfg.n, cfg.rollout,
+                              seed=cfg.seed, step=step)
+            trajectories = [t for group in groups for t in (group if isinstance(group, list) else [group])]
+            records = sample_records(chunk, trajectories, tokenizer, cfg)
+            if world_size > 1:
+                parts = [None] * world_size if rank == 0 else None
+                dist.gather_object(records, parts, dst=0)
+                records = [r for part in parts for r in part] if rank == 0 else []
+            if rank == 0:
+                generated_tokens += sum(r["response_tokens"] for r in records)
+                # whole problems, in work-list order, so the file reads like the benchmark
+                order = {(name, row["id"]): i for i, (name, row) in enumerate(chunk)}
+                records.sort(key=lambda r: (order[(r["benchmark"], r["problem_id"])], r["sample_index"]))
+                if out_dir is not None:
+                    append_samples(out_dir, records)
+                for r in records:
+                    finished.setdefault((r["benchmark"], r["problem_id"]), []).append(r)
+                elapsed = time.time() - started
+                print(f"[eval] {start + len(chunk)}/{len(todo)} problems, {elapsed:.0f} s, "
+                      f"{generated_tokens / max(elapsed, 1e-9):.0f} response tokens/s", flush=True)
+    finally:
+        for thing in owned:
+            close = getattr(thing, "close", None) or getattr(thing, "shutdown", None)
+            if close:
+                close()
+
+    summary = [None]
+    if rank == 0:
+        summary[0] = {name: summarize([finished[(name, row["id"])] for row in rows], ks)
+                      for name, rows in problems.items()}
+        if out_dir is not None:
+            atomic_write_text(Path(out_dir) / "summary.json", json.dumps(
+                {"model": str(model_path), "benchmarks": summary[0]}, indent=1))
+            atomic_write_text(Path(out_dir) / "summary.md", markdown_table(summary[0]) + "\n")
+    if world_size > 1:
+        dist.broadcast_object_list(summary, src=0)
+    return summary[0]
+
+
+# -----------------------------------------------------------------------------
+# command line
+
+def main(argv=None):
+    try:  # bad input stops here, before any engine starts, with one line that names the problem
+        cfg = load_config(EvalConfig, argv)
+        check_model_dir(cfg.model)
+        problems = load_benchmarks(cfg)
+    except (ConfigError, ValueError) as e:
+        sys.exit(f"eval.py: {e}")
+    from common import init_distributed
+
+    rank, _, _, _ = init_distributed()
+    if rank == 0:
+        save_config(cfg, cfg.out_dir)
+    try:
+        summary = evaluate(cfg.model, problems, cfg, out_dir=cfg.out_dir)
+    except ConfigError as e:  # e.g. out_dir holds samples of other settings (torchrun then stops the other ranks)
+        sys.exit(f"eval.py: {e}")
+    if rank == 0:
+        print(f"\n{cfg.model}\n" + markdown_table(summary), flush=True)
+        print(f"[eval] wrote {Path(cfg.out_dir) / 'summary.json'}, summary.md and samples.jsonl", flush=True)
+
+
+if __name__ == "__main__":  # the guard matters: vLLM's engine may spawn processes that re-import this file
+    main()

@@ -192,3 +192,52 @@ def test_the_configs_load_and_eval_yaml_is_the_papers_protocol():
         load_config(evaluation.EvalConfig, ["configs/eval.yaml"])
     with pytest.raises(ConfigError, match=r"pass@32 needs 1 <= k <= n = 16"):
         load_config(evaluation.EvalConfig, ["configs/eval.yaml", "model=m", "ks=[1, 32]"])
+
+
+# -----------------------------------------------------------------------------
+# samples.jsonl: the resume point
+
+
+def write_samples(path, records, torn_tail=""):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + torn_tail)
+
+
+def test_resume_keeps_whole_problems_and_drops_partial_ones_and_a_torn_line(tmp_path):
+    cfg = make_cfg(n=4)
+    settings = evaluation.generation_settings("model-dir", cfg)
+    assert evaluation.open_samples(tmp_path, settings, cfg.n, resume=True) == {}  # fresh: writes generation.json
+    partial = [record("C", 0, "1", True), record("C", 2, "1", True)]  # samples 1 and 3 never made it to disk
+    write_samples(tmp_path / "samples.jsonl", HAND_CHECKED[0] + partial + HAND_CHECKED[1], torn_tail='{"benchmark": "ha')
+    finished = evaluation.open_samples(tmp_path, settings, cfg.n, resume=True)
+    assert sorted(finished) == [("hand", "A"), ("hand", "B")]
+    assert finished[("hand", "B")] == HAND_CHECKED[1]
+    # The file now holds exactly the finished problems, so the regenerated C is appended to a clean file.
+    lines = (tmp_path / "samples.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == HAND_CHECKED[0] + HAND_CHECKED[1]
+
+
+def test_resume_refuses_samples_made_with_other_settings(tmp_path):
+    cfg = make_cfg(n=4)
+    evaluation.open_samples(tmp_path, evaluation.generation_settings("model-dir", cfg), 4, resume=True)
+    write_samples(tmp_path / "samples.jsonl", HAND_CHECKED[0])
+    hotter = make_cfg(n=4)
+    hotter.rollout.temperature = 1.0
+    with pytest.raises(ConfigError, match=r"other settings \(rollout.temperature\)"):
+        evaluation.open_samples(tmp_path, evaluation.generation_settings("model-dir", hotter), 4, resume=True)
+    # Engine resources do not change what a sample is, so they may differ between a run and its resume.
+    roomier = make_cfg(n=4)
+    roomier.rollout.gpu_memory_utilization = 0.95
+    assert len(evaluation.open_samples(tmp_path, evaluation.generation_settings("model-dir", roomier), 4, True)) == 1
+    # resume=false starts over.
+    assert evaluation.open_samples(tmp_path, evaluation.generation_settings("model-dir", hotter), 4, False) == {}
+    assert (tmp_path / "samples.jsonl").read_text() == ""
+
+
+def test_a_corrupt_line_inside_samples_jsonl_names_file_and_line(tmp_path):
+    settings = evaluation.generation_settings("model-dir", make_cfg(n=4))
+    evaluation.open_samples(tmp_path, settings, 4, resume=True)
+    write_samples(tmp_path / "samples.jsonl", HAND_CHECKED[0][:1])
+    with open(tmp_path / "samples.jsonl", "a") as f:
+        f.write("not json\n" + json.dumps(HAND_CHECKED[0][1]) + "\n")
+    with pytest.raises(ConfigError, match=r"samples.jsonl:2: not valid JSON"):
+        evaluation.open_samples(tmp_path, settings, 4, resume=True)
