@@ -1,0 +1,64 @@
+"""One rl.train_step on a fixed global batch; writes the updated weights, their gradients and the step's metrics.
+
+    python tests/dist_rl_train_step.py MODEL_DIR OUT.pt [key=value ...]                  # 1 process
+    torchrun --nproc_per_node=2 tests/dist_rl_train_step.py MODEL_DIR OUT.pt [key=value ...]
+
+tests/test_rl.py runs it under several (world size x micro-batch) splits and compares the files: the update must not
+depend on how the batch is split. The batch is built from a fixed seed, identical in every process; rank r trains on
+a contiguous slice of it, as after rollout balancing.
+"""
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import rl  # noqa: E402
+from common import init_distributed, load_config  # noqa: E402
+
+# Eight trajectories of very different lengths and tool-token masks: a per-micro-batch token mean would weigh
+# them differently depending on the split, so a scaling bug moves the gradient far past float noise.
+NUM_SAMPLES = 8
+
+
+def fixed_batch(vocab_size):
+    rng = random.Random(1234)
+    samples = []
+    for i in range(NUM_SAMPLES):
+        prompt_len = rng.randint(4, 12)
+        response_len = rng.choice([3, 5, 40, 90]) + i
+        ids = [rng.randrange(3, vocab_size) for _ in range(prompt_len + response_len)]
+        # a block of "tool output" in the middle of longer responses: loss mask 0 there
+        mask = [0 if (response_len > 20 and 10 <= j < 20) else 1 for j in range(response_len)]
+        advantage = [1.2, -0.8, 0.5, -1.5][i % 4]
+        samples.append(rl.TrainSample(input_ids=ids, prompt_len=prompt_len, loss_mask=mask, advantage=advantage))
+    return samples
+
+
+def main():
+    model_dir, out_file, *overrides = sys.argv[1:]
+    rank, world_size, _, device = init_distributed()
+    torch.manual_seed(0)
+    cfg = load_config(rl.RLConfig, [f"model={model_dir}", "lr=1e-3", "warmup_steps=0", *overrides])
+    model, optimizer = rl.load_policy(cfg, device)
+    samples = fixed_batch(model.config.vocab_size)
+    per_rank = len(samples) // world_size
+    mine = samples[rank * per_rank:(rank + 1) * per_rank]
+    rl.recompute_logprobs(model, mine, cfg, pad_id=0, device=device, temperature=1.0)
+    # Old log-probs a little off the current policy, so that ratios differ from 1 and both clips are exercised.
+    # The noise belongs to the sample, not to the rank, so every split sees the same global batch.
+    for index, s in enumerate(mine, start=rank * per_rank):
+        noise = random.Random(99 + index)
+        s.old_logprobs = [lp + noise.uniform(-0.4, 0.4) for lp in s.old_logprobs]
+    metrics = rl.train_step(model, optimizer, mine, cfg, step=0, pad_id=0, device=device)
+    weights = {name: t.clone() for name, t in rl.full_weights(model, torch.float32)}
+    grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+             for name, p in model.named_parameters()}
+    if rank == 0:
+        torch.save({"weights": weights, "grads": grads, "metrics": metrics}, out_file)
+
+
+if __name__ == "__main__":
+    main()
