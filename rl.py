@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from common import ConfigError, load_config, resolve
+from rollout import RolloutConfig
 
 
 # -----------------------------------------------------------------------------
@@ -85,6 +86,7 @@ class RLConfig:
     micro_batch_size: int = 0                # cap on trajectories per forward/backward; 0 = no cap
     train_dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # auto: bf16 compute on GPU, fp32 on CPU
     activation_checkpointing: bool = False
+    attn_implementation: str = "sdpa"        # trainer attention (flash_attention_2 on GPU, if installed)
     train_threads: int = 0                   # CPU only: torch threads while training (vLLM sets 1); 0 = all cores
     # guards
     logprob_gap_warn: float = 0.05           # warn when the mean |trainer - engine| log-prob gap exceeds this
@@ -102,6 +104,7 @@ class RLConfig:
     # drops the problems solved every time and writes the rest to train_data
     filter_source: str = ""
     filter_samples: int = 8
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
 
     def validate(self):
         """Errors that can be found before loading anything."""
@@ -125,6 +128,19 @@ class RLConfig:
             raise ConfigError(f"dual_clip={self.dual_clip}: must be 0 (off) or > 1")
         if self.mode == "filter" and not self.filter_source:
             raise ConfigError("mode=filter needs filter_source (the problems to filter); the kept ones go to train_data")
+        if self.resume not in ("auto", "never") and not resolve(self.resume).is_dir():
+            raise ConfigError(f"resume={self.resume!r}: expected auto, never or a checkpoint directory")
+        if self.prompts_per_step % self.mini_batches:
+            raise ConfigError(f"prompts_per_step={self.prompts_per_step} does not divide into mini_batches="
+                              f"{self.mini_batches} optimizer steps of whole prompt groups")
+        longest = self.rollout.max_prompt_tokens + self.rollout.max_response_tokens
+        if self.micro_batch_tokens < longest:
+            raise ConfigError(f"micro_batch_tokens={self.micro_batch_tokens} cannot hold one trajectory of "
+                              f"rollout.max_prompt_tokens + rollout.max_response_tokens = {longest} tokens")
+        try:
+            self.rollout.validate()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 # -----------------------------------------------------------------------------
@@ -154,30 +170,16 @@ def lr_at(step, cfg):
 # -----------------------------------------------------------------------------
 # policy: an HF causal LM, FSDP2-sharded over all ranks
 
-def load_policy(cfg, device):
-    """The policy, FSDP2-sharded (fully_shard per decoder layer, then the root), and its AdamW optimizer."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import AutoModelForCausalLM
+def load_policy(cfg, device, rank):
+    """The policy, FSDP2-sharded (fully_shard per decoder layer, then the root), and its AdamW optimizer.
 
-    # Master weights stay fp32; on GPU the forward/backward runs in bf16 with fp32 gradient reduction. bf16 on an
-    # AVX2 CPU is ~4.5x slower than fp32 (shared/docs/cpu-stack.md §2), so auto means fp32 there.
-    compute = cfg.train_dtype if cfg.train_dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-    # Every rank reads the checkpoint onto its CPU; fully_shard then moves one layer at a time to the device and
-    # keeps only this rank's shard, so device memory never holds the full fp32 model.
-    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
-    if cfg.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
-    policy = None if compute == "float32" else MixedPrecisionPolicy(param_dtype=getattr(torch, compute),
-                                                                   reduce_dtype=torch.float32)
-    kwargs = {"mp_policy": policy} if policy else {}
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
-        raise ConfigError(f"{cfg.model}: expected a decoder-only HF model with model.layers "
-                          f"(Qwen/Llama layout); got {type(model).__name__}")
-    for layer in layers:
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
+    The model is built exactly as sft.py builds it (meta device, shard, rank 0 reads the checkpoint and broadcasts
+    it), so a 14B policy never sits whole on every rank. Master weights stay fp32; on GPU the forward/backward
+    runs in bf16 with fp32 gradient reduction (bf16 is ~4.5x slower than fp32 on an AVX2 CPU, cpu-stack.md §2).
+    """
+    from sft import build_model
+
+    model, _ = build_model(cfg, cfg.model, device, rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay)
     return model, optimizer
@@ -200,22 +202,28 @@ def full_weights(model, dtype):
 
 @dataclasses.dataclass
 class TrainSample:
-    """One trajectory as the trainer sees it."""
-    input_ids: list[int]           # prompt + response tokens
-    prompt_len: int
+    """One selected trajectory as the trainer sees it (the field names match rollout.Trajectory's, so
+    rollout.balance_by_tokens can deal these out across ranks)."""
+    prompt_ids: list[int]
+    response_ids: list[int]        # model and tool tokens after the prompt
     loss_mask: list[int]           # per response token: 1 = written by the model, 0 = tool output (never trained)
     advantage: float               # Eq. 7, shared by all tokens of the trajectory
-    old_logprobs: list[float] | None = None    # per response token, recomputed by the trainer before the update
     engine_logprobs: list[float] | None = None  # per response token, as the engine sampled it (for the guard)
+    old_logprobs: list[float] | None = None     # per response token, recomputed by the trainer before the update
+    problem_index: int = 0
+    sample_index: int = 0
+
+    def __len__(self):
+        return len(self.prompt_ids) + len(self.response_ids)
 
 
 def micro_batches(samples, cfg):
     """Split this rank's samples into micro-batches under the token and size caps (longest first, so the padding
     per micro-batch stays small). Only memory depends on this: the loss is normalised by the global token count."""
-    order = sorted(range(len(samples)), key=lambda i: -len(samples[i].input_ids))
+    order = sorted(range(len(samples)), key=lambda i: -len(samples[i]))
     batches, current, longest = [], [], 0
     for i in order:
-        length = len(samples[i].input_ids)
+        length = len(samples[i])
         if length > cfg.micro_batch_tokens:
             raise ConfigError(f"a trajectory of {length} tokens does not fit micro_batch_tokens="
                               f"{cfg.micro_batch_tokens}; raise it to at least max_prompt_tokens + max_response_tokens")
@@ -242,21 +250,20 @@ def equalize_micro_batches(batches):
 def collate(batch, pad_id, device):
     """Padded tensors over the *target* positions 0..L-2 (position t predicts token t+1).
 
-    Response token j sits at prompt_len + j and is predicted at prompt_len + j - 1. Right padding needs no
+    Response token j sits at P + j (P prompt tokens) and is predicted at P + j - 1. Right padding needs no
     attention mask: under causal attention no real token sees the padding after it.
     """
     if not batch:  # the empty micro-batch of equalize_micro_batches
         zeros = torch.zeros(1, 1, device=device)
         return torch.full((1, 2), pad_id, device=device), zeros, zeros.bool(), zeros[:, 0], zeros
-    length = max(len(s.input_ids) for s in batch)
+    length = max(len(s) for s in batch)
     input_ids = torch.full((len(batch), length), pad_id, dtype=torch.long)
     mask = torch.zeros(len(batch), length - 1)
     old = torch.zeros(len(batch), length - 1)
     engine = torch.zeros(len(batch), length - 1)
     for row, s in enumerate(batch):
-        n = len(s.loss_mask)
-        input_ids[row, :len(s.input_ids)] = torch.tensor(s.input_ids)
-        at = slice(s.prompt_len - 1, s.prompt_len - 1 + n)
+        input_ids[row, :len(s)] = torch.tensor(s.prompt_ids + s.response_ids)
+        at = slice(len(s.prompt_ids) - 1, len(s) - 1)
         mask[row, at] = torch.tensor(s.loss_mask, dtype=torch.float)
         if s.old_logprobs is not None:
             old[row, at] = torch.tensor(s.old_logprobs)
@@ -290,7 +297,7 @@ def recompute_logprobs(model, samples, cfg, pad_id, device, temperature):
         input_ids, *_ = collate(batch, pad_id, device)
         logp = token_logprobs(model, input_ids, temperature).cpu()
         for row, s in enumerate(batch):
-            s.old_logprobs = logp[row, s.prompt_len - 1: s.prompt_len - 1 + len(s.loss_mask)].tolist()
+            s.old_logprobs = logp[row, len(s.prompt_ids) - 1: len(s) - 1].tolist()
 
 
 def logprob_gap(samples):
@@ -353,3 +360,372 @@ def train_step(model, optimizer, samples, cfg, step, pad_id, device, temperature
     out.update(ratio_max=float(ratio_max), grad_norm=float(grad_norm), lr=lr_at(step, cfg),
                num_micro_batches=len(batches), train_tokens=int(global_tokens.item()))
     return out
+
+
+# -----------------------------------------------------------------------------
+# from rollouts to a training batch: rewards (step 3), group filter + Resample-on-Correct + advantages (step 4)
+
+def select_samples(groups, rewards, cfg, step, position):
+    """This rank's groups -> (TrainSamples to train on, probes, one summary record per sampled trajectory).
+
+    Groups are complete on the rank that generated them, so selection needs no communication. Each group's RoC
+    draw has its own seed from (seed, step, the problem's position in the data stream): the same on a rerun,
+    whichever rank the problem landed on. A dropped (all-equal) group still gives one probe: a trajectory that is
+    not trained on but whose log-probs the sync guard checks, so the guard never goes blind, even on a step where
+    every group is dropped.
+    """
+    from grpo_roc import filter_groups, group_advantages, roc_penalty, select_group
+
+    kept_groups, _ = filter_groups(rewards, enabled=cfg.filter_all_equal)
+    samples, probes, records = [], [], []
+    for g, (group, group_rewards) in enumerate(zip(groups, rewards)):
+        # The penalties only rank the positives (§2.2.3); they never enter the reward.
+        penalties = [roc_penalty(t.num_tool_calls, t.num_tool_errors, t.num_answer_tags, max(t.num_turns, 1),
+                                 use_error_ratio=cfg.roc_error_ratio, use_answer_format=cfg.roc_answer_format)
+                     for t in group]
+        kept = []
+        if g in kept_groups:
+            rng = np.random.default_rng([cfg.seed, step, position + group[0].problem_index])
+            kept = select_group(group_rewards, penalties, cfg.group_size, rng, mode=cfg.algorithm,
+                                positive_rule=cfg.positive_rule)
+            # Eq. 7 over the G kept, not the 2G sampled
+            for i, advantage in zip(kept, group_advantages([group_rewards[i] for i in kept])):
+                t = group[i]
+                samples.append(TrainSample(t.prompt_ids, t.response_ids, t.loss_mask, advantage,
+                                           engine_logprobs=t.logprobs, problem_index=t.problem_index,
+                                           sample_index=t.sample_index))
+        else:
+            t = group[0]
+            probes.append(TrainSample(t.prompt_ids, t.response_ids, t.loss_mask, 0.0, engine_logprobs=t.logprobs,
+                                      problem_index=t.problem_index, sample_index=t.sample_index))
+        all_equal = max(group_rewards) == min(group_rewards)
+        for i, (t, reward, penalty) in enumerate(zip(group, group_rewards, penalties)):
+            records.append(dict(
+                reward=reward, selected=i in kept, all_equal=all_equal, penalty=penalty,
+                format_penalty=1.0 if t.num_answer_tags == 0 else min(1.0, (t.num_answer_tags - 1) / max(t.num_turns, 1)),
+                tool_calls=t.num_tool_calls, tool_errors=t.num_tool_errors,
+                parse_errors=t.tool_errors_by_kind.get("parse", 0), errors_by_kind=dict(t.tool_errors_by_kind),
+                response_tokens=len(t.response_ids), model_tokens=t.num_model_tokens, truncated=t.truncated,
+                turns=t.num_turns, problem=position + t.problem_index))
+    return samples, probes, records
+
+
+def step_metrics(records, num_groups):
+    """The per-step numbers, over every sampled trajectory of every rank (records from select_samples)."""
+    n = len(records)
+    mean = lambda key, rows=records: sum(r[key] for r in rows) / max(len(rows), 1)  # noqa: E731
+    calls = sum(r["tool_calls"] for r in records)
+    correct = [r for r in records if r["reward"] > 0]
+    correct_calls = sum(r["tool_calls"] for r in correct)
+    positives = [r for r in correct if not r["all_equal"]]
+    kept_positives = [r for r in positives if r["selected"]]
+    by_kind = {}
+    for r in records:
+        for kind, count in r["errors_by_kind"].items():
+            by_kind[kind] = by_kind.get(kind, 0) + count
+    out = {
+        "accuracy": mean("reward"),                                   # the mean 0/1 reward of everything sampled
+        "selected_reward_mean": mean("reward", [r for r in records if r["selected"]]),
+        "all_equal_group_fraction": sum(r["all_equal"] for r in records) / max(n, 1),  # groups are equal-sized
+        "trajectories": n, "selected": sum(r["selected"] for r in records), "groups": num_groups,
+        "tool_calls_per_trajectory": calls / max(n, 1),
+        "tool_call_rate": sum(r["tool_calls"] > 0 for r in records) / max(n, 1),  # a policy dropping the tool shows here
+        "tool_error_ratio": sum(r["tool_errors"] for r in records) / max(calls, 1),
+        # Fig. 4: failed calls per call, pooled over the trajectories that got the answer right
+        "tool_error_ratio_in_correct": sum(r["tool_errors"] for r in correct) / max(correct_calls, 1),
+        "parse_failure_rate": sum(r["parse_errors"] for r in records) / max(calls, 1),
+        "format_penalty": mean("format_penalty"),
+        # RoC at work: the kept positives should have a lower penalty than the positives they were drawn from
+        "roc_penalty_positives": mean("penalty", positives),
+        "roc_penalty_kept_positives": mean("penalty", kept_positives),
+        "response_tokens": mean("response_tokens"), "response_tokens_max": max((r["response_tokens"] for r in records), default=0),
+        "model_tokens": mean("model_tokens"),
+        "turns": mean("turns"),
+        "truncation_ratio": mean("truncated"),
+    }
+    out.update({f"tool_errors/{kind}": count for kind, count in sorted(by_kind.items())})
+    return out
+
+
+class TimedExecutor:
+    """The executor, adding up the seconds its calls run. Calls overlap decoding (no per-turn barrier), so this
+    is the tool's load, not a slice of the rollout's wall time."""
+
+    def __init__(self, executor):
+        self.executor, self.busy_s = executor, 0.0
+
+    def submit(self, code, stdin=""):
+        future = self.executor.submit(code, stdin=stdin)
+        future.add_done_callback(self._count)
+        return future
+
+    def _count(self, future):
+        if future.exception() is None:
+            self.busy_s += future.result().elapsed_s  # float += under the GIL: the callbacks' threads cannot tear it
+
+
+# -----------------------------------------------------------------------------
+# the run
+
+def check_inputs(cfg, world_size):
+    """Everything that can be wrong with the inputs, before a model or an engine is loaded."""
+    from common import load_problems
+    from sft import check_model_dir
+
+    if cfg.world_size and cfg.world_size != world_size:
+        raise ConfigError(f"world_size={cfg.world_size}: this config is written for {cfg.world_size} ranks but was "
+                          f"launched on {world_size}; change torchrun's --nnodes/--nproc_per_node, or world_size=0")
+    tp = cfg.rollout.tensor_parallel_size
+    if world_size % tp:
+        raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide the {world_size} ranks into engines")
+    engines = world_size // tp
+    if cfg.mode == "train" and cfg.prompts_per_step < engines:
+        raise ConfigError(f"prompts_per_step={cfg.prompts_per_step} is fewer than the {engines} engines: some would idle")
+    model = check_model_dir(cfg.model)
+    source = cfg.filter_source if cfg.mode == "filter" else cfg.train_data
+    problems = load_problems(source)
+    eval_rows = load_problems(cfg.eval_data) if cfg.eval_data and cfg.mode == "train" else []
+    return model, problems, eval_rows
+
+
+def evaluate_held_out(engine, executor, tokenizer, rows, cfg):
+    """Held-out accuracy through the same engine (its weights are the live policy) and eval.py's protocol."""
+    from eval import EvalConfig, evaluate
+
+    eval_rollout = dataclasses.replace(cfg.rollout, temperature=cfg.eval_temperature)
+    eval_cfg = EvalConfig(model=cfg.model, benchmarks=["held_out"], n=cfg.eval_samples, seed=cfg.seed,
+                          rollout=eval_rollout)
+    # The engine samples at its own config's temperature: switch it for the evaluation.
+    train_rollout, engine.cfg = engine.cfg, eval_rollout
+    try:
+        summary = evaluate(cfg.model, {"held_out": rows}, eval_cfg, engine=engine, executor=executor,
+                           tokenizer=tokenizer, out_dir=None)["held_out"]
+    finally:
+        engine.cfg = train_rollout
+    keys = ("pass@1", "tool_calls_per_trajectory", "tool_error_rate", "tool_error_rate_in_correct", "answer_rate",
+            "response_tokens")
+    return {f"eval/{k}": summary[k] for k in keys if summary.get(k) is not None}
+
+
+def train(cfg):
+    """The RL run; returns the last step's metrics (rank 0; {} elsewhere)."""
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from common import MetricsLogger, init_distributed, latest_checkpoint, load_checkpoint, save_checkpoint, save_config
+    from executor import Executor
+    from grpo_roc import rollouts_per_prompt
+    from reward import score_batch
+    from rollout import Engine, balance_by_tokens, generate
+    from sft import save_hf_model
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    model_path, problems, eval_rows = check_inputs(cfg, world_size)
+    rank, world_size, _, device = init_distributed()
+    out_dir = resolve(cfg.out_dir)
+    if rank == 0:
+        save_config(cfg, out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    cpu_threads = cfg.train_threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+    model, optimizer = load_policy(cfg, device, rank)
+    # resume: model, optimizer, RNG, step and data position (common.save_checkpoint is atomic by rename, so a run
+    # killed mid-save resumes from the previous complete checkpoint)
+    ckpt_root = out_dir / "checkpoints"
+    checkpoint = None if cfg.resume == "never" else latest_checkpoint(ckpt_root) if cfg.resume == "auto" else resolve(cfg.resume)
+    state = {"step": 0, "data_position": 0}
+    if checkpoint is not None:
+        state = load_checkpoint(checkpoint, model, optimizer)
+        if rank == 0:
+            print(f"resumed from {checkpoint}: step {state['step']}, data position {state['data_position']}", flush=True)
+    logger = MetricsLogger(out_dir, enabled=rank == 0, wandb_project=cfg.wandb_project, tensorboard=cfg.tensorboard,
+                           config=dataclasses.asdict(cfg), resume_step=state["step"])
+
+    engine = Engine(model_path, cfg.rollout, seed=cfg.seed)
+    executor = Executor(workers=cfg.rollout.tool_workers or None, timeout_s=cfg.rollout.tool_timeout_s,
+                        memory_mb=cfg.rollout.tool_memory_mb) if cfg.rollout.use_tool else None
+    tool = TimedExecutor(executor) if executor else None
+    weight_dtype = getattr(torch, cfg.rollout.dtype) if cfg.rollout.dtype in ("float32", "bfloat16", "float16") else torch.float32
+    rollouts = rollouts_per_prompt(cfg.group_size, cfg.algorithm)  # 2G for RoC, G for plain GRPO
+
+    def sync_weights():
+        # step 1: the trainer's weights into this rank's engine, one full tensor at a time, in memory
+        started = time.perf_counter()
+        engine.wake_up()
+        engine.update_weights(full_weights(model, weight_dtype))
+        return time.perf_counter() - started
+
+    def maybe_eval(step, metrics):
+        if eval_rows and (step == 0 or step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
+            started = time.perf_counter()
+            metrics.update(evaluate_held_out(engine, tool, tokenizer, eval_rows, cfg))
+            metrics["time/eval"] = time.perf_counter() - started
+
+    metrics = {}
+    if state["step"] == 0 and eval_rows:  # the "before" row of the demo's table
+        sync_weights()
+        maybe_eval(0, metrics)
+        logger.log(0, metrics)
+    progress = tqdm(total=cfg.steps, initial=state["step"], desc="rl", disable=rank != 0, dynamic_ncols=True)
+    for step in range(state["step"], cfg.steps):
+        times = {"weight_update": sync_weights()}
+
+        # step 2: rollouts. Every rank passes the same prompts; each problem is rolled out by the one rank that
+        # claims it (rollout.generate), so a rank that finishes early takes more.
+        started = time.perf_counter()
+        position = state["data_position"]
+        rows = [problems[i] for i in prompt_indices(len(problems), cfg.seed, position, cfg.prompts_per_step)]
+        busy_before = tool.busy_s if tool else 0.0
+        groups = generate(engine, tool, tokenizer, [r["problem"] for r in rows], rollouts, cfg.rollout,
+                          seed=cfg.seed, step=step)
+        engine.sleep()  # GPU: free the KV cache and weights for training (a no-op on CPU)
+        times["rollout"] = time.perf_counter() - started
+        times["tool_busy"] = (tool.busy_s if tool else 0.0) - busy_before
+        rollout_tokens = sum(len(t.response_ids) for g in groups for t in g)
+
+        # step 3: rewards, 0 for a truncated rollout (§4.3.1)
+        started = time.perf_counter()
+        flat = [t for g in groups for t in g]
+        flat_rewards = score_batch([t.response_text for t in flat], [rows[t.problem_index]["answer"] for t in flat],
+                                   [t.finished for t in flat])
+        rewards, at = [], 0
+        for g in groups:
+            rewards.append(flat_rewards[at:at + len(g)])
+            at += len(g)
+        times["reward"] = time.perf_counter() - started
+
+        # step 4-5: selection on the rank that holds each group, then the kept trajectories dealt out by tokens;
+        # each of the mini_batches optimizer steps takes a contiguous block of whole prompt groups
+        samples, probes, records = select_samples(groups, rewards, cfg, step, position)
+        blocks = [[s for s in samples if s.problem_index * cfg.mini_batches // cfg.prompts_per_step == b]
+                  for b in range(cfg.mini_batches)]
+        blocks = [balance_by_tokens(block) for block in blocks]
+
+        # step 6: old log-probs by the trainer, and the guard: the engine sampled these tokens with the weights just
+        # synced, so both must agree up to kernel noise. A broken sync (wrong names, stale weights, wrong dtype)
+        # shows here on step 1 instead of as a slow, silent divergence.
+        torch.set_num_threads(cpu_threads) if device.type == "cpu" else None
+        started = time.perf_counter()
+        mine = [s for block in blocks for s in block]
+        recompute_logprobs(model, mine + probes, cfg, pad_id, device, cfg.rollout.temperature)
+        gap = torch.tensor(logprob_gap(mine + probes), dtype=torch.float64)
+        gap_max = gap[2:].clone()
+        dist.all_reduce(gap[:2])
+        dist.all_reduce(gap_max, op=dist.ReduceOp.MAX)
+        gap_mean = gap[0].item() / max(gap[1].item(), 1)
+        times["old_logprobs"] = time.perf_counter() - started
+
+        # step 7: the update(s)
+        started = time.perf_counter()
+        train_metrics = {}
+        skipped = 0
+        for block in blocks:
+            count = torch.tensor([len(block)])
+            dist.all_reduce(count)
+            if count.item() == 0:  # every group of this block was all-equal: nothing to learn (release: skip)
+                skipped += 1
+                continue
+            train_metrics = train_step(model, optimizer, block, cfg, step, pad_id, device, cfg.rollout.temperature)
+        times["train"] = time.perf_counter() - started
+        if device.type == "cpu":
+            torch.set_num_threads(1)  # back to vLLM's setting for the engine's next rollouts (cpu-stack.md §3)
+
+        # step 8: metrics from every rank, then a checkpoint
+        gathered = [None] * world_size if rank == 0 else None
+        dist.gather_object((records, len(groups), times, rollout_tokens), gathered, dst=0)
+        state = {"step": step + 1, "data_position": position + cfg.prompts_per_step}
+        metrics = {}
+        if rank == 0:
+            all_records = [r for part in gathered for r in part[0]]
+            metrics = step_metrics(all_records, sum(part[1] for part in gathered))
+            metrics.update(train_metrics)
+            metrics.update(logprob_gap_mean=gap_mean, logprob_gap_max=gap_max.item(), skipped_updates=skipped,
+                           data_position=state["data_position"])
+            # wall times: the slowest rank's (the others wait for it at the next collective)
+            for key in times:
+                metrics[f"time/{key}"] = max(part[2][key] for part in gathered)
+            metrics["rollout_tokens_per_s"] = sum(p[3] for p in gathered) / max(metrics["time/rollout"], 1e-9)
+            metrics["train_tokens_per_s"] = (sum(len(s) for b in blocks for s in b) * world_size
+                                             / max(metrics["time/train"] + metrics["time/old_logprobs"], 1e-9))
+            if gap_mean > cfg.logprob_gap_warn:
+                print(f"\n{'!' * 100}\nWARNING step {step + 1}: trainer and engine log-probs of the sampled tokens differ by "
+                      f"{gap_mean:.4f} on average (max {gap_max.item():.3f}), above logprob_gap_warn="
+                      f"{cfg.logprob_gap_warn}.\nThe engine is not sampling from the policy being trained: check the "
+                      f"weight sync (names, dtype), the temperature, and the chat template.\n{'!' * 100}", flush=True)
+        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+            started = time.perf_counter()
+            save_checkpoint(ckpt_root, step + 1, model, optimizer, state, keep=cfg.keep_checkpoints)
+            metrics["time/checkpoint"] = time.perf_counter() - started
+        if eval_rows and (step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)):
+            sync_weights()  # the engine must hold the weights of this update, not the previous one
+            maybe_eval(step + 1, metrics)
+        if rank == 0:
+            logger.log(step + 1, metrics)
+            progress.update(1)
+            progress.set_postfix(acc=f"{metrics['accuracy']:.3f}", err_ok=f"{metrics['tool_error_ratio_in_correct']:.3f}",
+                                 gap=f"{gap_mean:.1e}", tok_s=f"{metrics['rollout_tokens_per_s']:.0f}")
+    progress.close()
+    logger.close()
+    # the trained policy as a Hugging Face directory: what eval.py, vLLM and the next stage load
+    save_hf_model(model, tokenizer, model_path, out_dir / f"hf_step_{state['step']}", torch.float32
+                  if device.type == "cpu" else torch.bfloat16, rank)
+    if executor:
+        executor.close()
+    engine.close()
+    return metrics
+
+
+def filter_solved(cfg):
+    """Stage-3 data (§6.3): sample filter_samples rollouts per problem of filter_source with the current policy and
+    keep the problems it does not solve every time (the paper: 42K -> 17.3K with 8 samples). Writes train_data."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from common import atomic_write_text, init_distributed
+    from executor import Executor
+    from reward import score_batch
+    from rollout import Engine, generate
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    model_path, problems, _ = check_inputs(cfg, world_size)
+    rank, world_size, _, _ = init_distributed()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    engine = Engine(model_path, cfg.rollout, seed=cfg.seed)
+    executor = Executor(workers=cfg.rollout.tool_workers or None, timeout_s=cfg.rollout.tool_timeout_s,
+                        memory_mb=cfg.rollout.tool_memory_mb) if cfg.rollout.use_tool else None
+    solved = {}
+    for chunk, start in enumerate(range(0, len(problems), cfg.prompts_per_step)):
+        rows = problems[start:start + cfg.prompts_per_step]
+        groups = generate(engine, executor, tokenizer, [r["problem"] for r in rows], cfg.filter_samples, cfg.rollout,
+                          seed=cfg.seed, step=chunk)
+        flat = [t for g in groups for t in g]
+        rewards = score_batch([t.response_text for t in flat], [rows[t.problem_index]["answer"] for t in flat],
+                              [t.finished for t in flat])
+        for t, reward in zip(flat, rewards):
+            solved[start + t.problem_index] = solved.get(start + t.problem_index, 0) + int(reward > 0)
+        if rank == 0:
+            print(f"[filter] {min(start + len(rows), len(problems))}/{len(problems)} problems", flush=True)
+    parts = [None] * world_size
+    dist.all_gather_object(parts, solved)
+    solved = {i: c for part in parts for i, c in part.items()}
+    kept = [row for i, row in enumerate(problems) if solved.get(i, 0) < cfg.filter_samples]
+    if rank == 0:
+        out = resolve(cfg.train_data)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out, "".join(json.dumps(row) + "\n" for row in kept))
+        print(f"[filter] kept {len(kept)} of {len(problems)} problems (dropped those solved {cfg.filter_samples}/"
+              f"{cfg.filter_samples}) -> {out}", flush=True)
+    if executor:
+        executor.close()
+    engine.close()
+    return kept
+
+
+if __name__ == "__main__":
+    try:
+        config = load_config(RLConfig, sys.argv[1:])
+        (filter_solved if config.mode == "filter" else train)(config)
+    except ConfigError as e:
+        sys.exit(f"rl.py: {e}")

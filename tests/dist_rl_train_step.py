@@ -29,11 +29,12 @@ def fixed_batch(vocab_size):
     for i in range(NUM_SAMPLES):
         prompt_len = rng.randint(4, 12)
         response_len = rng.choice([3, 5, 40, 90]) + i
-        ids = [rng.randrange(3, vocab_size) for _ in range(prompt_len + response_len)]
+        prompt = [rng.randrange(3, vocab_size) for _ in range(prompt_len)]
+        response = [rng.randrange(3, vocab_size) for _ in range(response_len)]
         # a block of "tool output" in the middle of longer responses: loss mask 0 there
         mask = [0 if (response_len > 20 and 10 <= j < 20) else 1 for j in range(response_len)]
         advantage = [1.2, -0.8, 0.5, -1.5][i % 4]
-        samples.append(rl.TrainSample(input_ids=ids, prompt_len=prompt_len, loss_mask=mask, advantage=advantage))
+        samples.append(rl.TrainSample(prompt, response, mask, advantage, problem_index=i))
     return samples
 
 
@@ -42,7 +43,7 @@ def main():
     rank, world_size, _, device = init_distributed()
     torch.manual_seed(0)
     cfg = load_config(rl.RLConfig, [f"model={model_dir}", "lr=1e-3", "warmup_steps=0", *overrides])
-    model, optimizer = rl.load_policy(cfg, device)
+    model, optimizer = rl.load_policy(cfg, device, rank)
     samples = fixed_batch(model.config.vocab_size)
     per_rank = len(samples) // world_size
     mine = samples[rank * per_rank:(rank + 1) * per_rank]

@@ -112,3 +112,138 @@ def test_a_per_micro_batch_mean_would_change_this_batch_far_beyond_the_tolerance
             loss.backward()
         grads[mode] = torch.cat([p.grad.flatten() for p in model.parameters()])
     assert (grads["global"] - grads["per_micro_batch"]).abs().max() > 100 * 1e-6
+
+
+# -----------------------------------------------------------------------------
+# data order, learning rate, micro-batches
+
+def test_every_epoch_is_a_fresh_permutation_and_a_resumed_position_reads_the_same_prompts():
+    stream = rl.prompt_indices(10, seed=3, start=0, count=30)
+    for epoch in range(3):
+        assert sorted(stream[epoch * 10:(epoch + 1) * 10]) == list(range(10))
+    assert stream[:10] != stream[10:20]  # reshuffled, not repeated
+    # a run resumed at position 14 (step 7 of 2 prompts) continues exactly where the uninterrupted one was
+    assert rl.prompt_indices(10, seed=3, start=14, count=9) == stream[14:23]
+    assert rl.prompt_indices(10, seed=4, start=0, count=10) != stream[:10]
+
+
+def test_lr_ramps_up_over_the_warmup_then_stays_constant():
+    cfg = rl.RLConfig(model="x", lr=1e-6, warmup_steps=20)
+    assert rl.lr_at(0, cfg) == pytest.approx(1e-6 / 20)  # step 0 already trains
+    assert rl.lr_at(9, cfg) == pytest.approx(0.5e-6)
+    assert [rl.lr_at(s, cfg) for s in (19, 20, 300)] == [pytest.approx(1e-6)] * 3
+
+
+def sample(length, prompt=2):
+    return rl.TrainSample(list(range(prompt)), list(range(length - prompt)), [1] * (length - prompt), 1.0)
+
+
+def test_micro_batches_keep_under_both_caps_and_lose_no_sample():
+    samples = [sample(n) for n in (50, 10, 30, 30, 20, 5)]
+    cfg = rl.RLConfig(model="x", micro_batch_tokens=60, micro_batch_size=0)
+    batches = rl.micro_batches(samples, cfg)
+    assert all(len(b) * max(len(s) for s in b) <= 60 for b in batches)  # padded size
+    assert sorted(len(s) for b in batches for s in b) == sorted(len(s) for s in samples)
+    cfg.micro_batch_size = 1
+    assert [len(b) for b in rl.micro_batches(samples, cfg)] == [1] * 6
+
+
+def test_a_trajectory_longer_than_a_micro_batch_is_an_error_that_says_what_to_raise():
+    with pytest.raises(ConfigError, match="does not fit micro_batch_tokens=60"):
+        rl.micro_batches([sample(61)], rl.RLConfig(model="x", micro_batch_tokens=60))
+
+
+# -----------------------------------------------------------------------------
+# selection: all-equal groups dropped, RoC keeps G of 2G, plain GRPO keeps all
+
+def trajectory(problem, index, calls=1, errors=0, answers=1, turns=2, prompt_len=3, response_len=6):
+    from rollout import Trajectory
+
+    t = Trajectory(problem, index, list(range(prompt_len)), list(range(response_len)), [1] * response_len,
+                   [-0.5] * response_len)
+    t.num_tool_calls, t.num_tool_errors, t.num_answer_tags, t.num_turns = calls, errors, answers, turns
+    t.tool_errors_by_kind["error"] = errors
+    t.finished = True
+    return t
+
+
+def test_roc_keeps_g_of_2g_prefers_clean_positives_and_drops_all_equal_groups():
+    cfg = rl.RLConfig(model="x", group_size=4, positive_rule="topk")
+    # problem 0: 4 right (two of them with failed calls), 4 wrong; problem 1: all wrong
+    mixed = [trajectory(0, i, errors=1 if i in (0, 1) else 0) for i in range(8)]
+    rewards = [[1, 1, 1, 1, 0, 0, 0, 0], [0] * 8]
+    samples, probes, records = rl.select_samples([mixed, [trajectory(1, i) for i in range(8)]], rewards, cfg,
+                                                 step=0, position=0)
+    assert len(samples) == 4 and {s.problem_index for s in samples} == {0}
+    kept = {s.sample_index for s in samples}
+    assert kept & {2, 3} == {2, 3} and not kept & {0, 1}      # the clean positives, not the ones with failed calls
+    assert sorted(s.advantage > 0 for s in samples) == [False, False, True, True]
+    assert sum(s.advantage for s in samples) == pytest.approx(0, abs=1e-6)  # Eq. 7: zero-mean within the group
+    assert [p.problem_index for p in probes] == [1]           # the dropped group still feeds the sync guard
+    assert len(records) == 16 and sum(r["selected"] for r in records) == 4
+
+
+def test_plain_grpo_trains_on_every_rollout_of_a_mixed_group():
+    cfg = rl.RLConfig(model="x", group_size=4, algorithm="grpo")
+    samples, _, _ = rl.select_samples([[trajectory(0, i) for i in range(4)]], [[1, 0, 0, 1]], cfg, step=0, position=0)
+    assert sorted(s.sample_index for s in samples) == [0, 1, 2, 3]
+
+
+def test_roc_draws_are_reproducible_from_seed_step_and_data_position():
+    cfg = rl.RLConfig(model="x", group_size=4, positive_rule="sample")
+    group = [trajectory(5, i, errors=i % 3 and 1) for i in range(8)]
+    rewards = [[1, 1, 1, 1, 1, 1, 0, 0]]
+    draw = lambda step, position: sorted(s.sample_index for s in  # noqa: E731
+                                         rl.select_samples([group], rewards, cfg, step, position)[0])
+    assert draw(3, 40) == draw(3, 40)
+    assert len({tuple(draw(3, p)) for p in range(40, 60)}) > 1  # other positions, other draws
+
+
+def test_tool_error_ratio_in_correct_pools_the_calls_of_correct_trajectories_only():
+    records = [dict(reward=r, selected=True, all_equal=False, penalty=0.0, format_penalty=0.0, tool_calls=c,
+                    tool_errors=e, parse_errors=p, errors_by_kind={"error": e - p, "parse": p}, response_tokens=10,
+                    model_tokens=8, truncated=False, turns=2, problem=0)
+               for r, c, e, p in [(1, 4, 1, 0), (1, 1, 0, 0), (0, 5, 5, 2), (0, 0, 0, 0)]]
+    metrics = rl.step_metrics(records, num_groups=1)
+    assert metrics["tool_error_ratio_in_correct"] == pytest.approx(1 / 5)   # Fig. 4: 1 failed of 5 calls
+    assert metrics["tool_error_ratio"] == pytest.approx(6 / 10)
+    assert metrics["parse_failure_rate"] == pytest.approx(2 / 10)
+    assert metrics["tool_call_rate"] == pytest.approx(3 / 4)
+    assert metrics["accuracy"] == pytest.approx(0.5)
+
+
+# -----------------------------------------------------------------------------
+# bad input stops before any work, with a message that names the problem
+
+@pytest.mark.parametrize("overrides, message", [
+    (["prompts_per_step=6", "mini_batches=4"], "prompts_per_step=6 does not divide into mini_batches=4"),
+    (["micro_batch_tokens=512"], "micro_batch_tokens=512 cannot hold one trajectory"),
+    (["group_size=2"], "GRPO-RoC keeps at least 2 positives and 2 negatives"),
+    (["rollout.max_turns=0"], "rollout.max_turns must be >= 1"),
+    (["resume=/no/such/checkpoint"], "expected auto, never or a checkpoint directory"),
+])
+def test_bad_configs_are_rejected_when_loaded(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(rl.RLConfig, ["configs/tiny.yaml", *overrides])
+
+
+def test_a_config_for_n_ranks_launched_on_m_is_rejected_before_loading_anything(tiny_model_dir):
+    cfg = load_config(rl.RLConfig, ["configs/tiny.yaml", f"model={tiny_model_dir}", "world_size=8"])
+    with pytest.raises(ConfigError, match="written for 8 ranks but was launched on 2"):
+        rl.check_inputs(cfg, world_size=2)
+    cfg = load_config(rl.RLConfig, ["configs/tiny.yaml", f"model={tiny_model_dir}", "rollout.tensor_parallel_size=4"])
+    with pytest.raises(ConfigError, match="tensor_parallel_size=4 does not divide the 6 ranks"):
+        rl.check_inputs(cfg, world_size=6)
+
+
+def test_a_model_directory_without_a_tokenizer_is_rejected_by_the_command_line(tiny_model_dir, tmp_path):
+    import shutil
+
+    weights_only = tmp_path / "weights-only"
+    weights_only.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(Path(tiny_model_dir) / name, weights_only / name)
+    proc = subprocess.run([PYTHON, "rl.py", "configs/tiny.yaml", f"model={weights_only}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "has no tokenizer" in proc.stderr and "Traceback" not in proc.stderr
