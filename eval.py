@@ -327,7 +327,7 @@ def append_samples(out_dir, records):
 # -----------------------------------------------------------------------------
 # generation and grading
 
-def sample_records(chunk, trajectories, tokenizer, cfg):
+def sample_records(chunk, trajectories, tokenizer, cfg, rank=0):
     """Grade trajectories (reward.py, Eq. 3: a truncated one scores 0) and turn them into samples.jsonl lines.
     chunk[i] = (benchmark, problem row) of the trajectories whose problem_index is i."""
     from reward import extract_answer, score_batch
@@ -348,10 +348,36 @@ def sample_records(chunk, trajectories, tokenizer, cfg):
             "response_tokens": len(t.response_ids), "model_tokens": t.num_model_tokens, "num_turns": t.num_turns,
             "num_tool_calls": t.num_tool_calls, "num_tool_errors": t.num_tool_errors,
             "tool_errors_by_kind": {k: v for k, v in t.tool_errors_by_kind.items() if v},
-            "num_answer_tags": t.num_answer_tags,
+            "num_answer_tags": t.num_answer_tags, "rank": rank,
             "prompt": prompts[t.problem_index], "response": t.response_text,
         })
     return records
+
+
+def check_prompt_lengths(todo, tokenizer, rollout_cfg):
+    """Every prompt must fit rollout.max_prompt_tokens; found out here, not an hour into the run."""
+    from rollout import render_prompt
+
+    too_long = [(name, row["id"], n) for name, row in todo
+                if (n := len(render_prompt(tokenizer, row["problem"], rollout_cfg))) > rollout_cfg.max_prompt_tokens]
+    if too_long:
+        listed = ", ".join(f"{name}/{pid} ({n} tokens)" for name, pid, n in too_long[:5])
+        raise ConfigError(f"{len(too_long)} prompt(s) exceed rollout.max_prompt_tokens={rollout_cfg.max_prompt_tokens}: "
+                          f"{listed}{', ...' if len(too_long) > 5 else ''}; raise it")
+
+
+def check_engine(engine, rollout_cfg):
+    """An engine passed in (rl.py's) samples with the settings it was built with; they must be the eval's."""
+    built = getattr(engine, "cfg", None)
+    if built is None or built is rollout_cfg:
+        return
+    for name in ("temperature", "top_p"):
+        if getattr(built, name) != getattr(rollout_cfg, name):
+            raise ConfigError(f"the engine passed to evaluate samples with rollout.{name}={getattr(built, name)}, "
+                              f"the eval config asks for {getattr(rollout_cfg, name)}")
+    if built.context_len < rollout_cfg.context_len:
+        raise ConfigError(f"the engine passed to evaluate holds {built.context_len} tokens per sequence, the eval "
+                          f"needs max_prompt_tokens + max_response_tokens = {rollout_cfg.context_len}")
 
 
 def evaluate(model_path, problems, cfg, engine=None, executor=None, tokenizer=None, out_dir=None):
@@ -398,9 +424,11 @@ def evaluate(model_path, problems, cfg, engine=None, executor=None, tokenizer=No
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(model_path)
+        check_prompt_lengths(todo, tokenizer, cfg.rollout)
         if engine is None:
             engine = Engine(model_path, cfg.rollout, seed=cfg.seed)
             owned.append(engine)
+        check_engine(engine, cfg.rollout)
         if executor is None and cfg.rollout.use_tool:
             from executor import Executor
 
@@ -414,7 +442,7 @@ def evaluate(model_path, problems, cfg, engine=None, executor=None, tokenizer=No
             groups = generate(engine, executor, tokenizer, [row["problem"] for _, row in chunk], cfg.n, cfg.rollout,
                               seed=cfg.seed, step=step)
             trajectories = [t for group in groups for t in (group if isinstance(group, list) else [group])]
-            records = sample_records(chunk, trajectories, tokenizer, cfg)
+            records = sample_records(chunk, trajectories, tokenizer, cfg, rank)
             if world_size > 1:
                 parts = [None] * world_size if rank == 0 else None
                 dist.gather_object(records, parts, dst=0)

@@ -1,5 +1,6 @@
 """eval.py: the metrics (pass@k, maj@k, tool-error rate) on hand-checked samples, the resume file, benchmark and
 model-directory errors, and the whole path on the tiny model through the real engine, tool and grader."""
+import contextlib
 import itertools
 import json
 import math
@@ -241,3 +242,208 @@ def test_a_corrupt_line_inside_samples_jsonl_names_file_and_line(tmp_path):
         f.write("not json\n" + json.dumps(HAND_CHECKED[0][1]) + "\n")
     with pytest.raises(ConfigError, match=r"samples.jsonl:2: not valid JSON"):
         evaluation.open_samples(tmp_path, settings, 4, resume=True)
+
+
+# -----------------------------------------------------------------------------
+# the whole path on the real engine, the real executor and the real grader
+#
+# The untrained tiny model writes noise, so a scripted policy decides what it writes: a vLLM logits processor
+# that, for a request whose prompt starts with a scripted problem's prompt, forces the tokens of the script's
+# k-th assistant turn (k = tool calls already in the context). Stopping, tool calls, tool turns, budgets and
+# grading are the real ones, so each problem's outcome below is known in advance.
+
+SCRIPTS = {}  # prompt token ids -> token ids of assistant turn 1, turn 2, ...
+CALL = '<tool_call>\n{"name": "python_code_with_standard_io", "arguments": {"code": "%s", "input": ""}}\n</tool_call>'
+PROBLEMS = [  # (row, assistant turns); every sample of a problem follows its script
+    ({"id": "tool", "problem": "Compute 1234 * 56 + 789.", "answer": "69893"},
+     [CALL % "print(1234 * 56 + 789)", " </reason><answer> \\boxed{69893} </answer><|im_end|>"]),
+    ({"id": "tool-error", "problem": "Compute 4321 * 12 - 5.", "answer": "51847"},
+     [CALL % "print(x)", " </reason><answer> \\boxed{51846} </answer><|im_end|>"]),
+    ({"id": "no-tool", "problem": "Compute 2 * 3 + 4.", "answer": "10"},
+     [" </reason><answer> \\boxed{10} </answer><|im_end|>"]),
+    # The right box, then a call in the last allowed turn: stopped by max_turns, not finished, so reward 0 (§4.3.1).
+    ({"id": "truncated", "problem": "Compute 5 * 5 + 5.", "answer": "30"},
+     [" \\boxed{30}" + CALL % "print(30)", CALL % "print(30)"]),
+    ({"id": "bad-call", "problem": "Compute 7 * 8 + 9.", "answer": "65"},
+     ["<tool_call>\n{not json}\n</tool_call>", " </reason><answer> \\boxed{65} </answer><|im_end|>"]),
+]
+
+
+def scripted_policy():
+    import torch
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+
+    class ScriptedPolicy(LogitsProcessor):
+        def __init__(self, vllm_config, device, is_pin_memory):
+            self.rows = {}  # batch row -> (prompt ids, output ids: vLLM's live list)
+
+        def is_argmax_invariant(self):
+            return False
+
+        def update_state(self, batch_update):
+            if batch_update is None:
+                return
+            for row in batch_update.removed:
+                self.rows.pop(row, None)
+            for row, _, prompt, output in batch_update.added:
+                self.rows[row] = (prompt, output)
+            for a, b, direction in batch_update.moved:
+                moved_a, moved_b = self.rows.pop(a, None), self.rows.pop(b, None)
+                if moved_a is not None:
+                    self.rows[b] = moved_a
+                if direction.name == "SWAP" and moved_b is not None:
+                    self.rows[a] = moved_b
+
+        def apply(self, logits):
+            for row, (prompt, output) in self.rows.items():
+                for key, (call_end, turns) in SCRIPTS.items():
+                    if tuple(prompt[:len(key)]) == key:
+                        turn = turns[list(prompt[len(key):]).count(call_end)]
+                        if len(output) < len(turn):
+                            logits[row] = -torch.inf
+                            logits[row, turn[len(output)]] = 0.0
+            return logits
+
+    return ScriptedPolicy
+
+
+def eval_cfg(**overrides):
+    from rollout import RolloutConfig
+
+    rollout_cfg = RolloutConfig(prompt_variant="code", dtype="float32", enforce_eager=True, gpu_memory_utilization=0.1,
+                                max_prompt_tokens=512, max_response_tokens=160, max_turns=2, temperature=0.6,
+                                max_tool_response_chars=96)
+    cfg = evaluation.EvalConfig(model="unused", n=2, chunk_problems=3, rollout=rollout_cfg)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def scripted(tiny_model_dir, tokenizer):
+    """(engine, executor): one engine for the module, since starting one takes 10-30 s on CPU."""
+    import common
+    import rollout
+    from executor import Executor
+
+    cfg = eval_cfg()
+    call_end = tokenizer.convert_tokens_to_ids("</tool_call>")
+    for row, turns in PROBLEMS:
+        key = tuple(rollout.render_prompt(tokenizer, row["problem"], cfg.rollout))
+        SCRIPTS[key] = (call_end, [tokenizer.encode(t, add_special_tokens=False) for t in turns])
+    common.init_distributed()  # a gloo world of one: the path torchrun takes
+    engine = rollout.Engine(tiny_model_dir, cfg.rollout, seed=0, logits_processors=[scripted_policy()])
+    with Executor(workers=1, timeout_s=2.0) as executor:
+        yield engine, executor
+    engine.close()
+
+
+@contextlib.contextmanager
+def counting_generate():
+    """Counts the problems and trajectories the real rollout.generate is asked for and returns."""
+    import rollout
+
+    counts = {"problems": 0, "trajectories": 0}
+    real_generate = rollout.generate
+
+    def counted(*args, **kwargs):
+        groups = real_generate(*args, **kwargs)
+        counts["problems"] += len(args[3])
+        counts["trajectories"] += sum(len(group) for group in groups)
+        return groups
+
+    rollout.generate = counted
+    try:
+        yield counts
+    finally:
+        rollout.generate = real_generate
+
+
+@pytest.fixture(scope="module")
+def first_run(scripted, tokenizer, tiny_model_dir, tmp_path_factory):
+    """One evaluation of the scripted problems into a fresh out_dir: (out_dir, summary, generate counts)."""
+    engine, executor = scripted
+    out_dir = tmp_path_factory.mktemp("eval-run")
+    with counting_generate() as counts:
+        summary = evaluation.evaluate(tiny_model_dir, {"scripted": [row for row, _ in PROBLEMS]}, eval_cfg(),
+                                      engine=engine, executor=executor, tokenizer=tokenizer, out_dir=out_dir)
+    return out_dir, summary, counts
+
+
+@pytest.mark.slow
+def test_whole_path_grades_scripted_samples_and_writes_table_json_and_jsonl(first_run, tokenizer):
+    import rollout
+
+    out_dir, summary, counts = first_run
+    assert counts == {"problems": 5, "trajectories": 10}  # in two chunks of at most 3 problems
+    records = [json.loads(line) for line in (out_dir / "samples.jsonl").read_text().splitlines()]
+    assert [(r["problem_id"], r["sample_index"]) for r in records] == [(row["id"], j) for row, _ in PROBLEMS for j in (0, 1)]
+    by_problem = {r["problem_id"]: r for r in records if r["sample_index"] == 0}
+    assert {pid: r["correct"] for pid, r in by_problem.items()} == {
+        "tool": True, "tool-error": False, "no-tool": True, "truncated": False, "bad-call": True}
+    assert {pid: r["answer"] for pid, r in by_problem.items()} == {
+        "tool": "69893", "tool-error": "51846", "no-tool": "10", "truncated": "30", "bad-call": "65"}
+    assert by_problem["tool"]["tool_errors_by_kind"] == {} and by_problem["tool"]["num_turns"] == 2
+    assert by_problem["tool-error"]["tool_errors_by_kind"] == {"error": 1}
+    assert by_problem["bad-call"]["tool_errors_by_kind"] == {"parse": 1}
+    assert by_problem["truncated"]["stop_reason"] == "max_turns"
+    assert "Tool call success\nstdout: 69893" in by_problem["tool"]["response"]
+    assert by_problem["no-tool"]["prompt"] == tokenizer.decode(
+        rollout.render_prompt(tokenizer, "Compute 2 * 3 + 4.", eval_cfg().rollout))
+
+    m = summary["scripted"]
+    assert (m["problems"], m["n"]) == (5, 2)
+    assert m["pass@1"] == m["pass@2"] == m["maj@2"] == pytest.approx(3 / 5)
+    # 1 + 1 + 0 + 1 + 1 calls: truncated's second call, in its last allowed turn, never runs (rollout.py)
+    assert m["tool_calls_per_trajectory"] == pytest.approx(4 / 5)
+    assert m["tool_error_rate"] == pytest.approx(2 / 4)
+    assert m["tool_error_rate_in_correct"] == pytest.approx(1 / 2)   # tool: 0 of 1, bad-call: 1 of 1
+    assert m["tool_errors_by_kind"] == {"error": 2, "parse": 2}
+    assert m["truncated_rate"] == pytest.approx(1 / 5) and m["answer_rate"] == 1.0
+    # The files say the same as the return value.
+    assert json.loads((out_dir / "summary.json").read_text())["benchmarks"] == summary
+    assert (out_dir / "summary.md").read_text() == evaluation.markdown_table(summary) + "\n"
+
+
+@pytest.mark.slow
+def test_resume_recomputes_nothing_finished(first_run, scripted, tokenizer, tiny_model_dir, tmp_path):
+    engine, executor = scripted
+    out_dir, first, _ = first_run
+    shutil.copytree(out_dir, tmp_path, dirs_exist_ok=True)
+
+    def run():
+        with counting_generate() as counts:
+            summary = evaluation.evaluate(tiny_model_dir, {"scripted": [row for row, _ in PROBLEMS]}, eval_cfg(),
+                                          engine=engine, executor=executor, tokenizer=tokenizer, out_dir=tmp_path)
+        return summary, counts
+
+    assert run() == (first, {"problems": 0, "trajectories": 0})  # everything finished: nothing is generated
+
+    # Killed mid-write: 3 problems whole, "truncated" with 1 sample and a torn line, "bad-call" missing.
+    samples = tmp_path / "samples.jsonl"
+    lines = samples.read_text().splitlines(keepends=True)
+    samples.write_text("".join(lines[:7]) + lines[7][:40])
+    assert run() == (first, {"problems": 2, "trajectories": 4})  # exactly the two unfinished problems
+    assert samples.read_text().splitlines(keepends=True) == lines  # finished lines untouched, the rest redone alike
+
+
+@pytest.mark.slow
+def test_without_the_tool_no_executor_is_needed(scripted, tokenizer, tiny_model_dir):
+    import rollout
+
+    engine, _ = scripted
+    cfg = eval_cfg()
+    cfg.rollout.use_tool = False
+    row, turns = PROBLEMS[2]
+    call_end = tokenizer.convert_tokens_to_ids("</tool_call>")
+    SCRIPTS[tuple(rollout.render_prompt(tokenizer, row["problem"], cfg.rollout))] = (
+        call_end, [tokenizer.encode(t, add_special_tokens=False) for t in turns])
+    summary = evaluation.evaluate(tiny_model_dir, [row], cfg, engine=engine, tokenizer=tokenizer)
+    assert summary["problems"]["pass@1"] == 1.0 and summary["problems"]["tool_calls_per_trajectory"] == 0.0
