@@ -415,8 +415,6 @@ def evaluate(model_path, problems, cfg, engine=None, executor=None, tokenizer=No
               f"{len(todo)} to generate on {world_size} rank(s)", flush=True)
 
     owned = []  # what this call builds, it also closes
-    started = time.time()
-    generated_tokens = 0
     if todo:
         from rollout import Engine, generate
 
@@ -436,12 +434,13 @@ def evaluate(model_path, problems, cfg, engine=None, executor=None, tokenizer=No
                                 memory_mb=cfg.rollout.tool_memory_mb)
             owned.append(executor)
     try:
+        started, generated_tokens = time.time(), 0
         for step, start in enumerate(range(0, len(todo), cfg.chunk_problems)):
             chunk = todo[start:start + cfg.chunk_problems]
             # step numbers the chunk, so the per-request seeds (seed, step, problem, sample) never repeat.
             groups = generate(engine, executor, tokenizer, [row["problem"] for _, row in chunk], cfg.n, cfg.rollout,
                               seed=cfg.seed, step=step)
-            trajectories = [t for group in groups for t in (group if isinstance(group, list) else [group])]
+            trajectories = [t for group in groups for t in group]  # this rank's problems, n samples each
             records = sample_records(chunk, trajectories, tokenizer, cfg, rank)
             if world_size > 1:
                 parts = [None] * world_size if rank == 0 else None
@@ -459,22 +458,20 @@ def evaluate(model_path, problems, cfg, engine=None, executor=None, tokenizer=No
                 elapsed = time.time() - started
                 print(f"[eval] {start + len(chunk)}/{len(todo)} problems, {elapsed:.0f} s, "
                       f"{generated_tokens / max(elapsed, 1e-9):.0f} response tokens/s", flush=True)
+        summary = [None]
+        if rank == 0:
+            summary[0] = {name: summarize([finished[(name, row["id"])] for row in rows], ks)
+                          for name, rows in problems.items()}
+            if out_dir is not None:
+                atomic_write_text(Path(out_dir) / "summary.json", json.dumps(
+                    {"model": str(model_path), "benchmarks": summary[0]}, indent=1))
+                atomic_write_text(Path(out_dir) / "summary.md", markdown_table(summary[0]) + "\n")
+        if world_size > 1:
+            dist.broadcast_object_list(summary, src=0)
     finally:
+        # Last: closing an engine under external_launcher also tears down torch.distributed's default group.
         for thing in owned:
-            close = getattr(thing, "close", None) or getattr(thing, "shutdown", None)
-            if close:
-                close()
-
-    summary = [None]
-    if rank == 0:
-        summary[0] = {name: summarize([finished[(name, row["id"])] for row in rows], ks)
-                      for name, rows in problems.items()}
-        if out_dir is not None:
-            atomic_write_text(Path(out_dir) / "summary.json", json.dumps(
-                {"model": str(model_path), "benchmarks": summary[0]}, indent=1))
-            atomic_write_text(Path(out_dir) / "summary.md", markdown_table(summary[0]) + "\n")
-    if world_size > 1:
-        dist.broadcast_object_list(summary, src=0)
+            thing.close()
     return summary[0]
 
 

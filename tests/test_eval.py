@@ -5,11 +5,16 @@ import itertools
 import json
 import math
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 import eval as evaluation
 from common import BENCHMARKS, ConfigError
+
+REPO = Path(evaluation.__file__).resolve().parent
 
 
 # -----------------------------------------------------------------------------
@@ -447,3 +452,23 @@ def test_without_the_tool_no_executor_is_needed(scripted, tokenizer, tiny_model_
         call_end, [tokenizer.encode(t, add_special_tokens=False) for t in turns])
     summary = evaluation.evaluate(tiny_model_dir, [row], cfg, engine=engine, tokenizer=tokenizer)
     assert summary["problems"]["pass@1"] == 1.0 and summary["problems"]["tool_calls_per_trajectory"] == 0.0
+
+
+@pytest.mark.slow
+def test_command_line_under_torchrun_splits_the_work_and_rank_0_gathers_it(tiny_model_dir, tmp_path):
+    """Two ranks, two engines: every sample is written once, by rank 0, and summary.json is the summary of the
+    JSONL. (Which rank rolls out which problem is the shared counter's choice; the records say.)"""
+    out_dir = tmp_path / "run"
+    command = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node=2", "eval.py", "configs/eval_tiny.yaml",
+               f"model={tiny_model_dir}", f"out_dir={out_dir}", "arith_problems=4", "n=2",
+               "rollout.max_response_tokens=8", "rollout.gpu_memory_utilization=0.1", "rollout.max_concurrency=2"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "| arith | 4 | 2 |" in done.stdout
+    records = [json.loads(line) for line in (out_dir / "samples.jsonl").read_text().splitlines()]
+    assert sorted((r["problem_id"], r["sample_index"]) for r in records) == [(f"arith-test-{i}", j) for i in range(4) for j in (0, 1)]
+    assert {r["rank"] for r in records} <= {0, 1}
+    groups = [[r for r in records if r["problem_id"] == f"arith-test-{i}"] for i in range(4)]
+    summary = json.loads((out_dir / "summary.json").read_text())["benchmarks"]
+    assert summary == {"arith": evaluation.summarize(groups, ks=[1, 2])}
+    assert (out_dir / "config.yaml").exists()
