@@ -1,0 +1,887 @@
+"""The reward of rStar2-Agent (arXiv 2508.20722, Eq. 3): 1 if the final \\boxed{} answer equals the reference, else 0.
+
+  r = 1 if is_equivalent(extract_answer(response), gold) and the rollout finished, else 0.
+  No format reward, no tool reward (§2.2.1); a truncated rollout scores 0 (§4.3.1).
+
+A wrong reward silently poisons training and a hung verifier stalls a whole step, so:
+  1. extract_answer takes the last \\boxed{...} / \\fbox{...} / \\boxed 5 of the *model's prose*: text inside
+     <tool_call> and <tool_response> blocks is skipped, so code that prints "\\boxed{42}" earns nothing.
+     require_answer_tag=True also demands the box sit inside the last <answer>...</answer>, as the paper's
+     prompt asks; the released code does not require it, and neither does the default here.
+  2. fast_equivalent decides most pairs in microseconds, in-process: equal after normalising notation
+     ("1,080" = "1080" = "1080.0", \\dfrac = \\frac, 90^\\circ = 90, "x=5" = "5", \\text{(C)} = "C", units
+     dropped), exact numbers compared as fractions, and a number against something that cannot be one
+     number ("10" vs "(6,31,-1)") rejected. Integer answers (the paper's training data, §4.2) never leave it.
+  3. The rest goes to math-verify (symbolic equivalence: the library, not a hand-written parser) in a
+     pool of worker processes. Each distinct answer is first parsed and evaluated once ("3\\sqrt{13}" is a
+     number, far from "10": rejected); only pairs still open pay for math-verify's verify. Nothing
+     becomes True without math-verify or an equal normalised spelling.
+  4. Every check has a hard limit. math-verify's own timeout is signal.alarm, which works only in a main
+     thread, and a big-int power holds the GIL, so no thread can stop it: each worker runs math-verify in
+     its own main thread under its own alarm, and the parent SIGKILLs and replaces a worker that still
+     misses the deadline. Out of time, crashed or killed means False; the caller never hangs or crashes.
+
+Paper vs released code (microsoft/rStar @ ecbfb94), and what this file does:
+  - the release accepts if PRIME's grader OR math-verify accepts; here the fast path OR math-verify.
+  - the release scores the whole decoded text, tool output included; here only model prose (point 1).
+  - the release scores truncated text like any other; here finished=False gives 0, as the paper says.
+  - the release verifies remotely in the code sandbox (§3.1); here in local worker processes.
+
+Use: `from reward import score_batch` (rl.py, eval.py), compute_reward / is_equivalent / extract_answer;
+     start_pool(n) to choose the pool size (default: CPUs / local ranks, at most 8), shutdown_pool().
+Benchmark: python reward.py --bench [workers=2 rounds=3 timeout_s=5 negatives_per_problem=2 audit_all_pairs=false]
+Tests:     .venv/bin/python -m pytest tests/test_reward.py -q
+"""
+import atexit
+import dataclasses
+import functools
+import json
+import os
+import random
+import re
+import select
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from fractions import Fraction
+
+DEFAULT_TIMEOUT_S = 5.0
+# The longest gold answer in data/*.jsonl is 159 characters (a 3x3 matrix). A "final answer" six times
+# longer is not an answer, and parsing it could cost seconds of sympy, so it scores 0 unparsed.
+MAX_ANSWER_CHARS = 1000
+# Virtual memory cap per worker: (10^{10})! or a 10^9-digit power then fails with MemoryError inside the
+# worker (a clean False) instead of swapping the node. A worker with sympy + antlr loaded maps ~300 MB.
+WORKER_MEMORY_BYTES = 2 << 30
+
+# -----------------------------------------------------------------------------
+# Extraction: the last box of the model's own text
+
+
+def _model_prose(text):
+    """`text` minus every <tool_call>...</tool_call> and <tool_response>...</tool_response> block.
+
+    The decoded trajectory interleaves model text with tool output (rollout.py). A box printed by the
+    tool, or written inside the code, is not the model's final answer. One left-to-right scan with
+    str.find keeps this linear even for a megabyte of unclosed tags; an unclosed block runs to the end.
+    """
+    closers = {"<tool_call>": "</tool_call>", "<tool_response>": "</tool_response>"}
+    next_open = {tag: text.find(tag) for tag in closers}  # re-searched only once passed: linear overall
+    kept, pos = [], 0
+    while True:
+        found = [(at, tag) for tag, at in next_open.items() if at >= 0]
+        if not found:
+            kept.append(text[pos:])
+            return "".join(kept)
+        start, tag = min(found)
+        kept.append(text[pos:start])
+        end = text.find(closers[tag], start + len(tag))
+        if end < 0:
+            return "".join(kept)
+        pos = end + len(closers[tag])
+        for other, at in next_open.items():
+            if 0 <= at < pos:
+                next_open[other] = text.find(other, pos)
+
+
+# Only braces and backslash escapes matter for matching: \{ and \} are literal braces, and "\\}" is a
+# line break followed by a real closing brace, so a backslash always swallows the next character.
+_BRACE_TOKEN = re.compile(r"\\.|[{}]", re.DOTALL)
+
+
+def _box_content(text, start):
+    """The argument of the box command whose name ends at `start`, or None if it is malformed."""
+    rest = text[start:start + MAX_ANSWER_CHARS + 2]
+    stripped = rest.lstrip()
+    if stripped.startswith("{"):
+        open_at = start + len(rest) - len(stripped)
+        depth = 0
+        for token in _BRACE_TOKEN.finditer(text, open_at, open_at + MAX_ANSWER_CHARS + 2):
+            if token.group() == "{":
+                depth += 1
+            elif token.group() == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[open_at + 1:token.start()]
+        return None  # unbalanced, or longer than MAX_ANSWER_CHARS
+    if len(stripped) < len(rest) and stripped:
+        # "\boxed 5": TeX takes the next token; MATH solutions use it for single numbers.
+        return re.match(r"[^\s$]*", stripped).group()
+    return None  # "\boxedx", or the command at the very end
+
+
+def extract_answer(text, require_answer_tag=False):
+    """The content of the last \\boxed{...} (or \\fbox{...}, or \\boxed 5) in the model's prose, or None.
+
+    Nested braces are matched. The last box is taken even when an earlier one is complete: a final box that
+    is empty, unbalanced or over MAX_ANSWER_CHARS means the final answer is malformed, and gives None.
+    require_answer_tag: only look inside the last closed <answer>...</answer> (paper §2.1 prompt).
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"extract_answer: text must be a str, got {type(text).__name__}")
+    prose = _model_prose(text)
+    lo, hi = 0, len(prose)
+    if require_answer_tag:
+        hi = prose.rfind("</answer>")
+        lo = prose.rfind("<answer>", 0, max(hi, 0))
+        if hi < 0 or lo < 0:
+            return None
+        lo += len("<answer>")
+    at, name = max((prose.rfind(cmd, lo, hi), cmd) for cmd in ("\\boxed", "\\fbox"))
+    if at < 0:
+        return None
+    content = _box_content(prose[:hi], at + len(name))
+    if content is None or not content.strip():
+        return None
+    return content.strip()
+
+
+# -----------------------------------------------------------------------------
+# Fast path: normalise the notation, then compare strings or exact numbers
+
+_DELIMITERS = [("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")]
+_UNIT_AT_END = re.compile(r"\\(?:text|textrm|textbf|mbox|mathrm)\s*\{[^{}]*\}\s*(?:\^\s*\{?\d\}?)?\s*$")
+_WHOLE_TEXT = re.compile(r"\\(?:text|textrm|textbf|mbox|mathrm)\s*\{([^{}]*)\}")
+_THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+")
+_INTEGER = re.compile(r"-?\d+(?:\.0*)?")
+
+
+@functools.lru_cache(maxsize=1 << 16)  # a gold is normalised once per rollout of its group
+def normalize_answer(answer):
+    """A canonical spelling of an answer; two spellings of one answer should map to the same string.
+
+    Only notation is touched (the conventions MATH and AIME graders accept); anything mathematical is
+    left to math-verify. Used only to decide equality, never shown to math-verify.
+    """
+    s = answer.strip()
+    for left, right in _DELIMITERS:
+        if len(s) >= len(left) + len(right) and s.startswith(left) and s.endswith(right):
+            s = s[len(left):len(s) - len(right)].strip()
+            break
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    s = re.sub(r"\\(?:left|right)(?![a-zA-Z])", "", s)  # not \rightarrow
+    s = re.sub(r"\\[,;:! ]|\\q?quad(?![a-zA-Z])|~", " ", s)  # TeX spacing, as in "10,\!080"
+    s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|\\degree(?![a-zA-Z])", "", s)  # 90^\circ = 90
+    s = s.replace("\\%", "").replace("%", "").replace("\\$", "").replace("$", "")
+    # A trailing \text{...} after a number is a unit ("5.4 \text{ cents}", "864 \mbox{ inches}^2");
+    # an answer that is only text is unwrapped ("\text{Evelyn}", "\text{(C)}").
+    while True:
+        without_unit = _UNIT_AT_END.sub("", s)
+        if without_unit == s or not re.search(r"\d", without_unit):
+            break
+        s = without_unit
+    if _WHOLE_TEXT.fullmatch(s.strip()):
+        s = _WHOLE_TEXT.fullmatch(s.strip()).group(1)
+    # Whitespace carries no meaning in TeX math, except that "1 2" must not become "12".
+    s = re.sub(r"(?<=\d)\s+(?=\d)", " ", s)
+    s = re.sub(r"(?<![\d])\s+|\s+(?![\d])", "", s).strip()
+    s = s.rstrip(".")
+    assignment = re.fullmatch(r"[a-zA-Z]=([^=<>]+)", s)  # "x=5": MATH accepts the bare value
+    if assignment:
+        s = assignment.group(1)
+    choice = re.fullmatch(r"\(([A-Z])\)", s)  # multiple choice "(C)" = "C"
+    if choice:
+        s = choice.group(1)
+    if _THOUSANDS.fullmatch(s):
+        s = s.replace(",", "")
+    if _INTEGER.fullmatch(s):  # "025" = "25", "27.0" = "27", "-0" = "0"
+        s = str(int(s.split(".")[0]))
+    return s
+
+
+_FRACTIONS = [
+    re.compile(r"(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}"),
+    re.compile(r"(-?)\\frac(\d)(\d)"),  # \frac43, \frac 59
+    re.compile(r"(-?)\\frac\{(-?\d+)\}(\d)"),  # \frac{270}7
+    re.compile(r"(-?)\\frac(\d)\{(-?\d+)\}"),
+    re.compile(r"(-?)(-?\d+)/(-?\d+)"),
+]
+
+
+def _as_number(s):
+    """(value, exact) for a normalised integer, decimal or integer fraction; None for anything else.
+
+    exact is False for decimals: math-verify rounds (1/3 = 0.333333 passes), so only two exact
+    numbers may be declared different here.
+    """
+    if re.fullmatch(r"-?\d+", s):
+        return Fraction(int(s)), True
+    if re.fullmatch(r"-?\d*\.\d+", s):
+        return Fraction(s), False
+    for pattern in _FRACTIONS:
+        m = pattern.fullmatch(s)
+        if m and int(m.group(3)) != 0:
+            value = Fraction(int(m.group(2)), int(m.group(3)))
+            return (-value if m.group(1) else value), True
+    return None
+
+
+_OPENERS, _CLOSERS = "([{", ")]}"
+_NAMED_TEXT = re.compile(r"\\(?:text|textrm|textbf|mbox|mathrm|mathbf|operatorname)(?![a-zA-Z])")
+_PLAIN_FUNCTIONS = re.compile(r"arcsin|arccos|arctan|sinh|cosh|tanh|sin|cos|tan|cot|sec|csc|log|ln|exp|sqrt|pi")
+
+
+def _is_not_a_number(s):
+    """True when the normalised answer `s` cannot be one number: a tuple, list or interval, a union, a
+    +-, a matrix with several entries, or an expression in a free variable ("2k+2", "Evelyn", "C").
+
+    Conservative: anything with "=", "<", ">", a subscript (base "52_8"), text or an operator name is
+    not judged. e and i are not free variables (e, the imaginary unit). Lets "10" vs "(6,31,-1)" or vs
+    "x^3+3x-6" be decided here instead of costing math-verify 20 ms.
+    """
+    if any(c in s for c in "=<>_") or _NAMED_TEXT.search(s):
+        return False
+    if re.match(r"\\begin\{[pb]matrix\}", s) and ("&" in s or "\\\\" in s):
+        return True
+    if re.search(r"\\(?:pm|mp|cup)(?![a-zA-Z])", s):
+        return True
+    inner = s[1:-1] if len(s) > 1 and s[0] in "([" and s[-1] in ")]" else s
+    if s.startswith("\\{") and s.endswith("\\}"):
+        inner = s[2:-2]
+    depth = 0
+    for ch in inner:
+        depth += (ch in _OPENERS) - (ch in _CLOSERS)
+        if ch == "," and depth == 0:
+            return True
+    letters = set(_PLAIN_FUNCTIONS.sub("", re.sub(r"\\[a-zA-Z]+", "", s)))
+    return any(c.isascii() and c.isalpha() for c in letters - set("eEiI"))
+
+
+# Values of answers that are not plain numbers ("-\\sqrt{3}"), as the workers computed them with math-verify's
+# parser and sympy; None for answers that are not one number. Golds recur every epoch, and wrong answers
+# recur across rollouts, so each is parsed once per process.
+_VALUES = {}
+
+
+def _value(answer):
+    """[re, im] of an answer known to be a number, else None."""
+    if "%" in answer:
+        return None  # math-verify reads "50\\%" as both 50 and 0.5: no single value
+    number = _as_number(normalize_answer(answer))
+    if number:
+        try:
+            return [float(number[0]), 0.0]
+        except OverflowError:
+            return None
+    return _VALUES.get(answer)
+
+
+def _differ_by_value(pred, gold):
+    """True if what is known proves the answers differ: two numbers far apart, or a number against an
+    answer that cannot be one number ("-\\sqrt{3}" vs "8n^2+4n+1", "10" vs "(6,31,-1)")."""
+    p_value, g_value = _value(pred), _value(gold)
+    if p_value and g_value:
+        # "Far" is beyond any rounding math-verify allows (6 decimal places): 1/3 = 0.333333 stays open.
+        a, b = complex(*p_value), complex(*g_value)
+        return abs(a - b) > 1e-3 * max(1.0, abs(a), abs(b))
+    return bool((p_value and _is_not_a_number(normalize_answer(gold))) or
+                (g_value and _is_not_a_number(normalize_answer(pred))))
+
+
+def fast_equivalent(pred, gold):
+    """True / False when notation and known values decide, None when math-verify must look.
+
+    Never True for a pair that differs in more than notation. False only where math-verify agrees:
+    two different exact numbers, or values that _differ_by_value (checked against math-verify on every
+    pair of distinct MATH-500 answers by `--bench audit_all_pairs=true`).
+    """
+    p, g = normalize_answer(pred), normalize_answer(gold)
+    if not p:
+        return False
+    if p == g:
+        return True
+    p_num, g_num = _as_number(p), _as_number(g)
+    if p_num and g_num:
+        if p_num[0] == g_num[0]:
+            return True
+        if p_num[1] and g_num[1] and "%" not in pred + gold:
+            return False  # two exact rationals (math-verify reads "50\\%" as 0.5 too, so not those)
+    return False if _differ_by_value(pred, gold) else None
+
+
+# -----------------------------------------------------------------------------
+# math-verify, as run inside a worker process
+#
+# math-verify's own timeouts are signal.alarm(whole seconds), which only work in the main thread. A worker
+# is a process of its own, so it sets a finer alarm (setitimer) around each whole task and switches
+# math-verify's off (theirs would reset the same timer). The alarm raises _Deadline, a BaseException,
+# because math-verify and sympy catch Exception (and math-verify its own TimeoutException) and carry on.
+# A C-level big-int operation cannot be interrupted by any signal handler; the parent's kill covers that.
+
+
+class _Deadline(BaseException):
+    pass
+
+
+def _raise_deadline(signum, frame):
+    raise _Deadline()
+
+
+_PARSED = {}  # per worker: parse results by string; golds repeat across a group's 2G rollouts
+
+
+def _parse_cached(latex):
+    from math_verify import parse
+
+    if latex not in _PARSED:
+        if len(_PARSED) > 20000:
+            _PARSED.clear()
+        _PARSED[latex] = parse(latex, parsing_timeout=None)
+    return _PARSED[latex]
+
+
+def _math_verify_equivalent(pred, gold):
+    """math-verify's verdict on two extracted answers. No time limit: run it under the worker's alarm.
+
+    Both sides are wrapped in \\boxed{} so math-verify parses exactly that answer (the release does the
+    same for the gold); verify is not symmetric, and gold goes first as its docs require.
+    """
+    from math_verify import verify
+
+    gold_parsed, pred_parsed = _parse_cached("\\boxed{" + gold + "}"), _parse_cached("\\boxed{" + pred + "}")
+    return bool(gold_parsed and pred_parsed and verify(gold_parsed, pred_parsed, timeout_seconds=None))
+
+
+def _math_verify_value(answer):
+    """[re, im] of an answer that math-verify parses to one closed-form number, such as "-\\sqrt{3}" or
+    "\\frac{20000}{\\pi}"; None for variables, sets, tuples, matrices, relations and text.
+
+    Lets the parent reject "3\\sqrt{13}" vs "10" by value, parsing each distinct answer once instead of
+    parsing and verifying every pair. No time limit: run it under the worker's alarm.
+    """
+    import sympy
+
+    parsed = _parse_cached("\\boxed{" + answer + "}")
+    expr = parsed[0] if parsed else None
+    if not isinstance(expr, sympy.Expr) or expr.free_symbols or not expr.is_number:
+        return None
+    value = complex(expr.evalf(30))
+    return [value.real, value.imag] if abs(value) < 1e300 else None
+
+
+_TASKS = {"verify": (_math_verify_equivalent, False), "value": (_math_verify_value, None)}  # (function, safe result)
+_WARMUP_PAIRS = [("\\frac{\\sqrt{2}}{2}", "\\sqrt{2}/2"), ("(x+1)^2", "x^2+2x+1"), ("[1, 2)", "(1,2)"),
+                 ("\\{1, 2\\}", "1,2"), ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "y = 2x"), ("1+2i", "3.5")]
+
+
+def _worker_main():
+    """Loop of one worker: read a JSON task per line on stdin, answer a JSON line on stdout.
+
+    Exits at EOF (the parent closed the pipe or died). PR_SET_PDEATHSIG also kills it if the parent dies
+    while it is stuck in C code, so a killed trainer leaves no orphan burning a core.
+    """
+    import signal
+
+    # The protocol gets its own copy of stdout; fd 1 goes to /dev/null so a library's stray print (antlr
+    # reports syntax errors that way) cannot corrupt a reply.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    try:
+        import ctypes
+        import logging
+        import resource
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG = 1, SIGKILL = 9 (Linux)
+        resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY_BYTES, WORKER_MEMORY_BYTES))
+        import math_verify  # noqa: F401  (the import is the slow part of startup)
+
+        # Its only warning here is "Timeout is disabled", which is the point.
+        logging.getLogger("math_verify").setLevel(logging.CRITICAL)
+        signal.signal(signal.SIGALRM, _raise_deadline)
+        sys.setrecursionlimit(10000)  # deep but legal nesting; deeper raises RecursionError -> False
+        # sympy loads code paths on first use (~1.5 s): pay that before "ready", not inside a deadline.
+        for pred, gold in _WARMUP_PAIRS:
+            _math_verify_equivalent(pred, gold)
+            _math_verify_value(pred)
+        _PARSED.clear()
+    except BaseException as e:  # noqa: BLE001  (report any startup failure, then exit)
+        out.write(json.dumps(["startup_error", f"{type(e).__name__}: {e}"]) + "\n")
+        out.flush()
+        return
+    out.write(json.dumps(["ready", os.getpid()]) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        task_id, kind, *strings, deadline_s = json.loads(line)
+        function, result = _TASKS[kind]
+        timed_out = False
+        cpu_started = time.process_time()
+        # Stop a little before the parent's kill, so the worker survives and a respawn is saved.
+        # The inner finally disarms the timer before the outer handler runs, so a late alarm cannot escape.
+        signal.setitimer(signal.ITIMER_REAL, max(0.01, 0.9 * deadline_s))
+        try:
+            try:
+                result = function(*strings)
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except _Deadline:
+            timed_out = True
+        except BaseException:  # noqa: BLE001  (MemoryError, RecursionError, sympy internals: the safe result)
+            pass
+        out.write(json.dumps([task_id, result, time.process_time() - cpu_started, timed_out]) + "\n")
+        out.flush()
+
+
+# -----------------------------------------------------------------------------
+# The pool: persistent workers, a hard deadline per check, kill and replace
+
+
+def default_num_workers():
+    """CPUs available to this process, shared among the torchrun ranks on this node, at most 8."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, min(8, cpus // max(1, ranks_here)))
+
+
+class VerifierPool:
+    """Worker processes that run math-verify, each started with a clean interpreter.
+
+    Workers are `python reward.py --worker` subprocesses, not multiprocessing forks: forking a trainer
+    that holds CUDA, NCCL or vLLM threads is unsafe, and "spawn" would re-import the caller's main module
+    (rl.py, so torch and vllm) in every worker. A worker only takes tasks after it reports "ready", so
+    its ~1 s import never counts against a deadline.
+    """
+
+    def __init__(self, num_workers=None):
+        self.num_workers = num_workers or default_num_workers()
+        if not isinstance(self.num_workers, int) or self.num_workers < 1:
+            raise ValueError(f"VerifierPool: num_workers must be a positive int, got {num_workers!r}")
+        self.owner_pid = os.getpid()
+        self.workers = []
+        self.kills = 0  # workers SIGKILLed (a check past its deadline); rl.py can log it
+        self.worker_cpu_s = 0.0  # CPU seconds the workers spent on checks, for the benchmark
+        self.tasks_run = {"value": 0, "verify": 0}
+        self.startup_failures = 0
+        for _ in range(self.num_workers):
+            self._spawn()
+
+    def _spawn(self):
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                bufsize=0)
+        self.workers.append({"proc": proc, "buffer": b"", "ready": False, "task": None, "started": 0.0,
+                             "born": time.monotonic(), "error": None})
+
+    def _replace(self, worker, kill):
+        """Retire `worker` (SIGKILL first if `kill`: it may be stuck in C code) and start a fresh one."""
+        if kill:
+            worker["proc"].kill()
+            self.kills += 1
+        worker["proc"].wait()
+        for pipe in (worker["proc"].stdin, worker["proc"].stdout):
+            try:
+                pipe.close()
+            except OSError:
+                pass
+        self.workers.remove(worker)
+        self._spawn()
+
+    def run(self, tasks, timeouts):
+        """Run [("verify", pred, gold) or ("value", answer), ...] with per-task deadlines in seconds.
+
+        Returns (results, seconds): each task's result and the worker time it took. A task that hits its
+        deadline (the worker's alarm, or the kill) gets the safe result, False for verify and None for
+        value, and infinite seconds: whatever used that answer is out of time.
+        """
+        results = [False if task[0] == "verify" else None for task in tasks]
+        seconds = [float("inf")] * len(tasks)
+        pending = deque(range(len(tasks)))
+        unfinished = len(tasks)
+        try:
+            while unfinished:
+                for worker in self.workers:
+                    if worker["ready"] and worker["task"] is None and pending:
+                        index = pending.popleft()
+                        line = json.dumps([index, *tasks[index], timeouts[index]]) + "\n"
+                        worker["task"], worker["started"] = index, time.monotonic()
+                        try:
+                            worker["proc"].stdin.write(line.encode())
+                        except OSError:  # it died between tasks; the read below sees EOF
+                            pass
+                now = time.monotonic()
+                busy = [w["started"] + timeouts[w["task"]] - now for w in self.workers if w["task"] is not None]
+                wait_s = max(0.0, min(busy)) if busy else 0.5
+                readable, _, _ = select.select([w["proc"].stdout for w in self.workers], [], [], wait_s)
+                for worker in [w for w in self.workers if w["proc"].stdout in readable]:
+                    data = os.read(worker["proc"].stdout.fileno(), 1 << 16)
+                    if not data:  # it died (segfault, OOM kill): its check stays False; replace it
+                        unfinished -= worker["task"] is not None
+                        self._replace(worker, kill=False)
+                        if not worker["ready"]:
+                            self._startup_failed(worker["error"] or f"exit code {worker['proc'].returncode}")
+                        continue
+                    worker["buffer"] += data
+                    while b"\n" in worker["buffer"]:
+                        line, worker["buffer"] = worker["buffer"].split(b"\n", 1)
+                        message = json.loads(line)
+                        if message[0] == "ready":
+                            worker["ready"] = True
+                            self.startup_failures = 0
+                        elif message[0] == "startup_error":
+                            worker["error"] = message[1]  # it exits next; the EOF above counts it
+                        elif message[0] == worker["task"]:
+                            results[message[0]] = message[1]
+                            if not message[3]:
+                                seconds[message[0]] = time.monotonic() - worker["started"]
+                            self.worker_cpu_s += message[2]
+                            self.tasks_run[tasks[message[0]][0]] += 1
+                            worker["task"] = None
+                            unfinished -= 1
+                now = time.monotonic()
+                for worker in list(self.workers):
+                    if worker["task"] is not None and now - worker["started"] >= timeouts[worker["task"]]:
+                        unfinished -= 1  # the hard deadline: its check stays False
+                        self._replace(worker, kill=True)
+                    elif not worker["ready"] and now - worker["born"] > 120:
+                        self._replace(worker, kill=True)
+                        self._startup_failed("no 'ready' within 120 s")
+        except BaseException:
+            # Interrupted (Ctrl-C, a failed start): a busy worker would answer a task of this batch
+            # into the next one, so replace every busy worker before letting the exception through.
+            for worker in [w for w in self.workers if w["task"] is not None]:
+                self._replace(worker, kill=True)
+            raise
+        return results, seconds
+
+    def _startup_failed(self, reason):
+        self.startup_failures += 1
+        if self.startup_failures >= 3 * self.num_workers:
+            raise RuntimeError(f"reward.py: math-verify workers fail to start ({reason}); "
+                               f"check that `{sys.executable} -c 'import math_verify'` works")
+
+    def close(self):
+        """Close the pipes (workers exit at EOF) and kill any worker that has not exited after 2 s."""
+        if os.getpid() != self.owner_pid:
+            return  # a forked child must not touch its parent's workers
+        for worker in self.workers:
+            try:
+                worker["proc"].stdin.close()
+            except OSError:
+                pass
+        deadline = time.monotonic() + 2.0
+        for worker in list(self.workers):
+            try:
+                worker["proc"].wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                worker["proc"].kill()
+                worker["proc"].wait()
+            worker["proc"].stdout.close()
+        self.workers = []
+
+
+_POOL = None
+_POOL_LOCK = threading.Lock()
+
+
+def start_pool(num_workers=None):
+    """Start (or restart with a new size) the shared pool. Optional: the first check starts it lazily."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is not None and _POOL.owner_pid == os.getpid():
+            if num_workers is None or _POOL.num_workers == num_workers:
+                return _POOL
+            _POOL.close()
+        _POOL = VerifierPool(num_workers)
+        return _POOL
+
+
+def shutdown_pool():
+    """Stop the shared pool's workers (also run at exit). The next check starts a new pool."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is not None:
+            _POOL.close()
+        _POOL = None
+
+
+atexit.register(shutdown_pool)
+
+
+def _run_in_pool(tasks, timeouts):
+    if not tasks:
+        return [], []
+    pool = start_pool()
+    with _POOL_LOCK:  # one batch at a time: the workers are shared by every thread of this process
+        return pool.run(tasks, timeouts)
+
+
+def _slow_path(pairs, timeout_s):
+    """Verdicts for the (pred, gold) pairs the fast path left open, using the worker pool.
+
+    1. Each distinct answer whose value is not known yet is evaluated once (math-verify's parse, then
+       sympy's evalf), with half of timeout_s: parsing it is most of what a verify would cost.
+    2. Pairs that now _differ_by_value are False.
+    3. The rest get math-verify's verify, with what is left of timeout_s after step 1 spent on their two
+       answers: no pair gets more than timeout_s of worker time in all. Nothing is True without verify.
+    """
+    unknown = sorted({s for pair in pairs for s in pair if s not in _VALUES and _value(s) is None
+                      and "%" not in s and not _is_not_a_number(normalize_answer(s))})
+    values, seconds = _run_in_pool([("value", s) for s in unknown], [timeout_s / 2] * len(unknown))
+    spent = dict(zip(unknown, seconds))
+    if len(_VALUES) > 100_000:
+        _VALUES.clear()
+    # Only finished evaluations are remembered: under load a fine answer may miss its deadline once.
+    _VALUES.update((s, v) for s, v, t in zip(unknown, values, seconds) if t != float("inf"))
+    verdicts, to_verify, budgets = {}, [], []
+    for pred, gold in pairs:
+        budget = timeout_s - spent.get(pred, 0.0) - spent.get(gold, 0.0)
+        if budget < 0.1 or _differ_by_value(pred, gold):
+            verdicts[pred, gold] = False  # out of time, or proven different
+        else:
+            to_verify.append((pred, gold))
+            budgets.append(budget)
+    results, _ = _run_in_pool([("verify", *pair) for pair in to_verify], budgets)
+    verdicts.update(zip(to_verify, map(bool, results)))
+    return [verdicts[pair] for pair in pairs]
+
+
+# -----------------------------------------------------------------------------
+# Public API
+
+
+def _check_gold(gold, where):
+    if not isinstance(gold, str):
+        raise TypeError(f"{where}: gold must be a str, got {type(gold).__name__} {gold!r}")
+    if "\\boxed" in gold or "\\fbox" in gold:
+        gold = extract_answer(gold) or ""
+    if not gold.strip():
+        raise ValueError(f"{where}: gold answer is empty; a data row without an answer cannot be scored")
+    return gold.strip()
+
+
+def is_equivalent(pred, gold, timeout_s=DEFAULT_TIMEOUT_S):
+    """Is the answer `pred` the same as `gold`? Both are answers, not responses ("\\frac12", "0.5").
+
+    Returns within about timeout_s (plus a worker's startup on the first call) whatever pred is.
+    None, empty or over-long preds are False. A boxed pred or gold is unboxed first.
+    """
+    gold = _check_gold(gold, "is_equivalent")
+    if pred is None:
+        return False
+    if not isinstance(pred, str):
+        raise TypeError(f"is_equivalent: pred must be a str or None, got {type(pred).__name__}")
+    if "\\boxed" in pred or "\\fbox" in pred:
+        pred = extract_answer(pred)
+    if not pred or not pred.strip() or len(pred) > MAX_ANSWER_CHARS:
+        return False
+    verdict = fast_equivalent(pred, gold)
+    if verdict is not None:
+        return verdict
+    return _slow_path([(pred.strip(), gold)], timeout_s)[0]
+
+
+def score_batch(responses, golds, finished=True, require_answer_tag=False, timeout_s=DEFAULT_TIMEOUT_S):
+    """Rewards (0.0 / 1.0) for decoded responses against their gold answers, in order.
+
+    finished: one bool for all, or one per response; False (no end of turn: truncated) scores 0 (§4.3.1).
+    The fast path runs here; the rest is deduplicated (a group's 2G rollouts often agree) and verified in
+    parallel by the worker pool, each pair under its own hard timeout_s.
+    """
+    responses, golds = list(responses), list(golds)
+    if len(responses) != len(golds):
+        raise ValueError(f"score_batch: {len(responses)} responses but {len(golds)} golds")
+    if isinstance(finished, str) or not hasattr(finished, "__len__"):  # one flag for the whole batch
+        finished = [finished] * len(responses)
+    finished = list(finished)
+    if len(finished) != len(responses):
+        raise ValueError(f"score_batch: {len(responses)} responses but {len(finished)} finished flags")
+    rewards = [0.0] * len(responses)
+    undecided = {}  # (pred, gold) -> indices waiting for math-verify
+    for i, (response, gold, done) in enumerate(zip(responses, golds, finished)):
+        if not isinstance(response, str):
+            raise TypeError(f"score_batch: responses[{i}] must be a str, got {type(response).__name__}")
+        if isinstance(done, str) or done is None:
+            raise TypeError(f"score_batch: finished[{i}] must be a bool, got {done!r}")
+        gold = _check_gold(gold, f"score_batch: golds[{i}]")
+        if not done:
+            continue
+        pred = extract_answer(response, require_answer_tag=require_answer_tag)
+        if pred is None:
+            continue
+        verdict = fast_equivalent(pred, gold)
+        if verdict is None:
+            undecided.setdefault((pred, gold), []).append(i)
+        elif verdict:
+            rewards[i] = 1.0
+    pairs = list(undecided)
+    for pair, verdict in zip(pairs, _slow_path(pairs, timeout_s)):
+        for i in undecided[pair]:
+            rewards[i] = float(verdict)
+    return rewards
+
+
+def compute_reward(response, gold, finished=True, require_answer_tag=False, timeout_s=DEFAULT_TIMEOUT_S):
+    """The reward of one decoded response (Eq. 3): 1.0 if its final boxed answer equals gold, else 0.0."""
+    return score_batch([response], [gold], [finished], require_answer_tag, timeout_s)[0]
+
+
+
+# -----------------------------------------------------------------------------
+# The labeled set and the benchmark (python reward.py --bench)
+
+
+def math500_labeled_set(path="data/math500.jsonl", negatives_per_problem=2, seed=0):
+    """(response, gold, label) triples from MATH-500, for measuring agreement.
+
+    Positives: each problem's reference `solution` (its last box is the answer, written the way the
+    solution's author wrote it) against the normalised `answer`; all must score 1.
+    Negatives: the solution of problem j against the answer of problem i, for `negatives_per_problem`
+    partners j of each i (a seeded shuffle, neighbours in it). Such a pair is truly equal exactly when
+    the two answer strings are identical: every cross pair between different answer strings that the fast
+    path or math-verify accepts was audited (`--bench audit_all_pairs=true`), and none is accepted.
+    """
+    from common import load_problems
+
+    rows = load_problems(path)
+    triples = [(row["solution"], row["answer"], True) for row in rows]
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    for k, i in enumerate(order):
+        for shift in range(1, negatives_per_problem + 1):
+            j = order[(k + shift) % len(order)]
+            triples.append((rows[j]["solution"], rows[i]["answer"], rows[i]["answer"] == rows[j]["answer"]))
+    return triples
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    data: str = "data/math500.jsonl"
+    negatives_per_problem: int = 2
+    workers: int = 0  # 0: default_num_workers()
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    rounds: int = 3  # the machine is shared, so report the median of interleaved rounds
+    seed: int = 0
+    audit_all_pairs: bool = False  # also check the fast path against math-verify on every answer pair (minutes)
+
+    def validate(self):
+        if self.negatives_per_problem < 0 or self.workers < 0 or self.rounds < 1 or self.timeout_s <= 0:
+            raise ValueError(f"bench: negatives_per_problem, workers >= 0, rounds >= 1, timeout_s > 0; got {self}")
+
+
+def _agreement(verdicts, labels):
+    positives = [bool(v) for v, label in zip(verdicts, labels) if label]
+    negatives = [bool(v) for v, label in zip(verdicts, labels) if not label]
+    return sum(positives), len(positives), sum(negatives), len(negatives)
+
+
+def _warmup_tasks(path="data/math_train.jsonl", count=24):
+    """Answers from a training file (not the labeled set): the first calls of sympy's code paths are slow,
+    and both sides of the benchmark get the same warm-up."""
+    from common import load_problems
+
+    answers = [row["answer"] for row in load_problems(path) if not _as_number(normalize_answer(row["answer"]))]
+    return [(answers[k], answers[k + 1]) for k in range(count)]
+
+
+def _fresh_pool(workers):
+    """A new pool, started and warmed up, so no round reuses another round's parse caches."""
+    shutdown_pool()
+    _VALUES.clear()
+    pool = start_pool(workers or None)
+    warm = _warmup_tasks()
+    tasks = [("value", s) for pair in warm for s in pair] + [("verify", *pair) for pair in warm]
+    _run_in_pool(tasks, [10.0] * len(tasks))
+    _VALUES.clear()
+    return pool
+
+
+def bench(cfg):
+    """Answers/s and agreement on the labeled set: plain math-verify vs the fast path vs score_batch.
+
+    Wall time is what a training step waits for; CPU time (the parent's plus the workers' per-check CPU,
+    pool start excluded) is what the machine pays, and is the steadier figure on a shared machine.
+    """
+    from common import load_problems
+    from math_verify import parse, verify
+
+    triples = math500_labeled_set(cfg.data, cfg.negatives_per_problem, cfg.seed)
+    responses, golds, labels = zip(*triples)
+    n, n_problems = len(triples), len(load_problems(cfg.data))
+    print(f"labeled set: {n_problems} positives (each solution's box vs its answer) and {n - n_problems} "
+          f"negatives (vs other problems' answers), of which {sum(labels) - n_problems} are truly equal "
+          f"(identical answer strings)")
+    rows = {}
+
+    def record(name, verdicts, wall_s, cpu_s):
+        rows.setdefault(name, []).append((wall_s, cpu_s, _agreement(verdicts, labels)))
+
+    for pred, gold in _warmup_tasks():
+        verify(parse("\\boxed{" + gold + "}"), parse("\\boxed{" + pred + "}"))
+    for round_index in range(cfg.rounds):
+        wall, cpu = time.perf_counter(), time.process_time()
+        verdicts = [verify(parse("\\boxed{" + g + "}"), parse(r)) for r, g in zip(responses, golds)]
+        record("math-verify: verify(parse(gold), parse(response))", verdicts,
+               time.perf_counter() - wall, time.process_time() - cpu)
+
+        _VALUES.clear()  # the fast path alone: notation and plain numbers, nothing learned from workers
+        wall, cpu = time.perf_counter(), time.process_time()
+        preds = [extract_answer(r) for r in responses]
+        verdicts = [bool(p) and fast_equivalent(p, g) is True for p, g in zip(preds, golds)]
+        record("fast path alone (undecided scores 0)", verdicts, time.perf_counter() - wall, time.process_time() - cpu)
+        undecided = sum(1 for p, g in zip(preds, golds) if p and fast_equivalent(p, g) is None)
+        normalize_answer.cache_clear()
+
+        for workers in sorted({cfg.workers or default_num_workers(), 1}, reverse=True):
+            pool = _fresh_pool(workers)
+            kills, worker_cpu, warmup_tasks = pool.kills, pool.worker_cpu_s, dict(pool.tasks_run)
+            wall, cpu = time.perf_counter(), time.process_time()
+            verdicts = score_batch(responses, golds, timeout_s=cfg.timeout_s)
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu + pool.worker_cpu_s - worker_cpu
+            record(f"score_batch, {workers} worker(s)", verdicts, wall, cpu)
+            tasks_run = {kind: count - warmup_tasks[kind] for kind, count in pool.tasks_run.items()}
+            normalize_answer.cache_clear()
+            if pool.kills != kills:
+                print(f"  note: {pool.kills - kills} check(s) hit the {cfg.timeout_s} s deadline")
+        shutdown_pool()
+        print(f"round {round_index + 1}/{cfg.rounds} done", flush=True)
+
+    print(f"\n{n} pairs; the fast path leaves {undecided} ({100 * undecided / n:.0f}%) to the workers, which "
+          f"evaluate {tasks_run['value']} distinct answers and verify {tasks_run['verify']} pairs; "
+          f"median of {cfg.rounds} interleaved round(s); {os.cpu_count()} CPUs, load average "
+          f"{os.getloadavg()[0]:.1f} at the end")
+    print(f"{'method':50} {'answers/s':>9} {'speedup':>7} {'CPU ms/ans':>10} {'speedup':>7} "
+          f"{'positives':>9} {'false pos':>9}")
+    base_rate = base_cpu = None
+    for name, runs in rows.items():
+        wall_s = sorted(r[0] for r in runs)[len(runs) // 2]
+        cpu_ms = 1000 * sorted(r[1] for r in runs)[len(runs) // 2] / n
+        tp, n_pos, fp, n_neg = runs[0][2]
+        base_rate, base_cpu = base_rate or n / wall_s, base_cpu or cpu_ms
+        print(f"{name:50} {n / wall_s:9.0f} {n / wall_s / base_rate:6.1f}x {cpu_ms:10.3f} "
+              f"{base_cpu / max(cpu_ms, 1e-9):6.1f}x {tp:>4}/{n_pos:<4} {fp:>4}/{n_neg:<4}")
+
+    if cfg.audit_all_pairs:
+        audit_fast_path(cfg)
+
+
+def audit_fast_path(cfg):
+    """Every ordered pair of distinct answers in cfg.data that fast_equivalent decides once every answer's
+    value is known, re-checked by math-verify's verify. Prints each disagreement."""
+    from common import load_problems
+
+    answers = sorted({row["answer"] for row in load_problems(cfg.data)})
+    start_pool(cfg.workers or None)
+    started = time.perf_counter()
+    timeout_s = max(cfg.timeout_s, 10)
+    values, _ = _run_in_pool([("value", a) for a in answers], [timeout_s] * len(answers))
+    _VALUES.update(zip(answers, values))
+    decided = [(pred, gold, verdict) for pred in answers for gold in answers if pred != gold
+               for verdict in [fast_equivalent(pred, gold)] if verdict is not None]
+    checks, _ = _run_in_pool([("verify", pred, gold) for pred, gold, _ in decided], [timeout_s] * len(decided))
+    wrong = [(p, g, v) for (p, g, v), check in zip(decided, checks) if v != check]
+    pairs = len(answers) * (len(answers) - 1)
+    print(f"\naudit: {len(decided)} of {pairs} ordered pairs of distinct answers are decided without verify; "
+          f"{len(wrong)} disagree with math-verify ({time.perf_counter() - started:.0f} s)")
+    for pred, gold, verdict in wrong:
+        print(f"  decided {verdict} for pred {pred!r} vs gold {gold!r}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        _worker_main()
+    elif sys.argv[1:2] == ["--bench"]:
+        from common import load_config
+
+        bench(load_config(BenchConfig, sys.argv[2:]))
+    else:
+        sys.exit(__doc__)
