@@ -19,9 +19,10 @@ point: rerun the same command and only the problems it lacks are generated.
 
 Benchmarks: the names in common.BENCHMARKS (aime24, aime25, hmmt25, amc23, math500, gsm8k), `arith` (the tiny
 demo's held-out arithmetic, tiny.make_arithmetic_problems(split="test")), or a path to a problems JSONL.
-The prompt is a switch: rollout.chat_template + rollout.tool_schema select the released-code prompt
-(<reason>, python_code_with_standard_io) or the paper's Fig. 3 prompt (<think>, execute_python_code_with_standard_io),
-so a checkpoint is measured in the format it was trained with.
+The prompt is a switch, so a checkpoint is measured in the format it was trained with: rollout.prompt_variant=code
+is the released training code's prompt (<reason>, python_code_with_standard_io; rl.py's default), =paper the
+paper's Fig. 3 prompt (<think>, execute_python_code_with_standard_io, the tool name the released 14B model's card
+uses); rollout.chat_template / rollout.tool_schema point at any other template.
 
 Protocol vs the released eval scripts (rstar2-method.md §8.1): the paper samples at temperature 0.6 with up to
 30 turns; the released aime_eval.sh leaves temperature unset (verl's default: greedy) and allows 5 turns.
@@ -35,6 +36,7 @@ import difflib
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -64,7 +66,7 @@ class EvalConfig:
     limit: int = 0                     # first `limit` problems of each benchmark (0 = all); cheap smoke runs
     n: int = 16                        # samples per problem (paper §5.1: 16)
     ks: list[int] = dataclasses.field(default_factory=list)  # pass@k / maj@k; empty = 1, 2, 4, ... up to n, and n
-    seed: int = 0                      # sampling seeds derive from (seed, problem, sample), so reruns reproduce
+    seed: int = 0                      # request seeds derive from (seed, chunk, problem, sample): a rerun reproduces
     out_dir: str = "runs/eval"
     resume: bool = True                # reuse the finished problems in out_dir/samples.jsonl
     chunk_problems: int = 64           # problems per generation call; samples.jsonl is appended after each one
@@ -84,9 +86,10 @@ class EvalConfig:
         for k in self.ks:
             if not 1 <= k <= self.n:
                 raise ConfigError(f"ks: pass@{k} needs 1 <= k <= n = {self.n}")
-        for name in ("limit", "arith_problems"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.limit < 0:
+            raise ConfigError(f"limit must be >= 0 (0 = every problem), got {self.limit}")
+        if self.arith_problems < 1:
+            raise ConfigError(f"arith_problems must be >= 1, got {self.arith_problems}")
         if self.chunk_problems < 1:
             raise ConfigError(f"chunk_problems must be >= 1, got {self.chunk_problems}")
         if hasattr(self.rollout, "validate"):
@@ -95,6 +98,7 @@ class EvalConfig:
 
 def default_ks(n):
     """1, 2, 4, ... up to n, and n itself: the usual pass@k curve, ending at the full-sample number."""
+    # Powers of two because pass@k is roughly linear in log k; n itself because maj@n is the vote over all.
     ks = [2 ** i for i in range(n.bit_length()) if 2 ** i <= n]
     return ks if ks[-1] == n else ks + [n]
 
@@ -111,6 +115,8 @@ def pass_at_k(n, c, k):
     """
     if not 1 <= k <= n or not 0 <= c <= n:
         raise ValueError(f"pass_at_k: need 1 <= k <= n and 0 <= c <= n, got n={n} c={c} k={k}")
+    # C(n-c, k) counts the k-subsets with no correct sample; math.comb is 0 when k > n - c, giving 1.0.
+    # The naive 1 - (1 - c/n)^k samples with replacement and overestimates pass@k for k close to n.
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
@@ -128,6 +134,7 @@ def majority_vote(answers):
     for i, answer in enumerate(answers):
         if answer is None:
             continue
+        # Compare with each cluster's first answer only: k <= n answers, a handful of clusters, microseconds.
         for cluster in clusters:
             if fast_equivalent(answer, cluster[0]) is True:
                 cluster[2] += 1
@@ -141,15 +148,18 @@ def majority_vote(answers):
 
 def summarize(groups, ks):
     """Metrics of one benchmark from its sample records, grouped by problem: groups[p] = the n records of
-    problem p in sample order. Records are dicts as written to samples.jsonl (see sample_record)."""
+    problem p in sample order. Records are dicts as written to samples.jsonl (see sample_records)."""
     if not groups:
         raise ValueError("summarize: no problems")
     n = len(groups[0])
     if any(len(group) != n for group in groups):
-        raise ValueError(f"summarize: every problem needs the same number of samples, got {sorted({len(g) for g in groups})}")
+        counts = sorted({len(group) for group in groups})
+        raise ValueError(f"summarize: every problem needs the same number of samples, got {counts}")
     samples = [record for group in groups for record in group]
     num_correct = [sum(bool(r["correct"]) for r in group) for group in groups]
     metrics = {"problems": len(groups), "n": n}
+    # Per problem first, then the mean over problems: every problem weighs the same, as in Table 3.
+    # pass@1 here is the paper's "average pass@1 over 16 samples" (§5.1).
     for k in ks:
         metrics[f"pass@{k}"] = statistics.fmean(pass_at_k(n, c, k) for c in num_correct)
     # The paper's number is a mean over n samples; its spread across the n "runs" (sample j of every problem)
@@ -160,6 +170,8 @@ def summarize(groups, ks):
         # maj@k on the first k samples: samples are i.i.d., so this is an unbiased (if noisier) estimate.
         votes = []
         for group in groups:
+            # A truncated sample does not vote: it scored 0 whatever its text holds (§4.3.1), and a half-written
+            # box is not an answer the model gave.
             winner = majority_vote([r["answer"] if r["finished"] else None for r in group[:k]])
             votes.append(winner is not None and bool(group[winner]["correct"]))
         metrics[f"maj@{k}"] = statistics.fmean(votes)
@@ -179,6 +191,8 @@ def summarize(groups, ks):
     for r in samples:
         by_kind.update(r["tool_errors_by_kind"])
     metrics["tool_errors_by_kind"] = dict(sorted(by_kind.items()))
+    # A low answer rate with a high truncated rate means the budget is too small for the model, not that it is
+    # wrong; the stage-1 "clip ratio" (about 10%, §4.3) is this number during training.
     metrics["answer_rate"] = statistics.fmean(r["answer"] is not None for r in samples)
     metrics["truncated_rate"] = statistics.fmean(bool(r["truncated"]) for r in samples)
     metrics["turns"] = statistics.fmean(r["num_turns"] for r in samples)
@@ -190,7 +204,9 @@ def markdown_table(summary):
     def percent(x):
         return "-" if x is None else f"{100 * x:.1f}"
 
-    ks = sorted({int(key[len("pass@"):]) for m in summary.values() for key in m if key.startswith("pass@") and key[5:].isdigit()})
+    ks = sorted({int(key.split("@")[1]) for m in summary.values() for key in m if re.fullmatch(r"pass@\d+", key)})
+    # pass@1 gets its own column with the spread over runs; of maj@k only the largest k is shown, the rest
+    # are in summary.json.
     pass_columns = [k for k in ks if k > 1]
     maj = max(ks) if ks else 1
     header = (["benchmark", "problems", "n", "avg pass@1"] + [f"pass@{k}" for k in pass_columns]
@@ -219,11 +235,13 @@ def load_benchmarks(cfg):
     selected = {}
     for entry in cfg.benchmarks:
         path = resolve(entry)
+        # A known name wins over a file of that name in the working directory: "aime24" always means the same set.
         if entry in BENCHMARKS:
             name, rows = entry, load_problems(BENCHMARKS[entry])
         elif entry == "arith":
             name, rows = entry, tiny.make_arithmetic_problems(cfg.arith_problems, cfg.arith_seed, split="test")
         elif entry.endswith(".jsonl") or path.is_file():
+            # Named by the file's stem, the key of its samples in samples.jsonl and of its row in the table.
             name, rows = Path(entry).stem, load_problems(entry)  # load_problems says file:line on a bad row
         else:
             close = difflib.get_close_matches(entry, list(BENCHMARKS) + list(GENERATED_BENCHMARKS), n=1)
@@ -231,6 +249,7 @@ def load_benchmarks(cfg):
             raise ConfigError(f"unknown benchmark '{entry}'{hint}; available: {available_benchmarks()}")
         if name in selected:
             raise ConfigError(f"benchmark '{name}' is listed twice in benchmarks={cfg.benchmarks}")
+        # The first `limit` problems, not a random subset: a smoke run and its resume see the same problems.
         selected[name] = rows[: cfg.limit] if cfg.limit else rows
     return selected
 
@@ -243,6 +262,8 @@ def check_model_dir(model_path):
                           "download a hub model first, e.g. huggingface-cli download NAME --local-dir DIR)")
     if not (path / "config.json").is_file():
         raise ConfigError(f"{path} is not a Hugging Face model directory: it has no config.json")
+    # A checkpoint saved by a trainer that did not save the tokenizer is the usual case; any one of these
+    # files (fast tokenizer, sentencepiece, BPE vocab) lets AutoTokenizer and vLLM load one.
     tokenizer_files = ("tokenizer.json", "tokenizer.model", "vocab.json")
     if not any((path / f).is_file() for f in tokenizer_files):
         raise ConfigError(f"model directory {path} has no tokenizer (none of {', '.join(tokenizer_files)}); "
@@ -255,6 +276,8 @@ def check_model_dir(model_path):
 def generation_settings(model_path, cfg):
     """Everything that decides what a sample is. Finished samples are reused only when this matches: a resumed
     run with another temperature, prompt or model would mix two experiments in one number."""
+    # Grading settings are in too: samples.jsonl stores the verdict, so another grader needs fresh records.
+    # benchmarks and limit are not: adding a benchmark or raising limit only adds problems to the file.
     settings = {"model": str(Path(model_path).resolve()), "n": cfg.n, "seed": cfg.seed,
                 "require_answer_tag": cfg.require_answer_tag}
     rollout = dataclasses.asdict(cfg.rollout)
@@ -264,9 +287,9 @@ def generation_settings(model_path, cfg):
     return settings
 
 
-# RolloutConfig fields that change speed or memory, never the sampled tokens.
-ROLLOUT_RESOURCE_FIELDS = ("gpu_memory_utilization", "tensor_parallel_size", "enforce_eager", "tool_workers",
-                           "max_num_seqs", "max_concurrency")
+# RolloutConfig fields that change speed or memory, never what a sample is.
+ROLLOUT_RESOURCE_FIELDS = ("gpu_memory_utilization", "tensor_parallel_size", "enforce_eager", "enable_prefix_caching",
+                           "max_concurrency", "sleep_level", "tool_workers")
 
 
 def open_samples(out_dir, settings, n, resume):
@@ -280,6 +303,7 @@ def open_samples(out_dir, settings, n, resume):
     out_dir.mkdir(parents=True, exist_ok=True)
     samples_path, settings_path = out_dir / "samples.jsonl", out_dir / "generation.json"
     if not resume or not samples_path.exists():
+        # generation.json is written first and only here, so every record in the file was made under it.
         atomic_write_text(samples_path, "")
         atomic_write_text(settings_path, json.dumps(settings, indent=1))
         return {}
@@ -302,6 +326,7 @@ def open_samples(out_dir, settings, n, resume):
         groups.setdefault((record["benchmark"], record["problem_id"]), {})[record["sample_index"]] = record
     finished = {key: [by_index[j] for j in range(n)] for key, by_index in groups.items()
                 if sorted(by_index) == list(range(n))}
+    # Rewrite only when something was dropped; the common resume (nothing lost) leaves the file untouched.
     kept = [json.dumps(r) for records in finished.values() for r in records]
     if len(kept) != sum(1 for line in lines if line.strip()):
         atomic_write_text(samples_path, "".join(line + "\n" for line in kept))
@@ -319,6 +344,7 @@ def _diff_keys(a, b, prefix=""):
 def append_samples(out_dir, records):
     """Append whole problems to samples.jsonl, then fsync: what is on disk survives a kill."""
     with open(Path(out_dir) / "samples.jsonl", "a", encoding="utf-8") as f:
+        # One write: a kill leaves at most one torn last line, which open_samples drops.
         f.write("".join(json.dumps(r) + "\n" for r in records))
         f.flush()
         os.fsync(f.fileno())
@@ -332,6 +358,8 @@ def sample_records(chunk, trajectories, tokenizer, cfg, rank=0):
     chunk[i] = (benchmark, problem row) of the trajectories whose problem_index is i."""
     from reward import extract_answer, score_batch
 
+    # The same reward as training (Eq. 3), on the decoded response: reward.py reads only the model's own text,
+    # so a \boxed{} that the tool printed earns nothing, and finished=False (a budget or turn limit hit) is 0.
     golds = [chunk[t.problem_index][1]["answer"] for t in trajectories]
     rewards = score_batch([t.response_text for t in trajectories], golds, [t.finished for t in trajectories],
                           require_answer_tag=cfg.require_answer_tag, timeout_s=cfg.reward_timeout_s)
@@ -341,13 +369,14 @@ def sample_records(chunk, trajectories, tokenizer, cfg, rank=0):
         name, row = chunk[t.problem_index]
         if t.problem_index not in prompts:
             prompts[t.problem_index] = tokenizer.decode(t.prompt_ids)
+        # Small fields first and the long texts last, so `head samples.jsonl` is readable.
         records.append({
             "benchmark": name, "problem_id": row["id"], "sample_index": t.sample_index,
             "gold": row["answer"], "answer": extract_answer(t.response_text, require_answer_tag=cfg.require_answer_tag),
             "correct": reward == 1.0, "finished": t.finished, "truncated": t.truncated, "stop_reason": t.stop_reason,
             "response_tokens": len(t.response_ids), "model_tokens": t.num_model_tokens, "num_turns": t.num_turns,
             "num_tool_calls": t.num_tool_calls, "num_tool_errors": t.num_tool_errors,
-            "tool_errors_by_kind": {k: v for k, v in t.tool_errors_by_kind.items() if v},
+            "tool_errors_by_kind": {k: v for k, v in t.tool_errors_by_kind.items() if v},  # error/timeout/oom/parse
             "num_answer_tags": t.num_answer_tags, "rank": rank,
             "prompt": prompts[t.problem_index], "response": t.response_text,
         })
@@ -362,12 +391,14 @@ def check_prompt_lengths(todo, tokenizer, rollout_cfg):
                 if (n := len(render_prompt(tokenizer, row["problem"], rollout_cfg))) > rollout_cfg.max_prompt_tokens]
     if too_long:
         listed = ", ".join(f"{name}/{pid} ({n} tokens)" for name, pid, n in too_long[:5])
-        raise ConfigError(f"{len(too_long)} prompt(s) exceed rollout.max_prompt_tokens={rollout_cfg.max_prompt_tokens}: "
-                          f"{listed}{', ...' if len(too_long) > 5 else ''}; raise it")
+        raise ConfigError(f"{len(too_long)} prompt(s) exceed rollout.max_prompt_tokens="
+                          f"{rollout_cfg.max_prompt_tokens}: {listed}{', ...' if len(too_long) > 5 else ''}; raise it")
 
 
 def check_engine(engine, rollout_cfg):
     """An engine passed in (rl.py's) samples with the settings it was built with; they must be the eval's."""
+    # rollout.Engine.add reads temperature and top_p from the engine's own config, not from the cfg given to
+    # generate(), so a mismatch would silently sample at training temperature (1.0) instead of 0.6.
     built = getattr(engine, "cfg", None)
     if built is None or built is rollout_cfg:
         return
@@ -398,6 +429,7 @@ def evaluate(model_path, problems, cfg, engine=None, executor=None, tokenizer=No
     if isinstance(problems, list):
         problems = {"problems": problems}
     check_model_dir(model_path)
+    # A world of one outside torchrun (common.init_distributed), so the collectives below are the only path.
     rank, world_size, _, _ = init_distributed()
     ks = cfg.ks or default_ks(cfg.n)
 
@@ -411,10 +443,12 @@ def evaluate(model_path, problems, cfg, engine=None, executor=None, tokenizer=No
     todo = [(name, row) for name, rows in problems.items() for row in rows if (name, row["id"]) not in done[0]]
     if rank == 0:
         total = sum(len(rows) for rows in problems.values())
-        print(f"[eval] {total} problems x {cfg.n} samples: {total - len(todo)} finished in {out_dir}, "
-              f"{len(todo)} to generate on {world_size} rank(s)", flush=True)
+        resumed = f", {total - len(todo)} already in {out_dir}" if total > len(todo) else ""
+        print(f"[eval] {total} problems x {cfg.n} samples{resumed}; {len(todo)} to generate on {world_size} rank(s)",
+              flush=True)
 
     owned = []  # what this call builds, it also closes
+    # Nothing left (a finished run rerun, e.g. to reprint the table): no tokenizer, engine or executor is started.
     if todo:
         from rollout import Engine, generate
 
@@ -423,6 +457,7 @@ def evaluate(model_path, problems, cfg, engine=None, executor=None, tokenizer=No
 
             tokenizer = AutoTokenizer.from_pretrained(model_path)
         check_prompt_lengths(todo, tokenizer, cfg.rollout)
+        # One engine per rank (tensor_parallel_size ranks share one): no server, the ranks are vLLM's workers.
         if engine is None:
             engine = Engine(model_path, cfg.rollout, seed=cfg.seed)
             owned.append(engine)
@@ -430,27 +465,36 @@ def evaluate(model_path, problems, cfg, engine=None, executor=None, tokenizer=No
         if executor is None and cfg.rollout.use_tool:
             from executor import Executor
 
-            executor = Executor(workers=cfg.rollout.tool_workers or None, timeout_s=cfg.rollout.tool_timeout_s,
+            # The node's cores are shared by its ranks; each rank's executor takes its share, not all of them.
+            per_rank = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+            executor = Executor(workers=cfg.rollout.tool_workers or per_rank, timeout_s=cfg.rollout.tool_timeout_s,
                                 memory_mb=cfg.rollout.tool_memory_mb)
             owned.append(executor)
     try:
         started, generated_tokens = time.time(), 0
         for step, start in enumerate(range(0, len(todo), cfg.chunk_problems)):
             chunk = todo[start:start + cfg.chunk_problems]
+            # A chunk is one collective generate(): the ranks claim its problems from the shared counter, so a rank
+            # done early takes more (§3.2). Bigger chunks idle less at their tail; smaller ones lose less to a kill.
             # step numbers the chunk, so the per-request seeds (seed, step, problem, sample) never repeat.
             groups = generate(engine, executor, tokenizer, [row["problem"] for _, row in chunk], cfg.n, cfg.rollout,
                               seed=cfg.seed, step=step)
             trajectories = [t for group in groups for t in group]  # this rank's problems, n samples each
+            # Each rank grades its own samples (its own reward pool), so grading scales with the ranks too.
             records = sample_records(chunk, trajectories, tokenizer, cfg, rank)
+            # Rank 0 alone writes: one file, no locking, and a shared filesystem is not needed.
             if world_size > 1:
                 parts = [None] * world_size if rank == 0 else None
                 dist.gather_object(records, parts, dst=0)
                 records = [r for part in parts for r in part] if rank == 0 else []
             if rank == 0:
-                generated_tokens += sum(r["response_tokens"] for r in records)
-                # whole problems, in work-list order, so the file reads like the benchmark
+                # Whole problems, in work-list order, so the file reads like the benchmark. One record per sample:
+                # the ranks of a tensor-parallel group share an engine, and may all report its samples.
                 order = {(name, row["id"]): i for i, (name, row) in enumerate(chunk)}
-                records.sort(key=lambda r: (order[(r["benchmark"], r["problem_id"])], r["sample_index"]))
+                unique = {(r["benchmark"], r["problem_id"], r["sample_index"]): r for r in reversed(records)}
+                records = sorted(unique.values(),
+                                 key=lambda r: (order[(r["benchmark"], r["problem_id"])], r["sample_index"]))
+                generated_tokens += sum(r["response_tokens"] for r in records)
                 if out_dir is not None:
                     append_samples(out_dir, records)
                 for r in records:
@@ -481,6 +525,7 @@ def evaluate(model_path, problems, cfg, engine=None, executor=None, tokenizer=No
 def main(argv=None):
     try:  # bad input stops here, before any engine starts, with one line that names the problem
         cfg = load_config(EvalConfig, argv)
+        cfg.model = str(resolve(cfg.model))  # relative to the repo, like every path in a config
         check_model_dir(cfg.model)
         problems = load_benchmarks(cfg)
     except (ConfigError, ValueError) as e:

@@ -155,7 +155,8 @@ def test_unknown_benchmark_lists_the_available_ones():
 def test_benchmarks_by_name_generated_and_by_path_with_limit(tmp_path):
     path = tmp_path / "mine.jsonl"
     path.write_text(json.dumps({"id": "q1", "problem": "1+1?", "answer": "2"}) + "\n")
-    selected = evaluation.load_benchmarks(make_cfg(benchmarks=["aime24", "arith", str(path)], limit=3, arith_problems=10))
+    cfg = make_cfg(benchmarks=["aime24", "arith", str(path)], limit=3, arith_problems=10)
+    selected = evaluation.load_benchmarks(cfg)
     assert list(selected) == ["aime24", "arith", "mine"]
     assert [r["id"] for r in selected["aime24"]] == ["aime24-I-1", "aime24-I-2", "aime24-I-3"]
     assert len(selected["arith"]) == 3 and selected["arith"][0]["id"] == "arith-test-0"
@@ -190,7 +191,8 @@ def test_the_configs_load_and_eval_yaml_is_the_papers_protocol():
     from common import load_config
 
     cfg = load_config(evaluation.EvalConfig, ["configs/eval.yaml", "model=somewhere"])
-    assert (cfg.n, cfg.rollout.temperature, cfg.rollout.max_turns, cfg.rollout.max_response_tokens) == (16, 0.6, 30, 30720)
+    protocol = (cfg.n, cfg.rollout.temperature, cfg.rollout.max_turns, cfg.rollout.max_response_tokens)
+    assert protocol == (16, 0.6, 30, 30720)
     assert cfg.rollout.prompt_variant == "paper"
     tiny_cfg = load_config(evaluation.EvalConfig, ["configs/eval_tiny.yaml", "rollout.prompt_variant=paper", "n=2"])
     assert (tiny_cfg.benchmarks, tiny_cfg.n, tiny_cfg.rollout.prompt_variant) == (["arith"], 2, "paper")
@@ -213,7 +215,8 @@ def test_resume_keeps_whole_problems_and_drops_partial_ones_and_a_torn_line(tmp_
     settings = evaluation.generation_settings("model-dir", cfg)
     assert evaluation.open_samples(tmp_path, settings, cfg.n, resume=True) == {}  # fresh: writes generation.json
     partial = [record("C", 0, "1", True), record("C", 2, "1", True)]  # samples 1 and 3 never made it to disk
-    write_samples(tmp_path / "samples.jsonl", HAND_CHECKED[0] + partial + HAND_CHECKED[1], torn_tail='{"benchmark": "ha')
+    write_samples(tmp_path / "samples.jsonl", HAND_CHECKED[0] + partial + HAND_CHECKED[1],
+                  torn_tail='{"benchmark": "ha')
     finished = evaluation.open_samples(tmp_path, settings, cfg.n, resume=True)
     assert sorted(finished) == [("hand", "A"), ("hand", "B")]
     assert finished[("hand", "B")] == HAND_CHECKED[1]
@@ -389,7 +392,8 @@ def test_whole_path_grades_scripted_samples_and_writes_table_json_and_jsonl(firs
     out_dir, summary, counts = first_run
     assert counts == {"problems": 5, "trajectories": 10}  # in two chunks of at most 3 problems
     records = [json.loads(line) for line in (out_dir / "samples.jsonl").read_text().splitlines()]
-    assert [(r["problem_id"], r["sample_index"]) for r in records] == [(row["id"], j) for row, _ in PROBLEMS for j in (0, 1)]
+    expected_order = [(row["id"], j) for row, _ in PROBLEMS for j in (0, 1)]
+    assert [(r["problem_id"], r["sample_index"]) for r in records] == expected_order
     by_problem = {r["problem_id"]: r for r in records if r["sample_index"] == 0}
     assert {pid: r["correct"] for pid, r in by_problem.items()} == {
         "tool": True, "tool-error": False, "no-tool": True, "truncated": False, "bad-call": True}
@@ -466,7 +470,8 @@ def test_command_line_under_torchrun_splits_the_work_and_rank_0_gathers_it(tiny_
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "| arith | 4 | 2 |" in done.stdout
     records = [json.loads(line) for line in (out_dir / "samples.jsonl").read_text().splitlines()]
-    assert sorted((r["problem_id"], r["sample_index"]) for r in records) == [(f"arith-test-{i}", j) for i in range(4) for j in (0, 1)]
+    every_sample = [(f"arith-test-{i}", j) for i in range(4) for j in (0, 1)]
+    assert sorted((r["problem_id"], r["sample_index"]) for r in records) == every_sample
     assert {r["rank"] for r in records} <= {0, 1}
     groups = [[r for r in records if r["problem_id"] == f"arith-test-{i}"] for i in range(4)]
     summary = json.loads((out_dir / "summary.json").read_text())["benchmarks"]
