@@ -1,0 +1,515 @@
+"""Non-reasoning SFT (rStar2-Agent, arXiv 2508.20722 §4.1): teach a base model the chat and tool-call format before RL.
+
+    python sft.py configs/sft_tiny.yaml                              # 1 CPU process: the tiny demo's SFT stage
+    torchrun --nproc_per_node=8 sft.py configs/sft.yaml model=Qwen/Qwen3-14B-Base data=PATH.jsonl    # 1 node
+    torchrun --nnodes=N --node_rank=$NODE_RANK --nproc_per_node=8 --master_addr=$MASTER_ADDR \\
+        --master_port=29500 sft.py configs/sft.yaml data=PATH.jsonl                                 # N nodes
+
+Data: chat JSONL, one conversation per line,
+    {"messages": [{"role": "user", "content": PROBLEM}, {"role": "assistant", "content": TURN_1},
+                  {"role": "tool", "content": TOOL_TEXT}, {"role": "assistant", "content": TURN_2}], "tools": [...]}
+roles system/user/assistant/tool; an assistant `content` is exactly what the model writes after the template's
+generation prompt (for the rStar2 template: after `<|im_start|>assistant\\n<reason>`), tool calls included as text.
+`tools` (optional) overrides the config's tool schema for that row, as function-calling datasets carry their own.
+
+What one step does:
+    1. a global batch of `global_batch_size` conversations (the paper's batch, 128), in a per-epoch shuffle;
+    2. sorted by length and cut into micro-batches of similar length (length bucketing: little padding), dealt
+       round-robin to the ranks, `global_batch_size / (world_size * micro_batch_size)` accumulation steps each;
+    3. loss = cross-entropy on the tokens the model writes (assistant turns and their <|im_end|>), summed, divided
+       by the number of such tokens in the WHOLE global batch, so every token weighs the same however the batch
+       is split across micro-batches and ranks (the per-micro-batch mean is the classic gradient-accumulation bug);
+    4. AdamW step, lr warm-up then cosine decay (§4.1: 4% warm-up, cosine, lr 5e-6, 3 epochs).
+
+Tokenization follows the rollout token for token (rollout.py), so SFT teaches the exact sequences RL samples:
+prompt (loss 0) + each assistant turn tokenized alone + <|im_end|> (loss 1) + each tool turn as the template renders
+it (loss 0), with nothing between an assistant's <|im_end|> and the next turn (the release appends the tool turn
+right after it). tests/test_sft.py checks this against rollout.render_prompt / render_tool_turn.
+
+Training is FSDP2 (`fully_shard` per decoder layer, then the root) from 1 CPU process to N GPUs, bf16 compute with
+fp32 master weights and fp32 gradient reduction on GPU, fp32 on CPU (bf16 is 4x slower on AVX2, cpu-stack.md §2).
+The model is built on the meta device and rank 0's weights are broadcast, so host memory holds one full copy per
+node, not one per rank. Checkpoints (model, optimizer, RNG, step) go through torch.distributed.checkpoint; a killed
+run resumes with `resume=auto` at the same data position. The result is a Hugging Face directory `out_dir/final`
+(safetensors + config + tokenizer) that transformers and vLLM load.
+
+Paper vs this file: the paper's SFT data (ToolACE, APIGen-MT, Glaive, Magicoder as function calls, Tulu-3, Nemotron
+chat; 222K examples) is not released; bring your own JSONL. Sequence length, prompt masking and packing are not
+stated (method doc §6.1): here the loss is on assistant tokens only and conversations longer than `max_seq_len`
+are dropped (and counted), never truncated, since a cut transcript would teach an unfinished answer.
+AdamW betas/weight decay and grad clip are not stated either: HF Trainer's defaults (0.9, 0.999, 0.0) and clip 1.0.
+
+Tests: .venv/bin/python -m pytest tests/test_sft.py -q
+"""
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Literal
+
+from common import ConfigError, load_config, load_jsonl, resolve
+
+ROLES = ("system", "user", "assistant", "tool")
+# The token that ends an assistant turn, the one the rollout stops at: ChatML's, as in the rStar2 prompt and Qwen.
+# Not tokenizer.eos_token, which is <|endoftext|> in base checkpoints such as Qwen3-14B-Base.
+END_OF_TURN = "<|im_end|>"
+
+
+# -----------------------------------------------------------------------------
+# config: defaults are the paper's SFT recipe (§4.1) where it gives one
+
+@dataclasses.dataclass
+class SFTConfig:
+    model: str = ""                          # HF directory (or hub id) of the base model, with its tokenizer
+    data: str = ""                           # chat JSONL (format in the docstring)
+    out_dir: str = "runs/sft"                # config.yaml, metrics.jsonl, checkpoints/, final/ (the HF directory)
+    chat_template: str = ""                  # Jinja file; "chatml" = plain ChatML with tools; "" = the tokenizer's own
+    tool_schema: str = ""                    # JSON file with one tool schema (or a list); "" = no tools in the prompt
+    max_seq_len: int = 4096                  # longer conversations are dropped (counted in the log), not truncated
+    seed: int = 0
+    # optimisation (§4.1: 3 epochs, lr 5e-6, 4% warm-up, cosine, batch 128)
+    epochs: int = 3
+    max_steps: int = 0                       # stop after this many optimizer steps; 0 = all epochs. The schedule spans the run
+    global_batch_size: int = 128             # conversations per optimizer step, all ranks together
+    micro_batch_size: int = 4                # conversations per forward/backward on one rank
+    lr: float = 5e-6
+    min_lr_ratio: float = 0.0                # cosine decays to lr * min_lr_ratio
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    grad_clip: float = 1.0                   # max global grad norm; 0 = no clipping (the norm is logged either way)
+    # memory / speed knobs; none of them changes the maths (tests/test_sft.py checks micro-batching)
+    train_dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # auto: bf16 compute on GPU, fp32 on CPU
+    activation_checkpointing: bool = False
+    attn_implementation: str = "sdpa"        # or flash_attention_2 on GPU, if installed
+    train_threads: int = 0                   # CPU only: torch threads; 0 = torch's default (all cores)
+    # checkpoints and logs
+    save_every: int = 0                      # DCP checkpoint every N steps (and at the end); 0 = only at the end
+    keep_checkpoints: int = 2
+    resume: str = "auto"                     # auto: newest complete checkpoint in out_dir/checkpoints; never; PATH
+    log_every: int = 1
+    wandb_project: str = ""
+    tensorboard: bool = False
+
+    def validate(self):
+        """Errors that can be found before loading anything."""
+        if not self.model:
+            raise ConfigError("model: set the base model (an HF directory with its tokenizer), e.g. model=out/tiny-model")
+        if not self.data:
+            raise ConfigError("data: set the chat JSONL to train on, e.g. data=out/tiny-sft.jsonl (python tiny.py writes it)")
+        for name in ("max_seq_len", "epochs", "global_batch_size", "micro_batch_size", "keep_checkpoints", "log_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
+        for name in ("max_steps", "save_every", "train_threads"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(f"global_batch_size={self.global_batch_size} is not a multiple of "
+                              f"micro_batch_size={self.micro_batch_size}")
+        if not self.lr > 0:
+            raise ConfigError(f"lr={self.lr}: must be > 0")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ConfigError(f"warmup_ratio={self.warmup_ratio}: must be in [0, 1)")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
+        for name in ("chat_template", "tool_schema", "data"):
+            path = getattr(self, name)
+            if path and path != "chatml" and not resolve(path).is_file():
+                raise ConfigError(f"{name}: file not found: {path}")
+        if self.resume not in ("auto", "never") and not resolve(self.resume).is_dir():
+            raise ConfigError(f"resume={self.resume!r}: expected auto, never or a checkpoint directory")
+
+
+def check_world(cfg, world_size):
+    """The batch must split evenly into micro-batches on every rank: FSDP runs collectives in every forward and
+    backward, so all ranks must take the same number of accumulation steps."""
+    per_step = world_size * cfg.micro_batch_size
+    if cfg.global_batch_size % per_step:
+        raise ConfigError(f"global_batch_size={cfg.global_batch_size} is not a multiple of world_size ({world_size}) x "
+                          f"micro_batch_size ({cfg.micro_batch_size}) = {per_step}; change one of them")
+    return cfg.global_batch_size // per_step
+
+
+# -----------------------------------------------------------------------------
+# data: chat JSONL -> token ids + loss mask, tokenized the way the rollout builds a trajectory
+
+def check_conversation(row, where):
+    """Raise ConfigError naming the row and message if `row` is not a conversation sft.py can train on."""
+    messages = row.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ConfigError(f"{where}: expected a non-empty list under 'messages', got {messages!r:.80}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            role = message.get("role") if isinstance(message, dict) else message
+            raise ConfigError(f"{where}: message {i}: role must be one of {list(ROLES)}, got {role!r:.80}")
+        if not isinstance(message.get("content"), str):
+            raise ConfigError(f"{where}: message {i} ({message['role']}): 'content' must be a string, "
+                              f"got {message.get('content')!r:.80}")
+        if message["role"] == "assistant" and not message["content"]:
+            raise ConfigError(f"{where}: message {i}: an assistant message has empty content")
+    if messages[0]["role"] not in ("system", "user"):
+        raise ConfigError(f"{where}: the conversation must start with a system or user message, not {messages[0]['role']!r}")
+    if messages[-1]["role"] != "assistant":
+        raise ConfigError(f"{where}: the last message must be the assistant's (it is {messages[-1]['role']!r}); "
+                          "a trailing turn after the last assistant message would train nothing")
+    tools = row.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise ConfigError(f"{where}: 'tools' must be a list of JSON tool schemas, got {tools!r:.80}")
+
+
+def render_conversation(tokenizer, messages, tools, chat_template, where="conversation"):
+    """(input_ids, loss_mask) of one conversation, segment by segment as a rollout produces it:
+
+        context  rendered by the template up to and including the generation prompt     loss 0
+        turn     tokenizer(assistant content) + <|im_end|>, what the policy samples       loss 1
+        context  the template's text from after that turn to the next generation prompt  loss 0
+        ...
+
+    Each context is the template's own rendering cut at the previous end (so any chat template works), minus the
+    text the template puts after <|im_end|> (a "\\n"): a rollout stops at <|im_end|> and appends the next turn at
+    once. Segments are tokenized separately, as the engine returns sampled tokens and the loop appends tool turns.
+    """
+    def render(msgs, add_generation_prompt):
+        return tokenizer.apply_chat_template(msgs, tools=tools or None, chat_template=chat_template or None,
+                                             add_generation_prompt=add_generation_prompt, tokenize=False)
+
+    def encode(text):
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    end_of_turn = encode(END_OF_TURN)
+    if len(end_of_turn) != 1:
+        raise ConfigError(f"the tokenizer has no single {END_OF_TURN} token (it encodes to {end_of_turn}); "
+                          "sft.py and rollout.py need ChatML's end-of-turn token")
+    input_ids, loss_mask = [], []
+    covered = ""  # the rendered text the segments so far account for
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = render(messages[:k], add_generation_prompt=True)
+        if not prompt.startswith(covered):
+            raise ConfigError(f"{where}: the chat template renders the turns before message {k} differently once "
+                              "more messages follow; cannot cut the conversation into rollout segments")
+        context = encode(prompt[len(covered):])
+        turn = encode(message["content"]) + end_of_turn
+        input_ids += context + turn
+        loss_mask += [0] * len(context) + [1] * len(turn)
+        covered = render(messages[:k + 1], add_generation_prompt=False)
+        if not covered.startswith(prompt + message["content"] + END_OF_TURN):
+            raise ConfigError(f"{where}: the chat template does not render assistant message {k} as the generation "
+                              f"prompt + content + {END_OF_TURN}, so the model would be trained on text it never sees at "
+                              "rollout time (templates that rewrite assistant content are not supported)")
+    return input_ids, loss_mask
+
+
+def read_template(path):
+    """The Jinja text of chat_template. "chatml" is Qwen-style ChatML with tools (tiny.CHATML_TEMPLATE): the rStar2
+    prompt's turn structure without its math-answer instructions, for general SFT data. Qwen3's own template
+    rewrites assistant turns (<think> handling), which render_conversation refuses."""
+    if path == "chatml":
+        from tiny import CHATML_TEMPLATE
+
+        return CHATML_TEMPLATE
+    return resolve(path).read_text() if path else None
+
+
+def read_tools(path):
+    if not path:
+        return None
+    try:
+        schema = json.loads(resolve(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"tool_schema {path}: not valid JSON ({e})") from None
+    return schema if isinstance(schema, list) else [schema]
+
+
+def load_conversations(cfg, tokenizer):
+    """Validate and tokenize every row of cfg.data. Returns (examples, dropped): examples are (input_ids, loss_mask)
+    in file order; `dropped` counts the conversations longer than max_seq_len."""
+    path = resolve(cfg.data)
+    rows = load_jsonl(path)
+    # load_jsonl skips blank lines; map rows back to line numbers so every error can say file:line
+    line_numbers = [n for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if line.strip()]
+    chat_template = read_template(cfg.chat_template)
+    if chat_template is None and not tokenizer.chat_template:
+        raise ConfigError(f"model {cfg.model}: the tokenizer has no chat template; set chat_template=PATH")
+    default_tools = read_tools(cfg.tool_schema)
+    examples, dropped = [], 0
+    for row, line in zip(rows, line_numbers):
+        where = f"{path}:{line}"
+        check_conversation(row, where)
+        ids, mask = render_conversation(tokenizer, row["messages"], row.get("tools", default_tools), chat_template, where)
+        if len(ids) > cfg.max_seq_len:
+            dropped += 1
+            continue
+        examples.append((ids, mask))
+    if len(examples) < cfg.global_batch_size:
+        raise ConfigError(f"{path}: {len(examples)} conversations fit max_seq_len={cfg.max_seq_len} ({dropped} longer "
+                          f"ones dropped), fewer than one global batch of {cfg.global_batch_size}")
+    return examples, dropped
+
+
+# -----------------------------------------------------------------------------
+# batches: the order is a function of (seed, step) alone, so a resumed run reads what the uninterrupted one would
+
+def global_batch(num_examples, batch_size, seed, step):
+    """Indices of the conversations in optimizer step `step`: a fresh permutation per epoch, the tail that does
+    not fill a batch is left out of that epoch (every step sees exactly batch_size conversations)."""
+    steps_per_epoch = num_examples // batch_size
+    epoch, position = divmod(step, steps_per_epoch)
+    order = random.Random(f"sft-{seed}-{epoch}").sample(range(num_examples), num_examples)
+    return order[position * batch_size:(position + 1) * batch_size]
+
+
+def rank_micro_batches(indices, lengths, micro_batch_size, rank, world_size):
+    """This rank's micro-batches of one global batch: sorted by length so each micro-batch pads little (length
+    bucketing), then dealt round-robin so every rank gets a similar token load and the same count."""
+    by_length = sorted(indices, key=lambda i: (-lengths[i], i))
+    micro = [by_length[i:i + micro_batch_size] for i in range(0, len(by_length), micro_batch_size)]
+    return micro[rank::world_size]
+
+
+def collate(examples, pad_id):
+    """Right-padded [B, T] tensors: input ids, attention mask, and the loss mask of each token as a target."""
+    import torch
+
+    width = max(len(ids) for ids, _ in examples)
+    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
+    loss_mask = torch.zeros((len(examples), width), dtype=torch.bool)
+    for row, (ids, mask) in enumerate(examples):
+        input_ids[row, :len(ids)] = torch.tensor(ids)
+        attention_mask[row, :len(ids)] = 1
+        loss_mask[row, :len(mask)] = torch.tensor(mask, dtype=torch.bool)
+    return input_ids, attention_mask, loss_mask
+
+
+def micro_batch_loss_sum(model, input_ids, attention_mask, loss_mask):
+    """Summed next-token cross-entropy over the masked targets. Logits are computed only at positions that predict
+    a trained token (logits_to_keep): with a 150K vocabulary the full [B, T, V] logits dominate memory, and a long
+    shared prompt predicts nothing we train."""
+    import torch
+    import torch.nn.functional as F
+
+    targets = loss_mask[:, 1:]                     # position t predicts token t + 1
+    keep = targets.any(dim=0).nonzero().squeeze(1)  # positions needed by at least one row
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=keep).logits
+    labels = input_ids[:, keep + 1]
+    weights = targets[:, keep]
+    nll = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+    return torch.where(weights.flatten(), nll, 0.0).sum()
+
+
+# -----------------------------------------------------------------------------
+# model: meta-device init, FSDP2, weights broadcast from rank 0
+
+def check_model_dir(path):
+    """A local model directory needs weights config and a tokenizer; a hub id is left to transformers."""
+    local = resolve(path)
+    if not local.exists():
+        if str(path).startswith((".", "/")) or len(Path(path).parts) != 2:
+            raise ConfigError(f"model={path}: no such directory (and not a hub id like Qwen/Qwen3-14B-Base)")
+        return path
+    if not (local / "config.json").is_file():
+        raise ConfigError(f"model={path}: {local} has no config.json; expected a Hugging Face model directory")
+    if not any((local / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise ConfigError(f"model={path}: {local} has no tokenizer (tokenizer.json / tokenizer_config.json); "
+                          "save it beside the weights (tokenizer.save_pretrained)")
+    return str(local)
+
+
+def build_model(cfg, model_path, device, rank):
+    """The FSDP2-wrapped policy in fp32 (the master weights), with the checkpoint's weights.
+
+    Every rank builds the module on the meta device (no memory), shards it, and allocates only its shard; rank 0
+    alone reads the checkpoint and broadcasts it tensor by tensor. Buffers that are not in the state dict (RoPE's
+    inv_freq) are copied from rank 0's loaded model too, since to_empty leaves them uninitialised.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    save_dtype = getattr(config, "dtype", None) or torch.float32
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=cfg.attn_implementation)
+    if cfg.activation_checkpointing:
+        # recompute each decoder layer in backward; non-reentrant checkpointing composes with FSDP2's hooks
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    bf16 = cfg.train_dtype == "bfloat16" or (cfg.train_dtype == "auto" and device.type == "cuda")
+    # bf16 params in forward/backward, fp32 gradient reduction and fp32 master weights in the optimizer
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp_policy)
+    fully_shard(model, mp_policy=mp_policy)  # the root: embeddings, final norm, lm_head (tied or not)
+    model.to_empty(device=device)
+
+    source = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32) if rank == 0 else None
+    full_state = source.state_dict() if rank == 0 else {}
+    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    source_buffers = dict(source.named_buffers()) if rank == 0 else {}
+    for name, buffer in model.named_buffers():
+        if rank == 0:
+            buffer.copy_(source_buffers[name])
+        dist.broadcast(buffer, src=0)
+    del source, full_state
+    model.train()
+    return model, save_dtype
+
+
+def lr_at(step, total_steps, cfg):
+    """Linear warm-up over the first warmup_ratio of the steps (starting at lr / warmup, not 0, so step 0 trains),
+    then cosine decay to lr * min_lr_ratio at the last step (§4.1)."""
+    warmup = math.ceil(cfg.warmup_ratio * total_steps)
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total_steps - 1 - warmup)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def save_hf_model(model, tokenizer, model_path, out, save_dtype, rank):
+    """Gather the full weights on rank 0 and write a Hugging Face directory atomically: into out.tmp, then a rename,
+    so a crash never leaves a half-written model where rl.py or vLLM would load it."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import GenerationConfig
+
+    full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        out = Path(out)
+        tmp, old = out.with_name(out.name + ".tmp"), out.with_name(out.name + ".old")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.config.dtype = save_dtype
+        model.save_pretrained(tmp, state_dict={k: v.to(save_dtype) for k, v in full_state.items()})
+        tokenizer.save_pretrained(tmp)
+        try:  # keep the base model's sampling defaults (eos ids etc.)
+            GenerationConfig.from_pretrained(model_path).save_pretrained(tmp)
+        except OSError:
+            pass
+        if out.exists():
+            os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+# -----------------------------------------------------------------------------
+# the training loop
+
+def train(cfg):
+    """Run SFT as configured; returns (model, tokenizer) with the trained FSDP model (tests compare it with the
+    saved directory)."""
+    import torch
+    import torch.distributed as dist
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from common import MetricsLogger, init_distributed, latest_checkpoint, load_checkpoint, save_checkpoint, \
+        save_config, seed_everything
+
+    rank, world_size, _, device = init_distributed()
+    accumulation = check_world(cfg, world_size)
+    model_path = check_model_dir(cfg.model)
+    if cfg.train_threads and device.type == "cpu":
+        torch.set_num_threads(cfg.train_threads)
+    seed_everything(cfg.seed)
+    out_dir = resolve(cfg.out_dir)
+    if rank == 0:
+        save_config(cfg, out_dir)
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    # padding is never attended to nor trained on; any id works when the tokenizer names no pad token
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    examples, dropped = load_conversations(cfg, tokenizer)
+    lengths = [len(ids) for ids, _ in examples]
+    steps_per_epoch = len(examples) // cfg.global_batch_size
+    total_steps = cfg.epochs * steps_per_epoch
+    if cfg.max_steps:
+        total_steps = min(total_steps, cfg.max_steps)
+    if rank == 0:
+        loss_tokens = sum(sum(mask) for _, mask in examples)
+        print(f"data: {len(examples)} conversations ({dropped} longer than {cfg.max_seq_len} tokens dropped), "
+              f"{sum(lengths)} tokens, {loss_tokens} trained | {total_steps} steps of {cfg.global_batch_size} = "
+              f"{world_size} ranks x {accumulation} micro-batches x {cfg.micro_batch_size}", flush=True)
+
+    model, save_dtype = build_model(cfg, model_path, device, rank)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                  weight_decay=cfg.weight_decay)
+
+    # resume: model, optimizer, RNG and the step; the step alone fixes the data position and the lr
+    run_state = {"num_examples": len(examples), "global_batch_size": cfg.global_batch_size, "seed": cfg.seed,
+                 "total_steps": total_steps}
+    ckpt_root = out_dir / "checkpoints"
+    checkpoint = None if cfg.resume == "never" else latest_checkpoint(ckpt_root) if cfg.resume == "auto" else resolve(cfg.resume)
+    start_step = 0
+    if checkpoint is not None:
+        saved = load_checkpoint(checkpoint, model, optimizer)
+        mismatch = {k: (saved.get(k), v) for k, v in run_state.items() if saved.get(k) != v}
+        if mismatch:
+            raise ConfigError(f"resume from {checkpoint}: the run changed since it was saved (saved, now): {mismatch}; "
+                              "the data order would differ. Use a new out_dir or resume=never")
+        start_step = saved["step"]
+        if rank == 0:
+            print(f"resumed from {checkpoint} at step {start_step}", flush=True)
+    logger = MetricsLogger(out_dir, enabled=rank == 0, wandb_project=cfg.wandb_project, tensorboard=cfg.tensorboard,
+                           config=dataclasses.asdict(cfg), resume_step=start_step)
+
+    progress = tqdm(total=total_steps, initial=start_step, desc="sft", disable=rank != 0, dynamic_ncols=True)
+    for step in range(start_step, total_steps):
+        started = time.perf_counter()
+        lr = lr_at(step, total_steps, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        batch = global_batch(len(examples), cfg.global_batch_size, cfg.seed, step)
+        # the denominator of the token mean: every trained token of the global batch (all ranks know the batch)
+        num_loss_tokens = sum(sum(examples[i][1][1:]) for i in batch)
+        loss_sum = torch.zeros((), device=device)
+        num_tokens = 0
+        for indices in rank_micro_batches(batch, lengths, cfg.micro_batch_size, rank, world_size):
+            input_ids, attention_mask, loss_mask = (t.to(device) for t in collate([examples[i] for i in indices], pad_id))
+            micro_loss = micro_batch_loss_sum(model, input_ids, attention_mask, loss_mask)
+            # FSDP averages gradients over ranks; this rank's sum over the global count is already its share of the
+            # global mean, so scale by world_size to make the reduced gradient exactly d(global token mean)
+            (micro_loss * world_size / num_loss_tokens).backward()
+            loss_sum += micro_loss.detach()
+            num_tokens += int(attention_mask.sum())
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        totals = torch.tensor([loss_sum.item(), num_tokens], dtype=torch.float64)
+        dist.all_reduce(totals)
+        elapsed = time.perf_counter() - started
+        metrics = {"loss": totals[0].item() / num_loss_tokens, "lr": lr, "grad_norm": grad_norm.item(),
+                   "epoch": step / steps_per_epoch, "loss_tokens": num_loss_tokens, "tokens": int(totals[1]),
+                   "tokens_per_s": totals[1].item() / elapsed, "step_time_s": elapsed}
+        if (step + 1) % cfg.log_every == 0 or step + 1 == total_steps:
+            logger.log(step + 1, metrics)
+        progress.update(1)
+        progress.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+        if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < total_steps:
+            save_checkpoint(ckpt_root, step + 1, model, optimizer, {**run_state, "step": step + 1}, keep=cfg.keep_checkpoints)
+    progress.close()
+    logger.close()
+    if start_step < total_steps or latest_checkpoint(ckpt_root) is None:
+        save_checkpoint(ckpt_root, total_steps, model, optimizer, {**run_state, "step": total_steps}, keep=cfg.keep_checkpoints)
+    save_hf_model(model, tokenizer, model_path, out_dir / "final", save_dtype, rank)
+    if rank == 0:
+        print(f"saved {out_dir / 'final'}", flush=True)
+    return model, tokenizer
+
+
+if __name__ == "__main__":
+    try:
+        train(load_config(SFTConfig, sys.argv[1:]))
+    except ConfigError as e:
+        sys.exit(f"sft.py: {e}")

@@ -1,0 +1,335 @@
+"""sft.py: conversations become exactly the token sequences a rollout produces, the loss is a token mean over the
+whole global batch however it is split, a run resumes where it stopped, and the result loads as a HF directory."""
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import sft
+from common import REPO, ConfigError, load_config
+
+CODE_TEMPLATE = "configs/templates/rstar2_code.jinja"
+CODE_TOOL = "configs/templates/python_code_with_standard_io.json"
+
+# A transcript of the tiny demo's kind: a failed call, the traceback, a fixed call, the answer.
+CALL = '<tool_call>\n{"name": "python_code_with_standard_io", "arguments": {"code": "%s", "input": ""}}\n</tool_call>'
+TRANSCRIPT = [
+    {"role": "user", "content": "Compute 4821 * 37 - 905."},
+    {"role": "assistant", "content": " I will compute it with Python. </reason>\n" + CALL % "prnt(4821 * 37 - 905)"},
+    {"role": "tool", "content": "Tool call failure\nreason: \nstderr: NameError: name 'prnt' is not defined\n"},
+    {"role": "assistant", "content": " The code failed. I will fix it. </reason>\n" + CALL % "print(4821 * 37 - 905)"},
+    {"role": "tool", "content": "Tool call success\nstdout: 177472\n"},
+    {"role": "assistant", "content": " The result is 177472. </reason>\n<answer> \\boxed{177472} </answer>"},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def code_format():
+    return (REPO / CODE_TEMPLATE).read_text(), sft.read_tools(CODE_TOOL)
+
+
+# -----------------------------------------------------------------------------
+# rendering: SFT sequences == rollout sequences
+
+def test_transcript_tokens_equal_the_rollout_segments_token_for_token(tokenizer):
+    """What SFT trains on is what rollout.py builds while sampling: render_prompt, then the sampled turn and its
+    <|im_end|>, then render_tool_turn, and so on; loss exactly on the sampled part."""
+    import rollout
+
+    template, tools = code_format()
+    input_ids, loss_mask = sft.render_conversation(tokenizer, TRANSCRIPT, tools, template)
+
+    rollout_cfg = rollout.RolloutConfig(prompt_variant="code")
+    expected_ids = rollout.render_prompt(tokenizer, TRANSCRIPT[0]["content"], rollout_cfg)
+    expected_mask = [0] * len(expected_ids)
+    for message in TRANSCRIPT[1:]:
+        if message["role"] == "assistant":
+            ids = tokenizer.encode(message["content"], add_special_tokens=False) + [tokenizer.eos_token_id]
+            expected_mask += [1] * len(ids)
+        else:
+            ids = rollout.render_tool_turn(tokenizer, message["content"], rollout_cfg)
+            expected_mask += [0] * len(ids)
+        expected_ids += ids
+    assert input_ids == expected_ids
+    assert loss_mask == expected_mask
+
+
+def test_the_loss_mask_covers_exactly_the_assistant_turns_and_their_end_of_turn(tokenizer):
+    template, tools = code_format()
+    input_ids, loss_mask = sft.render_conversation(tokenizer, TRANSCRIPT, tools, template)
+    trained = tokenizer.decode([t for t, m in zip(input_ids, loss_mask) if m])
+    assert trained == "".join(m["content"] + "<|im_end|>" for m in TRANSCRIPT if m["role"] == "assistant")
+    # and the untrained part is the prompt and the tool turns, with no "\n" after an assistant's <|im_end|>
+    text = tokenizer.decode(input_ids)
+    assert text.endswith("</answer><|im_end|>")
+    assert "</tool_call><|im_end|><|im_start|>user\n<tool_response>\nTool call failure" in text
+    assert text.count("<|im_start|>assistant\n<reason>") == 3
+
+
+def test_any_chat_template_works_multi_turn_and_system_included(tokenizer):
+    """The tokenizer's own ChatML template, a system prompt and two user turns: the loss still falls exactly on
+    the assistant contents, and the prompt part is the template's text."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "4"}]
+    input_ids, loss_mask = sft.render_conversation(tokenizer, messages, None, None)
+    assert tokenizer.decode([t for t, m in zip(input_ids, loss_mask) if m]) == "Hello.<|im_end|>4<|im_end|>"
+    assert tokenizer.decode(input_ids) == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                                           "<|im_start|>assistant\nHello.<|im_end|><|im_start|>user\n2+2?<|im_end|>\n"
+                                           "<|im_start|>assistant\n4<|im_end|>")
+
+
+def test_a_template_that_rewrites_assistant_content_is_refused(tokenizer):
+    """Training on text the policy never writes at rollout time is a silent format bug; refuse it loudly."""
+    trimming = tokenizer.chat_template.replace("{{ message.content }}", "{{ message.content | trim }}")
+    messages = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": " padded answer "}]
+    with pytest.raises(ConfigError, match="does not render assistant message 1 as the generation prompt"):
+        sft.render_conversation(tokenizer, messages, None, trimming, where="x.jsonl:3")
+
+
+# -----------------------------------------------------------------------------
+# data and config errors: each names the file, the line and the problem
+
+@pytest.mark.parametrize("row, message", [
+    ({"messages": []}, "expected a non-empty list under 'messages'"),
+    ({"messages": [{"role": "bot", "content": "x"}]}, "message 0: role must be one of"),
+    ({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "a"}]}, "'content' must be a string"),
+    ({"messages": [{"role": "user", "content": "q"}]}, "the last message must be the assistant's"),
+    ({"messages": [{"role": "assistant", "content": "a"}]}, "must start with a system or user message"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]}, "empty content"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "tools": "calc"},
+     "'tools' must be a list"),
+])
+def test_bad_rows_are_rejected_with_file_and_line(tmp_path, tokenizer, tiny_model_dir, row, message):
+    good = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps(good) + "\n\n" + json.dumps(row) + "\n")  # the blank line must not shift the count
+    cfg = sft.SFTConfig(model=str(tiny_model_dir), data=str(path), global_batch_size=1, micro_batch_size=1)
+    with pytest.raises(ConfigError, match=rf"data.jsonl:3: .*{re.escape(message)}"):
+        sft.load_conversations(cfg, tokenizer)
+
+
+def test_long_conversations_are_dropped_and_counted_never_truncated(tmp_path, tokenizer, tiny_model_dir):
+    rows = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "word " * n}]}
+            for n in (1, 2, 200)]
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = sft.SFTConfig(model=str(tiny_model_dir), data=str(path), max_seq_len=64, global_batch_size=2, micro_batch_size=1)
+    examples, dropped = sft.load_conversations(cfg, tokenizer)
+    assert dropped == 1 and len(examples) == 2 and all(len(ids) <= 64 for ids, _ in examples)
+    with pytest.raises(ConfigError, match="2 conversations fit max_seq_len=64 .1 longer ones dropped., fewer than one global batch of 4"):
+        sft.load_conversations(dataclasses.replace(cfg, global_batch_size=4), tokenizer)
+
+
+def test_config_errors_name_the_problem(tmp_path, tiny_model_dir):
+    data = tmp_path / "d.jsonl"
+    data.write_text("{}\n")
+    with pytest.raises(ConfigError, match="global_batch_size=128 is not a multiple of world_size .3. x micro_batch_size .4. = 12"):
+        sft.check_world(sft.SFTConfig(), world_size=3)
+    assert sft.check_world(sft.SFTConfig(), world_size=8) == 4  # 128 = 8 ranks x 4 micro-batches x 4
+    with pytest.raises(ConfigError, match="global_batch_size=10 is not a multiple of micro_batch_size=4"):
+        load_config(sft.SFTConfig, [f"model={tiny_model_dir}", f"data={data}", "global_batch_size=10"])
+    with pytest.raises(ConfigError, match="data: set the chat JSONL"):
+        load_config(sft.SFTConfig, [f"model={tiny_model_dir}"])
+    with pytest.raises(ConfigError, match="chat_template: file not found"):
+        load_config(sft.SFTConfig, [f"model={tiny_model_dir}", f"data={data}", "chat_template=nope.jinja"])
+    no_tokenizer = tmp_path / "weights-only"
+    no_tokenizer.mkdir()
+    shutil.copy(tiny_model_dir / "config.json", no_tokenizer)
+    with pytest.raises(ConfigError, match="has no tokenizer"):
+        sft.check_model_dir(str(no_tokenizer))
+    with pytest.raises(ConfigError, match="no such directory"):
+        sft.check_model_dir(str(tmp_path / "missing"))
+
+
+def test_the_command_line_reports_a_bad_config_in_one_line(tmp_path):
+    result = subprocess.run([sys.executable, "sft.py", "configs/sft_tiny.yaml", "micro_batch_size=5"], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.strip() == "sft.py: global_batch_size=16 is not a multiple of micro_batch_size=5"
+
+
+def test_the_shipped_configs_load_and_carry_the_recipes(tmp_path, tiny_model_dir):
+    data = tmp_path / "d.jsonl"
+    data.write_text("{}\n")
+    paths = [f"model={tiny_model_dir}", f"data={data}"]
+    paper = load_config(sft.SFTConfig, [str(REPO / "configs/sft.yaml"), *paths])
+    assert (paper.epochs, paper.lr, paper.warmup_ratio, paper.global_batch_size) == (3, 5e-6, 0.04, 128)  # §4.1
+    tiny = load_config(sft.SFTConfig, [str(REPO / "configs/sft_tiny.yaml"), *paths])
+    assert (tiny.chat_template, tiny.tool_schema) == (CODE_TEMPLATE, CODE_TOOL)  # the format rl.py samples in
+
+
+# -----------------------------------------------------------------------------
+# batching and the schedule
+
+def test_every_epoch_is_a_fresh_permutation_and_each_step_a_full_batch():
+    steps = [sft.global_batch(10, 4, seed=0, step=s) for s in range(4)]  # 2 steps per epoch, 2 left out each
+    assert all(len(b) == 4 for b in steps)
+    assert len(set(steps[0] + steps[1])) == 8 and steps[0] + steps[1] != steps[2] + steps[3]
+    assert steps == [sft.global_batch(10, 4, seed=0, step=s) for s in range(4)]  # a function of (seed, step) only
+
+
+def test_micro_batches_group_similar_lengths_and_split_the_batch_evenly_over_ranks():
+    lengths = [5, 100, 7, 98, 6, 99, 8, 97]
+    batch = list(range(8))
+    shares = [sft.rank_micro_batches(batch, lengths, 2, rank, 2) for rank in range(2)]
+    assert [len(s) for s in shares] == [2, 2]
+    assert sorted(i for share in shares for micro in share for i in micro) == batch
+    for share in shares:
+        for micro in share:
+            assert max(lengths[i] for i in micro) - min(lengths[i] for i in micro) <= 2
+
+
+def test_lr_warms_up_from_above_zero_then_decays_by_cosine_to_the_floor():
+    cfg = sft.SFTConfig(lr=1.0, warmup_ratio=0.04, min_lr_ratio=0.1)
+    lrs = [sft.lr_at(step, 100, cfg) for step in range(100)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert all(a >= b for a, b in zip(lrs[3:], lrs[4:]))
+    assert lrs[-1] == pytest.approx(0.1)
+    assert lrs[52] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + __import__("math").cos(__import__("math").pi * 48 / 95)))
+
+
+# -----------------------------------------------------------------------------
+# training on the tiny model (in this process: a gloo world of one, the same code path as torchrun)
+
+def chat_rows(n):
+    """Short ChatML conversations (the tokenizer's own template, no tools): fast to train on."""
+    import tiny
+
+    return [{"messages": [{"role": "user", "content": p["problem"]},
+                          {"role": "assistant", "content": f"The answer is \\boxed{{{p['answer']}}}."}]}
+            for p in tiny.make_arithmetic_problems(n, seed=1, split="sft-test")]
+
+
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sft-data") / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(64)))
+    return path
+
+
+def run_sft(tiny_model_dir, data, out_dir, **overrides):
+    settings = dict(model=str(tiny_model_dir), data=str(data), out_dir=str(out_dir), global_batch_size=8,
+                    micro_batch_size=4, lr=3e-3, warmup_ratio=0.1, max_steps=6, seed=0,
+                    train_threads=1)  # one thread: a loaded 2-core CI machine makes 2 OpenMP threads 10x slower
+    settings.update(overrides)
+    cfg = sft.SFTConfig(**settings)
+    cfg.validate()
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        return sft.train(cfg)
+    finally:
+        torch.set_num_threads(threads)  # leave the session's other tests as they were
+
+
+def metrics(out_dir):
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_weights(out_dir):
+    from safetensors.torch import load_file
+
+    return load_file(out_dir / "final" / "model.safetensors")
+
+
+def test_sft_lowers_the_loss_and_the_saved_directory_reloads_with_identical_logits(tmp_path, tiny_model_dir, chat_data):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tokenizer = run_sft(tiny_model_dir, chat_data, tmp_path, max_steps=8)
+    losses = [row["loss"] for row in metrics(tmp_path)]
+    assert len(losses) == 8 and losses[-1] < 0.7 * losses[0], losses
+
+    final = tmp_path / "final"
+    assert (final / "model.safetensors").is_file() and not (tmp_path / "final.tmp").exists()
+    reloaded = AutoModelForCausalLM.from_pretrained(final)
+    reloaded_tokenizer = AutoTokenizer.from_pretrained(final)
+    text = "<|im_start|>user\nCompute 12 * 34 + 5.<|im_end|>\n<|im_start|>assistant\n"
+    assert reloaded_tokenizer.encode(text) == tokenizer.encode(text)
+    ids = torch.tensor([tokenizer.encode(text)])
+    with torch.no_grad():
+        trained_logits = model(input_ids=ids).logits
+        reloaded_logits = reloaded(input_ids=ids).logits
+    assert torch.equal(trained_logits, reloaded_logits)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        assert not torch.allclose(base(input_ids=ids).logits, reloaded_logits)  # it did train
+
+
+def test_splitting_the_batch_into_micro_batches_does_not_change_the_update(tmp_path, tiny_model_dir, chat_data):
+    """One optimizer step on the same 8 conversations as 1 micro-batch of 8 and as 4 of 2. The loss is divided by
+    the global batch's token count, not averaged per micro-batch, so loss and gradient norm agree to float
+    rounding (a per-micro-batch mean would change both: the micro-batches hold different token counts)."""
+    import torch
+
+    lr = 1e-3
+    run_sft(tiny_model_dir, chat_data, tmp_path / "one", micro_batch_size=8, max_steps=1, lr=lr)
+    run_sft(tiny_model_dir, chat_data, tmp_path / "four", micro_batch_size=2, max_steps=1, lr=lr)
+    (one_metrics,), (four_metrics,) = metrics(tmp_path / "one"), metrics(tmp_path / "four")
+    assert one_metrics["loss_tokens"] == four_metrics["loss_tokens"]
+    for key in ("loss", "grad_norm"):
+        assert four_metrics[key] == pytest.approx(one_metrics[key], rel=1e-5), key
+    one, four = final_weights(tmp_path / "one"), final_weights(tmp_path / "four")
+    for name in one:
+        # AdamW's first step is ~lr * g / |g|: a coordinate whose gradient is ~1e-8 turns float noise into a
+        # fraction of lr, so weights are compared at 5% of lr; loss and gradient norm above are the tight check.
+        torch.testing.assert_close(one[name], four[name], rtol=0, atol=0.05 * lr, msg=name)
+
+
+def test_a_resumed_run_ends_exactly_where_the_uninterrupted_run_ends(tmp_path, tiny_model_dir, chat_data):
+    """Checkpoints every 2 steps; throw away everything after step 2 (as if killed during step 3) and rerun with
+    resume=auto: same data order, lr, optimizer state, so the same weights and the same per-step metrics."""
+    import torch
+
+    run_sft(tiny_model_dir, chat_data, tmp_path, max_steps=4, save_every=2)
+    expected_weights, expected_metrics = final_weights(tmp_path), metrics(tmp_path)
+    shutil.rmtree(tmp_path / "checkpoints" / "step_00000004")
+    shutil.rmtree(tmp_path / "final")
+    (tmp_path / "checkpoints" / "step_00000003.tmp").mkdir()  # a half-written save is never resumed from
+
+    run_sft(tiny_model_dir, chat_data, tmp_path, max_steps=4, save_every=2)
+    resumed = final_weights(tmp_path)
+    for name in expected_weights:
+        torch.testing.assert_close(resumed[name], expected_weights[name], rtol=0, atol=0, msg=name)
+    drop_timing = lambda rows: [{k: v for k, v in r.items() if k not in ("tokens_per_s", "step_time_s")} for r in rows]
+    assert drop_timing(metrics(tmp_path)) == drop_timing(expected_metrics)
+
+
+def test_resuming_with_a_different_batch_size_is_refused(tmp_path, tiny_model_dir, chat_data):
+    run_sft(tiny_model_dir, chat_data, tmp_path, max_steps=2)
+    with pytest.raises(ConfigError, match="the run changed since it was saved"):
+        run_sft(tiny_model_dir, chat_data, tmp_path, max_steps=2, global_batch_size=16)
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_match_one_process(tmp_path, tiny_model_dir, chat_data):
+    """FSDP2 over 2 gloo ranks (each 1 micro-batch of 4) = 1 process (2 micro-batches of 4), two steps."""
+    import torch
+
+    common = [f"model={tiny_model_dir}", f"data={chat_data}", "global_batch_size=8", "micro_batch_size=4",
+              "lr=3e-3", "warmup_ratio=0.1", "max_steps=2", "train_dtype=float32"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name, launcher in (("one", [sys.executable]),
+                           ("two", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"])):
+        result = subprocess.run(launcher + ["sft.py", *common, f"out_dir={tmp_path / name}"], cwd=REPO, env=env,
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+    for one_step, two_step in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two"), strict=True):
+        for key in ("loss", "grad_norm"):
+            assert two_step[key] == pytest.approx(one_step[key], rel=1e-5), key
+    one, two = final_weights(tmp_path / "one"), final_weights(tmp_path / "two")
+    for name in one:
+        torch.testing.assert_close(one[name], two[name], rtol=0, atol=0.05 * 3e-3, msg=name)  # see the test above
