@@ -1,8 +1,9 @@
 """The tiny CPU world: a Qwen3-architecture causal LM small enough to train on 2 cores, a tokenizer trained
 locally in seconds (no download), and the synthetic arithmetic task the CPU demo learns.
 
-    python tiny.py                                  # writes out/tiny-model (config, weights, tokenizer)
-    python tiny.py configs/tiny_model.yaml out_dir=/tmp/m hidden_size=256
+    python tiny.py                                  # writes out/tiny-model (config, weights, tokenizer) and
+                                                    # out/tiny-sft.jsonl (the demo's SFT transcripts)
+    python tiny.py configs/tiny_model.yaml out_dir=/tmp/m hidden_size=256 sft_data=""
 
 The output is an ordinary Hugging Face directory: AutoModelForCausalLM / AutoTokenizer / vLLM load it exactly
 as they load Qwen3-14B, so every script runs one code path for the tiny model and the real one.
@@ -56,6 +57,10 @@ class TinyConfig:
     num_key_value_heads: int = 1
     head_dim: int = 64
     max_position_embeddings: int = 4096
+    # the demo's SFT transcripts (make_sft_transcripts), written by `python tiny.py`; "" = do not write them
+    sft_data: str = "out/tiny-sft.jsonl"
+    sft_examples: int = 2000
+    sft_error_fraction: float = 0.3  # share of transcripts whose first code fails and is fixed on a second call
 
 
 # -----------------------------------------------------------------------------
@@ -77,6 +82,88 @@ def make_arithmetic_problems(n, seed, split="train"):
             text, value = f"({a} + {c}) * {b}", (a + c) * b
         rows.append({"id": f"arith-{split}-{i}", "problem": f"Compute {text}.", "answer": str(value)})
     return rows
+
+
+# -----------------------------------------------------------------------------
+# the demo's SFT transcripts: the paper's SFT teaches format, not reasoning (§4.1), and so do these. RL starts
+# from a model that calls the tool and boxes an answer, but still miscopies digits and sometimes writes bad code.
+
+TOOL_NAME = "python_code_with_standard_io"
+# Mistakes a small model plausibly makes when it writes the call; each gets a real traceback back from the tool.
+BUGS = (
+    lambda expression: f"prnt({expression})",                          # NameError: name 'prnt' is not defined
+    lambda expression: f"print({expression}",                          # SyntaxError: '(' was never closed
+    lambda expression: f"print({expression.replace('*', 'x')})",       # SyntaxError: invalid syntax
+)
+
+
+def tool_call_text(code):
+    """The Hermes-style call the rStar2 prompt asks for (§2.1), with the model's code and empty stdin."""
+    call = json.dumps({"name": TOOL_NAME, "arguments": {"code": code, "input": ""}})
+    return f"<tool_call>\n{call}\n</tool_call>"
+
+
+def make_sft_transcripts(problems, error_fraction=0.3, seed=0):
+    """Chat rows {"messages": [...]} for sft.py, one per problem {problem, answer}:
+
+        assistant  I will compute it with Python. </reason> <tool_call> print(EXPR) </tool_call>
+        tool       Tool call success / stdout: N
+        assistant  The result is N. </reason> <answer> \\boxed{N} </answer>
+
+    In a share `error_fraction` the first call has a bug (BUGS); the tool's traceback comes back and a second call
+    fixes it, so the SFT model makes and recovers from tool errors at about that rate when sampling. GRPO-RoC needs
+    exactly that: correct trajectories with failed calls in them, which it trains on less (§2.2.3, Fig. 4).
+    Every tool text comes from running the code in the real executor, rendered as the rollout renders it (no
+    execution time, so reruns write identical files). Assistant contents start after the template's `<reason>`.
+    """
+    from executor import Executor
+    from rollout import RolloutConfig, format_tool_response
+
+    if not 0 <= error_fraction <= 1:
+        raise ValueError(f"error_fraction must be in [0, 1], got {error_fraction}")
+    rng = random.Random(f"sft-transcripts-{seed}")
+    plans = []  # per problem: the codes it runs, in order
+    for row in problems:
+        if not (row["problem"].startswith("Compute ") and row["problem"].endswith(".")):
+            raise ValueError(f"{row.get('id')}: not an arithmetic problem from make_arithmetic_problems: {row['problem']!r}")
+        correct = f"print({row['problem'][len('Compute '):-1]})"
+        buggy = rng.choice(BUGS)(correct[len("print("):-1]) if rng.random() < error_fraction else None
+        plans.append([buggy, correct] if buggy else [correct])
+    codes = [code for plan in plans for code in plan]
+    with Executor(workers=2) as executor:
+        results = iter(executor.map(codes))
+    rollout_cfg = RolloutConfig()
+    rows = []
+    for row, plan in zip(problems, plans):
+        messages = [{"role": "user", "content": row["problem"]}]
+        for attempt, code in enumerate(plan):
+            result = next(results)
+            if (result.status == "ok") != (attempt == len(plan) - 1):
+                raise RuntimeError(f"{row['id']}: {code!r} gave status {result.status!r}: {result.stderr or result.reason}")
+            reason = " I will compute it with Python." if attempt == 0 else " The code failed. I will fix it and run it again."
+            messages.append({"role": "assistant", "content": f"{reason} </reason>\n{tool_call_text(code)}"})
+            messages.append({"role": "tool", "content": format_tool_response(result, rollout_cfg)})
+        value = result.stdout.strip()
+        if value != row["answer"]:
+            raise RuntimeError(f"{row['id']}: the tool printed {value!r}, the answer is {row['answer']!r}")
+        messages.append({"role": "assistant", "content": f" The result is {value}. </reason>\n<answer> \\boxed{{{value}}} </answer>"})
+        rows.append({"messages": messages})
+    return rows
+
+
+def write_sft_transcripts(cfg):
+    """Write cfg.sft_examples transcripts on fresh problems (split "sft": not RL's train split, not eval's test
+    split) to cfg.sft_data as JSONL; returns the path."""
+    from common import atomic_write_text
+
+    problems = make_arithmetic_problems(cfg.sft_examples, cfg.seed, split="sft")
+    rows = make_sft_transcripts(problems, cfg.sft_error_fraction, cfg.seed)
+    path = Path(cfg.sft_data)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, "".join(json.dumps(row) + "\n" for row in rows))
+    with_errors = sum(len(row["messages"]) > 5 for row in rows)
+    print(f"sft transcripts: {len(rows)} ({with_errors} with a failed call and a retry) -> {path}")
+    return path
 
 
 # -----------------------------------------------------------------------------
@@ -158,4 +245,7 @@ def build_tiny_model(cfg=None):
 
 
 if __name__ == "__main__":
-    build_tiny_model(load_config(TinyConfig, sys.argv[1:]))
+    config = load_config(TinyConfig, sys.argv[1:])
+    build_tiny_model(config)
+    if config.sft_data:
+        write_sft_transcripts(config)

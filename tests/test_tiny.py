@@ -89,3 +89,46 @@ def test_chatml_template_renders_tools(tokenizer):
     assert text.startswith("<|im_start|>system\n# Tools\n\nYou are provided with function signatures within <tools></tools> XML tags:\n"
                            '<tools>\n{"type": "function", "function": {"name": "python_code_with_standard_io"')
     assert "}}}\n</tools><|im_end|>\n<|im_start|>user\nQ<|im_end|>\n" in text
+
+
+# -----------------------------------------------------------------------------
+# the demo's SFT transcripts
+
+def test_sft_transcripts_run_the_real_tool_and_end_in_the_boxed_answer():
+    import rollout
+    import sft
+    from tiny import make_sft_transcripts
+
+    problems = make_arithmetic_problems(12, seed=5, split="sft")
+    rows = make_sft_transcripts(problems, error_fraction=0.5, seed=0)
+    assert rows == make_sft_transcripts(problems, error_fraction=0.5, seed=0)  # no timings: reruns are identical
+    retried = 0
+    for row, problem in zip(rows, problems):
+        sft.check_conversation(row, problem["id"])
+        messages = row["messages"]
+        assert messages[0] == {"role": "user", "content": problem["problem"]}
+        assert messages[-1]["content"].endswith(f"</reason>\n<answer> \\boxed{{{problem['answer']}}} </answer>")
+        calls = [rollout.parse_tool_call(m["content"], "python_code_with_standard_io") for m in messages[1:-1:2]]
+        tool_texts = [m["content"] for m in messages[2::2]]
+        assert calls[-1] == {"code": f"print({problem['problem'][8:-1]})", "stdin": ""}
+        assert tool_texts[-1] == f"Tool call success\nstdout: {problem['answer']}\n"  # what the executor printed
+        if len(calls) == 2:  # a buggy first call, its real traceback, the fix
+            retried += 1
+            assert tool_texts[0].startswith("Tool call failure\nreason: \nstderr: ")
+            assert "NameError: name 'prnt' is not defined" in tool_texts[0] or "SyntaxError" in tool_texts[0]
+            assert "The code failed." in messages[3]["content"]
+    assert 2 <= retried <= 10
+
+
+def test_python_tiny_writes_transcripts_that_sft_tokenizes_within_its_length_limit(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    import sft
+    from common import load_config
+    from tiny import TinyConfig, write_sft_transcripts
+
+    path = write_sft_transcripts(TinyConfig(sft_data=str(tmp_path / "sft.jsonl"), sft_examples=16, sft_error_fraction=0.5))
+    cfg = load_config(sft.SFTConfig, [str(REPO / "configs/sft_tiny.yaml"), f"model={tiny_model_dir}", f"data={path}"])
+    examples, dropped = sft.load_conversations(cfg, AutoTokenizer.from_pretrained(tiny_model_dir))
+    assert len(examples) == 16 and dropped == 0
+    assert max(len(ids) for ids, _ in examples) < cfg.max_seq_len
