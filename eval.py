@@ -396,17 +396,10 @@ def check_prompt_lengths(todo, tokenizer, rollout_cfg):
 
 
 def check_engine(engine, rollout_cfg):
-    """An engine passed in (rl.py's) samples with the settings it was built with; they must be the eval's."""
-    # rollout.Engine.add reads temperature and top_p from the engine's own config, not from the cfg given to
-    # generate(), so a mismatch would silently sample at training temperature (1.0) instead of 0.6.
+    """An engine passed in (rl.py's) was built for its own max_model_len; the eval's sequences must fit it.
+    Sampling settings need no check: generate() sends temperature and top_p with every request."""
     built = getattr(engine, "cfg", None)
-    if built is None or built is rollout_cfg:
-        return
-    for name in ("temperature", "top_p"):
-        if getattr(built, name) != getattr(rollout_cfg, name):
-            raise ConfigError(f"the engine passed to evaluate samples with rollout.{name}={getattr(built, name)}, "
-                              f"the eval config asks for {getattr(rollout_cfg, name)}")
-    if built.context_len < rollout_cfg.context_len:
+    if built is not None and built.context_len < rollout_cfg.context_len:
         raise ConfigError(f"the engine passed to evaluate holds {built.context_len} tokens per sequence, the eval "
                           f"needs max_prompt_tokens + max_response_tokens = {rollout_cfg.context_len}")
 

@@ -459,6 +459,22 @@ def test_without_the_tool_no_executor_is_needed(scripted, tokenizer, tiny_model_
 
 
 @pytest.mark.slow
+def test_prompts_too_long_and_an_engine_too_short_are_refused_before_generating(scripted, tokenizer, tiny_model_dir):
+    engine, executor = scripted
+    rows = [row for row, _ in PROBLEMS]
+    short_prompts = eval_cfg()
+    short_prompts.rollout.max_prompt_tokens = 100
+    with counting_generate() as counts:
+        with pytest.raises(ConfigError, match=r"5 prompt\(s\) exceed rollout.max_prompt_tokens=100: problems/tool \("):
+            evaluation.evaluate(tiny_model_dir, rows, short_prompts, engine=engine, executor=executor, tokenizer=tokenizer)
+        long_answers = eval_cfg()
+        long_answers.rollout.max_response_tokens = 4096  # the engine was built for 512 + 160 tokens
+        with pytest.raises(ConfigError, match="holds 672 tokens per sequence, the eval needs .* = 4608"):
+            evaluation.evaluate(tiny_model_dir, rows, long_answers, engine=engine, executor=executor, tokenizer=tokenizer)
+    assert counts["problems"] == 0
+
+
+@pytest.mark.slow
 def test_command_line_under_torchrun_splits_the_work_and_rank_0_gathers_it(tiny_model_dir, tmp_path):
     """Two ranks, two engines: every sample is written once, by rank 0, and summary.json is the summary of the
     JSONL. (Which rank rolls out which problem is the shared counter's choice; the records say.)"""
