@@ -239,6 +239,7 @@ def load_benchmarks(cfg):
         if entry in BENCHMARKS:
             name, rows = entry, load_problems(BENCHMARKS[entry])
         elif entry == "arith":
+            # split="test" has its own random stream (tiny.py seeds by split): the demo trains on split="train".
             name, rows = entry, tiny.make_arithmetic_problems(cfg.arith_problems, cfg.arith_seed, split="test")
         elif entry.endswith(".jsonl") or path.is_file():
             # Named by the file's stem, the key of its samples in samples.jsonl and of its row in the table.
@@ -427,6 +428,7 @@ def evaluate(model_path, problems, cfg, engine=None, executor=None, tokenizer=No
     ks = cfg.ks or default_ks(cfg.n)
 
     # Resume: rank 0 reads the file; every rank needs only the keys, to agree on the work that is left.
+    # A shared filesystem is not assumed: only rank 0 ever touches out_dir.
     finished = {}
     if out_dir is not None and rank == 0:
         finished = open_samples(out_dir, generation_settings(model_path, cfg), cfg.n, cfg.resume)
@@ -497,6 +499,7 @@ def evaluate(model_path, problems, cfg, engine=None, executor=None, tokenizer=No
                       f"{generated_tokens / max(elapsed, 1e-9):.0f} response tokens/s", flush=True)
         summary = [None]
         if rank == 0:
+            # Over every problem asked for, resumed ones included: the numbers never depend on interruptions.
             summary[0] = {name: summarize([finished[(name, row["id"])] for row in rows], ks)
                           for name, rows in problems.items()}
             if out_dir is not None:
@@ -526,13 +529,13 @@ def main(argv=None):
     from common import init_distributed
 
     rank, _, _, _ = init_distributed()
-    if rank == 0:
+    if rank == 0:  # the resolved config next to the results, so summary.json always says what produced it
         save_config(cfg, cfg.out_dir)
     try:
         summary = evaluate(cfg.model, problems, cfg, out_dir=cfg.out_dir)
     except ConfigError as e:  # e.g. out_dir holds samples of other settings (torchrun then stops the other ranks)
         sys.exit(f"eval.py: {e}")
-    if rank == 0:
+    if rank == 0:  # every rank holds the summary; one prints it
         print(f"\n{cfg.model}\n" + markdown_table(summary), flush=True)
         print(f"[eval] wrote {Path(cfg.out_dir) / 'summary.json'}, summary.md and samples.jsonl", flush=True)
 
