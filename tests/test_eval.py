@@ -187,6 +187,17 @@ def test_model_directory_without_tokenizer_says_so(tiny_model_dir, tmp_path):
         evaluation.check_model_dir(tmp_path)
 
 
+def test_command_line_reports_bad_input_in_one_line_before_any_engine(tiny_model_dir, tmp_path):
+    bare = tmp_path / "weights-only"
+    shutil.copytree(tiny_model_dir, bare, ignore=shutil.ignore_patterns("tokenizer*", "vocab*", "chat_template*"))
+    for overrides, message in ([f"model={bare}"], f"eval.py: model directory {bare} has no tokenizer"), (
+            [f"model={tiny_model_dir}", "benchmarks=aime24,amc22"], "eval.py: unknown benchmark 'amc22' (did you mean"):
+        done = subprocess.run([sys.executable, "eval.py", "configs/eval_tiny.yaml", *overrides, f"out_dir={tmp_path}/o"],
+                              cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 1 and done.stderr.startswith(message), done.stderr
+        assert not (tmp_path / "o").exists()  # stopped before writing anything
+
+
 def test_the_configs_load_and_eval_yaml_is_the_papers_protocol():
     from common import load_config
 
