@@ -22,6 +22,7 @@ class Demo:
     lr: float = 1e-6
     use_tool: bool = True
     benchmarks: list[str] = dataclasses.field(default_factory=lambda: ["aime24"])
+    ks: list[int] = dataclasses.field(default_factory=lambda: [1])
     run_name: str | None = None
     rollout: Section = dataclasses.field(default_factory=Section)
 
@@ -36,10 +37,13 @@ def write(tmp_path, text, name="c.yaml"):
 
 def test_defaults_yaml_then_overrides_in_that_order(tmp_path):
     path = write(tmp_path, "lr: 2.0e-6\nrollout:\n  max_turns: 15\n")
-    cfg = load_config(Demo, [path, "rollout.temperature=0.6", "lr=1e-5", "benchmarks=aime24,aime25", "use_tool=false"])
+    cfg = load_config(Demo, [path, "rollout.temperature=0.6", "lr=1e-5", "benchmarks=aime24,aime25", "use_tool=false",
+                             "ks=1,16"])
     assert cfg.rollout.max_turns == 15 and cfg.rollout.temperature == 0.6
     assert cfg.lr == 1e-5 and isinstance(cfg.lr, float)  # YAML reads "1e-5" as a string; the float field converts it
-    assert cfg.benchmarks == ["aime24", "aime25"] and cfg.use_tool is False
+    assert cfg.benchmarks == ["aime24", "aime25"] and cfg.use_tool is False and cfg.ks == [1, 16]
+    with pytest.raises(ConfigError, match=r"'ks\[1\]': expected an int"):
+        load_config(Demo, ["ks=1,x"])
     assert load_config(Demo, []) == Demo()  # no file: the embedded defaults
 
 
