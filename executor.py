@@ -93,6 +93,12 @@ np.linalg.det(np.eye(3)); np.arange(12).reshape(3, 4).sum(axis=0); np.random.def
 
 # -----------------------------------------------------------------------------
 # the result
+#
+# The paper lists what the environment can answer (§2.1): printed output, no output (then the value of the
+# last expression), an error with its traceback, a timeout. Those are "ok" and "error"/"timeout" here, plus
+# "oom", which code-judge folds into errors. The status is structured on purpose: GRPO-RoC ranks correct
+# rollouts by their tool-error ratio (Eq. 4), and the release gets that ratio by grepping the response text
+# for "error", which misses timeouts and counts a printed "error" as one (rstar2-method.md §1.2).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +144,9 @@ def truncate_middle(text, max_chars):
 
 # -----------------------------------------------------------------------------
 # Linux through libc: Python 3.11 has no os.unshare, os.mount or capset
+#
+# Everything privileged below runs in a worker before any untrusted code exists: namespaces and mounts once
+# at its start, the uid switch and the limits in each child before it runs a line of the snippet.
 
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
 CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
@@ -192,6 +201,18 @@ def _under(path, root):
 
 # -----------------------------------------------------------------------------
 # a worker's isolation, set up once when it starts
+#
+# Per call these layers would cost 0.5-2.5 ms each (executor-anchors.md, measured on this machine kind); once
+# per worker they cost nothing per call. The calls of one worker run one after another, so what they could
+# share (the private /tmp, the namespace) is emptied between them instead.
+#   PID namespace   the worker is its PID 1: kill(-1) from there reaches every process a call made, and when
+#                   the worker dies the kernel kills them all. A process group alone is escaped by setsid.
+#   mount namespace the answer key, the trainer's files and the caller's home are not there; nothing written
+#                   outside the private tmpfs mounts survives (everything else is read-only).
+#   net namespace   only a loopback, down: no internet, no Redis/vLLM/Ray port of the training cluster.
+#   IPC namespace   SysV objects made by a call stay in the worker (and are forbidden or die with it).
+#   sandbox uid     one per worker (root only): cannot signal the worker or the trainer, cannot read root's
+#                   0600 files, and RLIMIT_NPROC, which counts per uid, then counts one call's processes.
 
 
 def _isolate(cfg):
@@ -210,6 +231,8 @@ def _isolate(cfg):
     except OSError as root_error:
         try:   # without root: in a user namespace we own fresh namespaces, but nothing of the host
             _unshare(flags | CLONE_NEWUSER)
+            # map our uid and gid to 0 inside; an unprivileged process may map just itself, and must give up
+            # setgroups(2) before it may write a gid map
             _write_text("/proc/self/setgroups", "deny")
             _write_text("/proc/self/uid_map", f"0 {euid} 1")
             _write_text("/proc/self/gid_map", f"0 {egid} 1")
@@ -269,8 +292,9 @@ def _isolate(cfg):
 def _keep_paths():
     """What the snippet must still read: the interpreter with its stdlib, and the venv's site-packages."""
     paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
-    paths.update(p for p in sys.path if p and os.path.isdir(p))
-    paths = sorted({os.path.realpath(p) for p in paths})
+    paths.update(p for p in sys.path if p and os.path.isdir(p))   # "" (the cwd) is the call's own directory
+    paths = sorted({os.path.realpath(p) for p in paths})   # symlinks resolved: a bind needs the real directory
+    # the outermost only: binding the prefix brings its lib/python3.x and site-packages along
     return [p for p in paths if not any(q != p and _under(p, q) for q in paths)]
 
 
@@ -295,6 +319,7 @@ def _hide_paths(cfg, info):
     hide = {os.path.realpath(p) for p in cfg["hide_paths"] if os.path.isdir(p)}
     for k in keep:   # an ancestor that a sandbox uid could not pass is covered too, with the interpreter inside
         hide.update(_closed_ancestors(k))
+    # never covered, whatever the caller's cwd is: a snippet without /usr or /etc cannot run (/tmp is private)
     system = {"/", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/dev", "/proc", "/sys", "/var", "/run", "/tmp"}
     # hiding wins over keeping: a kept path that contains a hidden one (an editable install of the repo) goes
     keep = [k for k in keep if not any(_under(h, k) for h in hide)]
@@ -318,6 +343,7 @@ def _mask_gpus(info):
     for name in sorted(os.listdir("/dev")):
         path = "/dev/" + name
         try:
+            # nvidia0..N, nvidiactl, nvidia-uvm and friends are nodes; kfd is the AMD compute node (MI300X)
             if name.startswith("nvidia") and not os.path.isdir(path) or name == "kfd":
                 _mount("/dev/null", path, None, MS_BIND)
             elif name in ("dri", "nvidia-caps"):
@@ -340,6 +366,7 @@ def _remount_readonly(info):
         options = row[5].split(",")
         if any(_under(target, p) for p in ("/proc", "/sys", "/dev")) or "ro" in options:
             continue
+        # MS_BIND with MS_REMOUNT changes this mount's flags only, not the filesystem's (the host keeps rw)
         flags = MS_REMOUNT | MS_BIND | MS_RDONLY
         for option in options:
             flags |= _MOUNT_OPTION_FLAGS.get(option, 0)
@@ -363,6 +390,11 @@ def _private_tmp(cfg, info):
 
 # -----------------------------------------------------------------------------
 # one call, in the child: enter the sandbox, run the snippet as a script
+
+
+# The order matters: the fds first (nothing of the worker's may stay reachable), then what needs root
+# (oom_score_adj may only go down as root, the rlimits are set while we may still set them hard), then the
+# uid switch, and no_new_privs last, so that nothing the snippet executes can climb back up.
 
 
 def _run_child(code, stdin, stdin_fd, out_fd, err_fd, workdir, state):
@@ -395,7 +427,8 @@ def _run_child(code, stdin, stdin_fd, out_fd, err_fd, workdir, state):
     except BaseException as exc:
         os.write(2, f"ExecutorError: the sandbox could not be set up: {exc!r}\n".encode())
         os._exit(EXIT_SETUP)
-    try:   # whatever happens, the child must not return into the worker's loop
+    # os._exit, never a normal exit: that would run the worker's atexit and finalizers again in every child
+    try:   # and whatever happens, the child must not return into the worker's loop
         os._exit(_run_snippet(code, stdin))
     except BaseException as exc:
         os.write(2, f"ExecutorError: {exc!r}\n".encode())
@@ -405,6 +438,8 @@ def _run_child(code, stdin, stdin_fd, out_fd, err_fd, workdir, state):
 
 def _run_snippet(code, stdin):
     """`python main.py`, with the value of a final expression shown; returns the exit code."""
+    # Not exec'd in a fresh interpreter, so everything a script could tell apart from `python main.py` is set
+    # by hand: streams, argv, __main__, __file__, and what happens at exit.
     # fresh standard streams on the new fds 0-2 (block-buffered stdout, like a script writing to a pipe)
     sys.stdin = sys.__stdin__ = open(0, "r", encoding="utf-8", errors="surrogateescape", closefd=False)
     sys.stdout = sys.__stdout__ = open(1, "w", encoding="utf-8", errors="surrogateescape", closefd=False)
@@ -432,7 +467,7 @@ def _run_snippet(code, stdin):
                 print(repr(value))
     except SystemExit as exc:
         returncode = _system_exit_code(exc)
-    except BaseException as exc:
+    except BaseException as exc:   # KeyboardInterrupt included: a script dies of it with a traceback too
         _print_snippet_traceback(exc)
         returncode = EXIT_MEMORY if isinstance(exc, MemoryError) else 1
     try:   # what the interpreter does at exit: wait for non-daemon threads, then run the atexit handlers
@@ -475,6 +510,10 @@ def _print_snippet_traceback(exc):
 
 # -----------------------------------------------------------------------------
 # one call, in the worker: fork, watch, kill, sweep, describe
+#
+# The worker, not the child, holds the clock and the output caps: a snippet can cancel any alarm of its own
+# (signal.alarm(0)), catch any exception, ignore SIGTERM, or sit in C code that never returns to Python
+# (10**10**9, a regex that backtracks), so only a SIGKILL from outside is sure to stop it.
 
 
 class _Capture:
@@ -485,6 +524,7 @@ class _Capture:
         self.keep, self.head, self.tail, self.total = keep, bytearray(), bytearray(), 0
 
     def add(self, data):
+        # the head fills first and is never touched again; the tail is a window over the latest bytes
         self.total += len(data)
         room = self.keep - len(self.head)
         if room > 0:
@@ -496,6 +536,7 @@ class _Capture:
 
     def text(self, max_chars):
         """(text, truncated): decoded (invalid UTF-8 becomes U+FFFD) and cut in the middle to max_chars."""
+        # nothing dropped: cut by characters exactly as truncate_middle does for the tool response
         if self.total == len(self.head) + len(self.tail):
             text = (self.head + self.tail).decode("utf-8", "replace")
             if len(text) <= max_chars:
@@ -514,7 +555,9 @@ def _run_call(code, stdin, cfg, state):
     workdir = _fresh_workdir(state)
     with open(os.path.join(workdir, MAIN), "w", encoding="utf-8", errors="surrogatepass") as f:
         f.write(code)   # as for `python main.py`: tracebacks show source lines, __file__ and inspect work
-    stdin_fd = os.memfd_create("stdin")   # a file, not a pipe: a snippet that never reads it cannot block us
+    # stdin as a file, not a pipe: writing it cannot block on a snippet that never reads, and reads past
+    # its end get EOF at once (input() raises EOFError; sys.stdin.read() does not hang)
+    stdin_fd = os.memfd_create("stdin")
     os.write(stdin_fd, stdin.encode("utf-8", "replace"))
     os.lseek(stdin_fd, 0, os.SEEK_SET)
     out_r, out_w = os.pipe()
@@ -525,7 +568,7 @@ def _run_call(code, stdin, cfg, state):
         _run_child(code, stdin, stdin_fd, out_w, err_w, workdir, state)
     for fd in (stdin_fd, out_w, err_w):
         os.close(fd)
-    keep = 2 * cfg["max_output_chars"] + 4
+    keep = 2 * cfg["max_output_chars"] + 4   # bytes per end: see _Capture.text
     captures = {out_r: _Capture(keep), err_r: _Capture(keep)}
     poller = select.poll()
     for fd in captures:
@@ -534,6 +577,7 @@ def _run_call(code, stdin, cfg, state):
     poller.register(pidfd, select.POLLIN)
     deadline, drain_until, output_limit = start + cfg["timeout_s"], None, cfg["output_limit_mb"] << 20
     open_fds, returncode, killed_for, elapsed = set(captures), None, None, None
+    # killed_for says why *we* killed it (None: it ended by itself); returncode is None until it is reaped.
     # Until the main process exits: read its output, kill it at the deadline or when the output limit is
     # passed. Then a short drain: the pipes reach EOF once every process holding them is dead.
     while open_fds or returncode is None:
@@ -567,6 +611,7 @@ def _run_call(code, stdin, cfg, state):
             _signal_everything(state, pid)
         if returncode is not None and now >= drain_until:
             break   # a writer that will not die (uninterruptible I/O) still holds a pipe; stop waiting for it
+    # The sweep, before the answer: when the parent has the result, the call has left nothing behind.
     _kill_leftovers(state, pid)
     for fd in (out_r, err_r, pidfd):
         os.close(fd)
@@ -637,6 +682,7 @@ def _clean_after_call(state, workdir):
     if not state["private_tmp"]:
         _remove_tree(workdir)
         return
+    # the mounts stay (remounting per call would cost more); their contents go, /tmp/sandbox included
     for root in TMP_DIRS:
         if os.path.isdir(root):
             for entry in os.scandir(root):
@@ -670,7 +716,9 @@ def _describe(returncode, killed_for, elapsed, out, err, cfg):
         killed_for = "cpu-time limit"
         status, note = "timeout", "TimeoutError: the code used more than its CPU time limit and was killed"
     elif returncode == EXIT_MEMORY:
-        killed_for, status, note = "memory limit", "oom", ""   # its MemoryError traceback says it all
+        # The exit code is the child's own word, so a snippet could fake an oom: it would only mislabel
+        # itself. An OOM-killer SIGKILL (memory the host ran out of) shows as a signal below.
+        killed_for, status, note = "memory limit", "oom", ""
     elif returncode == 0:
         status, note = "ok", ""
     elif returncode < 0:
@@ -682,6 +730,7 @@ def _describe(returncode, killed_for, elapsed, out, err, cfg):
         status, note = "error", f"Killed by signal {-returncode} ({name})"
     else:
         killed_for, status, note = f"exit status {returncode}", "error", ""
+    # the note goes after the truncation, so the model always sees why the call ended
     if note:
         stderr += ("" if not stderr or stderr.endswith("\n") else "\n") + note + "\n"
     return dict(status=status, stdout=stdout, stderr=stderr, elapsed_s=elapsed or 0.0, truncated=cut_out or cut_err,
@@ -690,6 +739,10 @@ def _describe(returncode, killed_for, elapsed, out, err, cfg):
 
 # -----------------------------------------------------------------------------
 # the worker process. Messages are a 4-byte length and JSON: never pickle, whose reader would run code.
+#
+# The worker answers each request with the call's whole result, only after the sweep. So when a result
+# reaches the parent, no process of that call is left and its files are gone; the next call finds a clean
+# worker. Two pipes per worker, no sockets: nothing to bind, nothing another process can connect to.
 
 
 def _send(fd, obj):
@@ -717,8 +770,8 @@ def _worker_main(cfg_json):
     """A worker's life: isolate, preload, report ready, then one call per request until the parent goes."""
     cfg = json.loads(cfg_json)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # a ^C in the terminal is for the trainer, not for us
-    info = _isolate(cfg)
-    os.chdir("/")
+    info = _isolate(cfg)   # from here on this is PID 1 of the worker's namespaces (if the OS allowed them)
+    os.chdir("/")   # the cwd we were started in may be one of the hidden directories
     for name in HEAVY_PRELOAD if cfg["kind"] == "heavy" else LIGHT_PRELOAD:
         try:
             __import__(name)
@@ -740,12 +793,15 @@ def _worker_main(cfg_json):
     nproc = cfg["max_processes"]
     if info["level"] == "process" and info["sandbox_uid"] is None:
         nproc += _processes_of_uid(os.getuid())   # without a uid of its own, RLIMIT_NPROC counts all of ours
-    rlimits = [(resource.RLIMIT_AS, address_space, address_space),
-               (resource.RLIMIT_CPU, cpu_s, cpu_s + 1),   # SIGXCPU (reported as a timeout), then SIGKILL a second later
-               (resource.RLIMIT_NPROC, nproc, nproc),
-               (resource.RLIMIT_FSIZE, cfg["max_file_mb"] << 20, cfg["max_file_mb"] << 20),
-               (resource.RLIMIT_NOFILE, 256, 256),
-               (resource.RLIMIT_CORE, 0, 0)]
+    # (limit, soft, hard) for every child. Hard = soft, or nearly: code-judge and SandboxFusion set only soft
+    # limits, which the snippet raises right back (executor-anchors.md §3 A.7).
+    rlimits = [(resource.RLIMIT_AS, address_space, address_space),        # bytearray(10**11): MemoryError
+               (resource.RLIMIT_CPU, cpu_s, cpu_s + 1),   # a second line behind the wall clock: SIGXCPU, then KILL
+               (resource.RLIMIT_NPROC, nproc, nproc),                     # a fork bomb meets EAGAIN
+               (resource.RLIMIT_FSIZE, cfg["max_file_mb"] << 20, cfg["max_file_mb"] << 20),   # a disk fill: EFBIG
+               (resource.RLIMIT_NOFILE, 256, 256),                         # fd exhaustion stays in the child
+               (resource.RLIMIT_CORE, 0, 0)]                               # a segfault writes no core file
+    # what every child needs to know, computed once
     state = dict(info, max_fd=resource.getrlimit(resource.RLIMIT_NOFILE)[0], rlimits=rlimits)
     info["preloaded_mb"] = vm_bytes >> 20
     _send(cfg["response_fd"], {"ready": True, "isolation": info})
@@ -753,6 +809,7 @@ def _worker_main(cfg_json):
         request = _recv_blocking(cfg["request_fd"])
         if request is None:   # the parent closed the pipe or died: leave; the namespace goes with PID 1
             os._exit(0)
+        # one call at a time, start to sweep: the parent sends the next request only after this answer
         _send(cfg["response_fd"], _run_call(request["code"], request["stdin"], cfg, state))
 
 
@@ -768,11 +825,16 @@ def _processes_of_uid(uid):
 
 # -----------------------------------------------------------------------------
 # this process's side: worker handles, the Executor, one thread per slot
+#
+# A slot is one call at a time, served by its own thread: the thread takes the next job from the shared
+# queue, writes it to the slot's light or heavy worker and blocks on that worker's answer (with a deadline,
+# the backstop). So results come back as each call finishes, a slow call holds one slot only, and the
+# trainer's own threads (vLLM's engine loop, say) only ever touch a queue and a Future.
 
 
 class _WorkerGone(Exception):
     """The worker died, hung or sent garbage; it gets replaced. sent=False: before it had the call."""
-    sent = True
+    sent = True   # set to False by the code that raises it before the request was written
 
 
 # The worker runs this file's _worker_main under another module name, so that a script that imported us
@@ -802,6 +864,8 @@ class _WorkerProcess:
         self.start()
 
     def start(self):
+        # Popen, not fork: this process has threads (ours, vLLM's), and only exec leaves them behind cleanly.
+        # Our ends of the pipes are close-on-exec, so no other child of the trainer inherits them.
         req_r, self.req_w = os.pipe()
         self.resp_r, resp_w = os.pipe()
         cfg = dict(self.settings, kind=self.kind, request_fd=req_r, response_fd=resp_w)
@@ -844,6 +908,8 @@ class _WorkerProcess:
         return self.isolation
 
     def call(self, code, stdin, timeout_s):
+        # Everything up to the write may fail without the call having started (sent=False); after it, the
+        # call may have run, so a failure then is this call's result.
         try:
             if self.proc.poll() is not None:
                 raise _WorkerGone("the worker is gone")
@@ -853,7 +919,7 @@ class _WorkerProcess:
             e.sent = False
             raise
         message = self._receive(time.monotonic() + timeout_s + BACKSTOP_GRACE_S)
-        try:
+        try:   # the worker is trusted code, but a check costs nothing and names the problem if it is not
             result = ExecResult(**message)
             assert result.status in STATUSES and isinstance(result.stdout, str) and isinstance(result.stderr, str)
         except (TypeError, AssertionError):
@@ -861,6 +927,7 @@ class _WorkerProcess:
         return result
 
     def _write(self, body, deadline):
+        # a 1 MB snippet is more than a pipe holds (64 KB): write what fits, wait for room, within the deadline
         data = memoryview(struct.pack("<I", len(body)) + body)
         while data:
             try:
@@ -872,7 +939,7 @@ class _WorkerProcess:
 
     def _receive(self, deadline):
         (length,) = struct.unpack("<I", self._read_exact(4, deadline))
-        if length > 64 << 20:
+        if length > 64 << 20:   # a result is a few KB (capped streams); anything huge is a broken worker
             raise _WorkerGone(f"a {length}-byte message from the worker")
         try:
             return json.loads(self._read_exact(length, deadline))
@@ -915,6 +982,8 @@ class Executor:
 
     def __init__(self, workers=None, timeout_s=4.0, memory_mb=1024, max_output_chars=1000, *, max_processes=64,
                  max_file_mb=64, output_limit_mb=16, hide_paths=()):
+        # Each worker runs one call at a time, so `workers` is the parallelism; more than the cores only adds
+        # queueing inside the kernel instead of in our queue (and risks timeouts from oversubscription).
         if workers is None:
             workers = len(os.sched_getaffinity(0))   # the cores this process may use, not the machine's
         for name, value, low in (("workers", workers, 1), ("memory_mb", memory_mb, 16),
@@ -927,7 +996,9 @@ class Executor:
         if isinstance(hide_paths, str) or not all(isinstance(p, str) and os.path.isabs(p) for p in hide_paths):
             raise ValueError(f"Executor: hide_paths must be a list of absolute paths, got {hide_paths!r}")
         self.workers, self.timeout_s = workers, float(timeout_s)
-        repo = os.path.dirname(os.path.abspath(__file__))   # data/, checkpoints, the trainer's code
+        # Hidden by default: the repo (data/ with the answer keys, out/ with checkpoints, the trainer's code),
+        # the trainer's cwd (where a run writes its files) and home (~/.ssh, ~/.netrc, tokens in ~/.cache).
+        repo = os.path.dirname(os.path.abspath(__file__))
         settings = dict(timeout_s=self.timeout_s, memory_mb=memory_mb, max_output_chars=max_output_chars,
                         max_processes=max_processes, max_file_mb=max_file_mb, output_limit_mb=output_limit_mb,
                         hide_paths=[repo, os.getcwd(), os.path.expanduser("~"), *hide_paths])
@@ -952,6 +1023,8 @@ class Executor:
     def submit(self, code, stdin=""):
         """Queue one call. Its Future completes as soon as the call does, however long the others take; its
         callbacks run on the executor's threads, so they should be quick."""
+        # A bad argument is the caller's bug and raises here; bad *code* is the model's and comes back as a
+        # result, whatever it is (a syntax error, a NUL byte, a megabyte of parentheses).
         for name, value in (("code", code), ("stdin", stdin)):
             if not isinstance(value, str):
                 raise TypeError(f"Executor.submit: {name} must be a str, got {type(value).__name__}")
@@ -969,6 +1042,8 @@ class Executor:
 
     def map(self, codes, stdins=None):
         """All the calls at once (as parallel as `workers` allows); the results in input order."""
+        # (concurrent.futures' Executor.map would yield lazily and take a timeout; here a list is what the
+        # evaluation loops want, and each call already has its own timeout)
         codes = list(codes)
         stdins = [""] * len(codes) if stdins is None else list(stdins)
         if len(stdins) != len(codes):
@@ -1000,6 +1075,7 @@ class Executor:
 
 
 def _ready(worker):
+    # under the worker's lock: its slot thread may be reading the same pipe for a call
     with worker.lock:
         for attempt in range(2):
             try:
@@ -1019,6 +1095,8 @@ def _serve(light, heavy, jobs, timeout_s, closed):
         code, stdin, future = job
         if not future.set_running_or_notify_cancel():
             continue   # cancelled while it waited
+        # Heavy only when needed: forking the heavy worker costs ~8 ms against ~1 ms, since a fork copies the
+        # page tables of all it holds (~60 MB of numpy and sympy objects) and the exit tears them down again.
         worker = heavy if HEAVY_RE.search(code) else light
         try:
             with worker.lock:
@@ -1030,6 +1108,9 @@ def _serve(light, heavy, jobs, timeout_s, closed):
 
 
 def _call(worker, code, stdin, timeout_s, closed):
+    """One call on one worker, replacing the worker if it fails. A worker found dead before it took the call
+    (killed from outside, say) is replaced and the call is sent again, once; one that fails during a call is
+    replaced too, but the call is reported as failed: it may well be what killed the worker."""
     for attempt in range(2):
         if worker.proc is None:
             raise RuntimeError("Executor: closed while the call was queued")
@@ -1040,8 +1121,8 @@ def _call(worker, code, stdin, timeout_s, closed):
                 raise RuntimeError("Executor: closed while the call was running") from None
             worker.restart()
             if not gone.sent and attempt == 0:
-                continue   # it died before it had this call (killed from outside): not this call's doing
-            if "in time" in str(gone):
+                continue
+            if "in time" in str(gone):   # the backstop: the worker itself did not answer past timeout_s + 5 s
                 note = f"TimeoutError: the sandbox did not answer within {timeout_s:g} s + {BACKSTOP_GRACE_S:g} s"
                 return ExecResult("timeout", "", note + "\n", 0.0, False, "executor backstop", None)
             note = f"ExecutorError: the sandbox worker failed during the call ({gone}); it was replaced"
@@ -1052,7 +1133,7 @@ def _call(worker, code, stdin, timeout_s, closed):
 def _shutdown(slots, threads, jobs, closed):
     """close() and the finalizer: cancel what is queued, kill the workers (a running call then sees EOF at
     once), let the threads finish, and only then reap the workers and close their pipes."""
-    closed.set()
+    closed.set()   # first: a thread whose worker dies from here on reports "closed", it does not restart it
     while True:
         try:
             job = jobs.get_nowait()
@@ -1074,9 +1155,14 @@ def _shutdown(slots, threads, jobs, closed):
 
 # -----------------------------------------------------------------------------
 # leak counters, shared by the soak and the tests
+#
+# What "the caller does not leak because of tool code" means, checked from outside: no zombie below this
+# process, no process of a call alive after its result came back, no fd and no memory growth here.
 
 
 def _descendants(pid):
+    # /proc/<pid>/task/<tid>/children lists the children of each thread; a worker's children hang off its
+    # main thread, this process's off whichever thread started them
     found = []
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
@@ -1125,15 +1211,24 @@ def leak_counters(ex):
 
 # one call in ten of the soak: (code, the status it must get, or None if several are right)
 HOSTILE = [
+    # a sleep: no CPU used, so only the wall clock stops it
     ("import time\ntime.sleep(30)", "timeout"),
+    # a daemon (setsid + double fork) that would outlive the call and hold its stdout open
     ("import os\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        import time; time.sleep(60)\n"
      "print('parent done')", "ok"),
+    # a terabyte at once
     ("x = bytearray(1 << 40)", "oom"),
+    # endless printing: stopped at the output limit, in memory only head and tail
     ("while True:\n    print('x' * 100000)", "error"),
+    # every process it may signal: inside the namespace, only its own
     ("import os, signal\nos.kill(-1, signal.SIGKILL)", None),
+    # its parent: PID 1 of the namespace ignores it, without a namespace the worker dies and is replaced
     ("import os\nos.kill(os.getppid(), 9)\nprint('still here')", None),
-    ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", None),
+    # a fork bomb: RLIMIT_NPROC caps it (each process stops at its first failed fork), the sweep kills the rest
+    ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        break", None),
+    # an ordinary error
     ("raise ValueError('boom')", "error"),
+    # files outside the call's directory, which must not be there for the next call
     ("open('/tmp/leak', 'w').write('x')\nimport os\nos.makedirs(os.path.expanduser('~/.cache/x'))", "ok"),
 ]
 
@@ -1145,6 +1240,7 @@ def soak(ex, calls, report_every=0):
     ex.wait_ready()
     before = leak_counters(ex)
     futures, wrong, statuses = [], [], {}
+    # all submitted at once: the queue is as deep as the soak is long, as in a burst of rollout tool calls
     for i in range(calls):
         code, expect, stdin = (*HOSTILE[(i // 10) % len(HOSTILE)], "") if i % 10 == 9 else benign[i % len(benign)]
         futures.append((ex.submit(code, stdin), expect, code))
@@ -1163,6 +1259,12 @@ def soak(ex, calls, report_every=0):
 
 # -----------------------------------------------------------------------------
 # the benchmark
+#
+# Three workloads, each at concurrency 1 (latency), workers (all cores busy) and 4 x workers (a queue: the
+# rollout's case, many trajectories calling at once), against two references measured in the same run so
+# that a busy machine moves all the numbers together:
+#   python -c   what a tool without warm workers does per call (subprocess.run of a fresh interpreter);
+#   fork floor  fork + exit + wait and nothing else, the bound of any design that forks per call.
 
 
 TRIVIAL = "print(1 + 1)"
@@ -1186,7 +1288,7 @@ def realistic_mix():
              "from fractions import Fraction\nprint(sum(Fraction(1, k) for k in range(1, 40)))"]
     errors = ["x = [1, 2, 3]\nprint(x[5])", "import sympy\nsympy.Symbol('x') + 'a'"]
     calls = []
-    for i in range(100):
+    for i in range(100):   # a fixed interleaving, so the executor and python -c run the very same list
         if i == 50:
             calls.append(("while True:\n    pass", ""))
         elif i % 10 == 3:
@@ -1207,6 +1309,7 @@ def _percentile(values, q):
 
 def _drive(call, calls, concurrency):
     """Push `calls` through `call(code, stdin)` from `concurrency` client threads: (calls/s, latencies)."""
+    # each client waits for its result before it takes the next call, so `concurrency` calls are in flight
     latencies, lock, todo = [], threading.Lock(), iter(calls)
     def client():
         while True:
@@ -1245,17 +1348,19 @@ def bench(cfg):
     """The executor at concurrency 1, workers and 4 x workers, and in the same run the naive tool (a fresh
     `python -c` per call) and the fork floor. A few minutes on 2 cores; scale=0.2 for a quick look."""
     workers = cfg.workers or len(os.sched_getaffinity(0))
-    scaled = lambda calls, n: calls * max(1, round(n * cfg.scale / len(calls)))
+    scaled = lambda calls, n: calls * max(1, round(n * cfg.scale / len(calls)))   # whole copies of the list
     def naive(code, stdin):
         try:
             subprocess.run([sys.executable, "-c", code], input=stdin.encode(), capture_output=True, timeout=cfg.timeout_s)
         except subprocess.TimeoutExpired:
             pass
     def report(label, rate, latencies):
+        # latency is from submit to result, queueing included; p99/p50 shows how evenly a queue drains
         p50, p99 = _percentile(latencies, 0.5), _percentile(latencies, 0.99)
         print(f"{label:28s} {rate:8.1f} calls/s   p50 {1e3 * p50:8.1f} ms   p99 {1e3 * p99:8.1f} ms   "
               f"p99/p50 {p99 / p50:5.1f}", flush=True)
         return rate
+    # one floor process per worker, all at once: the floor of `workers` slots is their sum
     floor_procs = [subprocess.Popen([sys.executable, "-c", FORK_FLOOR, "3"], stdout=subprocess.PIPE, text=True)
                    for _ in range(workers)]
     floor = sum(float(p.communicate()[0]) for p in floor_procs)
@@ -1265,12 +1370,13 @@ def bench(cfg):
                  "mix": (realistic_mix(), 200, 100)}
     summary = []
     with Executor(workers=workers, timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb) as ex:
-        ex.wait_ready()
+        ex.wait_ready()   # startup (a heavy worker's 1-2 s) is not what a long run pays per call
         for name, (calls, n_executor, n_naive) in workloads.items():
             rates = {c: report(f"{name} executor c={c}", *_drive(ex.run, scaled(calls, n_executor), c))
                      for c in (1, workers, 4 * workers)}
             # python -c fills the cores at c=workers already; c=1 too only where it is cheap
             for c in ((1, workers) if name == "trivial" else (workers,)):
+                # the same calls, in the same order (the python -c list is a prefix of whole copies)
                 rate = report(f"{name} python -c c={c}", *_drive(naive, scaled(calls, n_naive), c))
                 summary.append(f"{name}: executor / python -c at c={c}: {rates[c] / rate:.1f}x")
             if name == "trivial":
@@ -1287,6 +1393,7 @@ def bench(cfg):
 
 @dataclasses.dataclass
 class ExecutorCLIConfig:
+    # the command line's options (common.load_config: YAML and key=value); the Executor itself takes arguments
     mode: str = "bench"          # bench | soak | run
     workers: int = 0             # 0 = one per core
     timeout_s: float = 4.0
@@ -1306,6 +1413,7 @@ class ExecutorCLIConfig:
 
 
 def main(argv=None):
+    # `--bench` and `--soak` are short for mode=bench / mode=soak; everything else is common.load_config's
     argv = [{"--bench": "mode=bench", "--soak": "mode=soak"}.get(a, a) for a in (sys.argv[1:] if argv is None else argv)]
     from common import load_config   # here, not at the top: a worker imports this file and needs no yaml
     cfg = load_config(ExecutorCLIConfig, argv)
