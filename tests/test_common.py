@@ -42,7 +42,7 @@ def test_defaults_yaml_then_overrides_in_that_order(tmp_path):
     assert cfg.rollout.max_turns == 15 and cfg.rollout.temperature == 0.6
     assert cfg.lr == 1e-5 and isinstance(cfg.lr, float)  # YAML reads "1e-5" as a string; the float field converts it
     assert cfg.benchmarks == ["aime24", "aime25"] and cfg.use_tool is False and cfg.ks == [1, 16]
-    with pytest.raises(ConfigError, match=r"'ks\[1\]': expected an int"):
+    with pytest.raises(ConfigError, match=r"'ks'\[1\]: expected an int"):
         load_config(Demo, ["ks=1,x"])
     assert load_config(Demo, []) == Demo()  # no file: the embedded defaults
 
