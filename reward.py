@@ -47,12 +47,14 @@ import time
 from collections import deque
 from fractions import Fraction
 
+# Worker time one check may take, all stages together. math-verify's own default is 5 s per stage; MATH
+# answers take 1-50 ms, so 5 s only ever binds on pathological input.
 DEFAULT_TIMEOUT_S = 5.0
 # The longest gold answer in data/*.jsonl is 159 characters (a 3x3 matrix). A "final answer" six times
 # longer is not an answer, and parsing it could cost seconds of sympy, so it scores 0 unparsed.
 MAX_ANSWER_CHARS = 1000
 # Virtual memory cap per worker: (10^{10})! or a 10^9-digit power then fails with MemoryError inside the
-# worker (a clean False) instead of swapping the node. A worker with sympy + antlr loaded maps ~300 MB.
+# worker (a clean False) instead of swapping the node. A worker with sympy + antlr loaded maps ~100 MB.
 WORKER_MEMORY_BYTES = 2 << 30
 
 # -----------------------------------------------------------------------------
@@ -66,6 +68,8 @@ def _model_prose(text):
     tool, or written inside the code, is not the model's final answer. One left-to-right scan with
     str.find keeps this linear even for a megabyte of unclosed tags; an unclosed block runs to the end.
     """
+    # Both tags are single tokens of the Qwen tokenizer and survive skip_special_tokens (rstar2-method §3.1),
+    # so they are in the decoded text rollout.py passes.
     closers = {"<tool_call>": "</tool_call>", "<tool_response>": "</tool_response>"}
     next_open = {tag: text.find(tag) for tag in closers}  # re-searched only once passed: linear overall
     kept, pos = [], 0
@@ -92,6 +96,7 @@ _BRACE_TOKEN = re.compile(r"\\.|[{}]", re.DOTALL)
 
 def _box_content(text, start):
     """The argument of the box command whose name ends at `start`, or None if it is malformed."""
+    # Never look further than an answer can be long: a megabyte box costs no more than a short one.
     rest = text[start:start + MAX_ANSWER_CHARS + 2]
     stripped = rest.lstrip()
     if stripped.startswith("{"):
@@ -122,12 +127,14 @@ def extract_answer(text, require_answer_tag=False):
         raise TypeError(f"extract_answer: text must be a str, got {type(text).__name__}")
     prose = _model_prose(text)
     lo, hi = 0, len(prose)
+    # The rollout ends with the turn that makes no tool call (§2.1), so the final answer is the last one.
     if require_answer_tag:
         hi = prose.rfind("</answer>")
         lo = prose.rfind("<answer>", 0, max(hi, 0))
         if hi < 0 or lo < 0:
             return None
         lo += len("<answer>")
+    # rfind from the end: a "\\boxed{}" spam of a megabyte is one backwards scan, not a parse of each.
     at, name = max((prose.rfind(cmd, lo, hi), cmd) for cmd in ("\\boxed", "\\fbox"))
     if at < 0:
         return None
@@ -155,14 +162,17 @@ def normalize_answer(answer):
     left to math-verify. Used only to decide equality, never shown to math-verify.
     """
     s = answer.strip()
+    # Models box math-mode text as often as not: "\\boxed{$\\frac{1}{2}$}".
     for left, right in _DELIMITERS:
         if len(s) >= len(left) + len(right) and s.startswith(left) and s.endswith(right):
             s = s[len(left):len(s) - len(right)].strip()
             break
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    s = re.sub(r"\\(?:left|right)(?![a-zA-Z])", "", s)  # not \rightarrow
+    s = re.sub(r"\\(?:left|right)(?![a-zA-Z])", "", s)  # bracket sizing only; not \rightarrow
     s = re.sub(r"\\[,;:! ]|\\q?quad(?![a-zA-Z])|~", " ", s)  # TeX spacing, as in "10,\!080"
     s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|\\degree(?![a-zA-Z])", "", s)  # 90^\circ = 90
+    # MATH golds write "10\\%" and "\\$32" for the numbers 10 and 32; math-verify also reads "10\\%" as 0.1,
+    # which fast_equivalent respects by never rejecting a pair with a percent sign on exact numbers.
     s = s.replace("\\%", "").replace("%", "").replace("\\$", "").replace("$", "")
     # A trailing \text{...} after a number is a unit ("5.4 \text{ cents}", "864 \mbox{ inches}^2");
     # an answer that is only text is unwrapped ("\text{Evelyn}", "\text{(C)}").
@@ -176,13 +186,14 @@ def normalize_answer(answer):
     # Whitespace carries no meaning in TeX math, except that "1 2" must not become "12".
     s = re.sub(r"(?<=\d)\s+(?=\d)", " ", s)
     s = re.sub(r"(?<![\d])\s+|\s+(?![\d])", "", s).strip()
-    s = s.rstrip(".")
+    s = s.rstrip(".")  # a sentence's full stop inside the box: "\\boxed{5.}"
     assignment = re.fullmatch(r"[a-zA-Z]=([^=<>]+)", s)  # "x=5": MATH accepts the bare value
     if assignment:
         s = assignment.group(1)
     choice = re.fullmatch(r"\(([A-Z])\)", s)  # multiple choice "(C)" = "C"
     if choice:
         s = choice.group(1)
+    # Only groups of exactly three digits: "1,000" is a number, "1,2" and "3,5,7" are lists.
     if _THOUSANDS.fullmatch(s):
         s = s.replace(",", "")
     if _INTEGER.fullmatch(s):  # "025" = "25", "27.0" = "27", "-0" = "0"
@@ -211,7 +222,7 @@ def _as_number(s):
         return Fraction(s), False
     for pattern in _FRACTIONS:
         m = pattern.fullmatch(s)
-        if m and int(m.group(3)) != 0:
+        if m and int(m.group(3)) != 0:  # "\\frac{1}{0}" is left to math-verify (which says zoo)
             value = Fraction(int(m.group(2)), int(m.group(3)))
             return (-value if m.group(1) else value), True
     return None
@@ -232,10 +243,13 @@ def _is_not_a_number(s):
     """
     if any(c in s for c in "=<>_") or _NAMED_TEXT.search(s):
         return False
+    # A matrix with more than one entry, a +- (two values) or a union of sets is never one number.
     if re.match(r"\\begin\{[pb]matrix\}", s) and ("&" in s or "\\\\" in s):
         return True
     if re.search(r"\\(?:pm|mp|cup)(?![a-zA-Z])", s):
         return True
+    # A comma outside every bracket, once one outer pair of brackets is removed, separates elements:
+    # "(6,31,-1)", "[2,7)", "1,-2", "\\{1,2\\}". Thousands separators are gone by now.
     inner = s[1:-1] if len(s) > 1 and s[0] in "([" and s[-1] in ")]" else s
     if s.startswith("\\{") and s.endswith("\\}"):
         inner = s[2:-2]
@@ -244,6 +258,7 @@ def _is_not_a_number(s):
         depth += (ch in _OPENERS) - (ch in _CLOSERS)
         if ch == "," and depth == 0:
             return True
+    # Letters left after removing commands (\\sqrt, \\pi) and plain function names (sin, log) are variables.
     letters = set(_PLAIN_FUNCTIONS.sub("", re.sub(r"\\[a-zA-Z]+", "", s)))
     return any(c.isascii() and c.isalpha() for c in letters - set("eEiI"))
 
@@ -427,7 +442,11 @@ def _worker_main():
 
 
 def default_num_workers():
-    """CPUs available to this process, shared among the torchrun ranks on this node, at most 8."""
+    """CPUs available to this process, shared among the torchrun ranks on this node, at most 8.
+
+    The fast path leaves few pairs open (12% of the MATH-500 labeled set, ~0% of integer answers), so more
+    workers would mostly hold memory: ~80 MB resident each.
+    """
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(1, min(8, cpus // max(1, ranks_here)))
@@ -456,6 +475,7 @@ class VerifierPool:
             self._spawn()
 
     def _spawn(self):
+        # stderr is dropped: antlr and sympy write there, and the startup error comes back on stdout.
         proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker"],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                 bufsize=0)
@@ -489,6 +509,7 @@ class VerifierPool:
         unfinished = len(tasks)
         try:
             while unfinished:
+                # One task per worker at a time, so a deadline is one task's and a kill loses one check.
                 for worker in self.workers:
                     if worker["ready"] and worker["task"] is None and pending:
                         index = pending.popleft()
@@ -498,6 +519,7 @@ class VerifierPool:
                             worker["proc"].stdin.write(line.encode())
                         except OSError:  # it died between tasks; the read below sees EOF
                             pass
+                # Sleep until a reply, or until the earliest deadline of a busy worker.
                 now = time.monotonic()
                 busy = [w["started"] + timeouts[w["task"]] - now for w in self.workers if w["task"] is not None]
                 wait_s = max(0.0, min(busy)) if busy else 0.5
@@ -510,7 +532,7 @@ class VerifierPool:
                         if not worker["ready"]:
                             self._startup_failed(worker["error"] or f"exit code {worker['proc'].returncode}")
                         continue
-                    worker["buffer"] += data
+                    worker["buffer"] += data  # a pipe read may end mid-line
                     while b"\n" in worker["buffer"]:
                         line, worker["buffer"] = worker["buffer"].split(b"\n", 1)
                         message = json.loads(line)
@@ -569,6 +591,9 @@ class VerifierPool:
         self.workers = []
 
 
+# One pool per process, started on first use and kept for the whole run (a worker costs ~2 s of CPU to
+# start). Under torchrun every rank has its own, sized by default_num_workers. A process forked from the
+# owner (a DataLoader worker) sees owner_pid differ and starts its own instead of sharing pipes.
 _POOL = None
 _POOL_LOCK = threading.Lock()
 
@@ -614,6 +639,8 @@ def _slow_path(pairs, timeout_s):
     3. The rest get math-verify's verify, with what is left of timeout_s after step 1 spent on their two
        answers: no pair gets more than timeout_s of worker time in all. Nothing is True without verify.
     """
+    # Worth evaluating: what might be a number and is not known yet. A gold like "(3, \\frac{\\pi}{2})"
+    # is not, so its pairs go straight to verify; "%" answers have two readings, so no single value.
     unknown = sorted({s for pair in pairs for s in pair if s not in _VALUES and _value(s) is None
                       and "%" not in s and not _is_not_a_number(normalize_answer(s))})
     values, seconds = _run_in_pool([("value", s) for s in unknown], [timeout_s / 2] * len(unknown))
@@ -630,6 +657,7 @@ def _slow_path(pairs, timeout_s):
         else:
             to_verify.append((pred, gold))
             budgets.append(budget)
+    # On the MATH-500 labeled set about a quarter of the open pairs get this far (--bench prints counts).
     results, _ = _run_in_pool([("verify", *pair) for pair in to_verify], budgets)
     verdicts.update(zip(to_verify, map(bool, results)))
     return [verdicts[pair] for pair in pairs]
@@ -656,7 +684,7 @@ def is_equivalent(pred, gold, timeout_s=DEFAULT_TIMEOUT_S):
     None, empty or over-long preds are False. A boxed pred or gold is unboxed first.
     """
     gold = _check_gold(gold, "is_equivalent")
-    if pred is None:
+    if pred is None:  # extract_answer found no usable box
         return False
     if not isinstance(pred, str):
         raise TypeError(f"is_equivalent: pred must be a str or None, got {type(pred).__name__}")
@@ -686,6 +714,8 @@ def score_batch(responses, golds, finished=True, require_answer_tag=False, timeo
     if len(finished) != len(responses):
         raise ValueError(f"score_batch: {len(responses)} responses but {len(finished)} finished flags")
     rewards = [0.0] * len(responses)
+    # Rollouts of one prompt share a gold and often an answer: each distinct (pred, gold) pair is
+    # checked once, and its verdict copied to every index.
     undecided = {}  # (pred, gold) -> indices waiting for math-verify
     for i, (response, gold, done) in enumerate(zip(responses, golds, finished)):
         if not isinstance(response, str):
@@ -693,10 +723,10 @@ def score_batch(responses, golds, finished=True, require_answer_tag=False, timeo
         if isinstance(done, str) or done is None:
             raise TypeError(f"score_batch: finished[{i}] must be a bool, got {done!r}")
         gold = _check_gold(gold, f"score_batch: golds[{i}]")
-        if not done:
+        if not done:  # truncated: kept in the batch with reward 0, not filtered out (§4.3.1)
             continue
         pred = extract_answer(response, require_answer_tag=require_answer_tag)
-        if pred is None:
+        if pred is None:  # no final box: 0, like a wrong answer (there is no format reward, §2.2.1)
             continue
         verdict = fast_equivalent(pred, gold)
         if verdict is None:
@@ -743,123 +773,115 @@ def math500_labeled_set(path="data/math500.jsonl", negatives_per_problem=2, seed
     return triples
 
 
+def integer_set(path="data/train_int_mix.jsonl", problems=500):
+    """(response, gold, label) triples for the paper's training case, integer answers (§4.2): four
+    rollout-shaped responses per problem, right, off by one, a fraction, and ten times too big (for
+    every tenth problem an irrational instead)."""
+    from common import load_problems
+
+    triples = []
+    for k, row in enumerate(load_problems(path)[:problems]):
+        gold = int(row["answer"])
+        last = f"{gold}+\\sqrt{{2}}" if k % 10 == 0 else str(10 * gold + 1)
+        for answer in (str(gold), str(gold + 1), f"\\frac{{{2 * gold + 1}}}{{2}}", last):
+            response = f"<reason>... checked with the tool ...</reason><answer>\\boxed{{{answer}}}</answer>"
+            triples.append((response, row["answer"], answer == str(gold)))
+    return triples
+
+
 @dataclasses.dataclass
 class BenchConfig:
-    data: str = "data/math500.jsonl"
     negatives_per_problem: int = 2
     workers: int = 0  # 0: default_num_workers()
     timeout_s: float = DEFAULT_TIMEOUT_S
-    rounds: int = 3  # the machine is shared, so report the median of interleaved rounds
-    seed: int = 0
-    audit_all_pairs: bool = False  # also check the fast path against math-verify on every answer pair (minutes)
+    rounds: int = 3  # the machine may be shared: report the median of interleaved rounds
+    audit_all_pairs: bool = False  # also re-check the fast path's decisions on all MATH-500 answer pairs
 
     def validate(self):
         if self.negatives_per_problem < 0 or self.workers < 0 or self.rounds < 1 or self.timeout_s <= 0:
-            raise ValueError(f"bench: negatives_per_problem, workers >= 0, rounds >= 1, timeout_s > 0; got {self}")
-
-
-def _agreement(verdicts, labels):
-    positives = [bool(v) for v, label in zip(verdicts, labels) if label]
-    negatives = [bool(v) for v, label in zip(verdicts, labels) if not label]
-    return sum(positives), len(positives), sum(negatives), len(negatives)
-
-
-def _warmup_tasks(path="data/math_train.jsonl", count=24):
-    """Answers from a training file (not the labeled set): the first calls of sympy's code paths are slow,
-    and both sides of the benchmark get the same warm-up."""
-    from common import load_problems
-
-    answers = [row["answer"] for row in load_problems(path) if not _as_number(normalize_answer(row["answer"]))]
-    return [(answers[k], answers[k + 1]) for k in range(count)]
+            raise ValueError(f"bench: want negatives_per_problem, workers >= 0, rounds >= 1, timeout_s > 0; got {self}")
 
 
 def _fresh_pool(workers):
-    """A new pool, started and warmed up, so no round reuses another round's parse caches."""
+    """A new pool, started and warmed up on training-set answers, so no round reuses another's caches."""
+    from common import load_problems
+
     shutdown_pool()
-    _VALUES.clear()
     pool = start_pool(workers or None)
-    warm = _warmup_tasks()
-    tasks = [("value", s) for pair in warm for s in pair] + [("verify", *pair) for pair in warm]
+    answers = [r["answer"] for r in load_problems("data/math_train.jsonl")[:200] if not r["answer"].isdigit()][:40]
+    tasks = [("value", a) for a in answers] + [("verify", a, b) for a, b in zip(answers, answers[1:])]
     _run_in_pool(tasks, [10.0] * len(tasks))
     _VALUES.clear()
+    normalize_answer.cache_clear()
     return pool
 
 
 def bench(cfg):
-    """Answers/s and agreement on the labeled set: plain math-verify vs the fast path vs score_batch.
+    """Answers/s and agreement: plain math-verify vs the fast path alone vs score_batch, in one run.
 
-    Wall time is what a training step waits for; CPU time (the parent's plus the workers' per-check CPU,
-    pool start excluded) is what the machine pays, and is the steadier figure on a shared machine.
+    Wall time is what a training step waits for. CPU time (this process plus the workers' per-check CPU,
+    pool start excluded) is what the machine pays, and the steadier figure on a shared machine.
     """
-    from common import load_problems
     from math_verify import parse, verify
 
-    triples = math500_labeled_set(cfg.data, cfg.negatives_per_problem, cfg.seed)
-    responses, golds, labels = zip(*triples)
-    n, n_problems = len(triples), len(load_problems(cfg.data))
-    print(f"labeled set: {n_problems} positives (each solution's box vs its answer) and {n - n_problems} "
-          f"negatives (vs other problems' answers), of which {sum(labels) - n_problems} are truly equal "
-          f"(identical answer strings)")
-    rows = {}
-
-    def record(name, verdicts, wall_s, cpu_s):
-        rows.setdefault(name, []).append((wall_s, cpu_s, _agreement(verdicts, labels)))
-
-    for pred, gold in _warmup_tasks():
-        verify(parse("\\boxed{" + gold + "}"), parse("\\boxed{" + pred + "}"))
-    for round_index in range(cfg.rounds):
-        wall, cpu = time.perf_counter(), time.process_time()
-        verdicts = [verify(parse("\\boxed{" + g + "}"), parse(r)) for r, g in zip(responses, golds)]
-        record("math-verify: verify(parse(gold), parse(response))", verdicts,
-               time.perf_counter() - wall, time.process_time() - cpu)
-
-        _VALUES.clear()  # the fast path alone: notation and plain numbers, nothing learned from workers
-        wall, cpu = time.perf_counter(), time.process_time()
-        preds = [extract_answer(r) for r in responses]
-        verdicts = [bool(p) and fast_equivalent(p, g) is True for p, g in zip(preds, golds)]
-        record("fast path alone (undecided scores 0)", verdicts, time.perf_counter() - wall, time.process_time() - cpu)
-        undecided = sum(1 for p, g in zip(preds, golds) if p and fast_equivalent(p, g) is None)
-        normalize_answer.cache_clear()
-
-        for workers in sorted({cfg.workers or default_num_workers(), 1}, reverse=True):
-            pool = _fresh_pool(workers)
-            kills, worker_cpu, warmup_tasks = pool.kills, pool.worker_cpu_s, dict(pool.tasks_run)
-            wall, cpu = time.perf_counter(), time.process_time()
-            verdicts = score_batch(responses, golds, timeout_s=cfg.timeout_s)
-            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu + pool.worker_cpu_s - worker_cpu
-            record(f"score_batch, {workers} worker(s)", verdicts, wall, cpu)
-            tasks_run = {kind: count - warmup_tasks[kind] for kind, count in pool.tasks_run.items()}
-            normalize_answer.cache_clear()
-            if pool.kills != kills:
-                print(f"  note: {pool.kills - kills} check(s) hit the {cfg.timeout_s} s deadline")
+    workloads = {
+        "MATH-500 labeled set": math500_labeled_set(negatives_per_problem=cfg.negatives_per_problem),
+        "integer answers (train_int_mix)": integer_set(),
+    }
+    for workload, triples in workloads.items():
+        responses, golds, labels = zip(*triples)
+        n = len(triples)
+        results = {}  # method -> [(wall s, cpu s, verdicts)] per round
+        worker_counts = sorted({cfg.workers or default_num_workers(), 1}, reverse=True)
+        methods = [
+            ("math-verify: verify(parse(gold), parse(response))", None,
+             lambda: [verify(parse("\\boxed{" + g + "}"), parse(r)) for r, g in zip(responses, golds)]),
+            ("fast path alone (undecided scores 0)", None,
+             lambda: [fast_equivalent(extract_answer(r) or "", g) is True for r, g in zip(responses, golds)]),
+        ] + [(f"score_batch, {w} worker(s)", w, lambda: score_batch(responses, golds, timeout_s=cfg.timeout_s))
+             for w in worker_counts]
+        for _ in range(cfg.rounds):
+            for name, workers, method in methods:
+                pool = _fresh_pool(workers) if workers else None
+                worker_cpu, tasks_before = (pool.worker_cpu_s, dict(pool.tasks_run)) if pool else (0.0, {})
+                _VALUES.clear()
+                wall, cpu = time.perf_counter(), time.process_time()
+                verdicts = method()
+                wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+                cpu += (pool.worker_cpu_s - worker_cpu) if pool else 0.0
+                results.setdefault(name, []).append((wall, cpu, verdicts))
+                if pool:
+                    tasks = {kind: count - tasks_before[kind] for kind, count in pool.tasks_run.items()}
         shutdown_pool()
-        print(f"round {round_index + 1}/{cfg.rounds} done", flush=True)
-
-    print(f"\n{n} pairs; the fast path leaves {undecided} ({100 * undecided / n:.0f}%) to the workers, which "
-          f"evaluate {tasks_run['value']} distinct answers and verify {tasks_run['verify']} pairs; "
-          f"median of {cfg.rounds} interleaved round(s); {os.cpu_count()} CPUs, load average "
-          f"{os.getloadavg()[0]:.1f} at the end")
-    print(f"{'method':50} {'answers/s':>9} {'speedup':>7} {'CPU ms/ans':>10} {'speedup':>7} "
-          f"{'positives':>9} {'false pos':>9}")
-    base_rate = base_cpu = None
-    for name, runs in rows.items():
-        wall_s = sorted(r[0] for r in runs)[len(runs) // 2]
-        cpu_ms = 1000 * sorted(r[1] for r in runs)[len(runs) // 2] / n
-        tp, n_pos, fp, n_neg = runs[0][2]
-        base_rate, base_cpu = base_rate or n / wall_s, base_cpu or cpu_ms
-        print(f"{name:50} {n / wall_s:9.0f} {n / wall_s / base_rate:6.1f}x {cpu_ms:10.3f} "
-              f"{base_cpu / max(cpu_ms, 1e-9):6.1f}x {tp:>4}/{n_pos:<4} {fp:>4}/{n_neg:<4}")
-
+        positives = sum(labels)
+        _VALUES.clear()
+        undecided = sum(fast_equivalent(extract_answer(r) or "", g) is None for r, g in zip(responses, golds))
+        print(f"\n{workload}: {n} pairs, {positives} equal; median of {cfg.rounds} round(s); "
+              f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}\n"
+              f"the fast path leaves {undecided} pairs open; the workers evaluate {tasks['value']} distinct "
+              f"answers, then verify {tasks['verify']} pairs")
+        print(f"{'method':52} {'answers/s':>9} {'speedup':>7} {'CPU ms/answer':>13} {'speedup':>7} "
+              f"{'equal found':>11} {'false pos':>9}")
+        base = None
+        for name, runs in results.items():
+            wall = sorted(r[0] for r in runs)[len(runs) // 2]
+            cpu_ms = 1000 * sorted(r[1] for r in runs)[len(runs) // 2] / n
+            verdicts = runs[0][2]
+            found = sum(1 for v, label in zip(verdicts, labels) if v and label)
+            false_pos = sum(1 for v, label in zip(verdicts, labels) if v and not label)
+            base = base or (wall, cpu_ms)
+            print(f"{name:52} {n / wall:9.0f} {base[0] / wall:6.1f}x {cpu_ms:13.3f} {base[1] / cpu_ms:6.1f}x "
+                  f"{found:>5}/{positives:<5} {false_pos:>4}/{n - positives:<4}")
     if cfg.audit_all_pairs:
         audit_fast_path(cfg)
 
 
 def audit_fast_path(cfg):
-    """Every ordered pair of distinct answers in cfg.data that fast_equivalent decides once every answer's
-    value is known, re-checked by math-verify's verify. Prints each disagreement."""
+    """Every ordered pair of distinct MATH-500 answers that fast_equivalent decides once every answer's
+    value is known (~80k pairs), re-checked by math-verify's verify. Prints each disagreement."""
     from common import load_problems
 
-    answers = sorted({row["answer"] for row in load_problems(cfg.data)})
+    answers = sorted({row["answer"] for row in load_problems("data/math500.jsonl")})
     start_pool(cfg.workers or None)
     started = time.perf_counter()
     timeout_s = max(cfg.timeout_s, 10)
