@@ -19,7 +19,8 @@ How (shared/docs/executor-anchors.md has the designs this draws on):
   - The child drops to a uid of its own per worker, with hard rlimits (address space, CPU, processes, file
     size, open files, no core), no_new_privs and the environment the worker was started with (not ours).
   - The worker enforces the wall clock and caps output while it streams; this process keeps a backstop (a
-    worker silent past timeout_s + 5 s is killed and replaced, as is one that dies).
+    worker silent past 3 x timeout_s + 5 s is killed and replaced, as is one that dies). The clock leaves out
+    the time a call waited for a CPU (up to 3 x timeout_s in all): a busy node does not make calls time out.
 Where the OS refuses (non-root, containers) a worker falls back once, at start: to a user namespace (the
 same mounts; capabilities dropped instead of a uid switch), then to plain processes (a subreaper still
 catches every descendant; no hiding, no network cut, and same-uid code can signal the caller).
@@ -71,7 +72,8 @@ EXIT_MEMORY = 201                    # the child's exit code for an uncaught Mem
 EXIT_SETUP = 202                     # the child could not enter the sandbox: an executor failure
 MAX_CODE_CHARS = 16 << 20            # bigger code or stdin is a caller's bug, refused by submit()
 STARTUP_TIMEOUT_S = 120.0            # a heavy worker imports sympy in 1-2 s; generous for a loaded CI machine
-BACKSTOP_GRACE_S = 5.0               # the parent gives up on a worker silent for timeout_s + this
+STRETCH_CAP = 3                      # a call's deadline stretches by its CPU waits, to at most 3 x timeout_s
+BACKSTOP_GRACE_S = 5.0               # the parent gives up on a worker silent for 3 x timeout_s + this
 TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")   # the world-writable places; private per worker
 
 # The router: a mention in a comment only costs a few ms of speed, never correctness.
@@ -607,8 +609,18 @@ def _run_call(code, stdin, cfg, state):
         # counts as finished, not as timed out.
         now = time.monotonic()
         if returncode is None and killed_for is None and now >= deadline:
-            killed_for = "wall-clock limit"
-            _signal_everything(state, pid)
+            # Time the snippet spent runnable but waiting for a CPU is the machine's, not the snippet's: on an
+            # oversubscribed node a benign call must not time out (executor-anchors.md §3 J.38), or the
+            # tool-error ratio that RoC ranks by (Eq. 4) would measure the load. A sleep or a blocking wait is
+            # not on the run queue and counts in full.
+            # (The kernel adds a wait to the total when the task gets the CPU back, so a starved task's total
+            # lags a little; the next check, at the moved deadline, sees the rest.)
+            stretched = min(start + cfg["timeout_s"] + _cpu_wait_s(pid), start + STRETCH_CAP * cfg["timeout_s"])
+            if stretched > now + 0.001:
+                deadline = stretched
+            else:
+                killed_for = "wall-clock limit"
+                _signal_everything(state, pid)
         if returncode is not None and now >= drain_until:
             break   # a writer that will not die (uninterruptible I/O) still holds a pipe; stop waiting for it
     # The sweep, before the answer: when the parent has the result, the call has left nothing behind.
@@ -617,6 +629,15 @@ def _run_call(code, stdin, cfg, state):
         os.close(fd)
     _clean_after_call(state, workdir)
     return _describe(returncode, killed_for, elapsed, captures[out_r], captures[err_r], cfg)
+
+
+def _cpu_wait_s(pid):
+    """Seconds the process has spent runnable but not running (the run-queue delay, /proc/<pid>/schedstat)."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):   # no CONFIG_SCHED_INFO: plain wall clock
+        return 0.0
 
 
 def _signal_everything(state, pid):
@@ -789,7 +810,7 @@ def _worker_main(cfg_json):
     # memory_mb is what a call may add: RLIMIT_AS counts the worker's own mappings, which the child inherits
     vm_bytes = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
     address_space = vm_bytes + (cfg["memory_mb"] << 20)
-    cpu_s = math.ceil(cfg["timeout_s"])
+    cpu_s = math.ceil(cfg["timeout_s"]) + 1   # past the wall clock, so the clock's kill comes first
     nproc = cfg["max_processes"]
     if info["level"] == "process" and info["sandbox_uid"] is None:
         nproc += _processes_of_uid(os.getuid())   # without a uid of its own, RLIMIT_NPROC counts all of ours
@@ -918,7 +939,7 @@ class _WorkerProcess:
         except _WorkerGone as e:
             e.sent = False
             raise
-        message = self._receive(time.monotonic() + timeout_s + BACKSTOP_GRACE_S)
+        message = self._receive(time.monotonic() + STRETCH_CAP * timeout_s + BACKSTOP_GRACE_S)
         try:   # the worker is trusted code, but a check costs nothing and names the problem if it is not
             result = ExecResult(**message)
             assert result.status in STATUSES and isinstance(result.stdout, str) and isinstance(result.stderr, str)
@@ -969,7 +990,8 @@ class Executor:
     """Sandboxed python_code_with_standard_io calls on warm workers; see the module docstring.
 
     workers:          concurrent calls; None = one per usable core. Each slot is a light and a heavy worker.
-    timeout_s:        wall clock per call (the release runs code-judge with MAX_EXECUTION_TIME=4).
+    timeout_s:        wall clock per call (the release runs code-judge with MAX_EXECUTION_TIME=4), not
+                      counting the time the call waited for a CPU, up to 3 x timeout_s of wall time in all.
     memory_mb:        address space a call may add to what its worker already maps (about 25 MB light,
                       200 MB heavy; isolation["preloaded_mb"]). Past it: MemoryError, status "oom".
     max_output_chars: stdout and stderr are each kept to this many characters, head and tail (code-judge: 1000).
@@ -1122,8 +1144,8 @@ def _call(worker, code, stdin, timeout_s, closed):
             worker.restart()
             if not gone.sent and attempt == 0:
                 continue
-            if "in time" in str(gone):   # the backstop: the worker itself did not answer past timeout_s + 5 s
-                note = f"TimeoutError: the sandbox did not answer within {timeout_s:g} s + {BACKSTOP_GRACE_S:g} s"
+            if "in time" in str(gone):   # the backstop: the worker itself did not answer in time
+                note = f"TimeoutError: the sandbox did not answer within {STRETCH_CAP * timeout_s + BACKSTOP_GRACE_S:g} s"
                 return ExecResult("timeout", "", note + "\n", 0.0, False, "executor backstop", None)
             note = f"ExecutorError: the sandbox worker failed during the call ({gone}); it was replaced"
             return ExecResult("error", "", note + "\n", 0.0, False, "worker died", None)
@@ -1233,24 +1255,28 @@ HOSTILE = [
 ]
 
 
-def soak(ex, calls, report_every=0):
-    """`calls` calls at once, one in ten from HOSTILE, the rest benign; the leak counters before and after."""
+def soak(ex, calls, report_every=0, wave=500):
+    """`calls` calls in waves of `wave`, one in ten from HOSTILE, the rest benign. The leak counters are taken
+    after the first wave (when allocators and caches have warmed up) and at the end."""
     benign = [("print(sum(range(100)))", "ok", ""), ("a = input()\nprint(a[::-1])", "ok", "stressed"),
               ("import math\nmath.factorial(200)", "ok", ""), ("1/0", "error", "")]
     ex.wait_ready()
-    before = leak_counters(ex)
-    futures, wrong, statuses = [], [], {}
-    # all submitted at once: the queue is as deep as the soak is long, as in a burst of rollout tool calls
-    for i in range(calls):
-        code, expect, stdin = (*HOSTILE[(i // 10) % len(HOSTILE)], "") if i % 10 == 9 else benign[i % len(benign)]
-        futures.append((ex.submit(code, stdin), expect, code))
-        if report_every and (i + 1) % report_every == 0:
-            print(f"submitted {i + 1}", flush=True)
-    for future, expect, code in futures:
-        result = future.result()
-        statuses[result.status] = statuses.get(result.status, 0) + 1
-        if expect is not None and result.status != expect:
-            wrong.append((code, result))
+    before, wrong, statuses = None, [], {}
+    for first in range(0, calls, wave):
+        # a whole wave at once: a queue 250 x workers deep, as in a burst of rollout tool calls
+        futures = []
+        for i in range(first, min(first + wave, calls)):
+            code, expect, stdin = (*HOSTILE[(i // 10) % len(HOSTILE)], "") if i % 10 == 9 else benign[i % len(benign)]
+            futures.append((ex.submit(code, stdin), expect, code))
+        for future, expect, code in futures:
+            result = future.result()
+            statuses[result.status] = statuses.get(result.status, 0) + 1
+            if expect is not None and result.status != expect:
+                wrong.append((code, result))
+        del futures, future, result   # what a rollout does with results: read them, let them go
+        before = before or leak_counters(ex)
+        if report_every and (first + wave) % report_every == 0:
+            print(f"done {min(first + wave, calls)}", flush=True)
     after = leak_counters(ex)
     return dict(calls=calls, statuses=statuses, wrong=wrong, zombies=after[0], strays=after[1],
                 fds_before=before[2], fds_after=after[2], rss_mb_before=before[3], rss_mb_after=after[3],

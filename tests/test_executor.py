@@ -200,6 +200,27 @@ def test_time_hostile_snippets_time_out(ex, code):
     assert TIMEOUT <= result.elapsed_s < TIMEOUT + SLACK
 
 
+def test_time_spent_waiting_for_a_cpu_does_not_count():
+    """On a busy node a call is not killed for the node's load: its deadline moves out by the time it waited
+    for a CPU, up to 3 x timeout_s. This snippet starves itself: it shares one CPU with a busy child of its
+    own, at nice 10 (a ~10% share), so most of its wall time is waiting and it runs to the cap. A sleep is
+    not waiting for a CPU, so the sleep cases above are cut at timeout_s."""
+    starve = """
+    import os
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    if os.fork() == 0:
+        while True:
+            pass
+    os.nice(10)
+    while True:
+        pass
+    """
+    with Executor(workers=1, timeout_s=0.5) as e:
+        result = e.run(textwrap.dedent(starve))
+        assert result.status == "timeout" and result.elapsed_s >= 1.0   # the cap is 1.5 s; unstretched: 0.5 s
+        assert_contained(e)
+
+
 def test_limits_are_hard_so_the_snippet_cannot_raise_them(ex):
     code = """
     import resource
