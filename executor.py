@@ -223,8 +223,8 @@ def _isolate(cfg):
     returns in the child, which is PID 1 of the new namespace."""
     info = dict(level="process", pid_namespace=False, mount_namespace=False, net_namespace=False,
                 ipc_namespace=False, user_namespace=False, sandbox_uid=None, capabilities_dropped=False,
-                kill_scope="subreaper", hidden_paths=[], readonly_mounts=False, private_tmp=False,
-                gpu_devices_masked=[], warnings=[])
+                kill_scope="subreaper", private_proc=False, hidden_paths=[], readonly_mounts=False,
+                private_tmp=False, gpu_devices_masked=[], warnings=[])
     flags = CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC
     euid, egid, host_pid = os.geteuid(), os.getegid(), os.getpid()
     try:
@@ -268,7 +268,7 @@ def _isolate(cfg):
     # A step that fails (a container that masks /proc, say) is reported and skipped, never fatal: a worker
     # that cannot start would be restarted forever. `info` says only what did happen.
     steps = (("private mounts", lambda: _mount(None, "/", None, MS_REC | MS_PRIVATE)),   # nothing reaches the host
-             ("fresh /proc", lambda: _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)),
+             ("fresh /proc", lambda: _private_proc(info)),
              ("hidden paths", lambda: _hide_paths(cfg, info)),
              ("GPU masks", lambda: _mask_gpus(info)),
              ("read-only mounts", lambda: _remount_readonly(info)),
@@ -289,6 +289,12 @@ def _isolate(cfg):
         except OSError:
             pass
     return info
+
+
+def _private_proc(info):
+    # a /proc of this PID namespace: the snippet sees no other process, and /proc/<pid> means our children
+    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    info["private_proc"] = True
 
 
 def _keep_paths():
@@ -578,7 +584,7 @@ def _run_call(code, stdin, cfg, state):
     pidfd = os.pidfd_open(pid)   # readable at the child's exit: one poll() waits for output and exit at once
     poller.register(pidfd, select.POLLIN)
     deadline, drain_until, output_limit = start + cfg["timeout_s"], None, cfg["output_limit_mb"] << 20
-    open_fds, returncode, killed_for, elapsed = set(captures), None, None, None
+    open_fds, returncode, killed_for, elapsed, ran_ns = set(captures), None, None, None, None
     # killed_for says why *we* killed it (None: it ended by itself); returncode is None until it is reaped.
     # Until the main process exits: read its output, kill it at the deadline or when the output limit is
     # passed. Then a short drain: the pipes reach EOF once every process holding them is dead.
@@ -613,9 +619,15 @@ def _run_call(code, stdin, cfg, state):
             # oversubscribed node a benign call must not time out (executor-anchors.md §3 J.38), or the
             # tool-error ratio that RoC ranks by (Eq. 4) would measure the load. A sleep or a blocking wait is
             # not on the run queue and counts in full.
-            # (The kernel adds a wait to the total when the task gets the CPU back, so a starved task's total
-            # lags a little; the next check, at the moved deadline, sees the rest.)
-            stretched = min(start + cfg["timeout_s"] + _cpu_wait_s(pid), start + STRETCH_CAP * cfg["timeout_s"])
+            # The kernel books a wait when the task gets the CPU back, so a task starved right now is not in the
+            # total yet: if it is runnable and has not run since our last look, it is still waiting.
+            own_proc = state["private_proc"] or not state["pid_namespace"]   # /proc/<pid> is our child
+            run_ns, wait_ns, runnable = _cpu_times(pid) if own_proc else (0, 0, False)
+            stretched = start + cfg["timeout_s"] + wait_ns / 1e9
+            if runnable and run_ns == ran_ns:
+                stretched = max(stretched, now + 0.05)
+            ran_ns = run_ns
+            stretched = min(stretched, start + STRETCH_CAP * cfg["timeout_s"])
             if stretched > now + 0.001:
                 deadline = stretched
             else:
@@ -631,13 +643,17 @@ def _run_call(code, stdin, cfg, state):
     return _describe(returncode, killed_for, elapsed, captures[out_r], captures[err_r], cfg)
 
 
-def _cpu_wait_s(pid):
-    """Seconds the process has spent runnable but not running (the run-queue delay, /proc/<pid>/schedstat)."""
+def _cpu_times(pid):
+    """(ns on a CPU, ns runnable but waiting for one, runnable now?) of a process, from /proc/<pid>/schedstat
+    (the run-queue delay) and /proc/<pid>/stat (the state letter)."""
     try:
         with open(f"/proc/{pid}/schedstat") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, ValueError, IndexError):   # no CONFIG_SCHED_INFO: plain wall clock
-        return 0.0
+            run_ns, wait_ns = (int(x) for x in f.read().split()[:2])
+        with open(f"/proc/{pid}/stat") as f:
+            runnable = f.read().rsplit(")", 1)[1].split()[0] == "R"
+        return run_ns, wait_ns, runnable
+    except (OSError, ValueError, IndexError):   # gone, or no CONFIG_SCHED_INFO: plain wall clock
+        return 0, 0, False
 
 
 def _signal_everything(state, pid):

@@ -651,7 +651,7 @@ def test_soak_1000_mixed_calls_leaks_nothing():
 def test_as_root_every_layer_is_in_place(ex):
     iso = ex.isolation
     assert iso["level"] == "namespaces" and iso["kill_scope"] == "pid namespace" and iso["warnings"] == []
-    assert all(iso[k] for k in ("pid_namespace", "mount_namespace", "net_namespace", "ipc_namespace",
+    assert all(iso[k] for k in ("pid_namespace", "mount_namespace", "net_namespace", "ipc_namespace", "private_proc",
                                 "readonly_mounts", "private_tmp"))
     assert iso["sandbox_uid"] >= SANDBOX_UID_BASE and str(REPO) in iso["hidden_paths"]
 
