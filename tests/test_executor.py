@@ -7,16 +7,14 @@ next call works. Needs Linux; the namespace cases need root (CI runs as root), t
 non-root caller gets.
 
     .venv/bin/python -m pytest tests/test_executor.py -q          # about 2 minutes on 2 cores
-    .venv/bin/python executor.py --soak calls=10000 timeout_s=1   # the 10,000-call soak (this file runs 1,000)
+    .venv/bin/python executor.py --soak calls=10000 timeout_s=2   # the 10,000-call soak (this file runs 1,000)
 """
 import json
 import os
 import socket
 import subprocess
 import sys
-import tempfile
 import textwrap
-import threading
 import time
 from pathlib import Path
 
