@@ -1,6 +1,7 @@
-"""torchrun check of the colocated engine: FSDP2 trainer + one in-process vLLM engine per rank (external_launcher).
+"""torchrun checks of the colocated engine: FSDP2 trainer + one in-process vLLM engine per rank (external_launcher).
 
-    torchrun --nproc_per_node=2 tests/dist_rollout.py MODEL_DIR
+    torchrun --nproc_per_node=2 tests/dist_rollout.py MODEL_DIR          # weight sync + prompt claiming
+    torchrun --nproc_per_node=2 tests/dist_rollout.py MODEL_DIR tp       # one engine over both ranks (TP=2)
 
 Each rank: shards the tiny model with FSDP2 (per decoder layer, then the model; gloo, fp32), takes an optimizer
 step so the weights really change, pushes the full state dict into its own engine with update_weights, and
@@ -8,7 +9,12 @@ checks that the engine's log-probs equal the trainer's, both on fixed tokens (sc
 samples in rollouts. The rollouts also check the shared prompt counter: every problem is claimed by exactly one
 rank, and balance_by_tokens hands every trajectory to exactly one rank. Exits non-zero on any failure; prints
 one summary line per rank. Run by tests/test_rollout.py::test_torchrun_weight_sync_and_prompt_claiming.
+
+The tp mode runs one engine with tensor_parallel_size=2 over both ranks: the leader drives the loop (with a tool
+call whose result arrives while the other trajectories decode) and the follower replays its engine calls; the
+leader gets every trajectory, the follower none, and both score the same tokens identically.
 """
+import json
 import os
 import sys
 
@@ -108,5 +114,36 @@ def main(model_dir):
     engine.close()  # under external_launcher this also ends torch.distributed (vLLM's shutdown destroys the group)
 
 
+def main_tensor_parallel(model_dir):
+    rank, _, _, _ = common.init_distributed()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    cfg = rollout.RolloutConfig(dtype="float32", enforce_eager=True, gpu_memory_utilization=0.1, max_prompt_tokens=448,
+                                max_response_tokens=128, tensor_parallel_size=2)
+    scripts, call_end = {}, tokenizer.convert_tokens_to_ids("</tool_call>")
+    engine = rollout.Engine(model_dir, cfg, seed=0, logits_processors=[rollout.scripted_policy(scripts, call_end)])
+    problem = "Compute 6 * 7."
+    call = json.dumps({"name": "python_code_with_standard_io", "arguments": {"code": "print(6 * 7)", "input": ""}})
+    turns = [f"\n<tool_call>\n{call}\n</tool_call>", " 42 </reason><answer> \\boxed{42} </answer><|im_end|>"]
+    scripts[tuple(rollout.render_prompt(tokenizer, problem, cfg))] = [tokenizer.encode(t, add_special_tokens=False) for t in turns]
+    with Executor(workers=1, timeout_s=2.0) as executor:
+        groups = rollout.generate(engine, executor, tokenizer, [problem, "Compute 1 + 2.", "Compute 3 + 4."], 2, cfg, seed=0)
+    trajs = [t for g in groups for t in g]
+    if rank == 0:
+        assert sorted((t.problem_index, t.sample_index) for t in trajs) == [(p, s) for p in range(3) for s in range(2)]
+        scripted = [t for t in trajs if t.problem_index == 0]
+        assert all(t.finished and t.tool_calls[0]["status"] == "ok" and "stdout: 42" in t.response_text
+                   for t in scripted), [(t.stop_reason, t.response_text) for t in scripted]
+    else:
+        assert trajs == [], f"rank {rank}: a tensor-parallel follower returned trajectories"
+    # synchronous calls take the leader's inputs on every rank of the group
+    prompt = rollout.render_prompt(tokenizer, problem, cfg)
+    scored = engine.score([prompt], [tokenizer.encode(" 42", add_special_tokens=False)] if rank == 0 else [[7, 7]])
+    both = [None, None]
+    torch.distributed.all_gather_object(both, scored)
+    assert both[0] == both[1], f"the two ranks of one engine scored differently: {both}"
+    print(f"rank {rank}: tensor parallel, {len(trajs)} trajectories, score {scored}", flush=True)
+    engine.close()
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main_tensor_parallel(sys.argv[1]) if sys.argv[2:] == ["tp"] else main(sys.argv[1])

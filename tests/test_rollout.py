@@ -384,9 +384,19 @@ def test_torchrun_weight_sync_and_prompt_claiming(tiny_model_dir):
     """Two ranks, FSDP2 trainer + an engine each: after update_weights the engine's log-probs equal the trainer's
     (fp32, < 1e-4; fixed tokens and sampled ones), prompts are claimed once each from the shared counter, and
     balance_by_tokens gives each trajectory to one rank. The checks live in tests/dist_rollout.py."""
+    torchrun("tests/dist_rollout.py", str(tiny_model_dir))
+
+
+@pytest.mark.slow
+def test_torchrun_tensor_parallel_engine_runs_the_loop_in_lockstep(tiny_model_dir):
+    """tensor_parallel_size=2 over two ranks: one engine, the leader runs the loop (tools included) and the follower
+    replays its engine calls, so the two never desync; the leader holds all trajectories."""
+    torchrun("tests/dist_rollout.py", str(tiny_model_dir), "tp")
+
+
+def torchrun(*args):
     repo = Path(rollout.__file__).parent
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(repo / "tests" / "dist_rollout.py"), str(tiny_model_dir)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
     proc = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=900)
     summary = [line for line in proc.stdout.splitlines() if line.startswith("rank ")]
     assert proc.returncode == 0 and len(summary) == 2, (proc.stdout[-2000:] + proc.stderr[-4000:])
