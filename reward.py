@@ -404,7 +404,6 @@ def _worker_main():
         # Its only warning here is "Timeout is disabled", which is the point.
         logging.getLogger("math_verify").setLevel(logging.CRITICAL)
         signal.signal(signal.SIGALRM, _raise_deadline)
-        sys.setrecursionlimit(10000)  # deep but legal nesting; deeper raises RecursionError -> False
         # sympy loads code paths on first use (~1.5 s): pay that before "ready", not inside a deadline.
         for pred, gold in _WARMUP_PAIRS:
             _math_verify_equivalent(pred, gold)
@@ -458,7 +457,7 @@ class VerifierPool:
     Workers are `python reward.py --worker` subprocesses, not multiprocessing forks: forking a trainer
     that holds CUDA, NCCL or vLLM threads is unsafe, and "spawn" would re-import the caller's main module
     (rl.py, so torch and vllm) in every worker. A worker only takes tasks after it reports "ready", so
-    its ~1 s import never counts against a deadline.
+    its start (~2 s of CPU: the import and a sympy warm-up) never counts against a deadline.
     """
 
     def __init__(self, num_workers=None):
@@ -503,6 +502,8 @@ class VerifierPool:
         deadline (the worker's alarm, or the kill) gets the safe result, False for verify and None for
         value, and infinite seconds: whatever used that answer is out of time.
         """
+        if not self.workers:
+            raise RuntimeError("VerifierPool.run: the pool is closed")
         results = [False if task[0] == "verify" else None for task in tasks]
         seconds = [float("inf")] * len(tasks)
         pending = deque(range(len(tasks)))
@@ -595,7 +596,7 @@ class VerifierPool:
 # start). Under torchrun every rank has its own, sized by default_num_workers. A process forked from the
 # owner (a DataLoader worker) sees owner_pid differ and starts its own instead of sharing pipes.
 _POOL = None
-_POOL_LOCK = threading.Lock()
+_POOL_LOCK = threading.RLock()  # re-entered by _run_in_pool -> start_pool
 
 
 def start_pool(num_workers=None):
@@ -625,9 +626,8 @@ atexit.register(shutdown_pool)
 def _run_in_pool(tasks, timeouts):
     if not tasks:
         return [], []
-    pool = start_pool()
     with _POOL_LOCK:  # one batch at a time: the workers are shared by every thread of this process
-        return pool.run(tasks, timeouts)
+        return start_pool().run(tasks, timeouts)
 
 
 def _slow_path(pairs, timeout_s):

@@ -89,6 +89,7 @@ FAST_PATH_EQUAL = [  # notation only: decided in microseconds, math-verify never
     ("x=5", "5"), ("5", "x = 5"), ("y=2x+3", "2x+3"), ("C", "\\text{(C)}"), ("(C)", "C"), ("\\textbf{(C)}", "C"),
     ("Evelyn", "\\text{Evelyn}"), ("$\\frac{14}{3}$", "\\frac{14}{3}"), ("2 \\sqrt{5}", "2\\sqrt{5}"),
     ("[1, 2)", "[1,2)"), ("(-\\infty, 0]", "(-\\infty,0]"),
+    ("-2+7 i", "-2 + 7i"),  # plain math-verify says False: it reads only the spaced i as imaginary
 ]
 MATH_VERIFY_EQUAL = [  # mathematics: the fast path leaves these to math-verify
     ("\\frac{\\sqrt 2}{2}", "\\sqrt{2}/2"), ("\\frac{1}{\\sqrt{2}}", "\\frac{\\sqrt{2}}{2}"),
@@ -105,6 +106,7 @@ NOT_EQUAL = [  # near misses that must fail
     ("x^2+2x", "(x+1)^2"), ("x=4", "3"), ("y=5", "x=6"), ("B", "\\text{(C)}"), ("C", "3"),
     ("\\begin{pmatrix} 1 \\\\ 3 \\end{pmatrix}", "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}"),
     ("(6,31,-1)", "10"), ("x^3+3x-6", "11"), ("3\\sqrt{13}", "10"), ("1,2,3", "1,2"), ("10", "100"),
+    ("1 2", "12"), ("\\frac{1}{0}", "0"),
 ]
 
 
@@ -167,6 +169,25 @@ def test_score_batch_verifies_each_distinct_pair_once():
     rewards = reward.score_batch(["so \\boxed{(x+1)^2}"] * 32, ["x^2+2x+1"] * 32)
     assert rewards == [1.0] * 32
     assert pool.tasks_run["verify"] - before == 1
+
+
+def test_score_batch_is_safe_to_call_from_several_threads():
+    # eval.py or rl.py may grade from a thread pool; batches then take turns on the shared workers.
+    import threading
+
+    pairs = [("\\boxed{\\frac{\\sqrt 2}{2}}", "\\sqrt{2}/2", 1.0), ("\\boxed{2\\sqrt{3}}", "\\sqrt{8}", 0.0),
+             ("\\boxed{(x+1)^2}", "x^2+2x+1", 1.0), ("\\boxed{x^2+1}", "(x+1)^2", 0.0)]
+    results = {}
+
+    def grade(k):
+        results[k] = reward.score_batch([p[0] for p in pairs], [p[1] for p in pairs])
+
+    threads = [threading.Thread(target=grade, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == {k: [p[2] for p in pairs] for k in range(4)}
 
 
 @pytest.mark.parametrize("call, error, message", [
