@@ -74,6 +74,8 @@ def main(cfg):
     import rollout
     import tiny
 
+    if not torch.cuda.is_available():
+        sys.exit("gpu_check.py: no CUDA GPU here; the CPU path is covered by tests/test_rollout.py")
     results, failures = {}, []
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -177,6 +179,7 @@ def main(cfg):
 
     check("throughput", throughput)
     del trainer
+    torch.cuda.empty_cache()
     engine.close()  # frees the GPU for the benchmark's own engine (and ends torch.distributed; bench restarts it)
 
     # 5. the barrier benchmark on the GPU

