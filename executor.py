@@ -43,7 +43,6 @@ import builtins
 import ctypes
 import dataclasses
 import gc
-import hashlib
 import json
 import math
 import os
@@ -390,9 +389,19 @@ def _remount_readonly(info):
 def _private_tmp(cfg, info):
     # A little over the file-size limit: one big file meets EFBIG, many meet ENOSPC, and the RAM a call can
     # fill here (tmpfs is memory, not counted in RLIMIT_AS) stays bounded.
+    # The interpreter may itself live under /tmp (a CI checkout with its venv there): bind it back over the fresh
+    # tmpfs, read-only, from a descriptor opened before the cover, as _hide_paths does.
+    keep = _keep_paths()
     for path in TMP_DIRS:
         if os.path.isdir(path):
+            inside = [k for k in keep if _under(k, path)]
+            fds = [os.open(k, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for k in inside]
             _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={cfg['max_file_mb'] + 16}m")
+            for k, fd in zip(inside, fds):
+                os.makedirs(k, mode=0o755, exist_ok=True)
+                _mount(f"/proc/self/fd/{fd}", k, None, MS_BIND | MS_REC)
+                _mount(None, k, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+                os.close(fd)
     info["private_tmp"] = True
 
 
@@ -447,17 +456,17 @@ def _run_child(code, stdin, stdin_fd, out_fd, err_fd, workdir, state):
 def _run_snippet(code, stdin):
     """`python main.py`, with the value of a final expression shown; returns the exit code."""
     # Not exec'd in a fresh interpreter, so everything a script could tell apart from `python main.py` is set
-    # by hand: streams, argv, __main__, __file__, and what happens at exit.
-    # fresh standard streams on the new fds 0-2 (block-buffered stdout, like a script writing to a pipe)
-    sys.stdin = sys.__stdin__ = open(0, "r", encoding="utf-8", errors="surrogateescape", closefd=False)
-    sys.stdout = sys.__stdout__ = open(1, "w", encoding="utf-8", errors="surrogateescape", closefd=False)
-    sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace",
-                                       closefd=False)
-    os.environ.update(HOME=os.getcwd(), TMPDIR=os.getcwd())   # ~/.cache and tempfile land in the call's dir
+    # by hand: argv, __main__, __file__, and what happens at exit. The standard streams are the worker's own,
+    # unused, objects, now on the call's fds 0-2: block-buffered stdout as for a script writing to a pipe, and
+    # reusing them spares the child ~60 copy-on-write page faults (every page a child writes is copied).
+    if os.getcwd() != os.environ["HOME"]:   # without a private /tmp the call's directory changes every time
+        os.environ.update(HOME=os.getcwd(), TMPDIR=os.getcwd())   # ~/.cache and tempfile land in the call's dir
+        tempfile.tempdir = None   # the worker's own mkdtemp() cached /tmp
     sys.argv = [MAIN]
     # Seeded from the inputs: a forked child would otherwise share numpy's global state with every other call
-    # of its worker, and a pure function of (code, stdin) keeps an RL rerun byte-identical. urandom stays random.
-    seed = int.from_bytes(hashlib.sha256(f"{code}\0{stdin}".encode("utf-8", "replace")).digest()[:8], "little")
+    # of its worker, and a pure function of (code, stdin) keeps an RL rerun byte-identical (hash() is, under
+    # PYTHONHASHSEED=0). os.urandom stays random.
+    seed = hash((code, stdin)) & (2**64 - 1)
     random.seed(seed)
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed(seed % 2**32)
@@ -570,21 +579,23 @@ def _run_call(code, stdin, cfg, state):
     os.lseek(stdin_fd, 0, os.SEEK_SET)
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
-    start = time.monotonic()
-    pid = os.fork()
-    if pid == 0:
-        _run_child(code, stdin, stdin_fd, out_w, err_w, workdir, state)
-    for fd in (stdin_fd, out_w, err_w):
-        os.close(fd)
+    # Set up before the fork: until the child exits, every page this process writes is copied.
     keep = 2 * cfg["max_output_chars"] + 4   # bytes per end: see _Capture.text
     captures = {out_r: _Capture(keep), err_r: _Capture(keep)}
     poller = select.poll()
     for fd in captures:
         poller.register(fd, select.POLLIN)
+    drain_until, output_limit = None, cfg["output_limit_mb"] << 20
+    open_fds, returncode, killed_for, elapsed, ran_ns = set(captures), None, None, None, 0
+    start = time.monotonic()
+    deadline = start + cfg["timeout_s"]
+    pid = os.fork()
+    if pid == 0:
+        _run_child(code, stdin, stdin_fd, out_w, err_w, workdir, state)
+    for fd in (stdin_fd, out_w, err_w):
+        os.close(fd)
     pidfd = os.pidfd_open(pid)   # readable at the child's exit: one poll() waits for output and exit at once
     poller.register(pidfd, select.POLLIN)
-    deadline, drain_until, output_limit = start + cfg["timeout_s"], None, cfg["output_limit_mb"] << 20
-    open_fds, returncode, killed_for, elapsed, ran_ns = set(captures), None, None, None, None
     # killed_for says why *we* killed it (None: it ended by itself); returncode is None until it is reaped.
     # Until the main process exits: read its output, kill it at the deadline or when the output limit is
     # passed. Then a short drain: the pipes reach EOF once every process holding them is dead.
@@ -620,7 +631,8 @@ def _run_call(code, stdin, cfg, state):
             # tool-error ratio that RoC ranks by (Eq. 4) would measure the load. A sleep or a blocking wait is
             # not on the run queue and counts in full.
             # The kernel books a wait when the task gets the CPU back, so a task starved right now is not in the
-            # total yet: if it is runnable and has not run since our last look, it is still waiting.
+            # total yet: if it is runnable and has not run since our last look, it is still waiting. (Seen on a
+            # 2-core machine at load 20: a child runnable for 2 s since its fork without having run at all.)
             own_proc = state["private_proc"] or not state["pid_namespace"]   # /proc/<pid> is our child
             run_ns, wait_ns, runnable = _cpu_times(pid) if own_proc else (0, 0, False)
             stretched = start + cfg["timeout_s"] + wait_ns / 1e9
@@ -719,11 +731,22 @@ def _clean_after_call(state, workdir):
     if not state["private_tmp"]:
         _remove_tree(workdir)
         return
-    # the mounts stay (remounting per call would cost more); their contents go, /tmp/sandbox included
+    # the mounts stay (remounting per call would cost more); their contents go, /tmp/sandbox included, except
+    # the interpreter bound back under them (see _private_tmp) and the directories leading to it
+    keep = [k for k in _keep_paths() if any(_under(k, root) for root in TMP_DIRS)]
     for root in TMP_DIRS:
         if os.path.isdir(root):
-            for entry in os.scandir(root):
-                _remove_tree(entry.path)
+            _empty_dir(root, keep)
+
+
+def _empty_dir(path, keep):
+    for entry in os.scandir(path):
+        if entry.path in keep:
+            continue
+        if any(_under(k, entry.path) for k in keep) and entry.is_dir(follow_symlinks=False):
+            _empty_dir(entry.path, keep)
+        else:
+            _remove_tree(entry.path)
 
 
 def _remove_tree(path):
@@ -841,6 +864,8 @@ def _worker_main(cfg_json):
     # what every child needs to know, computed once
     state = dict(info, max_fd=resource.getrlimit(resource.RLIMIT_NOFILE)[0], rlimits=rlimits)
     info["preloaded_mb"] = vm_bytes >> 20
+    if info["private_tmp"]:   # the call's directory is always the same: its environment is set once, here
+        os.environ.update(HOME="/tmp/sandbox", TMPDIR="/tmp/sandbox")
     _send(cfg["response_fd"], {"ready": True, "isolation": info})
     while True:
         request = _recv_blocking(cfg["request_fd"])
@@ -887,7 +912,8 @@ def _worker_env():
     return {"PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
             "LC_ALL": "C.UTF-8", "USER": "sandbox", "LOGNAME": "sandbox", "HOME": "/nonexistent",
             "PYTHONHASHSEED": "0",   # the order of a set of strings is then the same on every rerun
-            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8", "MPLBACKEND": "Agg",
+            "PYTHONDONTWRITEBYTECODE": "1", "MPLBACKEND": "Agg",
+            "PYTHONIOENCODING": "utf-8:surrogateescape",   # the snippet's stdin and stdout, as in a UTF-8 locale
             "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMEXPR_NUM_THREADS": "1",
             "CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": ""}
 
@@ -1350,9 +1376,10 @@ def _percentile(values, q):
 
 
 def _drive(call, calls, concurrency):
-    """Push `calls` through `call(code, stdin)` from `concurrency` client threads: (calls/s, latencies)."""
+    """Push `calls` through `call(code, stdin)` from `concurrency` client threads: (calls/s, latencies, and the
+    latencies of the calls that did not time out)."""
     # each client waits for its result before it takes the next call, so `concurrency` calls are in flight
-    latencies, lock, todo = [], threading.Lock(), iter(calls)
+    latencies, finished, lock, todo = [], [], threading.Lock(), iter(calls)
     def client():
         while True:
             with lock:
@@ -1360,70 +1387,126 @@ def _drive(call, calls, concurrency):
             if item is None:
                 return
             start = time.perf_counter()
-            call(*item)
+            timed_out = call(*item) == "timeout"
             with lock:
                 latencies.append(time.perf_counter() - start)
+                if not timed_out:
+                    finished.append(latencies[-1])
     start = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return len(calls) / (time.perf_counter() - start), latencies
+    return len(calls) / (time.perf_counter() - start), latencies, finished
 
 
 # the floor of any fork-per-call design: fork, exit, wait, from a process holding the same stdlib modules
 FORK_FLOOR = """
 import os, sys, time, math, itertools, fractions
-n, end = 0, time.perf_counter() + float(sys.argv[1])
-while time.perf_counter() < end:
+start = time.perf_counter()
+for _ in range(int(sys.argv[1])):
     pid = os.fork()
     if pid == 0:
         os._exit(0)
     os.waitpid(pid, 0)
-    n += 1
-print(n / float(sys.argv[1]))
+print(int(sys.argv[1]) / (time.perf_counter() - start))
 """
 
 
+def _fork_floor(workers, forks):
+    """fork+exit+wait per second of `workers` processes at once (each times its own loop, not its start)."""
+    procs = [subprocess.Popen([sys.executable, "-c", FORK_FLOOR, str(forks)], stdout=subprocess.PIPE, text=True)
+             for _ in range(workers)]
+    return sum(float(p.communicate()[0]) for p in procs)
+
+
+def _cpu_seconds(pids):
+    """CPU seconds of these processes and of their reaped children (utime, stime, cutime, cstime)."""
+    total = 0.0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            total += sum(int(x) for x in f.read().rsplit(")", 1)[1].split()[11:15])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _interleaved(runs, rounds, each_round=lambda: None):
+    """Run each of `runs` ({label: (call, calls, concurrency)}) in `rounds` slices, the slices of all labels
+    alternating (and `each_round` once per round): the load of a shared machine drifts by the minute, and so
+    every label sees the same drift. Returns {label: (calls/s, latencies, those of calls that did not time out)}."""
+    totals = {label: [0.0, [], []] for label in runs}
+    for r in range(rounds):
+        each_round()
+        for label, (call, calls, concurrency) in runs.items():
+            part = calls[r * len(calls) // rounds:(r + 1) * len(calls) // rounds]
+            if part:
+                rate, latencies, finished = _drive(call, part, concurrency)
+                totals[label][0] += len(part) / rate
+                totals[label][1] += latencies
+                totals[label][2] += finished
+    return {label: (len(runs[label][1]) / seconds, latencies, finished)
+            for label, (seconds, latencies, finished) in totals.items()}
+
+
 def bench(cfg):
-    """The executor at concurrency 1, workers and 4 x workers, and in the same run the naive tool (a fresh
-    `python -c` per call) and the fork floor. A few minutes on 2 cores; scale=0.2 for a quick look."""
+    """The executor at concurrency 1, workers and 4 x workers, and in the same run (interleaved) the naive tool
+    (a fresh `python -c` per call) and the fork floor. About 5 minutes on 2 cores; scale=0.2 for a quick look."""
     workers = cfg.workers or len(os.sched_getaffinity(0))
     scaled = lambda calls, n: calls * max(1, round(n * cfg.scale / len(calls)))   # whole copies of the list
     def naive(code, stdin):
+        # the same bound as the executor's worst case (its clock stretches while a call waits for a CPU):
+        # on a loaded machine `import sympy` alone passes 4 s, and a tool that fails it is not faster
         try:
-            subprocess.run([sys.executable, "-c", code], input=stdin.encode(), capture_output=True, timeout=cfg.timeout_s)
+            subprocess.run([sys.executable, "-c", code], input=stdin.encode(), capture_output=True,
+                           timeout=STRETCH_CAP * cfg.timeout_s)
         except subprocess.TimeoutExpired:
-            pass
-    def report(label, rate, latencies):
-        # latency is from submit to result, queueing included; p99/p50 shows how evenly a queue drains
+            return "timeout"
+    def report(label, rate, latencies, finished):
+        # Latency is from submit to result, queueing included; p99/p50 shows how evenly a queue drains. Where
+        # some calls time out (the mix's endless loops), p99 is theirs; "others" is what the rest waited.
         p50, p99 = _percentile(latencies, 0.5), _percentile(latencies, 0.99)
-        print(f"{label:28s} {rate:8.1f} calls/s   p50 {1e3 * p50:8.1f} ms   p99 {1e3 * p99:8.1f} ms   "
-              f"p99/p50 {p99 / p50:5.1f}", flush=True)
+        others = f"   p99 of the others {1e3 * _percentile(finished, 0.99):7.1f} ms" if len(finished) < len(latencies) else ""
+        print(f"{label:26s} {rate:8.1f} calls/s   p50 {1e3 * p50:8.1f} ms   p99 {1e3 * p99:8.1f} ms   "
+              f"p99/p50 {p99 / p50:5.1f}{others}", flush=True)
         return rate
-    # one floor process per worker, all at once: the floor of `workers` slots is their sum
-    floor_procs = [subprocess.Popen([sys.executable, "-c", FORK_FLOOR, "3"], stdout=subprocess.PIPE, text=True)
-                   for _ in range(workers)]
-    floor = sum(float(p.communicate()[0]) for p in floor_procs)
-    print(f"{f'fork floor ({workers} processes)':28s} {floor:8.1f} calls/s", flush=True)
     # (calls, how many through the executor, how many through python -c)
     workloads = {"trivial": ([(TRIVIAL, "")], 2000, 150), "import": ([(c, "") for c in IMPORT_SNIPPETS], 400, 12),
                  "mix": (realistic_mix(), 200, 100)}
+    rounds = 5
     summary = []
     with Executor(workers=workers, timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb) as ex:
         ex.wait_ready()   # startup (a heavy worker's 1-2 s) is not what a long run pays per call
+        run = lambda code, stdin: ex.run(code, stdin).status
         for name, (calls, n_executor, n_naive) in workloads.items():
-            rates = {c: report(f"{name} executor c={c}", *_drive(ex.run, scaled(calls, n_executor), c))
-                     for c in (1, workers, 4 * workers)}
             # python -c fills the cores at c=workers already; c=1 too only where it is cheap
-            for c in ((1, workers) if name == "trivial" else (workers,)):
-                # the same calls, in the same order (the python -c list is a prefix of whole copies)
-                rate = report(f"{name} python -c c={c}", *_drive(naive, scaled(calls, n_naive), c))
-                summary.append(f"{name}: executor / python -c at c={c}: {rates[c] / rate:.1f}x")
-            if name == "trivial":
-                summary.append(f"trivial: executor at c={4 * workers} reaches {100 * rates[4 * workers] / floor:.0f}% "
-                               f"of the fork floor")
+            naive_levels = (1, workers) if name == "trivial" else (workers,)
+            runs = {f"{name} executor c={c}": (run, scaled(calls, n_executor), c) for c in (1, workers, 4 * workers)}
+            runs.update({f"{name} python -c c={c}": (naive, scaled(calls, n_naive), c) for c in naive_levels})
+            floors = []   # the floor is measured once per round of the trivial workload, in the same drift
+            each_round = (lambda: floors.append(_fork_floor(workers, 200))) if name == "trivial" else (lambda: None)
+            rates = {label: report(label, *result) for label, result in _interleaved(runs, rounds, each_round).items()}
+            for c in naive_levels:
+                ratio = rates[f"{name} executor c={c}"] / rates[f"{name} python -c c={c}"]
+                summary.append(f"{name}: executor / python -c at c={c}: {ratio:.1f}x")
+            if floors:
+                floor = sum(floors) / len(floors)
+                print(f"{'fork floor':26s} {floor:8.1f} calls/s   (bare fork+exit+wait, {workers} processes at once)")
+                summary.append(f"trivial: executor at c={4 * workers} reaches "
+                               f"{100 * rates[f'trivial executor c={4 * workers}'] / floor:.0f}% of the fork floor")
+        # CPU per call does not depend on what else the machine runs: the cost itself, not its share of a CPU
+        n = max(20, round(200 * cfg.scale))
+        ours = [os.getpid()] + [w.proc.pid for slot in ex._slots for w in slot] + \
+               [kid for slot in ex._slots for w in slot for kid in _descendants(w.proc.pid)]
+        for name, code in (("trivial", TRIVIAL), ("import", IMPORT_SNIPPETS[0])):
+            before = _cpu_seconds(ours)
+            _drive(run, [(code, "")] * n, workers)
+            executor_cpu = (_cpu_seconds(ours) - before) / n
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            _drive(naive, [(code, "")] * max(4, n // 10), workers)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            naive_cpu = (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) / max(4, n // 10)
+            summary.append(f"{name}: CPU per call {1e3 * executor_cpu:.1f} ms (this process, workers and their "
+                           f"children) vs {1e3 * naive_cpu:.1f} ms for python -c: {naive_cpu / executor_cpu:.1f}x")
         isolation = ex.isolation
     print("\n".join(summary))
     print("isolation:", json.dumps({k: v for k, v in isolation.items() if v not in ([], False, None)}))
