@@ -24,7 +24,7 @@ How (shared/docs/executor-anchors.md has the designs this draws on):
 Where the OS refuses (non-root, containers) a worker falls back once, at start: to a user namespace (the
 same mounts; capabilities dropped instead of a uid switch), then to plain processes (a subreaper still
 catches every descendant; no hiding, no network cut, and same-uid code can signal the caller).
-`Executor.isolation` reports the level reached. Linux only.
+`Executor.isolation` reports the level reached. Linux only (5.3 or later, for pidfd_open).
 
 Use:   from executor import Executor
        with Executor(workers=2) as ex:
@@ -33,7 +33,7 @@ Use:   from executor import Executor
            ex.map(codes, stdins)                            # results in input order
            result.tool_response(show_time=False)            # the text that goes inside <tool_response>
 Bench: python executor.py --bench                           # calls/s, p50/p99 vs `python -c` and the fork floor
-Soak:  python executor.py --soak calls=10000 timeout_s=1    # hostile mix; checks zombies, strays, fds, memory
+Soak:  python executor.py --soak calls=10000 timeout_s=2    # hostile mix; checks zombies, strays, fds, memory
 Run:   python executor.py mode=run code='print(1 + 1)'
 Tests: .venv/bin/python -m pytest tests/test_executor.py -q
 """
