@@ -637,6 +637,9 @@ def test_soak_1000_mixed_calls_leaks_nothing():
     with Executor(workers=2, timeout_s=TIMEOUT) as e:
         stats = executor.soak(e, 1000)
     assert stats["wrong"] == [] and stats["benign_after"]
+    # A benign call can still time out when the machine starves it past 3 x timeout_s (seen at load 25 on
+    # 2 cores): allowed, but rare. Everything else must have exactly its status.
+    assert stats["benign_timeouts"] <= stats["calls"] // 100, stats
     assert stats["zombies"] == 0 and stats["strays"] == 0
     assert stats["fds_after"] <= stats["fds_before"]
     assert stats["rss_mb_after"] <= stats["rss_mb_before"] + 20
