@@ -281,6 +281,10 @@ def normalize_problem(text):
 # -----------------------------------------------------------------------------
 # distributed: one code path from `python x.py` to torchrun on 8 nodes
 
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+SINGLE_PROCESS_MARKER = "RSTAR2_SINGLE_PROCESS_WORLD"  # "pid:port" of the process that made itself a world of one
+
+
 def init_distributed():
     """Start torch.distributed and return (rank, world_size, local_rank, device).
 
@@ -291,9 +295,21 @@ def init_distributed():
     import torch
     import torch.distributed as dist
 
-    if "RANK" not in os.environ:
+    store = None
+    # A child process (demo.py's stages, a test's subprocess) inherits the variables a single-process parent set
+    # below; taken for torchrun's, they would send it to bind the parent's port (EADDRINUSE, seen in CI). The
+    # marker tells them apart: torchrun sets its own MASTER_PORT, so a child of torchrun is never mistaken.
+    inherited = os.environ.get(SINGLE_PROCESS_MARKER, "").split(":")
+    if len(inherited) == 2 and inherited[0] != str(os.getpid()) and inherited[1] == os.environ.get("MASTER_PORT"):
+        for key in (*TORCHRUN_VARIABLES, SINGLE_PROCESS_MARKER):
+            os.environ.pop(key, None)
+    if "RANK" not in os.environ and not dist.is_initialized():
+        # The store binds port 0 itself: asking the OS for a free port and binding it later races with any other
+        # process that takes an ephemeral port in between (EADDRINUSE, seen in CI).
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
+        os.environ[SINGLE_PROCESS_MARKER] = f"{os.getpid()}:{store.port}"
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
@@ -304,16 +320,11 @@ def init_distributed():
         device = torch.device("cpu")
         backend = "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend)
+        if store is not None:
+            dist.init_process_group(backend=backend, store=store, rank=0, world_size=1)
+        else:
+            dist.init_process_group(backend=backend)
     return rank, world_size, local_rank, device
-
-
-def free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def seed_everything(seed):

@@ -1,6 +1,7 @@
 """Config loading, data validation and the train/benchmark split (common.py)."""
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -128,3 +129,33 @@ def test_training_files_hold_no_benchmark_problem():
         assert leaked == [], f"{path} contains benchmark problems: {leaked[:5]}"
     marked = [r["id"] for r in load_problems("data/aime_1983_2023.jsonl") if r.get("overlaps_eval")]
     assert len(marked) == 5
+
+
+def test_a_child_of_a_single_process_world_starts_its_own_and_torchrun_children_keep_theirs(tmp_path):
+    """A script that called init_distributed() as a plain process (RANK & co. now in its env) and starts another
+    script: the child makes its own world of one on its own port; under torchrun the launcher's world wins."""
+    child = tmp_path / "child.py"
+    child.write_text(
+        f"import os, sys; sys.path.insert(0, {str(REPO)!r})\n"
+        "from common import init_distributed\n"
+        "import torch.distributed as dist\n"
+        "rank, world, _, _ = init_distributed()\n"
+        "print('child', rank, world, os.environ['MASTER_PORT'], flush=True)\n"
+        "dist.barrier(); dist.destroy_process_group()\n")
+    parent = (
+        f"import os, subprocess, sys; sys.path.insert(0, {str(REPO)!r})\n"
+        "from common import init_distributed\n"
+        "init_distributed()\n"
+        "print('parent', os.environ['MASTER_PORT'], flush=True)\n"
+        f"subprocess.run([sys.executable, {str(child)!r}], check=True)\n"
+        f"subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', "
+        f"{str(child)!r}], check=True)\n")
+    proc = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    parent_port = re.search(r"parent (\d+)", proc.stdout).group(1)
+    children = re.findall(r"child (\d) (\d) (\d+)", proc.stdout)
+    assert len(children) == 3
+    plain, *torchrun = children
+    assert plain[:2] == ("0", "1") and plain[2] != parent_port
+    assert sorted(c[:2] for c in torchrun) == [("0", "2"), ("1", "2")]
+    assert {c[2] for c in torchrun} != {parent_port}
