@@ -35,7 +35,8 @@ def three_splits(tiny_model_dir, tmp_path_factory):
     splits = {
         "1 process x 1 micro-batch": [PYTHON, script, tiny_model_dir, out / "a.pt", "micro_batch_size=0"],
         "1 process x 4 micro-batches": [PYTHON, script, tiny_model_dir, out / "b.pt", "micro_batch_size=2"],
-        "2 processes x 2 micro-batches": [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", script,
+        # --standalone: a free rendezvous port of torchrun's choosing, not the fixed 29500 another run may hold
+        "2 processes x 2 micro-batches": [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script,
                                           tiny_model_dir, out / "c.pt", "micro_batch_size=2"],
     }
     results = {}
@@ -78,9 +79,15 @@ def test_updated_weights_do_not_depend_on_the_split(three_splits, tiny_model_dir
     assert moved.median() > 0.5 * lr  # AdamW's first step moves almost every weight by about lr
     for other in others:
         for name, weight in reference["weights"].items():
-            # AdamW's first step is ~lr * g / |g|: a coordinate whose gradient is ~1e-8 turns float noise into a
-            # step of a fraction of lr, so weights are compared at 5% of lr; the gradients above are the tight check.
-            torch.testing.assert_close(other["weights"][name], weight, atol=0.05 * lr, rtol=0, msg=name)
+            # AdamW's first step is lr * g / (|g| + 1e-8): where |g| is float noise (~1e-10, its sign differing
+            # between splits) the step is noise of up to lr, so weights are compared where |g| > 1e-7, at 5% of
+            # lr; elsewhere the step only has to stay within lr. The gradients above are the tight check.
+            grad = reference["grads"].get(name)
+            signal = grad.abs() > 1e-7 if grad is not None else torch.ones_like(weight, dtype=torch.bool)
+            assert signal.float().mean() > 0.5, name
+            torch.testing.assert_close(other["weights"][name][signal], weight[signal], atol=0.05 * lr, rtol=0, msg=name)
+            step = (other["weights"][name] - initial[name])[~signal].abs()
+            assert step.numel() == 0 or step.max() <= 1.01 * lr, name
 
 
 def test_a_per_micro_batch_mean_would_change_this_batch_far_beyond_the_tolerance(tiny_model_dir):

@@ -387,8 +387,10 @@ def test_torchrun_two_ranks_match_one_process(tmp_path, tiny_model_dir, chat_dat
                                 capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
     for one_step, two_step in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two"), strict=True):
-        for key in ("loss", "grad_norm"):
-            assert two_step[key] == pytest.approx(one_step[key], rel=1e-5), key
+        # Each rank pads its own micro-batch, so the matmuls have other shapes and sum in another order: float32
+        # noise, ~1e-5 relative on a norm over 0.76M gradient coordinates (a loss-scaling bug would be ~1e-1).
+        assert two_step["loss"] == pytest.approx(one_step["loss"], rel=1e-5)
+        assert two_step["grad_norm"] == pytest.approx(one_step["grad_norm"], rel=1e-4)
     one, two = final_weights(tmp_path / "one"), final_weights(tmp_path / "two")
     for name in one:
         torch.testing.assert_close(one[name], two[name], rtol=0, atol=0.05 * 3e-3, msg=name)  # see the test above
