@@ -1,9 +1,9 @@
-"""The tiny CPU demo: the whole rStar2-Agent pipeline on a 1M-parameter model that learns to use a Python tool.
+"""The tiny CPU demo: the whole rStar2-Agent pipeline on a 0.76M-parameter model that learns to use a Python tool.
 
     python demo.py                  # tiny model -> SFT transcripts -> sft.py -> rl.py (GRPO-RoC) -> before/after table
     python demo.py ablation=true    # plain GRPO vs GRPO-RoC, same seeds and steps -> assets/ablation.png (+ .json/.md)
 
-The task is multi-digit arithmetic ("Compute 4821 * 37 - 905."): a 4-layer, 128-wide model cannot multiply 4-digit
+The task is multi-digit arithmetic ("Compute 4821 * 67 - 905."): a 2-layer, 128-wide model cannot multiply 4-digit
 numbers in its head, but it can learn to write the expression as code, call the tool, and copy the printed result
 into \\boxed{}. sft.py teaches the format from generated transcripts (some with a failed call, its traceback and a
 fixed retry); rl.py then trains with GRPO-RoC on rewards alone, and the held-out accuracy (real vLLM engine, real
@@ -47,7 +47,7 @@ class DemoConfig:
     # ablation
     ablation_dir: str = "runs/ablation"
     ablation_steps: int = 30
-    ablation_seeds: list[int] = dataclasses.field(default_factory=lambda: [0])
+    ablation_seeds: list[int] = dataclasses.field(default_factory=lambda: [0, 1])
     ablation_eval_every: int = 15
     plot: str = "assets/ablation.png"        # the numbers go next to it as .json and .md
 
@@ -65,6 +65,8 @@ class DemoConfig:
 
 def run(cmd):
     """Run one stage as its README command, echoing it; stop the demo if it fails."""
+    # A fresh process per stage: each script starts its own torch.distributed world and vLLM engine, exactly as
+    # when run by hand, and nothing (threads, engines, process groups) leaks from one stage into the next.
     print(f"\n$ {' '.join(cmd)}", flush=True)
     started = time.time()
     proc = subprocess.run([sys.executable, *cmd], cwd=REPO)
@@ -87,10 +89,12 @@ def prepare(cfg):
     import tiny
 
     times = {}
+    # The paths are the scripts' own defaults, so `python rl.py configs/tiny.yaml` works afterwards by itself.
     model_dir, sft_data = resolve(tiny.TinyConfig.out_dir), resolve(tiny.TinyConfig.sft_data)
     if cfg.fresh or not (model_dir / "config.json").is_file() or not sft_data.is_file():
         times["tiny model + SFT transcripts"] = run(["tiny.py"])
-    # The RL prompts and the held-out set, where configs/tiny.yaml expects them.
+    # The RL prompts and the held-out set, where configs/tiny.yaml expects them. Different splits of the generator
+    # (tiny.make_arithmetic_problems): none of them is an SFT transcript's problem.
     for key, split, count in (("train_data", "train", cfg.train_problems), ("eval_data", "test", cfg.test_problems)):
         path = resolve(config_value(cfg.rl_config, key))
         if cfg.fresh or not path.is_file() or len(load_jsonl(path)) != count:
@@ -132,6 +136,8 @@ def demo(cfg):
     times = prepare(cfg)
     out_dir = config_value(cfg.rl_config, "out_dir")
     metrics, times["rl"] = train_rl(cfg, out_dir, [])
+    # rl.py evaluates the held-out set before its first step and after its last, through its own engine and tool:
+    # the same loop, sampling temperature and grader as training, so the two rows differ only in the weights.
     points = evals(metrics)
     if len(points) < 2:
         sys.exit(f"demo.py: {out_dir}/metrics.jsonl has no before/after evaluation (is eval_data set?)")
@@ -158,6 +164,7 @@ def ablation(cfg):
     prepare(cfg)
     arms = {"GRPO": "grpo", "GRPO-RoC": "roc"}
     runs = {}
+    # Same config, seeds, prompts (the data order depends only on the seed) and steps; only `algorithm` differs.
     for name, algorithm in arms.items():
         for seed in cfg.ablation_seeds:
             out_dir = f"{cfg.ablation_dir}/{algorithm}-seed{seed}"
@@ -226,6 +233,8 @@ def plot_ablation(runs, arms, cfg, summary):
     matplotlib.use("Agg")  # no display on a server
     import matplotlib.pyplot as plt
 
+    # Left: accuracy (the noisy per-step training accuracy, smoothed, and the held-out evaluations); right: the
+    # paper's Fig. 4 quantity, which RoC's selection of positives is meant to push down.
     fig, (acc_ax, err_ax) = plt.subplots(1, 2, figsize=(11, 4))
     colors = {"GRPO": "tab:blue", "GRPO-RoC": "tab:red"}
     for name in arms:

@@ -87,7 +87,7 @@ def main(cfg):
     model_dir = tiny.build_tiny_model(tiny.TinyConfig(
         out_dir=str(out / "model"), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim))
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, pretrain_steps=0))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rcfg = rollout.RolloutConfig(dtype="bfloat16", gpu_memory_utilization=cfg.gpu_memory_utilization,
                                  enforce_eager=cfg.enforce_eager, max_prompt_tokens=512, max_response_tokens=1024)

@@ -52,11 +52,15 @@ class TinyConfig:
     # model: Qwen3 layout. head_dim 64 because vLLM's CPU attention kernels support it (cpu-stack.md §3)
     hidden_size: int = 128
     intermediate_size: int = 384
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 2
-    num_key_value_heads: int = 1
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
     head_dim: int = 64
     max_position_embeddings: int = 4096
+    # pretraining (pretrain_base_model): what a real base model brings to SFT, here the ability to copy numbers
+    pretrain_steps: int = 300        # 0 = leave the weights at their random init (the tests do)
+    pretrain_batch_size: int = 32
+    pretrain_lr: float = 6e-3
     # the demo's SFT transcripts (make_sft_transcripts), written by `python tiny.py`; "" = do not write them
     sft_data: str = "out/tiny-sft.jsonl"
     sft_examples: int = 2000
@@ -64,15 +68,19 @@ class TinyConfig:
 
 
 # -----------------------------------------------------------------------------
-# the arithmetic task: a tool is needed (a 4-layer, 128-wide model cannot multiply 4-digit numbers), and a
+# the arithmetic task: a tool is needed (a 2-layer, 128-wide model cannot multiply 4-digit numbers), and a
 # tiny model can learn to write the code and copy the result, so RL has something to improve.
 
 def make_arithmetic_problems(n, seed, split="train"):
-    """Rows {id, problem, answer} like the data/ files. Different seeds give different problems."""
+    """Rows {id, problem, answer} like the data/ files. Different seeds give different problems.
+
+    Every operand has a fixed width (4, 2 and 3 digits) and every result has 6 digits, so the digits the model
+    copies always sit at the same distance from their source: that is what lets a 2-layer model learn to copy
+    within the demo's budget (see pretrain_base_model)."""
     rng = random.Random(f"arith-{split}-{seed}")
     rows = []
     for i in range(n):
-        a, b, c = rng.randint(100, 9999), rng.randint(11, 99), rng.randint(10, 999)
+        a, b, c = rng.randint(2000, 9000), rng.randint(51, 99), rng.randint(100, 999)
         form = rng.randrange(3)
         if form == 0:
             text, value = f"{a} * {b} + {c}", a * b + c
@@ -140,7 +148,9 @@ def make_sft_transcripts(problems, error_fraction=0.3, seed=0):
             result = next(results)
             if (result.status == "ok") != (attempt == len(plan) - 1):
                 raise RuntimeError(f"{row['id']}: {code!r} gave status {result.status!r}: {result.stderr or result.reason}")
-            reason = " I will compute it with Python." if attempt == 0 else " The code failed. I will fix it and run it again."
+            expression = row["problem"][len("Compute "):-1]
+            reason = (f" I will compute {expression} with Python." if attempt == 0
+                      else f" The code failed. I will fix it and compute {expression} again.")
             messages.append({"role": "assistant", "content": f"{reason} </reason>\n{tool_call_text(code)}"})
             messages.append({"role": "tool", "content": format_tool_response(result, rollout_cfg)})
         value = result.stdout.strip()
@@ -164,6 +174,64 @@ def write_sft_transcripts(cfg):
     with_errors = sum(len(row["messages"]) > 5 for row in rows)
     print(f"sft transcripts: {len(rows)} ({with_errors} with a failed call and a retry) -> {path}")
     return path
+
+
+# -----------------------------------------------------------------------------
+# pretraining: the tiny stand-in for what Qwen3-14B-Base knows before SFT. The demo's model must copy a 12-digit
+# expression from the problem into its reasoning and its code, and the 6-digit result from the tool's output into
+# \boxed{}. A randomly initialised model has no copying circuit; behind the ~430-token rStar2 system prompt, sft.py
+# alone plateaued at loss 0.58 with 0% held-out accuracy. On short documents without the system prompt the
+# copying emerges abruptly (measured, digit accuracy on held-out documents: 11% at step 100, 94% at 200, 98% at
+# 300, batch 32, ~1.5 minutes on 2 cores), and SFT then only has to carry it over to the rStar2 prompt.
+# It emerges this early only because every number has a fixed width (make_arithmetic_problems), so each digit is
+# copied from a fixed distance; with 3-or-4-digit operands it had not emerged after 600 steps.
+
+def pretraining_documents(rows, tokenizer, error_fraction=0.3, seed=0):
+    """The SFT transcripts of `rows` (make_sft_transcripts: real tool outputs, a share with a failed call and its
+    fix) rendered as plain ChatML without the system prompt and tool schema, each assistant turn opening with the
+    `<reason>` the rStar2 template adds. The copies sit at the same token distances as in the rStar2 transcripts,
+    which is what lets the skill carry over to SFT."""
+    docs = []
+    for transcript in make_sft_transcripts(rows, error_fraction, seed):
+        messages = [{**m, "content": "<reason>" + m["content"]} if m["role"] == "assistant" else m
+                    for m in transcript["messages"]]
+        docs.append(tokenizer.apply_chat_template(messages, tokenize=False))
+    return docs
+
+
+def pretrain_base_model(model, tokenizer, cfg):
+    """Next-token prediction on pretraining_documents, every token trained; AdamW, 20 warm-up steps, then
+    constant lr. Problems come from their own split ("pretrain"), never an SFT, RL or held-out one."""
+    import torch
+    import torch.nn.functional as F
+    from tqdm import tqdm
+
+    if cfg.pretrain_steps == 0:
+        return []
+    rows = make_arithmetic_problems(cfg.pretrain_steps * cfg.pretrain_batch_size, cfg.seed, split="pretrain")
+    # No failed calls here: with 30% of the documents carrying a failed call and its retry, the copying emerged
+    # later (digit accuracy 82% against 98% at step 300) and the SFT model then answered nothing right.
+    docs = pretraining_documents(rows, tokenizer, error_fraction=0.0, seed=cfg.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.pretrain_lr, weight_decay=0.0)
+    losses = []
+    model.train()
+    progress = tqdm(range(cfg.pretrain_steps), desc="pretrain", dynamic_ncols=True)
+    for step in progress:
+        batch = tokenizer(docs[step * cfg.pretrain_batch_size:(step + 1) * cfg.pretrain_batch_size], padding=True,
+                          return_tensors="pt")
+        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        logits = model(**batch).logits[:, :-1]
+        loss = F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        for group in optimizer.param_groups:
+            group["lr"] = cfg.pretrain_lr * min(1.0, (step + 1) / 20)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+        progress.set_postfix(loss=f"{loss.item():.3f}")
+    model.eval()
+    return losses
 
 
 # -----------------------------------------------------------------------------
@@ -233,6 +301,7 @@ def build_tiny_model(cfg=None):
     out = Path(cfg.out_dir)
     tokenizer = build_tokenizer(cfg)
     model = build_model(cfg, tokenizer)
+    losses = pretrain_base_model(model, tokenizer, cfg)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     out.mkdir(parents=True, exist_ok=True)
@@ -240,7 +309,8 @@ def build_tiny_model(cfg=None):
     tokenizer.save_pretrained(out)
     (out / "tiny_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"tiny model: {n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)} -> {out}")
+    pretrained = f", pretrained {len(losses)} steps (loss {losses[0]:.2f} -> {losses[-1]:.2f})" if losses else ""
+    print(f"tiny model: {n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}{pretrained} -> {out}")
     return out
 
 

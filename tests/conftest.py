@@ -16,4 +16,4 @@ def tiny_model_dir(tmp_path_factory):
     import tiny
 
     out = tmp_path_factory.mktemp("tiny-model")
-    return tiny.build_tiny_model(tiny.TinyConfig(out_dir=str(out)))
+    return tiny.build_tiny_model(tiny.TinyConfig(out_dir=str(out), pretrain_steps=0))

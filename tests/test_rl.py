@@ -259,7 +259,7 @@ def test_a_model_directory_without_a_tokenizer_is_rejected_by_the_command_line(t
 # -----------------------------------------------------------------------------
 # a real run (engine, executor, reward pool): SIGKILL after a checkpoint, resume=auto, the same metrics
 
-# Four problems with small numbers: a 0.2M-parameter model memorises their transcripts in 60 SFT steps (~25 s of
+# Four problems with small numbers: a 0.2M-parameter model memorises their transcripts in 120 SFT steps (~35 s of
 # CPU) and then samples right and wrong answers at temperature 1, so RL groups have mixed rewards and really train.
 MEMO_PROBLEMS = [{"id": f"memo-{i}", "problem": f"Compute {a} * {b} + {c}.", "answer": str(a * b + c)}
                  for i, (a, b, c) in enumerate([(3, 4, 5), (6, 7, 8), (2, 9, 1), (5, 5, 5)])]
@@ -275,11 +275,12 @@ def sft_policy(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("sft")
     model = tiny.build_tiny_model(tiny.TinyConfig(out_dir=str(work / "model"), hidden_size=64, intermediate_size=128,
-                                                  num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1))
+                                                  num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
+                                                  pretrain_steps=0))
     rows = tiny.make_sft_transcripts(MEMO_PROBLEMS * 40, error_fraction=0.0, seed=0)
     (work / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     run([PYTHON, "sft.py", "configs/sft_tiny.yaml", f"model={model}", f"data={work / 'sft.jsonl'}",
-         f"out_dir={work / 'run'}", "global_batch_size=8", "epochs=3", "lr=1e-2", "save_every=0", "train_threads=1"],
+         f"out_dir={work / 'run'}", "global_batch_size=8", "epochs=6", "lr=1e-2", "save_every=0", "train_threads=1"],
         timeout=900)
     return work / "run" / "final"
 

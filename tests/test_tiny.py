@@ -84,6 +84,42 @@ def test_arithmetic_problems_are_deterministic_and_correct():
         assert str(eval(expression)) == row["answer"]
 
 
+def test_every_number_has_a_fixed_width_so_each_copied_digit_sits_at_a_fixed_distance():
+    import re
+
+    shapes = set()
+    for row in make_arithmetic_problems(3000, seed=0):
+        shapes.add(re.sub(r"\d", "9", row["problem"]))
+        assert len(row["answer"]) == 6
+    assert shapes == {"Compute 9999 * 99 + 999.", "Compute 9999 * 99 - 999.", "Compute (9999 + 999) * 99."}
+
+
+def test_pretraining_documents_are_worked_problems_without_the_system_prompt(tokenizer):
+    from tiny import pretraining_documents
+
+    row = {"id": "p", "problem": "Compute 2345 * 67 + 891.", "answer": str(2345 * 67 + 891)}
+    clean, failed = (pretraining_documents([row], tokenizer, error_fraction=f)[0] for f in (0.0, 1.0))
+    for doc in (clean, failed):
+        assert doc.startswith("<|im_start|>user\nCompute 2345 * 67 + 891.<|im_end|>\n<|im_start|>assistant\n"
+                              "<reason> I will compute 2345 * 67 + 891 with Python. </reason>\n<tool_call>")
+        assert "system" not in doc and "<tools>" not in doc
+        assert doc.endswith(f"<|im_start|>assistant\n<reason> The result is {row['answer']}. </reason>\n"
+                            f"<answer> \\boxed{{{row['answer']}}} </answer><|im_end|>\n")
+    # the recovery from a failed call, with the executor's real traceback, is part of the base model's text too
+    assert clean.count("<tool_call>") == 1 and failed.count("<tool_call>") == 2
+    assert "Tool call failure" in failed and "I will fix it and compute 2345 * 67 + 891 again." in failed
+
+
+def test_pretraining_lowers_the_loss_and_is_reproducible(tmp_path):
+    from tiny import TinyConfig, build_model, build_tokenizer, pretrain_base_model
+
+    cfg = TinyConfig(out_dir=str(tmp_path), pretrain_steps=6, pretrain_batch_size=4, sft_data="")
+    tokenizer = build_tokenizer(cfg)
+    runs = [pretrain_base_model(build_model(cfg, tokenizer), tokenizer, cfg) for _ in range(2)]
+    assert len(runs[0]) == 6 and runs[0][-1] < runs[0][0] - 0.5
+    assert runs[0] == runs[1]
+
+
 def test_chatml_template_renders_tools(tokenizer):
     text = tokenizer.apply_chat_template([{"role": "user", "content": "Q"}], tools=[CODE_TOOL], tokenize=False)
     assert text.startswith("<|im_start|>system\n# Tools\n\nYou are provided with function signatures within <tools></tools> XML tags:\n"
