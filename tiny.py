@@ -130,25 +130,24 @@ def make_sft_transcripts(problems, error_fraction=0.3, seed=0):
     if not 0 <= error_fraction <= 1:
         raise ValueError(f"error_fraction must be in [0, 1], got {error_fraction}")
     rng = random.Random(f"sft-transcripts-{seed}")
-    plans = []  # per problem: the codes it runs, in order
+    plans = []  # per problem: its expression and the codes it runs, in order
     for row in problems:
         if not (row["problem"].startswith("Compute ") and row["problem"].endswith(".")):
             raise ValueError(f"{row.get('id')}: not an arithmetic problem from make_arithmetic_problems: {row['problem']!r}")
-        correct = f"print({row['problem'][len('Compute '):-1]})"
-        buggy = rng.choice(BUGS)(correct[len("print("):-1]) if rng.random() < error_fraction else None
-        plans.append([buggy, correct] if buggy else [correct])
-    codes = [code for plan in plans for code in plan]
+        expression = row["problem"][len("Compute "):-1]
+        buggy = rng.choice(BUGS)(expression) if rng.random() < error_fraction else None
+        plans.append((expression, [buggy, f"print({expression})"] if buggy else [f"print({expression})"]))
+    codes = [code for _, plan in plans for code in plan]
     with Executor(workers=2) as executor:
         results = iter(executor.map(codes))
     rollout_cfg = RolloutConfig()
     rows = []
-    for row, plan in zip(problems, plans):
+    for row, (expression, plan) in zip(problems, plans):
         messages = [{"role": "user", "content": row["problem"]}]
         for attempt, code in enumerate(plan):
             result = next(results)
             if (result.status == "ok") != (attempt == len(plan) - 1):
                 raise RuntimeError(f"{row['id']}: {code!r} gave status {result.status!r}: {result.stderr or result.reason}")
-            expression = row["problem"][len("Compute "):-1]
             reason = (f" I will compute {expression} with Python." if attempt == 0
                       else f" The code failed. I will fix it and compute {expression} again.")
             messages.append({"role": "assistant", "content": f"{reason} </reason>\n{tool_call_text(code)}"})
