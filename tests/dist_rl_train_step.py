@@ -59,6 +59,10 @@ def main():
              for name, p in model.named_parameters()}
     if rank == 0:
         torch.save({"weights": weights, "grads": grads, "metrics": metrics}, out_file)
+    # A rank that leaves with the gloo group alive aborts in its threads' teardown ("terminate called without an
+    # active exception"), and torchrun then kills the other rank, perhaps mid-save: wait for rank 0, then end it.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
