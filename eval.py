@@ -289,8 +289,8 @@ def generation_settings(model_path, cfg):
 
 
 # RolloutConfig fields that change speed or memory, never what a sample is.
-ROLLOUT_RESOURCE_FIELDS = ("gpu_memory_utilization", "tensor_parallel_size", "enforce_eager", "enable_prefix_caching",
-                           "max_concurrency", "sleep_level", "tool_workers")
+ROLLOUT_RESOURCE_FIELDS = ("gpu_memory_utilization", "cpu_kv_cache_gb", "tensor_parallel_size", "enforce_eager",
+                           "enable_prefix_caching", "max_concurrency", "sleep_level", "tool_workers")
 
 
 def open_samples(out_dir, settings, n, resume):

