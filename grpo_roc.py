@@ -22,7 +22,8 @@ Paper vs released code (microsoft/rStar @ ecbfb94), and what this file does:
   - p_err: the release greps tool responses for "error" (missing timeouts, parse failures);
     here the caller counts the executor's status flags.
   - negatives: uniform in both (the release dropped penalty-sorting them, rStar PR #50).
-  - counts per side: round(|side| * G / 2G), at least min(2, available), as in the release.
+  - counts per side: positives round(|pos| * G / 2G) (halves to even), negatives the rest, then at least
+    min(2, available) each. The release rounds both sides, which keeps G-1 or G+1 for odd G.
   - std: unbiased (torch.std in verl); the paper does not say which.
   - all-equal groups: dropped, as the release's reject_equal_reward; filter_groups(enabled=).
   - dual-clip (c = 3 on negative advantages) is a verl default the paper never mentions:
@@ -142,8 +143,14 @@ def resample_on_correct(rewards, penalties, keep, rng, positive_rule="sample",
     negatives = [i for i, r in enumerate(rewards) if r <= 0]
 
     # Each side keeps its share of the slots, which preserves the pos/neg ratio (§2.2.3:
-    # both sides are halved). round() rounds halves to even as in the release; with
-    # 2G rollouts the two shares always add up to G, so negatives can take the remainder.
+    # both sides are halved). The positives' share is rounded, halves to even as in the
+    # release, and the negatives take the rest, so exactly G are kept. The release rounds
+    # both shares; that adds up to G only for even G: with odd G and an odd split both
+    # shares end in .5 and round the same way (5 of 10, G = 5: round(2.5) + round(2.5) = 4).
+    # Here, with G = 7 of 14, 5 correct keep 2 positives and 5 negatives (shares 2.5 and 4.5),
+    # 7 correct keep 4 and 3 (shares 3.5 and 3.5): the spare slot goes to either side as
+    # halves to even alternate, so neither is favoured, and before the 2-per-side minimum
+    # each side is within half a slot of its exact share.
     num_pos = round(len(positives) * keep / num_rollouts)
     # At least min(2, available) of each outcome, so a lone success among 2G (share 0.5,
     # rounded to 0) is still learned from and the group keeps a contrast.

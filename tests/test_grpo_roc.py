@@ -99,7 +99,21 @@ def test_counts_per_side_for_every_split_of_32(rule):
         assert sum(rewards[i] for i in kept) == EXPECTED_KEPT_POSITIVES_OF_32[num_pos], num_pos
 
 
-@pytest.mark.parametrize("keep", [4, 5, 8, 16])
+# The same for an odd G = 7 of 14, where the release's two rounded shares would add up to 6 or 8 rollouts (5 correct:
+# round(2.5) + round(4.5) = 6; 7 correct: round(3.5) + round(3.5) = 8). Positives round, negatives take the rest.
+EXPECTED_KEPT_POSITIVES_OF_14 = [0, 1, 2, 2, 2, 2, 3, 4, 4, 4, 5, 5, 5, 6, 7]
+
+
+@pytest.mark.parametrize("rule", ["sample", "topk"])
+def test_odd_g_keeps_exactly_g_with_the_half_slot_split_by_rounding_halves_to_even(rule):
+    for num_pos in range(15):
+        rewards, penalties = _group(num_pos, 14)
+        kept = resample_on_correct(rewards, penalties, 7, np.random.default_rng(0), rule)
+        assert len(kept) == len(set(kept)) == 7, num_pos
+        assert sum(rewards[i] for i in kept) == EXPECTED_KEPT_POSITIVES_OF_14[num_pos], num_pos
+
+
+@pytest.mark.parametrize("keep", [4, 5, 7, 8, 9, 16])
 def test_pos_neg_ratio_preserved_for_every_split_of_2g(keep):
     for num_pos in range(2 * keep + 1):
         rewards, penalties = _group(num_pos, 2 * keep)
