@@ -2,6 +2,7 @@
 
     python demo.py                  # tiny model -> SFT transcripts -> sft.py -> rl.py (GRPO-RoC) -> before/after table
     python demo.py ablation=true    # plain GRPO vs GRPO-RoC, same seeds and steps -> assets/ablation.png (+ .json/.md)
+    python demo.py verbose=true     # with all of vLLM's logging (default: its warnings only)
 
 The task is multi-digit arithmetic ("Compute 4821 * 67 - 905."): a 2-layer, 128-wide model cannot multiply 4-digit
 numbers in its head, but it can learn to write the expression as code, call the tool, and copy the printed result
@@ -44,6 +45,7 @@ class DemoConfig:
     rl_config: str = "configs/tiny.yaml"
     sft_args: list[str] = dataclasses.field(default_factory=list)   # extra key=value for sft.py
     rl_args: list[str] = dataclasses.field(default_factory=list)    # extra key=value for rl.py (both arms)
+    verbose: bool = False                    # all of vLLM's logging in rl.py (default: its warnings only)
     # ablation
     ablation_dir: str = "runs/ablation"
     ablation_steps: int = 30
@@ -119,7 +121,8 @@ def train_rl(cfg, out_dir, args):
     """rl.py into out_dir (resumed if it is there, unless fresh); returns its per-step metrics."""
     if cfg.fresh:
         shutil.rmtree(resolve(out_dir), ignore_errors=True)
-    seconds = run(["rl.py", cfg.rl_config, f"out_dir={out_dir}", *cfg.rl_args, *args])
+    verbose = ["verbose=true"] if cfg.verbose else []
+    seconds = run(["rl.py", cfg.rl_config, f"out_dir={out_dir}", *verbose, *cfg.rl_args, *args])
     return read_metrics(resolve(out_dir)), seconds
 
 

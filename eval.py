@@ -43,8 +43,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from common import BENCHMARKS, ConfigError, atomic_write_text, load_config, load_problems, resolve, save_config
-from rollout import RolloutConfig  # the agent loop's settings, shared with rl.py; importing it does not load vLLM
+from common import (BENCHMARKS, ConfigError, atomic_write_text, init_distributed, load_config, load_problems, resolve,
+                    save_config)
+from rollout import RolloutConfig, configure_vllm_logging  # shared with rl.py; importing rollout does not load vLLM
 
 # Benchmarks that are not files: `arith` is generated on the fly, so the demo and eval agree on it by seed.
 GENERATED_BENCHMARKS = ("arith",)
@@ -74,6 +75,7 @@ class EvalConfig:
     reward_timeout_s: float = 5.0      # per-answer math-verify deadline
     arith_problems: int = 100          # size of the `arith` benchmark
     arith_seed: int = 0
+    verbose: bool = False              # all of vLLM's logging; default: its warnings (VLLM_LOGGING_LEVEL wins)
     rollout: RolloutConfig = dataclasses.field(default_factory=_paper_rollout)
 
     def validate(self):
@@ -418,8 +420,6 @@ def evaluate(model_path, problems, cfg, engine=None, executor=None, tokenizer=No
     """
     import torch.distributed as dist
 
-    from common import init_distributed
-
     if isinstance(problems, list):
         problems = {"problems": problems}
     check_model_dir(model_path)
@@ -526,8 +526,7 @@ def main(argv=None):
         problems = load_benchmarks(cfg)
     except (ConfigError, ValueError) as e:
         sys.exit(f"eval.py: {e}")
-    from common import init_distributed
-
+    configure_vllm_logging(cfg.verbose)
     rank, _, _, _ = init_distributed()
     if rank == 0:  # the resolved config next to the results, so summary.json always says what produced it
         save_config(cfg, cfg.out_dir)

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from common import ConfigError, load_config, resolve
-from rollout import RolloutConfig
+from rollout import RolloutConfig, configure_vllm_logging
 
 
 # -----------------------------------------------------------------------------
@@ -103,6 +103,7 @@ class RLConfig:
     eval_temperature: float = 0.6            # the paper's evaluation temperature (§8.1)
     wandb_project: str = ""
     tensorboard: bool = False
+    verbose: bool = False                    # all of vLLM's logging; default: its warnings (VLLM_LOGGING_LEVEL wins)
     # stage-3 filter (§6.3): `mode=filter` samples filter_samples per problem of filter_source with `model`,
     # drops the problems solved every time and writes the rest to train_data
     filter_source: str = ""
@@ -816,6 +817,7 @@ def filter_solved(cfg):
 if __name__ == "__main__":
     try:
         config = load_config(RLConfig, sys.argv[1:])
+        configure_vllm_logging(config.verbose)
         (filter_solved if config.mode == "filter" else train)(config)
     except ConfigError as e:
         sys.exit(f"rl.py: {e}")

@@ -42,6 +42,7 @@ import gc
 import hashlib
 import itertools
 import json
+import logging
 import os
 import random
 import re
@@ -309,6 +310,34 @@ def count_answer_tags(model_text):
     if len(ANSWER_OPEN_RE.findall(model_text)) != pairs or len(ANSWER_CLOSE_RE.findall(model_text)) != pairs:
         return 0
     return pairs
+
+
+# -----------------------------------------------------------------------------
+# vLLM's logging: warnings only, one known-harmless warning dropped
+
+# update_weights reloads in place, layer by layer (vllm/model_executor/model_loader/reload/layerwise.py), and every
+# sync warns "RotaryEmbedding: Failed to load weights": the rotary cos/sin cache is a buffer computed from the
+# config, never in a checkpoint, so the reload finds nothing for it and puts the existing buffer back unchanged.
+# Only that exact message is dropped: any other layer that fails to load is a real bug and still shows.
+VLLM_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+HARMLESS_RELOAD_WARNING = "RotaryEmbedding: Failed to load weights"
+
+
+def drop_harmless_reload_warning(record):
+    return record.getMessage() != HARMLESS_RELOAD_WARNING
+
+
+def configure_vllm_logging(verbose=False):
+    """What the scripts call first: vLLM at WARNING (its INFO lines, two or three per RL step, would run through the
+    progress output) and the harmless reload warning dropped. verbose=True, or vLLM's own VLLM_LOGGING_LEVEL when
+    set, keeps everything. vLLM reads the variable when it is imported, and Engine is what imports it."""
+    if verbose or "VLLM_LOGGING_LEVEL" in os.environ:
+        return
+    os.environ["VLLM_LOGGING_LEVEL"] = "WARNING"
+    logging.getLogger("vllm").setLevel(logging.WARNING)  # in case vLLM is imported already
+    reload_logger = logging.getLogger(VLLM_RELOAD_LOGGER)
+    if drop_harmless_reload_warning not in reload_logger.filters:
+        reload_logger.addFilter(drop_harmless_reload_warning)
 
 
 # -----------------------------------------------------------------------------
@@ -880,6 +909,7 @@ class RolloutCLIConfig:
     tool_latency_s: float = 0.3      # bench: mean latency added to every tool call (exponential; §3.1 reports
                                      # ~0.3 s per call end to end on the paper's cluster)
     repeats: int = 2                 # bench: timed runs per mode, interleaved; the best is reported
+    verbose: bool = False            # all of vLLM's logging (default: warnings; configure_vllm_logging)
     # CPU-sized engine defaults (the tiny model in fp32); on a GPU pass rollout.dtype=auto rollout.enforce_eager=false
     rollout: RolloutConfig = dataclasses.field(default_factory=lambda: RolloutConfig(
         dtype="float32", enforce_eager=True, gpu_memory_utilization=0.15, max_prompt_tokens=512, max_response_tokens=1024))
@@ -1026,4 +1056,5 @@ if __name__ == "__main__":
         cli = load_config(RolloutCLIConfig, sys.argv[1:])
     except ValueError as e:  # ConfigError is a ValueError: one line that names the problem, no traceback
         sys.exit(f"rollout.py: {e}")
+    configure_vllm_logging(cli.verbose)
     bench(cli) if cli.mode == "bench" else sample(cli)

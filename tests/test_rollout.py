@@ -4,7 +4,10 @@ on the real vLLM engine with the real executor and the tiny model.
     .venv/bin/python -m pytest tests/test_rollout.py -q
 """
 import dataclasses
+import importlib.util
 import json
+import logging
+import os
 import re
 import subprocess
 import sys
@@ -162,6 +165,58 @@ def test_importing_rollout_does_not_import_vllm():
     """sft.py renders prompts with rollout.py; it must not pay vLLM's ~17 s import."""
     code = "import sys, rollout; assert 'vllm' not in sys.modules, 'vllm imported'"
     subprocess.run([sys.executable, "-c", code], cwd=Path(rollout.__file__).parent, check=True)
+
+
+# -----------------------------------------------------------------------------
+# vLLM's logging
+
+
+@pytest.fixture
+def clean_vllm_logging(monkeypatch):
+    """No VLLM_LOGGING_LEVEL, no filter on the reload logger, the vllm logger's level: all restored afterwards."""
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "unset")  # records the original state, so teardown restores it
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL")
+    reload_logger = logging.getLogger(rollout.VLLM_RELOAD_LOGGER)
+    monkeypatch.setattr(reload_logger, "filters", [])
+    monkeypatch.setattr(logging.getLogger("vllm"), "level", logging.getLogger("vllm").level)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    reload_logger.addHandler(handler)
+    yield reload_logger, records
+    reload_logger.removeHandler(handler)
+
+
+def test_vllm_logs_warnings_and_drops_exactly_the_harmless_reload_warning(clean_vllm_logging):
+    reload_logger, records = clean_vllm_logging
+    rollout.configure_vllm_logging()
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "WARNING"
+    reload_logger.warning("%s: Failed to load weights", "RotaryEmbedding")  # the call in vLLM's layerwise.py
+    reload_logger.warning("%s: Failed to load weights", "QKVParallelLinear")  # a real failure
+    reload_logger.warning("RotaryEmbedding: Failed to load weights for layer 3")
+    reload_logger.info("Reloading and processing weights took 0.01 seconds")
+    assert [r.getMessage() for r in records] == ["QKVParallelLinear: Failed to load weights",
+                                                 "RotaryEmbedding: Failed to load weights for layer 3"]
+
+
+@pytest.mark.parametrize("verbose, level", [(True, None), (False, "DEBUG")])
+def test_verbose_or_vllms_own_variable_keeps_all_of_vllms_logging(clean_vllm_logging, monkeypatch, verbose, level):
+    reload_logger, records = clean_vllm_logging
+    if level:
+        monkeypatch.setenv("VLLM_LOGGING_LEVEL", level)
+    rollout.configure_vllm_logging(verbose=verbose)
+    assert os.environ.get("VLLM_LOGGING_LEVEL") == level
+    reload_logger.warning("%s: Failed to load weights", "RotaryEmbedding")
+    assert [r.getMessage() for r in records] == ["RotaryEmbedding: Failed to load weights"]
+
+
+def test_the_dropped_warning_is_the_one_vllm_emits():
+    """The filter matches by logger name and message: both must still be vLLM's (read from its source, not imported)."""
+    source = (Path(importlib.util.find_spec("vllm").submodule_search_locations[0])
+              / "model_executor/model_loader/reload/layerwise.py").read_text()
+    assert "logger = init_logger(__name__)" in source
+    assert 'logger.warning("%s: Failed to load weights", layer.__class__.__name__)' in source
+    assert rollout.VLLM_RELOAD_LOGGER == "vllm.model_executor.model_loader.reload.layerwise"
 
 
 # -----------------------------------------------------------------------------
