@@ -19,10 +19,12 @@ point: rerun the same command and only the problems it lacks are generated.
 
 Benchmarks: the names in common.BENCHMARKS (aime24, aime25, hmmt25, amc23, math500, gsm8k), `arith` (the tiny
 demo's held-out arithmetic, tiny.make_arithmetic_problems(split="test")), or a path to a problems JSONL.
-The prompt is a switch, so a checkpoint is measured in the format it was trained with: rollout.prompt_variant=code
-is the released training code's prompt (<reason>, python_code_with_standard_io; rl.py's default), =paper the
-paper's Fig. 3 prompt (<think>, execute_python_code_with_standard_io, the tool name the released 14B model's card
-uses); rollout.chat_template / rollout.tool_schema point at any other template.
+A checkpoint is measured in the format it was trained with: sft.py and rl.py save it beside config.json
+(rollout.FORMAT_FILE), and rollout.prompt_variant=auto, the default, reads it; a directory without one (the released
+rStar2-Agent-14B) gets the paper's prompt. An explicit setting wins, with a warning when it differs from the saved
+format: rollout.prompt_variant=code is the released training code's prompt (<reason>, python_code_with_standard_io;
+rl.py's default), =paper the paper's Fig. 3 prompt (<think>, execute_python_code_with_standard_io, the tool name the
+released 14B model's card uses); rollout.chat_template / rollout.tool_schema point at any other template.
 
 Protocol vs the released eval scripts (rstar2-method.md §8.1): the paper samples at temperature 0.6 with up to
 30 turns; the released aime_eval.sh leaves temperature unset (verl's default: greedy) and allows 5 turns.
@@ -45,7 +47,7 @@ from pathlib import Path
 
 from common import (BENCHMARKS, ConfigError, atomic_write_text, init_distributed, load_config, load_problems, resolve,
                     save_config)
-from rollout import RolloutConfig, configure_vllm_logging  # shared with rl.py; importing rollout does not load vLLM
+from rollout import AUTO_VARIANT, RolloutConfig, apply_model_format, configure_vllm_logging  # no vLLM import
 
 # Benchmarks that are not files: `arith` is generated on the fly, so the demo and eval agree on it by seed.
 GENERATED_BENCHMARKS = ("arith",)
@@ -56,8 +58,8 @@ GENERATED_BENCHMARKS = ("arith",)
 
 def _paper_rollout():
     """The agent loop as the paper evaluates it (§5.1): 16 samples at temperature 0.6, up to 30K tokens and 30
-    turns. 30720 = 30 x 1024, the released eval scripts' max_response_length."""
-    return RolloutConfig(temperature=0.6, max_response_tokens=30720, max_turns=30)
+    turns. 30720 = 30 x 1024, the released eval scripts' max_response_length. The format: the model's own."""
+    return RolloutConfig(prompt_variant=AUTO_VARIANT, temperature=0.6, max_response_tokens=30720, max_turns=30)
 
 
 @dataclasses.dataclass
@@ -423,6 +425,8 @@ def evaluate(model_path, problems, cfg, engine=None, executor=None, tokenizer=No
     if isinstance(problems, list):
         problems = {"problems": problems}
     check_model_dir(model_path)
+    if cfg.rollout.prompt_variant == AUTO_VARIANT:  # main() has resolved it already; an in-process caller may not
+        cfg = dataclasses.replace(cfg, rollout=apply_model_format(cfg.rollout, model_path))
     # A world of one outside torchrun (common.init_distributed), so the collectives below are the only path.
     rank, world_size, _, _ = init_distributed()
     ks = cfg.ks or default_ks(cfg.n)
@@ -523,6 +527,7 @@ def main(argv=None):
         cfg = load_config(EvalConfig, argv)
         cfg.model = str(resolve(cfg.model))  # relative to the repo, like every path in a config
         check_model_dir(cfg.model)
+        cfg.rollout = apply_model_format(cfg.rollout, cfg.model)  # before save_config: config.yaml says what ran
         problems = load_benchmarks(cfg)
     except (ConfigError, ValueError) as e:
         sys.exit(f"eval.py: {e}")

@@ -48,7 +48,8 @@ import torch
 import torch.distributed as dist
 
 from common import ConfigError, load_config, resolve
-from rollout import RolloutConfig, configure_vllm_logging
+from rollout import RolloutConfig, configure_vllm_logging, load_format
+from sft import save_hf_model
 
 
 # -----------------------------------------------------------------------------
@@ -581,7 +582,6 @@ def train(cfg):
     from grpo_roc import rollouts_per_prompt
     from reward import score_batch
     from rollout import Engine, balance_by_tokens, generate
-    from sft import save_hf_model
 
     # torchrun's WORLD_SIZE is read before any process group exists, so a wrong launch stops before any work.
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -754,8 +754,9 @@ def train(cfg):
     logger.close()
     # The trained policy as a Hugging Face directory: what eval.py, vLLM and the next stage load. bf16 on GPU, the
     # dtype the engine runs in; the fp32 master weights stay in the DCP checkpoint for resuming.
+    template, schema, _ = load_format(cfg.rollout)
     save_hf_model(model, tokenizer, model_path, out_dir / f"hf_step_{state['step']}", torch.float32
-                  if device.type == "cpu" else torch.bfloat16, rank)
+                  if device.type == "cpu" else torch.bfloat16, rank, (template, schema), "rl.py")
     if executor:
         executor.close()
     engine.close()

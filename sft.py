@@ -55,7 +55,15 @@ import time
 from pathlib import Path
 from typing import Literal
 
-from common import ConfigError, load_config, load_jsonl, resolve
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from tqdm import tqdm
+from transformers import AutoTokenizer, GenerationConfig
+
+from common import (ConfigError, MetricsLogger, init_distributed, latest_checkpoint, load_checkpoint, load_config,
+                    load_jsonl, resolve, save_checkpoint, save_config, seed_everything)
+from rollout import write_format
 
 ROLES = ("system", "user", "assistant", "tool")
 # The token that ends an assistant turn, the one the rollout stops at: ChatML's, as in the rStar2 prompt and Qwen.
@@ -234,6 +242,14 @@ def read_tools(path):
     except json.JSONDecodeError as e:
         raise ConfigError(f"tool_schema {path}: not valid JSON ({e})") from None
     return schema if isinstance(schema, list) else [schema]
+
+
+def prompt_format(cfg, tokenizer):
+    """(template text, tool schema or None) this run trains with, for the saved model directory. A schema only when
+    the config gives exactly one: the rollout calls one tool, and rows that bring their own tools have no single
+    format to record."""
+    tools = read_tools(cfg.tool_schema)
+    return read_template(cfg.chat_template) or tokenizer.chat_template, tools[0] if tools and len(tools) == 1 else None
 
 
 def load_conversations(cfg, tokenizer):
@@ -426,14 +442,11 @@ def lr_at(step, total_steps, cfg):
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def save_hf_model(model, tokenizer, model_path, out, save_dtype, rank):
+def save_hf_model(model, tokenizer, model_path, out, save_dtype, rank, prompt_format, written_by):
     """Gather the full weights on rank 0 and write a Hugging Face directory atomically: into out.tmp, then a rename,
-    so a crash never leaves a half-written model where rl.py or vLLM would load it."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from transformers import GenerationConfig
-
+    so a crash never leaves a half-written model where rl.py or vLLM would load it. prompt_format = (chat template
+    text, tool schema), the format the model was trained in, goes beside config.json (rollout.write_format): eval.py
+    reads it to evaluate the model in its own format."""
     full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         out = Path(out)
@@ -442,6 +455,7 @@ def save_hf_model(model, tokenizer, model_path, out, save_dtype, rank):
         model.config.dtype = save_dtype
         model.save_pretrained(tmp, state_dict={k: v.to(save_dtype) for k, v in full_state.items()})
         tokenizer.save_pretrained(tmp)
+        write_format(tmp, *prompt_format, written_by=written_by)
         try:  # keep the base model's sampling defaults (eos ids etc.)
             GenerationConfig.from_pretrained(model_path).save_pretrained(tmp)
         except OSError:
@@ -459,14 +473,6 @@ def save_hf_model(model, tokenizer, model_path, out, save_dtype, rank):
 def train(cfg):
     """Run SFT as configured; returns (model, tokenizer) with the trained FSDP model (tests compare it with the
     saved directory)."""
-    import torch
-    import torch.distributed as dist
-    from tqdm import tqdm
-    from transformers import AutoTokenizer
-
-    from common import MetricsLogger, init_distributed, latest_checkpoint, load_checkpoint, save_checkpoint, \
-        save_config, seed_everything
-
     rank, world_size, _, device = init_distributed()
     accumulation = check_world(cfg, world_size)
     model_path = check_model_dir(cfg.model)
@@ -554,7 +560,7 @@ def train(cfg):
     logger.close()
     if cfg.save_every and start_step < total_steps:  # so a rerun of a finished run resumes at the end
         save_checkpoint(ckpt_root, total_steps, model, optimizer, {**run_state, "step": total_steps}, keep=cfg.keep_checkpoints)
-    save_hf_model(model, tokenizer, model_path, out_dir / "final", save_dtype, rank)
+    save_hf_model(model, tokenizer, model_path, out_dir / "final", save_dtype, rank, prompt_format(cfg, tokenizer), "sft.py")
     if rank == 0:
         print(f"saved {out_dir / 'final'}", flush=True)
     return model, tokenizer

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import eval as evaluation
+import rollout
 from common import BENCHMARKS, ConfigError
 
 REPO = Path(evaluation.__file__).resolve().parent
@@ -204,7 +205,7 @@ def test_the_configs_load_and_eval_yaml_is_the_papers_protocol():
     cfg = load_config(evaluation.EvalConfig, ["configs/eval.yaml", "model=somewhere"])
     protocol = (cfg.n, cfg.rollout.temperature, cfg.rollout.max_turns, cfg.rollout.max_response_tokens)
     assert protocol == (16, 0.6, 30, 30720)
-    assert cfg.rollout.prompt_variant == "paper"
+    assert cfg.rollout.prompt_variant == "auto"  # the model's saved format, the paper's for a model without one
     tiny_cfg = load_config(evaluation.EvalConfig, ["configs/eval_tiny.yaml", "rollout.prompt_variant=paper", "n=2"])
     assert (tiny_cfg.benchmarks, tiny_cfg.n, tiny_cfg.rollout.prompt_variant) == (["arith"], 2, "paper")
     with pytest.raises(ConfigError, match="model is required"):
@@ -483,6 +484,26 @@ def test_prompts_too_long_and_an_engine_too_short_are_refused_before_generating(
         with pytest.raises(ConfigError, match="holds 672 tokens per sequence, the eval needs .* = 4608"):
             evaluation.evaluate(tiny_model_dir, rows, long_answers, engine=engine, executor=executor, tokenizer=tokenizer)
     assert counts["problems"] == 0
+
+
+@pytest.mark.slow
+def test_by_default_a_checkpoint_is_evaluated_in_the_format_it_was_trained_with(tiny_model_dir, tmp_path):
+    """configs/eval.yaml's defaults on a checkpoint of this repo (rl.py trains the code prompt): it is evaluated in
+    that format, read from the rstar2_format.json rl.py saved, not in the paper's, whose tool name it never saw."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    template, schema, _ = rollout.load_format(rollout.RolloutConfig(prompt_variant="code"))
+    rollout.write_format(model, template, schema, written_by="rl.py")
+    out_dir = tmp_path / "run"
+    command = [sys.executable, "eval.py", "configs/eval.yaml", f"model={model}", f"out_dir={out_dir}",
+               "benchmarks=arith", "arith_problems=1", "n=1", "ks=[1]", "rollout.max_prompt_tokens=1024",
+               "rollout.max_response_tokens=8", "rollout.dtype=float32", "rollout.enforce_eager=true"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "prompt_variant: code" in (out_dir / "config.yaml").read_text()
+    prompt = json.loads((out_dir / "samples.jsonl").read_text().splitlines()[0])["prompt"]
+    assert "python_code_with_standard_io" in prompt and "execute_python_code_with_standard_io" not in prompt
+    assert "was trained with another" not in done.stderr
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import rl
+import rollout
 from common import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -346,3 +347,9 @@ def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_data_and_metrics(
     final_resumed = load_file(killed / "hf_step_2" / "model.safetensors")
     for name, weight in final_straight.items():
         torch.testing.assert_close(final_resumed[name], weight, atol=1e-6, rtol=1e-5, msg=name)
+    # Both directories say the format they were trained in (configs/tiny.yaml: the code prompt), for eval.py.
+    for model_dir in (sft_policy, killed / "hf_step_2"):
+        record, template, schema = rollout.read_format(model_dir)
+        assert record["prompt_variant"] == "code" and (template, schema) == rollout.load_format(
+            rollout.RolloutConfig(prompt_variant="code"))[:2]
+    assert rollout.read_format(killed / "hf_step_2")[0]["written_by"] == "rl.py"

@@ -9,8 +9,10 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -94,6 +96,58 @@ def test_bad_format_config_names_the_problem(tmp_path):
         RolloutConfig(max_prompt_tokens=64, max_response_tokens=64, max_model_len=100).validate()
     with pytest.raises(ValueError, match="non-empty string"):
         rollout.render_prompt(None, "  ", RolloutConfig())
+
+
+# -----------------------------------------------------------------------------
+# the format a checkpoint was trained with, saved beside config.json
+
+
+def saved_model(tmp_path, tiny_model_dir, template, schema):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    rollout.write_format(model, template, schema, written_by="test")
+    return model
+
+
+def test_the_saved_format_names_its_variant_and_carries_its_files(tmp_path, tiny_model_dir):
+    template, schema, _ = rollout.load_format(RolloutConfig(prompt_variant="code"))
+    model = saved_model(tmp_path, tiny_model_dir, template, schema)
+    record, saved_template, saved_schema = rollout.read_format(model)
+    assert record["prompt_variant"] == "code" and (saved_template, saved_schema) == (template, schema)
+    assert rollout.variant_of(template + "custom", schema) is None
+    assert rollout.variant_of(template, None) == "code"  # SFT on rows that bring their own tools
+    assert rollout.read_format(tiny_model_dir) is None
+
+
+def test_auto_takes_the_models_format_and_an_explicit_one_wins_with_a_warning(tmp_path, tiny_model_dir):
+    code_template, code_schema, _ = rollout.load_format(RolloutConfig(prompt_variant="code"))
+    model = saved_model(tmp_path, tiny_model_dir, code_template, code_schema)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the model's own format: no warning
+        auto = rollout.apply_model_format(RolloutConfig(prompt_variant="auto"), model)
+        assert (auto.prompt_variant, auto.chat_template, auto.tool_schema) == ("code", "", "")
+        assert rollout.apply_model_format(RolloutConfig(prompt_variant="code"), model) == RolloutConfig(prompt_variant="code")
+    with pytest.warns(UserWarning, match=r"trained with another chat template and tool schema .*prompt_variant=code; "
+                                         r"here rollout.prompt_variant=paper"):
+        explicit = rollout.apply_model_format(RolloutConfig(prompt_variant="paper"), model)
+    assert explicit.prompt_variant == "paper"
+    with pytest.warns(UserWarning, match=r"has no rstar2_format.json .*rollout.prompt_variant=paper"):
+        assert rollout.apply_model_format(RolloutConfig(prompt_variant="auto"), tiny_model_dir).prompt_variant == "paper"
+
+
+def test_auto_evaluates_a_custom_format_from_the_files_in_the_model_directory(tmp_path, tiny_model_dir, tokenizer):
+    code_template, code_schema, _ = rollout.load_format(RolloutConfig(prompt_variant="code"))
+    custom_template = code_template.replace("<reason>", "<ponder>")
+    model = saved_model(tmp_path, tiny_model_dir, custom_template, code_schema)
+    cfg = rollout.apply_model_format(RolloutConfig(prompt_variant="auto"), model)
+    # A custom format is evaluated from its own files (what it does not save would be the paper variant's).
+    assert (cfg.prompt_variant, cfg.chat_template, cfg.tool_schema) == (
+        "paper", str(model / rollout.FORMAT_TEMPLATE_FILE), str(model / rollout.FORMAT_SCHEMA_FILE))
+    prompt = tokenizer.decode(rollout.render_prompt(tokenizer, "1+1?", cfg))
+    assert prompt.endswith("assistant\n<ponder>") and "python_code_with_standard_io" in prompt
+    cfg.validate()
+    with pytest.raises(ValueError, match="prompt_variant=auto is read from the model directory"):
+        rollout.render_prompt(tokenizer, "1+1?", RolloutConfig(prompt_variant="auto"))
 
 
 # -----------------------------------------------------------------------------

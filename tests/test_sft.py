@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+import rollout
 import sft
 from common import REPO, ConfigError, load_config
 
@@ -45,8 +46,6 @@ def code_format():
 def test_transcript_tokens_equal_the_rollout_segments_token_for_token(tokenizer):
     """What SFT trains on is what rollout.py builds while sampling: render_prompt, then the sampled turn and its
     <|im_end|>, then render_tool_turn, and so on; loss exactly on the sampled part."""
-    import rollout
-
     template, tools = code_format()
     input_ids, loss_mask = sft.render_conversation(tokenizer, TRANSCRIPT, tools, template)
 
@@ -209,6 +208,15 @@ def test_the_command_line_reports_a_bad_config_in_one_line(tmp_path):
     assert result.stderr.strip() == "sft.py: global_batch_size=16 is not a multiple of micro_batch_size=5"
 
 
+def test_the_saved_format_is_the_runs_template_and_its_one_tool_schema(tokenizer):
+    code = sft.SFTConfig(chat_template=CODE_TEMPLATE, tool_schema=CODE_TOOL)
+    assert sft.prompt_format(code, tokenizer) == ((REPO / CODE_TEMPLATE).read_text(),
+                                                  json.loads((REPO / CODE_TOOL).read_text()))
+    # General SFT (configs/sft.yaml): ChatML, rows bring their own tools; the tokenizer's own template when unset.
+    assert sft.prompt_format(sft.SFTConfig(chat_template="chatml"), tokenizer) == (sft.read_template("chatml"), None)
+    assert sft.prompt_format(sft.SFTConfig(), tokenizer) == (tokenizer.chat_template, None)
+
+
 def test_the_shipped_configs_load_and_carry_the_recipes(tmp_path, tiny_model_dir):
     data = tmp_path / "d.jsonl"
     data.write_text("{}\n")
@@ -326,6 +334,10 @@ def test_sft_lowers_the_loss_and_the_saved_directory_reloads_with_identical_logi
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     with torch.no_grad():
         assert not torch.allclose(base(input_ids=ids).logits, reloaded_logits)  # it did train
+    # The format it was trained in, beside config.json, for eval.py's rollout.prompt_variant=auto.
+    record, template, schema = rollout.read_format(final)
+    assert (record["prompt_variant"], record["written_by"]) == ("code", "sft.py")
+    assert template == (REPO / CODE_TEMPLATE).read_text() and schema == json.loads((REPO / CODE_TOOL).read_text())
 
 
 def test_splitting_the_batch_into_micro_batches_does_not_change_the_update(tmp_path, tiny_model_dir, chat_data):
