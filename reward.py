@@ -150,7 +150,11 @@ def extract_answer(text, require_answer_tag=False):
 _DELIMITERS = [("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")]
 _UNIT_AT_END = re.compile(r"\\(?:text|textrm|textbf|mbox|mathrm)\s*\{[^{}]*\}\s*(?:\^\s*\{?\d\}?)?\s*$")
 _WHOLE_TEXT = re.compile(r"\\(?:text|textrm|textbf|mbox|mathrm)\s*\{([^{}]*)\}")
-_THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+")
+# A thousands separator is a bare comma, or MATH's "10,\\!080" / "1{,}000", before exactly three digits,
+# decimals allowed ("1,000.99"). A comma followed by a space is a list: math-verify reads "32, 349" as
+# {32, 349}, and "1234,567" as {567, 1234}.
+_GLUED_SEPARATOR = re.compile(r"(?<=\d)(?:,\\!|\{,\})(?=\d{3}(?!\d))")
+_THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 _INTEGER = re.compile(r"-?\d+(?:\.0*)?")
 
 
@@ -169,6 +173,7 @@ def normalize_answer(answer):
             break
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     s = re.sub(r"\\(?:left|right)(?![a-zA-Z])", "", s)  # bracket sizing only; not \rightarrow
+    s = _GLUED_SEPARATOR.sub(",", s)  # before TeX spacing turns "10,\\!080" into the list "10, 080"
     s = re.sub(r"\\[,;:! ]|\\q?quad(?![a-zA-Z])|~", " ", s)  # TeX spacing, as in "10,\!080"
     s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|\\degree(?![a-zA-Z])", "", s)  # 90^\circ = 90
     # MATH golds write "10\\%" and "\\$32" for the numbers 10 and 32; math-verify also reads "10\\%" as 0.1,
@@ -183,19 +188,23 @@ def normalize_answer(answer):
         s = without_unit
     if _WHOLE_TEXT.fullmatch(s.strip()):
         s = _WHOLE_TEXT.fullmatch(s.strip()).group(1)
-    # Whitespace carries no meaning in TeX math, except that "1 2" must not become "12".
-    s = re.sub(r"(?<=\d)\s+(?=\d)", " ", s)
-    s = re.sub(r"(?<![\d])\s+|\s+(?![\d])", "", s).strip()
+    # Whitespace carries no meaning in TeX math, except that "1 2" must not become "12", and that a space
+    # after a comma makes a list ("32, 349"): that one is kept until the thousands check below.
+    s = re.sub(r"(?<=[\d,])\s+(?=\d)", " ", s)
+    s = re.sub(r"(?<![\d,])\s+|\s+(?![\d])", "", s).strip()
     s = s.rstrip(".")  # a sentence's full stop inside the box: "\\boxed{5.}"
-    assignment = re.fullmatch(r"[a-zA-Z]=([^=<>]+)", s)  # "x=5": MATH accepts the bare value
+    # "x=5", "x \\approx 11", "\\approx 2.5": MATH accepts the bare value, and math-verify compares the
+    # right-hand side of an assignment or an approximation.
+    assignment = re.fullmatch(r"(?:[a-zA-Z]=|[a-zA-Z]?\\approx(?![a-zA-Z]))([^=<>]+)", s)
     if assignment:
-        s = assignment.group(1)
+        s = assignment.group(1).strip()
     choice = re.fullmatch(r"\(([A-Z])\)", s)  # multiple choice "(C)" = "C"
     if choice:
         s = choice.group(1)
-    # Only groups of exactly three digits: "1,000" is a number, "1,2" and "3,5,7" are lists.
+    # Only groups of exactly three digits: "1,000" and "1,000.99" are numbers, "1,2" and "3,5,7" are lists.
     if _THOUSANDS.fullmatch(s):
         s = s.replace(",", "")
+    s = re.sub(r",\s+", ",", s)  # the list "[1, 2)" is spelled as "[1,2)"
     if _INTEGER.fullmatch(s):  # "025" = "25", "27.0" = "27", "-0" = "0"
         s = str(int(s.split(".")[0]))
     return s
@@ -238,8 +247,8 @@ def _is_not_a_number(s):
     +-, a matrix with several entries, or an expression in a free variable ("2k+2", "Evelyn", "C").
 
     Conservative: anything with "=", "<", ">", a subscript (base "52_8"), text or an operator name is
-    not judged. e and i are not free variables (e, the imaginary unit). Lets "10" vs "(6,31,-1)" or vs
-    "x^3+3x-6" be decided here instead of costing math-verify 20 ms.
+    not judged. e and i are not free variables (e, the imaginary unit). Only used to skip evaluating an
+    answer's value in a worker; it decides no verdict (a string guess said "1,000.99" was a list).
     """
     if any(c in s for c in "=<>_") or _NAMED_TEXT.search(s):
         return False
@@ -269,11 +278,27 @@ def _is_not_a_number(s):
 _VALUES = {}
 
 
-def _value(answer):
-    """[re, im] of an answer known to be a number, else None."""
+def _plain_number(answer):
+    """(value, exact) when the answer is unambiguously one plain number once notation is normalised: an
+    integer, decimal or integer fraction ("1,000.99", "\\$16,\\!386.20", "x \\approx 11", "90^\\circ",
+    "5 \\text{ cm}"). None for anything else, and for a percent, which math-verify reads both ways
+    ("50\\%" is 50 and 0.5)."""
     if "%" in answer:
-        return None  # math-verify reads "50\\%" as both 50 and 0.5: no single value
-    number = _as_number(normalize_answer(answer))
+        return None
+    return _as_number(normalize_answer(answer))
+
+
+def _far_apart(a, b):
+    """Two values too far apart for any rounding math-verify allows (6 decimal places): 1/3 = 0.333333
+    stays open."""
+    # Two Fractions are compared as Fractions: a 400-digit integer does not fit in a float.
+    tolerance = Fraction(1, 1000) if isinstance(a, Fraction) and isinstance(b, Fraction) else 1e-3
+    return abs(a - b) > tolerance * max(1, abs(a), abs(b))
+
+
+def _value(answer):
+    """[re, im] of an answer known to be one number (a plain number, or one the workers evaluated), else None."""
+    number = _plain_number(answer)
     if number:
         try:
             return [float(number[0]), 0.0]
@@ -283,36 +308,33 @@ def _value(answer):
 
 
 def _differ_by_value(pred, gold):
-    """True if what is known proves the answers differ: two numbers far apart, or a number against an
-    answer that cannot be one number ("-\\sqrt{3}" vs "8n^2+4n+1", "10" vs "(6,31,-1)")."""
+    """True if both answers are known numbers and far apart ("3\\sqrt{13}" vs "10"). Used by the slow path
+    once the workers have evaluated each answer with math-verify's own parser: nothing here guesses what an
+    answer that is not a number means."""
     p_value, g_value = _value(pred), _value(gold)
-    if p_value and g_value:
-        # "Far" is beyond any rounding math-verify allows (6 decimal places): 1/3 = 0.333333 stays open.
-        a, b = complex(*p_value), complex(*g_value)
-        return abs(a - b) > 1e-3 * max(1.0, abs(a), abs(b))
-    return bool((p_value and _is_not_a_number(normalize_answer(gold))) or
-                (g_value and _is_not_a_number(normalize_answer(pred))))
+    return bool(p_value and g_value and _far_apart(complex(*p_value), complex(*g_value)))
 
 
 def fast_equivalent(pred, gold):
-    """True / False when notation and known values decide, None when math-verify must look.
+    """True when the two answers are one answer in notation, False when they are two different plain
+    numbers, None (math-verify must look) otherwise. In-process and in microseconds.
 
-    Never True for a pair that differs in more than notation. False only where math-verify agrees:
-    two different exact numbers, or values that _differ_by_value (checked against math-verify on every
-    pair of distinct MATH-500 answers by `--bench audit_all_pairs=true`).
+    True needs an equal normalised spelling or an equal number. False needs both sides to parse as plain
+    numbers (_plain_number) that differ exactly (two rationals) or by more than math-verify rounds:
+    every other pair ("10" vs "(6,31,-1)", "32, 349" vs "32349") is left open, so a shape this file does
+    not know costs a math-verify call, never a wrong 0. Checked against math-verify on all pairs of
+    MATH-500 answers and NOTATION_SHAPES by `--bench audit_all_pairs=true`.
     """
     p, g = normalize_answer(pred), normalize_answer(gold)
-    if not p:
-        return False
-    if p == g:
+    if p and p == g:
         return True
-    p_num, g_num = _as_number(p), _as_number(g)
-    if p_num and g_num:
-        if p_num[0] == g_num[0]:
-            return True
-        if p_num[1] and g_num[1] and "%" not in pred + gold:
-            return False  # two exact rationals (math-verify reads "50\\%" as 0.5 too, so not those)
-    return False if _differ_by_value(pred, gold) else None
+    p_num, g_num = _plain_number(pred), _plain_number(gold)
+    if p_num is None or g_num is None:
+        return None  # the only "not equal" below is between two plain numbers
+    if p_num[0] == g_num[0]:
+        return True
+    exact = p_num[1] and g_num[1]
+    return False if exact or _far_apart(p_num[0], g_num[0]) else None
 
 
 # -----------------------------------------------------------------------------
@@ -635,7 +657,7 @@ def _slow_path(pairs, timeout_s):
 
     1. Each distinct answer whose value is not known yet is evaluated once (math-verify's parse, then
        sympy's evalf), with half of timeout_s: parsing it is most of what a verify would cost.
-    2. Pairs that now _differ_by_value are False.
+    2. Pairs of two numbers that are now known to be far apart (_differ_by_value) are False.
     3. The rest get math-verify's verify, with what is left of timeout_s after step 1 spent on their two
        answers: no pair gets more than timeout_s of worker time in all. Nothing is True without verify.
     """
@@ -668,8 +690,16 @@ def _slow_path(pairs, timeout_s):
 
 
 def _check_gold(gold, where):
+    """The gold answer, unboxed; a clear error for a gold no answer could match (a data error)."""
     if not isinstance(gold, str):
         raise TypeError(f"{where}: gold must be a str, got {type(gold).__name__} {gold!r}")
+    depth = 0
+    for token in _BRACE_TOKEN.finditer(gold):
+        depth += {"{": 1, "}": -1}.get(token.group(), 0)
+        if depth < 0:
+            break
+    if depth:
+        raise ValueError(f"{where}: gold answer is malformed, its braces do not balance: {gold[:200]!r}")
     if "\\boxed" in gold or "\\fbox" in gold:
         gold = extract_answer(gold) or ""
     if not gold.strip():
