@@ -9,13 +9,16 @@ A wrong reward silently poisons training and a hung verifier stalls a whole step
      require_answer_tag=True also demands the box sit inside the last <answer>...</answer>, as the paper's
      prompt asks; the released code does not require it, and neither does the default here.
   2. fast_equivalent decides most pairs in microseconds, in-process: equal after normalising notation
-     ("1,080" = "1080" = "1080.0", \\dfrac = \\frac, 90^\\circ = 90, "x=5" = "5", \\text{(C)} = "C", units
-     dropped), exact numbers compared as fractions, and a number against something that cannot be one
-     number ("10" vs "(6,31,-1)") rejected. Integer answers (the paper's training data, §4.2) never leave it.
+     ("1,080" = "1080" = "1,080.0", "10,\\!080" = "10080", \\dfrac = \\frac, 90^\\circ = 90, "x=5" = "5",
+     "x \\approx 11" = "11", "\\$16,\\!386.20" = "16386.20", \\text{(C)} = "C", units dropped; "32, 349" is a
+     list, not 32349). It says "not equal" only for two plain numbers (integers, decimals, integer
+     fractions) that differ; everything else it cannot call equal goes on. Integer answers (the paper's
+     training data, §4.2) never leave it.
   3. The rest goes to math-verify (symbolic equivalence: the library, not a hand-written parser) in a
      pool of worker processes. Each distinct answer is first parsed and evaluated once ("3\\sqrt{13}" is a
      number, far from "10": rejected); only pairs still open pay for math-verify's verify. Nothing
-     becomes True without math-verify or an equal normalised spelling.
+     becomes True without math-verify or an equal normalised spelling, nothing False without math-verify
+     or two known numbers.
   4. Every check has a hard limit. math-verify's own timeout is signal.alarm, which works only in a main
      thread, and a big-int power holds the GIL, so no thread can stop it: each worker runs math-verify in
      its own main thread under its own alarm, and the parent SIGKILLs and replaces a worker that still
@@ -26,6 +29,10 @@ Paper vs released code (microsoft/rStar @ ecbfb94), and what this file does:
   - the release scores the whole decoded text, tool output included; here only model prose (point 1).
   - the release scores truncated text like any other; here finished=False gives 0, as the paper says.
   - the release verifies remotely in the code sandbox (§3.1); here in local worker processes.
+  - an answer in several boxes: math-verify's parse joins every box of the text into one set, so
+    "\\boxed{3} and \\boxed{5}" is {3, 5} (equal to neither 3 nor 5) and "\\boxed{1}, \\boxed{2}" equals the
+    list "1,2". Here the last box is the answer: 5 in the first case, 2 in the second (a list answer must
+    be given in one box, "\\boxed{1, 2}", as the prompt's "final answer ... by the \\boxed{} tag" asks).
 
 Use: `from reward import score_batch` (rl.py, eval.py), compute_reward / is_equivalent / extract_answer;
      start_pool(n) to choose the pool size (default: CPUs / local ranks, at most 8), shutdown_pool().
@@ -823,7 +830,7 @@ class BenchConfig:
     workers: int = 0  # 0: default_num_workers()
     timeout_s: float = DEFAULT_TIMEOUT_S
     rounds: int = 3  # the machine may be shared: report the median of interleaved rounds
-    audit_all_pairs: bool = False  # also re-check the fast path's decisions on all MATH-500 answer pairs
+    audit_all_pairs: bool = False  # also re-check what skips verify on all pairs of MATH-500 answers and NOTATION_SHAPES
 
     def validate(self):
         if self.negatives_per_problem < 0 or self.workers < 0 or self.rounds < 1 or self.timeout_s <= 0:
