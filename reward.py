@@ -830,7 +830,7 @@ class BenchConfig:
     workers: int = 0  # 0: default_num_workers()
     timeout_s: float = DEFAULT_TIMEOUT_S
     rounds: int = 3  # the machine may be shared: report the median of interleaved rounds
-    audit_all_pairs: bool = False  # also re-check what skips verify on all pairs of MATH-500 answers and NOTATION_SHAPES
+    audit_all_pairs: bool = False  # also re-check what skips verify on all pairs of MATH-500 answers + NOTATION_SHAPES
 
     def validate(self):
         if self.negatives_per_problem < 0 or self.workers < 0 or self.rounds < 1 or self.timeout_s <= 0:
