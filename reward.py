@@ -16,9 +16,9 @@ A wrong reward silently poisons training and a hung verifier stalls a whole step
      training data, §4.2) never leave it.
   3. The rest goes to math-verify (symbolic equivalence: the library, not a hand-written parser) in a
      pool of worker processes. Each distinct answer is first parsed and evaluated once ("3\\sqrt{13}" is a
-     number, far from "10": rejected); only pairs still open pay for math-verify's verify. Nothing
-     becomes True without math-verify or an equal normalised spelling, nothing False without math-verify
-     or two known numbers.
+     number, far from "10": rejected; "(6,31,-1)" is a tuple, never one number); only pairs still open
+     pay for math-verify's verify. Nothing becomes True without math-verify or an equal normalised
+     spelling, nothing False without math-verify's verify or parse, or two different plain numbers.
   4. Every check has a hard limit. math-verify's own timeout is signal.alarm, which works only in a main
      thread, and a big-int power holds the GIL, so no thread can stop it: each worker runs math-verify in
      its own main thread under its own alarm, and the parent SIGKILLs and replaces a worker that still
@@ -53,6 +53,7 @@ import threading
 import time
 from collections import deque
 from fractions import Fraction
+from itertools import combinations
 
 from common import load_problems
 
@@ -246,45 +247,13 @@ def _as_number(s):
     return None
 
 
-_OPENERS, _CLOSERS = "([{", ")]}"
-_NAMED_TEXT = re.compile(r"\\(?:text|textrm|textbf|mbox|mathrm|mathbf|operatorname)(?![a-zA-Z])")
-_PLAIN_FUNCTIONS = re.compile(r"arcsin|arccos|arctan|sinh|cosh|tanh|sin|cos|tan|cot|sec|csc|log|ln|exp|sqrt|pi")
-
-
-def _is_not_a_number(s):
-    """True when the normalised answer `s` cannot be one number: a tuple, list or interval, a union, a
-    +-, a matrix with several entries, or an expression in a free variable ("2k+2", "Evelyn", "C").
-
-    Conservative: anything with "=", "<", ">", a subscript (base "52_8"), text or an operator name is
-    not judged. e and i are not free variables (e, the imaginary unit). Only used to skip evaluating an
-    answer's value in a worker; it decides no verdict (a string guess said "1,000.99" was a list).
-    """
-    if any(c in s for c in "=<>_") or _NAMED_TEXT.search(s):
-        return False
-    # A matrix with more than one entry, a +- (two values) or a union of sets is never one number.
-    if re.match(r"\\begin\{[pb]matrix\}", s) and ("&" in s or "\\\\" in s):
-        return True
-    if re.search(r"\\(?:pm|mp|cup)(?![a-zA-Z])", s):
-        return True
-    # A comma outside every bracket, once one outer pair of brackets is removed, separates elements:
-    # "(6,31,-1)", "[2,7)", "1,-2", "\\{1,2\\}". Thousands separators are gone by now.
-    inner = s[1:-1] if len(s) > 1 and s[0] in "([" and s[-1] in ")]" else s
-    if s.startswith("\\{") and s.endswith("\\}"):
-        inner = s[2:-2]
-    depth = 0
-    for ch in inner:
-        depth += (ch in _OPENERS) - (ch in _CLOSERS)
-        if ch == "," and depth == 0:
-            return True
-    # Letters left after removing commands (\\sqrt, \\pi) and plain function names (sin, log) are variables.
-    letters = set(_PLAIN_FUNCTIONS.sub("", re.sub(r"\\[a-zA-Z]+", "", s)))
-    return any(c.isascii() and c.isalpha() for c in letters - set("eEiI"))
-
-
-# Values of answers that are not plain numbers ("-\\sqrt{3}"), as the workers computed them with math-verify's
-# parser and sympy; None for answers that are not one number. Golds recur every epoch, and wrong answers
-# recur across rollouts, so each is parsed once per process.
+# What the workers found, with math-verify's parser and sympy, for answers that are not plain numbers:
+# [re, im] for one number ("-\\sqrt{3}"), COLLECTION for several values, None for anything else. Golds
+# recur every epoch, and wrong answers recur across rollouts, so each is parsed once per process.
 _VALUES = {}
+# math-verify parses the answer as a tuple, set or matrix of two or more elements, or as an interval or a
+# union: its verify compares such a thing with one number as sets of different sizes, so never equal.
+COLLECTION = "collection"
 
 
 def _plain_number(answer):
@@ -313,15 +282,18 @@ def _value(answer):
             return [float(number[0]), 0.0]
         except OverflowError:
             return None
-    return _VALUES.get(answer)
+    value = _VALUES.get(answer)
+    return value if isinstance(value, list) else None
 
 
 def _differ_by_value(pred, gold):
-    """True if both answers are known numbers and far apart ("3\\sqrt{13}" vs "10"). Used by the slow path
-    once the workers have evaluated each answer with math-verify's own parser: nothing here guesses what an
-    answer that is not a number means."""
+    """True if what math-verify's parser found proves the answers differ: two numbers far apart
+    ("3\\sqrt{13}" vs "10"), or one number against a COLLECTION ("10" vs "(6,31,-1)"). Used by the slow
+    path once the workers have evaluated each answer: nothing here guesses from the spelling."""
     p_value, g_value = _value(pred), _value(gold)
-    return bool(p_value and g_value and _far_apart(complex(*p_value), complex(*g_value)))
+    if p_value and g_value:
+        return _far_apart(complex(*p_value), complex(*g_value))
+    return bool((p_value and _VALUES.get(gold) == COLLECTION) or (g_value and _VALUES.get(pred) == COLLECTION))
 
 
 def fast_equivalent(pred, gold):
@@ -391,14 +363,33 @@ def _math_verify_equivalent(pred, gold):
 
 def _math_verify_value(answer):
     """[re, im] of an answer that math-verify parses to one closed-form number, such as "-\\sqrt{3}" or
-    "\\frac{20000}{\\pi}"; None for variables, sets, tuples, matrices, relations and text.
+    "\\frac{20000}{\\pi}"; COLLECTION for a tuple, set or matrix of two or more elements, an interval or a
+    union ("(6,31,-1)", "[2, 7)"; "5, 5" is the set {5}, one element); None for anything else (variables,
+    relations, text).
 
     Lets the parent reject "3\\sqrt{13}" vs "10" by value, parsing each distinct answer once instead of
     parsing and verifying every pair. No time limit: run it under the worker's alarm.
     """
     import sympy
 
+    def is_collection(expr):
+        # What verify, comparing it as a set with {number}, can never find equal to one number: a tuple or
+        # matrix of two or more entries (compared by length), an interval or union of more than a point, a
+        # set of two or more numbers far apart. Not {0.5, 1/2} or {2, \\sqrt{4}} (equal to 1/2 and to 2
+        # there), nor "[0.5, \\frac12]" (parsed as an interval of one point).
+        if isinstance(expr, (sympy.Tuple, sympy.MatrixBase)):
+            return len(expr) >= 2
+        if isinstance(expr, (sympy.Interval, sympy.Union)):
+            return expr.measure.is_positive is True
+        if isinstance(expr, sympy.FiniteSet) and all(isinstance(e, sympy.Expr) and e.is_number for e in expr.args):
+            values = [complex(e.evalf(30)) for e in expr.args]
+            return len(values) >= 2 and all(_far_apart(a, b) for a, b in combinations(values, 2))
+        return False
+
     parsed = _parse_cached("\\boxed{" + answer + "}")
+    expressions = [e for e in parsed if not isinstance(e, str)]  # parse also returns the matched string
+    if expressions and all(map(is_collection, expressions)):
+        return COLLECTION
     expr = parsed[0] if parsed else None
     if not isinstance(expr, sympy.Expr) or expr.free_symbols or not expr.is_number:
         return None
@@ -666,14 +657,13 @@ def _slow_path(pairs, timeout_s):
 
     1. Each distinct answer whose value is not known yet is evaluated once (math-verify's parse, then
        sympy's evalf), with half of timeout_s: parsing it is most of what a verify would cost.
-    2. Pairs of two numbers that are now known to be far apart (_differ_by_value) are False.
+    2. Pairs that math-verify's parse already tells apart (_differ_by_value: two numbers far apart, or a
+       number against a COLLECTION) are False.
     3. The rest get math-verify's verify, with what is left of timeout_s after step 1 spent on their two
        answers: no pair gets more than timeout_s of worker time in all. Nothing is True without verify.
     """
-    # Worth evaluating: what might be a number and is not known yet. A gold like "(3, \\frac{\\pi}{2})"
-    # is not, so its pairs go straight to verify; "%" answers have two readings, so no single value.
-    unknown = sorted({s for pair in pairs for s in pair if s not in _VALUES and _value(s) is None
-                      and "%" not in s and not _is_not_a_number(normalize_answer(s))})
+    # Worth evaluating: every answer not known yet, except "%" answers, which have two readings.
+    unknown = sorted({s for pair in pairs for s in pair if s not in _VALUES and _value(s) is None and "%" not in s})
     values, seconds = _run_in_pool([("value", s) for s in unknown], [timeout_s / 2] * len(unknown))
     spent = dict(zip(unknown, seconds))
     if len(_VALUES) > 100_000:
@@ -927,6 +917,8 @@ NOTATION_SHAPES = [
     "90^\\circ", "90", "90^{\\circ}", "\\frac{\\pi}{2}", "30^\\circ", "\\frac{\\pi}{6}", "180^\\circ", "\\pi",
     "5 \\text{ cm}", "5\\text{ cm}^2", "6 \\text{ m}", "12 \\text{ inches}", "1 \\text{ foot}", "12", "1",
     "3, 5", "35", "1, 2", "1,2", "12", "(1,234)", "1234", "1, 2, 3", "123",
+    "5, 5", "[5, 5]", "(5, 5)", "[\\frac12, 0.5]", "(6,31,-1)", "\\{1, 2\\}", "[2, 7)", "-\\sqrt{3}", "2",
+    "\\{2, \\sqrt{4}\\}", "\\{\\frac12, 0.5\\}", "\\frac{1}{2}",
 ]
 
 

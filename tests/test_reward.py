@@ -142,6 +142,10 @@ MATH_VERIFY_SHAPES = [
     ("32349", "32, 349", False), ("32, 349", "32349", False), ("1000", "1, 000", False),
     ("10080", "10, 080", False), ("10080", "10,\\ 080", False), ("1,234,567", "1, 234, 567", False),
     ("123", "1, 2, 3", False), ("35", "3, 5", False), ("3,5", "3, 5", True), ("1,2,3", "1, 2, 3", True),
+    # one number against a list: a set of one element is that number, a tuple of two is not
+    ("5", "5, 5", True), ("5", "[5, 5]", True), ("\\frac{1}{2}", "[\\frac12, 0.5]", True), ("5", "(5, 5)", False),
+    ("10", "(6,31,-1)", False), ("-\\sqrt{3}", "\\{1, 2\\}", False), ("2", "[2, 7)", False),
+    ("2", "\\{2, \\sqrt{4}\\}", True), ("\\frac{1}{2}", "\\{\\frac12, 0.5\\}", True),
     # approximations: the value on the right of \approx
     ("11", "x\\approx11", True), ("x\\approx11", "11", True), ("x\\approx 11.5", "11.5", True),
     ("12", "x \\approx 12.0", True), ("0.5", "\\approx 0.50", True), ("\\approx 11", "11", True),
