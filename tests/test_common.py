@@ -140,7 +140,9 @@ def test_a_child_of_a_single_process_world_starts_its_own_and_torchrun_children_
         "from common import init_distributed\n"
         "import torch.distributed as dist\n"
         "rank, world, _, _ = init_distributed()\n"
-        "print('child', rank, world, os.environ['MASTER_PORT'], flush=True)\n"
+        # One file per process: two torchrun children printing to one pipe interleave ('childchild 1 2 ...').
+        f"open(os.path.join({str(tmp_path)!r}, f'child-{{os.getpid()}}.txt'), 'w').write("
+        "f\"{os.environ.get('LOCAL_WORLD_SIZE')} {rank} {world} {os.environ['MASTER_PORT']}\")\n"
         "dist.barrier(); dist.destroy_process_group()\n")
     parent = (
         f"import os, subprocess, sys; sys.path.insert(0, {str(REPO)!r})\n"
@@ -153,9 +155,11 @@ def test_a_child_of_a_single_process_world_starts_its_own_and_torchrun_children_
     proc = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     parent_port = re.search(r"parent (\d+)", proc.stdout).group(1)
-    children = re.findall(r"child (\d) (\d) (\d+)", proc.stdout)
-    assert len(children) == 3
-    plain, *torchrun = children
+    children = [tuple(f.read_text().split()) for f in tmp_path.glob("child-*.txt")]
+    assert len(children) == 3, proc.stdout + proc.stderr[-3000:]
+    # torchrun's children run with LOCAL_WORLD_SIZE=2; the plain child made its world of one (LOCAL_WORLD_SIZE=1)
+    (plain,) = [c[1:] for c in children if c[0] == "1"]
+    torchrun = [c[1:] for c in children if c[0] == "2"]
     assert plain[:2] == ("0", "1") and plain[2] != parent_port
     assert sorted(c[:2] for c in torchrun) == [("0", "2"), ("1", "2")]
     assert {c[2] for c in torchrun} != {parent_port}
