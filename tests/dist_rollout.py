@@ -30,6 +30,12 @@ import common
 import rollout
 from executor import Executor
 
+
+def say(line):
+    """One write(2) per line: both ranks share the test's pipe, and print()'s pieces interleave between them."""
+    os.write(sys.stdout.fileno(), (line + "\n").encode())
+
+
 TOLERANCE = 1e-4  # fp32 on both sides; measured max |diff| is ~1e-6 (cpu-stack.md §3 found <= 4.8e-7)
 
 
@@ -109,8 +115,8 @@ def main(model_dir):
     assert keys == [(p, s) for p in range(len(problems)) for s in range(2)], f"rank {rank}: bad split {shares}"
     loads = [sum(k[2] for k in part) for part in shares]
 
-    print(f"rank {rank}: claimed {mine}, before {before:.3g}, after {after:.2g}, lazy {lazy:.2g}, "
-          f"sampled gap {gap:.2g}, token loads {loads}", flush=True)
+    say(f"rank {rank}: claimed {mine}, before {before:.3g}, after {after:.2g}, lazy {lazy:.2g}, "
+        f"sampled gap {gap:.2g}, token loads {loads}")
     engine.close()  # under external_launcher this also ends torch.distributed (vLLM's shutdown destroys the group)
 
 
@@ -141,7 +147,7 @@ def main_tensor_parallel(model_dir):
     both = [None, None]
     torch.distributed.all_gather_object(both, scored)
     assert both[0] == both[1], f"the two ranks of one engine scored differently: {both}"
-    print(f"rank {rank}: tensor parallel, {len(trajs)} trajectories, score {scored}", flush=True)
+    say(f"rank {rank}: tensor parallel, {len(trajs)} trajectories, score {scored}")
     engine.close()
 
 
