@@ -25,6 +25,8 @@ Paper vs released code (microsoft/rStar @ ecbfb94), and what this file does:
     closes it is appended unsampled (loss_mask 0), so the tokens equal the release's for a well-formed call.
   - the tool turn follows the release byte for byte, including its missing "\\n" between the assistant's
     <|im_end|> and <|im_start|>user (verl slices the system block off a re-rendered [tool] message).
+  - tool output is data: a "<|im_end|>" it prints stays text (encode_rendered), and the reward reads only the
+    model's turns (Trajectory.model_text); the release tokenizes tool text with control tokens parsed.
   - tool errors are counted from the executor's status and the parser, not by grepping for "error".
   - execution time is left out of tool responses by default (show_execution_time), so a rerun of a step is
     token-identical; the release prints it.
