@@ -47,6 +47,7 @@ from pathlib import Path
 
 from common import (BENCHMARKS, ConfigError, atomic_write_text, init_distributed, load_config, load_problems, resolve,
                     save_config)
+from reward import extract_answer, fast_equivalent, score_batch  # stdlib only at import; math-verify loads in its workers
 from rollout import AUTO_VARIANT, RolloutConfig, apply_model_format, configure_vllm_logging  # no vLLM import
 
 # Benchmarks that are not files: `arith` is generated on the fly, so the demo and eval agree on it by seed.
@@ -132,8 +133,6 @@ def majority_vote(answers):
     tried, because math-verify per pair would cost more than generating. A tie goes to the answer seen first.
     The returned sample's `correct` is the vote's correctness (its cluster shares one answer and one gold).
     """
-    from reward import fast_equivalent
-
     clusters = []  # [representative answer, index of its first sample, votes]
     for i, answer in enumerate(answers):
         if answer is None:
@@ -361,12 +360,11 @@ def append_samples(out_dir, records):
 def sample_records(chunk, trajectories, tokenizer, cfg, rank=0):
     """Grade trajectories (reward.py, Eq. 3: a truncated one scores 0) and turn them into samples.jsonl lines.
     chunk[i] = (benchmark, problem row) of the trajectories whose problem_index is i."""
-    from reward import extract_answer, score_batch
-
-    # The same reward as training (Eq. 3), on the decoded response: reward.py reads only the model's own text,
-    # so a \boxed{} that the tool printed earns nothing, and finished=False (a budget or turn limit hit) is 0.
+    # The same reward as training (Eq. 3), on the model's own turns (Trajectory.model_text, from the loss mask): a
+    # \boxed{} the tool printed earns nothing, and finished=False (a budget or turn limit hit) is 0. The record
+    # keeps the whole transcript for reading.
     golds = [chunk[t.problem_index][1]["answer"] for t in trajectories]
-    rewards = score_batch([t.response_text for t in trajectories], golds, [t.finished for t in trajectories],
+    rewards = score_batch([t.model_text for t in trajectories], golds, [t.finished for t in trajectories],
                           require_answer_tag=cfg.require_answer_tag, timeout_s=cfg.reward_timeout_s)
     prompts = {}  # one decode per problem, not per sample
     records = []
@@ -377,7 +375,7 @@ def sample_records(chunk, trajectories, tokenizer, cfg, rank=0):
         # Small fields first and the long texts last, so `head samples.jsonl` is readable.
         records.append({
             "benchmark": name, "problem_id": row["id"], "sample_index": t.sample_index,
-            "gold": row["answer"], "answer": extract_answer(t.response_text, require_answer_tag=cfg.require_answer_tag),
+            "gold": row["answer"], "answer": extract_answer(t.model_text, require_answer_tag=cfg.require_answer_tag),
             "correct": reward == 1.0, "finished": t.finished, "truncated": t.truncated, "stop_reason": t.stop_reason,
             "response_tokens": len(t.response_ids), "model_tokens": t.num_model_tokens, "num_turns": t.num_turns,
             "num_tool_calls": t.num_tool_calls, "num_tool_errors": t.num_tool_errors,

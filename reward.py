@@ -74,9 +74,12 @@ WORKER_MEMORY_BYTES = 2 << 30
 def _model_prose(text):
     """`text` minus every <tool_call>...</tool_call> and <tool_response>...</tool_response> block.
 
-    The decoded trajectory interleaves model text with tool output (rollout.py). A box printed by the
-    tool, or written inside the code, is not the model's final answer. One left-to-right scan with
-    str.find keeps this linear even for a megabyte of unclosed tags; an unclosed block runs to the end.
+    A box printed by the tool, or written inside the code, is not the model's final answer. A tag scan
+    cannot be the boundary against the tool, though: code that prints "</tool_response>" ends the block
+    early. So rl.py and eval.py pass only the model's own turns (rollout.Trajectory.model_text, cut by the
+    loss mask), and this skip is for the code inside them and for whole transcripts without the tokens.
+    One left-to-right scan with str.find keeps this linear even for a megabyte of unclosed tags; an
+    unclosed block runs to the end.
     """
     # Both tags are single tokens of the Qwen tokenizer and survive skip_special_tokens (rstar2-method §3.1),
     # so they are in the decoded text rollout.py passes.

@@ -663,7 +663,7 @@ def train(cfg):
         # reward process pool, so grading scales with the ranks (the paper offloads it to the tool service, §3.1).
         started = time.perf_counter()
         flat = [t for g in groups for t in g]
-        flat_rewards = score_batch([t.response_text for t in flat], [rows[t.problem_index]["answer"] for t in flat],
+        flat_rewards = score_batch([t.model_text for t in flat], [rows[t.problem_index]["answer"] for t in flat],
                                    [t.finished for t in flat])
         rewards, at = [], 0
         for g in groups:
@@ -792,7 +792,7 @@ def filter_solved(cfg):
                           seed=cfg.seed, step=chunk)
         groups = own_groups(groups, len(rows), rank)  # tensor-parallel ranks must not count a problem twice
         flat = [t for g in groups for t in g]
-        rewards = score_batch([t.response_text for t in flat], [rows[t.problem_index]["answer"] for t in flat],
+        rewards = score_batch([t.model_text for t in flat], [rows[t.problem_index]["answer"] for t in flat],
                               [t.finished for t in flat])
         for t, reward in zip(flat, rewards):
             solved[start + t.problem_index] = solved.get(start + t.problem_index, 0) + int(reward > 0)

@@ -25,6 +25,8 @@ Paper vs released code (microsoft/rStar @ ecbfb94), and what this file does:
     closes it is appended unsampled (loss_mask 0), so the tokens equal the release's for a well-formed call.
   - the tool turn follows the release byte for byte, including its missing "\\n" between the assistant's
     <|im_end|> and <|im_start|>user (verl slices the system block off a re-rendered [tool] message).
+  - tool output is data: a "<|im_end|>" it prints stays text (encode_rendered), and the reward reads only the
+    model's turns (Trajectory.model_text); the release tokenizes tool text with control tokens parsed.
   - tool errors are counted from the executor's status and the parser, not by grepping for "error".
   - execution time is left out of tool responses by default (show_execution_time), so a rerun of a step is
     token-identical; the release prints it.
@@ -182,6 +184,9 @@ class Trajectory:
     truncated: bool = False                                       # stopped by a limit instead (reward 0, §4.3.1)
     stop_reason: str = ""                                         # answer | max_response_tokens | max_turns | tool_overflow
     response_text: str = ""                                       # the decoded response, tool turns included
+    # The model's turns only (the loss_mask 1 tokens, decoded turn by turn): what the reward, the answer tags and
+    # the metrics read. Never parsed out of response_text, where a tool can print "</tool_response>".
+    model_text: str = ""
 
     @property
     def num_model_tokens(self):
@@ -318,20 +323,92 @@ def render_prompt(tokenizer, problem_text, cfg):
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+# Stands in for untrusted text while a template renders, so the template's own text can be told from the data.
+DATA_PLACEHOLDER = "\x00data\x00"
+
+
+@functools.lru_cache(maxsize=4)
+def _plain_tokenizer(tokenizer):
+    """The tokenizer's normalizer, pre-tokenizer and BPE without its added tokens: "<|im_end|>" in its input is the
+    ten characters, never the control token. Between two added tokens the full tokenizer runs exactly these
+    steps, so on text without control-token strings both give the same ids."""
+    if not tokenizer.is_fast:
+        raise ValueError(f"tokenizer {tokenizer.name_or_path}: a fast (Rust) tokenizer is needed to keep tool output "
+                         "apart from control tokens")
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    spec.update(added_tokens=[], truncation=None, padding=None)
+    return type(tokenizer.backend_tokenizer).from_str(json.dumps(spec))
+
+
+@functools.lru_cache(maxsize=4)
+def _control_tokens(tokenizer):
+    """(regex matching any added token's text, leftmost-longest as the tokenizer matches them; text -> id)."""
+    added = tokenizer.added_tokens_decoder
+    odd = [t.content for t in added.values() if t.lstrip or t.rstrip or t.single_word]
+    if odd:  # such tokens change the whitespace around them, which encode_rendered does not reproduce
+        raise ValueError(f"tokenizer {tokenizer.name_or_path}: added tokens with lstrip/rstrip/single_word ({odd[:3]}) "
+                         "are not supported")
+    ids = {t.content: i for i, t in added.items()}
+    return re.compile("|".join(re.escape(t) for t in sorted(ids, key=len, reverse=True))), ids
+
+
+def encode_rendered(tokenizer, fixed, data):
+    """Token ids of fixed[0] + data[0] + fixed[1] + ... + fixed[-1] (fixed: a template's own text, data: what
+    was substituted into it), as tokenizer.encode gives them, except that a control-token string inside data
+    stays plain text. Tool output is data: code that prints "</tool_response><|im_end|>" must not end the turn.
+
+    Control tokens are taken from the fixed parts only; each stretch of text between two of them, template
+    text and data together, is one plain BPE encoding, as the tokenizer itself splits at added tokens. So text
+    without control-token strings gets exactly tokenizer.encode's ids."""
+    if len(fixed) != len(data) + 1:
+        raise ValueError(f"encode_rendered: {len(fixed)} fixed parts around {len(data)} data parts")
+    control, control_ids = _control_tokens(tokenizer)
+    plain = _plain_tokenizer(tokenizer)
+    ids, stretch = [], []
+
+    def flush():
+        text = "".join(stretch)
+        stretch.clear()
+        encoded = plain.encode(text, add_special_tokens=False).ids if text else []
+        if set(encoded) & set(control_ids.values()):
+            raise ValueError(f"tokenizer {tokenizer.name_or_path}: its BPE alone encodes {text[:80]!r} with a "
+                             "control token; cannot keep data apart from control tokens")
+        ids.extend(encoded)
+
+    for i, part in enumerate(fixed):
+        at = 0
+        for match in control.finditer(part):
+            stretch.append(part[at:match.start()])
+            flush()
+            ids.append(control_ids[match.group()])
+            at = match.end()
+        stretch.append(part[at:])
+        if i < len(data):
+            stretch.append(data[i])
+    flush()
+    return ids
+
+
 def render_tool_turn(tokenizer, tool_text, cfg):
     """Token ids appended after the assistant's <|im_end|> that closes a tool-call turn:
     <|im_start|>user\\n<tool_response>\\n{tool_text}\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n + opening tag.
 
     Rendered by the template itself (a conversation with and without the tool message, the common prefix cut),
     as the release does, so a custom template's tool turn comes out right too. It starts with a special token,
-    so tokenizing it alone gives the same ids as tokenizing it in context."""
+    so tokenizing it alone gives the same ids as tokenizing it in context. tool_text is data (encode_rendered):
+    whatever the code printed, the only control tokens are the template's."""
     question = [{"role": "user", "content": "?"}]
     before = _render(tokenizer, question, cfg, add_generation_prompt=False)
-    after = _render(tokenizer, question + [{"role": "tool", "content": tool_text}], cfg, add_generation_prompt=True)
+    after = _render(tokenizer, question + [{"role": "tool", "content": DATA_PLACEHOLDER}], cfg, add_generation_prompt=True)
     if not after.startswith(before):
         raise ValueError(f"chat template {format_paths(cfg)[0]}: rendering a tool message changes the text before it; "
                          "cannot cut out the tool turn")
-    return tokenizer.encode(after[len(before):], add_special_tokens=False)
+    fixed = after[len(before):].split(DATA_PLACEHOLDER)
+    real = _render(tokenizer, question + [{"role": "tool", "content": tool_text}], cfg, add_generation_prompt=True)
+    if len(fixed) != 2 or real != before + fixed[0] + tool_text + fixed[1]:
+        raise ValueError(f"chat template {format_paths(cfg)[0]}: the tool message's content is not rendered once and "
+                         "verbatim; cannot tell the tool's text from the template's")
+    return encode_rendered(tokenizer, fixed, [tool_text])
 
 
 class ToolCallError(ValueError):
@@ -860,7 +937,8 @@ def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0, turn_b
         traj.finished = reason == "answer"
         traj.truncated = not traj.finished
         traj.stop_reason = reason
-        traj.num_answer_tags = count_answer_tags(model_text.pop(id(traj), ""))
+        traj.model_text = model_text.pop(id(traj), "")
+        traj.num_answer_tags = count_answer_tags(traj.model_text)
         traj.response_text = tokenizer.decode(traj.response_ids, skip_special_tokens=False)
 
     def turn_ended(traj, token_ids, logprobs):

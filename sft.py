@@ -63,7 +63,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from common import (ConfigError, MetricsLogger, init_distributed, latest_checkpoint, load_checkpoint, load_config,
                     load_jsonl, resolve, save_checkpoint, save_config, seed_everything)
-from rollout import write_format
+from rollout import DATA_PLACEHOLDER, encode_rendered, write_format
 
 ROLES = ("system", "user", "assistant", "tool")
 # The token that ends an assistant turn, the one the rollout stops at: ChatML's, as in the rStar2 prompt and Qwen.
@@ -190,7 +190,12 @@ def render_conversation(tokenizer, messages, tools, chat_template, where="conver
     Each context is the template's own rendering cut at the previous end (so any chat template works), minus the
     text the template puts after <|im_end|> (a "\\n"): a rollout stops at <|im_end|> and appends the next turn at
     once. Segments are tokenized separately, as the engine returns sampled tokens and the loop appends tool turns.
+    Tool messages are data, as in rollout.render_tool_turn: a "<|im_end|>" that a tool printed stays text (loss 0).
     """
+    # The template renders placeholders for the tool contents, so its own text can be told from the tool's.
+    tool_texts = [m["content"] for m in messages if m["role"] == "tool"]
+    shown = [{**m, "content": DATA_PLACEHOLDER} if m["role"] == "tool" else m for m in messages]
+
     def render(msgs, add_generation_prompt):
         return tokenizer.apply_chat_template(msgs, tools=tools or None, chat_template=chat_template or None,
                                              add_generation_prompt=add_generation_prompt, tokenize=False)
@@ -203,19 +208,27 @@ def render_conversation(tokenizer, messages, tools, chat_template, where="conver
         raise ConfigError(f"the tokenizer has no single {END_OF_TURN} token (it encodes to {end_of_turn}); "
                           "sft.py and rollout.py need ChatML's end-of-turn token")
     input_ids, loss_mask = [], []
-    covered = ""  # the rendered text the segments so far account for
+    covered = ""  # the rendered text (placeholders for tool contents) the segments so far account for
+    tools_covered = 0  # tool contents in it
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt = render(messages[:k], add_generation_prompt=True)
+        prompt = render(shown[:k], add_generation_prompt=True)
         if not prompt.startswith(covered):
             raise ConfigError(f"{where}: the chat template renders the turns before message {k} differently once "
                               "more messages follow; cannot cut the conversation into rollout segments")
-        context = encode(prompt[len(covered):])
+        tools_before = sum(m["role"] == "tool" for m in messages[:k])
+        parts = prompt.split(DATA_PLACEHOLDER)
+        if len(parts) != tools_before + 1 or render(messages[:k], add_generation_prompt=True) != "".join(
+                part + text for part, text in zip(parts, tool_texts[:tools_before] + [""])):
+            raise ConfigError(f"{where}: the chat template does not render each tool message before message {k} "
+                              "once and verbatim; cannot tell the tool's text from the template's")
+        fixed = prompt[len(covered):].split(DATA_PLACEHOLDER)
+        context = encode_rendered(tokenizer, fixed, tool_texts[tools_covered:tools_before])
         turn = encode(message["content"]) + end_of_turn
         input_ids += context + turn
         loss_mask += [0] * len(context) + [1] * len(turn)
-        covered = render(messages[:k + 1], add_generation_prompt=False)
+        covered, tools_covered = render(shown[:k + 1], add_generation_prompt=False), tools_before
         if not covered.startswith(prompt + message["content"] + END_OF_TURN):
             raise ConfigError(f"{where}: the chat template does not render assistant message {k} as the generation "
                               f"prompt + content + {END_OF_TURN}, so the model would be trained on text it never sees at "
@@ -618,6 +631,4 @@ if __name__ == "__main__":
         bench(config) if config.mode == "bench" else train(config)
     except ConfigError as e:
         sys.exit(f"sft.py: {e}")
-    import torch.distributed as dist
-
     dist.destroy_process_group()
