@@ -223,7 +223,8 @@ def _isolate(cfg):
     info = dict(level="process", pid_namespace=False, mount_namespace=False, net_namespace=False,
                 ipc_namespace=False, user_namespace=False, sandbox_uid=None, capabilities_dropped=False,
                 kill_scope="subreaper", private_proc=False, hidden_paths=[], readonly_mounts=False,
-                private_tmp=False, gpu_devices_masked=[], warnings=[])
+                private_tmp=False, gpu_devices_masked=[], warnings=[],
+                kept_paths=_keep_paths({os.path.realpath(p) for p in cfg["hide_paths"]}))
     flags = CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC
     euid, egid, host_pid = os.geteuid(), os.getegid(), os.getpid()
     try:
@@ -243,7 +244,7 @@ def _isolate(cfg):
     if info["level"] == "process":
         _prctl(PR_SET_CHILD_SUBREAPER, 1)   # a call's orphans re-parent to us, not to init: none escapes the sweep
         # root can still give the child a uid of its own, if that uid can reach the interpreter
-        if euid == 0 and not _interpreter_unreachable():
+        if euid == 0 and not _interpreter_unreachable(info["kept_paths"]):
             info["sandbox_uid"] = SANDBOX_UID_BASE + host_pid
         info["capabilities_dropped"] = euid == 0 and info["sandbox_uid"] is None
         return info
@@ -264,11 +265,12 @@ def _isolate(cfg):
         info["capabilities_dropped"] = True   # one uid is mapped, so the child cannot switch to another
     else:
         info["sandbox_uid"] = SANDBOX_UID_BASE + host_pid   # its own uid: RLIMIT_NPROC counts this worker only
-    # A step that fails (a container that masks /proc, say) is reported and skipped, never fatal: a worker
-    # that cannot start would be restarted forever. `info` says only what did happen.
+    # A step that fails (a container that masks /proc, say) is reported and skipped, not fatal by itself: the
+    # worker's probe call (_probe_sandbox) decides whether what is left runs calls, and if not, Executor() raises
+    # with these warnings (a worker that died here would be restarted forever). `info` says what did happen.
     steps = (("private mounts", lambda: _mount(None, "/", None, MS_REC | MS_PRIVATE)),   # nothing reaches the host
              ("fresh /proc", lambda: _private_proc(info)),
-             ("hidden paths", lambda: _hide_paths(cfg, info)),
+             ("hidden paths", lambda: _hide_paths(cfg["hide_paths"], info["kept_paths"], info)),
              ("GPU masks", lambda: _mask_gpus(info)),
              ("read-only mounts", lambda: _remount_readonly(info)),
              ("private tmp", lambda: _private_tmp(cfg, info)))
@@ -296,13 +298,42 @@ def _private_proc(info):
     info["private_proc"] = True
 
 
-def _keep_paths():
-    """What the snippet must still read: the interpreter with its stdlib, and the venv's site-packages."""
-    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+def _resolve_interpreter_paths():
+    """Point the worker's own view of its interpreter (prefixes, sys.path with its .pth entries) at real paths.
+    A venv reached through a symlink in /tmp or in the home directory would otherwise be imported from a link
+    that the private /tmp or the cover of the home directory removes; the real directories are bound back."""
+    for name in ("prefix", "base_prefix", "exec_prefix", "base_exec_prefix"):
+        setattr(sys, name, os.path.realpath(getattr(sys, name)))
+    sys.path[:] = dict.fromkeys(os.path.realpath(p) if p else p for p in sys.path)   # "" is the call's cwd
+
+
+def _interpreter_path():
+    """The interpreter to start a worker with: its directory resolved, so that sys.executable is a path that
+    exists in the sandbox (the venv's bin/, inside its prefix). The file itself stays: a venv's python is a link
+    to the base interpreter, and the venv is found from the directory the interpreter was started from."""
+    return os.path.join(os.path.realpath(os.path.dirname(sys.executable)), os.path.basename(sys.executable))
+
+
+def _keep_paths(hide=()):
+    """What the snippet must still read: the interpreter with its stdlib, and the venv's site-packages. Taken
+    once per worker, before any mount: after a mount a link on the way may lead nowhere. `hide` (real paths)
+    wins: a path that contains a hidden one (an editable install of the repo on sys.path) is not kept."""
+    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+             os.path.dirname(sys.executable), os.path.dirname(os.path.realpath(sys.executable))}
     paths.update(p for p in sys.path if p and os.path.isdir(p))   # "" (the cwd) is the call's own directory
-    paths = sorted({os.path.realpath(p) for p in paths})   # symlinks resolved: a bind needs the real directory
+    paths = {os.path.realpath(p) for p in paths}   # symlinks resolved: a bind needs the real directory
+    paths = sorted(p for p in paths if not any(_under(h, p) for h in hide))
     # the outermost only: binding the prefix brings its lib/python3.x and site-packages along
     return [p for p in paths if not any(q != p and _under(p, q) for q in paths)]
+
+
+def _interpreter_identity():
+    """[path, st_dev, st_ino] of the interpreter and of its own sys.path entries (stdlib, lib-dynload,
+    site-packages), taken before any mount: in the sandbox each must still be that very file or directory, not
+    missing and not an empty cover. Entries from outside the prefixes (.pth targets) may be hidden on purpose."""
+    prefixes = (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)
+    own = [sys.executable] + [p for p in sys.path if p and os.path.isdir(p) and any(_under(p, q) for q in prefixes)]
+    return [[p, st.st_dev, st.st_ino] for p in own for st in [os.stat(p)]]
 
 
 def _closed_ancestors(path):
@@ -315,21 +346,18 @@ def _closed_ancestors(path):
     return closed
 
 
-def _interpreter_unreachable():
-    return any(_closed_ancestors(k) or not os.stat(k).st_mode & 0o001 for k in _keep_paths())
+def _interpreter_unreachable(keep):
+    return any(_closed_ancestors(k) or not os.stat(k).st_mode & 0o001 for k in keep)
 
 
-def _hide_paths(cfg, info):
+def _hide_paths(hide_paths, keep, info):
     """Cover each hidden directory with an empty read-only tmpfs and bind the kept paths inside it back. The
     source of such a bind is an O_PATH descriptor opened before the cover: after it, the path leads nowhere."""
-    keep = _keep_paths()
-    hide = {os.path.realpath(p) for p in cfg["hide_paths"] if os.path.isdir(p)}
+    hide = {os.path.realpath(p) for p in hide_paths if os.path.isdir(p)}
     for k in keep:   # an ancestor that a sandbox uid could not pass is covered too, with the interpreter inside
         hide.update(_closed_ancestors(k))
     # never covered, whatever the caller's cwd is: a snippet without /usr or /etc cannot run (/tmp is private)
     system = {"/", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/dev", "/proc", "/sys", "/var", "/run", "/tmp"}
-    # hiding wins over keeping: a kept path that contains a hidden one (an editable install of the repo) goes
-    keep = [k for k in keep if not any(_under(h, k) for h in hide)]
     hide = sorted(h for h in hide if h not in system)
     hide = [h for h in hide if not any(o != h and _under(h, o) for o in hide)]   # the outermost covers the rest
     for h in hide:
@@ -391,7 +419,7 @@ def _private_tmp(cfg, info):
     # fill here (tmpfs is memory, not counted in RLIMIT_AS) stays bounded.
     # The interpreter may itself live under /tmp (a CI checkout with its venv there): bind it back over the fresh
     # tmpfs, read-only, from a descriptor opened before the cover, as _hide_paths does.
-    keep = _keep_paths()
+    keep = info["kept_paths"]
     for path in TMP_DIRS:
         if os.path.isdir(path):
             inside = [k for k in keep if _under(k, path)]
@@ -733,7 +761,7 @@ def _clean_after_call(state, workdir):
         return
     # the mounts stay (remounting per call would cost more); their contents go, /tmp/sandbox included, except
     # the interpreter bound back under them (see _private_tmp) and the directories leading to it
-    keep = [k for k in _keep_paths() if any(_under(k, root) for root in TMP_DIRS)]
+    keep = [k for k in state["kept_paths"] if any(_under(k, root) for root in TMP_DIRS)]
     for root in TMP_DIRS:
         if os.path.isdir(root):
             _empty_dir(root, keep)
@@ -826,10 +854,48 @@ def _recv_blocking(fd):
     return None if body is None else json.loads(body)
 
 
+# A call the worker makes itself before it reports ready: the whole path of a call (the call's directory, the uid
+# switch, the limits, the sweep, the clean-up of /tmp) and the interpreter's paths, as the sandbox uid sees them.
+SANDBOX_PROBE = """
+import json, os, sys
+missing = []
+for path, dev, ino in json.load(sys.stdin):
+    try:
+        st = os.stat(path)
+        if (st.st_dev, st.st_ino) != (dev, ino) or not os.access(path, os.R_OK | os.X_OK):
+            missing.append(path)
+    except OSError:
+        missing.append(path)
+print(json.dumps(missing))
+"""
+
+
 def _worker_main(cfg_json):
-    """A worker's life: isolate, preload, report ready, then one call per request until the parent goes."""
+    """A worker's life: isolate, preload, check, report ready, then one call per request until the parent goes.
+    A worker whose sandbox cannot run calls says why in its first message (Executor() raises it), and exits."""
     cfg = json.loads(cfg_json)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # a ^C in the terminal is for the trainer, not for us
+    try:
+        info, state = _start_worker(cfg)
+        problem = _probe_sandbox(cfg, state)
+    except Exception as exc:   # a bug or an OS we do not know: the parent gets the reason, not just an EOF
+        info, problem = {}, f"{type(exc).__name__}: {exc}"
+    if problem:
+        _send(cfg["response_fd"], {"ready": False, "error": problem, "isolation": info})
+        os._exit(EXIT_SETUP)
+    _send(cfg["response_fd"], {"ready": True, "isolation": info})
+    while True:
+        request = _recv_blocking(cfg["request_fd"])
+        if request is None:   # the parent closed the pipe or died: leave; the namespace goes with PID 1
+            os._exit(0)
+        # one call at a time, start to sweep: the parent sends the next request only after this answer
+        _send(cfg["response_fd"], _run_call(request["code"], request["stdin"], cfg, state))
+
+
+def _start_worker(cfg):
+    """Isolation, preloads and the per-child state: (the isolation report, the state every child gets)."""
+    _resolve_interpreter_paths()   # before _isolate takes the paths to keep
+    interpreter = _interpreter_identity()
     info = _isolate(cfg)   # from here on this is PID 1 of the worker's namespaces (if the OS allowed them)
     os.chdir("/")   # the cwd we were started in may be one of the hidden directories
     for name in HEAVY_PRELOAD if cfg["kind"] == "heavy" else LIGHT_PRELOAD:
@@ -862,17 +928,30 @@ def _worker_main(cfg_json):
                (resource.RLIMIT_NOFILE, 256, 256),                         # fd exhaustion stays in the child
                (resource.RLIMIT_CORE, 0, 0)]                               # a segfault writes no core file
     # what every child needs to know, computed once
-    state = dict(info, max_fd=resource.getrlimit(resource.RLIMIT_NOFILE)[0], rlimits=rlimits)
+    state = dict(info, max_fd=resource.getrlimit(resource.RLIMIT_NOFILE)[0], rlimits=rlimits, interpreter=interpreter)
     info["preloaded_mb"] = vm_bytes >> 20
     if info["private_tmp"]:   # the call's directory is always the same: its environment is set once, here
         os.environ.update(HOME="/tmp/sandbox", TMPDIR="/tmp/sandbox")
-    _send(cfg["response_fd"], {"ready": True, "isolation": info})
-    while True:
-        request = _recv_blocking(cfg["request_fd"])
-        if request is None:   # the parent closed the pipe or died: leave; the namespace goes with PID 1
-            os._exit(0)
-        # one call at a time, start to sweep: the parent sends the next request only after this answer
-        _send(cfg["response_fd"], _run_call(request["code"], request["stdin"], cfg, state))
+    return info, state
+
+
+def _probe_sandbox(cfg, state):
+    """None if a call runs and sees the interpreter, else what is wrong. The steps of _isolate may fail one by
+    one (reported as warnings); this says whether what is left can still run the model's code."""
+    warnings = "; ".join(state["warnings"]) or "none"
+    try:   # generous: a loaded machine must not fail a worker's start, and the probe needs a few ms of CPU
+        result = _run_call(SANDBOX_PROBE, json.dumps(state["interpreter"]), dict(cfg, timeout_s=max(cfg["timeout_s"], 30.0)),
+                           state)
+    except OSError as e:
+        return f"a call could not run in the sandbox ({e}; isolation warnings: {warnings})"
+    if result["status"] != "ok":
+        return (f"a call could not run in the sandbox ({result['reason']}: {result['stderr'][-1000:].strip()}; "
+                f"isolation warnings: {warnings})")
+    missing = json.loads(result["stdout"])
+    if missing:
+        return (f"the sandbox cannot reach the interpreter's own files {missing} (hidden by hide_paths, the cwd or "
+                f"the home directory, or behind a directory the sandbox uid may not enter; isolation warnings: {warnings})")
+    return None
 
 
 def _processes_of_uid(uid):
@@ -909,7 +988,7 @@ _BOOT = ("import importlib.util, sys; spec = importlib.util.spec_from_file_locat
 def _worker_env():
     """A worker's whole environment, built rather than scrubbed: /proc/<pid>/environ keeps what a process was
     started with, so a secret deleted from os.environ later would still be readable there."""
-    return {"PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
+    return {"PATH": f"{os.path.dirname(_interpreter_path())}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
             "LC_ALL": "C.UTF-8", "USER": "sandbox", "LOGNAME": "sandbox", "HOME": "/nonexistent",
             "PYTHONHASHSEED": "0",   # the order of a set of strings is then the same on every rerun
             "PYTHONDONTWRITEBYTECODE": "1", "MPLBACKEND": "Agg",
@@ -933,7 +1012,7 @@ class _WorkerProcess:
         self.resp_r, resp_w = os.pipe()
         cfg = dict(self.settings, kind=self.kind, request_fd=req_r, response_fd=resp_w)
         # start_new_session: a ^C in the terminal goes to the foreground group, and the workers are not in it
-        self.proc = subprocess.Popen([sys.executable, "-s", "-B", "-c", _BOOT, os.path.abspath(__file__),
+        self.proc = subprocess.Popen([_interpreter_path(), "-s", "-B", "-c", _BOOT, os.path.abspath(__file__),
                                       json.dumps(cfg)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      env=_worker_env(), cwd="/", pass_fds=(req_r, resp_w), start_new_session=True)
         os.close(req_r)
@@ -965,6 +1044,9 @@ class _WorkerProcess:
         """The worker's isolation report, once it has started (its first message)."""
         if not self.ready:
             message = self._receive(time.monotonic() + STARTUP_TIMEOUT_S)
+            if message.get("ready") is False and isinstance(message.get("error"), str):
+                # not _WorkerGone: a restart would fail the same way; this is the caller's to see and fix
+                raise RuntimeError(f"Executor: the {self.kind} worker could not set up its sandbox: {message['error']}")
             if message.get("ready") is not True or not isinstance(message.get("isolation"), dict):
                 raise _WorkerGone(f"bad first message from the worker: {str(message)[:200]}")
             self.isolation, self.ready = message["isolation"], True
@@ -1070,9 +1152,11 @@ class Executor:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._slots = []
-        try:   # Popen only: the workers set themselves up in the background, so this returns in milliseconds
+        try:   # the workers set themselves up in parallel; we wait for the first light one only (~0.1 s), whose
+            # sandbox is every worker's: one that cannot run calls raises here, naming why, not in every call
             for _ in range(workers):
                 self._slots.append((_WorkerProcess("light", settings), _WorkerProcess("heavy", settings)))
+            _ready(self._slots[0][0])
         except BaseException:
             _shutdown(self._slots, [], self._jobs, self._closed)
             raise
