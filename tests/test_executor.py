@@ -385,6 +385,31 @@ def test_nothing_persists_between_calls_in_the_same_worker(solo):
     assert solo.run(look).stdout == f"['main.py'] [{sorted(['sandbox'] + venv_roots)}, [], [], []]\n"
 
 
+# A call that leaves the inode counts of the private tmpfs mounts as they were gets the quick clean-up (remove
+# main.py and the call's directory); these keep the counts equal while changing what is there.
+SWAPS = {
+    "main.py replaced by another name": "import os\nos.unlink('main.py')\nopen('other', 'w').write('x')",
+    "main.py replaced, mode 000": "import os\nos.unlink('main.py')\nopen('main.py', 'w').write('x')\nos.chmod('main.py', 0)",
+    "the call's directory replaced by a file": "import os\nos.chdir('/tmp')\nos.unlink('sandbox/main.py')\n"
+                                               "os.rmdir('sandbox')\nopen('/tmp/sandbox', 'w').write('x')",
+    "main.py moved out, a new one made": "import os\nos.rename('main.py', '/tmp/moved')\nopen('main.py', 'w').write('x')",
+    "main.py replaced by a hard link": "import os\nos.unlink('main.py')\nopen('/tmp/x', 'w').write('x')\n"
+                                       "os.link('/tmp/x', 'main.py')",
+    "a subdirectory in place of main.py": "import os\nos.unlink('main.py')\nos.mkdir('main.py')",
+    "an extended attribute on the call's directory": "import os\nos.setxattr('.', 'user.note', b'x' * 64)",
+}
+
+
+@needs_root
+@pytest.mark.parametrize("swap", SWAPS)
+def test_nothing_persists_when_a_call_swaps_what_it_was_given(solo, swap):
+    assert solo.run(SWAPS[swap]).status == "ok"
+    look = ("import os\nprint(sorted(os.listdir('.')), sorted(os.listdir('/tmp')), os.listdir('/dev/shm'), os.listxattr('.'), "
+            "oct(os.stat('main.py').st_mode), os.path.isfile('main.py'))")
+    venv_roots = sorted({k.split("/")[2] for k in solo.isolation["kept_paths"] if k.startswith("/tmp/")})
+    assert solo.run(look).stdout == f"['main.py'] {sorted(['sandbox'] + venv_roots)} [] [] 0o100644 True\n"
+
+
 @needs_root
 def test_paths_outside_the_call_directory_are_read_only(ex):
     code = f"""
