@@ -62,7 +62,6 @@ import threading
 import time
 import types
 import weakref
-from concurrent.futures import Future
 
 STATUSES = ("ok", "error", "timeout", "oom")
 MAIN = "main.py"                     # the snippet's file name: fixed, so tracebacks are the same on a rerun
@@ -200,7 +199,8 @@ def _fork(state):
     os.fork() makes the child re-create the interpreter's locks and run the handlers that modules registered
     (threading's _after_fork, random's reseed): ~180 pages written, so copied, and ~0.6 ms of CPU in every
     trivial call's child. A worker has one thread and holds no lock when it forks, so there is nothing to
-    re-create, and the child seeds its own random state (_run_snippet): libc's fork() alone does the same.
+    re-create, and every call seeds the random state before its fork (_run_call): libc's fork() alone does the
+    same.
     A worker that found more than one thread at its start (a library's pool) keeps os.fork()."""
     if not state["single_threaded"]:
         return os.fork()
@@ -517,19 +517,12 @@ def _run_snippet(code, stdin, private_tmp):
         os.environ.update(HOME=os.getcwd(), TMPDIR=os.getcwd())   # ~/.cache and tempfile land in the call's dir
         tempfile.tempdir = None   # the worker's own mkdtemp() cached /tmp
     sys.argv = [MAIN]
-    # Seeded from the inputs: a forked child would otherwise share numpy's global state with every other call
-    # of its worker, and a pure function of (code, stdin) keeps an RL rerun byte-identical (hash() is, under
-    # PYTHONHASHSEED=0). os.urandom stays random.
-    seed = hash((code, stdin)) & (2**64 - 1)
-    random.seed(seed)
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed(seed % 2**32)
     main = types.ModuleType("__main__")   # a fresh __main__, so the snippet's functions pickle (multiprocessing)
     main.__builtins__, main.__file__ = builtins, MAIN
     sys.modules["__main__"] = main
     returncode = 0
     try:
-        tree = ast.parse(code, MAIN)
+        tree = compile(code, MAIN, "exec", ast.PyCF_ONLY_AST)   # ast.parse, minus a frame
         last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
         exec(compile(tree, MAIN, "exec"), main.__dict__)
         if last is not None:   # IPython-like: a final expression's value is shown unless it is None
@@ -644,6 +637,14 @@ def _run_call(code, stdin, cfg, state):
         poller.register(fd, select.POLLIN)
     drain_until, output_limit = None, cfg["output_limit_mb"] << 20
     open_fds, returncode, killed_for, elapsed, ran_ns = set(captures), None, None, None, 0
+    # Seeded from the inputs: a forked child would otherwise share numpy's global state with every other call
+    # of its worker, and a pure function of (code, stdin) keeps an RL rerun byte-identical (hash() is, under
+    # PYTHONHASHSEED=0). os.urandom stays random. Here, not in the child: pages written before the fork are
+    # not copied.
+    seed = hash((code, stdin)) & (2**64 - 1)
+    random.seed(seed)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(seed % 2**32)
     start = time.monotonic()
     deadline = start + cfg["timeout_s"]
     pid = _fork(state)
@@ -1235,6 +1236,9 @@ class Executor:
                 raise TypeError(f"Executor.submit: {name} must be a str, got {type(value).__name__}")
             if len(value) > MAX_CODE_CHARS:
                 raise ValueError(f"Executor.submit: {name} has {len(value)} characters, the limit is {MAX_CODE_CHARS}")
+        # Here, not at the top, for the worker, which loads this file: concurrent.futures brings logging, whose
+        # atexit hook every call's child would run (~30 more pages copied per call, 5% of a trivial call's CPU).
+        from concurrent.futures import Future
         future = Future()
         with self._lock:   # against close(): a job queued after close() drained the queue would never run
             if self._closed.is_set():
