@@ -36,6 +36,7 @@ tool-call rate and parse-failure rate are logged every step, so a policy that st
 Tests: .venv/bin/python -m pytest tests/test_rl.py -q   (the invariance test: 1x1, 1x4, torchrun 2x2 micro-batches)
 """
 import dataclasses
+import gc
 import math
 import os
 import sys
@@ -46,9 +47,16 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
+from transformers import AutoTokenizer
 
-from common import ConfigError, load_config, resolve
-from rollout import RolloutConfig
+from common import (ConfigError, MetricsLogger, init_distributed, latest_checkpoint, load_checkpoint, load_config,
+                    resolve, save_checkpoint, save_config)
+from executor import Executor
+from grpo_roc import policy_loss, rollouts_per_prompt
+from reward import score_batch
+from rollout import Engine, RolloutConfig, balance_by_tokens, generate
+from sft import save_hf_model
 
 
 # -----------------------------------------------------------------------------
@@ -207,6 +215,29 @@ def full_weights(model, dtype):
             yield name.replace("model.embed_tokens", "lm_head"), tensor
 
 
+def free_cached_memory():
+    """Give the blocks PyTorch's allocator caches but no tensor uses back to the GPU (a no-op on CPU). vLLM's
+    sleep-mode allocator maps its memory outside PyTorch's cache, so it cannot reuse those blocks: after a 14B
+    training step some 45-50 GB of them would still be held when the engine wakes."""
+    gc.collect()  # tensors only a reference cycle still holds
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def sync_weights(engine, model, dtype):
+    """Step 1: the trainer's weights into this rank's (sleeping) engine, in memory, in verl's order
+    (fsdp_workers.rollout_mode): free the training peak's cache, wake the engine's weights only, load the new ones,
+    free the gathered full tensors, and only then wake the KV cache, which takes most of the GPU. Waking both first,
+    as this did, asked for the KV cache while the training peak and the gathered tensors still held their memory.
+    The gradients are already freed (train_step)."""
+    free_cached_memory()
+    engine.wake_up(tags=["weights"])
+    engine.update_weights(full_weights(model, dtype))
+    free_cached_memory()
+    engine.wake_up(tags=["kv_cache"])
+
+
 # -----------------------------------------------------------------------------
 # the training step, callable on a fixed batch without any engine (tests/test_rl.py drives exactly this code)
 
@@ -333,13 +364,9 @@ def train_step(model, optimizer, samples, cfg, step, pad_id, device, temperature
     same however the batch is split, which is what the invariance test checks. (A per-micro-batch mean instead
     weighs a token of a short micro-batch more than one of a long one: the bug other frameworks shipped.)
     """
-    from grpo_roc import policy_loss
-
     world_size = dist.get_world_size()
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, cfg)
-    # Cleared here rather than after the step, so the gradients of this update stay readable (the invariance test).
-    optimizer.zero_grad(set_to_none=True)
     local_tokens = sum(sum(s.loss_mask) for s in samples)
     global_tokens = torch.tensor([float(local_tokens)])
     dist.all_reduce(global_tokens)
@@ -367,6 +394,9 @@ def train_step(model, optimizer, samples, cfg, step, pad_id, device, temperature
     if hasattr(grad_norm, "full_tensor"):
         grad_norm = grad_norm.full_tensor()
     optimizer.step()
+    # Freed now, not at the next step's start: a 14B shard's gradients would otherwise stay allocated through the
+    # weight sync and the rollout, where the engine needs the memory (verl frees them here too).
+    optimizer.zero_grad(set_to_none=True)
     # Every summed metric was divided by the per-rank share of the tokens, so the rank mean is the global value.
     keys = sorted(sums)
     packed = torch.stack([torch.as_tensor(sums[k], dtype=torch.float32) for k in keys])
@@ -572,16 +602,6 @@ def evaluate_held_out(engine, executor, tokenizer, rows, cfg):
 
 def train(cfg):
     """The RL run; returns the last step's metrics (rank 0; {} elsewhere)."""
-    from tqdm import tqdm
-    from transformers import AutoTokenizer
-
-    from common import MetricsLogger, init_distributed, latest_checkpoint, load_checkpoint, save_checkpoint, save_config
-    from executor import Executor
-    from grpo_roc import rollouts_per_prompt
-    from reward import score_batch
-    from rollout import Engine, balance_by_tokens, generate
-    from sft import save_hf_model
-
     # torchrun's WORLD_SIZE is read before any process group exists, so a wrong launch stops before any work.
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     model_path, problems, eval_rows = check_inputs(cfg, world_size)
@@ -621,17 +641,15 @@ def train(cfg):
     weight_dtype = getattr(torch, cfg.rollout.dtype) if cfg.rollout.dtype in ("float32", "bfloat16", "float16") else torch.float32
     rollouts = rollouts_per_prompt(cfg.group_size, cfg.algorithm)  # 2G for RoC, G for plain GRPO
 
-    def sync_weights():
-        # step 1: the trainer's weights into this rank's engine, one full tensor at a time, in memory. Also before
-        # the first step of a fresh run (the engine read the same weights from disk): one code path, and the guard
-        # then checks it from step 1.
+    def timed_sync():
+        # step 1, also before the first step of a fresh run (the engine read the same weights from disk): one code
+        # path, and the guard then checks it from step 1.
         started = time.perf_counter()
-        engine.wake_up()
-        engine.update_weights(full_weights(model, weight_dtype))
+        sync_weights(engine, model, weight_dtype)
         return time.perf_counter() - started
 
     def run_eval(metrics):
-        sync_weights()  # the engine must hold the weights just trained, not the ones it last sampled with
+        timed_sync()  # the engine must hold the weights just trained, not the ones it last sampled with
         started = time.perf_counter()
         metrics.update(evaluate_held_out(engine, tool, tokenizer, eval_rows, cfg))
         metrics["time/eval"] = time.perf_counter() - started
@@ -642,7 +660,7 @@ def train(cfg):
         logger.log(0, metrics)
     progress = tqdm(total=cfg.steps, initial=state["step"], desc="rl", disable=rank != 0, dynamic_ncols=True)
     for step in range(state["step"], cfg.steps):
-        times = {"weight_update": sync_weights()}
+        times = {"weight_update": timed_sync()}
 
         # step 2: rollouts. Every rank passes the same prompts; each problem is rolled out by the one rank that
         # claims it (rollout.generate), so a rank that finishes early takes more.

@@ -62,6 +62,8 @@ TOOL_ERROR_KINDS = ("error", "timeout", "oom", "parse")
 # reaches below the LLM class (LLMEngine.add_request/step, collective_rpc("reload_weights"), logits processors),
 # and those move between releases; another version gets a warning, and gpu_check.py / the tests to re-run.
 TESTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
+# What vLLM's sleep mode releases and wake_up(tags=...) maps back, in the order they are woken.
+SLEEP_TAGS = ("weights", "kv_cache")
 
 
 # -----------------------------------------------------------------------------
@@ -370,7 +372,7 @@ class Engine:
         self.pending = []  # tensor parallel: requests added since the last step, not yet sent to the group
         self.llm = LLM(**settings)
         self.engine = self.llm.llm_engine
-        self.sleeping = False
+        self.asleep = set()  # the parts sleep() released (SLEEP_TAGS)
 
     def from_leader(self, obj):
         """`obj` as the group leader has it (identity without tensor parallelism)."""
@@ -493,14 +495,19 @@ class Engine:
 
     def sleep(self):
         """Free GPU memory for the training step (level 1: weights to host RAM, KV cache dropped). CPU: no-op."""
-        if self.on_gpu and not self.sleeping:
+        if self.on_gpu and not self.asleep:
             self.llm.sleep(level=self.cfg.sleep_level)
-            self.sleeping = True
+            self.asleep = set(SLEEP_TAGS)
 
-    def wake_up(self):
-        if self.sleeping:
-            self.llm.wake_up()
-            self.sleeping = False
+    def wake_up(self, tags=SLEEP_TAGS):
+        """Map back the parts named by `tags` ("weights", "kv_cache"). rl.sync_weights wakes the weights, loads the new
+        ones and frees the gathered tensors before it wakes the KV cache (verl's order): vLLM's sleep-mode allocator
+        maps its memory outside PyTorch's cache, so waking both at once needs the KV cache's share of the GPU while
+        the trainer's gathered full tensors still hold theirs."""
+        waking = [tag for tag in SLEEP_TAGS if tag in tags and tag in self.asleep]
+        if waking:
+            self.llm.wake_up(tags=waking)
+            self.asleep -= set(waking)
 
     def close(self):
         """Shut the engine down. Under external_launcher vLLM's shutdown also destroys torch.distributed's default

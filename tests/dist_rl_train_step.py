@@ -53,12 +53,16 @@ def main():
     for index, s in enumerate(mine, start=rank * per_rank):
         noise = random.Random(99 + index)
         s.old_logprobs = [lp + noise.uniform(-0.4, 0.4) for lp in s.old_logprobs]
+    # train_step frees the gradients right after optimizer.step(), so they are read just before it
+    grads = {}
+    optimizer.register_step_pre_hook(lambda *_: grads.update(
+        {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+         for name, p in model.named_parameters()}))
     metrics = rl.train_step(model, optimizer, mine, cfg, step=0, pad_id=0, device=device)
+    grads_left = [name for name, p in model.named_parameters() if p.grad is not None]  # what the rollout would hold
     weights = {name: t.clone() for name, t in rl.full_weights(model, torch.float32)}
-    grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-             for name, p in model.named_parameters()}
     if rank == 0:
-        torch.save({"weights": weights, "grads": grads, "metrics": metrics}, out_file)
+        torch.save({"weights": weights, "grads": grads, "metrics": metrics, "grads_left": grads_left}, out_file)
     # A rank that leaves with the gloo group alive aborts in its threads' teardown ("terminate called without an
     # active exception"), and torchrun then kills the other rank, perhaps mid-save: wait for rank 0, then end it.
     torch.distributed.barrier()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 import rl
 from common import ConfigError, load_config
@@ -88,6 +89,45 @@ def test_updated_weights_do_not_depend_on_the_split(three_splits, tiny_model_dir
             torch.testing.assert_close(other["weights"][name][signal], weight[signal], atol=0.05 * lr, rtol=0, msg=name)
             step = (other["weights"][name] - initial[name])[~signal].abs()
             assert step.numel() == 0 or step.max() <= 1.01 * lr, name
+
+
+@pytest.mark.slow
+def test_the_training_step_frees_the_gradients_it_applied(three_splits):
+    """Issue 12, hazard 1: gradients cleared only at the next step's start stay allocated through the weight sync and
+    the rollout (a 14B shard's worth per rank). After train_step none is left, in one process and on two ranks."""
+    for name, result in three_splits.items():
+        assert result["grads"], name  # they existed: read just before optimizer.step()
+        assert result["grads_left"] == [], name
+
+
+# -----------------------------------------------------------------------------
+# the weight sync: the order of the engine's wake-up, the bytes it gathers
+
+class RecordingEngine:
+    """The two calls rl.sync_weights makes into rollout.Engine, recorded (vLLM cannot sleep on CPU, so the real
+    engine's wake-ups are no-ops there); update_weights consumes the tensors as vLLM's reload_weights does."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def wake_up(self, tags):
+        self.calls.append(("wake_up", tuple(tags)))
+
+    def update_weights(self, named_tensors):
+        self.calls.append(("update_weights", len(list(named_tensors))))
+
+
+def test_weight_sync_wakes_the_weights_loads_them_frees_the_cache_and_only_then_wakes_the_kv_cache(tiny_model_dir,
+                                                                                                     monkeypatch):
+    """Issue 12, hazard 1, verl's order: waking weights and KV cache together, before the gathered full tensors and
+    the training peak's cached blocks are freed, asks for the KV cache's share of the GPU while they still hold theirs."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    calls = []
+    monkeypatch.setattr(rl, "free_cached_memory", lambda: calls.append(("free_cached_memory",)))
+    rl.sync_weights(RecordingEngine(calls), model, torch.float32)
+    sent = len(list(model.named_parameters())) + 1  # the tied lm_head is sent too
+    assert calls == [("free_cached_memory",), ("wake_up", ("weights",)), ("update_weights", sent),
+                     ("free_cached_memory",), ("wake_up", ("kv_cache",))]
 
 
 def test_a_per_micro_batch_mean_would_change_this_batch_far_beyond_the_tolerance(tiny_model_dir):

@@ -369,6 +369,33 @@ def test_at_most_k_trajectories_are_in_the_engine(engine, executor, tokenizer):
     assert engine.max_concurrency() == min(256, cache.num_gpu_blocks * cache.block_size // 1024)
 
 
+class RecordingLLM:
+    """vllm.LLM's sleep and wake_up, recorded: vLLM rejects sleep mode on CPU."""
+
+    def __init__(self):
+        self.calls = []
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tags))
+
+
+def test_the_engine_wakes_weights_and_kv_cache_separately_and_each_once():
+    engine = rollout.Engine.__new__(rollout.Engine)  # no vLLM behind it: only the sleep bookkeeping runs
+    engine.cfg, engine.on_gpu, engine.llm, engine.asleep = rollout.RolloutConfig(), True, RecordingLLM(), set()
+    engine.wake_up()  # awake: nothing to do
+    engine.sleep()
+    engine.wake_up(tags=["weights"])
+    engine.wake_up(tags=["weights"])  # already awake
+    engine.wake_up(tags=["kv_cache"])
+    engine.sleep()
+    engine.wake_up()  # both at once where the caller has nothing to load in between
+    assert engine.llm.calls == [("sleep", 1), ("wake_up", ["weights"]), ("wake_up", ["kv_cache"]),
+                                ("sleep", 1), ("wake_up", ["weights", "kv_cache"])]
+
+
 def test_split_by_tokens_balances_and_is_deterministic():
     lengths = [50, 10, 40, 30, 30, 20, 10, 10]
     trajs = [rollout.Trajectory(i // 2, i % 2, [0] * 5, response_ids=[0] * n) for i, n in enumerate(lengths)]
