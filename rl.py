@@ -806,7 +806,10 @@ def train(cfg):
                   for b in range(cfg.mini_batches)]
         # Dynamic claiming leaves ranks with unequal work; the training step waits for its slowest rank, so every
         # rank gets about the same number of tokens (greedy, longest first).
-        blocks = [balance_by_tokens(block) for block in blocks]
+        balanced = [balance_by_tokens(block) for block in blocks]
+        blocks = [share for share, _ in balanced]
+        add_traffic(traffic, "balance_received_bytes",
+                    sum(moved["received_bytes"] + moved["keys_bytes"] for _, moved in balanced))
 
         # step 6: old log-probs by the trainer, and the guard: the engine sampled these tokens with the weights just
         # synced, so both must agree up to kernel noise. A broken sync (wrong names, stale weights, wrong dtype)
@@ -842,7 +845,7 @@ def train(cfg):
         # step 8: metrics from every rank, then a checkpoint
         gathered = [None] * world_size if rank == 0 else None
         trained_tokens = sum(len(s) for s in mine)
-        dist.gather_object((records, len(groups), times, rollout_tokens, trained_tokens), gathered, dst=0)
+        dist.gather_object((records, len(groups), times, rollout_tokens, trained_tokens, traffic), gathered, dst=0)
         # What a resume needs besides weights and optimizer: the data position advances by whole steps, and a rerun
         # of a step draws the same tokens (sampling seeds from (seed, step, problem, sample), rollout.request_seed).
         state = {"step": step + 1, "data_position": position + cfg.prompts_per_step}
@@ -856,6 +859,8 @@ def train(cfg):
             # wall times: the slowest rank's (the others wait for it at the next collective)
             for key in times:
                 metrics[f"time/{key}"] = max(part[2][key] for part in gathered)
+            for key in traffic:  # the busiest rank's
+                metrics[f"bytes/{key}"] = max(part[5].get(key, 0) for part in gathered)
             metrics["rollout_tokens_per_s"] = sum(p[3] for p in gathered) / max(metrics["time/rollout"], 1e-9)
             # prompt + response tokens through the trainer (one no-grad pass for old log-probs, one for the update)
             metrics["train_tokens_per_s"] = (sum(p[4] for p in gathered)

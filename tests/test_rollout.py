@@ -416,6 +416,15 @@ def test_torchrun_weight_sync_and_prompt_claiming(tiny_model_dir):
 
 
 @pytest.mark.slow
+def test_torchrun_balance_moves_only_the_trajectories_that_change_rank():
+    """Issue 12, hazard 3: balance_by_tokens all-gathered every trajectory to every rank (~1 GB per rank per step at
+    the paper's scale). On two ranks it now gives each rank the share split_by_tokens gives over all trajectories,
+    and a rank receives exactly the pickled trajectories that change rank, plus 24 bytes of keys per trajectory;
+    balancing the balanced shares again moves none. The checks live in tests/dist_balance.py."""
+    torchrun("tests/dist_balance.py")
+
+
+@pytest.mark.slow
 def test_torchrun_tensor_parallel_engine_runs_the_loop_in_lockstep(tiny_model_dir):
     """tensor_parallel_size=2 over two ranks: one engine, the leader runs the loop (tools included) and the follower
     replays its engine calls, so the two never desync; the leader holds all trajectories."""
@@ -427,7 +436,7 @@ def torchrun(*args):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
     proc = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=900)
     # Both ranks write to one pipe, so their summary lines can land on one line: count them, not lines.
-    summary = re.findall(r"rank [01]: (?:claimed|tensor parallel)", proc.stdout)
+    summary = re.findall(r"rank [01]: (?:claimed|tensor parallel|balanced)", proc.stdout)
     assert proc.returncode == 0 and len(set(summary)) == 2, (
         proc.stdout[-2000:] + proc.stderr[-4000:])
 
