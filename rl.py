@@ -47,6 +47,8 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
@@ -109,6 +111,8 @@ class RLConfig:
     resume: str = "auto"                     # auto: newest complete checkpoint in out_dir/checkpoints; never; PATH
     init_from: str = ""                      # with resume=auto and no checkpoint in out_dir yet: start from this
                                              # checkpoint of an earlier run (model, optimizer, step, data position)
+    init_optimizer: bool = True              # false: take only init_from's weights (its fp32 master weights), with a
+                                             # fresh AdamW from step 0 and data position 0: stage 3's reset (§6.3)
     eval_data: str = ""                      # held-out problems scored every eval_every steps (and at 0 and the end)
     eval_every: int = 0                      # 0 = only at the start and the end (when eval_data is set)
     eval_samples: int = 1                    # rollouts per eval problem
@@ -144,6 +148,8 @@ class RLConfig:
             raise ConfigError(f"dual_clip={self.dual_clip}: must be 0 (off) or > 1")
         if self.mode == "filter" and not self.filter_source:
             raise ConfigError("mode=filter needs filter_source (the problems to filter); the kept ones go to train_data")
+        if not self.init_optimizer and not self.init_from:
+            raise ConfigError("init_optimizer=false takes the weights of init_from, which is not set")
         if self.resume not in ("auto", "never") and not resolve(self.resume).is_dir():
             raise ConfigError(f"resume={self.resume!r}: expected auto, never or a checkpoint directory")
         if self.prompts_per_step % self.mini_batches:
@@ -710,6 +716,49 @@ def evaluate_held_out(engine, executor, tokenizer, rows, cfg):
     return {f"eval/{k}": summary[k] for k in keys if summary.get(k) is not None}
 
 
+def start_checkpoint(cfg, ckpt_root):
+    """(the checkpoint this run starts from or None, whether only its weights are taken).
+
+    resume=auto takes the newest checkpoint of this run's own out_dir; with none yet, init_from's: stage 2 continues
+    stage 1 in its own out_dir (everything restored), stage 3 takes stage 2's weights alone (init_optimizer=false).
+    Once a run has saved, its own checkpoints win, so a restart resumes it rather than starting it over."""
+    checkpoint = None if cfg.resume == "never" else latest_checkpoint(ckpt_root) if cfg.resume == "auto" else resolve(cfg.resume)
+    initial = checkpoint is None and cfg.resume == "auto" and bool(cfg.init_from)
+    if initial:
+        source = resolve(cfg.init_from)
+        checkpoint = latest_checkpoint(source) or latest_checkpoint(source / "checkpoints") or source
+    if checkpoint is not None and not (checkpoint / "COMPLETE").is_file():
+        raise ConfigError(f"{checkpoint}: not a complete checkpoint (no COMPLETE marker); expected a step_N directory "
+                          "written by rl.py, or a run directory's checkpoints/ folder")
+    return checkpoint, initial and not cfg.init_optimizer
+
+
+def load_weights(checkpoint, model):
+    """The model's weights alone from a checkpoint of common.save_checkpoint: the fp32 master weights, not the bf16
+    Hugging Face export, so stage 3 starts from exactly where stage 2's optimizer left them (§6.3 resets only the
+    optimizer). DCP reads each rank's shard, whatever the world size that wrote it."""
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=str(checkpoint))
+    set_model_state_dict(model, state["model"])
+
+
+# The paper's stage 1 is 300 steps x 512 prompts over 42K problems: about 3.7 passes (§6.2, rstar2-method.md §7)
+EPOCHS_WARN = 5.0
+
+
+def epoch_plan(cfg, num_problems, start_step):
+    """(passes over train_data this run makes, the line train() prints), with a warning past EPOCHS_WARN."""
+    prompts = (cfg.steps - start_step) * cfg.prompts_per_step
+    epochs = prompts / num_problems
+    line = (f"plan: steps {start_step} -> {cfg.steps} x {cfg.prompts_per_step} prompts = {prompts:,} prompts over "
+            f"{num_problems:,} problems of {cfg.train_data}: {epochs:.1f} epochs")
+    if epochs > EPOCHS_WARN:
+        line += (f"\nWARNING: {epochs:.1f} passes over the same problems, above {EPOCHS_WARN}; the paper's stage 1 "
+                 f"makes 3.7 (300 x 512 prompts over 42K problems). Add problems (prepare_data.py, README: the "
+                 f"paper's data size) or lower steps or prompts_per_step.")
+    return epochs, line
+
+
 def train(cfg):
     """The RL run; returns the last step's metrics (rank 0; {} elsewhere)."""
     # torchrun's WORLD_SIZE is read before any process group exists, so a wrong launch stops before any work.
@@ -727,20 +776,20 @@ def train(cfg):
     # resume: model, optimizer, RNG, step and data position (common.save_checkpoint is atomic by rename, so a run
     # killed mid-save resumes from the previous complete checkpoint)
     ckpt_root = out_dir / "checkpoints"
-    checkpoint = None if cfg.resume == "never" else latest_checkpoint(ckpt_root) if cfg.resume == "auto" else resolve(cfg.resume)
-    if checkpoint is None and cfg.resume == "auto" and cfg.init_from:
-        # stage 2 continues stage 1 in its own out_dir; once stage 2 has saved, its own checkpoints win
-        source = resolve(cfg.init_from)
-        checkpoint = latest_checkpoint(source) or latest_checkpoint(source / "checkpoints") or source
+    checkpoint, weights_only = start_checkpoint(cfg, ckpt_root)
     state = {"step": 0, "data_position": 0}
-    if checkpoint is not None and not (checkpoint / "COMPLETE").is_file():
-        raise ConfigError(f"{checkpoint}: not a complete checkpoint (no COMPLETE marker); expected a step_N directory "
-                          "written by rl.py, or a run directory's checkpoints/ folder")
     model, optimizer = load_policy(cfg, device, rank)
-    if checkpoint is not None:
+    if weights_only:
+        load_weights(checkpoint, model)
+        if rank == 0:
+            print(f"initialised from {checkpoint}: its weights only, a fresh optimizer from step 0 "
+                  "(init_optimizer=false)", flush=True)
+    elif checkpoint is not None:
         state = load_checkpoint(checkpoint, model, optimizer)
         if rank == 0:
             print(f"resumed from {checkpoint}: step {state['step']}, data position {state['data_position']}", flush=True)
+    if rank == 0:
+        print(epoch_plan(cfg, len(problems), state["step"])[1], flush=True)
     logger = MetricsLogger(out_dir, enabled=rank == 0, wandb_project=cfg.wandb_project, tensorboard=cfg.tensorboard,
                            config=dataclasses.asdict(cfg), resume_step=state["step"])
 

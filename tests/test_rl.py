@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import rl
-from common import ConfigError, load_config
+from common import ConfigError, init_distributed, latest_checkpoint, load_config, load_problems, save_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -342,6 +342,49 @@ def test_tool_error_ratio_in_correct_pools_the_calls_of_correct_trajectories_onl
 
 
 # -----------------------------------------------------------------------------
+# stages: stage 3 starts from stage 2's master weights with a fresh optimizer; the data plan is printed
+
+def test_stage_3_starts_from_the_stage_2_master_weights_with_a_fresh_optimizer(tiny_model_dir, tmp_path):
+    """The paper resets only the optimizer for stage 3 (§6.3). Its start was the bf16 Hugging Face export of stage 2;
+    it is now stage 2's DCP checkpoint: the fp32 master weights, exactly, and no optimizer state, from step 0."""
+    init_distributed()  # a gloo world of one: FSDP2 and DCP take the path they take under torchrun
+    stage2 = tmp_path / "stage2" / "checkpoints"
+    cfg = load_config(rl.RLConfig, ["configs/stage3.yaml", f"model={tiny_model_dir}", f"init_from={stage2}",
+                                    f"out_dir={tmp_path / 'stage3'}", "world_size=0", "lr=1e-3"])
+    assert not cfg.init_optimizer  # what configs/stage3.yaml says
+    model, optimizer = rl.load_policy(cfg, torch.device("cpu"), 0)
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(0))
+    (-rl.token_logprobs(model, input_ids, 1.0, 16).mean()).backward()
+    optimizer.step()  # stage 2's weights and AdamW moments: not the HF directory's any more
+    save_checkpoint(stage2, 385, model, optimizer, {"step": 385, "data_position": 385 * 512})
+
+    checkpoint, weights_only = rl.start_checkpoint(cfg, tmp_path / "stage3" / "checkpoints")
+    assert checkpoint == latest_checkpoint(stage2) and weights_only
+    fresh, fresh_optimizer = rl.load_policy(cfg, torch.device("cpu"), 0)
+    trained = {name: p.full_tensor() for name, p in model.named_parameters()}
+    assert any(not torch.equal(p.full_tensor(), trained[name]) for name, p in fresh.named_parameters())
+    rl.load_weights(checkpoint, fresh)
+    for name, p in fresh.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p.full_tensor(), trained[name]), name
+    assert fresh_optimizer.state_dict()["state"] == {}
+    # stage 2 (init_optimizer true, the default) takes everything; once stage 3 has saved, its own checkpoint wins
+    assert rl.start_checkpoint(load_config(rl.RLConfig, [f"model={tiny_model_dir}", f"init_from={stage2}"]),
+                               tmp_path / "none") == (checkpoint, False)
+    save_checkpoint(tmp_path / "stage3" / "checkpoints", 10, fresh, fresh_optimizer, {"step": 10, "data_position": 5120})
+    assert rl.start_checkpoint(cfg, tmp_path / "stage3" / "checkpoints")[1] is False
+
+
+def test_the_planned_epochs_are_printed_and_many_passes_warn():
+    cfg = load_config(rl.RLConfig, ["configs/stage1.yaml", "model=x"])
+    problems = len(load_problems(cfg.train_data))
+    epochs, line = rl.epoch_plan(cfg, problems, start_step=0)
+    assert epochs == pytest.approx(300 * 512 / 8127) and "18.9 epochs" in line and "WARNING" in line
+    epochs, line = rl.epoch_plan(cfg, 42_000, start_step=0)  # the paper's data size
+    assert epochs == pytest.approx(3.66, abs=0.01) and "WARNING" not in line
+    assert "0.0 epochs" in rl.epoch_plan(cfg, 42_000, start_step=300)[1]  # a finished run plans nothing more
+
+
+# -----------------------------------------------------------------------------
 # bad input stops before any work, with a message that names the problem
 
 @pytest.mark.parametrize("overrides, message", [
@@ -350,6 +393,7 @@ def test_tool_error_ratio_in_correct_pools_the_calls_of_correct_trajectories_onl
     (["group_size=2"], "GRPO-RoC keeps at least 2 positives and 2 negatives"),
     (["rollout.max_turns=0"], "rollout.max_turns must be >= 1"),
     (["resume=/no/such/checkpoint"], "expected auto, never or a checkpoint directory"),
+    (["init_optimizer=false"], "init_optimizer=false takes the weights of init_from, which is not set"),
 ])
 def test_bad_configs_are_rejected_when_loaded(overrides, message):
     with pytest.raises(ConfigError, match=message):
