@@ -99,8 +99,8 @@ class RLConfig:
     micro_batch_size: int = 0                # cap on trajectories per forward/backward; 0 = no cap
     train_dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # auto: bf16 compute on GPU, fp32 on CPU
     activation_checkpointing: bool = False
-    logprob_chunk_tokens: int = 1024         # log-probs from the hidden states this many tokens at a time, each chunk
-                                             # recomputed in backward: [chunk, V] logits live, never [tokens, V]; 0 = off
+    logprob_chunk_tokens: int = 1024         # log-probs from the hidden states this many tokens at a time, each
+                                             # chunk recomputed in backward: [chunk, V] logits, never [tokens, V]; 0 = off
     attn_implementation: str = "sdpa"        # trainer attention (flash_attention_2 on GPU, if installed)
     train_threads: int = 0                   # CPU only: torch threads for the training phase; 0 = vLLM's (1)
     # guards
@@ -438,9 +438,10 @@ def last_hidden_states(model, input_ids):
     gathers the embedding and the output projection (the root is not resharded after forward, so the projection
     stays gathered for the chunks and for backward). logits_to_keep = no position makes the model compute none."""
     captured = []
-    hook = model.get_decoder().register_forward_hook(lambda module, args, output: captured.append(output.last_hidden_state))
+    hook = model.get_decoder().register_forward_hook(lambda module, args, out: captured.append(out.last_hidden_state))
+    no_position = torch.zeros(0, dtype=torch.long, device=input_ids.device)
     try:
-        model(input_ids=input_ids, use_cache=False, logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device))
+        model(input_ids=input_ids, use_cache=False, logits_to_keep=no_position)
     finally:
         hook.remove()
     return captured[0]
@@ -722,7 +723,12 @@ def start_checkpoint(cfg, ckpt_root):
     resume=auto takes the newest checkpoint of this run's own out_dir; with none yet, init_from's: stage 2 continues
     stage 1 in its own out_dir (everything restored), stage 3 takes stage 2's weights alone (init_optimizer=false).
     Once a run has saved, its own checkpoints win, so a restart resumes it rather than starting it over."""
-    checkpoint = None if cfg.resume == "never" else latest_checkpoint(ckpt_root) if cfg.resume == "auto" else resolve(cfg.resume)
+    if cfg.resume == "never":
+        checkpoint = None
+    elif cfg.resume == "auto":
+        checkpoint = latest_checkpoint(ckpt_root)
+    else:
+        checkpoint = resolve(cfg.resume)
     initial = checkpoint is None and cfg.resume == "auto" and bool(cfg.init_from)
     if initial:
         source = resolve(cfg.init_from)
