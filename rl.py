@@ -7,6 +7,7 @@
         --master_addr=$MASTER_ADDR --master_port=29500 rl.py configs/stage1.yaml   # the paper's 64 GPUs
     (the same for configs/stage2.yaml, which continues stage 1; then stage 3:)
     python rl.py configs/stage3.yaml mode=filter                     # stage-3 data: drop problems solved 8/8
+    python rl.py configs/stage1.yaml mode=plan                       # memory per rank and phase, bytes per step (plan.py)
 
 Every rank is a trainer and a rollout worker at once (colocated, as verl's hybrid engine): it holds an FSDP2 shard
 of the policy and its own in-process vLLM engine (rollout.py). One RL step is:
@@ -58,6 +59,7 @@ from common import (ConfigError, MetricsLogger, init_distributed, latest_checkpo
                     resolve, save_checkpoint, save_config)
 from executor import Executor
 from grpo_roc import policy_loss, rollouts_per_prompt
+from plan import print_plan
 from reward import score_batch
 from rollout import Engine, RolloutConfig, balance_by_tokens, generate
 from sft import save_hf_model
@@ -71,7 +73,8 @@ class RLConfig:
     model: str = ""                          # HF directory (or hub id) of the SFT policy, with its tokenizer
     train_data: str = "data/train_int_mix.jsonl"
     out_dir: str = "out/rl"
-    mode: Literal["train", "filter"] = "train"
+    mode: Literal["train", "filter", "plan"] = "train"   # plan: memory and bytes per rank and phase (plan.py)
+    plan_model_config: str = ""              # mode=plan: the model's config.json when `model` is not on disk yet
     seed: int = 0
     world_size: int = 0                      # ranks this config was written for; 0 = any. Checked against torchrun's
     # the method (§2.2.3, §6.2)
@@ -1005,6 +1008,9 @@ def filter_solved(cfg):
 if __name__ == "__main__":
     try:
         config = load_config(RLConfig, sys.argv[1:])
-        (filter_solved if config.mode == "filter" else train)(config)
+        if config.mode == "plan":  # no process group, no model: the config's own world size (or torchrun's)
+            print_plan(config, config.world_size or int(os.environ.get("WORLD_SIZE", "1")))
+        else:
+            (filter_solved if config.mode == "filter" else train)(config)
     except ConfigError as e:
         sys.exit(f"rl.py: {e}")
