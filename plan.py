@@ -214,10 +214,10 @@ def kv_bytes_per_token(m, tp=1, c=2):
     return 2 * m.layers * max(1, m.kv_heads // tp) * m.head_dim * c
 
 
-def max_concurrency(kv_cache_bytes, m, context_len, tp=1, c=2, max_seqs=ENGINE_MAX_SEQS):
+def max_concurrency(kv_cache_bytes, m, context_len, tp=1, c=2, max_seqs=ENGINE_MAX_SEQS, block=KV_BLOCK):
     """K of §3.2 as rollout.Engine.max_concurrency computes it: whole blocks of KV cache, trajectories at full length."""
-    blocks = max(0, kv_cache_bytes) // (KV_BLOCK * kv_bytes_per_token(m, tp, c))
-    return min(blocks * KV_BLOCK // context_len, max_seqs)
+    blocks = max(0, kv_cache_bytes) // (block * kv_bytes_per_token(m, tp, c))
+    return min(blocks * block // context_len, max_seqs)
 
 
 def engine_memory(m, rollout, gpu_bytes, c=2):
@@ -247,6 +247,16 @@ def pickled_trajectory_bytes(prompt_tokens, response_tokens, vocab):
     return int(200 + (prompt_tokens + response_tokens) * id_bytes + response_tokens * (2 + 9))
 
 
+def balance_received(world, most_per_rank, arrived, vocab):
+    """Bytes one rank receives in rollout.balance_by_tokens: the counts (int64 per rank), the keys of every other
+    rank padded to the most any rank holds (three int64 each), the payload sizes, and the pickled trajectories that
+    arrive, given as (prompt tokens, response tokens)."""
+    if world == 1:
+        return 0
+    keys = (world - 1) * (8 + META_BYTES * most_per_rank + 8)   # counts, keys, payload sizes
+    return keys + sum(pickled_trajectory_bytes(p, r, vocab) for p, r in arrived)
+
+
 def bytes_moved(m, cfg, world, c=2):
     """What one rank receives in one step (logical volume, (W-1)/W of each gathered tensor), and what the old
     designs moved, for comparison. The balance's payload is an upper bound: every trajectory this rank trains on
@@ -267,8 +277,9 @@ def bytes_moved(m, cfg, world, c=2):
         # gradients are reduce-scattered
         train=int(micro_batches * (c * everything + c * layers + 4 * everything) * share),
         micro_batches=micro_batches,
-        balance_meta=int(META_BYTES * (kept_total - kept_total / world)),
-        balance_payload_max=kept_per_rank * trajectory if world > 1 else 0,
+        balance_meta=balance_received(world, kept_per_rank, [], m.vocab),
+        balance_payload_max=balance_received(world, kept_per_rank, [(r.max_prompt_tokens, r.max_response_tokens)]
+                                             * kept_per_rank, m.vocab) - balance_received(world, kept_per_rank, [], m.vocab),
         balance_all_gather=int(trajectory * (kept_total - kept_total / world)),   # before the fix: every trajectory
         trajectory_pickled=trajectory, kept_per_rank=kept_per_rank)
 
@@ -443,8 +454,8 @@ class CommMeter(TorchDispatchMode):
             return int(2 * nbytes(args[0]) * (world - 1) / world)
         if name == "broadcast":
             return 0 if group.rank() == args[2] else nbytes(args[0])
-        if name == "alltoall_base":       # output, input, output split sizes (rows from each rank), input splits
-            out, splits = args[0], list(args[2])
+        if name == "alltoall_base":       # output, input, group, output split sizes (rows from each rank), input splits
+            out, splits = args[0], list(args[3])
             row = out[0].numel() * out.element_size() if out.dim() and len(out) else 0
             return (sum(splits) - splits[group.rank()]) * row if splits else nbytes(out) * (world - 1) // world
         return nbytes(args[0])
