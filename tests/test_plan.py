@@ -188,3 +188,11 @@ def test_a_model_without_config_is_a_clear_error():
     cfg = load_config(rl.RLConfig, ["configs/stage1.yaml", "plan_model_config=", "model=runs/nothing-here"])
     with pytest.raises(ConfigError, match="plan_model_config=PATH"):
         plan.resolve_model_config(cfg)
+
+
+def test_gpu_check_refuses_a_machine_without_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: run gpu_check.py itself")
+    proc = subprocess.run([PYTHON, "gpu_check.py", "only_cycle=true"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1 and "no CUDA (or ROCm) GPU here" in proc.stderr
