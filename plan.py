@@ -4,7 +4,7 @@ model's config.json alone (no weights are loaded, nothing is allocated).
     python rl.py configs/stage1.yaml mode=plan                          # the config's world size
     python rl.py configs/stage1.yaml mode=plan world_size=16            # another GPU count
     python rl.py configs/qwen3_1p7b_1gpu.yaml mode=plan plan_model_config=path/to/config.json
-    python plan.py bench                                                # chunked vs unchunked log-probs; balance bytes
+    python scale_bench.py                                               # chunked vs unchunked log-probs; balance bytes
 
 The plan is arithmetic on the model's shapes, written to follow what rl.py does on a GPU:
   trainer   FSDP2 over all ranks, one unit per decoder layer plus the root (embeddings, final norm, lm_head), fp32
@@ -28,7 +28,6 @@ below). GPU terms that a CPU cannot show (CUDA context, vLLM's profile run, CUDA
 import dataclasses
 import json
 import math
-import pickle
 import sys
 import weakref
 from pathlib import Path
@@ -262,6 +261,7 @@ def bytes_moved(m, cfg, world, c=2):
     designs moved, for comparison. The balance's payload is an upper bound: every trajectory this rank trains on
     came from another rank; dynamic claiming keeps the real number lower (the step logs the count)."""
     r = cfg.rollout
+    engine_c = 4 if r.dtype == "float32" else 2                           # the sync casts to the engine's dtype
     share = (world - 1) / world
     kept_total = cfg.prompts_per_step * cfg.group_size
     kept_per_rank = math.ceil(kept_total / world)
@@ -271,7 +271,7 @@ def bytes_moved(m, cfg, world, c=2):
     layers = everything - padded_numel(m.root_tensors(), world)
     trajectory = pickled_trajectory_bytes(r.max_prompt_tokens, r.max_response_tokens, m.vocab)
     return dict(
-        weight_sync=int(c * everything * share), weight_sync_fp32=int(4 * everything * share),
+        weight_sync=int(engine_c * everything * share), weight_sync_fp32=int(4 * everything * share),
         old_logprobs=int(micro_batches * c * everything * share),         # forward only: one all-gather per unit
         # forward all-gathers every unit, backward re-gathers the layers (resharded after forward), then the fp32
         # gradients are reduce-scattered
@@ -544,9 +544,6 @@ def tensor_bytes(tensors):
     return sum(seen.values())
 
 
-def pickled_bytes(obj):
-    return len(pickle.dumps(obj))
-
 
 if __name__ == "__main__":
-    sys.exit("plan.py: run `python rl.py CONFIG mode=plan`, or `python plan.py bench`")
+    sys.exit("plan.py: run `python rl.py CONFIG mode=plan` (the benchmark: python scale_bench.py)")

