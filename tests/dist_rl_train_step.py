@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -42,7 +43,9 @@ def main():
     model_dir, out_file, *overrides = sys.argv[1:]
     rank, world_size, _, device = init_distributed()
     torch.manual_seed(0)
-    cfg = load_config(rl.RLConfig, [f"model={model_dir}", "lr=1e-3", "warmup_steps=0", *overrides])
+    # log-probs in chunks of 64 tokens: several per micro-batch, so their recomputation in backward is in the check
+    cfg = load_config(rl.RLConfig, [f"model={model_dir}", "lr=1e-3", "warmup_steps=0", "logprob_chunk_tokens=64",
+                                    *overrides])
     model, optimizer = rl.load_policy(cfg, device, rank)
     samples = fixed_batch(model.config.vocab_size)
     per_rank = len(samples) // world_size
@@ -53,12 +56,30 @@ def main():
     for index, s in enumerate(mine, start=rank * per_rank):
         noise = random.Random(99 + index)
         s.old_logprobs = [lp + noise.uniform(-0.4, 0.4) for lp in s.old_logprobs]
+    # train_step frees the gradients right after optimizer.step(), so they are read just before it
+    grads = {}
+    optimizer.register_step_pre_hook(lambda *_: grads.update(
+        {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+         for name, p in model.named_parameters()}))
     metrics = rl.train_step(model, optimizer, mine, cfg, step=0, pad_id=0, device=device)
-    weights = {name: t.clone() for name, t in rl.full_weights(model, torch.float32)}
-    grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-             for name, p in model.named_parameters()}
+    grads_left = [name for name, p in model.named_parameters() if p.grad is not None]  # what the rollout would hold
+    # the weight sync in fp32 and in bf16, with what each all-gather really moved (the profiler's record of the
+    # collectives' tensor arguments, independent of rl.full_weights' own count)
+    sync = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        traffic = {}
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as profiler:
+            sent = {name: t.clone() for name, t in rl.full_weights(model, dtype, traffic)}
+        gathers = [(e.name(), [d for d in e.dtypes() if d not in ("", "Scalar", "ScalarList")])
+                   for e in profiler.profiler.kineto_results.events() if "gather" in e.name().lower() and "::" in e.name()]
+        sync[str(dtype)] = {"weights": sent, "gathered_bytes": traffic["weight_sync_gathered_bytes"], "gathers": gathers}
+    weights = sync["torch.float32"]["weights"]
+    for name, p in model.named_parameters():  # the bucketed gather rebuilds exactly what DTensor's own gather does
+        assert torch.equal(weights[name], p.full_tensor()), name
     if rank == 0:
-        torch.save({"weights": weights, "grads": grads, "metrics": metrics}, out_file)
+        torch.save({"weights": weights, "grads": grads, "metrics": metrics, "grads_left": grads_left, "sync": sync,
+                    "num_params": len(list(model.named_parameters())),
+                    "param_bytes": sum(p.numel() * 4 for p in model.parameters())}, out_file)
     # A rank that leaves with the gloo group alive aborts in its threads' teardown ("terminate called without an
     # active exception"), and torchrun then kills the other rank, perhaps mid-save: wait for rank 0, then end it.
     torch.distributed.barrier()

@@ -108,7 +108,7 @@ def main(model_dir):
     assert gap < TOLERANCE, f"rank {rank}: sampled log-probs vs trainer: max |diff| {gap}"
 
     # 5. the training split: every trajectory lands on exactly one rank
-    share = rollout.balance_by_tokens([t for g in groups for t in g])
+    share, _ = rollout.balance_by_tokens([t for g in groups for t in g])
     shares = [None] * world_size
     dist.all_gather_object(shares, [(t.problem_index, t.sample_index, len(t.prompt_ids) + len(t.response_ids)) for t in share])
     keys = sorted(k[:2] for part in shares for k in part)

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 import rl
 import rollout
-from common import ConfigError, load_config
+from common import ConfigError, init_distributed, latest_checkpoint, load_config, load_problems, save_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -34,6 +35,9 @@ def three_splits(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("invariance")
     script = REPO / "tests" / "dist_rl_train_step.py"
     splits = {
+        # the reference: today's log-probs from the model's full logits; the others compute them in chunks
+        "1 process x 1 micro-batch, unchunked log-probs": [PYTHON, script, tiny_model_dir, out / "r.pt", "micro_batch_size=0",
+                                                           "logprob_chunk_tokens=0"],
         "1 process x 1 micro-batch": [PYTHON, script, tiny_model_dir, out / "a.pt", "micro_batch_size=0"],
         "1 process x 4 micro-batches": [PYTHON, script, tiny_model_dir, out / "b.pt", "micro_batch_size=2"],
         # --standalone: a free rendezvous port of torchrun's choosing, not the fixed 29500 another run may hold
@@ -43,14 +47,14 @@ def three_splits(tiny_model_dir, tmp_path_factory):
     results = {}
     for name, cmd in splits.items():
         run([str(c) for c in cmd], timeout=300)
-        results[name] = torch.load(cmd[-2], weights_only=False)
+        results[name] = torch.load(next(c for c in cmd if str(c).endswith(".pt")), weights_only=False)
     return results
 
 
 @pytest.mark.slow
 def test_each_split_really_runs_the_micro_batches_it_claims(three_splits):
     counts = {name: r["metrics"]["num_micro_batches"] for name, r in three_splits.items()}
-    assert list(counts.values()) == [1, 4, 2]
+    assert list(counts.values()) == [1, 1, 4, 2]
     # ...and every split saw the whole batch: the same global token count
     assert len({r["metrics"]["train_tokens"] for r in three_splits.values()}) == 1
 
@@ -91,6 +95,62 @@ def test_updated_weights_do_not_depend_on_the_split(three_splits, tiny_model_dir
             assert step.numel() == 0 or step.max() <= 1.01 * lr, name
 
 
+@pytest.mark.slow
+def test_the_training_step_frees_the_gradients_it_applied(three_splits):
+    """Issue 12, hazard 1: gradients cleared only at the next step's start stay allocated through the weight sync and
+    the rollout (a 14B shard's worth per rank). After train_step none is left, in one process and on two ranks."""
+    for name, result in three_splits.items():
+        assert result["grads"], name  # they existed: read just before optimizer.step()
+        assert result["grads_left"] == [], name
+
+
+# -----------------------------------------------------------------------------
+# the weight sync: the order of the engine's wake-up, the bytes it gathers
+
+class RecordingEngine:
+    """The two calls rl.sync_weights makes into rollout.Engine, recorded (vLLM cannot sleep on CPU, so the real
+    engine's wake-ups are no-ops there); update_weights consumes the tensors as vLLM's reload_weights does."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def wake_up(self, tags):
+        self.calls.append(("wake_up", tuple(tags)))
+
+    def update_weights(self, named_tensors):
+        self.calls.append(("update_weights", len(list(named_tensors))))
+
+
+def test_weight_sync_wakes_the_weights_loads_them_frees_the_cache_and_only_then_wakes_the_kv_cache(tiny_model_dir,
+                                                                                                     monkeypatch):
+    """Issue 12, hazard 1, verl's order: waking weights and KV cache together, before the gathered full tensors and
+    the training peak's cached blocks are freed, asks for the KV cache's share of the GPU while they still hold theirs."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    calls = []
+    monkeypatch.setattr(rl, "free_cached_memory", lambda: calls.append(("free_cached_memory",)))
+    rl.sync_weights(RecordingEngine(calls), model, torch.float32)
+    sent = len(list(model.named_parameters())) + 1  # the tied lm_head is sent too
+    assert calls == [("free_cached_memory",), ("wake_up", ("weights",)), ("update_weights", sent),
+                     ("free_cached_memory",), ("wake_up", ("kv_cache",))]
+
+
+@pytest.mark.slow
+def test_weight_sync_gathers_in_the_engine_dtype_in_few_collectives(three_splits):
+    """Issue 12, hazard 4: the shards were all-gathered in fp32 and cast after, so a bf16 engine cost twice the bytes
+    (56 GB per rank per sync at 14B, not 28). The profiler's record of every all-gather in the bf16 sync shows bf16
+    tensors only, half the fp32 sync's bytes, and one collective per bucket instead of one per parameter; the bf16
+    tensors are the fp32 ones cast. (That the engine still matches the trainer: the sync guard of the resume test.)"""
+    for name, result in three_splits.items():
+        fp32, bf16 = result["sync"]["torch.float32"], result["sync"]["torch.bfloat16"]
+        assert bf16["gathers"] and {d for _, dtypes in bf16["gathers"] for d in dtypes} == {"c10::BFloat16"}, name
+        assert 2 * bf16["gathered_bytes"] == fp32["gathered_bytes"], name
+        # the whole model once per rank, plus at most a row of padding per parameter and rank
+        assert result["param_bytes"] <= fp32["gathered_bytes"] < 1.1 * result["param_bytes"], name
+        assert len(bf16["gathers"]) < result["num_params"] / 4, name
+        for key, weight in fp32["weights"].items():
+            assert torch.equal(bf16["weights"][key], weight.to(torch.bfloat16)), (name, key)
+
+
 def test_a_per_micro_batch_mean_would_change_this_batch_far_beyond_the_tolerance(tiny_model_dir):
     """The negative control: the invariance batch is sensitive to the scaling bug the test is there to catch."""
     import random
@@ -120,6 +180,68 @@ def test_a_per_micro_batch_mean_would_change_this_batch_far_beyond_the_tolerance
             loss.backward()
         grads[mode] = torch.cat([p.grad.flatten() for p in model.parameters()])
     assert (grads["global"] - grads["per_micro_batch"]).abs().max() > 100 * 1e-6
+
+
+# -----------------------------------------------------------------------------
+# chunked log-probs: the same values and gradients, without a [tokens, vocabulary] copy kept for backward
+
+def logprobs_and_grads(model, input_ids, chunk_tokens):
+    model.zero_grad(set_to_none=True)
+    logp = rl.token_logprobs(model, input_ids, 0.7, chunk_tokens)
+    (logp * torch.linspace(-1, 1, logp.numel()).view_as(logp)).sum().backward()  # every position's gradient differs
+    return logp.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def test_chunked_logprobs_equal_the_full_logits_ones_with_their_gradients(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    input_ids = torch.randint(0, model.config.vocab_size, (3, 50), generator=torch.Generator().manual_seed(0))
+    full_logp, full_grads = logprobs_and_grads(model, input_ids, 0)
+    # 37 does not divide 3 x 49 positions: chunks cross rows, and the last one is short
+    logp, grads = logprobs_and_grads(model, input_ids, 37)
+    torch.testing.assert_close(logp, full_logp, atol=1e-6, rtol=1e-6)
+    assert max(g.abs().max() for g in full_grads.values()) > 1e-3
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    with torch.no_grad():  # recompute_logprobs' path: no checkpoint, the same values
+        torch.testing.assert_close(rl.token_logprobs(model, input_ids, 0.7, 37), full_logp, atol=1e-6, rtol=1e-6)
+
+
+def memory_of_backward(model, input_ids, chunk_tokens):
+    """(bytes saved for backward in tensors that are not parameters, of them those with a vocabulary-wide last
+    dimension, peak bytes allocated from forward to the end of backward). Counted from the tensors autograd saves
+    (saved_tensors_hooks) and the allocator's events (torch.profiler): what this computation holds, not the process."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = []
+
+    def pack(tensor):
+        if tensor.untyped_storage().data_ptr() not in parameters:
+            saved.append((tensor.shape[-1] if tensor.dim() else 0, tensor.numel() * tensor.element_size()))
+        return tensor
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profiler:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            logprobs_and_grads(model, input_ids, chunk_tokens)
+    allocated = peak = 0
+    for event in sorted((e for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"),
+                        key=lambda e: e.start_ns()):
+        allocated += event.nbytes()
+        peak = max(peak, allocated)
+    vocab = model.config.vocab_size
+    return sum(b for _, b in saved), sum(b for last, b in saved if last == vocab), peak
+
+
+def test_chunked_logprobs_keep_no_vocabulary_wide_tensor_for_backward_and_lower_the_peak(tiny_model_dir):
+    """Issue 12, hazard 2. Today's path keeps the fp32 log-softmax input over [tokens, V] for backward (12.4 GB at
+    20,480 tokens and Qwen3's 151,936 vocabulary); in chunks nothing vocabulary-wide is kept, and the peak drops by at
+    least one fp32 [tokens, V] copy: the one chunk being recomputed is all that exists at once."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 200), generator=torch.Generator().manual_seed(0))
+    logits_fp32 = 2 * 199 * model.config.vocab_size * 4
+    full_saved, full_vocab, full_peak = memory_of_backward(model, input_ids, 0)
+    chunk_saved, chunk_vocab, chunk_peak = memory_of_backward(model, input_ids, 32)
+    assert full_vocab >= logits_fp32 and chunk_vocab == 0
+    assert full_saved - chunk_saved >= logits_fp32
+    assert full_peak - chunk_peak >= logits_fp32
 
 
 # -----------------------------------------------------------------------------
@@ -221,6 +343,49 @@ def test_tool_error_ratio_in_correct_pools_the_calls_of_correct_trajectories_onl
 
 
 # -----------------------------------------------------------------------------
+# stages: stage 3 starts from stage 2's master weights with a fresh optimizer; the data plan is printed
+
+def test_stage_3_starts_from_the_stage_2_master_weights_with_a_fresh_optimizer(tiny_model_dir, tmp_path):
+    """The paper resets only the optimizer for stage 3 (§6.3). Its start was the bf16 Hugging Face export of stage 2;
+    it is now stage 2's DCP checkpoint: the fp32 master weights, exactly, and no optimizer state, from step 0."""
+    init_distributed()  # a gloo world of one: FSDP2 and DCP take the path they take under torchrun
+    stage2 = tmp_path / "stage2" / "checkpoints"
+    cfg = load_config(rl.RLConfig, ["configs/stage3.yaml", f"model={tiny_model_dir}", f"init_from={stage2}",
+                                    f"out_dir={tmp_path / 'stage3'}", "world_size=0", "lr=1e-3"])
+    assert not cfg.init_optimizer  # what configs/stage3.yaml says
+    model, optimizer = rl.load_policy(cfg, torch.device("cpu"), 0)
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(0))
+    (-rl.token_logprobs(model, input_ids, 1.0, 16).mean()).backward()
+    optimizer.step()  # stage 2's weights and AdamW moments: not the HF directory's any more
+    save_checkpoint(stage2, 385, model, optimizer, {"step": 385, "data_position": 385 * 512})
+
+    checkpoint, weights_only = rl.start_checkpoint(cfg, tmp_path / "stage3" / "checkpoints")
+    assert checkpoint == latest_checkpoint(stage2) and weights_only
+    fresh, fresh_optimizer = rl.load_policy(cfg, torch.device("cpu"), 0)
+    trained = {name: p.full_tensor() for name, p in model.named_parameters()}
+    assert any(not torch.equal(p.full_tensor(), trained[name]) for name, p in fresh.named_parameters())
+    rl.load_weights(checkpoint, fresh)
+    for name, p in fresh.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p.full_tensor(), trained[name]), name
+    assert fresh_optimizer.state_dict()["state"] == {}
+    # stage 2 (init_optimizer true, the default) takes everything; once stage 3 has saved, its own checkpoint wins
+    assert rl.start_checkpoint(load_config(rl.RLConfig, [f"model={tiny_model_dir}", f"init_from={stage2}"]),
+                               tmp_path / "none") == (checkpoint, False)
+    save_checkpoint(tmp_path / "stage3" / "checkpoints", 10, fresh, fresh_optimizer, {"step": 10, "data_position": 5120})
+    assert rl.start_checkpoint(cfg, tmp_path / "stage3" / "checkpoints")[1] is False
+
+
+def test_the_planned_epochs_are_printed_and_many_passes_warn():
+    cfg = load_config(rl.RLConfig, ["configs/stage1.yaml", "model=x"])
+    problems = len(load_problems(cfg.train_data))
+    epochs, line = rl.epoch_plan(cfg, problems, start_step=0)
+    assert epochs == pytest.approx(300 * 512 / 8127) and "18.9 epochs" in line and "WARNING" in line
+    epochs, line = rl.epoch_plan(cfg, 42_000, start_step=0)  # the paper's data size
+    assert epochs == pytest.approx(3.66, abs=0.01) and "WARNING" not in line
+    assert "0.0 epochs" in rl.epoch_plan(cfg, 42_000, start_step=300)[1]  # a finished run plans nothing more
+
+
+# -----------------------------------------------------------------------------
 # bad input stops before any work, with a message that names the problem
 
 @pytest.mark.parametrize("overrides, message", [
@@ -229,6 +394,7 @@ def test_tool_error_ratio_in_correct_pools_the_calls_of_correct_trajectories_onl
     (["group_size=2"], "GRPO-RoC keeps at least 2 positives and 2 negatives"),
     (["rollout.max_turns=0"], "rollout.max_turns must be >= 1"),
     (["resume=/no/such/checkpoint"], "expected auto, never or a checkpoint directory"),
+    (["init_optimizer=false"], "init_optimizer=false takes the weights of init_from, which is not set"),
 ])
 def test_bad_configs_are_rejected_when_loaded(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -598,6 +598,33 @@ def test_at_most_k_trajectories_are_in_the_engine(engine, executor, tokenizer):
     assert engine.max_concurrency() == min(256, cache.num_gpu_blocks * cache.block_size // 1024)
 
 
+class RecordingLLM:
+    """vllm.LLM's sleep and wake_up, recorded: vLLM rejects sleep mode on CPU."""
+
+    def __init__(self):
+        self.calls = []
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tags))
+
+
+def test_the_engine_wakes_weights_and_kv_cache_separately_and_each_once():
+    engine = rollout.Engine.__new__(rollout.Engine)  # no vLLM behind it: only the sleep bookkeeping runs
+    engine.cfg, engine.on_gpu, engine.llm, engine.asleep = rollout.RolloutConfig(), True, RecordingLLM(), set()
+    engine.wake_up()  # awake: nothing to do
+    engine.sleep()
+    engine.wake_up(tags=["weights"])
+    engine.wake_up(tags=["weights"])  # already awake
+    engine.wake_up(tags=["kv_cache"])
+    engine.sleep()
+    engine.wake_up()  # both at once where the caller has nothing to load in between
+    assert engine.llm.calls == [("sleep", 1), ("wake_up", ["weights"]), ("wake_up", ["kv_cache"]),
+                                ("sleep", 1), ("wake_up", ["weights", "kv_cache"])]
+
+
 def test_split_by_tokens_balances_and_is_deterministic():
     lengths = [50, 10, 40, 30, 30, 20, 10, 10]
     trajs = [rollout.Trajectory(i // 2, i % 2, [0] * 5, response_ids=[0] * n) for i, n in enumerate(lengths)]
@@ -618,6 +645,15 @@ def test_torchrun_weight_sync_and_prompt_claiming(tiny_model_dir):
 
 
 @pytest.mark.slow
+def test_torchrun_balance_moves_only_the_trajectories_that_change_rank():
+    """Issue 12, hazard 3: balance_by_tokens all-gathered every trajectory to every rank (~1 GB per rank per step at
+    the paper's scale). On two ranks it now gives each rank the share split_by_tokens gives over all trajectories,
+    and a rank receives exactly the pickled trajectories that change rank, plus 24 bytes of keys per trajectory;
+    balancing the balanced shares again moves none. The checks live in tests/dist_balance.py."""
+    torchrun("tests/dist_balance.py")
+
+
+@pytest.mark.slow
 def test_torchrun_tensor_parallel_engine_runs_the_loop_in_lockstep(tiny_model_dir):
     """tensor_parallel_size=2 over two ranks: one engine, the leader runs the loop (tools included) and the follower
     replays its engine calls, so the two never desync; the leader holds all trajectories."""
@@ -629,7 +665,7 @@ def torchrun(*args):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
     proc = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=900)
     # Both ranks write to one pipe, so their summary lines can land on one line: count them, not lines.
-    summary = re.findall(r"rank [01]: (?:claimed|tensor parallel)", proc.stdout)
+    summary = re.findall(r"rank [01]: (?:claimed|tensor parallel|balanced)", proc.stdout)
     assert proc.returncode == 0 and len(set(summary)) == 2, (
         proc.stdout[-2000:] + proc.stderr[-4000:])
 

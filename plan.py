@@ -1,0 +1,549 @@
+"""Will this RL config fit? The memory of every phase of one rl.py step, per rank, and the bytes it moves, from the
+model's config.json alone (no weights are loaded, nothing is allocated).
+
+    python rl.py configs/stage1.yaml mode=plan                          # the config's world size
+    python rl.py configs/stage1.yaml mode=plan world_size=16            # another GPU count
+    python rl.py configs/qwen3_1p7b_1gpu.yaml mode=plan plan_model_config=path/to/config.json
+    python scale_bench.py                                               # chunked vs unchunked log-probs; balance bytes
+
+The plan is arithmetic on the model's shapes, written to follow what rl.py does on a GPU:
+  trainer   FSDP2 over all ranks, one unit per decoder layer plus the root (embeddings, final norm, lm_head), fp32
+            master weights, fp32 gradients, AdamW's two fp32 moments, bf16 compute (MixedPrecisionPolicy), so a
+            layer is all-gathered in bf16 when it runs and the root stays gathered for the whole forward/backward;
+  saved     what autograd keeps for backward per token, counted op by op for the HF Qwen3 decoder layer (two
+            RMSNorms that save an fp32 copy, q/k norms, SDPA's q/k/v/out/logsumexp, SwiGLU's four I-wide tensors);
+            with activation checkpointing only each layer's input is kept, and one layer is recomputed at a time;
+  log-probs the output projection and log-softmax per chunk of `logprob_chunk_tokens` tokens, recomputed in backward
+            (rl.py), so the [tokens x vocab] working set is a chunk's, not the micro-batch's;
+  engine    vLLM colocated, asleep (level 1) while training: at wake it takes gpu_memory_utilization of the GPU for
+            weights + its profiled activations + KV cache; K = the trajectories that fit the KV cache at full
+            length at once (rollout.Engine.max_concurrency);
+  bytes     what each rank must receive (the logical volume; ring collectives send about as much): the weight sync
+            gathers bf16 shards, FSDP gathers layers and reduce-scatters fp32 gradients per micro-batch, and the
+            balance gathers (length, owner, index) and moves only the trajectories that change rank.
+The CPU check (tests/test_plan.py) runs the real code in 1 and 2 processes and compares these numbers with what it
+measures: tensor bytes, the peak of torch's FSDPMemTracker and the bytes seen in every c10d collective (CommMeter
+below). GPU terms that a CPU cannot show (CUDA context, vLLM's profile run, CUDA graphs) are estimates, named as such.
+"""
+import dataclasses
+import json
+import math
+import sys
+import weakref
+from pathlib import Path
+
+import torch
+from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from common import REPO, ConfigError
+
+GiB = 2**30
+# Memory as the driver reports it (torch.cuda.mem_get_info's total), not the marketing number.
+GPUS = {
+    "H100-80GB": 81559 * 2**20,
+    "H200": 143771 * 2**20,
+    "MI300X": 196592 * 2**20,
+}
+# Estimates for what a CPU cannot measure (not measured here; gpu_check.py records the real ones):
+CUDA_CONTEXT = 1 * GiB           # CUDA/HIP context, cuBLAS/NCCL workspaces: outside every PyTorch tensor
+CUDA_GRAPHS = 1 * GiB            # vLLM's graph pool, captured after the KV cache is sized (not inside the budget)
+ENGINE_BATCH_TOKENS = 16384      # vLLM's max_num_batched_tokens for LLM() on GPUs >= 70 GiB (arg_utils defaults)
+ENGINE_MAX_SEQS = 1024           # ... and max_num_seqs, which caps K
+KV_BLOCK = 16                    # vLLM's default block size: the KV cache is allocated in blocks of 16 tokens
+SYNC_BUCKET = 64 * 2**20         # rl.WEIGHT_SYNC_BUCKET_BYTES: full tensors gathered together by the weight sync
+META_BYTES = 24                  # one (length, owner, index) entry of the balance's gather: three int64
+
+
+# -----------------------------------------------------------------------------
+# the model: shapes from config.json
+
+@dataclasses.dataclass
+class ModelShape:
+    """The dimensions that memory depends on (Qwen3 / Qwen2 / Llama decoder layout)."""
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    qk_norm: bool = True          # Qwen3 normalises q and k per head; Qwen2 and Llama do not
+    attention_bias: bool = False
+
+    @classmethod
+    def from_config(cls, path):
+        path = Path(path)
+        try:
+            c = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{path}: cannot read the model's config.json ({e})") from None
+        try:
+            return cls(hidden=c["hidden_size"], intermediate=c["intermediate_size"], layers=c["num_hidden_layers"],
+                       heads=c["num_attention_heads"], kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
+                       head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+                       vocab=c["vocab_size"], tied=bool(c.get("tie_word_embeddings", False)),
+                       qk_norm=c.get("model_type") == "qwen3", attention_bias=bool(c.get("attention_bias", False)))
+        except KeyError as e:
+            raise ConfigError(f"{path}: no {e.args[0]!r}; expected a decoder-only Hugging Face config.json") from None
+
+    def layer_tensors(self):
+        """(name, shape) of one decoder layer's parameters, as the HF model names them."""
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        out = [("self_attn.q_proj.weight", (q, h)), ("self_attn.k_proj.weight", (kv, h)),
+               ("self_attn.v_proj.weight", (kv, h)), ("self_attn.o_proj.weight", (h, q))]
+        if self.attention_bias:
+            out += [("self_attn.q_proj.bias", (q,)), ("self_attn.k_proj.bias", (kv,)), ("self_attn.v_proj.bias", (kv,))]
+        if self.qk_norm:
+            out += [("self_attn.q_norm.weight", (self.head_dim,)), ("self_attn.k_norm.weight", (self.head_dim,))]
+        out += [("mlp.gate_proj.weight", (self.intermediate, h)), ("mlp.up_proj.weight", (self.intermediate, h)),
+                ("mlp.down_proj.weight", (h, self.intermediate)), ("input_layernorm.weight", (h,)),
+                ("post_attention_layernorm.weight", (h,))]
+        return out
+
+    def root_tensors(self):
+        """The root FSDP unit's parameters: what is not in a decoder layer."""
+        out = [("model.embed_tokens.weight", (self.vocab, self.hidden)), ("model.norm.weight", (self.hidden,))]
+        return out if self.tied else out + [("lm_head.weight", (self.vocab, self.hidden))]
+
+    def tensors(self):
+        layers = [(f"model.layers.{i}.{n}", s) for i in range(self.layers) for n, s in self.layer_tensors()]
+        return self.root_tensors()[:1] + layers + self.root_tensors()[1:]
+
+    def numel(self, tensors=None):
+        return sum(math.prod(s) for _, s in (self.tensors() if tensors is None else tensors))
+
+
+def shard_numel(shape, world):
+    """Elements one rank holds of a tensor FSDP2 shards on dim 0: ceil(dim0 / world) rows (the padded shard)."""
+    return math.ceil(shape[0] / world) * math.prod(shape[1:])
+
+
+def padded_numel(tensors, world):
+    return sum(shard_numel(s, world) * world for _, s in tensors)
+
+
+# -----------------------------------------------------------------------------
+# the trainer: per rank, per phase
+
+def saved_per_token_layer(m, c):
+    """Bytes autograd saves per token for one decoder layer without checkpointing; c = compute dtype bytes.
+
+    HF's RMSNorm computes in fp32: it saves the fp32 input (in fp32 compute that is the input itself), the fp32
+    rsqrt and the normalised tensor in compute dtype, and the next matmul saves the norm's output. Counted with
+    torch.autograd.graph.saved_tensors_hooks on the real layer (tests/test_plan.py checks it in fp32 and bf16).
+    """
+    def norm(width, count=1):  # fp32 input + fp32 rsqrt per row + normalised (compute dtype)
+        return count * (4 * width + 4 + c * width)
+
+    h, d, heads, kv = m.hidden, m.head_dim, m.heads, m.kv_heads
+    attention = (norm(h) + c * h                               # input norm, and its output (q/k/v projections' input)
+                 + (norm(d, heads) + norm(d, kv) if m.qk_norm else c * d * (heads + kv))
+                 + c * d * (2 * heads + 2 * kv) + 4 * heads)   # SDPA: q, k, v (GQA: kv heads), out, fp32 logsumexp
+    mlp = norm(h) + c * h + 4 * c * m.intermediate             # post norm; gate, up, silu(gate), silu * up
+    return attention + mlp
+
+
+def trunk_saved_bytes(m, tokens, c, checkpointing):
+    """Saved for backward by the whole decoder for `tokens` padded tokens: every layer's activations, or with
+    checkpointing each layer's input only; plus the token ids, RoPE's cos/sin and the final norm."""
+    per_layer = c * m.hidden if checkpointing else saved_per_token_layer(m, c)
+    shared = 8 + 2 * c * m.head_dim + 4 * m.hidden + 4 + 2 * c * m.hidden   # ids, cos+sin, final norm and its output
+    return tokens * (m.layers * per_layer + shared)
+
+
+def logprob_bytes(m, tokens, chunk):
+    """Peak of the log-prob head (output projection + log-softmax at the temperature + gather) over forward and
+    backward, for `tokens` tokens computed `chunk` at a time (chunk >= tokens: all at once, as before the fix).
+
+    Per token and vocabulary entry at the peak, in backward: the fp32 logits saved for the log-softmax (4 bytes) and
+    three fp32 temporaries of its gradient (12): 16 bytes, in fp32 and bf16 compute alike (measured)."""
+    return 16 * min(tokens, chunk or tokens) * m.vocab
+
+
+def trainer_memory(m, world, tokens, chunk, checkpointing, c=2, prefetch=2):
+    """Per-rank bytes of the trainer: resident state and the peak of one micro-batch of `tokens` padded tokens.
+
+    c: compute bytes (2 = bf16 on GPU, 4 = fp32 on CPU). prefetch: decoder layers gathered at once (2 on GPU: FSDP2
+    gathers the next layer while one computes; 1 on CPU, which has no streams to overlap them).
+    """
+    layer, root = m.layer_tensors(), m.root_tensors()
+    master = 4 * sum(shard_numel(s, world) for _, s in m.tensors())
+    head_numel = m.vocab * m.hidden                                   # lm_head, or the tied embedding's gradient
+    layer_numel, root_numel = m.numel(layer), m.numel(root)
+    gathered_root = c * root_numel                                    # the root stays gathered through fwd and bwd
+    gathered_layers = c * prefetch * layer_numel
+    saved = trunk_saved_bytes(m, tokens, c, checkpointing)
+    recompute = tokens * saved_per_token_layer(m, c) if checkpointing else 0
+    # backward of a layer: its gathered parameters (and the next one's), its compute-dtype gradients and their
+    # fp32 copy for the reduce-scatter, and the gradients of its activations (about one layer's saved tensors)
+    # backward of a decoder layer (measured on CPU): its gathered parameters, their compute-dtype gradients, the
+    # layer recomputed (checkpointing), and its activations' gradients, about a quarter of its saved tensors
+    layer_backward = (gathered_layers + c * layer_numel + recompute + tokens * saved_per_token_layer(m, c) // 4)
+    resident = 4 * master                                             # master + fp32 grads + two AdamW moments
+    head_grad = c * head_numel   # the output projection's gradient, from the head's backward to the root's reduce
+    candidates = {
+        # the log-prob head's backward: every activation still saved, the head's working set at its peak (chunked:
+        # the projection's gradient already exists from the chunks before)
+        "log-prob head backward": (resident + gathered_root + saved + logprob_bytes(m, tokens, chunk)
+                                   + (head_grad if chunk and chunk < tokens else 0)),
+        "decoder layer backward": resident + gathered_root + head_grad + saved + layer_backward,
+        # the root's reduce-scatter at the end: its compute-dtype gradients and their fp32 copy
+        "root reduce-scatter": resident + gathered_root + (c + 4) * root_numel,
+    }
+    phase = max(candidates, key=candidates.get)
+    return dict(master=master, grads=master, adam=2 * master, resident_rollout=3 * master, resident_train=resident,
+                gathered_root=gathered_root, gathered_layers=gathered_layers, saved=saved,
+                saved_no_checkpointing=trunk_saved_bytes(m, tokens, c, False),
+                saved_checkpointing=trunk_saved_bytes(m, tokens, c, True), recompute=recompute,
+                logprob=logprob_bytes(m, tokens, chunk), logprob_unchunked=logprob_bytes(m, tokens, tokens),
+                peak=candidates[phase], peak_phase=phase, candidates=candidates)
+
+
+# -----------------------------------------------------------------------------
+# the engine: weights, KV cache and K
+
+def kv_bytes_per_token(m, tp=1, c=2):
+    """K and V of every layer for one token, on one rank of a tensor-parallel group (kv heads are split, or
+    replicated when there are fewer than tp)."""
+    return 2 * m.layers * max(1, m.kv_heads // tp) * m.head_dim * c
+
+
+def max_concurrency(kv_cache_bytes, m, context_len, tp=1, c=2, max_seqs=ENGINE_MAX_SEQS, block=KV_BLOCK):
+    """K of §3.2 as rollout.Engine.max_concurrency computes it: whole blocks of KV cache, trajectories at full length."""
+    blocks = max(0, kv_cache_bytes) // (block * kv_bytes_per_token(m, tp, c))
+    return min(blocks * block // context_len, max_seqs)
+
+
+def engine_memory(m, rollout, gpu_bytes, c=2):
+    """vLLM's share at gpu_memory_utilization: its weights, its profile run's activations (estimate: a batch of
+    ENGINE_BATCH_TOKENS through the widest layer, and the sampler's fp32 logits for ENGINE_MAX_SEQS sequences, twice
+    for processed log-probs), the context, and the KV cache that is left; and the K that follows."""
+    tp = rollout.tensor_parallel_size
+    weights = c * m.numel() // tp
+    activations = (ENGINE_BATCH_TOKENS * c * (3 * m.intermediate + 4 * m.hidden) // tp
+                   + 2 * 4 * ENGINE_MAX_SEQS * m.vocab)
+    budget = int(rollout.gpu_memory_utilization * gpu_bytes)
+    kv_cache = budget - weights - activations - CUDA_CONTEXT
+    k = max_concurrency(kv_cache, m, rollout.context_len, tp, c)
+    return dict(budget=budget, weights=weights, activations=activations, kv_cache=kv_cache, K=k,
+                kv_per_trajectory=kv_bytes_per_token(m, tp, c) * rollout.context_len,
+                graphs=0 if rollout.enforce_eager else CUDA_GRAPHS,
+                host_when_asleep=weights if rollout.sleep_level == 1 else 0)
+
+
+# -----------------------------------------------------------------------------
+# bytes moved per step, per rank
+
+def pickled_trajectory_bytes(prompt_tokens, response_tokens, vocab):
+    """A TrainSample pickled for the balance: token ids (3 bytes below 65536, 5 above; uniform ids assumed), the
+    loss mask (2 bytes per 0/1) and the engine's log-probs (9 bytes per float), plus the object's own ~200 bytes."""
+    id_bytes = 3 + 2 * max(0, vocab - 65536) / vocab
+    return int(200 + (prompt_tokens + response_tokens) * id_bytes + response_tokens * (2 + 9))
+
+
+def balance_received(world, most_per_rank, arrived, vocab):
+    """Bytes one rank receives in rollout.balance_by_tokens: the counts (int64 per rank), the keys of every other
+    rank padded to the most any rank holds (three int64 each), the payload sizes, and the pickled trajectories that
+    arrive, given as (prompt tokens, response tokens)."""
+    if world == 1:
+        return 0
+    keys = (world - 1) * (8 + META_BYTES * most_per_rank + 8)   # counts, keys, payload sizes
+    return keys + sum(pickled_trajectory_bytes(p, r, vocab) for p, r in arrived)
+
+
+def bytes_moved(m, cfg, world, c=2):
+    """What one rank receives in one step (logical volume, (W-1)/W of each gathered tensor), and what the old
+    designs moved, for comparison. The balance's payload is an upper bound: every trajectory this rank trains on
+    came from another rank; dynamic claiming keeps the real number lower (the step logs the count)."""
+    r = cfg.rollout
+    engine_c = 4 if r.dtype == "float32" else 2                           # the sync casts to the engine's dtype
+    share = (world - 1) / world
+    kept_total = cfg.prompts_per_step * cfg.group_size
+    kept_per_rank = math.ceil(kept_total / world)
+    per_micro = max(1, cfg.micro_batch_tokens // r.context_len)          # full-length trajectories per micro-batch
+    micro_batches = math.ceil(kept_per_rank / per_micro) * 1              # per optimizer pass, worst case
+    everything = padded_numel(m.tensors(), world)
+    layers = everything - padded_numel(m.root_tensors(), world)
+    trajectory = pickled_trajectory_bytes(r.max_prompt_tokens, r.max_response_tokens, m.vocab)
+    return dict(
+        weight_sync=int(engine_c * everything * share), weight_sync_fp32=int(4 * everything * share),
+        old_logprobs=int(micro_batches * c * everything * share),         # forward only: one all-gather per unit
+        # forward all-gathers every unit, backward re-gathers the layers (resharded after forward), then the fp32
+        # gradients are reduce-scattered
+        train=int(micro_batches * (c * everything + c * layers + 4 * everything) * share),
+        micro_batches=micro_batches,
+        balance_meta=balance_received(world, kept_per_rank, [], m.vocab),
+        balance_payload_max=balance_received(world, kept_per_rank, [(r.max_prompt_tokens, r.max_response_tokens)]
+                                             * kept_per_rank, m.vocab) - balance_received(world, kept_per_rank, [], m.vocab),
+        balance_all_gather=int(trajectory * (kept_total - kept_total / world)),   # before the fix: every trajectory
+        trajectory_pickled=trajectory, kept_per_rank=kept_per_rank)
+
+
+# -----------------------------------------------------------------------------
+# the plan: every phase, on every GPU, and what to change
+
+def resolve_model_config(cfg):
+    """config.json for cfg.model: plan_model_config if given; the model directory's own; else the shape file
+    shipped for a hub id (configs/models/<name>.json)."""
+    if getattr(cfg, "plan_model_config", ""):
+        path = Path(cfg.plan_model_config)
+        path = path if path.is_absolute() else REPO / path
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"plan_model_config={cfg.plan_model_config}: no such file")
+        return path
+    local = Path(cfg.model) if Path(cfg.model).is_absolute() else REPO / cfg.model
+    if (local / "config.json").is_file():
+        return local / "config.json"
+    shipped = REPO / "configs" / "models" / f"{Path(cfg.model).name}.json"
+    if shipped.is_file():
+        return shipped
+    known = sorted(p.stem for p in (REPO / "configs" / "models").glob("*.json"))
+    raise ConfigError(f"model={cfg.model}: no config.json there and no configs/models/{Path(cfg.model).name}.json; "
+                      f"pass plan_model_config=PATH (a config.json), or one of configs/models/: {', '.join(known)}")
+
+
+def plan(cfg, m, world, gpu_bytes):
+    """Every phase's per-rank bytes on a GPU of `gpu_bytes`, which phases do not fit, and what to change."""
+    train = trainer_memory(m, world, cfg.micro_batch_tokens, cfg.logprob_chunk_tokens, cfg.activation_checkpointing)
+    engine = engine_memory(m, cfg.rollout, gpu_bytes)
+    phases = {
+        # vLLM checks at start that util x GPU is free; only the fp32 master shard exists then
+        "engine start": train["master"] + CUDA_CONTEXT + engine["budget"],
+        # rolling out: master + AdamW moments stay (gradients are freed after optimizer.step())
+        "rollout": train["resident_rollout"] + CUDA_CONTEXT + engine["budget"] + engine["graphs"],
+        # weight sync: engine weights awake, KV cache still asleep, one bucket of full bf16 tensors (a tensor
+        # larger than a bucket, the embedding, goes alone)
+        "weight sync": (train["resident_rollout"] + CUDA_CONTEXT + engine["weights"] + engine["graphs"]
+                        + max(SYNC_BUCKET, 2 * max(math.prod(s) for _, s in m.tensors()))),
+        # training with the engine asleep (its graph pool stays)
+        "training": train["peak"] + CUDA_CONTEXT + engine["graphs"],
+    }
+    advice = []
+    if phases["training"] > gpu_bytes:
+        if not cfg.activation_checkpointing:
+            advice.append("training: activation_checkpointing=true")
+        if train["logprob"] > gpu_bytes / 8:
+            advice.append(f"training: logprob_chunk_tokens={max(256, cfg.logprob_chunk_tokens // 4)}")
+        advice.append(f"training: more ranks (world_size={2 * world}), or micro_batch_tokens down to "
+                      f"{cfg.rollout.context_len} (one full trajectory)")
+    for name in ("engine start", "rollout", "weight sync"):
+        if phases[name] > gpu_bytes:
+            room = (gpu_bytes - (phases[name] - engine["budget"])) / gpu_bytes
+            advice.append(f"{name}: rollout.gpu_memory_utilization={max(room, 0) - 0.02:.2f} (leaves "
+                          f"{max(room, 0):.0%} of the GPU after the trainer's state), or more ranks")
+            break
+    if engine["K"] < 1:
+        advice.append(f"rollout: the KV cache holds no full trajectory of {cfg.rollout.context_len} tokens; raise "
+                      f"rollout.tensor_parallel_size to {2 * cfg.rollout.tensor_parallel_size} or "
+                      "rollout.gpu_memory_utilization")
+    return dict(train=train, engine=engine, phases=phases, advice=advice,
+                bytes=bytes_moved(m, cfg, world), fits={k: v <= gpu_bytes for k, v in phases.items()})
+
+
+def format_plan(cfg, m, world, config_path, gpus=GPUS):
+    gb = lambda b: f"{b / GiB:7.2f}"  # noqa: E731
+    r = cfg.rollout
+    lines = [f"plan for {cfg.model} ({m.numel() / 1e9:.2f}B parameters, shapes from {config_path}) on {world} ranks, "
+             f"micro_batch_tokens={cfg.micro_batch_tokens}, logprob_chunk_tokens={cfg.logprob_chunk_tokens}, "
+             f"activation_checkpointing={cfg.activation_checkpointing}, context {r.context_len}, "
+             f"gpu_memory_utilization={r.gpu_memory_utilization}, tensor_parallel_size={r.tensor_parallel_size}",
+             "GiB per rank (bf16 compute, fp32 master weights and AdamW, FSDP2 over all ranks):"]
+    plans = {name: plan(cfg, m, world, size) for name, size in gpus.items()}
+    first = next(iter(plans.values()))
+    t = first["train"]
+    rows = [("trainer: fp32 master weights (shard)", t["master"]), ("trainer: fp32 gradients (shard)", t["grads"]),
+            ("trainer: AdamW moments (shard)", t["adam"]),
+            ("trainer: gathered root, bf16 (embeddings, lm_head)", t["gathered_root"]),
+            ("trainer: gathered decoder layers, bf16 (with prefetch)", t["gathered_layers"]),
+            ("activations saved, checkpointing on", t["saved_checkpointing"]),
+            ("activations saved, checkpointing off", t["saved_no_checkpointing"]),
+            ("one layer recomputed in backward", t["recompute"]),
+            (f"log-prob head, chunks of {cfg.logprob_chunk_tokens} tokens", t["logprob"]),
+            ("log-prob head, the whole micro-batch at once", t["logprob_unchunked"]),
+            (f"training peak ({t['peak_phase']})", t["peak"])]
+    lines += [f"  {name:58s}{gb(value)}" for name, value in rows]
+    lines.append(f"  {'':58s}" + "".join(f"{name:>12s}" for name in gpus))
+    engine_rows = [("engine budget (gpu_memory_utilization x GPU)", "budget"), ("engine weights, bf16", "weights"),
+                   ("engine profile activations (estimate)", "activations"), ("engine KV cache", "kv_cache")]
+    for label, key in engine_rows:
+        lines.append(f"  {label:58s}" + "".join(f"{p['engine'][key] / GiB:12.2f}" for p in plans.values()))
+    lines.append(f"  {'K: full-length trajectories in the KV cache at once':58s}"
+                 + "".join(f"{p['engine']['K']:12d}" for p in plans.values()))
+    for phase in first["phases"]:
+        lines.append(f"  {'phase: ' + phase:58s}" + "".join(
+            f"{p['phases'][phase] / GiB:9.2f} {'ok' if p['fits'][phase] else 'NO'}" for p in plans.values()))
+    lines.append(f"  {'GPU memory':58s}" + "".join(f"{size / GiB:12.2f}" for size in gpus.values()))
+    b = first["bytes"]
+    lines += [f"host RAM per rank while the engine sleeps (level {r.sleep_level}): {gb(first['engine']['host_when_asleep'])} GiB",
+              f"bytes received per rank per step (logical volume; {b['kept_per_rank']} kept trajectories per rank):",
+              f"  weight sync (bf16 shards gathered)                        {gb(b['weight_sync'])} GiB   "
+              f"(fp32 gathered, before the fix: {gb(b['weight_sync_fp32']).strip()})",
+              f"  old log-probs, FSDP all-gathers ({b['micro_batches']} micro-batches, worst case)   {gb(b['old_logprobs'])} GiB",
+              f"  update, FSDP all-gathers + fp32 reduce-scatters           {gb(b['train'])} GiB",
+              f"  balance: (length, owner, index) of every trajectory       {b['balance_meta'] / 2**20:7.2f} MiB",
+              f"  balance: trajectories moved, at most                      {b['balance_payload_max'] / 2**20:7.2f} MiB   "
+              f"(all-gather of every trajectory, before the fix: {b['balance_all_gather'] / 2**20:.0f} MiB)"]
+    for name, p in plans.items():
+        bad = [phase for phase, ok in p["fits"].items() if not ok]
+        verdict = "fits" if not bad and not p["advice"] else f"does not fit: {', '.join(bad) or 'K'}"
+        lines.append(f"{name}: {verdict}" + "".join(f"\n    change {a}" for a in p["advice"]))
+    lines.append("Estimates, not measured: the CUDA context (1 GiB), vLLM's profile activations and CUDA graphs "
+                 "(1 GiB); the rest is checked against the CPU run in tests/test_plan.py (within 20%).")
+    return "\n".join(lines)
+
+
+def print_plan(cfg, world):
+    """rl.py mode=plan."""
+    path = resolve_model_config(cfg)
+    print(format_plan(cfg, ModelShape.from_config(path), world, path.relative_to(REPO) if path.is_relative_to(REPO) else path))
+
+
+# -----------------------------------------------------------------------------
+# measuring: the bytes in every collective (tests/test_plan.py, the benchmark, gpu_check.py)
+
+class CommMeter(TorchDispatchMode):
+    """Counts, per collective, the bytes this rank receives: every c10d op goes through the dispatcher (FSDP2's
+    all-gathers and reduce-scatters, full_tensor(), the object collectives' byte tensors), so a dispatch mode sees
+    them all. Received = the logical volume: for an all-gather the output less this rank's input, for a
+    reduce-scatter the input less this rank's output, for an all-reduce (W-1)/W of the tensor twice (ring), for a
+    broadcast the tensor on every rank but the source."""
+
+    def __init__(self):
+        super().__init__()
+        self.received, self.calls = {}, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "_c10d_functional":  # DTensor's full_tensor() and redistributions
+            name = func.__name__.split(".")[0]
+            size = lambda t: t.numel() * t.element_size()  # noqa: E731
+            received = {"all_gather_into_tensor": lambda: size(out) - size(args[0]),
+                        "reduce_scatter_tensor": lambda: size(args[0]) - size(out)}.get(name, lambda: 0)()
+            self.received[name] = self.received.get(name, 0) + received
+            self.calls[name] = self.calls.get(name, 0) + 1
+        if func.namespace == "c10d":
+            name = func.__name__.split(".")[0].rstrip("_")
+            self.received[name] = self.received.get(name, 0) + self._received(name, args)
+            self.calls[name] = self.calls.get(name, 0) + 1
+        return out
+
+    @staticmethod
+    def _received(name, args):
+        def nbytes(x):
+            if isinstance(x, torch.Tensor):
+                return x.numel() * x.element_size()
+            return sum(nbytes(y) for y in x) if isinstance(x, (list, tuple)) else 0
+
+        group = next((a for a in args if isinstance(a, torch.ScriptObject)), None)
+        group = ProcessGroup.unbox(group) if group is not None else None
+        world = group.size() if group is not None else 1
+        if world == 1:
+            return 0
+        if name in ("_allgather_base", "allgather", "allgather_into_tensor_coalesced"):
+            return nbytes(args[0]) - nbytes(args[1])   # the object collectives gather byte tensors padded to the largest
+        if name in ("_reduce_scatter_base", "reduce_scatter", "reduce_scatter_tensor_coalesced"):
+            return nbytes(args[1]) - nbytes(args[0])
+        if name == "allreduce":
+            return int(2 * nbytes(args[0]) * (world - 1) / world)
+        if name == "broadcast":
+            return 0 if group.rank() == args[2] else nbytes(args[0])
+        if name == "alltoall_base":       # output, input, group, output split sizes (rows from each rank), input splits
+            out, splits = args[0], list(args[3])
+            row = out[0].numel() * out.element_size() if out.dim() and len(out) else 0
+            return (sum(splits) - splits[group.rank()]) * row if splits else nbytes(out) * (world - 1) // world
+        return nbytes(args[0])
+
+    def total(self):
+        return sum(self.received.values())
+
+
+class PeakMemory(TorchDispatchMode):
+    """The most bytes of live tensors while it is active: every storage an op creates or touches is followed by a
+    weak reference until it dies, plus the storages of `tracked` (modules' parameters, buffers and gradients,
+    optimizers' state, tensors) that exist before. Resizes are followed too (FSDP2 frees a gathered layer by
+    resizing its storage to 0). A count of tensors, so it does not depend on what the process held before; the
+    same design as torch.distributed._tools.mem_tracker, whose MemTracker refuses several forwards of one model
+    (micro-batches). On a GPU, torch.cuda.max_memory_allocated measures the same thing (gpu_check.py)."""
+
+    def __init__(self, *tracked):
+        super().__init__()
+        self.sizes, self.current, self.peak = {}, 0, 0
+        for obj in tracked:
+            tensors = (list(obj.parameters()) + list(obj.buffers()) + [p.grad for p in obj.parameters()]
+                       if isinstance(obj, torch.nn.Module) else
+                       [t for state in obj.state.values() for t in state.values()]
+                       if isinstance(obj, torch.optim.Optimizer) else [obj])
+            for t in tensors:
+                self._follow(t)
+        self.start = self.current
+
+    def _follow(self, t):
+        if not isinstance(t, torch.Tensor):
+            return
+        for storage in get_untyped_storages(t):
+            key = id(storage)
+            if key in self.sizes:
+                continue
+            self.sizes[key] = (weakref.ref(storage, lambda _, key=key: self._free(key)), storage.nbytes())
+            self._grow(storage.nbytes())
+
+    def _free(self, key):
+        self._grow(-self.sizes.pop(key)[1])
+
+    def _grow(self, delta):
+        self.current += delta
+        self.peak = max(self.peak, self.current)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is DTensor for t in types):
+            return NotImplemented  # DTensor first turns into ops on local shards, which are counted
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves((out, args, kwargs)):
+            self._follow(t)
+        return out
+
+    def __enter__(self):
+        resize, meter = torch.UntypedStorage.resize_, self
+
+        def resized(storage, size):
+            resize(storage, size)
+            entry = meter.sizes.get(id(storage))
+            if entry is not None and entry[0]() is storage and entry[1] != storage.nbytes():
+                meter.sizes[id(storage)] = (entry[0], storage.nbytes())
+                meter._grow(storage.nbytes() - entry[1])
+
+        self._resize, torch.UntypedStorage.resize_ = resize, resized
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
+
+
+def peak_memory(fn, *tracked):
+    """(peak bytes of live tensors while fn() runs, bytes at its start, fn's result)."""
+    meter = PeakMemory(*tracked)
+    with meter:
+        result = fn()
+    return meter.peak, meter.start, result
+
+
+def tensor_bytes(tensors):
+    """Bytes of the distinct storages behind `tensors` (local shards for DTensors)."""
+    seen = {}
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+
+if __name__ == "__main__":
+    sys.exit("plan.py: run `python rl.py CONFIG mode=plan` (the benchmark: python scale_bench.py)")

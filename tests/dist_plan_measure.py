@@ -1,0 +1,120 @@
+"""Measure what plan.py plans, on the real rl.py code: per-rank memory of each phase and the bytes each collective
+receives; writes OUT_DIR/rank{R}.json for tests/test_plan.py to compare with the plan.
+
+    python tests/dist_plan_measure.py MODEL_DIR OUT_DIR [key=value ...]                  # 1 process
+    torchrun --standalone --nproc_per_node=2 tests/dist_plan_measure.py MODEL_DIR OUT_DIR [key=value ...]
+
+Memory is counted from tensors, never from the process (RSS depends on what the process already holds): state bytes
+summed over the local shards, and peaks from torch's FSDPMemTracker, a dispatch mode that follows every storage
+(parameters, gradients, optimizer state, activations, temporaries) created or touched inside it.
+"""
+import dataclasses
+import json
+import random
+import sys
+from pathlib import Path
+
+import torch
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import plan  # noqa: E402
+import rl  # noqa: E402
+from common import init_distributed, load_config  # noqa: E402
+from rollout import balance_by_tokens  # noqa: E402
+
+
+def full_sample(tokens, vocab, seed):
+    """One trajectory of exactly `tokens` tokens: a micro-batch at micro_batch_tokens, no padding."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(3, vocab) for _ in range(16)]
+    response = [rng.randrange(3, vocab) for _ in range(tokens - 16)]
+    sample = rl.TrainSample(prompt, response, [1] * len(response), advantage=1.0 if seed % 2 else -1.0)
+    sample.old_logprobs = [-8.0] * len(response)
+    return sample
+
+
+def peak_and_comm(model, optimizer, fn):
+    comm = plan.CommMeter()
+    with comm:
+        peak, _, result = plan.peak_memory(fn, model, optimizer)
+    return peak, comm, result
+
+
+def main():
+    model_dir, out_dir, *overrides = sys.argv[1:]
+    rank, world_size, _, device = init_distributed()
+    torch.manual_seed(0)
+    cfg = load_config(rl.RLConfig, [f"model={model_dir}", "lr=1e-3", "warmup_steps=0", *overrides])
+    tokens = cfg.micro_batch_tokens
+    model, optimizer = rl.load_policy(cfg, device, rank)
+    vocab = model.config.vocab_size
+    out = {"world_size": world_size, "master": plan.tensor_bytes(model.parameters())}
+
+    # gradients: one forward/backward, summed over this rank's gradient shards
+    input_ids = torch.tensor([full_sample(tokens, vocab, rank).prompt_ids + full_sample(tokens, vocab, rank).response_ids])
+    rl.token_logprobs(model, input_ids, 1.0, cfg.logprob_chunk_tokens).sum().backward()
+    out["grads"] = plan.tensor_bytes(p.grad for p in model.parameters())
+    optimizer.zero_grad(set_to_none=True)
+
+    # saved activations of the decoder: live tensors after a forward that computes no logits, with checkpointing
+    # off and on (the same model; HF's switch)
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_disable()
+        tracker = FSDPMemTracker(model, optimizer)
+        with tracker:
+            hidden = rl.last_hidden_states(model, input_ids)
+            out[f"saved_checkpointing_{checkpointing}"] = tracker.get_tracker_snapshot("current")[device][_FSDPRefType.ACT]
+        del hidden
+    if not cfg.activation_checkpointing:
+        model.gradient_checkpointing_disable()
+
+    # the training step: a first one creates AdamW's moments, the second is the steady state that is measured
+    # two micro-batches: the second runs with the first one's gradients resident, the plan's case
+    samples = [full_sample(tokens, vocab, 100 + rank), full_sample(tokens, vocab, 200 + rank)]
+    rl.train_step(model, optimizer, samples, cfg, 0, 0, device)
+    out["adam"] = plan.tensor_bytes(t for state in optimizer.state.values() for t in state.values() if t.dim())
+    out["train_peak"], comm, metrics = peak_and_comm(model, optimizer,
+                                                     lambda: rl.train_step(model, optimizer, samples, cfg, 1, 0, device))
+    out["train_micro_batches"] = metrics["num_micro_batches"]
+    out["train_received"] = {k: v for k, v in comm.received.items() if k in ("_allgather_base", "_reduce_scatter_base")}
+
+    # the same step with the log-probs computed all at once (logprob_chunk_tokens=0): the head's share of the peak
+    unchunked = dataclasses.replace(cfg, logprob_chunk_tokens=0)
+    out["train_peak_unchunked"], _, _ = peak_and_comm(
+        model, optimizer, lambda: rl.train_step(model, optimizer, samples, unchunked, 2, 0, device))
+
+    # the weight sync's gather: every tensor as the engine receives it
+    dtype = getattr(torch, cfg.rollout.dtype) if cfg.rollout.dtype != "auto" else torch.float32
+    comm = plan.CommMeter()
+    with comm, torch.no_grad():
+        for _ in rl.full_weights(model, dtype):
+            pass
+    out["weight_sync_received"] = comm.total()
+
+    # the balance: rank 0 holds most trajectories, so some must move; what arrives is counted
+    rng = random.Random(7 + rank)
+    mine = [rl.TrainSample([rng.randrange(3, vocab) for _ in range(8)], [rng.randrange(3, vocab) for _ in range(n)],
+                           [1] * n, 0.5, engine_logprobs=[-rng.random() for _ in range(n)], problem_index=i,
+                           sample_index=rank)
+            for i, n in enumerate([40, 300, 120, 90, 60, 200] if rank == 0 else [50])]
+    comm = plan.CommMeter()
+    with comm:
+        kept, traffic = balance_by_tokens(mine)
+    arrived = [s for s in kept if s.sample_index != rank]
+    out.update(balance_received=comm.received, balance_traffic=traffic, balance_arrived=[(len(s.prompt_ids), len(s.response_ids)) for s in arrived], vocab=vocab)
+    counts = torch.tensor([len(mine)])
+    torch.distributed.all_reduce(counts)
+    out["balance_trajectories"] = int(counts)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(out))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
