@@ -896,6 +896,8 @@ class DelayedExecutor:
     def submit(self, code, stdin=""):
         # Exponential: most calls are quick, a few are slow, and the slow ones are what a barrier waits for.
         delay = random.Random(code + stdin).expovariate(1 / self.mean_latency_s) if self.mean_latency_s else 0.0
+        if not delay:  # no thread to start per call: latency 0 is the executor's own round trip
+            return self.executor.submit(code, stdin=stdin)
         late = concurrent.futures.Future()
         self.executor.submit(code, stdin=stdin).add_done_callback(
             lambda done: threading.Timer(delay, lambda: late.set_result(done.result())).start())
