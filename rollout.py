@@ -1014,7 +1014,7 @@ def bench(cfg):
 
         # Admission on a KV cache that holds admission_kv_trajectories at the full budget, on the same trajectories.
         common.init_distributed()  # vLLM's shutdown took the process group with it (Engine.close)
-        blocks = -(-cfg.admission_kv_trajectories * cfg.rollout.context_len // block_size)
+        blocks = -(-cfg.admission_kv_trajectories * cfg.rollout.context_len // block_size) + 1  # + vLLM's null block
         engine = start_engine(num_gpu_blocks_override=blocks)
         tools = DelayedExecutor(executor, cfg.admission_latency_s)
         rollouts(engine, tools, cfg.rollout)  # warm-up; it also gives "expected" its mean length (the last step's)
@@ -1055,7 +1055,11 @@ def bench(cfg):
         computed = r["prompt_tokens"] - r["prompt_tokens_cached"]
         print(f"| {rule} | {concurrency[rule]} | {r['seconds']:.2f} | {r['cpu_seconds']:.2f} | {r['steps']} | "
               f"{r['preemptions']} | {computed:,} / {r['prompt_tokens']:,} |")
-    return dict(table=table, admission=admission)
+    # JSON-ready rows (gpu_check.py writes them out), without the tokens
+    return [dict(mode=mode, tool_latency_s=latency, **{k: v for k, v in r.items() if k != "tokens"})
+            for (mode, latency), r in table.items()] + \
+           [dict(mode="admission " + rule, tool_latency_s=cfg.admission_latency_s, concurrency=concurrency[rule],
+                 **{k: v for k, v in r.items() if k != "tokens"}) for rule, r in admission.items()]
 
 
 def sample(cfg):
