@@ -299,7 +299,7 @@ def checks_1_to_5(cfg, out, results, check):
     # 5. the barrier benchmark on the GPU
     def barrier_bench():
         bench_cfg = rollout.RolloutCLIConfig(mode="bench", model=str(model_dir), trajectories=cfg.bench_trajectories,
-                                             tool_latency_s=cfg.tool_latency_s, repeats=1, rollout=dataclasses.replace(rcfg))
+                                             tool_latencies_s=[0.0, cfg.tool_latency_s], repeats=1, rollout=dataclasses.replace(rcfg))
         results["barrier_bench"] = rollout.bench(bench_cfg)
 
     check("barrier_bench", barrier_bench)

