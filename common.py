@@ -7,6 +7,9 @@ Every script is run as
 
 and maps the YAML onto its own typed dataclass with load_config(). An unknown key, a wrong type or a
 missing file stops the run at once with a message that names the key and the file (and line).
+
+torch is imported inside the functions that use it, not here: reward.py, plan.py and prepare_data.py import this
+file for configs and data, and reward.py's math-verify workers start from it, where torch would cost seconds and memory.
 """
 import dataclasses
 import difflib

@@ -45,10 +45,15 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import torch.distributed as dist
+from transformers import AutoTokenizer
+
 from common import (BENCHMARKS, ConfigError, atomic_write_text, init_distributed, load_config, load_problems, resolve,
                     save_config)
+from executor import Executor
 from reward import extract_answer, fast_equivalent, score_batch  # stdlib only at import; math-verify loads in its workers
-from rollout import AUTO_VARIANT, RolloutConfig, apply_model_format, configure_vllm_logging  # no vLLM import
+from rollout import (AUTO_VARIANT, Engine, RolloutConfig, apply_model_format, configure_vllm_logging, generate,
+                     render_prompt)  # importing rollout does not load vLLM: rollout.Engine does
 
 # Benchmarks that are not files: `arith` is generated on the fly, so the demo and eval agree on it by seed.
 GENERATED_BENCHMARKS = ("arith",)
@@ -388,8 +393,6 @@ def sample_records(chunk, trajectories, tokenizer, cfg, rank=0):
 
 def check_prompt_lengths(todo, tokenizer, rollout_cfg):
     """Every prompt must fit rollout.max_prompt_tokens; found out here, not an hour into the run."""
-    from rollout import render_prompt
-
     too_long = [(name, row["id"], n) for name, row in todo
                 if (n := len(render_prompt(tokenizer, row["problem"], rollout_cfg))) > rollout_cfg.max_prompt_tokens]
     if too_long:
@@ -418,8 +421,6 @@ def evaluate(model_path, problems, cfg, engine=None, executor=None, tokenizer=No
     Under torchrun every rank calls this; ranks claim problems from the rollout's shared counter, grade their
     own samples, and rank 0 gathers, writes and summarises.
     """
-    import torch.distributed as dist
-
     if isinstance(problems, list):
         problems = {"problems": problems}
     check_model_dir(model_path)
@@ -447,11 +448,7 @@ def evaluate(model_path, problems, cfg, engine=None, executor=None, tokenizer=No
     owned = []  # what this call builds, it also closes
     # Nothing left (a finished run rerun, e.g. to reprint the table): no tokenizer, engine or executor is started.
     if todo:
-        from rollout import Engine, generate
-
         if tokenizer is None:
-            from transformers import AutoTokenizer
-
             tokenizer = AutoTokenizer.from_pretrained(model_path)
         check_prompt_lengths(todo, tokenizer, cfg.rollout)
         # One engine per rank (tensor_parallel_size ranks share one): no server, the ranks are vLLM's workers.
@@ -460,8 +457,6 @@ def evaluate(model_path, problems, cfg, engine=None, executor=None, tokenizer=No
             owned.append(engine)
         check_engine(engine, cfg.rollout)
         if executor is None and cfg.rollout.use_tool:
-            from executor import Executor
-
             # The node's cores are shared by its ranks; each rank's executor takes its share, not all of them.
             per_rank = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
             executor = Executor(workers=cfg.rollout.tool_workers or per_rank, timeout_s=cfg.rollout.tool_timeout_s,

@@ -38,6 +38,7 @@ Tests: .venv/bin/python -m pytest tests/test_rl.py -q   (the invariance test: 1x
 """
 import dataclasses
 import gc
+import json
 import math
 import os
 import sys
@@ -54,14 +55,16 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from common import (ConfigError, MetricsLogger, init_distributed, latest_checkpoint, load_checkpoint, load_config,
-                    resolve, save_checkpoint, save_config)
+from common import (ConfigError, MetricsLogger, atomic_write_text, init_distributed, latest_checkpoint, load_checkpoint,
+                    load_config, load_problems, resolve, save_checkpoint, save_config)
+from eval import EvalConfig, evaluate
 from executor import Executor
-from grpo_roc import policy_loss, rollouts_per_prompt
+from grpo_roc import filter_groups, group_advantages, policy_loss, roc_penalty, rollouts_per_prompt, select_group
 from plan import print_plan
 from reward import score_batch
-from rollout import Engine, RolloutConfig, balance_by_tokens, configure_vllm_logging, generate, load_format
-from sft import save_hf_model
+from rollout import (Engine, RolloutConfig, balance_by_tokens, configure_vllm_logging, generate, load_format,
+                     render_prompt)
+from sft import build_model, check_model_dir, save_hf_model
 
 
 # -----------------------------------------------------------------------------
@@ -202,8 +205,6 @@ def load_policy(cfg, device, rank):
     it), so a 14B policy never sits whole on every rank. Master weights stay fp32; on GPU the forward/backward
     runs in bf16 with fp32 gradient reduction (bf16 is ~4.5x slower than fp32 on an AVX2 CPU, cpu-stack.md §2).
     """
-    from sft import build_model
-
     model, _ = build_model(cfg, cfg.model, device, rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay)
@@ -540,8 +541,6 @@ def select_samples(groups, rewards, cfg, step, position):
     not trained on but whose log-probs the sync guard checks, so the guard never goes blind, even on a step where
     every group is dropped.
     """
-    from grpo_roc import filter_groups, group_advantages, roc_penalty, select_group
-
     kept_groups, _ = filter_groups(rewards, enabled=cfg.filter_all_equal)
     samples, probes, records = [], [], []
     for g, (group, group_rewards) in enumerate(zip(groups, rewards)):
@@ -668,9 +667,6 @@ def own_groups(groups, num_problems, rank):
 
 def check_inputs(cfg, world_size):
     """Everything that can be wrong with the inputs, before a model or an engine is loaded."""
-    from common import load_problems
-    from sft import check_model_dir
-
     if cfg.world_size and cfg.world_size != world_size:
         raise ConfigError(f"world_size={cfg.world_size}: this config is written for {cfg.world_size} ranks but was "
                           f"launched on {world_size}; change torchrun's --nnodes/--nproc_per_node, or world_size=0")
@@ -690,8 +686,6 @@ def check_inputs(cfg, world_size):
 def drop_long_prompts(rows, tokenizer, rollout_cfg, name):
     """Problems whose rendered prompt fits rollout.max_prompt_tokens (the rStar verl fork filters long prompts the
     same way); a longer one would stop the run when its step comes, so it is dropped up front and counted."""
-    from rollout import render_prompt
-
     kept = [r for r in rows if len(render_prompt(tokenizer, r["problem"], rollout_cfg)) <= rollout_cfg.max_prompt_tokens]
     if len(kept) < len(rows):
         print(f"{name}: dropped {len(rows) - len(kept)} of {len(rows)} problems whose prompt is longer than "
@@ -703,8 +697,6 @@ def drop_long_prompts(rows, tokenizer, rollout_cfg, name):
 
 def evaluate_held_out(engine, executor, tokenizer, rows, cfg):
     """Held-out accuracy through the same engine (its weights are the live policy) and eval.py's protocol."""
-    from eval import EvalConfig, evaluate
-
     eval_rollout = dataclasses.replace(cfg.rollout, temperature=cfg.eval_temperature)
     eval_cfg = EvalConfig(model=cfg.model, benchmarks=["held_out"], n=cfg.eval_samples, seed=cfg.seed,
                           rollout=eval_rollout)
@@ -957,15 +949,6 @@ def train(cfg):
 def filter_solved(cfg):
     """Stage-3 data (§6.3): sample filter_samples rollouts per problem of filter_source with the current policy and
     keep the problems it does not solve every time (the paper: 42K -> 17.3K with 8 samples). Writes train_data."""
-    import json
-
-    from transformers import AutoTokenizer
-
-    from common import atomic_write_text, init_distributed
-    from executor import Executor
-    from reward import score_batch
-    from rollout import Engine, generate
-
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     model_path, problems, _ = check_inputs(cfg, world_size)
     rank, world_size, _, _ = init_distributed()

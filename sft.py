@@ -57,9 +57,11 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm import tqdm
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from common import (ConfigError, MetricsLogger, init_distributed, latest_checkpoint, load_checkpoint, load_config,
                     load_jsonl, resolve, save_checkpoint, save_config, seed_everything)
@@ -316,8 +318,6 @@ IGNORE = -100  # label of a position that predicts nothing we train
 
 def collate(examples, pad_id):
     """Right-padded [B, T] model inputs, and labels[b, t] = the token position t must predict (t + 1), or IGNORE."""
-    import torch
-
     width = max(len(ids) for ids, _ in examples)
     input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
@@ -349,8 +349,6 @@ def collate_shared_prefix(examples, prefix_length):
     the prefix and to itself only (a block mask), with its own positions. Under causal attention the prefix has
     the same hidden states in every conversation, so this is the same loss and the same gradients as the padded
     batch (to float rounding; tests/test_sft.py) in a single forward pass, for a fraction of the compute."""
-    import torch
-
     tokens, positions, segments = list(examples[0][0][:prefix_length]), list(range(prefix_length)), [-1] * prefix_length
     labels = [IGNORE] * prefix_length  # the prefix predicts only untrained tokens (shared_prefix_length's limit)
     for index, (ids, mask) in enumerate(examples):
@@ -377,8 +375,6 @@ def micro_batch_loss_sum(model, inputs, labels):
     """Summed next-token cross-entropy over the labelled positions. Logits are computed only at positions that
     predict a trained token (logits_to_keep): with a 150K vocabulary the full [B, T, V] logits dominate memory,
     and a long shared prompt predicts nothing we train."""
-    import torch.nn.functional as F
-
     keep = (labels != IGNORE).any(dim=0).nonzero().squeeze(1)  # positions needed by at least one row
     logits = model(**inputs, use_cache=False, logits_to_keep=keep).logits
     return F.cross_entropy(logits.float().flatten(0, 1), labels[:, keep].flatten(), ignore_index=IGNORE, reduction="sum")
@@ -411,12 +407,6 @@ def build_model(cfg, model_path, device, rank):
     alone reads the checkpoint and broadcasts it tensor by tensor. Buffers that are not in the state dict (RoPE's
     inv_freq) are copied from rank 0's loaded model too, since to_empty leaves them uninitialised.
     """
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     config = AutoConfig.from_pretrained(model_path)
     save_dtype = getattr(config, "dtype", None) or torch.float32
     with torch.device("meta"):
@@ -583,11 +573,6 @@ def bench(cfg, repeats=3):
     """`python sft.py configs/sft_tiny.yaml mode=bench`: forward + backward over the first global batch's micro-batches,
     as padded batches and with the shared prompt encoded once (share_prefix), alternating, in this one run. Prints
     conversation tokens/s of each, their ratio, and how far apart the two losses are (they should agree)."""
-    import torch
-    from transformers import AutoTokenizer
-
-    from common import init_distributed, seed_everything
-
     rank, world_size, _, device = init_distributed()
     check_world(cfg, world_size)
     model_path = check_model_dir(cfg.model)
