@@ -367,11 +367,9 @@ def scripted(tiny_model_dir, tokenizer):
 
 @contextlib.contextmanager
 def counting_generate():
-    """Counts the problems and trajectories the real rollout.generate is asked for and returns."""
-    import rollout
-
+    """Counts the problems and trajectories the real rollout.generate is asked for by eval.py and returns."""
     counts = {"problems": 0, "trajectories": 0}
-    real_generate = rollout.generate
+    real_generate = evaluation.generate  # eval.py's own name for rollout.generate
 
     def counted(*args, **kwargs):
         groups = real_generate(*args, **kwargs)
@@ -379,11 +377,11 @@ def counting_generate():
         counts["trajectories"] += sum(len(group) for group in groups)
         return groups
 
-    rollout.generate = counted
+    evaluation.generate = counted
     try:
         yield counts
     finally:
-        rollout.generate = real_generate
+        evaluation.generate = real_generate
 
 
 @pytest.fixture(scope="module")
