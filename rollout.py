@@ -1243,7 +1243,9 @@ def bench(cfg):
     # One engine thread unless OMP_NUM_THREADS says otherwise, as under torchrun (it sets 1). On CPU a second
     # OpenMP thread waits for its partner at every kernel, and once the tools or a neighbour take that core each
     # step stalls: the tiny model's steps ran 20-30x slower with 2 threads at load average 16 (measured).
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # torch is imported: the variable is read
+    # vLLM's CPU worker reads the variable when it binds its threads; torch, imported already, is told directly.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     # Here and not at the top: transformers costs seconds of CPU on every `import rollout`, which eval.py does
     # for the config and the prompt format alone.
     from transformers import AutoTokenizer
