@@ -30,7 +30,14 @@ import sys
 import time
 from pathlib import Path
 
-from common import REPO, atomic_write_text, load_config, load_jsonl, resolve
+import matplotlib
+import yaml
+
+import tiny
+from common import REPO, ConfigError, atomic_write_text, load_config, load_jsonl, resolve
+
+matplotlib.use("Agg")  # no display on a server; before pyplot is imported
+import matplotlib.pyplot as plt  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -52,8 +59,6 @@ class DemoConfig:
     plot: str = "assets/ablation.png"        # the numbers go next to it as .json and .md
 
     def validate(self):
-        from common import ConfigError
-
         if self.train_problems < 1 or self.test_problems < 1 or self.ablation_steps < 1:
             raise ConfigError("train_problems, test_problems and ablation_steps must be >= 1")
         if not self.ablation_seeds:
@@ -76,8 +81,6 @@ def run(cmd):
 
 
 def config_value(config_path, key):
-    import yaml
-
     return yaml.safe_load(resolve(config_path).read_text()).get(key)
 
 
@@ -86,8 +89,6 @@ def config_value(config_path, key):
 
 def prepare(cfg):
     """Everything before RL; returns {stage: seconds} for the stages that ran."""
-    import tiny
-
     times = {}
     # The paths are the scripts' own defaults, so `python rl.py configs/tiny.yaml` works afterwards by itself.
     model_dir, sft_data = resolve(tiny.TinyConfig.out_dir), resolve(tiny.TinyConfig.sft_data)
@@ -228,11 +229,6 @@ def mean(values):
 
 
 def plot_ablation(runs, arms, cfg, summary):
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on a server
-    import matplotlib.pyplot as plt
-
     # Left: accuracy (the noisy per-step training accuracy, smoothed, and the held-out evaluations); right: the
     # paper's Fig. 4 quantity, which RoC's selection of positives is meant to push down.
     fig, (acc_ax, err_ax) = plt.subplots(1, 2, figsize=(11, 4))
@@ -263,8 +259,6 @@ def plot_ablation(runs, arms, cfg, summary):
 
 
 if __name__ == "__main__":
-    from common import ConfigError
-
     try:
         config = load_config(DemoConfig, sys.argv[1:])
     except ConfigError as e:
