@@ -72,7 +72,7 @@ class TinyConfig:
     # the demo's SFT transcripts (make_sft_transcripts), written by `python tiny.py`; "" = do not write them
     sft_data: str = "out/tiny-sft.jsonl"
     sft_examples: int = 2000
-    sft_error_fraction: float = 0.3  # share of transcripts whose first code fails and is fixed on a second call
+    sft_error_fraction: float = 0.4  # share of transcripts whose first code fails (BUGS) and is fixed on a second call
 
 
 # -----------------------------------------------------------------------------
@@ -105,11 +105,17 @@ def make_arithmetic_problems(n, seed, split="train"):
 # from a model that calls the tool and boxes an answer, but still miscopies digits and sometimes writes bad code.
 
 TOOL_NAME = "python_code_with_standard_io"
-# Mistakes a small model plausibly makes when it writes the call; each gets a real traceback back from the tool.
+# The failed call the SFT data teaches, and RL then has to unlearn: a misspelled builtin, `prnt(EXPR)`. The real
+# sandbox answers with a real NameError whose traceback quotes the line, expression included, so the retry can copy
+# the expression from just above it: the same short, fixed distances as every other copy in the transcript (a
+# 2-layer model copies only at fixed distances; see pretrain_base_model). Measured after SFT (40% of transcripts
+# with a failed call; 64 held-out problems x 4 samples at T=1.0): 33% of trajectories with a failed call still end
+# correct (clean ones: 46%), so 38% of the correct trajectories contain a failed call. A wrong import before the
+# print (`import maths\nprint(EXPR)`, ModuleNotFoundError) moved the expression in the code off its usual distance
+# and the traceback did not quote it: 0% of those ended correct; so did the earlier mix of NameError and two
+# SyntaxErrors (0 of 18, README).
 BUGS = (
     lambda expression: f"prnt({expression})",                          # NameError: name 'prnt' is not defined
-    lambda expression: f"print({expression}",                          # SyntaxError: '(' was never closed
-    lambda expression: f"print({expression.replace('*', 'x')})",       # SyntaxError: invalid syntax
 )
 
 
