@@ -1,7 +1,7 @@
 """The tiny CPU demo: the whole rStar2-Agent pipeline on a 0.76M-parameter model that learns to use a Python tool.
 
     python demo.py                  # tiny model -> SFT transcripts -> sft.py -> rl.py (GRPO-RoC) -> before/after table
-    python demo.py ablation=true    # plain GRPO vs GRPO-RoC, same seeds and steps -> assets/ablation.png (+ .json/.md)
+    python demo.py ablation=true    # GRPO vs GRPO-RoC vs GRPO with 2G kept, 3 seeds -> assets/ablation.png (+ .json/.md)
     python demo.py verbose=true     # with all of vLLM's logging (default: its warnings only)
 
 The task is multi-digit arithmetic ("Compute 4821 * 67 - 905."): a 2-layer, 128-wide model cannot multiply 4-digit
@@ -19,19 +19,29 @@ run the pieces by hand:
 A stage whose output exists is skipped (fresh=true reruns all). rl_args / sft_args pass key=value overrides through,
 e.g. `python demo.py rl_args=steps=30,lr=1e-4`.
 
-The ablation follows the paper's comparison (Fig. 4 and 9): both arms train on G rollouts per prompt with the same
-seeds, prompts and steps; GRPO-RoC samples 2G and keeps G (so it spends twice the rollout compute), plain GRPO
-samples G and keeps them all.
+The ablation follows the paper's comparison (Fig. 4 and 9), with the same seeds, prompts and steps in every arm:
+plain GRPO samples G rollouts per prompt and trains on all; GRPO-RoC samples 2G and keeps G (twice the rollout
+compute); the equal-compute control, plain GRPO with 2G sampled and all kept, separates the effect of choosing
+positives from the effect of sampling more. The number it is about is Fig. 4's tool-error ratio in correct
+trajectories: failed calls / calls over the trajectories that got the answer right.
 """
 import dataclasses
 import json
+import os
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from common import REPO, atomic_write_text, load_config, load_jsonl, resolve
+import matplotlib
+import yaml
+
+import tiny
+from common import REPO, ConfigError, atomic_write_text, load_config, load_jsonl, resolve
+
+matplotlib.use("Agg")  # no display on a server; before pyplot is imported
+import matplotlib.pyplot as plt  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -48,16 +58,19 @@ class DemoConfig:
     verbose: bool = False                    # all of vLLM's logging in rl.py (default: its warnings only)
     # ablation
     ablation_dir: str = "runs/ablation"
-    ablation_steps: int = 30
-    ablation_seeds: list[int] = dataclasses.field(default_factory=lambda: [0, 1])
-    ablation_eval_every: int = 15
+    ablation_steps: int = 20
+    ablation_seeds: list[int] = dataclasses.field(default_factory=lambda: [0, 1, 2])
+    ablation_held_out: bool = False          # also rl.py's held-out evaluation before the first step and after the last
+                                             # (2 x 200 trajectories per run: about a third more time)
+    ablation_eval_every: int = 0             # ... and every N steps (0: only those two)
+    ablation_smooth: int = 3                 # the plot's trailing mean over steps (the table is not smoothed)
     plot: str = "assets/ablation.png"        # the numbers go next to it as .json and .md
 
     def validate(self):
-        from common import ConfigError
-
         if self.train_problems < 1 or self.test_problems < 1 or self.ablation_steps < 1:
             raise ConfigError("train_problems, test_problems and ablation_steps must be >= 1")
+        if self.ablation_smooth < 1:
+            raise ConfigError(f"ablation_smooth must be >= 1 (1 = no smoothing), got {self.ablation_smooth}")
         if not self.ablation_seeds:
             raise ConfigError("ablation_seeds is empty")
         for name in ("sft_config", "rl_config"):
@@ -78,8 +91,6 @@ def run(cmd):
 
 
 def config_value(config_path, key):
-    import yaml
-
     return yaml.safe_load(resolve(config_path).read_text()).get(key)
 
 
@@ -88,8 +99,6 @@ def config_value(config_path, key):
 
 def prepare(cfg):
     """Everything before RL; returns {stage: seconds} for the stages that ran."""
-    import tiny
-
     times = {}
     # The paths are the scripts' own defaults, so `python rl.py configs/tiny.yaml` works afterwards by itself.
     model_dir, sft_data = resolve(tiny.TinyConfig.out_dir), resolve(tiny.TinyConfig.sft_data)
@@ -156,72 +165,41 @@ def demo(cfg):
         cell = lambda m: fmt.format(m[key]) if m.get(key) is not None else "n/a"  # noqa: E731
         lines.append(f"| {label:<42} | {cell(before):>20} | {cell(after):>20} |")
     print("\n" + "\n".join(lines))
-    print(f"\ntime: " + ", ".join(f"{k} {v:.0f} s" for k, v in times.items()) + f"; total {time.time() - started:.0f} s")
+    print("\ntime: " + ", ".join(f"{k} {v:.0f} s" for k, v in times.items()) + f"; total {time.time() - started:.0f} s")
     return before, after
 
 
 # -----------------------------------------------------------------------------
-# the ablation: plain GRPO vs GRPO-RoC
+# the ablation: plain GRPO vs GRPO-RoC, and plain GRPO at RoC's rollout budget
+
+def ablation_arms(cfg):
+    """arm -> (run-directory name, rl.py overrides). Only the algorithm and the group size differ; seeds, prompts
+    (the data order depends only on the seed) and steps are the same in every arm."""
+    group = config_value(cfg.rl_config, "group_size")
+    return {
+        "GRPO": ("grpo", ["algorithm=grpo", f"group_size={group}"]),           # G sampled, all kept (Fig. 9's baseline)
+        "GRPO-RoC": ("roc", ["algorithm=roc", f"group_size={group}"]),         # 2G sampled, RoC keeps G (§2.2.3)
+        # RoC's rollout compute without its choice: 2G sampled and all trained on. RoC beating this arm too means
+        # the effect comes from which positives are kept, not from sampling more.
+        "GRPO, 2G kept": ("grpo2g", ["algorithm=grpo", f"group_size={2 * group}"]),
+    }
+
 
 def ablation(cfg):
     prepare(cfg)
-    arms = {"GRPO": "grpo", "GRPO-RoC": "roc"}
-    runs = {}
-    # Same config, seeds, prompts (the data order depends only on the seed) and steps; only `algorithm` differs.
-    for name, algorithm in arms.items():
+    arms = ablation_arms(cfg)
+    runs, seconds = {}, {}
+    load_before, started = os.getloadavg(), time.time()
+    for name, (slug, overrides) in arms.items():
         for seed in cfg.ablation_seeds:
-            out_dir = f"{cfg.ablation_dir}/{algorithm}-seed{seed}"
-            runs[(name, seed)], _ = train_rl(cfg, out_dir, [
-                f"algorithm={algorithm}", f"seed={seed}", f"steps={cfg.ablation_steps}",
-                f"eval_every={cfg.ablation_eval_every}", "save_every=10"])
-    summary = summarize_ablation(runs, arms, cfg)
-    plot_ablation(runs, arms, cfg, summary)
-    return summary
-
-
-def smooth(values, window=5):
-    """Trailing moving average: the per-step training numbers of 8 prompts are noisy."""
-    out = []
-    for i in range(len(values)):
-        chunk = [v for v in values[max(0, i - window + 1):i + 1] if v is not None]
-        out.append(sum(chunk) / len(chunk) if chunk else None)
-    return out
-
-
-def summarize_ablation(runs, arms, cfg):
-    """Per arm: held-out pass@1 at each evaluation and the training numbers over the last 10 steps, seed-averaged."""
-    summary = {"steps": cfg.ablation_steps, "seeds": cfg.ablation_seeds, "arms": {}}
-    for name in arms:
-        seeds = [runs[(name, s)] for s in cfg.ablation_seeds]
-        eval_steps = sorted({step for metrics in seeds for step, _ in evals(metrics)})
-        pass1 = {step: mean([m["eval/pass@1"] for metrics in seeds for s, m in evals(metrics) if s == step])
-                 for step in eval_steps}
-        err = {step: mean([m.get("eval/tool_error_rate_in_correct") for metrics in seeds for s, m in evals(metrics)
-                           if s == step]) for step in eval_steps}
-        last = [m for metrics in seeds for m in metrics if m["step"] > cfg.ablation_steps - 10 and "accuracy" in m]
-        summary["arms"][name] = {
-            "eval_pass@1": pass1, "eval_tool_error_ratio_in_correct": err,
-            "train_accuracy_last10": mean([m["accuracy"] for m in last]),
-            "train_tool_error_ratio_in_correct_last10": mean([m["tool_error_ratio_in_correct"] for m in last]),
-            "train_tool_calls_per_trajectory_last10": mean([m["tool_calls_per_trajectory"] for m in last]),
-            "rollouts_per_step": max((m["trajectories"] for metrics in seeds for m in metrics if "trajectories" in m), default=0),
-        }
-    path = resolve(cfg.plot).with_suffix(".json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(summary, indent=1) + "\n")
-    lines = [f"Ablation: {cfg.ablation_steps} steps, seeds {cfg.ablation_seeds} (means over seeds); "
-             f"`python demo.py ablation=true`", "",
-             "| arm | rollouts/step | held-out pass@1 (first -> last eval) | held-out tool-error ratio in correct (first -> last) "
-             "| train accuracy, last 10 steps | train tool-error ratio in correct, last 10 steps |",
-             "|---|---|---|---|---|---|"]
-    for name, s in summary["arms"].items():
-        first, final = min(s["eval_pass@1"]), max(s["eval_pass@1"])
-        fmt = lambda v: "n/a" if v is None else f"{v:.1%}"  # noqa: E731
-        lines.append(f"| {name} | {s['rollouts_per_step']} | {fmt(s['eval_pass@1'][first])} -> {fmt(s['eval_pass@1'][final])} "
-                     f"| {fmt(s['eval_tool_error_ratio_in_correct'][first])} -> {fmt(s['eval_tool_error_ratio_in_correct'][final])} "
-                     f"| {fmt(s['train_accuracy_last10'])} | {fmt(s['train_tool_error_ratio_in_correct_last10'])} |")
-    atomic_write_text(path.with_suffix(".md"), "\n".join(lines) + "\n")
-    print("\n" + "\n".join(lines), flush=True)
+            out_dir = f"{cfg.ablation_dir}/{slug}-seed{seed}"
+            held_out = [f"eval_every={cfg.ablation_eval_every}"] if cfg.ablation_held_out else ["eval_data="]
+            runs[(name, seed)], seconds[(name, seed)] = train_rl(cfg, out_dir, [
+                *overrides, f"seed={seed}", f"steps={cfg.ablation_steps}", *held_out, f"save_every={cfg.ablation_steps}"])
+    timing = {"seconds": time.time() - started, "load_average_before": load_before, "load_average_after": os.getloadavg(),
+              "seconds_per_run": {f"{name} seed {seed}": s for (name, seed), s in seconds.items()}}
+    summary = summarize_ablation(runs, arms, cfg, timing)
+    plot_ablation(runs, arms, cfg)
     return summary
 
 
@@ -230,34 +208,146 @@ def mean(values):
     return sum(values) / len(values) if values else None
 
 
-def plot_ablation(runs, arms, cfg, summary):
-    import matplotlib
+def seed_spread(values):
+    """Mean, sample standard deviation, min and max over seeds (None: a seed with nothing to measure)."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return {"mean": None, "std": None, "min": None, "max": None, "seeds": 0}
+    m = sum(values) / len(values)
+    std = (sum((v - m) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
+    return {"mean": m, "std": std, "min": min(values), "max": max(values), "seeds": len(values)}
 
-    matplotlib.use("Agg")  # no display on a server
-    import matplotlib.pyplot as plt
 
-    # Left: accuracy (the noisy per-step training accuracy, smoothed, and the held-out evaluations); right: the
-    # paper's Fig. 4 quantity, which RoC's selection of positives is meant to push down.
-    fig, (acc_ax, err_ax) = plt.subplots(1, 2, figsize=(11, 4))
-    colors = {"GRPO": "tab:blue", "GRPO-RoC": "tab:red"}
+def train_rows(metrics):
+    return [m for m in metrics if "accuracy" in m]
+
+
+def last_third(metrics, key, steps):
+    """The mean of a per-step number over the last third of the steps (the paper's curves are read at the end)."""
+    return mean([m[key] for m in train_rows(metrics) if m["step"] > steps - max(1, steps // 3)])
+
+
+def at_step(metrics, key, step):
+    return next((m[key] for m in train_rows(metrics) if m["step"] == step), None)
+
+
+def summarize_ablation(runs, arms, cfg, timing):
+    """Per arm and step: seed mean and spread of the training accuracy and of Fig. 4's tool-error ratio in correct
+    trajectories (failed calls / calls, over every sampled trajectory with reward 1); the last step and the last
+    third per seed; and whether RoC's ratio is below each GRPO arm's by more than the spread across seeds."""
+    steps, seeds = cfg.ablation_steps, cfg.ablation_seeds
+    keys = ("accuracy", "tool_error_ratio_in_correct")
+    summary = {"steps": steps, "seeds": seeds, "timing": timing, "arms": {}, "roc_below": {}}
     for name in arms:
-        for i, seed in enumerate(cfg.ablation_seeds):
-            metrics = [m for m in runs[(name, seed)] if "accuracy" in m]
-            steps = [m["step"] for m in metrics]
-            label = f"{name} (train, {len(cfg.ablation_seeds)} seeds, 5-step mean)" if i == 0 else None
-            acc_ax.plot(steps, smooth([m["accuracy"] for m in metrics]), color=colors[name], alpha=0.35, lw=1, label=label)
-            err_ax.plot(steps, smooth([m["tool_error_ratio_in_correct"] for m in metrics]), color=colors[name],
-                        alpha=0.6, lw=1.2,
-                        label=f"{name} (seed-wise, 5-step mean)" if i == 0 else None)
-        held_out = summary["arms"][name]["eval_pass@1"]
-        acc_ax.plot(list(held_out), list(held_out.values()), "o-", color=colors[name], lw=2,
-                    label=f"{name} held-out pass@1 (seed mean)")
-    acc_ax.set(xlabel="RL step", ylabel="accuracy", title="Accuracy on arithmetic")
-    err_ax.set(xlabel="RL step", ylabel="failed calls / calls", title="Tool-error ratio in correct trajectories (Fig. 4)")
-    for ax in (acc_ax, err_ax):
+        per_seed = [runs[(name, s)] for s in seeds]
+        arm = {"rollouts_per_step": max((m["trajectories"] for metrics in per_seed for m in train_rows(metrics)), default=0),
+               "trained_per_step": mean([m["selected"] for metrics in per_seed for m in train_rows(metrics)]),
+               "per_step": {key: [seed_spread([at_step(metrics, key, step) for metrics in per_seed])
+                                  for step in range(1, steps + 1)] for key in keys}}
+        for key in keys:
+            arm[f"{key}_first_step"] = seed_spread([at_step(metrics, key, 1) for metrics in per_seed])
+            arm[f"{key}_last_step"] = seed_spread([at_step(metrics, key, steps) for metrics in per_seed])
+            arm[f"{key}_last_third"] = seed_spread([last_third(metrics, key, steps) for metrics in per_seed])
+        held_out = {}
+        for metrics in per_seed:
+            for step, m in evals(metrics):
+                held_out.setdefault(step, []).append(m)
+        arm["held_out"] = {step: {k: seed_spread([m.get(f"eval/{k}") for m in ms])
+                                  for k in ("pass@1", "tool_error_rate_in_correct")} for step, ms in sorted(held_out.items())}
+        summary["arms"][name] = arm
+    # The issue's bar: RoC's ratio below the baseline's by more than the seed spread (the larger of the two arms'
+    # standard deviations over seeds), at the last step and over the last third.
+    roc = summary["arms"]["GRPO-RoC"]
+    for name in arms:
+        if name == "GRPO-RoC":
+            continue
+        other = summary["arms"][name]
+        summary["roc_below"][name] = {}
+        for where in ("last_step", "last_third"):
+            a, b = roc[f"tool_error_ratio_in_correct_{where}"], other[f"tool_error_ratio_in_correct_{where}"]
+            if a["mean"] is None or b["mean"] is None:
+                summary["roc_below"][name][where] = None
+                continue
+            margin, spread = b["mean"] - a["mean"], max(a["std"], b["std"])
+            summary["roc_below"][name][where] = {"margin": margin, "spread": spread, "holds": margin > spread,
+                                                 "ranges_disjoint": a["max"] < b["min"]}
+    path = resolve(cfg.plot).with_suffix(".json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(summary, indent=1) + "\n")
+    lines = ablation_table(summary)
+    atomic_write_text(path.with_suffix(".md"), "\n".join(lines) + "\n")
+    print("\n" + "\n".join(lines), flush=True)
+    return summary
+
+
+def ablation_table(summary):
+    pct = lambda s: "n/a" if s["mean"] is None else f"{s['mean']:.1%} ± {s['std']:.1%}"  # noqa: E731
+    steps, seeds, timing = summary["steps"], summary["seeds"], summary["timing"]
+    lines = [f"Ablation: {steps} steps, seeds {seeds}; mean ± standard deviation over seeds. Training numbers over every "
+             f"sampled trajectory at T=1.0; last third = steps {steps - max(1, steps // 3) + 1}-{steps}. "
+             f"`python demo.py ablation=true`: {timing['seconds']:.0f} s for the runs, load average "
+             f"{timing['load_average_before'][0]:.1f} before, {timing['load_average_after'][0]:.1f} after.", "",
+             "| arm | rollouts sampled / trained per step | train accuracy, step 1 | train accuracy, last third "
+             "| tool-error ratio in correct, step 1 | at the last step | over the last third |",
+             "|---|---|---|---|---|---|---|"]
+    for name, arm in summary["arms"].items():
+        lines.append(f"| {name} | {arm['rollouts_per_step']} / {arm['trained_per_step']:.0f} "
+                     f"| {pct(arm['accuracy_first_step'])} | {pct(arm['accuracy_last_third'])} "
+                     f"| {pct(arm['tool_error_ratio_in_correct_first_step'])} "
+                     f"| {pct(arm['tool_error_ratio_in_correct_last_step'])} "
+                     f"| {pct(arm['tool_error_ratio_in_correct_last_third'])} |")
+    held = {name: arm["held_out"] for name, arm in summary["arms"].items() if arm["held_out"]}
+    if held:
+        lines += ["", "| arm | held-out pass@1 (T=eval_temperature), first -> last evaluation |", "|---|---|"]
+        for name, points in held.items():
+            first, last = points[min(points)], points[max(points)]
+            lines.append(f"| {name} | {pct(first['pass@1'])} (step {min(points)}) -> {pct(last['pass@1'])} (step {max(points)}) |")
+    lines.append("")
+    for name, result in summary["roc_below"].items():
+        for where, r in result.items():
+            label = "at the last step" if where == "last_step" else "over the last third"
+            if r is None:
+                lines.append(f"- RoC vs {name}, {label}: no correct trajectory with a tool call in some arm")
+                continue
+            verdict = "holds" if r["holds"] else "does NOT hold"
+            lines.append(f"- RoC's tool-error ratio in correct trajectories below {name}'s {label}: by "
+                         f"{r['margin']:+.1%} against a seed spread (larger std) of {r['spread']:.1%}: {verdict}; "
+                         f"seed ranges {'disjoint' if r['ranges_disjoint'] else 'overlap'}")
+    return lines
+
+
+def smooth(values, window):
+    """Trailing moving average over `window` steps, skipping steps with nothing to measure."""
+    out = []
+    for i in range(len(values)):
+        chunk = [v for v in values[max(0, i - window + 1):i + 1] if v is not None]
+        out.append(sum(chunk) / len(chunk) if chunk else None)
+    return out
+
+
+def plot_ablation(runs, arms, cfg):
+    # Left: training accuracy; right: the paper's Fig. 4 quantity, which RoC's choice of positives is meant to push
+    # down. Per arm the seed mean and, shaded, the seed min..max, each seed first smoothed over `ablation_smooth`
+    # steps (8 prompts a step are noisy; the table's numbers are not smoothed).
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    colors = {"GRPO": "tab:blue", "GRPO-RoC": "tab:red", "GRPO, 2G kept": "tab:green"}
+    steps = list(range(1, cfg.ablation_steps + 1))
+    for ax, key, title in zip(axes, ("accuracy", "tool_error_ratio_in_correct"),
+                              ("Training accuracy (T=1.0)", "Tool-error ratio in correct trajectories (Fig. 4)")):
+        for name in arms:
+            curves = [smooth([at_step(runs[(name, s)], key, step) for step in steps], cfg.ablation_smooth)
+                      for s in cfg.ablation_seeds]
+            stats = [seed_spread([c[i] for c in curves]) for i in range(len(steps))]
+            xs = [x for x, s in zip(steps, stats) if s["mean"] is not None]
+            stats = [s for s in stats if s["mean"] is not None]
+            ax.plot(xs, [s["mean"] for s in stats], color=colors.get(name), lw=2,
+                    label=f"{name} ({len(cfg.ablation_seeds)} seeds, mean)")
+            ax.fill_between(xs, [s["min"] for s in stats], [s["max"] for s in stats], color=colors.get(name), alpha=0.15)
+        ax.set(xlabel="RL step", title=title, ylabel="reward" if key == "accuracy" else "failed calls / calls")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"tiny model, plain GRPO vs GRPO-RoC, {cfg.ablation_steps} steps (python demo.py ablation=true)", fontsize=9)
+    fig.suptitle(f"tiny model: plain GRPO vs GRPO-RoC vs GRPO with 2G kept, {cfg.ablation_steps} steps; shaded: seed "
+                 f"min..max; {cfg.ablation_smooth}-step trailing mean (python demo.py ablation=true)", fontsize=8)
     fig.tight_layout()
     path = resolve(cfg.plot)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -266,8 +356,6 @@ def plot_ablation(runs, arms, cfg, summary):
 
 
 if __name__ == "__main__":
-    from common import ConfigError
-
     try:
         config = load_config(DemoConfig, sys.argv[1:])
     except ConfigError as e:

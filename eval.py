@@ -48,6 +48,7 @@ from pathlib import Path
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
+import tiny  # the demo's task, for the generated `arith` benchmark
 from common import (BENCHMARKS, ConfigError, atomic_write_text, init_distributed, load_config, load_problems, resolve,
                     save_config)
 from executor import Executor
@@ -238,8 +239,6 @@ def available_benchmarks():
 
 def load_benchmarks(cfg):
     """{benchmark name: problem rows} in the order asked, each cut to the first cfg.limit problems."""
-    import tiny  # only for `arith`; cheap (no torch at import)
-
     selected = {}
     for entry in cfg.benchmarks:
         path = resolve(entry)

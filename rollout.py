@@ -34,7 +34,7 @@ Paper vs released code (microsoft/rStar @ ecbfb94), and what this file does:
   - the load-balanced scheduler of §3.2 is not in the release; this is our reading of it.
 
 Use:   from rollout import RolloutConfig, Engine, generate, render_prompt, render_tool_turn
-Run:   python rollout.py model=out/tiny-model n=4            # rollouts on a few arithmetic problems
+Run:   python rollout.py model=runs/tiny-sft/final data=out/tiny-rl-test.jsonl n=4   # rollouts on a few problems
 Bench: python rollout.py mode=bench model=out/tiny-model     # vs plain vLLM generate and a per-turn barrier
 Tests: .venv/bin/python -m pytest tests/test_rollout.py -q
 """
@@ -1165,9 +1165,10 @@ def balance_by_tokens(trajectories):
 
 @dataclasses.dataclass
 class RolloutCLIConfig:
-    mode: str = "sample"             # sample: roll out arithmetic problems and print them | bench: the loop's speed
+    mode: str = "sample"             # sample: roll out the first problems of `data` and print them | bench: the loop's speed
     model: str = "out/tiny-model"    # a Hugging Face model directory (python tiny.py makes the tiny one)
-    problems: int = 4                # sample: this many tiny.make_arithmetic_problems
+    data: str = "data/math500.jsonl" # sample: JSONL rows with a "problem" (demo.py writes arithmetic ones to out/)
+    problems: int = 4                # sample: this many rows of `data`, from the top
     n: int = 2                       # sample: trajectories per problem
     seed: int = 0
     out: str = ""                    # sample: also write the trajectories here, one JSON object per line
@@ -1194,6 +1195,8 @@ class RolloutCLIConfig:
                              f">= 0, got {self.tool_latencies_s} and {self.admission_latency_s}")
         if not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"model={self.model}: no Hugging Face model directory there (python tiny.py makes one)")
+        if self.mode == "sample" and not Path(self.data).is_file():
+            raise ValueError(f"data={self.data}: file not found (JSONL rows with a \"problem\")")
         self.rollout.validate()
 
 
@@ -1376,14 +1379,14 @@ def bench(cfg):
 
 
 def sample(cfg):
-    """Roll out a few arithmetic problems with the real engine and executor, print them, optionally save them."""
+    """Roll out the first problems of a JSONL file with the real engine and executor, print them, optionally save
+    them."""
     from transformers import AutoTokenizer
 
-    import tiny
 
     common.init_distributed()
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    problems = [row["problem"] for row in tiny.make_arithmetic_problems(cfg.problems, cfg.seed)]
+    problems = [row["problem"] for row in common.load_jsonl(cfg.data, required=("problem",))[:cfg.problems]]
     engine = Engine(cfg.model, cfg.rollout, seed=cfg.seed)
     with Executor(workers=cfg.rollout.tool_workers or None, timeout_s=cfg.rollout.tool_timeout_s,
                   memory_mb=cfg.rollout.tool_memory_mb) as executor:

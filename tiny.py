@@ -14,7 +14,15 @@ import random
 import sys
 from pathlib import Path
 
-from common import REPO, load_config, load_jsonl
+import torch
+import torch.nn.functional as F
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
+
+from common import REPO, atomic_write_text, load_config, load_jsonl
+from executor import Executor
+from rollout import RolloutConfig, format_tool_response
 
 # Tokens the rStar2 format needs as single tokens (paper §2.1; in the Qwen3 tokenizer these are added tokens).
 # The tool-call tokens are *not* special, as in Qwen3, so they survive decode(skip_special_tokens=True).
@@ -64,7 +72,7 @@ class TinyConfig:
     # the demo's SFT transcripts (make_sft_transcripts), written by `python tiny.py`; "" = do not write them
     sft_data: str = "out/tiny-sft.jsonl"
     sft_examples: int = 2000
-    sft_error_fraction: float = 0.3  # share of transcripts whose first code fails and is fixed on a second call
+    sft_error_fraction: float = 0.4  # share of transcripts whose first code fails (BUGS) and is fixed on a second call
 
 
 # -----------------------------------------------------------------------------
@@ -97,11 +105,17 @@ def make_arithmetic_problems(n, seed, split="train"):
 # from a model that calls the tool and boxes an answer, but still miscopies digits and sometimes writes bad code.
 
 TOOL_NAME = "python_code_with_standard_io"
-# Mistakes a small model plausibly makes when it writes the call; each gets a real traceback back from the tool.
+# The failed call the SFT data teaches, and RL then has to unlearn: a misspelled builtin, `prnt(EXPR)`. The real
+# sandbox answers with a real NameError whose traceback quotes the line, expression included, so the retry can copy
+# the expression from just above it: the same short, fixed distances as every other copy in the transcript (a
+# 2-layer model copies only at fixed distances; see pretrain_base_model). Measured after SFT (40% of transcripts
+# with a failed call; 64 held-out problems x 4 samples at T=1.0): 33% of trajectories with a failed call still end
+# correct (clean ones: 46%), so 38% of the correct trajectories contain a failed call. A wrong import before the
+# print (`import maths\nprint(EXPR)`, ModuleNotFoundError) moved the expression in the code off its usual distance
+# and the traceback did not quote it: 0% of those ended correct; so did the earlier mix of NameError and two
+# SyntaxErrors (0 of 18, README).
 BUGS = (
     lambda expression: f"prnt({expression})",                          # NameError: name 'prnt' is not defined
-    lambda expression: f"print({expression}",                          # SyntaxError: '(' was never closed
-    lambda expression: f"print({expression.replace('*', 'x')})",       # SyntaxError: invalid syntax
 )
 
 
@@ -124,9 +138,6 @@ def make_sft_transcripts(problems, error_fraction=0.3, seed=0):
     Every tool text comes from running the code in the real executor, rendered as the rollout renders it (no
     execution time, so reruns write identical files). Assistant contents start after the template's `<reason>`.
     """
-    from executor import Executor
-    from rollout import RolloutConfig, format_tool_response
-
     if not 0 <= error_fraction <= 1:
         raise ValueError(f"error_fraction must be in [0, 1], got {error_fraction}")
     rng = random.Random(f"sft-transcripts-{seed}")
@@ -163,8 +174,6 @@ def make_sft_transcripts(problems, error_fraction=0.3, seed=0):
 def write_sft_transcripts(cfg):
     """Write cfg.sft_examples transcripts on fresh problems (split "sft": not RL's train split, not eval's test
     split) to cfg.sft_data as JSONL; returns the path."""
-    from common import atomic_write_text
-
     problems = make_arithmetic_problems(cfg.sft_examples, cfg.seed, split="sft")
     rows = make_sft_transcripts(problems, cfg.sft_error_fraction, cfg.seed)
     path = Path(cfg.sft_data)
@@ -201,10 +210,6 @@ def pretraining_documents(rows, tokenizer, error_fraction=0.3, seed=0):
 def pretrain_base_model(model, tokenizer, cfg):
     """Next-token prediction on pretraining_documents, every token trained; AdamW, 20 warm-up steps, then
     constant lr. Problems come from their own split ("pretrain"), never an SFT, RL or held-out one."""
-    import torch
-    import torch.nn.functional as F
-    from tqdm import tqdm
-
     if cfg.pretrain_steps == 0:
         return []
     rows = make_arithmetic_problems(cfg.pretrain_steps * cfg.pretrain_batch_size, cfg.seed, split="pretrain")
@@ -254,9 +259,6 @@ def tokenizer_corpus(cfg):
 
 
 def build_tokenizer(cfg):
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN_PATTERN), behavior="isolated"),
@@ -278,9 +280,6 @@ def build_tokenizer(cfg):
 # model
 
 def build_model(cfg, tokenizer):
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
     torch.manual_seed(cfg.seed)
     vocab = (len(tokenizer) + 63) // 64 * 64  # padded like real checkpoints; ids past len(tokenizer) are never sampled in practice
     config = Qwen3Config(

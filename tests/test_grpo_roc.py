@@ -239,6 +239,38 @@ def test_roc_mode_is_resample_on_correct():
         select_group(rewards, penalties, 16, np.random.default_rng(4), mode="ppo")
 
 
+def test_roc_keeps_fewer_positives_with_tool_errors_than_uniform_selection():
+    """What RoC is for (§2.2.3, Fig. 4), on a fixed batch shaped like the tiny demo's after SFT: 2G = 8 rollouts per
+    question, each (tool calls, failed calls, reward). A clean answer makes 1 call; a recovered one makes 2, the
+    first failed (penalty 0.5). Uniform selection, which is plain GRPO's (select_group mode="grpo" thins 2G to G
+    exactly like sampling G), keeps positives with errors at their share in the batch; RoC keeps far fewer."""
+    clean_right, recovered_right, clean_wrong, failed_wrong = (1, 0, 1.0), (2, 1, 1.0), (1, 0, 0.0), (2, 1, 0.0)
+    batch = [
+        [clean_right] * 3 + [recovered_right] * 2 + [clean_wrong] * 2 + [failed_wrong],
+        [clean_right] * 2 + [recovered_right] * 2 + [clean_wrong] * 3 + [failed_wrong],
+        [clean_right] * 4 + [recovered_right] * 1 + [clean_wrong] * 1 + [failed_wrong] * 2,
+        [clean_right] * 1 + [recovered_right] * 3 + [clean_wrong] * 3 + [failed_wrong],
+        [clean_right] * 5 + [recovered_right] * 2 + [failed_wrong],
+    ]
+    kept = {"roc": [0, 0], "grpo": [0, 0]}  # [positives kept, of them with a failed call]
+    for seed in range(200):
+        for g, group in enumerate(batch):
+            rewards = [reward for _, _, reward in group]
+            penalties = [roc_penalty(calls, errors, 1, calls + 1) for calls, errors, _ in group]
+            for mode in kept:
+                for i in select_group(rewards, penalties, 4, np.random.default_rng([seed, g]), mode=mode):
+                    if rewards[i]:
+                        kept[mode][0] += 1
+                        kept[mode][1] += group[i][1] > 0
+    share = {mode: errors / positives for mode, (positives, errors) in kept.items()}
+    in_batch = sum(t == recovered_right for group in batch for t in group) / sum(t[2] for group in batch for t in group)
+    assert abs(share["grpo"] - in_batch) < 0.03, (share, in_batch)  # uniform: the batch's own share (10 of 25)
+    # RoC: clean positives weigh 1/0.1 against 1/0.6 (penalty_offset 0.1), so a recovered one is kept only when
+    # too few clean ones are left to fill the positive slots.
+    assert share["roc"] < 0.5 * share["grpo"], share
+    assert kept["roc"][1] < kept["grpo"][1], kept
+
+
 # -----------------------------------------------------------------------------
 # group_advantages (Eq. 7)
 

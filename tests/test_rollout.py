@@ -741,7 +741,7 @@ def torchrun(*args):
         proc.stdout[-2000:] + proc.stderr[-4000:])
 
 
-def test_command_line_errors_name_the_problem(tmp_path):
+def test_command_line_errors_name_the_problem(tmp_path, tiny_model_dir):
     repo = Path(rollout.__file__).parent
 
     def fails(*args):
@@ -752,3 +752,4 @@ def test_command_line_errors_name_the_problem(tmp_path):
     assert "mode must be sample or bench, got 'fast'" in fails("mode=fast")
     assert f"model={tmp_path}: no Hugging Face model directory" in fails(f"model={tmp_path}")
     assert "unknown key" in fails("rollout.max_turn=3")
+    assert f"data={tmp_path}/none.jsonl: file not found" in fails(f"model={tiny_model_dir}", f"data={tmp_path}/none.jsonl")

@@ -151,7 +151,9 @@ def test_sft_transcripts_run_the_real_tool_and_end_in_the_boxed_answer():
         if len(calls) == 2:  # a buggy first call, its real traceback, the fix
             retried += 1
             assert tool_texts[0].startswith("Tool call failure\nreason: \nstderr: ")
-            assert "NameError: name 'prnt' is not defined" in tool_texts[0] or "SyntaxError" in tool_texts[0]
+            # the real traceback quotes the failed line, so the retry can copy the expression from just above
+            assert "NameError: name 'prnt' is not defined" in tool_texts[0]
+            assert f"\n    prnt({problem['problem'][8:-1]})\n" in tool_texts[0]
             assert "The code failed." in messages[3]["content"]
     assert 2 <= retried <= 10
 
