@@ -25,6 +25,7 @@ compute); the equal-compute control, plain GRPO with 2G sampled and all kept, se
 positives from the effect of sampling more. The number it is about is Fig. 4's tool-error ratio in correct
 trajectories: failed calls / calls over the trajectories that got the answer right.
 """
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -39,6 +40,7 @@ import yaml
 
 import tiny
 from common import REPO, ConfigError, atomic_write_text, load_config, load_jsonl, resolve
+from rollout import RolloutConfig
 
 matplotlib.use("Agg")  # no display on a server; before pyplot is imported
 import matplotlib.pyplot as plt  # noqa: E402
@@ -60,9 +62,10 @@ class DemoConfig:
     ablation_dir: str = "runs/ablation"
     ablation_steps: int = 20
     ablation_seeds: list[int] = dataclasses.field(default_factory=lambda: [0, 1, 2])
-    ablation_held_out: bool = False          # also rl.py's held-out evaluation before the first step and after the last
-                                             # (2 x 200 trajectories per run: about a third more time)
-    ablation_eval_every: int = 0             # ... and every N steps (0: only those two)
+    # The last step's policy, measured on the held-out problems with this many samples each at the training
+    # temperature: one training batch (8 prompts) is too few correct trajectories to read a ratio from (0 = off).
+    ablation_final_samples: int = 4
+    ablation_parallel: int = 2               # rl.py runs at once: each uses one core for its engine and training
     ablation_smooth: int = 3                 # the plot's trailing mean over steps (the table is not smoothed)
     plot: str = "assets/ablation.png"        # the numbers go next to it as .json and .md
 
@@ -73,20 +76,30 @@ class DemoConfig:
             raise ConfigError(f"ablation_smooth must be >= 1 (1 = no smoothing), got {self.ablation_smooth}")
         if not self.ablation_seeds:
             raise ConfigError("ablation_seeds is empty")
+        if self.ablation_parallel < 1 or self.ablation_final_samples < 0:
+            raise ConfigError(f"ablation_parallel must be >= 1 and ablation_final_samples >= 0, got "
+                              f"{self.ablation_parallel} and {self.ablation_final_samples}")
         for name in ("sft_config", "rl_config"):
             if not resolve(getattr(self, name)).is_file():
                 raise ConfigError(f"{name}: file not found: {getattr(self, name)}")
 
 
-def run(cmd):
-    """Run one stage as its README command, echoing it; stop the demo if it fails."""
+def run(cmd, log=None):
+    """Run one stage as its README command, echoing it; stop the demo if it fails. With `log`, its output goes to
+    that file instead of the terminal (runs side by side would interleave their progress bars)."""
     # A fresh process per stage: each script starts its own torch.distributed world and vLLM engine, exactly as
     # when run by hand, and nothing (threads, engines, process groups) leaks from one stage into the next.
-    print(f"\n$ {' '.join(cmd)}", flush=True)
+    print(f"\n$ {' '.join(cmd)}" + (f" > {log}" if log else ""), flush=True)
     started = time.time()
-    proc = subprocess.run([sys.executable, *cmd], cwd=REPO)
+    if log:
+        Path(log).parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as out:
+            proc = subprocess.run([sys.executable, *cmd], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    else:
+        proc = subprocess.run([sys.executable, *cmd], cwd=REPO)
     if proc.returncode != 0:
-        sys.exit(f"demo.py: `{' '.join(cmd)}` failed with exit code {proc.returncode}")
+        sys.exit(f"demo.py: `{' '.join(cmd)}` failed with exit code {proc.returncode}" +
+                 (f"; its output: {log}" if log else ""))
     return time.time() - started
 
 
@@ -126,12 +139,12 @@ def read_metrics(run_dir):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
-def train_rl(cfg, out_dir, args):
-    """rl.py into out_dir (resumed if it is there, unless fresh); returns its per-step metrics."""
+def train_rl(cfg, out_dir, args, log=None):
+    """rl.py into out_dir (resumed if it is there, unless fresh); returns its per-step metrics and its seconds."""
     if cfg.fresh:
         shutil.rmtree(resolve(out_dir), ignore_errors=True)
     verbose = ["verbose=true"] if cfg.verbose else []
-    seconds = run(["rl.py", cfg.rl_config, f"out_dir={out_dir}", *verbose, *cfg.rl_args, *args])
+    seconds = run(["rl.py", cfg.rl_config, f"out_dir={out_dir}", *verbose, *cfg.rl_args, *args], log=log)
     return read_metrics(resolve(out_dir)), seconds
 
 
@@ -188,16 +201,28 @@ def ablation_arms(cfg):
 def ablation(cfg):
     prepare(cfg)
     arms = ablation_arms(cfg)
-    runs, seconds = {}, {}
+    temperature = (config_value(cfg.rl_config, "rollout") or {}).get("temperature", RolloutConfig.temperature)
+    if cfg.ablation_final_samples:  # rl.py's held-out evaluation, after the last step only, at T of training
+        final = ["eval_at_start=false", "eval_every=0", f"eval_samples={cfg.ablation_final_samples}",
+                 f"eval_temperature={temperature}"]
+    else:
+        final = ["eval_data="]
+    jobs = {(name, seed): (f"{cfg.ablation_dir}/{slug}-seed{seed}",
+                           [*overrides, f"seed={seed}", f"steps={cfg.ablation_steps}", *final,
+                            f"save_every={cfg.ablation_steps}"])
+            for name, (slug, overrides) in arms.items() for seed in cfg.ablation_seeds}
     load_before, started = os.getloadavg(), time.time()
-    for name, (slug, overrides) in arms.items():
-        for seed in cfg.ablation_seeds:
-            out_dir = f"{cfg.ablation_dir}/{slug}-seed{seed}"
-            held_out = [f"eval_every={cfg.ablation_eval_every}"] if cfg.ablation_held_out else ["eval_data="]
-            runs[(name, seed)], seconds[(name, seed)] = train_rl(cfg, out_dir, [
-                *overrides, f"seed={seed}", f"steps={cfg.ablation_steps}", *held_out, f"save_every={cfg.ablation_steps}"])
-    timing = {"seconds": time.time() - started, "load_average_before": load_before, "load_average_after": os.getloadavg(),
-              "seconds_per_run": {f"{name} seed {seed}": s for (name, seed), s in seconds.items()}}
+    # Runs are independent processes (own engine, tool workers, process group on its own port) and each is
+    # single-threaded on CPU (train_threads=0: one torch thread), so two of them fill two cores. Every number
+    # they produce is fixed by its seed; only the seconds depend on what runs beside them.
+    log = (lambda out_dir: f"{resolve(out_dir)}.log") if cfg.ablation_parallel > 1 else (lambda out_dir: None)
+    with concurrent.futures.ThreadPoolExecutor(cfg.ablation_parallel) as pool:
+        futures = {key: pool.submit(train_rl, cfg, out_dir, args, log(out_dir)) for key, (out_dir, args) in jobs.items()}
+        results = {key: future.result() for key, future in futures.items()}
+    runs = {key: metrics for key, (metrics, _) in results.items()}
+    timing = {"seconds": time.time() - started, "parallel": cfg.ablation_parallel, "load_average_before": load_before,
+              "load_average_after": os.getloadavg(),
+              "seconds_per_run": {f"{name} seed {seed}": s for (name, seed), (_, s) in results.items()}}
     summary = summarize_ablation(runs, arms, cfg, timing)
     plot_ablation(runs, arms, cfg)
     return summary
@@ -248,23 +273,28 @@ def summarize_ablation(runs, arms, cfg, timing):
             arm[f"{key}_first_step"] = seed_spread([at_step(metrics, key, 1) for metrics in per_seed])
             arm[f"{key}_last_step"] = seed_spread([at_step(metrics, key, steps) for metrics in per_seed])
             arm[f"{key}_last_third"] = seed_spread([last_third(metrics, key, steps) for metrics in per_seed])
-        held_out = {}
-        for metrics in per_seed:
-            for step, m in evals(metrics):
-                held_out.setdefault(step, []).append(m)
-        arm["held_out"] = {step: {k: seed_spread([m.get(f"eval/{k}") for m in ms])
-                                  for k in ("pass@1", "tool_error_rate_in_correct")} for step, ms in sorted(held_out.items())}
+        # The policy after the last step on the held-out problems (ablation_final_samples each, training
+        # temperature): the same quantity as the training batches', from several times as many trajectories.
+        finals = [points[-1][1] if (points := evals(metrics)) and points[-1][0] == steps else {} for metrics in per_seed]
+        arm["final_accuracy"] = seed_spread([m.get("eval/pass@1") for m in finals])
+        arm["final_tool_error_ratio_in_correct"] = seed_spread([m.get("eval/tool_error_rate_in_correct") for m in finals])
+        arm["final_trajectories"] = cfg.test_problems * cfg.ablation_final_samples if any(finals) else 0
         summary["arms"][name] = arm
     # The issue's bar: RoC's ratio below the baseline's by more than the seed spread (the larger of the two arms'
-    # standard deviations over seeds), at the last step and over the last third.
+    # standard deviations over seeds), at the last step (the final policy's measurement where there is one) and over
+    # the last third of the training steps.
     roc = summary["arms"]["GRPO-RoC"]
+    last = "final_tool_error_ratio_in_correct" if roc["final_tool_error_ratio_in_correct"]["mean"] is not None \
+        else "tool_error_ratio_in_correct_last_step"
+    summary["last_step_measure"] = last
     for name in arms:
         if name == "GRPO-RoC":
             continue
         other = summary["arms"][name]
         summary["roc_below"][name] = {}
         for where in ("last_step", "last_third"):
-            a, b = roc[f"tool_error_ratio_in_correct_{where}"], other[f"tool_error_ratio_in_correct_{where}"]
+            key = last if where == "last_step" else "tool_error_ratio_in_correct_last_third"
+            a, b = roc[key], other[key]
             if a["mean"] is None or b["mean"] is None:
                 summary["roc_below"][name][where] = None
                 continue
@@ -285,10 +315,11 @@ def ablation_table(summary):
     steps, seeds, timing = summary["steps"], summary["seeds"], summary["timing"]
     lines = [f"Ablation: {steps} steps, seeds {seeds}; mean ± standard deviation over seeds. Training numbers over every "
              f"sampled trajectory at T=1.0; last third = steps {steps - max(1, steps // 3) + 1}-{steps}. "
-             f"`python demo.py ablation=true`: {timing['seconds']:.0f} s for the runs, load average "
+             f"`python demo.py ablation=true`: {timing['seconds']:.0f} s for the runs ({timing.get('parallel', 1)} at "
+             f"a time), load average "
              f"{timing['load_average_before'][0]:.1f} before, {timing['load_average_after'][0]:.1f} after.", "",
              "| arm | rollouts sampled / trained per step | train accuracy, step 1 | train accuracy, last third "
-             "| tool-error ratio in correct, step 1 | at the last step | over the last third |",
+             "| tool-error ratio in correct, step 1 | at the last step's batch | over the last third |",
              "|---|---|---|---|---|---|---|"]
     for name, arm in summary["arms"].items():
         lines.append(f"| {name} | {arm['rollouts_per_step']} / {arm['trained_per_step']:.0f} "
@@ -296,16 +327,19 @@ def ablation_table(summary):
                      f"| {pct(arm['tool_error_ratio_in_correct_first_step'])} "
                      f"| {pct(arm['tool_error_ratio_in_correct_last_step'])} "
                      f"| {pct(arm['tool_error_ratio_in_correct_last_third'])} |")
-    held = {name: arm["held_out"] for name, arm in summary["arms"].items() if arm["held_out"]}
-    if held:
-        lines += ["", "| arm | held-out pass@1 (T=eval_temperature), first -> last evaluation |", "|---|---|"]
-        for name, points in held.items():
-            first, last = points[min(points)], points[max(points)]
-            lines.append(f"| {name} | {pct(first['pass@1'])} (step {min(points)}) -> {pct(last['pass@1'])} (step {max(points)}) |")
+    finals = {name: arm for name, arm in summary["arms"].items() if arm["final_accuracy"]["mean"] is not None}
+    if finals:
+        lines += ["", f"The policy after step {steps}, on the held-out problems at the training temperature "
+                      f"({max(a['final_trajectories'] for a in finals.values())} trajectories per seed):", "",
+                  "| arm | held-out accuracy | tool-error ratio in correct trajectories |", "|---|---|---|"]
+        for name, arm in finals.items():
+            lines.append(f"| {name} | {pct(arm['final_accuracy'])} | {pct(arm['final_tool_error_ratio_in_correct'])} |")
     lines.append("")
+    at_last = ("at the last step (the final policy, held out)" if summary.get("last_step_measure", "").startswith("final")
+               else "at the last step (its training batch)")
     for name, result in summary["roc_below"].items():
         for where, r in result.items():
-            label = "at the last step" if where == "last_step" else "over the last third"
+            label = at_last if where == "last_step" else "over the last third"
             if r is None:
                 lines.append(f"- RoC vs {name}, {label}: no correct trajectory with a tool call in some arm")
                 continue

@@ -120,6 +120,7 @@ class RLConfig:
                                              # fresh AdamW from step 0 and data position 0: stage 3's reset (§6.3)
     eval_data: str = ""                      # held-out problems scored every eval_every steps (and at 0 and the end)
     eval_every: int = 0                      # 0 = only at the start and the end (when eval_data is set)
+    eval_at_start: bool = True               # also before the first step (false: the ablation measures only the end)
     eval_samples: int = 1                    # rollouts per eval problem
     eval_temperature: float = 0.6            # the paper's evaluation temperature (§8.1)
     wandb_project: str = ""
@@ -815,7 +816,7 @@ def train(cfg):
         metrics["time/eval"] = time.perf_counter() - started
 
     metrics = {}
-    if state["step"] == 0 and eval_rows:  # the "before" row of the demo's table
+    if state["step"] == 0 and eval_rows and cfg.eval_at_start:  # the "before" row of the demo's table
         run_eval(metrics)
         logger.log(0, metrics)
     progress = tqdm(total=cfg.steps, initial=state["step"], desc="rl", disable=rank != 0, dynamic_ncols=True)
