@@ -924,6 +924,7 @@ def _worker_main(cfg_json):
     """A worker's life: isolate, preload, check, report ready, then one call per request until the parent goes.
     A worker whose sandbox cannot run calls says why in its first message (Executor() raises it), and exits."""
     cfg = json.loads(cfg_json)
+    os.environ.pop("LD_BIND_NOW", None)   # the worker's own (_worker_env), not the snippet's or its subprocesses'
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # a ^C in the terminal is for the trainer, not for us
     try:
         info, state = _start_worker(cfg)
@@ -1052,7 +1053,10 @@ def _worker_env():
             "PYTHONDONTWRITEBYTECODE": "1", "MPLBACKEND": "Agg",
             "PYTHONIOENCODING": "utf-8:surrogateescape",   # the snippet's stdin and stdout, as in a UTF-8 locale
             "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMEXPR_NUM_THREADS": "1",
-            "CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": ""}
+            "CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": "",
+            # every symbol bound at load: otherwise each child's first call of a libc function (setsid, setresuid,
+            # ...) has the dynamic linker write the worker's GOT, pages the child then copies (~15 faults a call)
+            "LD_BIND_NOW": "1"}
 
 
 class _WorkerProcess:
