@@ -516,10 +516,7 @@ def _run_snippet(code, stdin, private_tmp):
     if not private_tmp:   # without a private /tmp the call's directory changes every time
         os.environ.update(HOME=os.getcwd(), TMPDIR=os.getcwd())   # ~/.cache and tempfile land in the call's dir
         tempfile.tempdir = None   # the worker's own mkdtemp() cached /tmp
-    sys.argv = [MAIN]
-    main = types.ModuleType("__main__")   # a fresh __main__, so the snippet's functions pickle (multiprocessing)
-    main.__builtins__, main.__file__ = builtins, MAIN
-    sys.modules["__main__"] = main
+    main = sys.modules["__main__"]   # the worker's empty one (_start_worker): what the snippet adds stays in the child
     returncode = 0
     try:
         tree = compile(code, MAIN, "exec", ast.PyCF_ONLY_AST)   # ast.parse, minus a frame
@@ -535,9 +532,10 @@ def _run_snippet(code, stdin, private_tmp):
         _print_snippet_traceback(exc)
         returncode = EXIT_MEMORY if isinstance(exc, MemoryError) else 1
     try:   # what the interpreter does at exit: wait for non-daemon threads, then run the atexit handlers
-        for thread in threading.enumerate():
-            if thread is not threading.main_thread() and not thread.daemon:
-                thread.join()
+        if threading.active_count() > 1:   # enumerate() on every call would write ~40 pages, so copy them
+            for thread in threading.enumerate():
+                if thread is not threading.main_thread() and not thread.daemon:
+                    thread.join()
         atexit._run_exitfuncs()   # this also joins non-daemon multiprocessing children, as `python` does
     except SystemExit as exc:
         returncode = _system_exit_code(exc)
@@ -924,6 +922,7 @@ def _worker_main(cfg_json):
     """A worker's life: isolate, preload, check, report ready, then one call per request until the parent goes.
     A worker whose sandbox cannot run calls says why in its first message (Executor() raises it), and exits."""
     cfg = json.loads(cfg_json)
+    os.environ.pop("LD_BIND_NOW", None)   # the worker's own (_worker_env), not the snippet's or its subprocesses'
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # a ^C in the terminal is for the trainer, not for us
     try:
         info, state = _start_worker(cfg)
@@ -958,6 +957,13 @@ def _start_worker(cfg):
             exec(HEAVY_WARMUP, {})
         except Exception as e:   # without numpy or sympy the worker still runs plain Python
             info["warnings"].append(f"heavy warm-up failed: {e!r}")
+    # argv and a fresh, empty __main__ (so the snippet's functions pickle, for multiprocessing), set once here: the
+    # worker never runs a snippet, so every child finds them empty, and a child that made its own would write (and
+    # copy) ~40 pages, the old __main__'s among them.
+    sys.argv = [MAIN]
+    main = types.ModuleType("__main__")
+    main.__builtins__, main.__file__ = builtins, MAIN
+    sys.modules["__main__"] = main
     # The first compile() in a process costs ~3 ms of parser set-up: paid here once, not in every child.
     compile("x = [i for i in range(3)]\nprint(x)\n", MAIN, "exec")
     ast.parse("x = 1")
@@ -1052,7 +1058,10 @@ def _worker_env():
             "PYTHONDONTWRITEBYTECODE": "1", "MPLBACKEND": "Agg",
             "PYTHONIOENCODING": "utf-8:surrogateescape",   # the snippet's stdin and stdout, as in a UTF-8 locale
             "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMEXPR_NUM_THREADS": "1",
-            "CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": ""}
+            "CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": "",
+            # every symbol bound at load: otherwise each child's first call of a libc function (setsid, setresuid,
+            # ...) has the dynamic linker write the worker's GOT, pages the child then copies (~15 faults a call)
+            "LD_BIND_NOW": "1"}
 
 
 class _WorkerProcess:

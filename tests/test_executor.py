@@ -117,6 +117,14 @@ def test_the_snippet_runs_as_a_script_named_main(ex):
     assert result.stdout == "__main__ main.py ['main.py'] ['main.py']\nTrue\n"
 
 
+def test_each_call_finds_an_empty_main_and_argv_and_the_workers_environment_stays_its_own(ex):
+    # __main__ and argv are set once in the worker (not per child): what one call adds must not reach the next
+    ex.run("import sys\nleft_behind = 1\nsys.argv.append('x')\nsys.modules['__main__'].__dict__['also'] = 2")
+    result = ex.run("import os, sys\nprint(sorted(k for k in globals() if not k.startswith('__')), sys.argv, "
+                    "'LD_BIND_NOW' in os.environ)")
+    assert result.stdout == "['os', 'sys'] ['main.py'] False\n", result
+
+
 def test_threads_are_joined_and_atexit_runs_as_in_python(ex):
     code = ("import threading, time, atexit\natexit.register(print, 'bye')\n"
             "threading.Thread(target=lambda: (time.sleep(0.2), print('late'))).start()\nprint('main')")
