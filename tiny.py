@@ -109,8 +109,8 @@ TOOL_NAME = "python_code_with_standard_io"
 # sandbox answers with a real NameError whose traceback quotes the line, expression included, so the retry can copy
 # the expression from just above it: the same short, fixed distances as every other copy in the transcript (a
 # 2-layer model copies only at fixed distances; see pretrain_base_model). Measured after SFT (40% of transcripts
-# with a failed call; 64 held-out problems x 4 samples at T=1.0): 33% of trajectories with a failed call still end
-# correct (clean ones: 46%), so 38% of the correct trajectories contain a failed call. A wrong import before the
+# with a failed call; 100 held-out problems x 4 samples at T=1.0): 63% of trajectories with a failed call still end
+# correct (clean ones: 94%), so 34% of the correct trajectories contain a failed call. A wrong import before the
 # print (`import maths\nprint(EXPR)`, ModuleNotFoundError) moved the expression in the code off its usual distance
 # and the traceback did not quote it: 0% of those ended correct; so did the earlier mix of NameError and two
 # SyntaxErrors (0 of 18, README).
