@@ -10,10 +10,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import tiny  # noqa: E402  (after the path above)
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    import tiny
-
     out = tmp_path_factory.mktemp("tiny-model")
     return tiny.build_tiny_model(tiny.TinyConfig(out_dir=str(out), pretrain_steps=0))

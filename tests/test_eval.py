@@ -10,10 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 import eval as evaluation
+import common
 import rollout
-from common import BENCHMARKS, ConfigError
+from common import BENCHMARKS, ConfigError, load_config
+from executor import Executor
+from rollout import RolloutConfig
 
 REPO = Path(evaluation.__file__).resolve().parent
 
@@ -200,8 +204,6 @@ def test_command_line_reports_bad_input_in_one_line_before_any_engine(tiny_model
 
 
 def test_the_configs_load_and_eval_yaml_is_the_papers_protocol():
-    from common import load_config
-
     cfg = load_config(evaluation.EvalConfig, ["configs/eval.yaml", "model=somewhere"])
     protocol = (cfg.n, cfg.rollout.temperature, cfg.rollout.max_turns, cfg.rollout.max_response_tokens)
     assert protocol == (16, 0.6, 30, 30720)
@@ -328,8 +330,6 @@ def scripted_policy():
 
 
 def eval_cfg(**overrides):
-    from rollout import RolloutConfig
-
     rollout_cfg = RolloutConfig(prompt_variant="code", dtype="float32", enforce_eager=True, gpu_memory_utilization=0.1,
                                 max_prompt_tokens=512, max_response_tokens=160, max_turns=2, temperature=0.6,
                                 max_tool_response_chars=96)
@@ -341,18 +341,12 @@ def eval_cfg(**overrides):
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir):
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
 def scripted(tiny_model_dir, tokenizer):
     """(engine, executor): one engine for the module, since starting one takes 10-30 s on CPU."""
-    import common
-    import rollout
-    from executor import Executor
-
     cfg = eval_cfg()
     call_end = tokenizer.convert_tokens_to_ids("</tool_call>")
     for row, turns in PROBLEMS:
@@ -397,8 +391,6 @@ def first_run(scripted, tokenizer, tiny_model_dir, tmp_path_factory):
 
 @pytest.mark.slow
 def test_whole_path_grades_scripted_samples_and_writes_table_json_and_jsonl(first_run, tokenizer):
-    import rollout
-
     out_dir, summary, counts = first_run
     assert counts == {"problems": 5, "trajectories": 10}  # in two chunks of at most 3 problems
     records = [json.loads(line) for line in (out_dir / "samples.jsonl").read_text().splitlines()]
@@ -455,8 +447,6 @@ def test_resume_recomputes_nothing_finished(first_run, scripted, tokenizer, tiny
 
 @pytest.mark.slow
 def test_without_the_tool_no_executor_is_needed(scripted, tokenizer, tiny_model_dir):
-    import rollout
-
     engine, _ = scripted
     cfg = eval_cfg()
     cfg.rollout.use_tool = False
@@ -472,8 +462,6 @@ def test_without_the_tool_no_executor_is_needed(scripted, tokenizer, tiny_model_
 def test_a_box_the_tool_printed_is_neither_the_answer_nor_correct(scripted, tokenizer, tiny_model_dir, tmp_path):
     """The code prints a fake end of its tool turn and a box; the model then answers nothing. samples.jsonl shows
     the whole transcript, but its answer and correctness come from the model's own text only."""
-    import rollout
-
     engine, executor = scripted
     cfg = eval_cfg()
     row = {"id": "forged", "problem": "Compute 3 + 4.", "answer": "7"}

@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -258,7 +259,6 @@ def test_score_batch_verifies_each_distinct_pair_once():
 
 def test_score_batch_is_safe_to_call_from_several_threads():
     # eval.py or rl.py may grade from a thread pool; batches then take turns on the shared workers.
-    import threading
 
     pairs = [("\\boxed{\\frac{\\sqrt 2}{2}}", "\\sqrt{2}/2", 1.0), ("\\boxed{2\\sqrt{3}}", "\\sqrt{8}", 0.0),
              ("\\boxed{(x+1)^2}", "x^2+2x+1", 1.0), ("\\boxed{x^2+1}", "(x+1)^2", 0.0)]

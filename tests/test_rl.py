@@ -3,18 +3,27 @@ bad configs stop before any work, and a tiny run (real engine, real executor) ki
 
 Run: .venv/bin/python -m pytest tests/test_rl.py -q        (-m "not slow" for the fast half, ~10 s)
 """
+import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import rl
 import rollout
+import tiny
+from dist_rl_train_step import fixed_batch   # tests/ is on sys.path (pytest's rootdir-relative import)
+from grpo_roc import policy_loss
 from common import ConfigError, init_distributed, latest_checkpoint, load_config, load_problems, save_checkpoint
+from rollout import Trajectory
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -75,8 +84,6 @@ def test_gradients_and_metrics_do_not_depend_on_the_split(three_splits):
 
 @pytest.mark.slow
 def test_updated_weights_do_not_depend_on_the_split(three_splits, tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()  # lm_head too: rl.full_weights sends it
     reference, *others = three_splits.values()
     lr = 1e-3  # tests/dist_rl_train_step.py
@@ -153,13 +160,9 @@ def test_weight_sync_gathers_in_the_engine_dtype_in_few_collectives(three_splits
 
 def test_a_per_micro_batch_mean_would_change_this_batch_far_beyond_the_tolerance(tiny_model_dir):
     """The negative control: the invariance batch is sensitive to the scaling bug the test is there to catch."""
-    import random
 
-    from grpo_roc import policy_loss
-    from transformers import AutoModelForCausalLM
 
     sys.path.insert(0, str(REPO / "tests"))
-    from dist_rl_train_step import fixed_batch
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     samples = fixed_batch(model.config.vocab_size)
@@ -287,8 +290,6 @@ def test_a_trajectory_longer_than_a_micro_batch_is_an_error_that_says_what_to_ra
 # selection: all-equal groups dropped, RoC keeps G of 2G, plain GRPO keeps all
 
 def trajectory(problem, index, calls=1, errors=0, answers=1, turns=2, prompt_len=3, response_len=6):
-    from rollout import Trajectory
-
     t = Trajectory(problem, index, list(range(prompt_len)), list(range(response_len)), [1] * response_len,
                    [-0.5] * response_len)
     t.num_tool_calls, t.num_tool_errors, t.num_answer_tags, t.num_turns = calls, errors, answers, turns
@@ -411,8 +412,6 @@ def test_a_config_for_n_ranks_launched_on_m_is_rejected_before_loading_anything(
 
 
 def test_a_model_directory_without_a_tokenizer_is_rejected_by_the_command_line(tiny_model_dir, tmp_path):
-    import shutil
-
     weights_only = tmp_path / "weights-only"
     weights_only.mkdir()
     for name in ("config.json", "model.safetensors"):
@@ -436,9 +435,7 @@ MEMO_PROBLEMS = [{"id": f"memo-{i}", "problem": f"Compute {a} * {b} + {c}.", "an
 def sft_policy(tmp_path_factory):
     """A small policy that calls the tool and answers, sometimes right: tiny.py's architecture at hidden 64 x 2
     layers, after sft.py on transcripts of MEMO_PROBLEMS (run through the real executor)."""
-    import json
 
-    import tiny
 
     work = tmp_path_factory.mktemp("sft")
     model = tiny.build_tiny_model(tiny.TinyConfig(out_dir=str(work / "model"), hidden_size=64, intermediate_size=128,
@@ -464,10 +461,6 @@ def deterministic(metrics):
 
 @pytest.mark.slow
 def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_data_and_metrics(sft_policy, tmp_path):
-    import json
-    import signal
-    import time
-
     data = tmp_path / "train.jsonl"  # each problem three times under different ids: the data order matters
     data.write_text("".join(json.dumps({**p, "id": f"{p['id']}-{k}"}) + "\n" for k in range(3) for p in MEMO_PROBLEMS))
     read = lambda d: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
@@ -507,7 +500,6 @@ def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_data_and_metrics(
             else:
                 assert a[key] == b[key], (a["step"], key)
     # ...and the policy both runs end with is the same
-    from safetensors.torch import load_file
 
     final_straight = load_file(tmp_path / "straight" / "hf_step_2" / "model.safetensors")
     final_resumed = load_file(killed / "hf_step_2" / "model.safetensors")

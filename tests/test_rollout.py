@@ -16,8 +16,13 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import common
+import reward
 import rollout
+from executor import Executor
 from rollout import RolloutConfig, ToolCallError, parse_tool_call
 
 REFERENCE = Path("/work/shared/docs/reference")
@@ -34,8 +39,6 @@ def reference_text(name):
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir):
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
@@ -390,8 +393,6 @@ ENGINE_CFG = dict(dtype="float32", enforce_eager=True, gpu_memory_utilization=0.
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir, tokenizer):
-    import common
-
     assert tokenizer.convert_tokens_to_ids("</tool_call>") == CALL_END
     common.init_distributed()  # a gloo world of one: the external_launcher path torchrun takes
     # disable_log_stats=False: vLLM's counters, for the prefix-cache test
@@ -403,8 +404,6 @@ def engine(tiny_model_dir, tokenizer):
 
 @pytest.fixture(scope="module")
 def executor():
-    from executor import Executor
-
     with Executor(workers=2, timeout_s=1.0) as ex:
         yield ex
 
@@ -492,8 +491,6 @@ def test_tool_errors_are_counted_by_kind_and_returned_to_the_model(scripted):
 
 @pytest.mark.slow
 def test_a_tool_that_prints_an_answer_earns_no_reward(scripted, tokenizer):
-    import reward
-
     traj = scripted["forged answer"]
     assert traj.tool_calls[0]["status"] == "ok" and FORGED in traj.response_text  # the transcript shows what it printed
     tool_part = [ids for mask, ids in spans(traj) if mask == 0]
@@ -541,9 +538,6 @@ def test_without_the_tool_a_call_is_plain_text(engine, tokenizer):
 def test_sampled_log_probs_are_the_trainers_at_the_sampling_temperature(engine, executor, tokenizer, tiny_model_dir):
     """The engine's log-probs are log_softmax(logits / T) of the sampled tokens (vLLM processed_logprobs), so a
     trainer that divides by the same T gets the same numbers (fp32: tight)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     groups = run(engine, executor, tokenizer, ["Compute 12 * 34 + 5."], n=2, temperature=0.7, max_response_tokens=48)
     for traj in groups[0]:

@@ -9,9 +9,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import rollout
 import sft
+import tiny
 from common import REPO, ConfigError, load_config
 
 CODE_TEMPLATE = "configs/templates/rstar2_code.jinja"
@@ -31,8 +35,6 @@ TRANSCRIPT = [
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir):
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
@@ -121,8 +123,6 @@ def test_a_template_that_rewrites_assistant_content_is_refused(tokenizer):
 
 def transcripts(n):
     """n tiny-demo-style conversations on different problems: same system prompt, different everything after."""
-    import tiny
-
     rows = []
     for problem in tiny.make_arithmetic_problems(n, seed=2, split="sft-test"):
         code = f"print({problem['problem'][8:-1]})"
@@ -137,9 +137,6 @@ def transcripts(n):
 def test_sharing_the_prompt_gives_the_loss_and_gradients_of_the_padded_batch(tokenizer, tiny_model_dir):
     """share_prefix packs a micro-batch into one row, the common prompt once (a block attention mask): an
     optimisation only, so the summed loss and every gradient must equal the padded batch's."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     template, tools = code_format()
     examples = [sft.render_conversation(tokenizer, messages, tools, template) for messages in transcripts(4)]
     prefix_length = sft.shared_prefix_length(examples)
@@ -284,8 +281,6 @@ def test_lr_warms_up_from_above_zero_then_decays_by_cosine_to_the_floor():
 
 def chat_rows(n):
     """Short ChatML conversations (the tokenizer's own template, no tools): fast to train on."""
-    import tiny
-
     return [{"messages": [{"role": "user", "content": p["problem"]},
                           {"role": "assistant", "content": f"The answer is \\boxed{{{p['answer']}}}."}]}
             for p in tiny.make_arithmetic_problems(n, seed=1, split="sft-test")]
@@ -312,7 +307,6 @@ def run_sft(tiny_model_dir, data, out_dir, **overrides):
     settings.update(overrides)
     cfg = sft.SFTConfig(**settings)
     cfg.validate()
-    import torch
 
     threads = torch.get_num_threads()
     try:
@@ -326,17 +320,12 @@ def metrics(out_dir):
 
 
 def final_weights(out_dir):
-    from safetensors.torch import load_file
-
     return load_file(out_dir / "final" / "model.safetensors")
 
 
 def test_sft_lowers_the_loss_and_the_saved_directory_reloads_with_identical_logits(tmp_path, tiny_model_dir,
                                                                                   transcript_data):
     """The demo's path: rStar2-format transcripts, the shared prompt encoded once per micro-batch."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     model, tokenizer = run_sft(tiny_model_dir, transcript_data, tmp_path, max_steps=8, chat_template=CODE_TEMPLATE,
                                tool_schema=CODE_TOOL)
     losses = [row["loss"] for row in metrics(tmp_path)]
@@ -366,8 +355,6 @@ def test_splitting_the_batch_into_micro_batches_does_not_change_the_update(tmp_p
     """One optimizer step on the same 8 conversations as 1 micro-batch of 8 and as 4 of 2. The loss is divided by
     the global batch's token count, not averaged per micro-batch, so loss and gradient norm agree to float
     rounding (a per-micro-batch mean would change both: the micro-batches hold different token counts)."""
-    import torch
-
     lr = 1e-3
     run_sft(tiny_model_dir, chat_data, tmp_path / "one", micro_batch_size=8, max_steps=1, lr=lr)
     run_sft(tiny_model_dir, chat_data, tmp_path / "four", micro_batch_size=2, max_steps=1, lr=lr)
@@ -385,8 +372,6 @@ def test_splitting_the_batch_into_micro_batches_does_not_change_the_update(tmp_p
 def test_a_resumed_run_ends_exactly_where_the_uninterrupted_run_ends(tmp_path, tiny_model_dir, chat_data):
     """Checkpoints every 2 steps; throw away everything after step 2 (as if killed during step 3) and rerun with
     resume=auto: same data order, lr, optimizer state, so the same weights and the same per-step metrics."""
-    import torch
-
     run_sft(tiny_model_dir, chat_data, tmp_path, max_steps=4, save_every=2)
     expected_weights, expected_metrics = final_weights(tmp_path), metrics(tmp_path)
     shutil.rmtree(tmp_path / "checkpoints" / "step_00000004")
@@ -410,8 +395,6 @@ def test_resuming_with_a_different_batch_size_is_refused(tmp_path, tiny_model_di
 @pytest.mark.slow
 def test_torchrun_two_ranks_match_one_process(tmp_path, tiny_model_dir, chat_data):
     """FSDP2 over 2 gloo ranks (each 1 micro-batch of 4) = 1 process (2 micro-batches of 4), two steps."""
-    import torch
-
     common = [f"model={tiny_model_dir}", f"data={chat_data}", "global_batch_size=8", "micro_batch_size=4",
               "lr=3e-3", "warmup_ratio=0.1", "max_steps=2", "train_dtype=float32"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

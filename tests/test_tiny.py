@@ -1,10 +1,16 @@
 """The tiny model and its locally trained tokenizer (tiny.py): an ordinary Hugging Face directory."""
 import json
+import re
 
 import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from common import REPO
-from tiny import TOOL_TOKENS, make_arithmetic_problems
+import rollout
+import sft
+from common import REPO, load_config
+from tiny import (TOOL_TOKENS, TinyConfig, build_model, build_tokenizer, make_arithmetic_problems, make_sft_transcripts,
+                  pretrain_base_model, pretraining_documents, write_sft_transcripts)
 
 CODE_TEMPLATE = (REPO / "configs/templates/rstar2_code.jinja").read_text()
 CODE_TOOL = json.loads((REPO / "configs/templates/python_code_with_standard_io.json").read_text())
@@ -12,8 +18,6 @@ CODE_TOOL = json.loads((REPO / "configs/templates/python_code_with_standard_io.j
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir):
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
@@ -64,9 +68,6 @@ def test_rstar2_prompt_renders_exactly_the_released_text_and_is_short(tokenizer)
 
 
 def test_model_directory_loads_with_auto_classes(tiny_model_dir, tokenizer):
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     config = AutoConfig.from_pretrained(tiny_model_dir)
     assert config.model_type == "qwen3" and config.head_dim == 64 and config.vocab_size >= len(tokenizer)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
@@ -85,8 +86,6 @@ def test_arithmetic_problems_are_deterministic_and_correct():
 
 
 def test_every_number_has_a_fixed_width_so_each_copied_digit_sits_at_a_fixed_distance():
-    import re
-
     shapes = set()
     for row in make_arithmetic_problems(3000, seed=0):
         shapes.add(re.sub(r"\d", "9", row["problem"]))
@@ -95,8 +94,6 @@ def test_every_number_has_a_fixed_width_so_each_copied_digit_sits_at_a_fixed_dis
 
 
 def test_pretraining_documents_are_worked_problems_without_the_system_prompt(tokenizer):
-    from tiny import pretraining_documents
-
     row = {"id": "p", "problem": "Compute 2345 * 67 + 891.", "answer": str(2345 * 67 + 891)}
     clean, failed = (pretraining_documents([row], tokenizer, error_fraction=f)[0] for f in (0.0, 1.0))
     for doc in (clean, failed):
@@ -111,8 +108,6 @@ def test_pretraining_documents_are_worked_problems_without_the_system_prompt(tok
 
 
 def test_pretraining_lowers_the_loss_and_is_reproducible(tmp_path):
-    from tiny import TinyConfig, build_model, build_tokenizer, pretrain_base_model
-
     cfg = TinyConfig(out_dir=str(tmp_path), pretrain_steps=6, pretrain_batch_size=4, sft_data="")
     tokenizer = build_tokenizer(cfg)
     runs = [pretrain_base_model(build_model(cfg, tokenizer), tokenizer, cfg) for _ in range(2)]
@@ -131,10 +126,6 @@ def test_chatml_template_renders_tools(tokenizer):
 # the demo's SFT transcripts
 
 def test_sft_transcripts_run_the_real_tool_and_end_in_the_boxed_answer():
-    import rollout
-    import sft
-    from tiny import make_sft_transcripts
-
     problems = make_arithmetic_problems(12, seed=5, split="sft")
     rows = make_sft_transcripts(problems, error_fraction=0.5, seed=0)
     assert rows == make_sft_transcripts(problems, error_fraction=0.5, seed=0)  # no timings: reruns are identical
@@ -159,11 +150,7 @@ def test_sft_transcripts_run_the_real_tool_and_end_in_the_boxed_answer():
 
 
 def test_python_tiny_writes_transcripts_that_sft_tokenizes_within_its_length_limit(tiny_model_dir, tmp_path):
-    from transformers import AutoTokenizer
 
-    import sft
-    from common import load_config
-    from tiny import TinyConfig, write_sft_transcripts
 
     path = write_sft_transcripts(TinyConfig(sft_data=str(tmp_path / "sft.jsonl"), sft_examples=16, sft_error_fraction=0.5))
     cfg = load_config(sft.SFTConfig, [str(REPO / "configs/sft_tiny.yaml"), f"model={tiny_model_dir}", f"data={path}"])
