@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 import eval as evaluation
@@ -292,7 +293,7 @@ PROBLEMS = [  # (row, assistant turns); every sample of a problem follows its sc
 
 
 def scripted_policy():
-    import torch
+    # vLLM here, not at the top: importing it takes seconds, and only the engine tests need it (as in rollout.Engine)
     from vllm.v1.sample.logits_processor import LogitsProcessor
 
     class ScriptedPolicy(LogitsProcessor):
