@@ -239,13 +239,12 @@ def render_conversation(tokenizer, messages, tools, chat_template, where="conver
 
 
 def read_template(path):
-    """The Jinja text of chat_template. "chatml" is Qwen-style ChatML with tools (tiny.CHATML_TEMPLATE): the rStar2
-    prompt's turn structure without its math-answer instructions, for general SFT data. Qwen3's own template
-    rewrites assistant turns (<think> handling), which render_conversation refuses."""
+    """The Jinja text of chat_template. "chatml" is Qwen-style ChatML with tools (configs/templates/chatml.jinja,
+    the tiny tokenizer's own): the rStar2 prompt's turn structure without its math-answer instructions, for
+    general SFT data. Qwen3's own template rewrites assistant turns (<think> handling), which render_conversation
+    refuses."""
     if path == "chatml":
-        from tiny import CHATML_TEMPLATE
-
-        return CHATML_TEMPLATE
+        path = "configs/templates/chatml.jinja"
     return resolve(path).read_text() if path else None
 
 

@@ -35,19 +35,9 @@ TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_respons
 QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
-# The tokenizer's own chat template: plain Qwen-style ChatML with tools, for generic chat. The rStar2 prompt
-# itself lives in configs/templates/ and is chosen by config (rollout.py).
-CHATML_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
-    "# Tools\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>"
-    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools><|im_end|>\n"
-    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
-    "{% for message in messages %}"
-    "{% if message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n"
-    "{% elif message.role != 'system' %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# The tokenizer's own chat template: plain Qwen-style ChatML with tools, for generic chat (sft.py's "chatml"). The
+# rStar2 prompt itself is chosen by config (rollout.py); both live in configs/templates/.
+CHATML_TEMPLATE = (REPO / "configs/templates/chatml.jinja").read_text()
 
 
 @dataclasses.dataclass
