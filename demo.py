@@ -6,8 +6,8 @@
 
 The task is multi-digit arithmetic ("Compute 4821 * 67 - 905."): a 2-layer, 128-wide model cannot multiply 4-digit
 numbers in its head, but it can learn to write the expression as code, call the tool, and copy the printed result
-into \\boxed{}. sft.py teaches the format from generated transcripts (some with a failed call, its traceback and a
-fixed retry); rl.py then trains with GRPO-RoC on rewards alone, and the held-out accuracy (real vLLM engine, real
+into \\boxed{}. sft.py teaches the format from generated transcripts (in some the code prints the result and then
+fails, and the answer is read from the failed call); rl.py then trains with GRPO-RoC on rewards alone, and the held-out accuracy (real vLLM engine, real
 sandboxed tool, 0/1 reward on the boxed answer) is measured before the first step and after the last.
 
 Each stage is the README's own command, run as a subprocess and printed, so the demo is also a transcript of how to

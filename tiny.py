@@ -95,17 +95,19 @@ def make_arithmetic_problems(n, seed, split="train"):
 # from a model that calls the tool and boxes an answer, but still miscopies digits and sometimes writes bad code.
 
 TOOL_NAME = "python_code_with_standard_io"
-# The failed call the SFT data teaches, and RL then has to unlearn: a misspelled builtin, `prnt(EXPR)`. The real
-# sandbox answers with a real NameError whose traceback quotes the line, expression included, so the retry can copy
-# the expression from just above it: the same short, fixed distances as every other copy in the transcript (a
-# 2-layer model copies only at fixed distances; see pretrain_base_model). Measured after SFT (40% of transcripts
-# with a failed call; 100 held-out problems x 4 samples at T=1.0): 63% of trajectories with a failed call still end
-# correct (clean ones: 94%), so 34% of the correct trajectories contain a failed call. A wrong import before the
-# print (`import maths\nprint(EXPR)`, ModuleNotFoundError) moved the expression in the code off its usual distance
-# and the traceback did not quote it: 0% of those ended correct; so did the earlier mix of NameError and two
-# SyntaxErrors (0 of 18, README).
+# The failed call the SFT data teaches, and RL then has to unlearn: code that prints the result and then ends with a
+# stray `exit(1)`. The real sandbox reports it as a failure (exit status 1) and still shows the stdout, so the model
+# can take its answer from a failed call, as the paper's model often does (§2.2.3: correct trajectories with tool
+# errors in them). Every copy the model makes sits where it sits in a clean transcript: the tool text differs only
+# before the printed number (a 2-layer model copies only at fixed distances; see pretrain_base_model). So a failed
+# call costs little reward, and plain GRPO has little reason to drop it: measured after SFT (40% of transcripts with
+# the stray exit, configs/sft_tiny.yaml; 100 held-out problems x 4 samples at T=1.0), 59% of trajectories with a
+# failed call end correct against 76% of clean ones, and 34% of the correct trajectories contain a failed call.
+# Designs that made the model retry (README): `prnt(EXPR)` with its NameError and a fixed second call: 63% against
+# 94% (two more copies of the expression, across the traceback); `import maths` first: 0%; `put(EXPR)` with the
+# retry's copies at the clean distances: 10% against 96%.
 BUGS = (
-    lambda expression: f"prnt({expression})",                          # NameError: name 'prnt' is not defined
+    lambda expression: f"print({expression})\nexit(1)",
 )
 
 
@@ -119,40 +121,37 @@ def make_sft_transcripts(problems, error_fraction=0.3, seed=0):
     """Chat rows {"messages": [...]} for sft.py, one per problem {problem, answer}:
 
         assistant  I will compute it with Python. </reason> <tool_call> print(EXPR) </tool_call>
-        tool       Tool call success / stdout: N
+        tool       Tool call success / stdout: N      (with the bug: Tool call failure / reason: / stdout: N)
         assistant  The result is N. </reason> <answer> \\boxed{N} </answer>
 
-    In a share `error_fraction` the first call has a bug (BUGS); the tool's traceback comes back and a second call
-    fixes it, so the SFT model makes and recovers from tool errors at about that rate when sampling. GRPO-RoC needs
-    exactly that: correct trajectories with failed calls in them, which it trains on less (§2.2.3, Fig. 4).
+    In a share `error_fraction` the call has a bug (BUGS): the tool reports a failure, with the printed result, and
+    the answer is taken from it, so the SFT model makes tool errors at about that rate when sampling and still gets
+    answers right. GRPO-RoC needs exactly that: correct trajectories with failed calls in them, which it trains on
+    less (§2.2.3, Fig. 4).
     Every tool text comes from running the code in the real executor, rendered as the rollout renders it (no
     execution time, so reruns write identical files). Assistant contents start after the template's `<reason>`.
     """
     if not 0 <= error_fraction <= 1:
         raise ValueError(f"error_fraction must be in [0, 1], got {error_fraction}")
     rng = random.Random(f"sft-transcripts-{seed}")
-    plans = []  # per problem: its expression and the codes it runs, in order
+    plans = []  # per problem: its expression and the code it runs
     for row in problems:
         if not (row["problem"].startswith("Compute ") and row["problem"].endswith(".")):
             raise ValueError(f"{row.get('id')}: not an arithmetic problem from make_arithmetic_problems: {row['problem']!r}")
         expression = row["problem"][len("Compute "):-1]
         buggy = rng.choice(BUGS)(expression) if rng.random() < error_fraction else None
-        plans.append((expression, [buggy, f"print({expression})"] if buggy else [f"print({expression})"]))
-    codes = [code for _, plan in plans for code in plan]
+        plans.append((expression, buggy or f"print({expression})"))
+    codes = [code for _, code in plans]
     with Executor(workers=2) as executor:
-        results = iter(executor.map(codes))
+        results = executor.map(codes)
     rollout_cfg = RolloutConfig()
     rows = []
-    for row, (expression, plan) in zip(problems, plans):
-        messages = [{"role": "user", "content": row["problem"]}]
-        for attempt, code in enumerate(plan):
-            result = next(results)
-            if (result.status == "ok") != (attempt == len(plan) - 1):
-                raise RuntimeError(f"{row['id']}: {code!r} gave status {result.status!r}: {result.stderr or result.reason}")
-            reason = (f" I will compute {expression} with Python." if attempt == 0
-                      else f" The code failed. I will fix it and compute {expression} again.")
-            messages.append({"role": "assistant", "content": f"{reason} </reason>\n{tool_call_text(code)}"})
-            messages.append({"role": "tool", "content": format_tool_response(result, rollout_cfg)})
+    for row, (expression, code), result in zip(problems, plans, results):
+        if (result.status == "ok") != (code == f"print({expression})"):
+            raise RuntimeError(f"{row['id']}: {code!r} gave status {result.status!r}: {result.stderr or result.reason}")
+        messages = [{"role": "user", "content": row["problem"]},
+                    {"role": "assistant", "content": f" I will compute {expression} with Python. </reason>\n{tool_call_text(code)}"},
+                    {"role": "tool", "content": format_tool_response(result, rollout_cfg)}]
         value = result.stdout.strip()
         if value != row["answer"]:
             raise RuntimeError(f"{row['id']}: the tool printed {value!r}, the answer is {row['answer']!r}")
@@ -169,8 +168,8 @@ def write_sft_transcripts(cfg):
     path = Path(cfg.sft_data)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, "".join(json.dumps(row) + "\n" for row in rows))
-    with_errors = sum(len(row["messages"]) > 5 for row in rows)
-    print(f"sft transcripts: {len(rows)} ({with_errors} with a failed call and a retry) -> {path}")
+    with_errors = sum(row["messages"][2]["content"].startswith("Tool call failure") for row in rows)
+    print(f"sft transcripts: {len(rows)} ({with_errors} with a failed call) -> {path}")
     return path
 
 
@@ -185,8 +184,8 @@ def write_sft_transcripts(cfg):
 # copied from a fixed distance; with 3-or-4-digit operands it had not emerged after 600 steps.
 
 def pretraining_documents(rows, tokenizer, error_fraction=0.3, seed=0):
-    """The SFT transcripts of `rows` (make_sft_transcripts: real tool outputs, a share with a failed call and its
-    fix) rendered as plain ChatML without the system prompt and tool schema, each assistant turn opening with the
+    """The SFT transcripts of `rows` (make_sft_transcripts: real tool outputs, a share with a failed call)
+    rendered as plain ChatML without the system prompt and tool schema, each assistant turn opening with the
     `<reason>` the rStar2 template adds. The copies sit at the same token distances as in the rStar2 transcripts,
     which is what lets the skill carry over to SFT."""
     docs = []

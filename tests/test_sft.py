@@ -21,7 +21,7 @@ from common import REPO, ConfigError, load_config
 CODE_TEMPLATE = "configs/templates/rstar2_code.jinja"
 CODE_TOOL = "configs/templates/python_code_with_standard_io.json"
 
-# A transcript of the tiny demo's kind: a failed call, the traceback, a fixed call, the answer.
+# A multi-turn transcript: a failed call, the traceback, a fixed call, the answer.
 CALL = '<tool_call>\n{"name": "python_code_with_standard_io", "arguments": {"code": "%s", "input": ""}}\n</tool_call>'
 TRANSCRIPT = [
     {"role": "user", "content": "Compute 4821 * 37 - 905."},

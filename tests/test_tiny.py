@@ -102,9 +102,10 @@ def test_pretraining_documents_are_worked_problems_without_the_system_prompt(tok
         assert "system" not in doc and "<tools>" not in doc
         assert doc.endswith(f"<|im_start|>assistant\n<reason> The result is {row['answer']}. </reason>\n"
                             f"<answer> \\boxed{{{row['answer']}}} </answer><|im_end|>\n")
-    # the recovery from a failed call, with the executor's real traceback, is part of the base model's text too
-    assert clean.count("<tool_call>") == 1 and failed.count("<tool_call>") == 2
-    assert "Tool call failure" in failed and "I will fix it and compute 2345 * 67 + 891 again." in failed
+    # an answer read from a failed call is part of the base model's text too, the number where a clean call puts it
+    assert clean.count("<tool_call>") == 1 and failed.count("<tool_call>") == 1
+    assert "Tool call success\nstdout: " in clean and "Tool call failure\nreason: \nstdout: " in failed
+    assert clean.split("stdout: ")[1] == failed.split("stdout: ")[1]
 
 
 def test_pretraining_lowers_the_loss_and_is_reproducible(tmp_path):
@@ -129,29 +130,25 @@ def test_sft_transcripts_run_the_real_tool_and_end_in_the_boxed_answer():
     problems = make_arithmetic_problems(12, seed=5, split="sft")
     rows = make_sft_transcripts(problems, error_fraction=0.5, seed=0)
     assert rows == make_sft_transcripts(problems, error_fraction=0.5, seed=0)  # no timings: reruns are identical
-    retried = 0
+    failed = 0
     for row, problem in zip(rows, problems):
         sft.check_conversation(row, problem["id"])
         messages = row["messages"]
         assert messages[0] == {"role": "user", "content": problem["problem"]}
         assert messages[-1]["content"].endswith(f"</reason>\n<answer> \\boxed{{{problem['answer']}}} </answer>")
-        calls = [rollout.parse_tool_call(m["content"], "python_code_with_standard_io") for m in messages[1:-1:2]]
-        tool_texts = [m["content"] for m in messages[2::2]]
-        assert calls[-1] == {"code": f"print({problem['problem'][8:-1]})", "stdin": ""}
-        assert tool_texts[-1] == f"Tool call success\nstdout: {problem['answer']}\n"  # what the executor printed
-        if len(calls) == 2:  # a buggy first call, its real traceback, the fix
-            retried += 1
-            assert tool_texts[0].startswith("Tool call failure\nreason: \nstderr: ")
-            # the real traceback quotes the failed line, so the retry can copy the expression from just above
-            assert "NameError: name 'prnt' is not defined" in tool_texts[0]
-            assert f"\n    prnt({problem['problem'][8:-1]})\n" in tool_texts[0]
-            assert "The code failed." in messages[3]["content"]
-    assert 2 <= retried <= 10
+        assert len(messages) == 4  # one call, its result, the answer
+        call = rollout.parse_tool_call(messages[1]["content"], "python_code_with_standard_io")
+        expression = problem["problem"][8:-1]
+        if call["code"] == f"print({expression})":
+            assert messages[2]["content"] == f"Tool call success\nstdout: {problem['answer']}\n"  # what the executor printed
+        else:  # the bug: the result is printed, then the stray exit(1) makes the real sandbox report a failure
+            failed += 1
+            assert call["code"] == f"print({expression})\nexit(1)"
+            assert messages[2]["content"] == f"Tool call failure\nreason: \nstdout: {problem['answer']}\n"
+    assert 2 <= failed <= 10
 
 
 def test_python_tiny_writes_transcripts_that_sft_tokenizes_within_its_length_limit(tiny_model_dir, tmp_path):
-
-
     path = write_sft_transcripts(TinyConfig(sft_data=str(tmp_path / "sft.jsonl"), sft_examples=16, sft_error_fraction=0.5))
     cfg = load_config(sft.SFTConfig, [str(REPO / "configs/sft_tiny.yaml"), f"model={tiny_model_dir}", f"data={path}"])
     examples, dropped = sft.load_conversations(cfg, AutoTokenizer.from_pretrained(tiny_model_dir))
