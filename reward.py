@@ -38,15 +38,22 @@ Use: `from reward import score_batch` (rl.py, eval.py), compute_reward / is_equi
      start_pool(n) to choose the pool size (default: CPUs / local ranks, at most 8), shutdown_pool().
 Benchmark: python reward.py --bench [workers=2 rounds=3 timeout_s=5 negatives_per_problem=2 audit_all_pairs=false]
 Tests:     .venv/bin/python -m pytest tests/test_reward.py -q
+
+math-verify (and the sympy it loads, ~0.3 s and ~60 MB) is imported inside the functions the worker processes
+run, not here: rl.py and eval.py import this file, and only its workers and the benchmark call math-verify.
 """
 import atexit
+import ctypes
 import dataclasses
 import functools
 import json
+import logging
 import os
 import random
 import re
+import resource
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -55,7 +62,7 @@ from collections import deque
 from fractions import Fraction
 from itertools import combinations
 
-from common import load_problems
+from common import load_config, load_problems
 
 # Worker time one check may take, all stages together. math-verify's own default is 5 s per stage; MATH
 # answers take 1-50 ms, so 5 s only ever binds on pathological input.
@@ -411,17 +418,11 @@ def _worker_main():
     Exits at EOF (the parent closed the pipe or died). PR_SET_PDEATHSIG also kills it if the parent dies
     while it is stuck in C code, so a killed trainer leaves no orphan burning a core.
     """
-    import signal
-
     # The protocol gets its own copy of stdout; fd 1 goes to /dev/null so a library's stray print (antlr
     # reports syntax errors that way) cannot corrupt a reply.
     out = os.fdopen(os.dup(1), "w")
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
     try:
-        import ctypes
-        import logging
-        import resource
-
         ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG = 1, SIGKILL = 9 (Linux)
         resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY_BYTES, WORKER_MEMORY_BYTES))
         import math_verify  # noqa: F401  (the import is the slow part of startup)
@@ -952,8 +953,6 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
         _worker_main()
     elif sys.argv[1:2] == ["--bench"]:
-        from common import load_config
-
         bench(load_config(BenchConfig, sys.argv[2:]))
     else:
         sys.exit(__doc__)

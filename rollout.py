@@ -1381,7 +1381,7 @@ def bench(cfg):
 def sample(cfg):
     """Roll out the first problems of a JSONL file with the real engine and executor, print them, optionally save
     them."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer   # not at the top: see bench()
 
 
     common.init_distributed()
