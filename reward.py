@@ -39,7 +39,7 @@ Use: `from reward import score_batch` (rl.py, eval.py), compute_reward / is_equi
 Benchmark: python reward.py --bench [workers=2 rounds=3 timeout_s=5 negatives_per_problem=2 audit_all_pairs=false]
 Tests:     .venv/bin/python -m pytest tests/test_reward.py -q
 
-math-verify (and the sympy it loads, ~0.3 s and ~60 MB) is imported inside the functions the worker processes
+math-verify (and the sympy it loads, ~0.3 s and ~50 MB) is imported inside the functions the worker processes
 run, not here: rl.py and eval.py import this file, and only its workers and the benchmark call math-verify.
 """
 import atexit
