@@ -54,16 +54,15 @@ def test_chatml_template_renders_roles_and_generation_prompt(tokenizer):
 
 
 def test_rstar2_prompt_renders_exactly_the_released_text_and_is_short(tokenizer):
-    """configs/templates/rstar2_code.jinja reproduces shared/docs/reference/prompt_rendered_code.txt byte for byte,
+    """configs/templates/rstar2_code.jinja reproduces tests/reference/prompt_rendered_code.txt byte for byte,
     and the BPE (trained on the templates) keeps the long system prompt to a few hundred tokens."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": "{Question}"}], tools=[CODE_TOOL],
                                          chat_template=CODE_TEMPLATE, add_generation_prompt=True, tokenize=False)
     assert text.startswith("<|im_start|>system\nA conversation between User and Assistant.")
     assert '<tools>\n{"type": "function", "function": {"name": "python_code_with_standard_io", "description": ' in text
     assert text.endswith("This is the problem:\n{Question}<|im_end|>\n<|im_start|>assistant\n<reason>")
-    reference = REPO.parent / "shared/docs/reference/prompt_rendered_code.txt"
-    if reference.exists():  # beside the checkout in development and CI
-        assert text == reference.read_text().split("=" * 68 + "\n", 1)[1]
+    reference = REPO / "tests/reference/prompt_rendered_code.txt"  # the released code's text, with its sources
+    assert text == reference.read_text().split("=" * 68 + "\n", 1)[1]
     assert len(tokenizer(text, add_special_tokens=False).input_ids) < 600
 
 
