@@ -9,11 +9,10 @@ A wrong reward silently poisons training and a hung verifier stalls a whole step
      require_answer_tag=True also demands the box sit inside the last <answer>...</answer>, as the paper's
      prompt asks; the released code does not require it, and neither does the default here.
   2. fast_equivalent decides most pairs in microseconds, in-process: equal after normalising notation
-     ("1,080" = "1080" = "1,080.0", "10,\\!080" = "10080", \\dfrac = \\frac, 90^\\circ = 90, "x=5" = "5",
-     "x \\approx 11" = "11", "\\$16,\\!386.20" = "16386.20", \\text{(C)} = "C", units dropped; "32, 349" is a
-     list, not 32349). It says "not equal" only for two plain numbers (integers, decimals, integer
-     fractions) that differ; everything else it cannot call equal goes on. Integer answers (the paper's
-     training data, §4.2) never leave it.
+     ("1,080" = "1080", "10,\\!080" = "10080", \\dfrac = \\frac, 90^\\circ = 90, "x=5" = "5", \\text{(C)} = "C",
+     units dropped; "32, 349" is a list, not 32349). It says "not equal" only for two plain numbers that
+     differ; everything else it cannot call equal goes on. Integer answers (the paper's training data,
+     §4.2) never leave it.
   3. The rest goes to math-verify (symbolic equivalence: the library, not a hand-written parser) in a
      pool of worker processes. Each distinct answer is first parsed and evaluated once ("3\\sqrt{13}" is a
      number, far from "10": rejected; "(6,31,-1)" is a tuple, never one number); only pairs still open
@@ -78,17 +77,16 @@ WORKER_MEMORY_BYTES = 2 << 30
 def _model_prose(text):
     """`text` minus every <tool_call>...</tool_call> and <tool_response>...</tool_response> block.
 
-    A box printed by the tool, or written inside the code, is not the model's final answer. A tag scan
-    cannot be the boundary against the tool, though: code that prints "</tool_response>" ends the block
+    A tag scan cannot be the boundary against the tool: code that prints "</tool_response>" ends the block
     early. So rl.py and eval.py pass only the model's own turns (rollout.Trajectory.model_text, cut by the
     loss mask), and this skip is for the code inside them and for whole transcripts without the tokens.
-    One left-to-right scan with str.find keeps this linear even for a megabyte of unclosed tags; an
-    unclosed block runs to the end.
+    An unclosed block runs to the end.
     """
     # Both tags are single tokens of the Qwen tokenizer and survive skip_special_tokens (rstar2-method §3.1),
     # so they are in the decoded text rollout.py passes.
     closers = {"<tool_call>": "</tool_call>", "<tool_response>": "</tool_response>"}
-    next_open = {tag: text.find(tag) for tag in closers}  # re-searched only once passed: linear overall
+    # One left-to-right scan, each tag re-searched only once passed: linear for a megabyte of unclosed tags.
+    next_open = {tag: text.find(tag) for tag in closers}
     kept, pos = [], 0
     while True:
         found = [(at, tag) for tag, at in next_open.items() if at >= 0]
@@ -193,8 +191,7 @@ def normalize_answer(answer):
     s = _GLUED_SEPARATOR.sub(",", s)  # before TeX spacing turns "10,\\!080" into the list "10, 080"
     s = re.sub(r"\\[,;:! ]|\\q?quad(?![a-zA-Z])|~", " ", s)  # TeX spacing, as in "10,\!080"
     s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|\\degree(?![a-zA-Z])", "", s)  # 90^\circ = 90
-    # MATH golds write "10\\%" and "\\$32" for the numbers 10 and 32; math-verify also reads "10\\%" as 0.1,
-    # which fast_equivalent respects by never rejecting a pair with a percent sign on exact numbers.
+    # MATH golds write "10\\%" and "\\$32" for the numbers 10 and 32 (math-verify also reads "10\\%" as 0.1).
     s = s.replace("\\%", "").replace("%", "").replace("\\$", "").replace("$", "")
     # A trailing \text{...} after a number is a unit ("5.4 \text{ cents}", "864 \mbox{ inches}^2");
     # an answer that is only text is unwrapped ("\text{Evelyn}", "\text{(C)}").
@@ -237,11 +234,8 @@ _FRACTIONS = [
 
 
 def _as_number(s):
-    """(value, exact) for a normalised integer, decimal or integer fraction; None for anything else.
-
-    exact is False for decimals: math-verify rounds (1/3 = 0.333333 passes), so only two exact
-    numbers may be declared different here.
-    """
+    """(value, exact) for a normalised integer, decimal or integer fraction, else None. exact is False for
+    decimals, which math-verify rounds (_far_apart)."""
     if re.fullmatch(r"-?\d+", s):
         return Fraction(int(s)), True
     if re.fullmatch(r"-?\d*\.\d+", s):
@@ -254,20 +248,15 @@ def _as_number(s):
     return None
 
 
-# What the workers found, with math-verify's parser and sympy, for answers that are not plain numbers:
-# [re, im] for one number ("-\\sqrt{3}"), COLLECTION for several values, None for anything else. Golds
-# recur every epoch, and wrong answers recur across rollouts, so each is parsed once per process.
+# _math_verify_value of each answer the workers evaluated. Golds recur every epoch, and wrong answers
+# recur across rollouts, so each is parsed once per process.
 _VALUES = {}
-# math-verify parses the answer as a tuple, set or matrix of two or more elements, or as an interval or a
-# union: its verify compares such a thing with one number as sets of different sizes, so never equal.
-COLLECTION = "collection"
+COLLECTION = "collection"  # several values, which verify never finds equal to one number (is_collection)
 
 
 def _plain_number(answer):
-    """(value, exact) when the answer is unambiguously one plain number once notation is normalised: an
-    integer, decimal or integer fraction ("1,000.99", "\\$16,\\!386.20", "x \\approx 11", "90^\\circ",
-    "5 \\text{ cm}"). None for anything else, and for a percent, which math-verify reads both ways
-    ("50\\%" is 50 and 0.5)."""
+    """_as_number of the normalised answer ("\\$16,\\!386.20", "x \\approx 11", "5 \\text{ cm}"); None for a
+    percent, which math-verify reads both ways ("50\\%" is 50 and 0.5)."""
     if "%" in answer:
         return None
     return _as_number(normalize_answer(answer))
@@ -304,14 +293,11 @@ def _differ_by_value(pred, gold):
 
 
 def fast_equivalent(pred, gold):
-    """True when the two answers are one answer in notation, False when they are two different plain
-    numbers, None (math-verify must look) otherwise. In-process and in microseconds.
-
-    True needs an equal normalised spelling or an equal number. False needs both sides to parse as plain
-    numbers (_plain_number) that differ exactly (two rationals) or by more than math-verify rounds:
-    every other pair ("10" vs "(6,31,-1)", "32, 349" vs "32349") is left open, so a shape this file does
-    not know costs a math-verify call, never a wrong 0. Checked against math-verify on all pairs of
-    MATH-500 answers and NOTATION_SHAPES by `python -m bench.reward audit_all_pairs=true`.
+    """True: one answer in two notations (an equal normalised spelling or an equal number). False: two
+    plain numbers (_plain_number) that differ exactly (two rationals) or by more than math-verify rounds.
+    None (math-verify must look) for every other pair ("10" vs "(6,31,-1)", "32, 349" vs "32349"), so a
+    shape this file does not know costs a math-verify call, never a wrong 0. Audited against math-verify
+    on all pairs of MATH-500 answers and NOTATION_SHAPES: `python -m bench.reward audit_all_pairs=true`.
     """
     p, g = normalize_answer(pred), normalize_answer(gold)
     if p and p == g:
@@ -328,11 +314,10 @@ def fast_equivalent(pred, gold):
 # -----------------------------------------------------------------------------
 # math-verify, as run inside a worker process
 #
-# math-verify's own timeouts are signal.alarm(whole seconds), which only work in the main thread. A worker
-# is a process of its own, so it sets a finer alarm (setitimer) around each whole task and switches
-# math-verify's off (theirs would reset the same timer). The alarm raises _Deadline, a BaseException,
-# because math-verify and sympy catch Exception (and math-verify its own TimeoutException) and carry on.
-# A C-level big-int operation cannot be interrupted by any signal handler; the parent's kill covers that.
+# A worker sets a finer alarm (setitimer) than math-verify's signal.alarm(whole seconds) around each whole
+# task, and switches math-verify's off (theirs would reset the same timer). The alarm raises _Deadline, a
+# BaseException, because math-verify and sympy catch Exception (and math-verify its own TimeoutException)
+# and carry on. No signal handler interrupts a C-level big-int operation; the parent's kill covers that.
 
 
 class _Deadline(BaseException):
@@ -369,13 +354,9 @@ def _math_verify_equivalent(pred, gold):
 
 
 def _math_verify_value(answer):
-    """[re, im] of an answer that math-verify parses to one closed-form number, such as "-\\sqrt{3}" or
-    "\\frac{20000}{\\pi}"; COLLECTION for a tuple, set or matrix of two or more elements, an interval or a
-    union ("(6,31,-1)", "[2, 7)"; "5, 5" is the set {5}, one element); None for anything else (variables,
-    relations, text).
-
-    Lets the parent reject "3\\sqrt{13}" vs "10" by value, parsing each distinct answer once instead of
-    parsing and verifying every pair. No time limit: run it under the worker's alarm.
+    """[re, im] of an answer that math-verify parses to one closed-form number ("-\\sqrt{3}",
+    "\\frac{20000}{\\pi}"); COLLECTION for several values ("(6,31,-1)", "[2, 7)"; not "5, 5", the set {5});
+    None for anything else (variables, relations, text). No time limit: run it under the worker's alarm.
     """
     import sympy
 
@@ -658,8 +639,7 @@ def _slow_path(pairs, timeout_s):
 
     1. Each distinct answer whose value is not known yet is evaluated once (math-verify's parse, then
        sympy's evalf), with half of timeout_s: parsing it is most of what a verify would cost.
-    2. Pairs that math-verify's parse already tells apart (_differ_by_value: two numbers far apart, or a
-       number against a COLLECTION) are False.
+    2. Pairs that math-verify's parse already tells apart (_differ_by_value) are False.
     3. The rest get math-verify's verify, with what is left of timeout_s after step 1 spent on their two
        answers: no pair gets more than timeout_s of worker time in all. Nothing is True without verify.
     """
@@ -744,8 +724,6 @@ def score_batch(responses, golds, finished=True, require_answer_tag=False, timeo
     if len(finished) != len(responses):
         raise ValueError(f"score_batch: {len(responses)} responses but {len(finished)} finished flags")
     rewards = [0.0] * len(responses)
-    # Rollouts of one prompt share a gold and often an answer: each distinct (pred, gold) pair is
-    # checked once, and its verdict copied to every index.
     undecided = {}  # (pred, gold) -> indices waiting for math-verify
     for i, (response, gold, done) in enumerate(zip(responses, golds, finished)):
         if not isinstance(response, str):
