@@ -9,11 +9,10 @@ A wrong reward silently poisons training and a hung verifier stalls a whole step
      require_answer_tag=True also demands the box sit inside the last <answer>...</answer>, as the paper's
      prompt asks; the released code does not require it, and neither does the default here.
   2. fast_equivalent decides most pairs in microseconds, in-process: equal after normalising notation
-     ("1,080" = "1080" = "1,080.0", "10,\\!080" = "10080", \\dfrac = \\frac, 90^\\circ = 90, "x=5" = "5",
-     "x \\approx 11" = "11", "\\$16,\\!386.20" = "16386.20", \\text{(C)} = "C", units dropped; "32, 349" is a
-     list, not 32349). It says "not equal" only for two plain numbers (integers, decimals, integer
-     fractions) that differ; everything else it cannot call equal goes on. Integer answers (the paper's
-     training data, §4.2) never leave it.
+     ("1,080" = "1080", "10,\\!080" = "10080", \\dfrac = \\frac, 90^\\circ = 90, "x=5" = "5", \\text{(C)} = "C",
+     units dropped; "32, 349" is a list, not 32349). It says "not equal" only for two plain numbers that
+     differ; everything else it cannot call equal goes on. Integer answers (the paper's training data,
+     §4.2) never leave it.
   3. The rest goes to math-verify (symbolic equivalence: the library, not a hand-written parser) in a
      pool of worker processes. Each distinct answer is first parsed and evaluated once ("3\\sqrt{13}" is a
      number, far from "10": rejected; "(6,31,-1)" is a tuple, never one number); only pairs still open
@@ -36,20 +35,19 @@ Paper vs released code (microsoft/rStar @ ecbfb94), and what this file does:
 
 Use: `from reward import score_batch` (rl.py, eval.py), compute_reward / is_equivalent / extract_answer;
      start_pool(n) to choose the pool size (default: CPUs / local ranks, at most 8), shutdown_pool().
-Benchmark: python reward.py --bench [workers=2 rounds=3 timeout_s=5 negatives_per_problem=2 audit_all_pairs=false]
+Benchmark: python -m bench.reward [workers=2 rounds=3 timeout_s=5 negatives_per_problem=2 audit_all_pairs=false]
 Tests:     .venv/bin/python -m pytest tests/test_reward.py -q
 
 math-verify (and the sympy it loads, ~0.3 s and ~50 MB) is imported inside the functions the worker processes
-run, not here: rl.py and eval.py import this file, and only its workers and the benchmark call math-verify.
+run, not here: rl.py and eval.py import this file, and only its workers call math-verify (bench/reward.py,
+which calls it directly, imports it itself).
 """
 import atexit
 import ctypes
-import dataclasses
 import functools
 import json
 import logging
 import os
-import random
 import re
 import resource
 import select
@@ -61,8 +59,6 @@ import time
 from collections import deque
 from fractions import Fraction
 from itertools import combinations
-
-from common import load_config, load_problems
 
 # Worker time one check may take, all stages together. math-verify's own default is 5 s per stage; MATH
 # answers take 1-50 ms, so 5 s only ever binds on pathological input.
@@ -81,17 +77,16 @@ WORKER_MEMORY_BYTES = 2 << 30
 def _model_prose(text):
     """`text` minus every <tool_call>...</tool_call> and <tool_response>...</tool_response> block.
 
-    A box printed by the tool, or written inside the code, is not the model's final answer. A tag scan
-    cannot be the boundary against the tool, though: code that prints "</tool_response>" ends the block
+    A tag scan cannot be the boundary against the tool: code that prints "</tool_response>" ends the block
     early. So rl.py and eval.py pass only the model's own turns (rollout.Trajectory.model_text, cut by the
     loss mask), and this skip is for the code inside them and for whole transcripts without the tokens.
-    One left-to-right scan with str.find keeps this linear even for a megabyte of unclosed tags; an
-    unclosed block runs to the end.
+    An unclosed block runs to the end.
     """
     # Both tags are single tokens of the Qwen tokenizer and survive skip_special_tokens (rstar2-method §3.1),
     # so they are in the decoded text rollout.py passes.
     closers = {"<tool_call>": "</tool_call>", "<tool_response>": "</tool_response>"}
-    next_open = {tag: text.find(tag) for tag in closers}  # re-searched only once passed: linear overall
+    # One left-to-right scan, each tag re-searched only once passed: linear for a megabyte of unclosed tags.
+    next_open = {tag: text.find(tag) for tag in closers}
     kept, pos = [], 0
     while True:
         found = [(at, tag) for tag, at in next_open.items() if at >= 0]
@@ -196,8 +191,7 @@ def normalize_answer(answer):
     s = _GLUED_SEPARATOR.sub(",", s)  # before TeX spacing turns "10,\\!080" into the list "10, 080"
     s = re.sub(r"\\[,;:! ]|\\q?quad(?![a-zA-Z])|~", " ", s)  # TeX spacing, as in "10,\!080"
     s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|\\degree(?![a-zA-Z])", "", s)  # 90^\circ = 90
-    # MATH golds write "10\\%" and "\\$32" for the numbers 10 and 32; math-verify also reads "10\\%" as 0.1,
-    # which fast_equivalent respects by never rejecting a pair with a percent sign on exact numbers.
+    # MATH golds write "10\\%" and "\\$32" for the numbers 10 and 32 (math-verify also reads "10\\%" as 0.1).
     s = s.replace("\\%", "").replace("%", "").replace("\\$", "").replace("$", "")
     # A trailing \text{...} after a number is a unit ("5.4 \text{ cents}", "864 \mbox{ inches}^2");
     # an answer that is only text is unwrapped ("\text{Evelyn}", "\text{(C)}").
@@ -240,11 +234,8 @@ _FRACTIONS = [
 
 
 def _as_number(s):
-    """(value, exact) for a normalised integer, decimal or integer fraction; None for anything else.
-
-    exact is False for decimals: math-verify rounds (1/3 = 0.333333 passes), so only two exact
-    numbers may be declared different here.
-    """
+    """(value, exact) for a normalised integer, decimal or integer fraction, else None. exact is False for
+    decimals, which math-verify rounds (_far_apart)."""
     if re.fullmatch(r"-?\d+", s):
         return Fraction(int(s)), True
     if re.fullmatch(r"-?\d*\.\d+", s):
@@ -257,20 +248,15 @@ def _as_number(s):
     return None
 
 
-# What the workers found, with math-verify's parser and sympy, for answers that are not plain numbers:
-# [re, im] for one number ("-\\sqrt{3}"), COLLECTION for several values, None for anything else. Golds
-# recur every epoch, and wrong answers recur across rollouts, so each is parsed once per process.
+# _math_verify_value of each answer the workers evaluated. Golds recur every epoch, and wrong answers
+# recur across rollouts, so each is parsed once per process.
 _VALUES = {}
-# math-verify parses the answer as a tuple, set or matrix of two or more elements, or as an interval or a
-# union: its verify compares such a thing with one number as sets of different sizes, so never equal.
-COLLECTION = "collection"
+COLLECTION = "collection"  # several values, which verify never finds equal to one number (is_collection)
 
 
 def _plain_number(answer):
-    """(value, exact) when the answer is unambiguously one plain number once notation is normalised: an
-    integer, decimal or integer fraction ("1,000.99", "\\$16,\\!386.20", "x \\approx 11", "90^\\circ",
-    "5 \\text{ cm}"). None for anything else, and for a percent, which math-verify reads both ways
-    ("50\\%" is 50 and 0.5)."""
+    """_as_number of the normalised answer ("\\$16,\\!386.20", "x \\approx 11", "5 \\text{ cm}"); None for a
+    percent, which math-verify reads both ways ("50\\%" is 50 and 0.5)."""
     if "%" in answer:
         return None
     return _as_number(normalize_answer(answer))
@@ -307,14 +293,11 @@ def _differ_by_value(pred, gold):
 
 
 def fast_equivalent(pred, gold):
-    """True when the two answers are one answer in notation, False when they are two different plain
-    numbers, None (math-verify must look) otherwise. In-process and in microseconds.
-
-    True needs an equal normalised spelling or an equal number. False needs both sides to parse as plain
-    numbers (_plain_number) that differ exactly (two rationals) or by more than math-verify rounds:
-    every other pair ("10" vs "(6,31,-1)", "32, 349" vs "32349") is left open, so a shape this file does
-    not know costs a math-verify call, never a wrong 0. Checked against math-verify on all pairs of
-    MATH-500 answers and NOTATION_SHAPES by `--bench audit_all_pairs=true`.
+    """True: one answer in two notations (an equal normalised spelling or an equal number). False: two
+    plain numbers (_plain_number) that differ exactly (two rationals) or by more than math-verify rounds.
+    None (math-verify must look) for every other pair ("10" vs "(6,31,-1)", "32, 349" vs "32349"), so a
+    shape this file does not know costs a math-verify call, never a wrong 0. Audited against math-verify
+    on all pairs of MATH-500 answers and NOTATION_SHAPES: `python -m bench.reward audit_all_pairs=true`.
     """
     p, g = normalize_answer(pred), normalize_answer(gold)
     if p and p == g:
@@ -331,11 +314,10 @@ def fast_equivalent(pred, gold):
 # -----------------------------------------------------------------------------
 # math-verify, as run inside a worker process
 #
-# math-verify's own timeouts are signal.alarm(whole seconds), which only work in the main thread. A worker
-# is a process of its own, so it sets a finer alarm (setitimer) around each whole task and switches
-# math-verify's off (theirs would reset the same timer). The alarm raises _Deadline, a BaseException,
-# because math-verify and sympy catch Exception (and math-verify its own TimeoutException) and carry on.
-# A C-level big-int operation cannot be interrupted by any signal handler; the parent's kill covers that.
+# A worker sets a finer alarm (setitimer) than math-verify's signal.alarm(whole seconds) around each whole
+# task, and switches math-verify's off (theirs would reset the same timer). The alarm raises _Deadline, a
+# BaseException, because math-verify and sympy catch Exception (and math-verify its own TimeoutException)
+# and carry on. No signal handler interrupts a C-level big-int operation; the parent's kill covers that.
 
 
 class _Deadline(BaseException):
@@ -372,13 +354,9 @@ def _math_verify_equivalent(pred, gold):
 
 
 def _math_verify_value(answer):
-    """[re, im] of an answer that math-verify parses to one closed-form number, such as "-\\sqrt{3}" or
-    "\\frac{20000}{\\pi}"; COLLECTION for a tuple, set or matrix of two or more elements, an interval or a
-    union ("(6,31,-1)", "[2, 7)"; "5, 5" is the set {5}, one element); None for anything else (variables,
-    relations, text).
-
-    Lets the parent reject "3\\sqrt{13}" vs "10" by value, parsing each distinct answer once instead of
-    parsing and verifying every pair. No time limit: run it under the worker's alarm.
+    """[re, im] of an answer that math-verify parses to one closed-form number ("-\\sqrt{3}",
+    "\\frac{20000}{\\pi}"); COLLECTION for several values ("(6,31,-1)", "[2, 7)"; not "5, 5", the set {5});
+    None for anything else (variables, relations, text). No time limit: run it under the worker's alarm.
     """
     import sympy
 
@@ -493,7 +471,7 @@ class VerifierPool:
         self.owner_pid = os.getpid()
         self.workers = []
         self.kills = 0  # workers SIGKILLed (a check past its deadline); rl.py can log it
-        self.worker_cpu_s = 0.0  # CPU seconds the workers spent on checks, for the benchmark
+        self.worker_cpu_s = 0.0  # CPU seconds the workers spent on checks, for bench/reward.py
         self.tasks_run = {"value": 0, "verify": 0}
         self.startup_failures = 0
         for _ in range(self.num_workers):
@@ -661,8 +639,7 @@ def _slow_path(pairs, timeout_s):
 
     1. Each distinct answer whose value is not known yet is evaluated once (math-verify's parse, then
        sympy's evalf), with half of timeout_s: parsing it is most of what a verify would cost.
-    2. Pairs that math-verify's parse already tells apart (_differ_by_value: two numbers far apart, or a
-       number against a COLLECTION) are False.
+    2. Pairs that math-verify's parse already tells apart (_differ_by_value) are False.
     3. The rest get math-verify's verify, with what is left of timeout_s after step 1 spent on their two
        answers: no pair gets more than timeout_s of worker time in all. Nothing is True without verify.
     """
@@ -682,7 +659,7 @@ def _slow_path(pairs, timeout_s):
         else:
             to_verify.append((pred, gold))
             budgets.append(budget)
-    # On the MATH-500 labeled set 145 of the 371 open pairs get this far (--bench prints counts).
+    # On the MATH-500 labeled set 145 of the 371 open pairs get this far (bench/reward.py prints counts).
     results, _ = _run_in_pool([("verify", *pair) for pair in to_verify], budgets)
     verdicts.update(zip(to_verify, map(bool, results)))
     return [verdicts[pair] for pair in pairs]
@@ -747,8 +724,6 @@ def score_batch(responses, golds, finished=True, require_answer_tag=False, timeo
     if len(finished) != len(responses):
         raise ValueError(f"score_batch: {len(responses)} responses but {len(finished)} finished flags")
     rewards = [0.0] * len(responses)
-    # Rollouts of one prompt share a gold and often an answer: each distinct (pred, gold) pair is
-    # checked once, and its verdict copied to every index.
     undecided = {}  # (pred, gold) -> indices waiting for math-verify
     for i, (response, gold, done) in enumerate(zip(responses, golds, finished)):
         if not isinstance(response, str):
@@ -778,181 +753,8 @@ def compute_reward(response, gold, finished=True, require_answer_tag=False, time
     return score_batch([response], [gold], [finished], require_answer_tag, timeout_s)[0]
 
 
-
-# -----------------------------------------------------------------------------
-# The labeled set and the benchmark (python reward.py --bench)
-
-
-def math500_labeled_set(path="data/math500.jsonl", negatives_per_problem=2, seed=0):
-    """(response, gold, label) triples from MATH-500, for measuring agreement.
-
-    Positives: each problem's reference `solution` (its last box is the answer, written the way the
-    solution's author wrote it) against the normalised `answer`; all must score 1.
-    Negatives: the solution of problem j against the answer of problem i, for `negatives_per_problem`
-    partners j of each i (a seeded shuffle, neighbours in it). Such a pair is truly equal exactly when
-    the two answer strings are identical: every cross pair between different answer strings that the fast
-    path or math-verify accepts was audited (`--bench audit_all_pairs=true`), and none is accepted.
-    """
-    rows = load_problems(path)
-    triples = [(row["solution"], row["answer"], True) for row in rows]
-    order = list(range(len(rows)))
-    random.Random(seed).shuffle(order)
-    for k, i in enumerate(order):
-        for shift in range(1, negatives_per_problem + 1):
-            j = order[(k + shift) % len(order)]
-            triples.append((rows[j]["solution"], rows[i]["answer"], rows[i]["answer"] == rows[j]["answer"]))
-    return triples
-
-
-def integer_set(path="data/train_int_mix.jsonl", problems=500):
-    """(response, gold, label) triples for the paper's training case, integer answers (§4.2): four
-    rollout-shaped responses per problem, right, off by one, a fraction, and ten times too big (for
-    every tenth problem an irrational instead)."""
-    triples = []
-    for k, row in enumerate(load_problems(path)[:problems]):
-        gold = int(row["answer"])
-        last = f"{gold}+\\sqrt{{2}}" if k % 10 == 0 else str(10 * gold + 1)
-        for answer in (str(gold), str(gold + 1), f"\\frac{{{2 * gold + 1}}}{{2}}", last):
-            response = f"<reason>... checked with the tool ...</reason><answer>\\boxed{{{answer}}}</answer>"
-            triples.append((response, row["answer"], answer == str(gold)))
-    return triples
-
-
-@dataclasses.dataclass
-class BenchConfig:
-    negatives_per_problem: int = 2
-    workers: int = 0  # 0: default_num_workers()
-    timeout_s: float = DEFAULT_TIMEOUT_S
-    rounds: int = 3  # the machine may be shared: report the median of interleaved rounds
-    audit_all_pairs: bool = False  # also re-check what skips verify on all pairs of MATH-500 answers + NOTATION_SHAPES
-
-    def validate(self):
-        if self.negatives_per_problem < 0 or self.workers < 0 or self.rounds < 1 or self.timeout_s <= 0:
-            raise ValueError(f"bench: want negatives_per_problem, workers >= 0, rounds >= 1, timeout_s > 0; got {self}")
-
-
-def _fresh_pool(workers):
-    """A new pool, started and warmed up on training-set answers, so no round reuses another's caches."""
-    shutdown_pool()
-    pool = start_pool(workers or None)
-    answers = [r["answer"] for r in load_problems("data/math_train.jsonl")[:200] if not r["answer"].isdigit()][:40]
-    tasks = [("value", a) for a in answers] + [("verify", a, b) for a, b in zip(answers, answers[1:])]
-    _run_in_pool(tasks, [10.0] * len(tasks))
-    _VALUES.clear()
-    normalize_answer.cache_clear()
-    return pool
-
-
-def bench(cfg):
-    """Answers/s and agreement: plain math-verify vs the fast path alone vs score_batch, in one run.
-
-    Wall time is what a training step waits for. CPU time (this process plus the workers' per-check CPU,
-    pool start excluded) is what the machine pays, and the steadier figure on a shared machine.
-    """
-    from math_verify import parse, verify
-
-    workloads = {
-        "MATH-500 labeled set": math500_labeled_set(negatives_per_problem=cfg.negatives_per_problem),
-        "integer answers (train_int_mix)": integer_set(),
-    }
-    for workload, triples in workloads.items():
-        responses, golds, labels = zip(*triples)
-        n = len(triples)
-        results = {}  # method -> [(wall s, cpu s, verdicts)] per round
-        worker_counts = sorted({cfg.workers or default_num_workers(), 1}, reverse=True)
-        methods = [
-            ("math-verify: verify(parse(gold), parse(response))", None,
-             lambda: [verify(parse("\\boxed{" + g + "}"), parse(r)) for r, g in zip(responses, golds)]),
-            ("fast path alone (undecided scores 0)", None,
-             lambda: [fast_equivalent(extract_answer(r) or "", g) is True for r, g in zip(responses, golds)]),
-        ] + [(f"score_batch, {w} worker(s)", w, lambda: score_batch(responses, golds, timeout_s=cfg.timeout_s))
-             for w in worker_counts]
-        for _ in range(cfg.rounds):
-            for name, workers, method in methods:
-                pool = _fresh_pool(workers) if workers else None
-                worker_cpu, tasks_before = (pool.worker_cpu_s, dict(pool.tasks_run)) if pool else (0.0, {})
-                _VALUES.clear()
-                wall, cpu = time.perf_counter(), time.process_time()
-                verdicts = method()
-                wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-                cpu += (pool.worker_cpu_s - worker_cpu) if pool else 0.0
-                results.setdefault(name, []).append((wall, cpu, verdicts))
-                if pool:
-                    tasks = {kind: count - tasks_before[kind] for kind, count in pool.tasks_run.items()}
-        shutdown_pool()
-        positives = sum(labels)
-        _VALUES.clear()
-        undecided = sum(fast_equivalent(extract_answer(r) or "", g) is None for r, g in zip(responses, golds))
-        print(f"\n{workload}: {n} pairs, {positives} equal; median of {cfg.rounds} round(s); "
-              f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}\n"
-              f"the fast path leaves {undecided} pairs open; the workers evaluate {tasks['value']} distinct "
-              f"answers, then verify {tasks['verify']} pairs")
-        print(f"{'method':52} {'answers/s':>9} {'speedup':>7} {'CPU ms/answer':>13} {'speedup':>7} "
-              f"{'equal found':>11} {'false pos':>9}")
-        base = None
-        for name, runs in results.items():
-            wall = sorted(r[0] for r in runs)[len(runs) // 2]
-            cpu_ms = 1000 * sorted(r[1] for r in runs)[len(runs) // 2] / n
-            verdicts = runs[0][2]
-            found = sum(1 for v, label in zip(verdicts, labels) if v and label)
-            false_pos = sum(1 for v, label in zip(verdicts, labels) if v and not label)
-            base = base or (wall, cpu_ms)
-            print(f"{name:52} {n / wall:9.0f} {base[0] / wall:6.1f}x {cpu_ms:13.3f} {base[1] / cpu_ms:6.1f}x "
-                  f"{found:>5}/{positives:<5} {false_pos:>4}/{n - positives:<4}")
-    if cfg.audit_all_pairs:
-        answers = {row["answer"] for row in load_problems("data/math500.jsonl")} | set(NOTATION_SHAPES)
-        started = time.perf_counter()
-        decided, wrong = audit_fast_path(answers, cfg.workers or None, max(cfg.timeout_s, 10))
-        print(f"\naudit: {decided} of {len(answers) * (len(answers) - 1)} ordered pairs of distinct answers "
-              f"(MATH-500's and NOTATION_SHAPES) are decided without verify; {len(wrong)} disagree with "
-              f"math-verify ({time.perf_counter() - started:.0f} s)")
-        for pred, gold, verdict in wrong:
-            print(f"  decided {verdict} for pred {pred!r} vs gold {gold!r}")
-
-
-# Spellings users meet that MATH-500's answers do not cover (from third-party grader test suites): the
-# audit adds them to MATH-500's answers, so every pair among them is checked against math-verify too.
-NOTATION_SHAPES = [
-    "32349", "32,349", "32, 349", "32,\\!349", "32,\\ 349", "1234,567", "1,234,567", "1, 234, 567", "1234567",
-    "1000", "1,000", "1, 000", "1{,}000", "1\\,000", "1000.0", "1,000.0", "1000.99", "1,000.99", "1,000.9",
-    "11", "11.0", "x\\approx11", "x \\approx 12", "\\approx 11", "x = 11",
-    "16386.20", "16386.2", "\\$16,\\!386.20", "\\$16,386.20", "\\$16,\\!386", "\\$5.00", "5", "\\$5",
-    "10\\%", "0.1", "10", "50\\%", "0.5", "50", "25\\%", "\\frac{1}{4}",
-    "90^\\circ", "90", "90^{\\circ}", "\\frac{\\pi}{2}", "30^\\circ", "\\frac{\\pi}{6}", "180^\\circ", "\\pi",
-    "5 \\text{ cm}", "5\\text{ cm}^2", "6 \\text{ m}", "12 \\text{ inches}", "1 \\text{ foot}", "12", "1",
-    "3, 5", "35", "1, 2", "1,2", "12", "(1,234)", "1234", "1, 2, 3", "123",
-    "5, 5", "[5, 5]", "(5, 5)", "[\\frac12, 0.5]", "(6,31,-1)", "\\{1, 2\\}", "[2, 7)", "-\\sqrt{3}", "2",
-    "\\{2, \\sqrt{4}\\}", "\\{\\frac12, 0.5\\}", "\\frac{1}{2}",
-]
-
-
-def _decided_without_verify(pred, gold):
-    """The verdict score_batch reaches for a pair without math-verify's verify, given the values known so
-    far: fast_equivalent's, else False for two numbers far apart, else None."""
-    verdict = fast_equivalent(pred, gold)
-    return False if verdict is None and _differ_by_value(pred, gold) else verdict
-
-
-def audit_fast_path(answers, workers=None, timeout_s=10.0):
-    """Every ordered pair of distinct `answers` that is decided without math-verify's verify once every
-    answer's value is known (fast_equivalent, then _differ_by_value), re-checked by verify.
-
-    Returns (number of pairs decided, [(pred, gold, verdict) for each pair verify decides otherwise]).
-    """
-    answers = sorted(set(answers))
-    start_pool(workers)
-    values, _ = _run_in_pool([("value", a) for a in answers], [timeout_s] * len(answers))
-    _VALUES.update(zip(answers, values))
-    decided = [(pred, gold, verdict) for pred in answers for gold in answers if pred != gold
-               for verdict in [_decided_without_verify(pred, gold)] if verdict is not None]
-    checks, _ = _run_in_pool([("verify", pred, gold) for pred, gold, _ in decided], [timeout_s] * len(decided))
-    return len(decided), [(p, g, v) for (p, g, v), check in zip(decided, checks) if v != check]
-
-
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--worker"]:
+    if sys.argv[1:2] == ["--worker"]:  # how VerifierPool starts each worker
         _worker_main()
-    elif sys.argv[1:2] == ["--bench"]:
-        bench(load_config(BenchConfig, sys.argv[2:]))
     else:
         sys.exit(__doc__)

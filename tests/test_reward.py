@@ -17,6 +17,7 @@ import pytest
 from math_verify import parse, verify
 
 import reward
+from bench.reward import NOTATION_SHAPES, _decided_without_verify, audit_fast_path, math500_labeled_set
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -177,7 +178,7 @@ def test_project_agrees_with_plain_math_verify(gold, pred, expected):
 
 def test_fast_path_says_not_equal_only_for_two_plain_numbers():
     # The rule that keeps the fast path from missing a shape it does not know: any other pair is deferred.
-    answers = sorted({a for gold, pred, _ in MATH_VERIFY_SHAPES for a in (gold, pred)} | set(reward.NOTATION_SHAPES)
+    answers = sorted({a for gold, pred, _ in MATH_VERIFY_SHAPES for a in (gold, pred)} | set(NOTATION_SHAPES)
                      | {a for pair in FAST_PATH_EQUAL + MATH_VERIFY_EQUAL + NOT_EQUAL for a in pair})
     rejected = [(p, g) for p in answers for g in answers if reward.fast_equivalent(p, g) is False]
     assert len(rejected) > 1000
@@ -185,7 +186,7 @@ def test_fast_path_says_not_equal_only_for_two_plain_numbers():
 
 
 def test_audit_finds_no_disagreement_with_math_verify_on_notation_shapes():
-    decided, wrong = reward.audit_fast_path(reward.NOTATION_SHAPES)
+    decided, wrong = audit_fast_path(NOTATION_SHAPES)
     assert decided > 1000
     assert wrong == []
 
@@ -314,12 +315,12 @@ def test_math_verify_itself_accepts_every_benchmark_gold_against_itself():
 
 # Misses of score_batch on the MATH-500 labeled set, with the reason: none. 500/500 positives, 0/1000
 # false positives (and 10/10 truly equal cross pairs accepted). Plain math-verify also scores it perfectly
-# (`python reward.py --bench`), so neither side has a miss to list.
+# (`python -m bench.reward`), so neither side has a miss to list.
 LABELED_SET_MISSES = {}
 
 
 def test_math500_labeled_set_is_scored_exactly():
-    triples = reward.math500_labeled_set(os.path.join(REPO, "data/math500.jsonl"), negatives_per_problem=2)
+    triples = math500_labeled_set(os.path.join(REPO, "data/math500.jsonl"), negatives_per_problem=2)
     responses, golds, labels = zip(*triples)
     assert len(triples) == 1500 and sum(labels) == 510
     rewards = reward.score_batch(responses, golds)
@@ -330,9 +331,9 @@ def test_math500_labeled_set_is_scored_exactly():
 
 def test_what_skips_verify_agrees_with_verify_on_the_labeled_set():
     # The fast path and the value check decide most pairs without math-verify's verify; on every such
-    # pair of the labeled set, verify must say the same. (`--bench audit_all_pairs=true` does this for
-    # all 90,000 ordered pairs of distinct MATH-500 answers.)
-    triples = reward.math500_labeled_set(os.path.join(REPO, "data/math500.jsonl"), negatives_per_problem=2)
+    # pair of the labeled set, verify must say the same. (`python -m bench.reward audit_all_pairs=true`
+    # does this for all 90,000 ordered pairs of distinct MATH-500 answers.)
+    triples = math500_labeled_set(os.path.join(REPO, "data/math500.jsonl"), negatives_per_problem=2)
     responses, golds, _ = zip(*triples)
     reward.score_batch(responses, golds, timeout_s=10)  # fills in the values of the answers it needs
     decided = {}
@@ -340,7 +341,7 @@ def test_what_skips_verify_agrees_with_verify_on_the_labeled_set():
         pred = reward.extract_answer(response)
         if re.fullmatch(r"-?\d+", reward.normalize_answer(pred)) and re.fullmatch(r"-?\d+", reward.normalize_answer(gold)):
             continue  # two integers: compared exactly, nothing for math-verify to add
-        verdict = reward._decided_without_verify(pred, gold)  # now with every needed value known
+        verdict = _decided_without_verify(pred, gold)  # now with every needed value known
         if verdict is not None:
             decided[pred, gold] = verdict
     assert len(decided) > 400
