@@ -40,6 +40,7 @@ import _signal
 import ast
 import atexit
 import builtins
+import contextlib
 import ctypes
 import dataclasses
 import gc
@@ -204,9 +205,7 @@ def _fork(state):
     if not state["single_threaded"]:
         return os.fork()
     pid = _libc_fork()
-    if pid < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"fork: {os.strerror(err)}")
+    _check(min(pid, 0), "fork")   # -1 and errno on failure
     return pid
 
 
@@ -272,12 +271,8 @@ def _isolate(cfg):
     child = os.fork()   # unshare(CLONE_NEWPID) moves our children, not us: the first child is PID 1
     if child:
         os.closerange(3, 1 << 16)   # the waiter holds no pipe, so the parent sees EOF when PID 1 dies
-        while True:
-            try:
-                _, status = os.waitpid(child, 0)
-                os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
-            except InterruptedError:
-                continue
+        _, status = os.waitpid(child, 0)   # retried on EINTR by Python itself (PEP 475)
+        os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
     # PDEATHSIG fires when the parent *thread* dies; the waiter has one thread, so: when the waiter dies
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if info["user_namespace"]:
@@ -304,10 +299,8 @@ def _isolate(cfg):
     # message queues and semaphore sets cannot be made at all.
     for key, value in (("kernel/shm_rmid_forced", "1"), ("kernel/msgmni", "0"), ("kernel/sem", "0 0 0 0"),
                        ("fs/mqueue/queues_max", "0")):
-        try:
+        with contextlib.suppress(OSError):
             _write_text(f"/proc/sys/{key}", value)
-        except OSError:
-            pass
     return info
 
 
@@ -725,10 +718,8 @@ def _cpu_times(pid):
 
 def _signal_everything(state, pid):
     """SIGKILL the main process and, from PID 1, everything else in the namespace (the sweep reaps them)."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(-1 if state["pid_namespace"] else pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _kill_leftovers(state, session):
@@ -740,31 +731,21 @@ def _kill_leftovers(state, session):
         if state["pid_namespace"]:
             _signal_everything(state, session)
         else:
-            children = _children()
-            if children is None:   # no /proc/<pid>/task/*/children: the call's session is all we can reach
+            try:
+                with open(f"/proc/self/task/{os.getpid()}/children") as f:
+                    children = [int(pid) for pid in f.read().split()]
+            except OSError:   # no /proc/<pid>/task/*/children: the call's session is all we can reach
                 children = []
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(session, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
             for pid in children:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
         try:
             os.waitpid(-1, 0)
         except ChildProcessError:
             return
     # still not empty after 5 s (a process stuck in uninterruptible I/O): the next call's sweep reaps it
-
-
-def _children():
-    try:
-        with open(f"/proc/self/task/{os.getpid()}/children") as f:
-            return [int(pid) for pid in f.read().split()]
-    except OSError:
-        return None
 
 
 def _fresh_workdir(state):
@@ -800,12 +781,10 @@ def _clean_after_call(state, workdir, free_inodes):
     # which must then succeed (rmdir: only if empty), leaves the mounts as the call found them, in 2 syscalls
     # instead of a walk of all four.
     if free_inodes and _free_inodes(state) == free_inodes:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(os.path.join(workdir, MAIN))
             os.rmdir(workdir)
             return
-        except OSError:
-            pass
     # the mounts stay (remounting per call would cost more); their contents go, /tmp/sandbox included, except
     # the interpreter bound back under them (see _private_tmp) and the directories leading to it
     keep = [k for k in state["kept_paths"] if any(_under(k, root) for root in TMP_DIRS)]
@@ -1020,10 +999,8 @@ def _probe_sandbox(cfg, state):
 def _processes_of_uid(uid):
     count = 0
     for name in os.listdir("/proc"):
-        try:
+        with contextlib.suppress(OSError):
             count += name.isdigit() and os.stat(f"/proc/{name}").st_uid == uid
-        except OSError:
-            pass
     return count
 
 
