@@ -6,21 +6,15 @@ is printed, IPython-like. rStar2 ran up to 45K calls per RL step at ~0.3 s each 
 cheap; and the code is untrusted (endless loops, 100 GB allocations, fork bombs, kill(-1), reads of the
 answer key), so nothing it does may hurt the trainer.
 
-How (shared/docs/executor-anchors.md has the designs this draws on):
-  - Warm workers: each slot of an Executor has two worker processes, "light" (stdlib preloaded, ~1 ms fork)
-    and "heavy" (numpy + sympy imported and exercised, ~8 ms fork instead of a ~1 s import). A worker forks
-    one child per call; a call goes to heavy when its code mentions numpy, sympy, mpmath or scipy.
-  - Each worker is PID 1 of its own PID, mount, network and IPC namespace. After every call it kills
-    everything left in the namespace (kill(-1) from PID 1 also reaches setsid and double-fork escapees) and
-    reaps it. Its mounts: the repo, the caller's cwd and home under empty read-only tmpfs (the interpreter
-    bound back), everything else read-only, private /tmp, /var/tmp, /dev/shm, /run/lock emptied after each
-    call, GPU device nodes masked, a /proc that shows the namespace only, no network interface but a
-    loopback that is down.
-  - The child drops to a uid of its own per worker, with hard rlimits (address space, CPU, processes, file
-    size, open files, no core), no_new_privs and the environment the worker was started with (not ours).
-  - The worker enforces the wall clock and caps output while it streams; this process keeps a backstop (a
-    worker silent past 3 x timeout_s + 5 s is killed and replaced, as is one that dies). The clock leaves out
-    the time a call waited for a CPU (up to 3 x timeout_s in all): a busy node does not make calls time out.
+How (shared/docs/executor-anchors.md has the designs this draws on; the sections below say why each part):
+  - Warm workers: each slot of an Executor has a "light" worker (stdlib preloaded, ~1 ms fork) and a "heavy"
+    one (numpy + sympy imported and exercised, ~8 ms fork instead of a ~1 s import) for code that mentions
+    numpy, sympy, mpmath or scipy. A worker forks one child per call.
+  - Each worker is PID 1 of its own PID, mount, network and IPC namespaces: the repo, the caller's cwd and
+    home hidden, all else read-only but a private /tmp, GPUs masked, no network. Before it answers, it kills
+    and reaps all the call left and empties /tmp. The child runs as a uid of its own, under hard rlimits.
+  - The worker holds the wall clock (less the time a call waited for a CPU) and the output caps; this process
+    a backstop that replaces a worker that hangs or dies.
 Where the OS refuses (non-root, containers) a worker falls back once, at start: to a user namespace (the
 same mounts; capabilities dropped instead of a uid switch), then to plain processes (a subreaper still
 catches every descendant; no hiding, no network cut, and same-uid code can signal the caller).
@@ -96,11 +90,10 @@ np.linalg.det(np.eye(3)); np.arange(12).reshape(3, 4).sum(axis=0); np.random.def
 # -----------------------------------------------------------------------------
 # the result
 #
-# The paper lists what the environment can answer (§2.1): printed output, no output (then the value of the
-# last expression), an error with its traceback, a timeout. Those are "ok" and "error"/"timeout" here, plus
-# "oom", which code-judge folds into errors. The status is structured on purpose: GRPO-RoC ranks correct
-# rollouts by their tool-error ratio (Eq. 4), and the release gets that ratio by grepping the response text
-# for "error", which misses timeouts and counts a printed "error" as one (rstar2-method.md §1.2).
+# The paper lists what the environment can answer (§2.1): printed output, no output (then the value of the last
+# expression), an error with its traceback, a timeout; "oom" is ours (code-judge folds it into errors). Structured
+# on purpose: GRPO-RoC ranks correct rollouts by their tool-error ratio (Eq. 4), which the release gets by grepping
+# the response for "error", missing timeouts and counting a printed "error" as one (rstar2-method.md §1.2).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,8 +114,7 @@ class ExecResult:
         max_chars=256 is verl's max_tool_response_length with truncate_side="middle", which the released
         rStar2 scripts leave at its default: the head keeps the first printed lines, the tail the traceback's
         last line, which says what went wrong. Each stream was capped before, at max_output_chars (code-judge's
-        1000). show_time=False leaves out the execution time, the only part that differs on a rerun.
-        """
+        1000). show_time=False leaves out the execution time, the only part that differs on a rerun."""
         lines = ["Tool call success" if self.status == "ok" else "Tool call failure"]
         if self.status != "ok":
             # the release's reason words: code-judge's worker_timeout for a timeout, nothing for an error
@@ -146,9 +138,6 @@ def truncate_middle(text, max_chars):
 
 # -----------------------------------------------------------------------------
 # Linux through libc: Python 3.11 has no os.unshare, os.mount or capset
-#
-# Everything privileged below runs in a worker before any untrusted code exists: namespaces and mounts once
-# at its start, the uid switch and the limits in each child before it runs a line of the snippet.
 
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
 CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
@@ -199,9 +188,8 @@ def _fork(state):
     os.fork() makes the child re-create the interpreter's locks and run the handlers that modules registered
     (threading's _after_fork, random's reseed): ~180 pages written, so copied, and ~0.6 ms of CPU in every
     trivial call's child. A worker has one thread and holds no lock when it forks, so there is nothing to
-    re-create, and every call seeds the random state before its fork (_run_call): libc's fork() alone does the
-    same.
-    A worker that found more than one thread at its start (a library's pool) keeps os.fork()."""
+    re-create, and every call seeds the random state before its fork (_run_call): libc's fork() alone does
+    the same. A worker that found more than one thread at its start (a library's pool) keeps os.fork()."""
     if not state["single_threaded"]:
         return os.fork()
     pid = _libc_fork()
@@ -221,9 +209,9 @@ def _under(path, root):
 # -----------------------------------------------------------------------------
 # a worker's isolation, set up once when it starts
 #
-# Per call these layers would cost 0.5-2.5 ms each (executor-anchors.md, measured on this machine kind); once
-# per worker they cost nothing per call. The calls of one worker run one after another, so what they could
-# share (the private /tmp, the namespace) is emptied between them instead.
+# Once per worker: per call each layer would cost 0.5-2.5 ms (executor-anchors.md, measured on this machine kind).
+# The calls of a worker run one after another, so what they share (the private /tmp, the namespace) is emptied
+# between them instead.
 #   PID namespace   the worker is its PID 1: kill(-1) from there reaches every process a call made, and when
 #                   the worker dies the kernel kills them all. A process group alone is escaped by setsid.
 #   mount namespace the answer key, the trainer's files and the caller's home are not there; nothing written
@@ -251,8 +239,7 @@ def _isolate(cfg):
     except OSError as root_error:
         try:   # without root: in a user namespace we own fresh namespaces, but nothing of the host
             _unshare(flags | CLONE_NEWUSER)
-            # map our uid and gid to 0 inside; an unprivileged process may map just itself, and must give up
-            # setgroups(2) before it may write a gid map
+            # our uid and gid are 0 inside: one may map only oneself, and must deny setgroups(2) before a gid map
             _write_text("/proc/self/setgroups", "deny")
             _write_text("/proc/self/uid_map", f"0 {euid} 1")
             _write_text("/proc/self/gid_map", f"0 {egid} 1")
@@ -261,7 +248,6 @@ def _isolate(cfg):
             info["warnings"].append(f"no namespaces ({root_error.strerror}; user namespace: {user_error.strerror})")
     if info["level"] == "process":
         _prctl(PR_SET_CHILD_SUBREAPER, 1)   # a call's orphans re-parent to us, not to init: none escapes the sweep
-        # root can still give the child a uid of its own, if that uid can reach the interpreter
         if euid == 0 and not _interpreter_unreachable(info["kept_paths"]):
             info["sandbox_uid"] = SANDBOX_UID_BASE + host_pid
         info["capabilities_dropped"] = euid == 0 and info["sandbox_uid"] is None
@@ -281,7 +267,7 @@ def _isolate(cfg):
         info["sandbox_uid"] = SANDBOX_UID_BASE + host_pid   # its own uid: RLIMIT_NPROC counts this worker only
     # A step that fails (a container that masks /proc, say) is reported and skipped, not fatal by itself: the
     # worker's probe call (_probe_sandbox) decides whether what is left runs calls, and if not, Executor() raises
-    # with these warnings (a worker that died here would be restarted forever). `info` says what did happen.
+    # with these warnings (a worker that died here would be restarted forever).
     steps = (("private mounts", lambda: _mount(None, "/", None, MS_REC | MS_PRIVATE)),   # nothing reaches the host
              ("fresh /proc", lambda: _private_proc(info)),
              ("hidden paths", lambda: _hide_paths(cfg["hide_paths"], info["kept_paths"], info)),
@@ -295,8 +281,8 @@ def _isolate(cfg):
             info["warnings"].append(f"{name}: {e}")
             if name == "private mounts":
                 break   # any further mount would show on the host
-    # SysV IPC objects outlive their processes. In our IPC namespace: shared memory dies with its users,
-    # message queues and semaphore sets cannot be made at all.
+    # SysV IPC objects outlive their processes: here shared memory dies with its users, and message queues and
+    # semaphore sets cannot be made at all.
     for key, value in (("kernel/shm_rmid_forced", "1"), ("kernel/msgmni", "0"), ("kernel/sem", "0 0 0 0"),
                        ("fs/mqueue/queues_max", "0")):
         with contextlib.suppress(OSError):
@@ -428,9 +414,8 @@ def _remount_readonly(info):
 
 def _private_tmp(cfg, info):
     # A little over the file-size limit: one big file meets EFBIG, many meet ENOSPC, and the RAM a call can
-    # fill here (tmpfs is memory, not counted in RLIMIT_AS) stays bounded.
-    # The interpreter may itself live under /tmp (a CI checkout with its venv there): bind it back over the fresh
-    # tmpfs, read-only, from a descriptor opened before the cover, as _hide_paths does.
+    # fill here (tmpfs is memory, not counted in RLIMIT_AS) stays bounded. The interpreter may itself live
+    # under /tmp (a CI checkout with its venv there): bound back over the fresh tmpfs, read-only, as in _hide_paths.
     keep = info["kept_paths"]
     for path in TMP_DIRS:
         if os.path.isdir(path):
@@ -451,8 +436,7 @@ def _private_tmp(cfg, info):
 
 # -----------------------------------------------------------------------------
 # one call, in the child: enter the sandbox, run the snippet as a script
-
-
+#
 # The order matters: the fds first (nothing of the worker's may stay reachable), then what needs root
 # (oom_score_adj may only go down as root, the rlimits are set while we may still set them hard), then the
 # uid switch (no_new_privs is already set: the worker set it on itself, and a fork inherits it).
@@ -501,10 +485,9 @@ def _run_child(code, stdin, stdin_fd, out_fd, err_fd, workdir, state):
 
 def _run_snippet(code, stdin, private_tmp):
     """`python main.py`, with the value of a final expression shown; returns the exit code."""
-    # Not exec'd in a fresh interpreter, so everything a script could tell apart from `python main.py` is set
-    # by hand: argv, __main__, __file__, and what happens at exit. The standard streams are the worker's own,
-    # unused, objects, now on the call's fds 0-2: block-buffered stdout as for a script writing to a pipe, and
-    # reusing them spares the child ~60 copy-on-write page faults (every page a child writes is copied).
+    # Not exec'd in a fresh interpreter, so all a script could tell apart from `python main.py` is set by hand:
+    # argv, __main__, __file__, what happens at exit. The standard streams are the worker's own, unused, now on the
+    # call's fds 0-2: block-buffered stdout as for a script writing to a pipe; reusing them spares ~60 page copies.
     if not private_tmp:   # without a private /tmp the call's directory changes every time
         os.environ.update(HOME=os.getcwd(), TMPDIR=os.getcwd())   # ~/.cache and tempfile land in the call's dir
         tempfile.tempdir = None   # the worker's own mkdtemp() cached /tmp
@@ -578,7 +561,6 @@ class _Capture:
         self.keep, self.head, self.tail, self.total = keep, bytearray(), bytearray(), 0
 
     def add(self, data):
-        # the head fills first and is never touched again; the tail is a window over the latest bytes
         self.total += len(data)
         room = self.keep - len(self.head)
         if room > 0:
@@ -596,8 +578,7 @@ class _Capture:
             if len(text) <= max_chars:
                 return text, False
             return truncate_middle(text, max_chars), True
-        # `keep` is 2 * max_chars + 4 bytes: enough for max_chars // 2 characters of 4 bytes at each end,
-        # past a character that the cut may have split
+        # `keep` (2 * max_chars + 4 bytes) holds max_chars // 2 characters of 4 bytes at each end, past one cut in two
         half = max_chars // 2
         head = self.head.decode("utf-8", "replace")[:half]
         tail = self.tail.decode("utf-8", "replace")[-half:] if half else ""
@@ -627,10 +608,9 @@ def _run_call(code, stdin, cfg, state):
         poller.register(fd, select.POLLIN)
     drain_until, output_limit = None, cfg["output_limit_mb"] << 20
     open_fds, returncode, killed_for, elapsed, ran_ns = set(captures), None, None, None, 0
-    # Seeded from the inputs: a forked child would otherwise share numpy's global state with every other call
-    # of its worker, and a pure function of (code, stdin) keeps an RL rerun byte-identical (hash() is, under
-    # PYTHONHASHSEED=0). os.urandom stays random. Here, not in the child: pages written before the fork are
-    # not copied.
+    # Seeded from the inputs, here, not in the child (pages written before the fork are not copied): a forked
+    # child would otherwise share numpy's global state with every other call of its worker, and a pure function
+    # of (code, stdin) keeps an RL rerun byte-identical (hash() is, under PYTHONHASHSEED=0). os.urandom stays random.
     seed = hash((code, stdin)) & (2**64 - 1)
     random.seed(seed)
     if "numpy" in sys.modules:
@@ -644,9 +624,8 @@ def _run_call(code, stdin, cfg, state):
         os.close(fd)
     pidfd = os.pidfd_open(pid)   # readable at the child's exit: one poll() waits for output and exit at once
     poller.register(pidfd, select.POLLIN)
-    # killed_for says why *we* killed it (None: it ended by itself); returncode is None until it is reaped.
-    # Until the main process exits: read its output, kill it at the deadline or when the output limit is
-    # passed. Then a short drain: the pipes reach EOF once every process holding them is dead.
+    # Until the main process is reaped (returncode), read its output, kill it at the deadline or the output limit
+    # (killed_for: why *we* killed it). Then a short drain: the pipes reach EOF once all that holds them is dead.
     while open_fds or returncode is None:
         now = time.monotonic()
         if returncode is not None:
@@ -670,8 +649,7 @@ def _run_call(code, stdin, cfg, state):
             if killed_for is None and sum(c.total for c in captures.values()) > output_limit:
                 killed_for = "output limit"   # a print loop is stopped at once, not read until the timeout
                 _signal_everything(state, pid)
-        # The deadline is checked after the events, so a child that exited while this worker waited for a CPU
-        # counts as finished, not as timed out.
+        # Checked after the events: a child that exited while this worker waited for a CPU finished, not timed out.
         now = time.monotonic()
         if returncode is None and killed_for is None and now >= deadline:
             # Time the snippet spent runnable but waiting for a CPU is the machine's, not the snippet's: on an
@@ -704,8 +682,7 @@ def _run_call(code, stdin, cfg, state):
 
 
 def _cpu_times(pid):
-    """(ns on a CPU, ns runnable but waiting for one, runnable now?) of a process, from /proc/<pid>/schedstat
-    (the run-queue delay) and /proc/<pid>/stat (the state letter)."""
+    """(ns on a CPU, ns runnable but waiting for one, runnable now?) of a process, from /proc/<pid>."""
     try:
         with open(f"/proc/{pid}/schedstat") as f:
             run_ns, wait_ns = (int(x) for x in f.read().split()[:2])
@@ -723,9 +700,8 @@ def _signal_everything(state, pid):
 
 
 def _kill_leftovers(state, session):
-    """Kill and reap every process the call left. From PID 1, kill(-1) reaches the whole namespace, whatever
-    setsid or double fork a process did. Without a namespace the subreaper has them all as children (an
-    orphan re-parents to us), so kill the children and look again until none is left."""
+    """Kill and reap every process the call left: from PID 1 the whole namespace, with kill(-1); without one,
+    the children of the subreaper (an orphan re-parents to us), looking again until none is left."""
     deadline = time.monotonic() + 5.0
     while time.monotonic() < deadline:
         if state["pid_namespace"]:
@@ -777,9 +753,8 @@ def _clean_after_call(state, workdir, free_inodes):
         _remove_tree(workdir)
         return
     # Most calls write no file: then no count moved since main.py was written, so the mounts hold what they did
-    # then, up to a main.py or a call's directory that was replaced (deleted and made again). Removing those two,
-    # which must then succeed (rmdir: only if empty), leaves the mounts as the call found them, in 2 syscalls
-    # instead of a walk of all four.
+    # then, up to a main.py or a call's directory that was replaced (deleted and made again). Removing those two
+    # (rmdir: only if empty) leaves the mounts as the call found them, in 2 syscalls instead of a walk of all four.
     if free_inodes and _free_inodes(state) == free_inodes:
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(workdir, MAIN))
@@ -853,10 +828,7 @@ def _describe(returncode, killed_for, elapsed, out, err, cfg):
 
 # -----------------------------------------------------------------------------
 # the worker process. Messages are a 4-byte length and JSON: never pickle, whose reader would run code.
-#
-# The worker answers each request with the call's whole result, only after the sweep. So when a result
-# reaches the parent, no process of that call is left and its files are gone; the next call finds a clean
-# worker. Two pipes per worker, no sockets: nothing to bind, nothing another process can connect to.
+# Two pipes per worker, no sockets: nothing to bind, nothing another process can connect to.
 
 
 def _send(fd, obj):
@@ -897,8 +869,7 @@ print(json.dumps(missing))
 
 
 def _worker_main(cfg_json):
-    """A worker's life: isolate, preload, check, report ready, then one call per request until the parent goes.
-    A worker whose sandbox cannot run calls says why in its first message (Executor() raises it), and exits."""
+    """A worker's life. One whose sandbox cannot run calls says why in its first message (Executor() raises it)."""
     cfg = json.loads(cfg_json)
     os.environ.pop("LD_BIND_NOW", None)   # the worker's own (_worker_env), not the snippet's or its subprocesses'
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # a ^C in the terminal is for the trainer, not for us
@@ -965,21 +936,18 @@ def _start_worker(cfg):
                (resource.RLIMIT_FSIZE, cfg["max_file_mb"] << 20, cfg["max_file_mb"] << 20),   # a disk fill: EFBIG
                (resource.RLIMIT_NOFILE, 256, 256),                         # fd exhaustion stays in the child
                (resource.RLIMIT_CORE, 0, 0)]                               # a segfault writes no core file
-    # what every child needs to know, computed once
     state = dict(info, max_fd=resource.getrlimit(resource.RLIMIT_NOFILE)[0], rlimits=rlimits, interpreter=interpreter,
                  single_threaded=len(os.listdir("/proc/self/task")) == 1)
     info["preloaded_mb"] = vm_bytes >> 20
     if info["private_tmp"]:   # the call's directory is always the same: its environment is set once, here
         os.environ.update(HOME="/tmp/sandbox", TMPDIR="/tmp/sandbox")
-    # No setuid binary or file capability can lift a child back up. Set here, once: every child inherits it at
-    # the fork, before it runs a line of the snippet, and the worker itself never calls execve.
+    # No setuid binary or file capability can lift a child back up: every child inherits this at its fork.
     _prctl(PR_SET_NO_NEW_PRIVS, 1)
     return info, state
 
 
 def _probe_sandbox(cfg, state):
-    """None if a call runs and sees the interpreter, else what is wrong. The steps of _isolate may fail one by
-    one (reported as warnings); this says whether what is left can still run the model's code."""
+    """None if a call runs and sees the interpreter, else what is wrong (the steps of _isolate may fail)."""
     warnings = "; ".join(state["warnings"]) or "none"
     try:   # generous: a loaded machine must not fail a worker's start, and the probe needs a few ms of CPU
         result = _run_call(SANDBOX_PROBE, json.dumps(state["interpreter"]), dict(cfg, timeout_s=max(cfg["timeout_s"], 30.0)),
@@ -1006,11 +974,6 @@ def _processes_of_uid(uid):
 
 # -----------------------------------------------------------------------------
 # this process's side: worker handles, the Executor, one thread per slot
-#
-# A slot is one call at a time, served by its own thread: the thread takes the next job from the shared
-# queue, writes it to the slot's light or heavy worker and blocks on that worker's answer (with a deadline,
-# the backstop). So results come back as each call finishes, a slow call holds one slot only, and the
-# trainer's own threads (vLLM's engine loop, say) only ever touch a queue and a Future.
 
 
 class _WorkerGone(Exception):
@@ -1018,8 +981,7 @@ class _WorkerGone(Exception):
     sent = True   # set to False by the code that raises it before the request was written
 
 
-# The worker runs this file's _worker_main under another module name, so that a script that imported us
-# (here `__main__`, say) is never run again.
+# The worker loads this file under another module name: a script that imported us (`__main__`, say) never runs again.
 _BOOT = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('rstar2_executor_worker', "
          "sys.argv[1]); m = importlib.util.module_from_spec(spec); sys.modules[spec.name] = m; "
          "spec.loader.exec_module(m); m._worker_main(sys.argv[2])")
@@ -1096,9 +1058,7 @@ class _WorkerProcess:
         return self.isolation
 
     def call(self, code, stdin, timeout_s):
-        # Everything up to the write may fail without the call having started (sent=False); after it, the
-        # call may have run, so a failure then is this call's result.
-        try:
+        try:   # up to the write, a failure leaves the call unsent (see _call)
             if self.proc.poll() is not None:
                 raise _WorkerGone("the worker is gone")
             self.wait_ready()
@@ -1166,8 +1126,7 @@ class Executor:
     max_file_mb:      RLIMIT_FSIZE; each private tmpfs holds this + 16 MB.
     output_limit_mb:  a call that writes more than this is killed (status "error"). Memory is bounded anyway;
                       this bounds the time a print loop wastes.
-    hide_paths:       directories the snippet must not see, besides the repo, the caller's cwd and home.
-    """
+    hide_paths:       directories the snippet must not see, besides the repo, the caller's cwd and home."""
 
     def __init__(self, workers=None, timeout_s=4.0, memory_mb=1024, max_output_chars=1000, *, max_processes=64,
                  max_file_mb=64, output_limit_mb=16, hide_paths=()):
@@ -1235,9 +1194,8 @@ class Executor:
         return self.submit(code, stdin).result()
 
     def map(self, codes, stdins=None):
-        """All the calls at once (as parallel as `workers` allows); the results in input order."""
-        # (concurrent.futures' Executor.map would yield lazily and take a timeout; here a list is what the
-        # evaluation loops want, and each call already has its own timeout)
+        """All the calls at once (as parallel as `workers` allows); the results in input order, as a list (not
+        concurrent.futures' lazy map: the evaluation loops want a list, and each call has its own timeout)."""
         codes = list(codes)
         stdins = [""] * len(codes) if stdins is None else list(stdins)
         if len(stdins) != len(codes):
@@ -1281,7 +1239,8 @@ def _ready(worker):
 
 
 def _serve(light, heavy, jobs, timeout_s, closed):
-    """One slot's thread: a slow call holds this slot only, and each Future completes when its call does."""
+    """One slot's thread, blocked on its worker's answer: a slow call holds this slot only, each Future completes
+    when its call does, and the trainer's own threads (vLLM's engine loop, say) only ever touch a queue and a Future."""
     while True:
         job = jobs.get()
         if job is None:
@@ -1363,12 +1322,8 @@ class ExecutorRunConfig:
             raise ValueError("needs code='...'")
 
 
-def main(argv=None):
+if __name__ == "__main__":
     from common import load_config   # here, not at the top: a worker loads this file and needs no yaml
-    cfg = load_config(ExecutorRunConfig, argv)
+    cfg = load_config(ExecutorRunConfig)
     with Executor(workers=1, timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb) as ex:
         print(ex.run(cfg.code, cfg.stdin).tool_response(max_chars=0))
-
-
-if __name__ == "__main__":
-    main()
