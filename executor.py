@@ -6,21 +6,15 @@ is printed, IPython-like. rStar2 ran up to 45K calls per RL step at ~0.3 s each 
 cheap; and the code is untrusted (endless loops, 100 GB allocations, fork bombs, kill(-1), reads of the
 answer key), so nothing it does may hurt the trainer.
 
-How (shared/docs/executor-anchors.md has the designs this draws on):
-  - Warm workers: each slot of an Executor has two worker processes, "light" (stdlib preloaded, ~1 ms fork)
-    and "heavy" (numpy + sympy imported and exercised, ~8 ms fork instead of a ~1 s import). A worker forks
-    one child per call; a call goes to heavy when its code mentions numpy, sympy, mpmath or scipy.
-  - Each worker is PID 1 of its own PID, mount, network and IPC namespace. After every call it kills
-    everything left in the namespace (kill(-1) from PID 1 also reaches setsid and double-fork escapees) and
-    reaps it. Its mounts: the repo, the caller's cwd and home under empty read-only tmpfs (the interpreter
-    bound back), everything else read-only, private /tmp, /var/tmp, /dev/shm, /run/lock emptied after each
-    call, GPU device nodes masked, a /proc that shows the namespace only, no network interface but a
-    loopback that is down.
-  - The child drops to a uid of its own per worker, with hard rlimits (address space, CPU, processes, file
-    size, open files, no core), no_new_privs and the environment the worker was started with (not ours).
-  - The worker enforces the wall clock and caps output while it streams; this process keeps a backstop (a
-    worker silent past 3 x timeout_s + 5 s is killed and replaced, as is one that dies). The clock leaves out
-    the time a call waited for a CPU (up to 3 x timeout_s in all): a busy node does not make calls time out.
+How (shared/docs/executor-anchors.md has the designs this draws on; the sections below say why each part):
+  - Warm workers: each slot of an Executor has a "light" worker (stdlib preloaded, ~1 ms fork) and a "heavy"
+    one (numpy + sympy imported and exercised, ~8 ms fork instead of a ~1 s import) for code that mentions
+    numpy, sympy, mpmath or scipy. A worker forks one child per call.
+  - Each worker is PID 1 of its own PID, mount, network and IPC namespaces: the repo, the caller's cwd and
+    home hidden, all else read-only but a private /tmp, GPUs masked, no network. Before it answers, it kills
+    and reaps all the call left and empties /tmp. The child runs as a uid of its own, under hard rlimits.
+  - The worker holds the wall clock (less the time a call waited for a CPU) and the output caps; this process
+    a backstop that replaces a worker that hangs or dies.
 Where the OS refuses (non-root, containers) a worker falls back once, at start: to a user namespace (the
 same mounts; capabilities dropped instead of a uid switch), then to plain processes (a subreaper still
 catches every descendant; no hiding, no network cut, and same-uid code can signal the caller).
@@ -32,15 +26,15 @@ Use:   from executor import Executor
            ex.submit(code, stdin)                           # a Future[ExecResult], done when that call is
            ex.map(codes, stdins)                            # results in input order
            result.tool_response(show_time=False)            # the text that goes inside <tool_response>
-Bench: python executor.py --bench                           # calls/s, p50/p99 vs `python -c` and the fork floor
-Soak:  python executor.py --soak calls=10000 timeout_s=2    # hostile mix; checks zombies, strays, fds, memory
-Run:   python executor.py mode=run code='print(1 + 1)'
+Run:   python executor.py code='print(1 + 1)' [stdin=... timeout_s=4 memory_mb=1024]
+Bench: python -m bench.executor [mode=soak calls=10000 timeout_s=2]   # calls/s vs `python -c`; the hostile soak
 Tests: .venv/bin/python -m pytest tests/test_executor.py -q
 """
 import _signal
 import ast
 import atexit
 import builtins
+import contextlib
 import ctypes
 import dataclasses
 import gc
@@ -96,11 +90,10 @@ np.linalg.det(np.eye(3)); np.arange(12).reshape(3, 4).sum(axis=0); np.random.def
 # -----------------------------------------------------------------------------
 # the result
 #
-# The paper lists what the environment can answer (§2.1): printed output, no output (then the value of the
-# last expression), an error with its traceback, a timeout. Those are "ok" and "error"/"timeout" here, plus
-# "oom", which code-judge folds into errors. The status is structured on purpose: GRPO-RoC ranks correct
-# rollouts by their tool-error ratio (Eq. 4), and the release gets that ratio by grepping the response text
-# for "error", which misses timeouts and counts a printed "error" as one (rstar2-method.md §1.2).
+# The paper lists what the environment can answer (§2.1): printed output, no output (then the value of the last
+# expression), an error with its traceback, a timeout; "oom" is ours (code-judge folds it into errors). Structured
+# on purpose: GRPO-RoC ranks correct rollouts by their tool-error ratio (Eq. 4), which the release gets by grepping
+# the response for "error", missing timeouts and counting a printed "error" as one (rstar2-method.md §1.2).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,8 +114,7 @@ class ExecResult:
         max_chars=256 is verl's max_tool_response_length with truncate_side="middle", which the released
         rStar2 scripts leave at its default: the head keeps the first printed lines, the tail the traceback's
         last line, which says what went wrong. Each stream was capped before, at max_output_chars (code-judge's
-        1000). show_time=False leaves out the execution time, the only part that differs on a rerun.
-        """
+        1000). show_time=False leaves out the execution time, the only part that differs on a rerun."""
         lines = ["Tool call success" if self.status == "ok" else "Tool call failure"]
         if self.status != "ok":
             # the release's reason words: code-judge's worker_timeout for a timeout, nothing for an error
@@ -146,9 +138,6 @@ def truncate_middle(text, max_chars):
 
 # -----------------------------------------------------------------------------
 # Linux through libc: Python 3.11 has no os.unshare, os.mount or capset
-#
-# Everything privileged below runs in a worker before any untrusted code exists: namespaces and mounts once
-# at its start, the uid switch and the limits in each child before it runs a line of the snippet.
 
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
 CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
@@ -199,15 +188,12 @@ def _fork(state):
     os.fork() makes the child re-create the interpreter's locks and run the handlers that modules registered
     (threading's _after_fork, random's reseed): ~180 pages written, so copied, and ~0.6 ms of CPU in every
     trivial call's child. A worker has one thread and holds no lock when it forks, so there is nothing to
-    re-create, and every call seeds the random state before its fork (_run_call): libc's fork() alone does the
-    same.
-    A worker that found more than one thread at its start (a library's pool) keeps os.fork()."""
+    re-create, and every call seeds the random state before its fork (_run_call): libc's fork() alone does
+    the same. A worker that found more than one thread at its start (a library's pool) keeps os.fork()."""
     if not state["single_threaded"]:
         return os.fork()
     pid = _libc_fork()
-    if pid < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"fork: {os.strerror(err)}")
+    _check(min(pid, 0), "fork")   # -1 and errno on failure
     return pid
 
 
@@ -223,9 +209,9 @@ def _under(path, root):
 # -----------------------------------------------------------------------------
 # a worker's isolation, set up once when it starts
 #
-# Per call these layers would cost 0.5-2.5 ms each (executor-anchors.md, measured on this machine kind); once
-# per worker they cost nothing per call. The calls of one worker run one after another, so what they could
-# share (the private /tmp, the namespace) is emptied between them instead.
+# Once per worker: per call each layer would cost 0.5-2.5 ms (executor-anchors.md, measured on this machine kind).
+# The calls of a worker run one after another, so what they share (the private /tmp, the namespace) is emptied
+# between them instead.
 #   PID namespace   the worker is its PID 1: kill(-1) from there reaches every process a call made, and when
 #                   the worker dies the kernel kills them all. A process group alone is escaped by setsid.
 #   mount namespace the answer key, the trainer's files and the caller's home are not there; nothing written
@@ -253,8 +239,7 @@ def _isolate(cfg):
     except OSError as root_error:
         try:   # without root: in a user namespace we own fresh namespaces, but nothing of the host
             _unshare(flags | CLONE_NEWUSER)
-            # map our uid and gid to 0 inside; an unprivileged process may map just itself, and must give up
-            # setgroups(2) before it may write a gid map
+            # our uid and gid are 0 inside: one may map only oneself, and must deny setgroups(2) before a gid map
             _write_text("/proc/self/setgroups", "deny")
             _write_text("/proc/self/uid_map", f"0 {euid} 1")
             _write_text("/proc/self/gid_map", f"0 {egid} 1")
@@ -263,7 +248,6 @@ def _isolate(cfg):
             info["warnings"].append(f"no namespaces ({root_error.strerror}; user namespace: {user_error.strerror})")
     if info["level"] == "process":
         _prctl(PR_SET_CHILD_SUBREAPER, 1)   # a call's orphans re-parent to us, not to init: none escapes the sweep
-        # root can still give the child a uid of its own, if that uid can reach the interpreter
         if euid == 0 and not _interpreter_unreachable(info["kept_paths"]):
             info["sandbox_uid"] = SANDBOX_UID_BASE + host_pid
         info["capabilities_dropped"] = euid == 0 and info["sandbox_uid"] is None
@@ -273,12 +257,8 @@ def _isolate(cfg):
     child = os.fork()   # unshare(CLONE_NEWPID) moves our children, not us: the first child is PID 1
     if child:
         os.closerange(3, 1 << 16)   # the waiter holds no pipe, so the parent sees EOF when PID 1 dies
-        while True:
-            try:
-                _, status = os.waitpid(child, 0)
-                os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
-            except InterruptedError:
-                continue
+        _, status = os.waitpid(child, 0)   # retried on EINTR by Python itself (PEP 475)
+        os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
     # PDEATHSIG fires when the parent *thread* dies; the waiter has one thread, so: when the waiter dies
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if info["user_namespace"]:
@@ -287,7 +267,7 @@ def _isolate(cfg):
         info["sandbox_uid"] = SANDBOX_UID_BASE + host_pid   # its own uid: RLIMIT_NPROC counts this worker only
     # A step that fails (a container that masks /proc, say) is reported and skipped, not fatal by itself: the
     # worker's probe call (_probe_sandbox) decides whether what is left runs calls, and if not, Executor() raises
-    # with these warnings (a worker that died here would be restarted forever). `info` says what did happen.
+    # with these warnings (a worker that died here would be restarted forever).
     steps = (("private mounts", lambda: _mount(None, "/", None, MS_REC | MS_PRIVATE)),   # nothing reaches the host
              ("fresh /proc", lambda: _private_proc(info)),
              ("hidden paths", lambda: _hide_paths(cfg["hide_paths"], info["kept_paths"], info)),
@@ -301,14 +281,12 @@ def _isolate(cfg):
             info["warnings"].append(f"{name}: {e}")
             if name == "private mounts":
                 break   # any further mount would show on the host
-    # SysV IPC objects outlive their processes. In our IPC namespace: shared memory dies with its users,
-    # message queues and semaphore sets cannot be made at all.
+    # SysV IPC objects outlive their processes: here shared memory dies with its users, and message queues and
+    # semaphore sets cannot be made at all.
     for key, value in (("kernel/shm_rmid_forced", "1"), ("kernel/msgmni", "0"), ("kernel/sem", "0 0 0 0"),
                        ("fs/mqueue/queues_max", "0")):
-        try:
+        with contextlib.suppress(OSError):
             _write_text(f"/proc/sys/{key}", value)
-        except OSError:
-            pass
     return info
 
 
@@ -436,9 +414,8 @@ def _remount_readonly(info):
 
 def _private_tmp(cfg, info):
     # A little over the file-size limit: one big file meets EFBIG, many meet ENOSPC, and the RAM a call can
-    # fill here (tmpfs is memory, not counted in RLIMIT_AS) stays bounded.
-    # The interpreter may itself live under /tmp (a CI checkout with its venv there): bind it back over the fresh
-    # tmpfs, read-only, from a descriptor opened before the cover, as _hide_paths does.
+    # fill here (tmpfs is memory, not counted in RLIMIT_AS) stays bounded. The interpreter may itself live
+    # under /tmp (a CI checkout with its venv there): bound back over the fresh tmpfs, read-only, as in _hide_paths.
     keep = info["kept_paths"]
     for path in TMP_DIRS:
         if os.path.isdir(path):
@@ -459,8 +436,7 @@ def _private_tmp(cfg, info):
 
 # -----------------------------------------------------------------------------
 # one call, in the child: enter the sandbox, run the snippet as a script
-
-
+#
 # The order matters: the fds first (nothing of the worker's may stay reachable), then what needs root
 # (oom_score_adj may only go down as root, the rlimits are set while we may still set them hard), then the
 # uid switch (no_new_privs is already set: the worker set it on itself, and a fork inherits it).
@@ -509,10 +485,9 @@ def _run_child(code, stdin, stdin_fd, out_fd, err_fd, workdir, state):
 
 def _run_snippet(code, stdin, private_tmp):
     """`python main.py`, with the value of a final expression shown; returns the exit code."""
-    # Not exec'd in a fresh interpreter, so everything a script could tell apart from `python main.py` is set
-    # by hand: argv, __main__, __file__, and what happens at exit. The standard streams are the worker's own,
-    # unused, objects, now on the call's fds 0-2: block-buffered stdout as for a script writing to a pipe, and
-    # reusing them spares the child ~60 copy-on-write page faults (every page a child writes is copied).
+    # Not exec'd in a fresh interpreter, so all a script could tell apart from `python main.py` is set by hand:
+    # argv, __main__, __file__, what happens at exit. The standard streams are the worker's own, unused, now on the
+    # call's fds 0-2: block-buffered stdout as for a script writing to a pipe; reusing them spares ~60 page copies.
     if not private_tmp:   # without a private /tmp the call's directory changes every time
         os.environ.update(HOME=os.getcwd(), TMPDIR=os.getcwd())   # ~/.cache and tempfile land in the call's dir
         tempfile.tempdir = None   # the worker's own mkdtemp() cached /tmp
@@ -586,7 +561,6 @@ class _Capture:
         self.keep, self.head, self.tail, self.total = keep, bytearray(), bytearray(), 0
 
     def add(self, data):
-        # the head fills first and is never touched again; the tail is a window over the latest bytes
         self.total += len(data)
         room = self.keep - len(self.head)
         if room > 0:
@@ -604,8 +578,7 @@ class _Capture:
             if len(text) <= max_chars:
                 return text, False
             return truncate_middle(text, max_chars), True
-        # `keep` is 2 * max_chars + 4 bytes: enough for max_chars // 2 characters of 4 bytes at each end,
-        # past a character that the cut may have split
+        # `keep` (2 * max_chars + 4 bytes) holds max_chars // 2 characters of 4 bytes at each end, past one cut in two
         half = max_chars // 2
         head = self.head.decode("utf-8", "replace")[:half]
         tail = self.tail.decode("utf-8", "replace")[-half:] if half else ""
@@ -635,10 +608,9 @@ def _run_call(code, stdin, cfg, state):
         poller.register(fd, select.POLLIN)
     drain_until, output_limit = None, cfg["output_limit_mb"] << 20
     open_fds, returncode, killed_for, elapsed, ran_ns = set(captures), None, None, None, 0
-    # Seeded from the inputs: a forked child would otherwise share numpy's global state with every other call
-    # of its worker, and a pure function of (code, stdin) keeps an RL rerun byte-identical (hash() is, under
-    # PYTHONHASHSEED=0). os.urandom stays random. Here, not in the child: pages written before the fork are
-    # not copied.
+    # Seeded from the inputs, here, not in the child (pages written before the fork are not copied): a forked
+    # child would otherwise share numpy's global state with every other call of its worker, and a pure function
+    # of (code, stdin) keeps an RL rerun byte-identical (hash() is, under PYTHONHASHSEED=0). os.urandom stays random.
     seed = hash((code, stdin)) & (2**64 - 1)
     random.seed(seed)
     if "numpy" in sys.modules:
@@ -652,9 +624,8 @@ def _run_call(code, stdin, cfg, state):
         os.close(fd)
     pidfd = os.pidfd_open(pid)   # readable at the child's exit: one poll() waits for output and exit at once
     poller.register(pidfd, select.POLLIN)
-    # killed_for says why *we* killed it (None: it ended by itself); returncode is None until it is reaped.
-    # Until the main process exits: read its output, kill it at the deadline or when the output limit is
-    # passed. Then a short drain: the pipes reach EOF once every process holding them is dead.
+    # Until the main process is reaped (returncode), read its output, kill it at the deadline or the output limit
+    # (killed_for: why *we* killed it). Then a short drain: the pipes reach EOF once all that holds them is dead.
     while open_fds or returncode is None:
         now = time.monotonic()
         if returncode is not None:
@@ -678,8 +649,7 @@ def _run_call(code, stdin, cfg, state):
             if killed_for is None and sum(c.total for c in captures.values()) > output_limit:
                 killed_for = "output limit"   # a print loop is stopped at once, not read until the timeout
                 _signal_everything(state, pid)
-        # The deadline is checked after the events, so a child that exited while this worker waited for a CPU
-        # counts as finished, not as timed out.
+        # Checked after the events: a child that exited while this worker waited for a CPU finished, not timed out.
         now = time.monotonic()
         if returncode is None and killed_for is None and now >= deadline:
             # Time the snippet spent runnable but waiting for a CPU is the machine's, not the snippet's: on an
@@ -712,8 +682,7 @@ def _run_call(code, stdin, cfg, state):
 
 
 def _cpu_times(pid):
-    """(ns on a CPU, ns runnable but waiting for one, runnable now?) of a process, from /proc/<pid>/schedstat
-    (the run-queue delay) and /proc/<pid>/stat (the state letter)."""
+    """(ns on a CPU, ns runnable but waiting for one, runnable now?) of a process, from /proc/<pid>."""
     try:
         with open(f"/proc/{pid}/schedstat") as f:
             run_ns, wait_ns = (int(x) for x in f.read().split()[:2])
@@ -726,46 +695,33 @@ def _cpu_times(pid):
 
 def _signal_everything(state, pid):
     """SIGKILL the main process and, from PID 1, everything else in the namespace (the sweep reaps them)."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(-1 if state["pid_namespace"] else pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _kill_leftovers(state, session):
-    """Kill and reap every process the call left. From PID 1, kill(-1) reaches the whole namespace, whatever
-    setsid or double fork a process did. Without a namespace the subreaper has them all as children (an
-    orphan re-parents to us), so kill the children and look again until none is left."""
+    """Kill and reap every process the call left: from PID 1 the whole namespace, with kill(-1); without one,
+    the children of the subreaper (an orphan re-parents to us), looking again until none is left."""
     deadline = time.monotonic() + 5.0
     while time.monotonic() < deadline:
         if state["pid_namespace"]:
             _signal_everything(state, session)
         else:
-            children = _children()
-            if children is None:   # no /proc/<pid>/task/*/children: the call's session is all we can reach
+            try:
+                with open(f"/proc/self/task/{os.getpid()}/children") as f:
+                    children = [int(pid) for pid in f.read().split()]
+            except OSError:   # no /proc/<pid>/task/*/children: the call's session is all we can reach
                 children = []
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(session, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
             for pid in children:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
         try:
             os.waitpid(-1, 0)
         except ChildProcessError:
             return
     # still not empty after 5 s (a process stuck in uninterruptible I/O): the next call's sweep reaps it
-
-
-def _children():
-    try:
-        with open(f"/proc/self/task/{os.getpid()}/children") as f:
-            return [int(pid) for pid in f.read().split()]
-    except OSError:
-        return None
 
 
 def _fresh_workdir(state):
@@ -797,16 +753,13 @@ def _clean_after_call(state, workdir, free_inodes):
         _remove_tree(workdir)
         return
     # Most calls write no file: then no count moved since main.py was written, so the mounts hold what they did
-    # then, up to a main.py or a call's directory that was replaced (deleted and made again). Removing those two,
-    # which must then succeed (rmdir: only if empty), leaves the mounts as the call found them, in 2 syscalls
-    # instead of a walk of all four.
+    # then, up to a main.py or a call's directory that was replaced (deleted and made again). Removing those two
+    # (rmdir: only if empty) leaves the mounts as the call found them, in 2 syscalls instead of a walk of all four.
     if free_inodes and _free_inodes(state) == free_inodes:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(os.path.join(workdir, MAIN))
             os.rmdir(workdir)
             return
-        except OSError:
-            pass
     # the mounts stay (remounting per call would cost more); their contents go, /tmp/sandbox included, except
     # the interpreter bound back under them (see _private_tmp) and the directories leading to it
     keep = [k for k in state["kept_paths"] if any(_under(k, root) for root in TMP_DIRS)]
@@ -875,10 +828,7 @@ def _describe(returncode, killed_for, elapsed, out, err, cfg):
 
 # -----------------------------------------------------------------------------
 # the worker process. Messages are a 4-byte length and JSON: never pickle, whose reader would run code.
-#
-# The worker answers each request with the call's whole result, only after the sweep. So when a result
-# reaches the parent, no process of that call is left and its files are gone; the next call finds a clean
-# worker. Two pipes per worker, no sockets: nothing to bind, nothing another process can connect to.
+# Two pipes per worker, no sockets: nothing to bind, nothing another process can connect to.
 
 
 def _send(fd, obj):
@@ -919,8 +869,7 @@ print(json.dumps(missing))
 
 
 def _worker_main(cfg_json):
-    """A worker's life: isolate, preload, check, report ready, then one call per request until the parent goes.
-    A worker whose sandbox cannot run calls says why in its first message (Executor() raises it), and exits."""
+    """A worker's life. One whose sandbox cannot run calls says why in its first message (Executor() raises it)."""
     cfg = json.loads(cfg_json)
     os.environ.pop("LD_BIND_NOW", None)   # the worker's own (_worker_env), not the snippet's or its subprocesses'
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # a ^C in the terminal is for the trainer, not for us
@@ -987,21 +936,18 @@ def _start_worker(cfg):
                (resource.RLIMIT_FSIZE, cfg["max_file_mb"] << 20, cfg["max_file_mb"] << 20),   # a disk fill: EFBIG
                (resource.RLIMIT_NOFILE, 256, 256),                         # fd exhaustion stays in the child
                (resource.RLIMIT_CORE, 0, 0)]                               # a segfault writes no core file
-    # what every child needs to know, computed once
     state = dict(info, max_fd=resource.getrlimit(resource.RLIMIT_NOFILE)[0], rlimits=rlimits, interpreter=interpreter,
                  single_threaded=len(os.listdir("/proc/self/task")) == 1)
     info["preloaded_mb"] = vm_bytes >> 20
     if info["private_tmp"]:   # the call's directory is always the same: its environment is set once, here
         os.environ.update(HOME="/tmp/sandbox", TMPDIR="/tmp/sandbox")
-    # No setuid binary or file capability can lift a child back up. Set here, once: every child inherits it at
-    # the fork, before it runs a line of the snippet, and the worker itself never calls execve.
+    # No setuid binary or file capability can lift a child back up: every child inherits this at its fork.
     _prctl(PR_SET_NO_NEW_PRIVS, 1)
     return info, state
 
 
 def _probe_sandbox(cfg, state):
-    """None if a call runs and sees the interpreter, else what is wrong. The steps of _isolate may fail one by
-    one (reported as warnings); this says whether what is left can still run the model's code."""
+    """None if a call runs and sees the interpreter, else what is wrong (the steps of _isolate may fail)."""
     warnings = "; ".join(state["warnings"]) or "none"
     try:   # generous: a loaded machine must not fail a worker's start, and the probe needs a few ms of CPU
         result = _run_call(SANDBOX_PROBE, json.dumps(state["interpreter"]), dict(cfg, timeout_s=max(cfg["timeout_s"], 30.0)),
@@ -1021,20 +967,13 @@ def _probe_sandbox(cfg, state):
 def _processes_of_uid(uid):
     count = 0
     for name in os.listdir("/proc"):
-        try:
+        with contextlib.suppress(OSError):
             count += name.isdigit() and os.stat(f"/proc/{name}").st_uid == uid
-        except OSError:
-            pass
     return count
 
 
 # -----------------------------------------------------------------------------
 # this process's side: worker handles, the Executor, one thread per slot
-#
-# A slot is one call at a time, served by its own thread: the thread takes the next job from the shared
-# queue, writes it to the slot's light or heavy worker and blocks on that worker's answer (with a deadline,
-# the backstop). So results come back as each call finishes, a slow call holds one slot only, and the
-# trainer's own threads (vLLM's engine loop, say) only ever touch a queue and a Future.
 
 
 class _WorkerGone(Exception):
@@ -1042,8 +981,7 @@ class _WorkerGone(Exception):
     sent = True   # set to False by the code that raises it before the request was written
 
 
-# The worker runs this file's _worker_main under another module name, so that a script that imported us
-# (here `__main__`, say) is never run again.
+# The worker loads this file under another module name: a script that imported us (`__main__`, say) never runs again.
 _BOOT = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('rstar2_executor_worker', "
          "sys.argv[1]); m = importlib.util.module_from_spec(spec); sys.modules[spec.name] = m; "
          "spec.loader.exec_module(m); m._worker_main(sys.argv[2])")
@@ -1120,9 +1058,7 @@ class _WorkerProcess:
         return self.isolation
 
     def call(self, code, stdin, timeout_s):
-        # Everything up to the write may fail without the call having started (sent=False); after it, the
-        # call may have run, so a failure then is this call's result.
-        try:
+        try:   # up to the write, a failure leaves the call unsent (see _call)
             if self.proc.poll() is not None:
                 raise _WorkerGone("the worker is gone")
             self.wait_ready()
@@ -1190,8 +1126,7 @@ class Executor:
     max_file_mb:      RLIMIT_FSIZE; each private tmpfs holds this + 16 MB.
     output_limit_mb:  a call that writes more than this is killed (status "error"). Memory is bounded anyway;
                       this bounds the time a print loop wastes.
-    hide_paths:       directories the snippet must not see, besides the repo, the caller's cwd and home.
-    """
+    hide_paths:       directories the snippet must not see, besides the repo, the caller's cwd and home."""
 
     def __init__(self, workers=None, timeout_s=4.0, memory_mb=1024, max_output_chars=1000, *, max_processes=64,
                  max_file_mb=64, output_limit_mb=16, hide_paths=()):
@@ -1259,9 +1194,8 @@ class Executor:
         return self.submit(code, stdin).result()
 
     def map(self, codes, stdins=None):
-        """All the calls at once (as parallel as `workers` allows); the results in input order."""
-        # (concurrent.futures' Executor.map would yield lazily and take a timeout; here a list is what the
-        # evaluation loops want, and each call already has its own timeout)
+        """All the calls at once (as parallel as `workers` allows); the results in input order, as a list (not
+        concurrent.futures' lazy map: the evaluation loops want a list, and each call has its own timeout)."""
         codes = list(codes)
         stdins = [""] * len(codes) if stdins is None else list(stdins)
         if len(stdins) != len(codes):
@@ -1305,7 +1239,8 @@ def _ready(worker):
 
 
 def _serve(light, heavy, jobs, timeout_s, closed):
-    """One slot's thread: a slow call holds this slot only, and each Future completes when its call does."""
+    """One slot's thread, blocked on its worker's answer: a slow call holds this slot only, each Future completes
+    when its call does, and the trainer's own threads (vLLM's engine loop, say) only ever touch a queue and a Future."""
     while True:
         job = jobs.get()
         if job is None:
@@ -1372,374 +1307,23 @@ def _shutdown(slots, threads, jobs, closed):
 
 
 # -----------------------------------------------------------------------------
-# leak counters, shared by the soak and the tests
-#
-# What "the caller does not leak because of tool code" means, checked from outside: no zombie below this
-# process, no process of a call alive after its result came back, no fd and no memory growth here.
-
-
-def _descendants(pid):
-    # /proc/<pid>/task/<tid>/children lists the children of each thread; a worker's children hang off its
-    # main thread, this process's off whichever thread started them
-    found = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return found
-    for task in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                kids = [int(k) for k in f.read().split()]
-        except OSError:
-            continue
-        for kid in kids:
-            found += [kid] + _descendants(kid)
-    return found
-
-
-def stray_processes(ex):
-    """The processes that calls of `ex` left behind: anything below a worker but its own PID 1, or anything
-    running as one of its sandbox uids. Empty between calls."""
-    workers = [w.proc.pid for slot in ex._slots for w in slot if w.proc is not None]
-    own = 1 if ex.isolation["pid_namespace"] else 0
-    strays = [pid for w in workers for pid in _descendants(w)[own:]]
-    uids = {SANDBOX_UID_BASE + w for w in workers}
-    for name in os.listdir("/proc"):
-        try:
-            if name.isdigit() and os.stat(f"/proc/{name}").st_uid in uids:
-                strays.append(int(name))
-        except OSError:
-            pass
-    return sorted(set(strays))
-
-
-def leak_counters(ex):
-    """(zombies among this process's descendants, stray processes, this process's open fds, its RSS in MiB)."""
-    zombies = 0
-    for kid in _descendants(os.getpid()):
-        try:
-            with open(f"/proc/{kid}/stat") as f:
-                zombies += f.read().rsplit(")", 1)[1].split()[0] == "Z"
-        except OSError:
-            pass
-    with open("/proc/self/statm") as f:
-        rss_mb = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
-    return zombies, len(stray_processes(ex)), len(os.listdir("/proc/self/fd")), rss_mb
-
-
-# one call in ten of the soak: (code, the status it must get, or None if several are right)
-HOSTILE = [
-    # a sleep: no CPU used, so only the wall clock stops it
-    ("import time\ntime.sleep(30)", "timeout"),
-    # a daemon (setsid + double fork) that would outlive the call and hold its stdout open
-    ("import os\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        import time; time.sleep(60)\n"
-     "print('parent done')", "ok"),
-    # a terabyte at once
-    ("x = bytearray(1 << 40)", "oom"),
-    # endless printing: stopped at the output limit, in memory only head and tail
-    ("while True:\n    print('x' * 100000)", "error"),
-    # every process it may signal: inside the namespace, only its own
-    ("import os, signal\nos.kill(-1, signal.SIGKILL)", None),
-    # its parent: PID 1 of the namespace ignores it, without a namespace the worker dies and is replaced
-    ("import os\nos.kill(os.getppid(), 9)\nprint('still here')", None),
-    # a fork bomb: RLIMIT_NPROC caps it (each process stops at its first failed fork), the sweep kills the rest
-    ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        break", None),
-    # an ordinary error
-    ("raise ValueError('boom')", "error"),
-    # files outside the call's directory, which must not be there for the next call
-    ("open('/tmp/leak', 'w').write('x')\nimport os\nos.makedirs(os.path.expanduser('~/.cache/x'))", "ok"),
-]
-
-
-def soak(ex, calls, report_every=0, wave=500):
-    """`calls` calls in waves of `wave`, one in ten from HOSTILE, the rest benign. The leak counters are taken
-    after the first wave (when allocators and caches have warmed up) and at the end."""
-    benign = [("print(sum(range(100)))", "ok", ""), ("a = input()\nprint(a[::-1])", "ok", "stressed"),
-              ("import math\nmath.factorial(200)", "ok", ""), ("1/0", "error", "")]
-    benign_codes = {code for code, _, _ in benign}
-    ex.wait_ready()
-    before, wrong, statuses, benign_timeouts = None, [], {}, 0
-    for first in range(0, calls, wave):
-        # a whole wave at once: a queue 250 x workers deep, as in a burst of rollout tool calls
-        futures = []
-        for i in range(first, min(first + wave, calls)):
-            code, expect, stdin = (*HOSTILE[(i // 10) % len(HOSTILE)], "") if i % 10 == 9 else benign[i % len(benign)]
-            futures.append((ex.submit(code, stdin), expect, code))
-        for future, expect, code in futures:
-            result = future.result()
-            statuses[result.status] = statuses.get(result.status, 0) + 1
-            if result.status == "timeout" and code in benign_codes:
-                benign_timeouts += 1   # a machine too busy for even 3 x timeout_s; counted apart from bugs
-            elif expect is not None and result.status != expect:
-                wrong.append((code, result))
-        del futures, future, result   # what a rollout does with results: read them, let them go
-        before = before or leak_counters(ex)
-        if report_every and (first + wave) % report_every == 0:
-            print(f"done {min(first + wave, calls)}", flush=True)
-    after = leak_counters(ex)
-    return dict(calls=calls, statuses=statuses, wrong=wrong, benign_timeouts=benign_timeouts,
-                load_average=round(os.getloadavg()[0], 1), zombies=after[0], strays=after[1],
-                fds_before=before[2], fds_after=after[2], rss_mb_before=before[3], rss_mb_after=after[3],
-                benign_after=ex.run("print('alive')").stdout == "alive\n")
-
-
-# -----------------------------------------------------------------------------
-# the benchmark
-#
-# Three workloads, each at concurrency 1 (latency), workers (all cores busy) and 4 x workers (a queue: the
-# rollout's case, many trajectories calling at once), against two references measured in the same run so
-# that a busy machine moves all the numbers together:
-#   python -c   what a tool without warm workers does per call (subprocess.run of a fresh interpreter);
-#   fork floor  fork + exit + wait and nothing else, the bound of any design that forks per call.
-
-
-TRIVIAL = "print(1 + 1)"
-# Tool calls that import sympy or numpy and do little: the import is what a fresh interpreter pays each time.
-IMPORT_SNIPPETS = [
-    "import sympy\nprint(sympy.Rational(1, 3) + sympy.Rational(1, 6))",
-    "import numpy as np\nprint(np.arange(10).sum())",
-    "from sympy import isprime\nprint(isprime(2**31 - 1))",
-    "import numpy as np\nprint(np.linalg.det(np.array([[1.0, 2.0], [3.0, 4.0]])))",
-]
-
-
-def realistic_mix():
-    """100 calls shaped like math-RL tool calls: 60% sympy/numpy work, 20% stdlib, 10% stdin, 9% exceptions,
-    1% an endless loop (which takes the full timeout_s, in both the executor and the baseline)."""
-    heavy = ["import sympy as sp\nx = sp.symbols('x')\nprint(sp.factor(x**4 - 1))",
-             "from sympy import symbols, solve\nx = symbols('x')\nprint(solve(x**2 - 5*x + 6, x))",
-             "import numpy as np\na = np.arange(12).reshape(3, 4)\nprint(a.sum(axis=0))",
-             "import sympy\nprint(sympy.isprime(2**61 - 1), sympy.factorint(360))"]
-    light = ["print(sum(i * i for i in range(10000)))",
-             "from fractions import Fraction\nprint(sum(Fraction(1, k) for k in range(1, 40)))"]
-    errors = ["x = [1, 2, 3]\nprint(x[5])", "import sympy\nsympy.Symbol('x') + 'a'"]
-    calls = []
-    for i in range(100):   # a fixed interleaving, so the executor and python -c run the very same list
-        if i == 50:
-            calls.append(("while True:\n    pass", ""))
-        elif i % 10 == 3:
-            calls.append((errors[i % 2], ""))
-        elif i % 10 == 7:
-            calls.append(("a, b = map(int, input().split())\nprint(a * b)", "6 7"))
-        elif i % 10 in (1, 5):
-            calls.append((light[i % 2], ""))
-        else:
-            calls.append((heavy[i % 4], ""))
-    return calls
-
-
-def _percentile(values, q):
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
-def _drive(call, calls, concurrency):
-    """Push `calls` through `call(code, stdin)` from `concurrency` client threads: (calls/s, latencies, and the
-    latencies of the calls that did not time out)."""
-    # each client waits for its result before it takes the next call, so `concurrency` calls are in flight
-    latencies, finished, lock, todo = [], [], threading.Lock(), iter(calls)
-    def client():
-        while True:
-            with lock:
-                item = next(todo, None)
-            if item is None:
-                return
-            start = time.perf_counter()
-            timed_out = call(*item) == "timeout"
-            with lock:
-                latencies.append(time.perf_counter() - start)
-                if not timed_out:
-                    finished.append(latencies[-1])
-    start = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return len(calls) / (time.perf_counter() - start), latencies, finished
-
-
-# the floor of any fork-per-call design: fork, exit, wait, from a process holding the same stdlib modules
-FORK_FLOOR = """
-import os, sys, time, math, itertools, fractions
-start = time.perf_counter()
-for _ in range(int(sys.argv[1])):
-    pid = os.fork()
-    if pid == 0:
-        os._exit(0)
-    os.waitpid(pid, 0)
-print(int(sys.argv[1]) / (time.perf_counter() - start))
-"""
-
-
-def _fork_floor(workers, forks):
-    """fork+exit+wait per second of `workers` processes at once (each times its own loop, not its start)."""
-    procs = [subprocess.Popen([sys.executable, "-c", FORK_FLOOR, str(forks)], stdout=subprocess.PIPE, text=True)
-             for _ in range(workers)]
-    return sum(float(p.communicate()[0]) for p in procs)
-
-
-def _cpu_seconds(pids):
-    """CPU seconds of these processes and of their reaped children (utime, stime, cutime, cstime)."""
-    total = 0.0
-    for pid in pids:
-        with open(f"/proc/{pid}/stat") as f:
-            total += sum(int(x) for x in f.read().rsplit(")", 1)[1].split()[11:15])
-    return total / os.sysconf("SC_CLK_TCK")
-
-
-def _interleaved(runs, rounds, each_round=lambda: None):
-    """Run each of `runs` ({label: (call, calls, concurrency)}) in `rounds` slices, the slices of all labels
-    alternating (and `each_round` once per round): the load of a shared machine drifts by the minute, and so
-    every label sees the same drift. Returns {label: (calls/s, latencies, those of calls that did not time out)}."""
-    totals = {label: [0.0, [], []] for label in runs}
-    for r in range(rounds):
-        each_round()
-        for label, (call, calls, concurrency) in runs.items():
-            part = calls[r * len(calls) // rounds:(r + 1) * len(calls) // rounds]
-            if part:
-                rate, latencies, finished = _drive(call, part, concurrency)
-                totals[label][0] += len(part) / rate
-                totals[label][1] += latencies
-                totals[label][2] += finished
-    return {label: (len(runs[label][1]) / seconds, latencies, finished)
-            for label, (seconds, latencies, finished) in totals.items()}
-
-
-def bench(cfg):
-    """The executor at concurrency 1, workers and 4 x workers, and in the same run (interleaved) the naive tool
-    (a fresh `python -c` per call) and the fork floor; then CPU per call. About 2 minutes on 2 idle cores
-    (python -c on the mix is most of it); scale=0.2 for a quick look. Prints the README's table and targets."""
-    workers = cfg.workers or len(os.sched_getaffinity(0))
-    c_all, c_queue = workers, 4 * workers
-    # the first n calls of the list repeated (whole copies where n allows, so a mix keeps its composition)
-    scaled = lambda calls, n: (calls * (1 + n // len(calls)))[:max(1, round(n * cfg.scale))]
-    def naive(code, stdin):
-        # the same bound as the executor's worst case (its clock stretches while a call waits for a CPU):
-        # on a loaded machine `import sympy` alone passes 4 s, and a tool that fails it is not faster
-        try:
-            subprocess.run([sys.executable, "-c", code], input=stdin.encode(), capture_output=True,
-                           timeout=STRETCH_CAP * cfg.timeout_s)
-        except subprocess.TimeoutExpired:
-            return "timeout"
-    def report(label, rate, latencies, finished):
-        # Latency is from submit to result, queueing included; p99/p50 shows how evenly a queue drains. Where
-        # some calls time out (the mix's endless loops), p99 is theirs; "others" is what the rest waited.
-        p50, p99 = _percentile(latencies, 0.5), _percentile(latencies, 0.99)
-        others = f"   p99 of the others {1e3 * _percentile(finished, 0.99):7.1f} ms" if len(finished) < len(latencies) else ""
-        print(f"{label:26s} {rate:8.1f} calls/s   p50 {1e3 * p50:8.1f} ms   p99 {1e3 * p99:8.1f} ms   "
-              f"p99/p50 {p99 / p50:5.1f}{others}", flush=True)
-        return rate, p99 / p50
-    # (calls, {concurrency: calls through the executor}, {concurrency: calls through python -c}). A call at c=1
-    # waits for the one before, so fewer there; python -c fills the cores at c=workers already, and runs at c=1
-    # only where it is cheap. The mix's python -c (a sympy import per call) is most of the bench's time.
-    workloads = {"trivial": ([(TRIVIAL, "")], {1: 500, c_all: 2000, c_queue: 2000}, {1: 60, c_all: 100}),
-                 "import": ([(c, "") for c in IMPORT_SNIPPETS], {1: 100, c_all: 200, c_queue: 200}, {c_all: 8}),
-                 "mix": (realistic_mix(), {1: 100, c_all: 100, c_queue: 100}, {c_all: 100})}
-    rounds = 5
-    load_start = os.getloadavg()
-    print(f"{workers} workers, {os.cpu_count()} CPUs, load average {load_start[0]:.1f} {load_start[1]:.1f} "
-          f"{load_start[2]:.1f} (1, 5, 15 min)", flush=True)
-    summary, table = [], []
-    with Executor(workers=workers, timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb) as ex:
-        ex.wait_ready()   # startup (a heavy worker's 1-2 s) is not what a long run pays per call
-        run = lambda code, stdin: ex.run(code, stdin).status
-        for name, (calls, n_executor, n_naive) in workloads.items():
-            runs = {f"{name} executor c={c}": (run, scaled(calls, n), c) for c, n in n_executor.items()}
-            runs.update({f"{name} python -c c={c}": (naive, scaled(calls, n), c) for c, n in n_naive.items()})
-            floors = []   # the floor is measured once per round of the trivial workload, in the same drift
-            each_round = (lambda: floors.append(_fork_floor(workers, 300))) if name == "trivial" else (lambda: None)
-            rates = {label: report(label, *result) for label, result in _interleaved(runs, rounds, each_round).items()}
-            executor_rate = lambda c: rates[f"{name} executor c={c}"][0]
-            ratio = executor_rate(c_all) / rates[f"{name} python -c c={c_all}"][0]
-            table.append(f"| {name} | {' / '.join(f'{executor_rate(c):.0f}' for c in n_executor)} | "
-                         f"{rates[f'{name} executor c={c_queue}'][1]:.1f} | {rates[f'{name} python -c c={c_all}'][0]:.1f} | "
-                         f"{ratio:.1f}x |")
-            for c in n_naive:
-                summary.append(f"{name}: executor / python -c at c={c}: {executor_rate(c) / rates[f'{name} python -c c={c}'][0]:.1f}x"
-                               + (f" (target >= 5x: {'met' if ratio >= 5 else 'NOT met'})" if name == "trivial" and c == c_all else ""))
-            if floors:
-                floor = sum(floors) / len(floors)
-                print(f"{'fork floor':26s} {floor:8.1f} calls/s   (bare fork+exit+wait, {workers} processes at once)")
-                share = executor_rate(c_queue) / floor
-                summary.append(f"trivial: executor at c={c_queue} reaches {100 * share:.0f}% of the fork floor "
-                               f"({floor:.0f} calls/s; target >= 25%: {'met' if share >= 0.25 else 'NOT met'})")
-        # CPU per call does not depend on what else the machine runs: the cost itself, not its share of a CPU.
-        # /proc counts it in clock ticks (10 ms), so enough calls for a 1% error.
-        ours = [os.getpid()] + [w.proc.pid for slot in ex._slots for w in slot] + \
-               [kid for slot in ex._slots for w in slot for kid in _descendants(w.proc.pid)]
-        for name, code, n, n_naive in (("trivial", TRIVIAL, 1000, 20), ("import", IMPORT_SNIPPETS[0], 200, 4)):
-            n, n_naive = max(20, round(n * cfg.scale)), max(2, round(n_naive * cfg.scale))
-            before = _cpu_seconds(ours)
-            _drive(run, [(code, "")] * n, workers)
-            executor_cpu = (_cpu_seconds(ours) - before) / n
-            before = resource.getrusage(resource.RUSAGE_CHILDREN)
-            _drive(naive, [(code, "")] * n_naive, workers)
-            after = resource.getrusage(resource.RUSAGE_CHILDREN)
-            naive_cpu = (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) / n_naive
-            summary.append(f"{name}: CPU per call {1e3 * executor_cpu:.2f} ms (this process, workers and their "
-                           f"children) vs {1e3 * naive_cpu:.1f} ms for python -c: {naive_cpu / executor_cpu:.1f}x")
-        isolation = ex.isolation
-    load_end = os.getloadavg()
-    print("\n".join(summary))
-    print(f"\n| workload | executor calls/s c=1 / {c_all} / {c_queue} | p99/p50 at c={c_queue} | python -c, c={c_all} | "
-          f"ratio at c={c_all} |\n|---|---|---|---|---|\n" + "\n".join(table))
-    print(f"\nload average at the start {load_start[0]:.1f}, at the end {load_end[0]:.1f} (1 min; "
-          f"{os.cpu_count()} CPUs)")
-    print("isolation:", json.dumps({k: v for k, v in isolation.items() if v not in ([], False, None)}))
-
-
-# -----------------------------------------------------------------------------
-# command line
+# command line: one call, printed as the model would see it
 
 
 @dataclasses.dataclass
-class ExecutorCLIConfig:
-    # the command line's options (common.load_config: YAML and key=value); the Executor itself takes arguments
-    mode: str = "bench"          # bench | soak | run
-    workers: int = 0             # 0 = one per core
+class ExecutorRunConfig:
+    code: str = ""
+    stdin: str = ""
     timeout_s: float = 4.0
     memory_mb: int = 1024
-    calls: int = 10000           # soak: the number of calls
-    scale: float = 1.0           # bench: multiplies every call count
-    code: str = ""               # run: the snippet
-    stdin: str = ""              # run: its stdin
 
     def validate(self):
-        if self.mode not in ("bench", "soak", "run"):
-            raise ValueError(f"mode must be bench, soak or run, got {self.mode!r}")
-        if self.workers < 0 or self.calls < 1 or self.scale <= 0:
-            raise ValueError(f"need workers >= 0, calls >= 1, scale > 0; got {self.workers}, {self.calls}, {self.scale}")
-        if self.mode == "run" and not self.code:
-            raise ValueError("mode=run needs code='...'")
-
-
-def main(argv=None):
-    # `--bench` and `--soak` are short for mode=bench / mode=soak; everything else is common.load_config's
-    argv = [{"--bench": "mode=bench", "--soak": "mode=soak"}.get(a, a) for a in (sys.argv[1:] if argv is None else argv)]
-    from common import load_config   # here, not at the top: a worker imports this file and needs no yaml
-    cfg = load_config(ExecutorCLIConfig, argv)
-    workers = cfg.workers or None
-    if cfg.mode == "bench":
-        bench(cfg)
-    elif cfg.mode == "soak":
-        with Executor(workers=workers, timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb) as ex:
-            start = time.perf_counter()
-            stats = soak(ex, cfg.calls, report_every=1000)
-            stats["seconds"] = round(time.perf_counter() - start, 1)
-        wrong = stats.pop("wrong")
-        print(json.dumps(stats, indent=1))
-        for code, result in wrong[:5]:
-            print("unexpected:", repr(code[:60]), result)
-        # containment and every status are strict; benign calls starved past 3 x timeout_s are reported above
-        passed = not wrong and not stats["zombies"] and not stats["strays"] and stats["benign_after"] \
-            and stats["fds_after"] <= stats["fds_before"] and stats["rss_mb_after"] <= stats["rss_mb_before"] + 20
-        print("SOAK", "PASSED" if passed else "FAILED")
-        sys.exit(0 if passed else 1)
-    else:
-        with Executor(workers=1, timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb) as ex:
-            print(ex.run(cfg.code, cfg.stdin).tool_response(max_chars=0))
+        if not self.code:
+            raise ValueError("needs code='...'")
 
 
 if __name__ == "__main__":
-    main()
+    from common import load_config   # here, not at the top: a worker loads this file and needs no yaml
+    cfg = load_config(ExecutorRunConfig)
+    with Executor(workers=1, timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb) as ex:
+        print(ex.run(cfg.code, cfg.stdin).tool_response(max_chars=0))

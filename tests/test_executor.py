@@ -7,7 +7,7 @@ next call works. Needs Linux; the namespace cases need root (CI runs as root), t
 non-root caller gets.
 
     .venv/bin/python -m pytest tests/test_executor.py -q          # about 2 minutes on 2 cores
-    .venv/bin/python executor.py --soak calls=10000 timeout_s=2   # the 10,000-call soak (this file runs 1,000)
+    .venv/bin/python -m bench.executor mode=soak calls=10000 timeout_s=2   # the 10,000-call soak (this file runs 1,000)
 """
 import json
 import os
@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 import executor
+from bench.executor import leak_counters, soak, stray_processes
 from executor import SANDBOX_UID_BASE, ExecResult, Executor, truncate_middle
 
 REPO = Path(__file__).resolve().parent.parent
@@ -53,8 +54,8 @@ def worker_pids(e):
 def assert_contained(e):
     """After a call returned: nothing of it is left running (each worker is only its waiter and PID 1, no
     process has its sandbox uid), no child of this process is a zombie, and a benign call still works."""
-    assert executor.stray_processes(e) == []
-    assert executor.leak_counters(e)[0] == 0
+    assert stray_processes(e) == []
+    assert leak_counters(e)[0] == 0
     for _ in range(3):   # a machine shared with other jobs can stall a benign call past the timeout
         after = e.run("print('next')")
         if after.status != "timeout":
@@ -666,10 +667,10 @@ def test_starts_fast_and_close_leaves_nothing():
 
 
 def test_soak_1000_mixed_calls_leaks_nothing():
-    """The short form of `python executor.py --soak`: one call in ten hostile (timeouts, escapes, floods,
+    """The short form of `python -m bench.executor mode=soak`: one call in ten hostile (timeouts, escapes, floods,
     kill(-1), fork bombs). No unexpected status, no zombie, no stray, no fd or memory growth."""
     with Executor(workers=2, timeout_s=TIMEOUT) as e:
-        stats = executor.soak(e, 1000)
+        stats = soak(e, 1000)
     assert stats["wrong"] == [] and stats["benign_after"]
     # A benign call can still time out when the machine starves it past 3 x timeout_s (seen at load 25 on
     # 2 cores): allowed, but rare. Everything else must have exactly its status.
