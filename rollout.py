@@ -833,6 +833,160 @@ def _claim_counter(name):
     return lambda: _claim_store.add(name, 1) - 1
 
 
+class _Rollouts:
+    """The trajectories of one generate() call, and what happens to one at each event of the loop: admitted, its
+    turn ended in the engine, its tool result back. Every trajectory is in exactly one of waiting, running, tooling,
+    held_calls, held_turns until it ends. All but waiting count towards K: one waiting on its tool holds no KV cache
+    now, but its continuation will need room for its whole context again."""
+
+    def __init__(self, engine, executor, tokenizer, texts, n, cfg, seed, step, turn_barrier, claim):
+        self.engine, self.executor, self.tokenizer, self.cfg = engine, executor, tokenizer, cfg
+        self.texts, self.n, self.seed, self.step, self.turn_barrier, self.claim = texts, n, seed, step, turn_barrier, claim
+        _, _, self.tool_name = load_format(cfg)
+        self.end_of_turn = {tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}
+        self.call_end = tokenizer.convert_tokens_to_ids("</tool_call>") if cfg.use_tool else None
+        if cfg.use_tool and (self.call_end is None or self.call_end == tokenizer.unk_token_id):
+            raise ValueError("the tokenizer has no single </tool_call> token; the loop stops a turn on that token id")
+        self.stop_ids = sorted(self.end_of_turn | ({self.call_end} if cfg.use_tool else set()))
+        # The <|im_end|> that closes a tool-call turn: the model's turn stopped at </tool_call>, so it is added
+        # unsampled (loss_mask 0) before the tool turn, giving the release's token sequence.
+        self.close_turn = tokenizer.encode("<|im_end|>", add_special_tokens=False)
+        self.waiting = []       # trajectories claimed, not yet in the engine
+        self.running = {}       # request id -> trajectory in the engine
+        self.tooling = {}       # executor future -> (trajectory, call)
+        self.held_calls = []    # barrier mode only: (trajectory, call) parsed, run when the turn has ended for all
+        self.held_turns = []    # barrier mode only: trajectories whose next turn waits for the barrier
+        self.results = queue.SimpleQueue()  # tool futures as they complete (put by the executor's threads): no polling
+        self.groups = {}        # problem index -> its n trajectories
+        self.exhausted = False  # the shared counter has run past the last problem
+
+    def in_flight(self):
+        return len(self.running) + len(self.tooling) + len(self.held_calls) + len(self.held_turns)
+
+    def busy(self):
+        return self.in_flight() or self.waiting or not self.exhausted
+
+    def capacity(self):
+        # K from the KV cache (§3.2): at the full budget (the paper), or at the mean length of the trajectories
+        # this engine has finished so far, which is about half the budget at paper scale. That mean is biased
+        # short within a step (short trajectories finish first); vLLM's preemption covers the overshoot.
+        expected = 0
+        if self.cfg.admission == "expected" and self.engine.finished_trajectories:
+            expected = -(-self.engine.finished_trajectory_tokens // self.engine.finished_trajectories)
+        return min(self.engine.max_concurrency(expected), self.cfg.max_concurrency or float("inf"))
+
+    def admit(self):
+        # A rank claims a problem only when it has room for it, so a slow rank never hoards prompts it cannot start.
+        # A problem's n samples stay together on the claiming rank: GRPO-RoC selects within the group (§2.2.3).
+        while self.in_flight() < self.capacity():
+            if not self.waiting:
+                if self.exhausted:
+                    return
+                index = self.claim()
+                if index >= len(self.texts):
+                    self.exhausted = True
+                    return
+                prompt = render_prompt(self.tokenizer, self.texts[index], self.cfg)
+                if len(prompt) > self.cfg.max_prompt_tokens:
+                    raise ValueError(f"problem {index}: the prompt is {len(prompt)} tokens, more than "
+                                     f"rollout.max_prompt_tokens={self.cfg.max_prompt_tokens}")
+                self.groups[index] = [Trajectory(index, i, prompt) for i in range(self.n)]
+                self.waiting.extend(self.groups[index])
+            self.next_turn(self.waiting.pop(0))
+
+    def next_turn(self, traj):
+        # One engine request per assistant turn. Its seed depends on the turn too, so a continuation does not
+        # replay the random draws of the turn before it.
+        request_id = f"{self.step}-{traj.problem_index}-{traj.sample_index}-{traj.num_turns}"
+        self.running[request_id] = traj
+        # The whole context goes back in as tokens (never re-tokenized); the prefix cache makes it a lookup.
+        self.engine.add(request_id, traj.prompt_ids + traj.response_ids,
+                        max_tokens=self.cfg.max_response_tokens - len(traj.response_ids),
+                        seed=request_seed(self.seed, self.step, traj.problem_index, traj.sample_index, traj.num_turns),
+                        stop_token_ids=self.stop_ids, temperature=self.cfg.temperature, top_p=self.cfg.top_p)
+
+    def end(self, traj, reason):
+        # Only an answered trajectory is "finished"; everything else is truncated and scores 0 (§4.3.1: truncated
+        # rollouts are kept with reward 0; DAPO's overlong filtering was tried and made them more frequent).
+        traj.finished = reason == "answer"
+        traj.truncated = not traj.finished
+        traj.stop_reason = reason
+        traj.num_answer_tags = count_answer_tags(traj.model_text)
+        traj.response_text = self.tokenizer.decode(traj.response_ids, skip_special_tokens=False)
+        self.engine.finished_trajectories += 1
+        self.engine.finished_trajectory_tokens += len(traj.prompt_ids) + len(traj.response_ids)
+
+    def turn_ended(self, traj, token_ids, logprobs):
+        traj.response_ids += token_ids
+        traj.loss_mask += [1] * len(token_ids)
+        traj.logprobs += logprobs
+        traj.num_turns += 1
+        # Special tokens kept: the parser needs to see </tool_call>. Answer tags are counted in this model-written
+        # text only, never in tool output, which the model did not write (p_format, Eq. 5).
+        turn_text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
+        traj.model_text += turn_text
+        last = token_ids[-1] if token_ids else None
+        if last in self.end_of_turn:
+            return self.end(traj, "answer")
+        if last != self.call_end:  # neither stop token: the request ran out of max_tokens, i.e. the shared budget
+            return self.end(traj, "max_response_tokens")
+        # The turn ends in a tool call. As in the release, the turn limit is checked before the call runs.
+        if traj.num_turns >= self.cfg.max_turns:
+            return self.end(traj, "max_turns")
+        # A call that does not parse still counts as a call, and as a failed one: Eq. 4's p_err is meant to
+        # penalise all three failure modes of §2.1, invalid format included.
+        traj.num_tool_calls += 1
+        try:
+            call = parse_tool_call(turn_text, self.tool_name)
+        except ToolCallError as e:
+            return self.tool_done(traj, {"code": None, "stdin": None}, "parse",
+                                  truncate_middle(str(e), self.cfg.max_tool_response_chars))
+        if self.turn_barrier:
+            self.held_calls.append((traj, call))
+        else:  # to the executor the moment it is parsed (§3.2)
+            self.run_tool(traj, call)
+
+    def run_tool(self, traj, call):
+        future = self.executor.submit(call["code"], stdin=call["stdin"])
+        self.tooling[future] = (traj, call)
+        future.add_done_callback(self.results.put)
+
+    def tool_done(self, traj, call, status, text):
+        traj.tool_calls.append({**call, "status": status})
+        if status != "ok":
+            traj.num_tool_errors += 1
+            traj.tool_errors_by_kind[status] = traj.tool_errors_by_kind.get(status, 0) + 1
+        tool_ids = self.close_turn + render_tool_turn(self.tokenizer, text, self.cfg)
+        # A tool turn that would fill the budget ends the trajectory unappended, so the last turn is always the
+        # model's (the release's stop rule, rstar2_agent_loop.py).
+        if len(traj.response_ids) + len(tool_ids) >= self.cfg.max_response_tokens:
+            return self.end(traj, "tool_overflow")
+        traj.response_ids += tool_ids
+        traj.loss_mask += [0] * len(tool_ids)
+        traj.logprobs += [0.0] * len(tool_ids)
+        if self.turn_barrier:
+            self.held_turns.append(traj)
+        else:
+            self.next_turn(traj)
+
+    def collect(self, future):
+        traj, call = self.tooling.pop(future)
+        result = future.result()
+        self.tool_done(traj, call, result.status, format_tool_response(result, self.cfg))
+
+    def release_barrier(self):
+        # Barrier mode, the turn has ended for every trajectory: run all its calls, wait for the slowest, then
+        # start everyone's next turn together. (Without the barrier the lists are empty here.)
+        for traj, call in self.held_calls:
+            self.run_tool(traj, call)
+        self.held_calls.clear()
+        while self.tooling:
+            self.collect(self.results.get())
+        for traj in self.held_turns:
+            self.next_turn(traj)
+        self.held_turns.clear()
+
+
 def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0, turn_barrier=False):
     """Roll out n trajectories for each problem this rank claims. Collective: every rank calls it with the same
     `problems` (texts or rows with a "problem"), and each problem is rolled out by exactly one rank.
@@ -855,168 +1009,28 @@ def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0, turn_b
     if not engine.is_leader:  # tensor parallel: this rank replays its group leader's engine calls
         engine.follow()
         return []
-    _, _, tool_name = load_format(cfg)
-
-    end_of_turn = {tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}
-    call_end = tokenizer.convert_tokens_to_ids("</tool_call>") if cfg.use_tool else None
-    if cfg.use_tool and (call_end is None or call_end == tokenizer.unk_token_id):
-        raise ValueError("the tokenizer has no single </tool_call> token; the loop stops a turn on that token id")
-    stop_ids = sorted(end_of_turn | ({call_end} if cfg.use_tool else set()))
-    # The <|im_end|> that closes a tool-call turn: the model's turn stopped at </tool_call>, so it is added
-    # unsampled (loss_mask 0) before the tool turn, giving the release's token sequence.
-    close_turn = tokenizer.encode("<|im_end|>", add_special_tokens=False)
-
-    # Every trajectory is in exactly one of these places until it ends. All of them count towards K: one waiting
-    # on its tool holds no KV cache now, but its continuation will need room for its whole context again.
-    waiting = []        # trajectories claimed, not yet in the engine
-    running = {}        # request id -> trajectory in the engine
-    tooling = {}        # executor future -> (trajectory, call)
-    held_calls = []     # barrier mode only: (trajectory, call) parsed, run when the turn has ended for all
-    held_turns = []     # barrier mode only: trajectories whose next turn waits for the barrier
-    results = queue.SimpleQueue()  # tool futures as they complete (put by the executor's threads): no polling
-    model_text = {}     # id(trajectory) -> the text the model wrote, for the answer tags
-    groups = {}
-    exhausted = False
-
-    def admit():
-        # A rank claims a problem only when it has room for it, so a slow rank never hoards prompts it cannot start.
-        # A problem's n samples stay together on the claiming rank: GRPO-RoC selects within the group (§2.2.3).
-        nonlocal exhausted
-        while len(running) + len(tooling) + len(held_calls) + len(held_turns) < capacity():
-            if not waiting:
-                if exhausted:
-                    return
-                index = claim()
-                if index >= len(texts):
-                    exhausted = True
-                    return
-                prompt = render_prompt(tokenizer, texts[index], cfg)
-                if len(prompt) > cfg.max_prompt_tokens:
-                    raise ValueError(f"problem {index}: the prompt is {len(prompt)} tokens, more than "
-                                     f"rollout.max_prompt_tokens={cfg.max_prompt_tokens}")
-                groups[index] = [Trajectory(index, i, prompt) for i in range(n)]
-                waiting.extend(groups[index])
-            next_turn(waiting.pop(0))
-
-    def capacity():
-        # K from the KV cache (§3.2): at the full budget (the paper), or at the mean length of the trajectories
-        # this engine has finished so far, which is about half the budget at paper scale. That mean is biased
-        # short within a step (short trajectories finish first); vLLM's preemption covers the overshoot.
-        expected = 0
-        if cfg.admission == "expected" and engine.finished_trajectories:
-            expected = -(-engine.finished_trajectory_tokens // engine.finished_trajectories)
-        return min(engine.max_concurrency(expected), cfg.max_concurrency or float("inf"))
-
-    def next_turn(traj):
-        # One engine request per assistant turn. Its seed depends on the turn too, so a continuation does not
-        # replay the random draws of the turn before it.
-        request_id = f"{step}-{traj.problem_index}-{traj.sample_index}-{traj.num_turns}"
-        running[request_id] = traj
-        # The whole context goes back in as tokens (never re-tokenized); the prefix cache makes it a lookup.
-        engine.add(request_id, traj.prompt_ids + traj.response_ids,
-                   max_tokens=cfg.max_response_tokens - len(traj.response_ids),
-                   seed=request_seed(seed, step, traj.problem_index, traj.sample_index, traj.num_turns),
-                   stop_token_ids=stop_ids, temperature=cfg.temperature, top_p=cfg.top_p)
-
-    def end(traj, reason):
-        # Only an answered trajectory is "finished"; everything else is truncated and scores 0 (§4.3.1: truncated
-        # rollouts are kept with reward 0; DAPO's overlong filtering was tried and made them more frequent).
-        traj.finished = reason == "answer"
-        traj.truncated = not traj.finished
-        traj.stop_reason = reason
-        traj.model_text = model_text.pop(id(traj), "")
-        traj.num_answer_tags = count_answer_tags(traj.model_text)
-        traj.response_text = tokenizer.decode(traj.response_ids, skip_special_tokens=False)
-        engine.finished_trajectories += 1
-        engine.finished_trajectory_tokens += len(traj.prompt_ids) + len(traj.response_ids)
-
-    def turn_ended(traj, token_ids, logprobs):
-        traj.response_ids += token_ids
-        traj.loss_mask += [1] * len(token_ids)
-        traj.logprobs += logprobs
-        traj.num_turns += 1
-        # Special tokens kept: the parser needs to see </tool_call>. Answer tags are counted in this model-written
-        # text only, never in tool output, which the model did not write (p_format, Eq. 5).
-        turn_text = tokenizer.decode(token_ids, skip_special_tokens=False)
-        model_text[id(traj)] = model_text.get(id(traj), "") + turn_text
-        last = token_ids[-1] if token_ids else None
-        if last in end_of_turn:
-            return end(traj, "answer")
-        if last != call_end:  # neither stop token: the request ran out of max_tokens, i.e. the shared budget
-            return end(traj, "max_response_tokens")
-        # The turn ends in a tool call. As in the release, the turn limit is checked before the call runs.
-        if traj.num_turns >= cfg.max_turns:
-            return end(traj, "max_turns")
-        # A call that does not parse still counts as a call, and as a failed one: Eq. 4's p_err is meant to
-        # penalise all three failure modes of §2.1, invalid format included.
-        traj.num_tool_calls += 1
-        try:
-            call = parse_tool_call(turn_text, tool_name)
-        except ToolCallError as e:
-            return tool_done(traj, {"code": None, "stdin": None}, "parse",
-                             truncate_middle(str(e), cfg.max_tool_response_chars))
-        if turn_barrier:
-            held_calls.append((traj, call))
-        else:  # to the executor the moment it is parsed (§3.2)
-            run_tool(traj, call)
-
-    def run_tool(traj, call):
-        future = executor.submit(call["code"], stdin=call["stdin"])
-        tooling[future] = (traj, call)
-        future.add_done_callback(results.put)
-
-    def tool_done(traj, call, status, text):
-        traj.tool_calls.append({**call, "status": status})
-        if status != "ok":
-            traj.num_tool_errors += 1
-            traj.tool_errors_by_kind[status] = traj.tool_errors_by_kind.get(status, 0) + 1
-        tool_ids = close_turn + render_tool_turn(tokenizer, text, cfg)
-        # A tool turn that would fill the budget ends the trajectory unappended, so the last turn is always the
-        # model's (the release's stop rule, rstar2_agent_loop.py).
-        if len(traj.response_ids) + len(tool_ids) >= cfg.max_response_tokens:
-            return end(traj, "tool_overflow")
-        traj.response_ids += tool_ids
-        traj.loss_mask += [0] * len(tool_ids)
-        traj.logprobs += [0.0] * len(tool_ids)
-        if turn_barrier:
-            held_turns.append(traj)
-        else:
-            next_turn(traj)
-
-    def collect(future):
-        traj, call = tooling.pop(future)
-        result = future.result()
-        tool_done(traj, call, result.status, format_tool_response(result, cfg))
+    loop = _Rollouts(engine, executor, tokenizer, texts, n, cfg, seed, step, turn_barrier, claim)
 
     # The event loop. One engine step decodes one token for every running request; a result that arrives meanwhile
     # waits at most one step before its continuation is in the engine. No thread touches vLLM but this one.
-    admit()
-    while running or tooling or held_calls or held_turns or waiting or not exhausted:
+    loop.admit()
+    while loop.busy():
         if engine.has_unfinished():
             for request_id, token_ids, logprobs in engine.step():
-                turn_ended(running.pop(request_id), token_ids, logprobs)
+                loop.turn_ended(loop.running.pop(request_id), token_ids, logprobs)
             # Results that came back while the engine stepped re-enter at once: no turn barrier.
-            while not results.empty():
-                collect(results.get())
+            while not loop.results.empty():
+                loop.collect(loop.results.get())
             if not turn_barrier:
-                admit()
-        elif tooling:
-            collect(results.get())  # nothing to decode: block until the next tool result instead of spinning
-            admit()
+                loop.admit()
+        elif loop.tooling:
+            loop.collect(loop.results.get())  # nothing to decode: block until the next tool result instead of spinning
+            loop.admit()
         else:
-            # Barrier mode, the turn has ended for every trajectory: run all its calls, wait for the slowest,
-            # then start everyone's next turn together. (Without the barrier the lists are empty here.)
-            for traj, call in held_calls:
-                run_tool(traj, call)
-            held_calls.clear()
-            while tooling:
-                collect(results.get())
-            for traj in held_turns:
-                next_turn(traj)
-            held_turns.clear()
-            admit()
+            loop.release_barrier()
+            loop.admit()
     engine.stop_followers()
-    return [groups[i] for i in sorted(groups)]
+    return [loop.groups[i] for i in sorted(loop.groups)]
 
 
 def assign_by_tokens(keys, world_size):
