@@ -10,7 +10,7 @@ CPU one so the numbers mean something). It checks and times, in this order:
   2. the time of one weight update, the whole state dict at once and lazily (one tensor gathered at a time);
   3. sleep / wake_up: GPU memory freed by sleep, and that generation and log-probs are intact after waking;
   4. throughput: rollout.generate (no tool, n=1) vs vLLM's own LLM.generate on the same prompts and lengths;
-  5. the barrier-free loop vs a per-turn barrier with tool calls (rollout.bench's scripted trajectories);
+  5. the barrier-free loop vs a per-turn barrier with tool calls (bench/rollout.py's scripted trajectories);
   6. the RL cycle with rl.py's own functions: rollout, sleep, old log-probs and a training step at 20,480-token
      micro-batches, wake + weight sync (verl's order), rollout again, twice, on a Qwen3-4B-shaped model with random
      weights and the 151,936 vocabulary; per phase the device's used memory and PyTorch's peak, beside plan.py's
@@ -36,6 +36,7 @@ import plan
 import rl
 import rollout
 import tiny
+from bench import rollout as rollout_bench
 from common import load_config
 
 
@@ -298,9 +299,9 @@ def checks_1_to_5(cfg, out, results, check):
 
     # 5. the barrier benchmark on the GPU
     def barrier_bench():
-        bench_cfg = rollout.RolloutCLIConfig(mode="bench", model=str(model_dir), trajectories=cfg.bench_trajectories,
-                                             tool_latencies_s=[0.0, cfg.tool_latency_s], repeats=1, rollout=dataclasses.replace(rcfg))
-        results["barrier_bench"] = rollout.bench(bench_cfg)
+        bench_cfg = rollout_bench.BenchConfig(model=str(model_dir), trajectories=cfg.bench_trajectories,
+                                              tool_latencies_s=[0.0, cfg.tool_latency_s], repeats=1, rollout=dataclasses.replace(rcfg))
+        results["barrier_bench"] = rollout_bench.bench(bench_cfg)
 
     check("barrier_bench", barrier_bench)
 

