@@ -26,7 +26,7 @@ from bench.rollout import scripted_policy
 from executor import Executor
 from rollout import RolloutConfig, ToolCallError, parse_tool_call
 
-REFERENCE = Path("/work/shared/docs/reference")
+REFERENCE = Path(__file__).resolve().parent / "reference"  # the released code's texts, with their sources
 SEPARATOR = "# ====================================================================\n"
 
 
