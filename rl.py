@@ -227,8 +227,7 @@ def full_weights(model, dtype, traffic=None, bucket_bytes=WEIGHT_SYNC_BUCKET_BYT
     casting after moved 56 GB per rank per sync at 14B instead of 28. Consecutive parameters share one all-gather up
     to bucket_bytes (a layer's norms are a few KB each: a collective per tensor would be all latency); a larger one
     goes alone. vLLM's reload_weights consumes the pairs lazily, so about one bucket of full tensors is alive at a
-    time, not the whole model. traffic["weight_sync_gathered_bytes"] adds up the all-gathers' output.
-    """
+    time, not the whole model. traffic["weight_sync_gathered_bytes"] adds up the all-gathers' output."""
     tied = getattr(model.config, "tie_word_embeddings", False)
     for bucket in buckets(model.named_parameters(), dtype.itemsize, bucket_bytes):
         for name, tensor in gather_bucket(bucket, dtype, traffic):
@@ -364,11 +363,9 @@ def equalize_micro_batches(batches):
 
 
 def collate(batch, pad_id, device):
-    """Padded tensors over the *target* positions 0..L-2 (position t predicts token t+1).
-
-    Response token j sits at P + j (P prompt tokens) and is predicted at P + j - 1. Right padding needs no
-    attention mask: under causal attention no real token sees the padding after it.
-    """
+    """Padded tensors over the *target* positions 0..L-2 (position t predicts token t+1): response token j sits at
+    P + j (P prompt tokens) and is predicted at P + j - 1. Right padding needs no attention mask: under causal
+    attention no real token sees the padding after it."""
     if not batch:  # the empty micro-batch of equalize_micro_batches
         zeros = torch.zeros(1, 1, device=device)
         return torch.full((1, 2), pad_id, device=device), zeros, zeros.bool(), zeros[:, 0]
@@ -389,18 +386,15 @@ def collate(batch, pad_id, device):
 
 
 def token_logprobs(model, input_ids, temperature, chunk_tokens=0):
-    """log pi(token t+1 | tokens <= t) for every position, at the sampling temperature.
-
-    The policy that sampled is softmax(logits / T), and that is what the engine reports ("processed" log-probs,
-    rollout.Engine), so ratio and guard both use it.
+    """log pi(token t+1 | tokens <= t) for every position at the sampling temperature: softmax(logits / T) is the
+    policy that sampled and what the engine reports ("processed" log-probs, rollout.Engine), so ratio and guard agree.
 
     Memory: the logits are [tokens, V], V = 151,936 for Qwen3, and their fp32 log-softmax is what backward would
     keep: 12.4 GB at a 20,480-token micro-batch, plus the bf16 logits and their gradients. With chunk_tokens > 0 the
     model stops at its last hidden states and the output projection runs chunk_tokens tokens at a time, each chunk
-    recomputed in backward (torch.utils.checkpoint), so at most one chunk's [chunk, V] logits exist at once. The
-    maths is unchanged (tests/test_rl.py checks the values and the gradients). chunk_tokens=0: the model's own
-    logits, one row at a time (without gradients that alone avoids [B, T, V] in fp32).
-    """
+    recomputed in backward (torch.utils.checkpoint): at most one chunk's [chunk, V] logits exist at once, the maths
+    unchanged (tests/test_rl.py checks values and gradients). chunk_tokens=0: the model's own logits, one row at a
+    time (without gradients that alone avoids [B, T, V] in fp32)."""
     targets = input_ids[:, 1:]
     if not chunk_tokens:
         logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1]
@@ -527,14 +521,13 @@ def train_step(model, optimizer, samples, cfg, step, pad_id, device, temperature
 # from rollouts to a training batch: group filter + Resample-on-Correct + advantages (step 4), the step's metrics
 
 def select_samples(groups, rewards, cfg, step, position):
-    """This rank's groups -> (TrainSamples to train on, probes, one summary record per sampled trajectory).
+    """Step 4: this rank's groups -> (TrainSamples to train on, probes, one summary record per sampled trajectory).
 
     Groups are complete on the rank that generated them, so selection needs no communication. Each group's RoC
-    draw has its own seed from (seed, step, the problem's position in the data stream): the same on a rerun,
-    whichever rank the problem landed on. A dropped (all-equal) group still gives one probe: a trajectory that is
-    not trained on but whose log-probs the sync guard checks, so the guard never goes blind, even on a step where
-    every group is dropped.
-    """
+    draw has its own seed from (seed, step, the problem's position in the data stream), one stream per problem, not
+    per rank: the same on a rerun, whichever rank claimed the problem (that depends on timing, §3.2). A dropped
+    (all-equal) group still gives one probe: a trajectory that is not trained on but whose log-probs the sync guard
+    checks, so the guard never goes blind, even on a step where every group is dropped."""
     kept_groups, _ = filter_groups(rewards, enabled=cfg.filter_all_equal)
     samples, probes, records = [], [], []
     for g, (group, group_rewards) in enumerate(zip(groups, rewards)):
@@ -544,7 +537,6 @@ def select_samples(groups, rewards, cfg, step, position):
                      for t in group]
         kept = []
         if g in kept_groups:
-            # One stream per problem, not per rank: which rank claims a problem depends on timing (§3.2).
             rng = np.random.default_rng([cfg.seed, step, position + group[0].problem_index])
             kept = select_group(group_rewards, penalties, cfg.group_size, rng, mode=cfg.algorithm,
                                 positive_rule=cfg.positive_rule)
