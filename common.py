@@ -1,18 +1,17 @@
 """What several scripts share: config loading, the data files, distributed setup, checkpoints, metrics.
 
-Nothing here is the method; it is the plumbing that keeps sft.py, rl.py and eval.py short.
-Every script is run as
-
-    python SCRIPT.py [CONFIG.yaml] [key=value ...]        # dotted keys for nested sections: rollout.max_turns=15
-
-and maps the YAML onto its own typed dataclass with load_config(). An unknown key, a wrong type or a
-missing file stops the run at once with a message that names the key and the file (and line).
+Nothing here is the method; it is the plumbing that keeps sft.py, rl.py and eval.py short. Every script is run as
+`python SCRIPT.py [CONFIG.yaml] [key=value ...]` (dotted keys for nested sections: rollout.max_turns=15), and
+load_config() maps that onto its own typed dataclass: a bad key, type or file stops the run with a message naming it.
 
 torch is imported inside the functions that use it, not here: reward.py, plan.py and prepare_data.py import this
 file for configs and data, and reward.py's math-verify workers start from it, where torch would cost seconds and memory.
+The device seam is here too (init_distributed's backend, compute_dtype, free_cached_memory, cpu_threads): the only
+places where CUDA and CPU differ, so the training loops read the same on both.
 """
 import dataclasses
 import difflib
+import gc
 import json
 import os
 import random
@@ -34,10 +33,6 @@ class ConfigError(ValueError):
 
 # -----------------------------------------------------------------------------
 # config: YAML + key=value overrides onto a typed dataclass
-
-def _type_name(tp):
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
 
 def _coerce(value, tp, where):
     """Check `value` against the annotation `tp`; convert the few lossless cases (int -> float, "1e-6" -> float)."""
@@ -95,7 +90,8 @@ def _coerce(value, tp, where):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)  # model=123 or a numeric run name
         raise ConfigError(f"{where}: expected a string, got {type(value).__name__} {value!r}")
-    raise ConfigError(f"{where}: unsupported config type {_type_name(tp)}")
+    name = getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+    raise ConfigError(f"{where}: unsupported config type {name}")
 
 
 def _line_numbers(text):
@@ -138,13 +134,6 @@ def _apply(cfg, updates, source, lines, prefix=""):
             setattr(cfg, key, _coerce(value, tp, where))
 
 
-def _nest(dotted_key, value):
-    out = value
-    for part in reversed(dotted_key.split(".")):
-        out = {part: out}
-    return out
-
-
 def load_config(cls, argv=None):
     """Build a `cls` dataclass from `[CONFIG.yaml] [key=value ...]` (default: sys.argv[1:]).
 
@@ -162,8 +151,7 @@ def load_config(cls, argv=None):
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
-        if data is None:
-            data = {}
+        data = {} if data is None else data
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(data).__name__}")
         _apply(cfg, data, str(path), _line_numbers(text))
@@ -177,19 +165,17 @@ def load_config(cls, argv=None):
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError:
             value = raw
-        _apply(cfg, _nest(key, value), "command line", {})
+        for part in reversed(key.split(".")):  # rollout.max_turns=15 -> {"rollout": {"max_turns": 15}}
+            value = {part: value}
+        _apply(cfg, value, "command line", {})
     if hasattr(cfg, "validate"):
         cfg.validate()
     return cfg
 
 
-def config_to_dict(cfg):
-    return dataclasses.asdict(cfg)
-
-
 def save_config(cfg, run_dir):
     """Print the resolved config and save it as run_dir/config.yaml, so every run says what it ran with."""
-    text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+    text = yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
     print(f"# {type(cfg).__name__}\n{text}", flush=True)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     atomic_write_text(Path(run_dir) / "config.yaml", text)
@@ -211,21 +197,10 @@ def atomic_write_text(path, text):
 
 # The benchmarks eval.py knows, and the files training may read. Training never reads a benchmark file;
 # tests/test_common.py checks that no training problem equals a benchmark problem.
-BENCHMARKS = {
-    "aime24": "data/aime24.jsonl",
-    "aime25": "data/aime25.jsonl",
-    "hmmt25": "data/hmmt_feb_2025.jsonl",
-    "amc23": "data/amc23.jsonl",
-    "math500": "data/math500.jsonl",
-    "gsm8k": "data/gsm8k_test.jsonl",
-}
-TRAINING_FILES = [
-    "data/train_int_mix.jsonl",
-    "data/math_train.jsonl",
-    "data/math_test4500.jsonl",
-    "data/aime_1983_2023.jsonl",
-    "data/gsm8k_train.jsonl",
-]
+BENCHMARKS = {"aime24": "data/aime24.jsonl", "aime25": "data/aime25.jsonl", "hmmt25": "data/hmmt_feb_2025.jsonl",
+              "amc23": "data/amc23.jsonl", "math500": "data/math500.jsonl", "gsm8k": "data/gsm8k_test.jsonl"}
+TRAINING_FILES = ["data/train_int_mix.jsonl", "data/math_train.jsonl", "data/math_test4500.jsonl",
+                  "data/aime_1983_2023.jsonl", "data/gsm8k_train.jsonl"]
 
 
 def resolve(path):
@@ -235,10 +210,8 @@ def resolve(path):
 
 
 def load_jsonl(path, required=None):
-    """Read a JSONL file; every row must be a JSON object whose `required` keys are non-empty strings.
-
-    A bad row stops with `file:line: reason`, because a silently skipped row is a silently changed
-    dataset (and a wrong gold answer is a wrong reward).
+    """Read a JSONL file; every row must be a JSON object whose `required` keys are non-empty strings. A bad row
+    stops with `file:line: reason`: a silently skipped row is a silently changed dataset (a wrong gold, a wrong reward).
     """
     path = resolve(path)
     if not path.is_file():
@@ -282,7 +255,7 @@ def normalize_problem(text):
 
 
 # -----------------------------------------------------------------------------
-# distributed: one code path from `python x.py` to torchrun on 8 nodes
+# distributed and device: one code path from `python x.py` on a CPU to torchrun on 8 GPU nodes
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 SINGLE_PROCESS_MARKER = "RSTAR2_SINGLE_PROCESS_WORLD"  # "pid:port" of the process that made itself a world of one
@@ -291,10 +264,9 @@ SINGLE_PROCESS_MARKER = "RSTAR2_SINGLE_PROCESS_WORLD"  # "pid:port" of the proce
 def init_distributed():
     """Start torch.distributed and return (rank, world_size, local_rank, device).
 
-    Under torchrun the launcher's env is used. A plain `python x.py` becomes a world of one with the same
-    env variables set, so FSDP2, the TCPStore work counter and vLLM's external_launcher mode take exactly
-    the path they take on 64 GPUs. gloo on CPU, nccl on GPU.
-    """
+    Under torchrun the launcher's env is used. A plain `python x.py` becomes a world of one with the same env
+    variables set, so FSDP2, the TCPStore work counter and vLLM's external_launcher mode take exactly the path they
+    take on 64 GPUs."""
     import torch
     import torch.distributed as dist
 
@@ -330,6 +302,37 @@ def init_distributed():
     return rank, world_size, local_rank, device
 
 
+def compute_dtype(device, requested="auto"):
+    """The dtype of forward/backward and of an exported model: bf16 on GPU, fp32 on CPU, where bf16 is ~4.5x slower
+    than fp32 on AVX2 (cpu-stack.md §2). A `requested` train_dtype other than auto wins."""
+    import torch
+
+    return getattr(torch, requested if requested != "auto" else "bfloat16" if device.type == "cuda" else "float32")
+
+
+def free_cached_memory():
+    """Give the blocks PyTorch's allocator caches but no tensor uses back to the GPU (a no-op on CPU). vLLM's
+    sleep-mode allocator maps its memory outside PyTorch's cache, so it cannot reuse those blocks: after a 14B
+    training step some 45-50 GB of them would still be held when the engine wakes."""
+    import torch
+
+    gc.collect()  # tensors only a reference cycle still holds
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def cpu_threads(count, device):
+    """On CPU, set torch's threads to `count` (0: leave them); returns the previous count. In-process vLLM sets
+    torch to 1 thread "for serving" and replaces torch.set_num_threads with a no-op, so this calls the builtin."""
+    import torch
+
+    previous = torch.get_num_threads()
+    if count and device.type == "cpu":
+        torch._C.set_num_threads(count)
+    return previous
+
+
 def seed_everything(seed):
     import numpy as np
     import torch
@@ -345,14 +348,9 @@ def seed_everything(seed):
 CHECKPOINT_PREFIX = "step_"
 
 
-def _step_dir(ckpt_root, step):
-    return Path(ckpt_root) / f"{CHECKPOINT_PREFIX}{step:08d}"
-
-
 def latest_checkpoint(ckpt_root):
-    """The newest complete checkpoint directory, or None. A directory only gets its final name after
-    every rank has written it (see save_checkpoint), so a run killed mid-save leaves a `.tmp` directory
-    that is never picked up."""
+    """The newest complete checkpoint directory, or None. A directory gets its final name only after every rank has
+    written it (save_checkpoint), so a run killed mid-save leaves a `.tmp` directory that is never picked up."""
     ckpt_root = Path(ckpt_root)
     if not ckpt_root.is_dir():
         return None
@@ -373,7 +371,7 @@ def save_checkpoint(ckpt_root, step, model, optimizer, trainer_state, keep=2):
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     rank = dist.get_rank()
-    final = _step_dir(ckpt_root, step)
+    final = Path(ckpt_root) / f"{CHECKPOINT_PREFIX}{step:08d}"
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
         if tmp.exists():
@@ -391,7 +389,6 @@ def save_checkpoint(ckpt_root, step, model, optimizer, trainer_state, keep=2):
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        # keep the newest `keep` complete checkpoints
         old = sorted(p for p in Path(ckpt_root).iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)
                      and not p.name.endswith(".tmp"))[:-keep]
         for p in old:

@@ -28,10 +28,7 @@ released 14B model's card uses); rollout.chat_template / rollout.tool_schema poi
 
 Protocol vs the released eval scripts (rstar2-method.md §8.1): the paper samples at temperature 0.6 with up to
 30 turns; the released aime_eval.sh leaves temperature unset (verl's default: greedy) and allows 5 turns.
-configs/eval.yaml follows the paper.
-
-Other scripts call evaluate(model_path, problems, cfg, engine=...) in-process (demo.py's before/after table,
-rl.py's periodic evaluation with the training engine).
+configs/eval.yaml follows the paper. demo.py and rl.py call evaluate() in-process, with their own engine.
 """
 import dataclasses
 import difflib
@@ -103,8 +100,7 @@ class EvalConfig:
             raise ConfigError(f"arith_problems must be >= 1, got {self.arith_problems}")
         if self.chunk_problems < 1:
             raise ConfigError(f"chunk_problems must be >= 1, got {self.chunk_problems}")
-        if hasattr(self.rollout, "validate"):
-            self.rollout.validate()
+        self.rollout.validate()
 
 
 def default_ks(n):
@@ -409,6 +405,60 @@ def check_engine(engine, rollout_cfg):
                           f"needs max_prompt_tokens + max_response_tokens = {rollout_cfg.context_len}")
 
 
+def work_left(model_path, problems, cfg, out_dir, rank, world_size):
+    """(the finished problems, on rank 0: {(benchmark, id): records}, the (benchmark, row) pairs still to generate,
+    the same on every rank). Rank 0 alone reads out_dir (no shared filesystem is assumed); every rank needs only the
+    finished keys, to agree on the work that is left."""
+    finished = {}
+    if out_dir is not None and rank == 0:
+        finished = open_samples(out_dir, generation_settings(model_path, cfg), cfg.n, cfg.resume)
+    done = [set(finished)]
+    if world_size > 1:
+        dist.broadcast_object_list(done, src=0)
+    todo = [(name, row) for name, rows in problems.items() for row in rows if (name, row["id"]) not in done[0]]
+    if rank == 0:
+        total = sum(len(rows) for rows in problems.values())
+        resumed = f", {total - len(todo)} already in {out_dir}" if total > len(todo) else ""
+        print(f"[eval] {total} problems x {cfg.n} samples{resumed}; {len(todo)} to generate on {world_size} rank(s)",
+              flush=True)
+    return finished, todo
+
+
+def start_rollout(model_path, todo, cfg, engine, executor, tokenizer, owned):
+    """(engine, executor, tokenizer): the ones passed in, the missing ones built (and added to `owned`, for the caller
+    to close), after checking that every prompt and sequence fits."""
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    check_prompt_lengths(todo, tokenizer, cfg.rollout)
+    # One engine per rank (tensor_parallel_size ranks share one): no server, the ranks are vLLM's workers.
+    if engine is None:
+        engine = Engine(model_path, cfg.rollout, seed=cfg.seed)
+        owned.append(engine)
+    check_engine(engine, cfg.rollout)
+    if executor is None and cfg.rollout.use_tool:
+        # The node's cores are shared by its ranks; each rank's executor takes its share, not all of them.
+        per_rank = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        executor = Executor(workers=cfg.rollout.tool_workers or per_rank, timeout_s=cfg.rollout.tool_timeout_s,
+                            memory_mb=cfg.rollout.tool_memory_mb)
+        owned.append(executor)
+    return engine, executor, tokenizer
+
+
+def gather_records(chunk, records, rank, world_size):
+    """Every rank's records of one chunk on rank 0 ([] elsewhere), one per sample, whole problems in work-list order
+    so the file reads like the benchmark. Rank 0 alone writes: one file, no locking, no shared filesystem."""
+    if world_size > 1:
+        parts = [None] * world_size if rank == 0 else None
+        dist.gather_object(records, parts, dst=0)
+        records = [r for part in parts for r in part] if rank == 0 else []
+    if rank != 0:
+        return records
+    # The ranks of a tensor-parallel group share an engine, and may all report its samples.
+    order = {(name, row["id"]): i for i, (name, row) in enumerate(chunk)}
+    unique = {(r["benchmark"], r["problem_id"], r["sample_index"]): r for r in reversed(records)}
+    return sorted(unique.values(), key=lambda r: (order[(r["benchmark"], r["problem_id"])], r["sample_index"]))
+
+
 def evaluate(model_path, problems, cfg, engine=None, executor=None, tokenizer=None, out_dir=None):
     """Sample, grade and summarise: {benchmark: metrics} (see summarize), the same on every rank.
 
@@ -428,39 +478,11 @@ def evaluate(model_path, problems, cfg, engine=None, executor=None, tokenizer=No
     # A world of one outside torchrun (common.init_distributed), so the collectives below are the only path.
     rank, world_size, _, _ = init_distributed()
     ks = cfg.ks or default_ks(cfg.n)
-
-    # Resume: rank 0 reads the file; every rank needs only the keys, to agree on the work that is left.
-    # A shared filesystem is not assumed: only rank 0 ever touches out_dir.
-    finished = {}
-    if out_dir is not None and rank == 0:
-        finished = open_samples(out_dir, generation_settings(model_path, cfg), cfg.n, cfg.resume)
-    done = [set(finished)]
-    if world_size > 1:
-        dist.broadcast_object_list(done, src=0)
-    todo = [(name, row) for name, rows in problems.items() for row in rows if (name, row["id"]) not in done[0]]
-    if rank == 0:
-        total = sum(len(rows) for rows in problems.values())
-        resumed = f", {total - len(todo)} already in {out_dir}" if total > len(todo) else ""
-        print(f"[eval] {total} problems x {cfg.n} samples{resumed}; {len(todo)} to generate on {world_size} rank(s)",
-              flush=True)
-
+    finished, todo = work_left(model_path, problems, cfg, out_dir, rank, world_size)
     owned = []  # what this call builds, it also closes
     # Nothing left (a finished run rerun, e.g. to reprint the table): no tokenizer, engine or executor is started.
     if todo:
-        if tokenizer is None:
-            tokenizer = AutoTokenizer.from_pretrained(model_path)
-        check_prompt_lengths(todo, tokenizer, cfg.rollout)
-        # One engine per rank (tensor_parallel_size ranks share one): no server, the ranks are vLLM's workers.
-        if engine is None:
-            engine = Engine(model_path, cfg.rollout, seed=cfg.seed)
-            owned.append(engine)
-        check_engine(engine, cfg.rollout)
-        if executor is None and cfg.rollout.use_tool:
-            # The node's cores are shared by its ranks; each rank's executor takes its share, not all of them.
-            per_rank = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-            executor = Executor(workers=cfg.rollout.tool_workers or per_rank, timeout_s=cfg.rollout.tool_timeout_s,
-                                memory_mb=cfg.rollout.tool_memory_mb)
-            owned.append(executor)
+        engine, executor, tokenizer = start_rollout(model_path, todo, cfg, engine, executor, tokenizer, owned)
     try:
         started, generated_tokens = time.time(), 0
         for step, start in enumerate(range(0, len(todo), cfg.chunk_problems)):
@@ -472,19 +494,8 @@ def evaluate(model_path, problems, cfg, engine=None, executor=None, tokenizer=No
                               seed=cfg.seed, step=step)
             trajectories = [t for group in groups for t in group]  # this rank's problems, n samples each
             # Each rank grades its own samples (its own reward pool), so grading scales with the ranks too.
-            records = sample_records(chunk, trajectories, tokenizer, cfg, rank)
-            # Rank 0 alone writes: one file, no locking, and a shared filesystem is not needed.
-            if world_size > 1:
-                parts = [None] * world_size if rank == 0 else None
-                dist.gather_object(records, parts, dst=0)
-                records = [r for part in parts for r in part] if rank == 0 else []
+            records = gather_records(chunk, sample_records(chunk, trajectories, tokenizer, cfg, rank), rank, world_size)
             if rank == 0:
-                # Whole problems, in work-list order, so the file reads like the benchmark. One record per sample:
-                # the ranks of a tensor-parallel group share an engine, and may all report its samples.
-                order = {(name, row["id"]): i for i, (name, row) in enumerate(chunk)}
-                unique = {(r["benchmark"], r["problem_id"], r["sample_index"]): r for r in reversed(records)}
-                records = sorted(unique.values(),
-                                 key=lambda r: (order[(r["benchmark"], r["problem_id"])], r["sample_index"]))
                 generated_tokens += sum(r["response_tokens"] for r in records)
                 if out_dir is not None:
                     append_samples(out_dir, records)

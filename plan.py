@@ -4,7 +4,7 @@ model's config.json alone (no weights are loaded, nothing is allocated).
     python rl.py configs/stage1.yaml mode=plan                          # the config's world size
     python rl.py configs/stage1.yaml mode=plan world_size=16            # another GPU count
     python rl.py configs/qwen3_1p7b_1gpu.yaml mode=plan plan_model_config=path/to/config.json
-    python scale_bench.py                                               # chunked vs unchunked log-probs; balance bytes
+    python -m bench.scale                                               # chunked vs unchunked log-probs; balance bytes
 
 The plan is arithmetic on the model's shapes, written to follow what rl.py does on a GPU:
   trainer   FSDP2 over all ranks, one unit per decoder layer plus the root (embeddings, final norm, lm_head), fp32
@@ -546,4 +546,4 @@ def tensor_bytes(tensors):
 
 
 if __name__ == "__main__":
-    sys.exit("plan.py: run `python rl.py CONFIG mode=plan` (the benchmark: python scale_bench.py)")
+    sys.exit("plan.py: run `python rl.py CONFIG mode=plan` (the benchmark: python -m bench.scale)")

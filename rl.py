@@ -20,7 +20,10 @@ of the policy and its own in-process vLLM engine (rollout.py). One RL step is:
     5. balance      kept trajectories are spread across ranks by token count
     6. old logp     recomputed by the trainer; compared with the engine's (the sync guard, below)
     7. update       the clipped token-level loss of Eq. 6, one optimizer step, normalised by the GLOBAL token count
-    8. log, checkpoint
+    8. log, checkpoint, evaluate
+train() calls one function per step, in this order: sync_weights, roll_out, score_groups, select_samples,
+balance_blocks, recompute_logprobs + logprob_gap, update_policy (train_step), gather_metrics, save_checkpoint and
+evaluate_held_out.
 
 Paper vs this file:
   - one optimizer step per RL step (the release's ppo_mini_batch_size covers the whole batch); mini_batches=k splits
@@ -36,8 +39,8 @@ tool-call rate and parse-failure rate are logged every step, so a policy that st
 
 Tests: .venv/bin/python -m pytest tests/test_rl.py -q   (the invariance test: 1x1, 1x4, torchrun 2x2 micro-batches)
 """
+import contextlib
 import dataclasses
-import gc
 import json
 import math
 import os
@@ -55,8 +58,9 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from common import (ConfigError, MetricsLogger, atomic_write_text, init_distributed, latest_checkpoint, load_checkpoint,
-                    load_config, load_problems, resolve, save_checkpoint, save_config)
+from common import (ConfigError, MetricsLogger, atomic_write_text, compute_dtype, cpu_threads, free_cached_memory,
+                    init_distributed, latest_checkpoint, load_checkpoint, load_config, load_problems, resolve,
+                    save_checkpoint, save_config)
 from eval import EvalConfig, evaluate
 from executor import Executor
 from grpo_roc import filter_groups, group_advantages, policy_loss, roc_penalty, rollouts_per_prompt, select_group
@@ -107,7 +111,9 @@ class RLConfig:
     logprob_chunk_tokens: int = 1024         # log-probs from the hidden states this many tokens at a time, each
                                              # chunk recomputed in backward: [chunk, V] logits, never [tokens, V]; 0 = off
     attn_implementation: str = "sdpa"        # trainer attention (flash_attention_2 on GPU, if installed)
-    train_threads: int = 0                   # CPU only: torch threads for the training phase; 0 = vLLM's (1)
+    train_threads: int = 0                   # CPU only: torch threads for steps 6-7; 0 = vLLM's (1): on 2 loaded
+                                             # cores one thread was 5x faster for vLLM's decoding (OpenMP spin-waits)
+                                             # and 2x faster for training than two
     # guards
     logprob_gap_warn: float = 0.05           # warn when the mean |trainer - engine| log-prob gap exceeds this
     # checkpoints and logs
@@ -200,12 +206,8 @@ def lr_at(step, cfg):
 # policy: an HF causal LM, FSDP2-sharded over all ranks
 
 def load_policy(cfg, device, rank):
-    """The policy, FSDP2-sharded (fully_shard per decoder layer, then the root), and its AdamW optimizer.
-
-    The model is built exactly as sft.py builds it (meta device, shard, rank 0 reads the checkpoint and broadcasts
-    it), so a 14B policy never sits whole on every rank. Master weights stay fp32; on GPU the forward/backward
-    runs in bf16 with fp32 gradient reduction (bf16 is ~4.5x slower than fp32 on an AVX2 CPU, cpu-stack.md §2).
-    """
+    """The policy as sft.build_model builds it (FSDP2, fp32 master weights, compute in common.compute_dtype; a 14B
+    policy never sits whole on every rank) and its AdamW optimizer."""
     model, _ = build_model(cfg, cfg.model, device, rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay)
@@ -225,8 +227,7 @@ def full_weights(model, dtype, traffic=None, bucket_bytes=WEIGHT_SYNC_BUCKET_BYT
     casting after moved 56 GB per rank per sync at 14B instead of 28. Consecutive parameters share one all-gather up
     to bucket_bytes (a layer's norms are a few KB each: a collective per tensor would be all latency); a larger one
     goes alone. vLLM's reload_weights consumes the pairs lazily, so about one bucket of full tensors is alive at a
-    time, not the whole model. traffic["weight_sync_gathered_bytes"] adds up the all-gathers' output.
-    """
+    time, not the whole model. traffic["weight_sync_gathered_bytes"] adds up the all-gathers' output."""
     tied = getattr(model.config, "tie_word_embeddings", False)
     for bucket in buckets(model.named_parameters(), dtype.itemsize, bucket_bytes):
         for name, tensor in gather_bucket(bucket, dtype, traffic):
@@ -298,22 +299,11 @@ def add_traffic(traffic, key, count):
         traffic[key] = traffic.get(key, 0) + count
 
 
-def free_cached_memory():
-    """Give the blocks PyTorch's allocator caches but no tensor uses back to the GPU (a no-op on CPU). vLLM's
-    sleep-mode allocator maps its memory outside PyTorch's cache, so it cannot reuse those blocks: after a 14B
-    training step some 45-50 GB of them would still be held when the engine wakes."""
-    gc.collect()  # tensors only a reference cycle still holds
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-
 def sync_weights(engine, model, dtype, traffic=None):
     """Step 1: the trainer's weights into this rank's (sleeping) engine, in memory, in verl's order
     (fsdp_workers.rollout_mode): free the training peak's cache, wake the engine's weights only, load the new ones,
-    free the gathered full tensors, and only then wake the KV cache, which takes most of the GPU. Waking both first,
-    as this did, asked for the KV cache while the training peak and the gathered tensors still held their memory.
-    The gradients are already freed (train_step)."""
+    free the gathered full tensors, and only then wake the KV cache, which takes most of the GPU (waking both first
+    asked for it while the training peak and the gathered tensors still held theirs). train_step freed the gradients."""
     free_cached_memory()
     engine.wake_up(tags=["weights"])
     engine.update_weights(full_weights(model, dtype, traffic))
@@ -373,11 +363,9 @@ def equalize_micro_batches(batches):
 
 
 def collate(batch, pad_id, device):
-    """Padded tensors over the *target* positions 0..L-2 (position t predicts token t+1).
-
-    Response token j sits at P + j (P prompt tokens) and is predicted at P + j - 1. Right padding needs no
-    attention mask: under causal attention no real token sees the padding after it.
-    """
+    """Padded tensors over the *target* positions 0..L-2 (position t predicts token t+1): response token j sits at
+    P + j (P prompt tokens) and is predicted at P + j - 1. Right padding needs no attention mask: under causal
+    attention no real token sees the padding after it."""
     if not batch:  # the empty micro-batch of equalize_micro_batches
         zeros = torch.zeros(1, 1, device=device)
         return torch.full((1, 2), pad_id, device=device), zeros, zeros.bool(), zeros[:, 0]
@@ -398,18 +386,15 @@ def collate(batch, pad_id, device):
 
 
 def token_logprobs(model, input_ids, temperature, chunk_tokens=0):
-    """log pi(token t+1 | tokens <= t) for every position, at the sampling temperature.
-
-    The policy that sampled is softmax(logits / T), and that is what the engine reports ("processed" log-probs,
-    rollout.Engine), so ratio and guard both use it.
+    """log pi(token t+1 | tokens <= t) for every position at the sampling temperature: softmax(logits / T) is the
+    policy that sampled and what the engine reports ("processed" log-probs, rollout.Engine), so ratio and guard agree.
 
     Memory: the logits are [tokens, V], V = 151,936 for Qwen3, and their fp32 log-softmax is what backward would
     keep: 12.4 GB at a 20,480-token micro-batch, plus the bf16 logits and their gradients. With chunk_tokens > 0 the
     model stops at its last hidden states and the output projection runs chunk_tokens tokens at a time, each chunk
-    recomputed in backward (torch.utils.checkpoint), so at most one chunk's [chunk, V] logits exist at once. The
-    maths is unchanged (tests/test_rl.py checks the values and the gradients). chunk_tokens=0: the model's own
-    logits, one row at a time (without gradients that alone avoids [B, T, V] in fp32).
-    """
+    recomputed in backward (torch.utils.checkpoint): at most one chunk's [chunk, V] logits exist at once, the maths
+    unchanged (tests/test_rl.py checks values and gradients). chunk_tokens=0: the model's own logits, one row at a
+    time (without gradients that alone avoids [B, T, V] in fp32)."""
     targets = input_ids[:, 1:]
     if not chunk_tokens:
         logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1]
@@ -466,7 +451,9 @@ def recompute_logprobs(model, samples, cfg, pad_id, device, temperature):
 
 
 def logprob_gap(samples):
-    """Mean and max |trainer - engine| over this rank's model-written tokens, summed for an all-reduce."""
+    """The sync guard (step 6): mean and max |trainer - engine| log-prob over every rank's model-written tokens. The
+    engine sampled them with the weights just synced, so both agree up to kernel noise; a broken sync (wrong names,
+    stale weights, wrong dtype) shows here on step 1 instead of as a slow, silent divergence."""
     total, count, largest = 0.0, 0, 0.0
     for s in samples:
         if s.engine_logprobs is None:
@@ -474,7 +461,10 @@ def logprob_gap(samples):
         gap = np.abs(np.asarray(s.old_logprobs) - np.asarray(s.engine_logprobs))[np.asarray(s.loss_mask) > 0]
         total, count = total + float(gap.sum()), count + gap.size
         largest = max(largest, float(gap.max(initial=0.0)))
-    return total, count, largest
+    sums, largest = torch.tensor([total, count], dtype=torch.float64), torch.tensor([largest])
+    dist.all_reduce(sums)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return {"logprob_gap_mean": sums[0].item() / max(sums[1].item(), 1), "logprob_gap_max": largest.item()}
 
 
 def train_step(model, optimizer, samples, cfg, step, pad_id, device, temperature=1.0):
@@ -494,7 +484,6 @@ def train_step(model, optimizer, samples, cfg, step, pad_id, device, temperature
     dist.all_reduce(global_tokens)
     if global_tokens.item() == 0:
         raise RuntimeError("train_step: the batch has no model-written token on any rank (every loss mask is 0)")
-    # The denominator every micro-batch on every rank divides by: see the docstring.
     per_rank_tokens = global_tokens.item() / world_size
     batches = equalize_micro_batches(micro_batches(samples, cfg))
     sums = {}
@@ -504,9 +493,7 @@ def train_step(model, optimizer, samples, cfg, step, pad_id, device, temperature
         logp = token_logprobs(model, input_ids, temperature, cfg.logprob_chunk_tokens)
         loss, metrics = policy_loss(logp, old, advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                     num_tokens=per_rank_tokens, dual_clip=cfg.dual_clip or None)
-        # Gradients accumulate over micro-batches; FSDP2 reduce-scatters them after each backward (averaging
-        # over ranks), which the per_rank_tokens scaling accounts for.
-        loss.backward()
+        loss.backward()  # accumulates over micro-batches; FSDP2 reduce-scatters (averages over ranks) after each
         metrics["loss"] = loss.detach()
         ratio_max = torch.maximum(ratio_max, metrics.pop("ratio_max").cpu())
         for key, value in metrics.items():
@@ -531,17 +518,16 @@ def train_step(model, optimizer, samples, cfg, step, pad_id, device, temperature
 
 
 # -----------------------------------------------------------------------------
-# from rollouts to a training batch: rewards (step 3), group filter + Resample-on-Correct + advantages (step 4)
+# from rollouts to a training batch: group filter + Resample-on-Correct + advantages (step 4), the step's metrics
 
 def select_samples(groups, rewards, cfg, step, position):
-    """This rank's groups -> (TrainSamples to train on, probes, one summary record per sampled trajectory).
+    """Step 4: this rank's groups -> (TrainSamples to train on, probes, one summary record per sampled trajectory).
 
     Groups are complete on the rank that generated them, so selection needs no communication. Each group's RoC
-    draw has its own seed from (seed, step, the problem's position in the data stream): the same on a rerun,
-    whichever rank the problem landed on. A dropped (all-equal) group still gives one probe: a trajectory that is
-    not trained on but whose log-probs the sync guard checks, so the guard never goes blind, even on a step where
-    every group is dropped.
-    """
+    draw has its own seed from (seed, step, the problem's position in the data stream), one stream per problem, not
+    per rank: the same on a rerun, whichever rank claimed the problem (that depends on timing, §3.2). A dropped
+    (all-equal) group still gives one probe: a trajectory that is not trained on but whose log-probs the sync guard
+    checks, so the guard never goes blind, even on a step where every group is dropped."""
     kept_groups, _ = filter_groups(rewards, enabled=cfg.filter_all_equal)
     samples, probes, records = [], [], []
     for g, (group, group_rewards) in enumerate(zip(groups, rewards)):
@@ -551,7 +537,6 @@ def select_samples(groups, rewards, cfg, step, position):
                      for t in group]
         kept = []
         if g in kept_groups:
-            # One stream per problem, not per rank: which rank claims a problem depends on timing (§3.2).
             rng = np.random.default_rng([cfg.seed, step, position + group[0].problem_index])
             kept = select_group(group_rewards, penalties, cfg.group_size, rng, mode=cfg.algorithm,
                                 positive_rule=cfg.positive_rule)
@@ -618,18 +603,6 @@ def step_metrics(records, num_groups):
     return out
 
 
-def cpu_threads(count):
-    """Set torch's CPU threads to `count` (0: leave them); returns the previous count.
-
-    In-process vLLM sets torch to 1 thread "for serving" and replaces torch.set_num_threads with a no-op, so this
-    calls the builtin it wraps. Measured on the 2-core CI machine under load, one thread was 5x faster for vLLM
-    decoding (OpenMP spin-waits) and 2x faster for training than two, hence train_threads=0 by default."""
-    previous = torch.get_num_threads()
-    if count:
-        torch._C.set_num_threads(count)
-    return previous
-
-
 class TimedExecutor:
     """The executor, adding up the seconds its calls run. Calls overlap decoding (no per-turn barrier), so this
     is the tool's load, not a slice of the rollout's wall time."""
@@ -648,7 +621,7 @@ class TimedExecutor:
 
 
 # -----------------------------------------------------------------------------
-# the run
+# the run: inputs, rollout ownership, checkpoints
 
 def own_groups(groups, num_problems, rank):
     """Keep the groups this rank owns: the ranks of a tensor-parallel group share one engine and may each return its
@@ -666,8 +639,10 @@ def own_groups(groups, num_problems, rank):
     return [g for g in groups if owner[g[0].problem_index] == rank]
 
 
-def check_inputs(cfg, world_size):
-    """Everything that can be wrong with the inputs, before a model or an engine is loaded."""
+def check_inputs(cfg, world_size=None):
+    """Everything that can be wrong with the inputs, before a model or an engine is loaded: torchrun's WORLD_SIZE is
+    read before any process group exists, so a wrong launch stops before any work."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     if cfg.world_size and cfg.world_size != world_size:
         raise ConfigError(f"world_size={cfg.world_size}: this config is written for {cfg.world_size} ranks but was "
                           f"launched on {world_size}; change torchrun's --nnodes/--nproc_per_node, or world_size=0")
@@ -696,35 +671,14 @@ def drop_long_prompts(rows, tokenizer, rollout_cfg, name):
     return kept
 
 
-def evaluate_held_out(engine, executor, tokenizer, rows, cfg):
-    """Held-out accuracy through the same engine (its weights are the live policy) and eval.py's protocol."""
-    eval_rollout = dataclasses.replace(cfg.rollout, temperature=cfg.eval_temperature)
-    eval_cfg = EvalConfig(model=cfg.model, benchmarks=["held_out"], n=cfg.eval_samples, seed=cfg.seed,
-                          rollout=eval_rollout)
-    # The engine samples at its own config's temperature: switch it for the evaluation.
-    train_rollout, engine.cfg = engine.cfg, eval_rollout
-    try:
-        summary = evaluate(cfg.model, {"held_out": rows}, eval_cfg, engine=engine, executor=executor,
-                           tokenizer=tokenizer, out_dir=None)["held_out"]
-    finally:
-        engine.cfg = train_rollout
-    keys = ("pass@1", "tool_calls_per_trajectory", "tool_error_rate", "tool_error_rate_in_correct", "answer_rate",
-            "response_tokens")
-    return {f"eval/{k}": summary[k] for k in keys if summary.get(k) is not None}
-
-
 def start_checkpoint(cfg, ckpt_root):
     """(the checkpoint this run starts from or None, whether only its weights are taken).
 
     resume=auto takes the newest checkpoint of this run's own out_dir; with none yet, init_from's: stage 2 continues
     stage 1 in its own out_dir (everything restored), stage 3 takes stage 2's weights alone (init_optimizer=false).
     Once a run has saved, its own checkpoints win, so a restart resumes it rather than starting it over."""
-    if cfg.resume == "never":
-        checkpoint = None
-    elif cfg.resume == "auto":
-        checkpoint = latest_checkpoint(ckpt_root)
-    else:
-        checkpoint = resolve(cfg.resume)
+    checkpoint = (None if cfg.resume == "never" else latest_checkpoint(ckpt_root) if cfg.resume == "auto"
+                  else resolve(cfg.resume))
     initial = checkpoint is None and cfg.resume == "auto" and bool(cfg.init_from)
     if initial:
         source = resolve(cfg.init_from)
@@ -761,23 +715,10 @@ def epoch_plan(cfg, num_problems, start_step):
     return epochs, line
 
 
-def train(cfg):
-    """The RL run; returns the last step's metrics (rank 0; {} elsewhere)."""
-    # torchrun's WORLD_SIZE is read before any process group exists, so a wrong launch stops before any work.
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    model_path, problems, eval_rows = check_inputs(cfg, world_size)
-    rank, world_size, _, device = init_distributed()
-    out_dir = resolve(cfg.out_dir)
-    if rank == 0:
-        save_config(cfg, out_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    problems = drop_long_prompts(problems, tokenizer, cfg.rollout, cfg.train_data)
-    eval_rows = drop_long_prompts(eval_rows, tokenizer, cfg.rollout, cfg.eval_data) if eval_rows else []
-
-    # resume: model, optimizer, RNG, step and data position (common.save_checkpoint is atomic by rename, so a run
-    # killed mid-save resumes from the previous complete checkpoint)
-    ckpt_root = out_dir / "checkpoints"
+def restore(cfg, ckpt_root, device, rank):
+    """(policy, optimizer, run state) this run starts from: fresh, init_from's weights alone, or a checkpoint restored
+    whole (model, optimizer, RNG, step, data position). common.save_checkpoint is atomic by rename, so a run killed
+    mid-save resumes from the previous complete checkpoint."""
     checkpoint, weights_only = start_checkpoint(cfg, ckpt_root)
     state = {"step": 0, "data_position": 0}
     model, optimizer = load_policy(cfg, device, rank)
@@ -790,11 +731,142 @@ def train(cfg):
         state = load_checkpoint(checkpoint, model, optimizer)
         if rank == 0:
             print(f"resumed from {checkpoint}: step {state['step']}, data position {state['data_position']}", flush=True)
+    return model, optimizer, state
+
+
+# -----------------------------------------------------------------------------
+# one RL step, phase by phase (the module docstring's steps; sync_weights, select_samples, recompute_logprobs and
+# logprob_gap are above)
+
+@contextlib.contextmanager
+def timed(times, key):
+    """times[key] = the wall seconds of the with-block."""
+    started = time.perf_counter()
+    yield
+    times[key] = time.perf_counter() - started
+
+
+def roll_out(engine, tool, tokenizer, rows, rollouts, cfg, step, rank, times):
+    """Step 2: this rank's groups of `rollouts` trajectories (every rank passes the same prompts; each problem goes to
+    the rank that claims it, rollout.generate), and times["rollout"], times["tool_busy"] (TimedExecutor)."""
+    started, busy_before = time.perf_counter(), tool.busy_s if tool else 0.0
+    groups = generate(engine, tool, tokenizer, [r["problem"] for r in rows], rollouts, cfg.rollout,
+                      seed=cfg.seed, step=step)
+    engine.sleep()  # GPU: free the KV cache and weights for training (a no-op on CPU)
+    groups = own_groups(groups, len(rows), rank)
+    times["rollout"] = time.perf_counter() - started
+    times["tool_busy"] = (tool.busy_s if tool else 0.0) - busy_before
+    return groups
+
+
+def score_groups(groups, rows):
+    """Step 3: the rewards, per group (reward.score_batch). Each rank grades its own trajectories in its own reward
+    process pool, so grading scales with the ranks (the paper offloads it to the tool service, §3.1)."""
+    flat = [t for g in groups for t in g]
+    flat_rewards = score_batch([t.model_text for t in flat], [rows[t.problem_index]["answer"] for t in flat],
+                               [t.finished for t in flat])
+    rewards, at = [], 0
+    for g in groups:
+        rewards.append(flat_rewards[at:at + len(g)])
+        at += len(g)
+    return rewards
+
+
+def balance_blocks(samples, cfg, traffic):
+    """Step 5: the kept trajectories in mini_batches blocks of whole prompt groups (one per optimizer step), each dealt
+    out across ranks by tokens (greedy, longest first): dynamic claiming leaves ranks unequal work, and the training
+    step waits for its slowest rank."""
+    blocks = [[s for s in samples if s.problem_index * cfg.mini_batches // cfg.prompts_per_step == b]
+              for b in range(cfg.mini_batches)]
+    balanced = [balance_by_tokens(block) for block in blocks]
+    add_traffic(traffic, "balance_received_bytes",
+                sum(moved["received_bytes"] + moved["keys_bytes"] for _, moved in balanced))
+    return [share for share, _ in balanced]
+
+
+def update_policy(model, optimizer, blocks, cfg, step, pad_id, device):
+    """Step 7: one optimizer step (Eq. 6, train_step) per block; (their mean metrics, the number of blocks skipped)."""
+    updates = []
+    for block in blocks:
+        count = torch.tensor([len(block)])
+        dist.all_reduce(count)
+        if count.item() == 0:  # every group of this block was all-equal: nothing to learn (the release skips)
+            continue
+        updates.append(train_step(model, optimizer, block, cfg, step, pad_id, device, cfg.rollout.temperature))
+    # several optimizer steps (mini_batches > 1): their mean, and the tokens of all of them
+    train_metrics = {k: sum(u[k] for u in updates) / len(updates) for k in (updates[0] if updates else {})}
+    if updates:
+        train_metrics["train_tokens"] = sum(u["train_tokens"] for u in updates)
+    return train_metrics, len(blocks) - len(updates)
+
+
+def gather_metrics(local, learner, step, cfg, rank, world_size):
+    """Step 8: the step's metrics on rank 0 ({} elsewhere), from every rank's `local` numbers and the `learner`'s
+    (the same on every rank); a loud warning when the sync guard's gap is past logprob_gap_warn."""
+    gathered = [None] * world_size if rank == 0 else None
+    dist.gather_object(local, gathered, dst=0)
+    if rank != 0:
+        return {}
+    metrics = step_metrics([r for part in gathered for r in part["records"]], sum(p["groups"] for p in gathered))
+    metrics.update(learner)
+    for key in local["times"]:  # wall times: the slowest rank's (the others wait for it at the next collective)
+        metrics[f"time/{key}"] = max(part["times"][key] for part in gathered)
+    for key in local["traffic"]:  # the busiest rank's
+        metrics[f"bytes/{key}"] = max(part["traffic"].get(key, 0) for part in gathered)
+    metrics["rollout_tokens_per_s"] = sum(p["rollout_tokens"] for p in gathered) / max(metrics["time/rollout"], 1e-9)
+    # prompt + response tokens through the trainer (one no-grad pass for old log-probs, one for the update)
+    metrics["train_tokens_per_s"] = (sum(p["trained_tokens"] for p in gathered)
+                                     / max(metrics["time/train"] + metrics["time/old_logprobs"], 1e-9))
+    if metrics["logprob_gap_mean"] > cfg.logprob_gap_warn:
+        print(f"\n{'!' * 100}\nWARNING step {step + 1}: trainer and engine log-probs of the sampled tokens differ by "
+              f"{metrics['logprob_gap_mean']:.4f} on average (max {metrics['logprob_gap_max']:.3f}), above "
+              f"logprob_gap_warn={cfg.logprob_gap_warn}.\nThe engine is not sampling from the policy being trained: "
+              f"check the weight sync (names, dtype), the temperature, and the chat template.\n{'!' * 100}", flush=True)
+    return metrics
+
+
+def evaluate_held_out(engine, model, weight_dtype, executor, tokenizer, rows, cfg):
+    """Held-out accuracy (eval/ metrics and time/eval) through the training engine, synced to the weights just
+    trained, with eval.py's protocol."""
+    sync_weights(engine, model, weight_dtype)  # the engine holds the weights it last sampled with, not the trained ones
+    started = time.perf_counter()
+    eval_rollout = dataclasses.replace(cfg.rollout, temperature=cfg.eval_temperature)
+    eval_cfg = EvalConfig(model=cfg.model, benchmarks=["held_out"], n=cfg.eval_samples, seed=cfg.seed,
+                          rollout=eval_rollout)
+    # The engine samples at its own config's temperature: switch it for the evaluation.
+    train_rollout, engine.cfg = engine.cfg, eval_rollout
+    try:
+        summary = evaluate(cfg.model, {"held_out": rows}, eval_cfg, engine=engine, executor=executor,
+                           tokenizer=tokenizer, out_dir=None)["held_out"]
+    finally:
+        engine.cfg = train_rollout
+    keys = ("pass@1", "tool_calls_per_trajectory", "tool_error_rate", "tool_error_rate_in_correct", "answer_rate",
+            "response_tokens")
+    metrics = {f"eval/{k}": summary[k] for k in keys if summary.get(k) is not None}
+    metrics["time/eval"] = time.perf_counter() - started
+    return metrics
+
+
+# -----------------------------------------------------------------------------
+# the run: train (one RL step after another), filter_solved (mode=filter)
+
+def train(cfg):
+    """The RL run; returns the last step's metrics (rank 0; {} elsewhere)."""
+    model_path, problems, eval_rows = check_inputs(cfg)
+    rank, world_size, _, device = init_distributed()
+    out_dir = resolve(cfg.out_dir)
+    if rank == 0:
+        save_config(cfg, out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    problems = drop_long_prompts(problems, tokenizer, cfg.rollout, cfg.train_data)
+    eval_rows = drop_long_prompts(eval_rows, tokenizer, cfg.rollout, cfg.eval_data) if eval_rows else []
+    ckpt_root = out_dir / "checkpoints"
+    model, optimizer, state = restore(cfg, ckpt_root, device, rank)
     if rank == 0:
         print(epoch_plan(cfg, len(problems), state["step"])[1], flush=True)
     logger = MetricsLogger(out_dir, enabled=rank == 0, wandb_project=cfg.wandb_project, tensorboard=cfg.tensorboard,
                            config=dataclasses.asdict(cfg), resume_step=state["step"])
-
     engine = Engine(model_path, cfg.rollout, seed=cfg.seed)
     executor = Executor(workers=cfg.rollout.tool_workers or None, timeout_s=cfg.rollout.tool_timeout_s,
                         memory_mb=cfg.rollout.tool_memory_mb) if cfg.rollout.use_tool else None
@@ -802,145 +874,57 @@ def train(cfg):
     weight_dtype = getattr(torch, cfg.rollout.dtype) if cfg.rollout.dtype in ("float32", "bfloat16", "float16") else torch.float32
     rollouts = rollouts_per_prompt(cfg.group_size, cfg.algorithm)  # 2G for RoC, G for plain GRPO
 
-    def timed_sync(traffic=None):
-        # step 1, also before the first step of a fresh run (the engine read the same weights from disk): one code
-        # path, and the guard then checks it from step 1.
-        started = time.perf_counter()
-        sync_weights(engine, model, weight_dtype, traffic)
-        return time.perf_counter() - started
-
-    def run_eval(metrics):
-        timed_sync()  # the engine must hold the weights just trained, not the ones it last sampled with
-        started = time.perf_counter()
-        metrics.update(evaluate_held_out(engine, tool, tokenizer, eval_rows, cfg))
-        metrics["time/eval"] = time.perf_counter() - started
-
     metrics = {}
     if state["step"] == 0 and eval_rows and cfg.eval_at_start:  # the "before" row of the demo's table
-        run_eval(metrics)
+        metrics = evaluate_held_out(engine, model, weight_dtype, tool, tokenizer, eval_rows, cfg)
         logger.log(0, metrics)
     progress = tqdm(total=cfg.steps, initial=state["step"], desc="rl", disable=rank != 0, dynamic_ncols=True)
     for step in range(state["step"], cfg.steps):
-        traffic = {}  # bytes this rank moved: the weight sync's all-gathers, the balance
-        times = {"weight_update": timed_sync(traffic)}
-
-        # step 2: rollouts. Every rank passes the same prompts; each problem is rolled out by the one rank that
-        # claims it (rollout.generate), so a rank that finishes early takes more.
-        started = time.perf_counter()
+        times, traffic = {}, {}  # this rank's seconds per phase; bytes it moved (the weight sync, the balance)
+        # 1, also before a fresh run's first step (its engine read the same weights): one code path, guarded from step 1
+        with timed(times, "weight_update"):
+            sync_weights(engine, model, weight_dtype, traffic)
         position = state["data_position"]
         rows = [problems[i] for i in prompt_indices(len(problems), cfg.seed, position, cfg.prompts_per_step)]
-        busy_before = tool.busy_s if tool else 0.0
-        groups = generate(engine, tool, tokenizer, [r["problem"] for r in rows], rollouts, cfg.rollout,
-                          seed=cfg.seed, step=step)
-        engine.sleep()  # GPU: free the KV cache and weights for training (a no-op on CPU)
-        groups = own_groups(groups, len(rows), rank)
-        times["rollout"] = time.perf_counter() - started
-        times["tool_busy"] = (tool.busy_s if tool else 0.0) - busy_before
-        rollout_tokens = sum(len(t.response_ids) for g in groups for t in g)
-
-        # step 3: rewards, 0 for a truncated rollout (§4.3.1). Each rank grades its own trajectories in its own
-        # reward process pool, so grading scales with the ranks (the paper offloads it to the tool service, §3.1).
-        started = time.perf_counter()
-        flat = [t for g in groups for t in g]
-        flat_rewards = score_batch([t.model_text for t in flat], [rows[t.problem_index]["answer"] for t in flat],
-                                   [t.finished for t in flat])
-        rewards, at = [], 0
-        for g in groups:
-            rewards.append(flat_rewards[at:at + len(g)])
-            at += len(g)
-        times["reward"] = time.perf_counter() - started
-
-        # step 4-5: selection on the rank that holds each group, then the kept trajectories dealt out by tokens;
-        # each of the mini_batches optimizer steps takes a contiguous block of whole prompt groups
+        groups = roll_out(engine, tool, tokenizer, rows, rollouts, cfg, step, rank, times)
+        with timed(times, "reward"):
+            rewards = score_groups(groups, rows)
         samples, probes, records = select_samples(groups, rewards, cfg, step, position)
-        blocks = [[s for s in samples if s.problem_index * cfg.mini_batches // cfg.prompts_per_step == b]
-                  for b in range(cfg.mini_batches)]
-        # Dynamic claiming leaves ranks with unequal work; the training step waits for its slowest rank, so every
-        # rank gets about the same number of tokens (greedy, longest first).
-        balanced = [balance_by_tokens(block) for block in blocks]
-        blocks = [share for share, _ in balanced]
-        add_traffic(traffic, "balance_received_bytes",
-                    sum(moved["received_bytes"] + moved["keys_bytes"] for _, moved in balanced))
-
-        # step 6: old log-probs by the trainer, and the guard: the engine sampled these tokens with the weights just
-        # synced, so both must agree up to kernel noise. A broken sync (wrong names, stale weights, wrong dtype)
-        # shows here on step 1 instead of as a slow, silent divergence.
-        started = time.perf_counter()
-        threads = cpu_threads(cfg.train_threads if device.type == "cpu" else 0)
+        blocks = balance_blocks(samples, cfg, traffic)
         mine = [s for block in blocks for s in block]
-        recompute_logprobs(model, mine + probes, cfg, pad_id, device, cfg.rollout.temperature)
-        gap_total, gap_count, gap_max = logprob_gap(mine + probes)
-        gap_sums, gap_max = torch.tensor([gap_total, gap_count], dtype=torch.float64), torch.tensor([gap_max])
-        dist.all_reduce(gap_sums)
-        dist.all_reduce(gap_max, op=dist.ReduceOp.MAX)
-        gap_mean = gap_sums[0].item() / max(gap_sums[1].item(), 1)
-        times["old_logprobs"] = time.perf_counter() - started
-
-        # step 7: the update(s)
-        started = time.perf_counter()
-        updates = []
-        for block in blocks:
-            count = torch.tensor([len(block)])
-            dist.all_reduce(count)
-            if count.item() == 0:  # every group of this block was all-equal: nothing to learn (the release skips)
-                continue
-            updates.append(train_step(model, optimizer, block, cfg, step, pad_id, device, cfg.rollout.temperature))
-        # several optimizer steps (mini_batches > 1): their mean, and the tokens of all of them
-        train_metrics = {k: sum(u[k] for u in updates) / len(updates) for k in (updates[0] if updates else {})}
-        if updates:
-            train_metrics["train_tokens"] = sum(u["train_tokens"] for u in updates)
-        skipped = len(blocks) - len(updates)
-        times["train"] = time.perf_counter() - started
-        cpu_threads(threads)
-
-        # step 8: metrics from every rank, then a checkpoint
-        gathered = [None] * world_size if rank == 0 else None
-        trained_tokens = sum(len(s) for s in mine)
-        dist.gather_object((records, len(groups), times, rollout_tokens, trained_tokens, traffic), gathered, dst=0)
-        # What a resume needs besides weights and optimizer: the data position advances by whole steps, and a rerun
-        # of a step draws the same tokens (sampling seeds from (seed, step, problem, sample), rollout.request_seed).
+        threads = cpu_threads(cfg.train_threads, device)  # steps 6-7 on train_threads, then back to vLLM's
+        with timed(times, "old_logprobs"):
+            recompute_logprobs(model, mine + probes, cfg, pad_id, device, cfg.rollout.temperature)
+            gap = logprob_gap(mine + probes)
+        with timed(times, "train"):
+            train_metrics, skipped = update_policy(model, optimizer, blocks, cfg, step, pad_id, device)
+        cpu_threads(threads, device)
+        # 8. What a resume needs besides weights and optimizer: the data position advances by whole steps, and a rerun
+        # of a step draws the same tokens (sampling seeds from (seed, step, problem, sample), rollout.request_seed)
         state = {"step": step + 1, "data_position": position + cfg.prompts_per_step}
-        metrics = {}
-        if rank == 0:
-            all_records = [r for part in gathered for r in part[0]]
-            metrics = step_metrics(all_records, sum(part[1] for part in gathered))
-            metrics.update(train_metrics)
-            metrics.update(logprob_gap_mean=gap_mean, logprob_gap_max=gap_max.item(), skipped_updates=skipped,
-                           data_position=state["data_position"])
-            # wall times: the slowest rank's (the others wait for it at the next collective)
-            for key in times:
-                metrics[f"time/{key}"] = max(part[2][key] for part in gathered)
-            for key in traffic:  # the busiest rank's
-                metrics[f"bytes/{key}"] = max(part[5].get(key, 0) for part in gathered)
-            metrics["rollout_tokens_per_s"] = sum(p[3] for p in gathered) / max(metrics["time/rollout"], 1e-9)
-            # prompt + response tokens through the trainer (one no-grad pass for old log-probs, one for the update)
-            metrics["train_tokens_per_s"] = (sum(p[4] for p in gathered)
-                                             / max(metrics["time/train"] + metrics["time/old_logprobs"], 1e-9))
-            if gap_mean > cfg.logprob_gap_warn:
-                print(f"\n{'!' * 100}\nWARNING step {step + 1}: trainer and engine log-probs of the sampled tokens differ by "
-                      f"{gap_mean:.4f} on average (max {gap_max.item():.3f}), above logprob_gap_warn="
-                      f"{cfg.logprob_gap_warn}.\nThe engine is not sampling from the policy being trained: check the "
-                      f"weight sync (names, dtype), the temperature, and the chat template.\n{'!' * 100}", flush=True)
+        local = dict(records=records, groups=len(groups), times=times, traffic=traffic,
+                     rollout_tokens=sum(len(t.response_ids) for g in groups for t in g),
+                     trained_tokens=sum(map(len, mine)))
+        learner = {**train_metrics, **gap, "skipped_updates": skipped, "data_position": state["data_position"]}
+        metrics = gather_metrics(local, learner, step, cfg, rank, world_size)
         # Saved before the evaluation, so a run killed while evaluating loses no training.
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-            started = time.perf_counter()
-            save_checkpoint(ckpt_root, step + 1, model, optimizer, state, keep=cfg.keep_checkpoints)
-            metrics["time/checkpoint"] = time.perf_counter() - started
+            with timed(metrics, "time/checkpoint"):
+                save_checkpoint(ckpt_root, step + 1, model, optimizer, state, keep=cfg.keep_checkpoints)
         if eval_rows and (step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)):
-            run_eval(metrics)
+            metrics.update(evaluate_held_out(engine, model, weight_dtype, tool, tokenizer, eval_rows, cfg))
         if rank == 0:
             logger.log(step + 1, metrics)
             progress.update(1)
             err_ok = metrics["tool_error_ratio_in_correct"]
             progress.set_postfix(acc=f"{metrics['accuracy']:.3f}", err_ok="-" if err_ok is None else f"{err_ok:.3f}",
-                                 gap=f"{gap_mean:.1e}", tok_s=f"{metrics['rollout_tokens_per_s']:.0f}")
+                                 gap=f"{gap['logprob_gap_mean']:.1e}", tok_s=f"{metrics['rollout_tokens_per_s']:.0f}")
     progress.close()
     logger.close()
-    # The trained policy as a Hugging Face directory: what eval.py, vLLM and the next stage load. bf16 on GPU, the
-    # dtype the engine runs in; the fp32 master weights stay in the DCP checkpoint for resuming.
-    template, schema, _ = load_format(cfg.rollout)
-    save_hf_model(model, tokenizer, model_path, out_dir / f"hf_step_{state['step']}", torch.float32
-                  if device.type == "cpu" else torch.bfloat16, rank, (template, schema), "rl.py")
+    # The trained policy as a Hugging Face directory: what eval.py, vLLM and the next stage load, in the dtype the
+    # engine runs in (bf16 on GPU); the fp32 master weights stay in the DCP checkpoint for resuming.
+    save_hf_model(model, tokenizer, model_path, out_dir / f"hf_step_{state['step']}", compute_dtype(device), rank,
+                  load_format(cfg.rollout)[:2], "rl.py")
     if executor:
         executor.close()
     engine.close()
@@ -950,8 +934,7 @@ def train(cfg):
 def filter_solved(cfg):
     """Stage-3 data (§6.3): sample filter_samples rollouts per problem of filter_source with the current policy and
     keep the problems it does not solve every time (the paper: 42K -> 17.3K with 8 samples). Writes train_data."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    model_path, problems, _ = check_inputs(cfg, world_size)
+    model_path, problems, _ = check_inputs(cfg)
     rank, world_size, _, _ = init_distributed()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     # Too long to roll out means too long to train on: such problems are not written to train_data either.
@@ -966,11 +949,9 @@ def filter_solved(cfg):
         groups = generate(engine, executor, tokenizer, [r["problem"] for r in rows], cfg.filter_samples, cfg.rollout,
                           seed=cfg.seed, step=chunk)
         groups = own_groups(groups, len(rows), rank)  # tensor-parallel ranks must not count a problem twice
-        flat = [t for g in groups for t in g]
-        rewards = score_batch([t.model_text for t in flat], [rows[t.problem_index]["answer"] for t in flat],
-                              [t.finished for t in flat])
-        for t, reward in zip(flat, rewards):
-            solved[start + t.problem_index] = solved.get(start + t.problem_index, 0) + int(reward > 0)
+        for group, rewards in zip(groups, score_groups(groups, rows)):
+            for t, reward in zip(group, rewards):
+                solved[start + t.problem_index] = solved.get(start + t.problem_index, 0) + int(reward > 0)
         if rank == 0:
             print(f"[filter] {min(start + len(rows), len(problems))}/{len(problems)} problems", flush=True)
     parts = [None] * world_size

@@ -23,17 +23,15 @@ What one step does:
        is split across micro-batches and ranks (the per-micro-batch mean is the classic gradient-accumulation bug);
     4. AdamW step, lr warm-up then cosine decay (§4.1: 4% warm-up, cosine, lr 5e-6, 3 epochs).
 
-Tokenization follows the rollout token for token (rollout.py), so SFT teaches the exact sequences RL samples:
-prompt (loss 0) + each assistant turn tokenized alone + <|im_end|> (loss 1) + each tool turn as the template renders
-it (loss 0), with nothing between an assistant's <|im_end|> and the next turn (the release appends the tool turn
-right after it). tests/test_sft.py checks this against rollout.render_prompt / render_tool_turn.
+Tokenization follows the rollout token for token (rollout.py, render_conversation), so SFT teaches the exact
+sequences RL samples: prompt (loss 0) + each assistant turn + <|im_end|> (loss 1) + each tool turn (loss 0).
+tests/test_sft.py checks this against rollout.render_prompt / render_tool_turn.
 
-Training is FSDP2 (`fully_shard` per decoder layer, then the root) from 1 CPU process to N GPUs, bf16 compute with
-fp32 master weights and fp32 gradient reduction on GPU, fp32 on CPU (bf16 is 4x slower on AVX2, cpu-stack.md §2).
-The model is built on the meta device and rank 0's weights are broadcast, so host memory holds one full copy per
-node, not one per rank. Checkpoints (model, optimizer, RNG, step) go through torch.distributed.checkpoint; a killed
-run resumes with `resume=auto` at the same data position. The result is a Hugging Face directory `out_dir/final`
-(safetensors + config + tokenizer) that transformers and vLLM load.
+Training is FSDP2 (`fully_shard` per decoder layer, then the root) from 1 CPU process to N GPUs, fp32 master weights,
+compute in common.compute_dtype (bf16 on GPU, with fp32 gradient reduction). The model is built on the meta device and
+rank 0's weights are broadcast, so host memory holds one full copy per node, not one per rank. Checkpoints (model,
+optimizer, RNG, step) go through torch.distributed.checkpoint; a killed run resumes with `resume=auto` at the same data
+position. The result is a Hugging Face directory `out_dir/final` (safetensors + config + tokenizer).
 
 Paper vs this file: the paper's SFT data (ToolACE, APIGen-MT, Glaive, Magicoder as function calls, Tulu-3, Nemotron
 chat; 222K examples) is not released; bring your own JSONL. Sequence length, prompt masking and packing are not
@@ -41,7 +39,7 @@ stated (method doc §6.1): here the loss is on assistant tokens only and convers
 are dropped (and counted), never truncated, since a cut transcript would teach an unfinished answer.
 AdamW betas/weight decay and grad clip are not stated either: HF Trainer's defaults (0.9, 0.999, 0.0) and clip 1.0.
 
-Bench: python sft.py configs/sft_tiny.yaml mode=bench     (share_prefix vs the padded batch, same run)
+Bench: python -m bench.sft configs/sft_tiny.yaml      (share_prefix vs the padded batch, same run; bench/sft.py)
 Tests: .venv/bin/python -m pytest tests/test_sft.py -q
 """
 import dataclasses
@@ -63,8 +61,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from common import (ConfigError, MetricsLogger, init_distributed, latest_checkpoint, load_checkpoint, load_config,
-                    load_jsonl, resolve, save_checkpoint, save_config, seed_everything)
+from common import (ConfigError, MetricsLogger, compute_dtype, cpu_threads, init_distributed, latest_checkpoint,
+                    load_checkpoint, load_config, load_jsonl, resolve, save_checkpoint, save_config, seed_everything)
 from rollout import DATA_PLACEHOLDER, encode_rendered, write_format
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -78,7 +76,6 @@ END_OF_TURN = "<|im_end|>"
 
 @dataclasses.dataclass
 class SFTConfig:
-    mode: Literal["train", "bench"] = "train"  # bench: time share_prefix against the padded batch, then exit
     model: str = ""                          # HF directory (or hub id) of the base model, with its tokenizer
     data: str = ""                           # chat JSONL (format in the docstring)
     out_dir: str = "runs/sft"                # config.yaml, metrics.jsonl, checkpoints/, final/ (the HF directory)
@@ -413,7 +410,7 @@ def build_model(cfg, model_path, device, rank):
     if cfg.activation_checkpointing:
         # recompute each decoder layer in backward; non-reentrant checkpointing composes with FSDP2's hooks
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    bf16 = cfg.train_dtype == "bfloat16" or (cfg.train_dtype == "auto" and device.type == "cuda")
+    bf16 = compute_dtype(device, cfg.train_dtype) == torch.bfloat16
     # bf16 params in forward/backward, fp32 gradient reduction and fp32 master weights in the optimizer
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     for layer in model.model.layers:
@@ -472,14 +469,47 @@ def save_hf_model(model, tokenizer, model_path, out, save_dtype, rank, prompt_fo
 # -----------------------------------------------------------------------------
 # the training loop
 
+def restore(cfg, ckpt_root, model, optimizer, run_state, rank):
+    """The step this run starts at: 0, or a checkpoint's, with its model, optimizer and RNG loaded. The step alone
+    fixes the data position and the lr, so the checkpoint must come from this very run (run_state)."""
+    checkpoint = None if cfg.resume == "never" else latest_checkpoint(ckpt_root) if cfg.resume == "auto" else resolve(cfg.resume)
+    if checkpoint is None:
+        return 0
+    saved = load_checkpoint(checkpoint, model, optimizer)
+    mismatch = {k: (saved.get(k), v) for k, v in run_state.items() if saved.get(k) != v}
+    if mismatch:
+        raise ConfigError(f"resume from {checkpoint}: the run changed since it was saved (saved, now): {mismatch}; "
+                          "the data order would differ. Use a new out_dir or resume=never")
+    if rank == 0:
+        print(f"resumed from {checkpoint} at step {saved['step']}", flush=True)
+    return saved["step"]
+
+
+def accumulate_gradients(model, examples, lengths, batch, cfg, pad_id, device, rank, world_size):
+    """Steps 2-3 of the docstring: forward and backward over this rank's micro-batches of the global `batch`. Returns
+    (this rank's summed loss, its conversation tokens, the trained tokens of the whole global batch)."""
+    # the denominator of the token mean: every trained token of the global batch (all ranks know the batch)
+    num_loss_tokens = sum(sum(examples[i][1][1:]) for i in batch)
+    loss_sum = torch.zeros((), device=device)
+    num_tokens = 0
+    for indices in rank_micro_batches(batch, lengths, cfg.micro_batch_size, rank, world_size):
+        inputs, labels = micro_batch_inputs([examples[i] for i in indices], pad_id, cfg.share_prefix, device)
+        micro_loss = micro_batch_loss_sum(model, inputs, labels)
+        # FSDP averages gradients over ranks; this rank's sum over the global count is already its share of the
+        # global mean, so scale by world_size to make the reduced gradient exactly d(global token mean)
+        (micro_loss * world_size / num_loss_tokens).backward()
+        loss_sum += micro_loss.detach()
+        num_tokens += sum(lengths[i] for i in indices)  # conversation tokens, shared or not
+    return loss_sum, num_tokens, num_loss_tokens
+
+
 def train(cfg):
     """Run SFT as configured; returns (model, tokenizer) with the trained FSDP model (tests compare it with the
     saved directory)."""
     rank, world_size, _, device = init_distributed()
     accumulation = check_world(cfg, world_size)
     model_path = check_model_dir(cfg.model)
-    if cfg.train_threads and device.type == "cpu":
-        torch.set_num_threads(cfg.train_threads)
+    cpu_threads(cfg.train_threads, device)
     seed_everything(cfg.seed)
     out_dir = resolve(cfg.out_dir)
     if rank == 0:
@@ -503,22 +533,10 @@ def train(cfg):
     model, save_dtype = build_model(cfg, model_path, device, rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay)
-
-    # resume: model, optimizer, RNG and the step; the step alone fixes the data position and the lr
     run_state = {"num_examples": len(examples), "global_batch_size": cfg.global_batch_size, "seed": cfg.seed,
                  "total_steps": total_steps}
     ckpt_root = out_dir / "checkpoints"
-    checkpoint = None if cfg.resume == "never" else latest_checkpoint(ckpt_root) if cfg.resume == "auto" else resolve(cfg.resume)
-    start_step = 0
-    if checkpoint is not None:
-        saved = load_checkpoint(checkpoint, model, optimizer)
-        mismatch = {k: (saved.get(k), v) for k, v in run_state.items() if saved.get(k) != v}
-        if mismatch:
-            raise ConfigError(f"resume from {checkpoint}: the run changed since it was saved (saved, now): {mismatch}; "
-                              "the data order would differ. Use a new out_dir or resume=never")
-        start_step = saved["step"]
-        if rank == 0:
-            print(f"resumed from {checkpoint} at step {start_step}", flush=True)
+    start_step = restore(cfg, ckpt_root, model, optimizer, run_state, rank)
     logger = MetricsLogger(out_dir, enabled=rank == 0, wandb_project=cfg.wandb_project, tensorboard=cfg.tensorboard,
                            config=dataclasses.asdict(cfg), resume_step=start_step)
 
@@ -529,18 +547,8 @@ def train(cfg):
         for group in optimizer.param_groups:
             group["lr"] = lr
         batch = global_batch(len(examples), cfg.global_batch_size, cfg.seed, step)
-        # the denominator of the token mean: every trained token of the global batch (all ranks know the batch)
-        num_loss_tokens = sum(sum(examples[i][1][1:]) for i in batch)
-        loss_sum = torch.zeros((), device=device)
-        num_tokens = 0
-        for indices in rank_micro_batches(batch, lengths, cfg.micro_batch_size, rank, world_size):
-            inputs, labels = micro_batch_inputs([examples[i] for i in indices], pad_id, cfg.share_prefix, device)
-            micro_loss = micro_batch_loss_sum(model, inputs, labels)
-            # FSDP averages gradients over ranks; this rank's sum over the global count is already its share of the
-            # global mean, so scale by world_size to make the reduced gradient exactly d(global token mean)
-            (micro_loss * world_size / num_loss_tokens).backward()
-            loss_sum += micro_loss.detach()
-            num_tokens += sum(lengths[i] for i in indices)  # conversation tokens, shared or not
+        loss_sum, num_tokens, num_loss_tokens = accumulate_gradients(model, examples, lengths, batch, cfg, pad_id,
+                                                                     device, rank, world_size)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         optimizer.step()
@@ -568,51 +576,10 @@ def train(cfg):
     return model, tokenizer
 
 
-def bench(cfg, repeats=3):
-    """`python sft.py configs/sft_tiny.yaml mode=bench`: forward + backward over the first global batch's micro-batches,
-    as padded batches and with the shared prompt encoded once (share_prefix), alternating, in this one run. Prints
-    conversation tokens/s of each, their ratio, and how far apart the two losses are (they should agree)."""
-    rank, world_size, _, device = init_distributed()
-    check_world(cfg, world_size)
-    model_path = check_model_dir(cfg.model)
-    if cfg.train_threads and device.type == "cpu":
-        torch.set_num_threads(cfg.train_threads)
-    seed_everything(cfg.seed)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    examples, _ = load_conversations(cfg, tokenizer)
-    lengths = [len(ids) for ids, _ in examples]
-    model, _ = build_model(cfg, model_path, device, rank)
-    batch = global_batch(len(examples), cfg.global_batch_size, cfg.seed, 0)
-    micro_batches = [[examples[i] for i in indices]
-                     for indices in rank_micro_batches(batch, lengths, cfg.micro_batch_size, rank, world_size)]
-    tokens = sum(len(ids) for micro in micro_batches for ids, _ in micro)
-    seconds, losses = {False: [], True: []}, {False: 0.0, True: 0.0}
-    for repeat in range(repeats + 1):  # the first round warms up and is not timed
-        for share in (False, True):
-            started = time.perf_counter()
-            total = 0.0
-            for micro in micro_batches:
-                loss = micro_batch_loss_sum(model, *micro_batch_inputs(micro, 0, share, device))
-                loss.backward()
-                total += loss.item()
-            model.zero_grad(set_to_none=True)
-            if repeat:
-                seconds[share].append(time.perf_counter() - started)
-            losses[share] = total
-    if rank == 0:
-        base, shared = min(seconds[False]), min(seconds[True])
-        print(f"{len(micro_batches)} micro-batches of {cfg.micro_batch_size}, {tokens} conversation tokens; "
-              f"best of {repeats}, forward + backward:")
-        print(f"  padded batch   {tokens / base:8.0f} tokens/s  ({base:.2f} s)")
-        print(f"  shared prefix  {tokens / shared:8.0f} tokens/s  ({shared:.2f} s)   {base / shared:.2f}x")
-        print(f"  loss: {losses[False]:.4f} vs {losses[True]:.4f} (relative difference "
-              f"{abs(losses[False] - losses[True]) / losses[False]:.1e})")
-
-
 if __name__ == "__main__":
     try:
         config = load_config(SFTConfig, sys.argv[1:])
-        bench(config) if config.mode == "bench" else train(config)
+        train(config)
     except ConfigError as e:
         sys.exit(f"sft.py: {e}")
     dist.destroy_process_group()

@@ -1,7 +1,7 @@
 """Benchmark of the two scale fixes plan.py accounts for, as ratios against a baseline measured in the same run:
 
-    python scale_bench.py                      # both parts, ~1 minute on 2 CPU cores, ~2 GiB
-    python scale_bench.py part=logprobs        # or part=balance
+    python -m bench.scale                      # both parts, ~1 minute on 2 CPU cores, ~2 GiB
+    python -m bench.scale part=logprobs        # or part=balance
 
 1. log-probs: peak bytes of live tensors (plan.PeakMemory) of rl.token_logprobs forward + backward on a Qwen3-shaped
    model with the 151,936-token vocabulary (random weights, one decoder layer), all at once (logprob_chunk_tokens=0,
@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 
 import plan
 import rl
-from common import init_distributed, load_config
+from common import REPO, init_distributed, load_config
 from rollout import assign_by_tokens, balance_by_tokens
 
 
@@ -129,9 +129,10 @@ def bench_balance(cfg):
         print(f"  {world:6d} {new / 2**20:9.2f} {new / share:16.2f} {old / 2**20:19.1f} {old / new:10.1f}")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "balance.json"
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-                        "part=balance_worker", f"out={out}", f"real_per_rank={cfg.real_per_rank}"], check=True,
-                       env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, capture_output=True)
+        # -m from the repo root, as this file is run: the worker imports the top-level plan.py and rl.py
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                        "bench.scale", "part=balance_worker", f"out={out}", f"real_per_rank={cfg.real_per_rank}"],
+                       check=True, cwd=REPO, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, capture_output=True)
         real = json.loads(out.read_text())
     print(f"  measured on 2 ranks (rank 0 holds {2 * cfg.real_per_rank}, rank 1 {cfg.real_per_rank}): balance_by_tokens "
           f"{real['new'] / 2**20:.2f} MiB, all-gather of every trajectory {real['old'] / 2**20:.2f} MiB "
