@@ -10,32 +10,24 @@
     python rl.py configs/stage1.yaml mode=plan                       # memory per rank and phase, bytes per step (plan.py)
 
 Every rank is a trainer and a rollout worker at once (colocated, as verl's hybrid engine): it holds an FSDP2 shard
-of the policy and its own in-process vLLM engine (rollout.py). One RL step is:
+of the policy and its own in-process vLLM engine (rollout.py). One RL step, one function per step in train():
 
     1. weight sync  trainer's full weights -> every engine, in memory (never through disk)
-    2. rollouts     2G trajectories per prompt, multi-turn with the Python tool; prompts are claimed dynamically
-                    across ranks, so a fast rank takes more (paper §3.2)
+    2. rollouts     2G multi-turn trajectories per prompt with the Python tool; a fast rank claims more prompts (§3.2)
     3. rewards      0/1 on the final \\boxed{} answer, 0 if truncated (Eq. 3, §4.3.1; reward.py)
     4. selection    drop all-equal groups, then Resample-on-Correct keeps G of 2G (§2.2.3; grpo_roc.py)
     5. balance      kept trajectories are spread across ranks by token count
-    6. old logp     recomputed by the trainer; compared with the engine's (the sync guard, below)
+    6. old logp     recomputed by the trainer; compared with the engine's (the sync guard: logprob_gap)
     7. update       the clipped token-level loss of Eq. 6, one optimizer step, normalised by the GLOBAL token count
     8. log, checkpoint, evaluate
-train() calls one function per step, in this order: sync_weights, roll_out, score_groups, select_samples,
-balance_blocks, recompute_logprobs + logprob_gap, update_policy (train_step), gather_metrics, save_checkpoint and
-evaluate_held_out.
 
 Paper vs this file:
   - one optimizer step per RL step (the release's ppo_mini_batch_size covers the whole batch); mini_batches=k splits
     it into k steps on the same rollouts, for off-policy ablations.
-  - warm-up: lr ramps linearly to `lr` over `warmup_steps`, starting at lr/warmup_steps, not 0 (verl starts at 0,
-    which wastes step 0); then constant (§6.2).
+  - warm-up: linear over warmup_steps from lr/warmup_steps, not 0 as in verl (wasting step 0), then constant (§6.2).
   - weight decay 0.01 and grad clip 1.0 are verl defaults the paper does not state.
   - rollouts run on vLLM, not SGLang, in every rank's own process (no Ray).
   - algorithm=grpo is the paper's "GRPO with Tool" baseline (Fig. 9): G rollouts per prompt, all kept.
-Guards against silent failure: after every weight sync the trainer's log-probs of the sampled tokens are compared with
-the engine's (mean and max gap logged, a loud warning past logprob_gap_warn), so a broken sync shows on step 1;
-tool-call rate and parse-failure rate are logged every step, so a policy that stops using the tool shows at once.
 
 Tests: .venv/bin/python -m pytest tests/test_rl.py -q   (the invariance test: 1x1, 1x4, torchrun 2x2 micro-batches)
 """
@@ -108,14 +100,11 @@ class RLConfig:
     micro_batch_size: int = 0                # cap on trajectories per forward/backward; 0 = no cap
     train_dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # auto: bf16 compute on GPU, fp32 on CPU
     activation_checkpointing: bool = False
-    logprob_chunk_tokens: int = 1024         # log-probs from the hidden states this many tokens at a time, each
-                                             # chunk recomputed in backward: [chunk, V] logits, never [tokens, V]; 0 = off
+    logprob_chunk_tokens: int = 1024         # output projection this many tokens at a time (token_logprobs); 0 = off
     attn_implementation: str = "sdpa"        # trainer attention (flash_attention_2 on GPU, if installed)
-    train_threads: int = 0                   # CPU only: torch threads for steps 6-7; 0 = vLLM's (1): on 2 loaded
-                                             # cores one thread was 5x faster for vLLM's decoding (OpenMP spin-waits)
-                                             # and 2x faster for training than two
-    # guards
-    logprob_gap_warn: float = 0.05           # warn when the mean |trainer - engine| log-prob gap exceeds this
+    train_threads: int = 0                   # CPU only: torch threads for steps 6-7; 0 = vLLM's (1). On 2 loaded cores
+                                             # 1 thread beat 2: 5x in vLLM decoding (OpenMP spin-waits), 2x in training
+    logprob_gap_warn: float = 0.05           # sync guard: warn above this mean |trainer - engine| log-prob gap
     # checkpoints and logs
     save_every: int = 10
     keep_checkpoints: int = 2
@@ -132,8 +121,7 @@ class RLConfig:
     wandb_project: str = ""
     tensorboard: bool = False
     verbose: bool = False                    # all of vLLM's logging; default: its warnings (VLLM_LOGGING_LEVEL wins)
-    # stage-3 filter (§6.3): `mode=filter` samples filter_samples per problem of filter_source with `model`,
-    # drops the problems solved every time and writes the rest to train_data
+    # stage-3 filter (§6.3, mode=filter): filter_solved
     filter_source: str = ""
     filter_samples: int = 8
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
@@ -179,8 +167,7 @@ class RLConfig:
 
 
 # -----------------------------------------------------------------------------
-# data order: a fresh permutation per epoch from the seed, so a resumed run reads exactly the prompts the
-# uninterrupted run would have read, given only the saved position
+# data order: a fresh permutation per epoch from the seed, so a resumed run reads what the uninterrupted one would
 
 def prompt_indices(num_problems, seed, start, count):
     """Indices of `count` problems starting at absolute position `start` of the endless shuffled stream."""
@@ -196,18 +183,15 @@ def prompt_indices(num_problems, seed, start, count):
 
 
 def lr_at(step, cfg):
-    """Linear warm-up over warmup_steps, then constant (§6.2). Step 0 already gets lr / warmup_steps."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     return cfg.lr
 
 
 # -----------------------------------------------------------------------------
-# policy: an HF causal LM, FSDP2-sharded over all ranks
+# policy: an HF causal LM, FSDP2-sharded over all ranks (a 14B policy never sits whole on every rank)
 
 def load_policy(cfg, device, rank):
-    """The policy as sft.build_model builds it (FSDP2, fp32 master weights, compute in common.compute_dtype; a 14B
-    policy never sits whole on every rank) and its AdamW optimizer."""
     model, _ = build_model(cfg, cfg.model, device, rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay)
@@ -219,15 +203,12 @@ WEIGHT_SYNC_BUCKET_BYTES = 64 << 20
 
 
 def full_weights(model, dtype, traffic=None, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES):
-    """(name, full tensor in `dtype`) for every parameter, for the engine's in-place reload. Collective: every rank
-    walks the parameters in the same order, and every rank's engine receives the whole model (each engine serves all
-    of it, or its tensor-parallel slice of it). Names are the HF checkpoint names (FSDP2 does not rename parameters).
-
-    Each rank casts its own shard to the engine's dtype before the all-gather: gathering the fp32 master weights and
-    casting after moved 56 GB per rank per sync at 14B instead of 28. Consecutive parameters share one all-gather up
-    to bucket_bytes (a layer's norms are a few KB each: a collective per tensor would be all latency); a larger one
-    goes alone. vLLM's reload_weights consumes the pairs lazily, so about one bucket of full tensors is alive at a
-    time, not the whole model. traffic["weight_sync_gathered_bytes"] adds up the all-gathers' output."""
+    """(name, full tensor in `dtype`) for every parameter (HF checkpoint names: FSDP2 does not rename them), for the
+    engine's in-place reload. Collective: every rank walks the parameters in the same order and its engine receives the
+    whole model (or its tensor-parallel slice). Each rank casts its shard to the engine's dtype before the all-gather:
+    gathering the fp32 master weights and casting after moved 56 GB per rank per sync at 14B instead of 28. Consecutive
+    parameters share an all-gather (a layer's norms are a few KB each: a collective per tensor would be all latency);
+    vLLM's reload_weights consumes the pairs lazily, so about one bucket of full tensors is alive at a time."""
     tied = getattr(model.config, "tie_word_embeddings", False)
     for bucket in buckets(model.named_parameters(), dtype.itemsize, bucket_bytes):
         for name, tensor in gather_bucket(bucket, dtype, traffic):
@@ -240,7 +221,6 @@ def full_weights(model, dtype, traffic=None, bucket_bytes=WEIGHT_SYNC_BUCKET_BYT
 
 
 def buckets(named_params, itemsize, bucket_bytes):
-    """Consecutive (name, parameter) pairs in lists of up to bucket_bytes of full tensors; a larger one alone."""
     bucket, size = [], 0
     for name, param in named_params:
         if bucket and size + param.numel() * itemsize > bucket_bytes:
@@ -254,11 +234,9 @@ def buckets(named_params, itemsize, bucket_bytes):
 
 def gather_bucket(named_params, dtype, traffic=None):
     """[(name, full tensor)] for FSDP2-sharded parameters, from one all-gather of their local shards cast to dtype.
-
-    FSDP2 shards dim 0 as torch.chunk does (DTensor's Shard(0)): rank r holds rows [r*c, (r+1)*c) of n, c = ceil(n /
-    world), the last ranks fewer or none. Each shard is padded to c rows, so the gathered [world, segment] buffer holds
-    every parameter's rows in order, padding after row n. Other layouts (a 2-D mesh, plain tensors) gather one at a
-    time, still cast first."""
+    FSDP2 shards dim 0 as torch.chunk does: rank r holds rows [r*c, (r+1)*c) of n, c = ceil(n / world), the last ranks
+    fewer or none. Each shard is padded to c rows, so the gathered [world, segment] buffer holds every parameter's rows
+    in order, padding after row n. Other layouts (a 2-D mesh, plain tensors) gather one at a time."""
     params = [p for _, p in named_params]
     if not all(isinstance(p, DTensor) and p.device_mesh.ndim == 1 and p.placements == (Shard(0),) and p.dim()
                for p in params):
@@ -301,9 +279,8 @@ def add_traffic(traffic, key, count):
 
 def sync_weights(engine, model, dtype, traffic=None):
     """Step 1: the trainer's weights into this rank's (sleeping) engine, in memory, in verl's order
-    (fsdp_workers.rollout_mode): free the training peak's cache, wake the engine's weights only, load the new ones,
-    free the gathered full tensors, and only then wake the KV cache, which takes most of the GPU (waking both first
-    asked for it while the training peak and the gathered tensors still held theirs). train_step freed the gradients."""
+    (fsdp_workers.rollout_mode): the KV cache, which takes most of the GPU, wakes last, once the gathered tensors are
+    freed (waking both first asked for it while the training peak and the gathered tensors still held theirs)."""
     free_cached_memory()
     engine.wake_up(tags=["weights"])
     engine.update_weights(full_weights(model, dtype, traffic))
@@ -316,8 +293,7 @@ def sync_weights(engine, model, dtype, traffic=None):
 
 @dataclasses.dataclass
 class TrainSample:
-    """One selected trajectory as the trainer sees it (the field names match rollout.Trajectory's, so
-    rollout.balance_by_tokens can deal these out across ranks)."""
+    """A selected trajectory for the trainer; field names as rollout.Trajectory's, for rollout.balance_by_tokens."""
     prompt_ids: list[int]
     response_ids: list[int]        # model and tool tokens after the prompt
     loss_mask: list[int]           # per response token: 1 = written by the model, 0 = tool output (never trained)
@@ -332,8 +308,7 @@ class TrainSample:
 
 
 def micro_batches(samples, cfg):
-    """Split this rank's samples into micro-batches under the token and size caps (longest first, so the padding
-    per micro-batch stays small). Only memory depends on this: the loss is normalised by the global token count."""
+    """This rank's samples in micro-batches under the token and size caps, longest first (little padding each)."""
     order = sorted(range(len(samples)), key=lambda i: -len(samples[i]))
     batches, current, longest = [], [], 0
     for i in order:
@@ -341,8 +316,7 @@ def micro_batches(samples, cfg):
         if length > cfg.micro_batch_tokens:
             raise ConfigError(f"a trajectory of {length} tokens does not fit micro_batch_tokens="
                               f"{cfg.micro_batch_tokens}; raise it to at least max_prompt_tokens + max_response_tokens")
-        # padded size if this sample joins: the batch is as long as its longest member
-        grown = max(longest, length) * (len(current) + 1)
+        grown = max(longest, length) * (len(current) + 1)  # padded size if this sample joins
         full = cfg.micro_batch_size and len(current) >= cfg.micro_batch_size
         if current and (grown > cfg.micro_batch_tokens or full):
             batches.append(current)
@@ -371,8 +345,7 @@ def collate(batch, pad_id, device):
         return torch.full((1, 2), pad_id, device=device), zeros, zeros.bool(), zeros[:, 0]
     length = max(len(s) for s in batch)
     input_ids = torch.full((len(batch), length), pad_id, dtype=torch.long)
-    # mask is 0 on the prompt, on tool output (loss_mask 0: the model did not write it, so it is never trained,
-    # as the release's response_mask) and on padding
+    # mask: 0 on the prompt, on padding and on tool output (loss_mask 0, never trained, as the release's response_mask)
     mask = torch.zeros(len(batch), length - 1)
     old = torch.zeros(len(batch), length - 1)
     for row, s in enumerate(batch):
@@ -388,13 +361,11 @@ def collate(batch, pad_id, device):
 def token_logprobs(model, input_ids, temperature, chunk_tokens=0):
     """log pi(token t+1 | tokens <= t) for every position at the sampling temperature: softmax(logits / T) is the
     policy that sampled and what the engine reports ("processed" log-probs, rollout.Engine), so ratio and guard agree.
-
     Memory: the logits are [tokens, V], V = 151,936 for Qwen3, and their fp32 log-softmax is what backward would
     keep: 12.4 GB at a 20,480-token micro-batch, plus the bf16 logits and their gradients. With chunk_tokens > 0 the
-    model stops at its last hidden states and the output projection runs chunk_tokens tokens at a time, each chunk
-    recomputed in backward (torch.utils.checkpoint): at most one chunk's [chunk, V] logits exist at once, the maths
-    unchanged (tests/test_rl.py checks values and gradients). chunk_tokens=0: the model's own logits, one row at a
-    time (without gradients that alone avoids [B, T, V] in fp32)."""
+    output projection runs on the last hidden states chunk_tokens at a time, each chunk recomputed in backward: at
+    most one [chunk, V] logits exists at once, the maths unchanged (tests/test_rl.py checks values and gradients).
+    chunk_tokens=0: the model's own logits, one row at a time (without gradients, enough to avoid [B, T, V] in fp32)."""
     targets = input_ids[:, 1:]
     if not chunk_tokens:
         logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1]
@@ -422,11 +393,9 @@ def projected_logprobs(head, hidden, targets, temperature):
 
 
 def last_hidden_states(model, input_ids):
-    """The decoder's final (normed) hidden states, [B, T, hidden], and no logits.
-
-    Through the whole model's forward, not its decoder's alone: under FSDP2 the root module's forward is what
-    gathers the embedding and the output projection (the root is not resharded after forward, so the projection
-    stays gathered for the chunks and for backward). logits_to_keep = no position makes the model compute none."""
+    """The decoder's final (normed) hidden states, [B, T, hidden], and no logits (logits_to_keep = no position). Via the
+    whole model's forward, not the decoder's alone: under FSDP2 the root's forward gathers the embedding and the output
+    projection, which stays gathered for the chunks and backward (the root is not resharded after forward)."""
     captured = []
     hook = model.get_decoder().register_forward_hook(lambda module, args, out: captured.append(out.last_hidden_state))
     no_position = torch.zeros(0, dtype=torch.long, device=input_ids.device)
@@ -439,10 +408,8 @@ def last_hidden_states(model, input_ids):
 
 @torch.no_grad()
 def recompute_logprobs(model, samples, cfg, pad_id, device, temperature):
-    """Fill each sample's old_logprobs with the trainer's log-probs under the current weights (step 6).
-
-    The loss uses these, not the engine's: the ratio of Eq. 6 must start at exactly 1 for the policy being
-    trained, whatever numeric differences the engine has (bf16 kernels, other attention code)."""
+    """Step 6: the trainer's old_logprobs under the current weights. The loss uses these, not the engine's, so the ratio
+    of Eq. 6 starts at exactly 1 whatever the engine's numerics (bf16 kernels, other attention code)."""
     for batch in equalize_micro_batches(micro_batches(samples, cfg)):
         input_ids, *_ = collate(batch, pad_id, device)
         logp = token_logprobs(model, input_ids, temperature, cfg.logprob_chunk_tokens).cpu()
@@ -468,14 +435,11 @@ def logprob_gap(samples):
 
 
 def train_step(model, optimizer, samples, cfg, step, pad_id, device, temperature=1.0):
-    """One optimizer step on this rank's `samples` (old_logprobs filled); every rank calls it together.
-
-    The loss is Eq. 6: a sum over every model-written token of the GLOBAL batch (all micro-batches, all ranks),
-    divided by that global count. Each micro-batch's loss is its own token sum over (global count / world size);
-    FSDP averages gradients over ranks, which restores the division by the global count. So the gradient is the
-    same however the batch is split, which is what the invariance test checks. (A per-micro-batch mean instead
-    weighs a token of a short micro-batch more than one of a long one: the bug other frameworks shipped.)
-    """
+    """One optimizer step on this rank's `samples` (old_logprobs filled); every rank calls it together. Eq. 6's loss
+    is a sum over every model-written token of the GLOBAL batch (all micro-batches, all ranks) over that count: each
+    micro-batch's token sum is divided by (global count / world size) and FSDP's mean over ranks restores the rest, so
+    the gradient is the same however the batch is split (the invariance test). A per-micro-batch mean would weigh a
+    token of a short micro-batch more than one of a long one: the bug other frameworks shipped."""
     world_size = dist.get_world_size()
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, cfg)
@@ -521,13 +485,11 @@ def train_step(model, optimizer, samples, cfg, step, pad_id, device, temperature
 # from rollouts to a training batch: group filter + Resample-on-Correct + advantages (step 4), the step's metrics
 
 def select_samples(groups, rewards, cfg, step, position):
-    """Step 4: this rank's groups -> (TrainSamples to train on, probes, one summary record per sampled trajectory).
-
-    Groups are complete on the rank that generated them, so selection needs no communication. Each group's RoC
-    draw has its own seed from (seed, step, the problem's position in the data stream), one stream per problem, not
-    per rank: the same on a rerun, whichever rank claimed the problem (that depends on timing, §3.2). A dropped
-    (all-equal) group still gives one probe: a trajectory that is not trained on but whose log-probs the sync guard
-    checks, so the guard never goes blind, even on a step where every group is dropped."""
+    """Step 4: this rank's groups -> (samples to train on, probes, a record per sampled trajectory). Groups are complete
+    on the rank that generated them, so selection needs no communication. Each group's RoC draw is seeded from (seed,
+    step, the problem's position in the stream), one stream per problem, not per rank: the same on a rerun, whichever
+    rank claimed the problem (timing decides, §3.2). A dropped (all-equal) group still gives one probe, never trained on
+    but checked by the sync guard, so the guard never goes blind, even if all groups are dropped."""
     kept_groups, _ = filter_groups(rewards, enabled=cfg.filter_all_equal)
     samples, probes, records = [], [], []
     for g, (group, group_rewards) in enumerate(zip(groups, rewards)):
@@ -551,7 +513,6 @@ def select_samples(groups, rewards, cfg, step, position):
             probes.append(TrainSample(t.prompt_ids, t.response_ids, t.loss_mask, 0.0, engine_logprobs=t.logprobs,
                                       problem_index=t.problem_index, sample_index=t.sample_index))
         all_equal = max(group_rewards) == min(group_rewards)
-        # One small dict per sampled trajectory (kept or not): rank 0 gathers them for the step's metrics.
         for i, (t, reward, penalty) in enumerate(zip(group, group_rewards, penalties)):
             records.append(dict(
                 reward=reward, selected=i in kept, all_equal=all_equal, penalty=penalty,
@@ -595,9 +556,7 @@ def step_metrics(records, num_groups):
         "roc_penalty_positives": mean("penalty", positives),
         "roc_penalty_kept_positives": mean("penalty", kept_positives),
         "response_tokens": mean("response_tokens"), "response_tokens_max": max((r["response_tokens"] for r in records), default=0),
-        "model_tokens": mean("model_tokens"),
-        "turns": mean("turns"),
-        "truncation_ratio": mean("truncated"),
+        "model_tokens": mean("model_tokens"), "turns": mean("turns"), "truncation_ratio": mean("truncated"),
     }
     out.update({f"tool_errors/{kind}": count for kind, count in sorted(by_kind.items())})
     return out
@@ -624,9 +583,8 @@ class TimedExecutor:
 # the run: inputs, rollout ownership, checkpoints
 
 def own_groups(groups, num_problems, rank):
-    """Keep the groups this rank owns: the ranks of a tensor-parallel group share one engine and may each return its
-    groups, so every problem goes to the lowest rank that has it. A problem no rank has is a loud error, not a
-    silently smaller batch."""
+    """The groups this rank owns: tensor-parallel ranks share one engine and may each return its groups, so every
+    problem goes to the lowest rank that has it. A problem no rank has is a loud error, not a silently smaller batch."""
     claimed = [None] * dist.get_world_size()
     dist.all_gather_object(claimed, [g[0].problem_index for g in groups])
     owner = {}
@@ -672,11 +630,8 @@ def drop_long_prompts(rows, tokenizer, rollout_cfg, name):
 
 
 def start_checkpoint(cfg, ckpt_root):
-    """(the checkpoint this run starts from or None, whether only its weights are taken).
-
-    resume=auto takes the newest checkpoint of this run's own out_dir; with none yet, init_from's: stage 2 continues
-    stage 1 in its own out_dir (everything restored), stage 3 takes stage 2's weights alone (init_optimizer=false).
-    Once a run has saved, its own checkpoints win, so a restart resumes it rather than starting it over."""
+    """(the checkpoint this run starts from or None, whether only its weights are taken). init_from counts only while
+    this run has no checkpoint of its own, so a restart resumes the run rather than starting it over."""
     checkpoint = (None if cfg.resume == "never" else latest_checkpoint(ckpt_root) if cfg.resume == "auto"
                   else resolve(cfg.resume))
     initial = checkpoint is None and cfg.resume == "auto" and bool(cfg.init_from)
@@ -735,20 +690,17 @@ def restore(cfg, ckpt_root, device, rank):
 
 
 # -----------------------------------------------------------------------------
-# one RL step, phase by phase (the module docstring's steps; sync_weights, select_samples, recompute_logprobs and
-# logprob_gap are above)
+# one RL step, phase by phase (the module docstring's steps; steps 1, 4 and 6 are above)
 
 @contextlib.contextmanager
 def timed(times, key):
-    """times[key] = the wall seconds of the with-block."""
     started = time.perf_counter()
     yield
     times[key] = time.perf_counter() - started
 
 
 def roll_out(engine, tool, tokenizer, rows, rollouts, cfg, step, rank, times):
-    """Step 2: this rank's groups of `rollouts` trajectories (every rank passes the same prompts; each problem goes to
-    the rank that claims it, rollout.generate), and times["rollout"], times["tool_busy"] (TimedExecutor)."""
+    """Step 2: this rank's groups of `rollouts` trajectories (rollout.generate); times["rollout"] and ["tool_busy"]."""
     started, busy_before = time.perf_counter(), tool.busy_s if tool else 0.0
     groups = generate(engine, tool, tokenizer, [r["problem"] for r in rows], rollouts, cfg.rollout,
                       seed=cfg.seed, step=step)
@@ -774,8 +726,7 @@ def score_groups(groups, rows):
 
 def balance_blocks(samples, cfg, traffic):
     """Step 5: the kept trajectories in mini_batches blocks of whole prompt groups (one per optimizer step), each dealt
-    out across ranks by tokens (greedy, longest first): dynamic claiming leaves ranks unequal work, and the training
-    step waits for its slowest rank."""
+    out across ranks by tokens (rollout.balance_by_tokens): the training step waits for its slowest rank."""
     blocks = [[s for s in samples if s.problem_index * cfg.mini_batches // cfg.prompts_per_step == b]
               for b in range(cfg.mini_batches)]
     balanced = [balance_by_tokens(block) for block in blocks]
@@ -793,7 +744,6 @@ def update_policy(model, optimizer, blocks, cfg, step, pad_id, device):
         if count.item() == 0:  # every group of this block was all-equal: nothing to learn (the release skips)
             continue
         updates.append(train_step(model, optimizer, block, cfg, step, pad_id, device, cfg.rollout.temperature))
-    # several optimizer steps (mini_batches > 1): their mean, and the tokens of all of them
     train_metrics = {k: sum(u[k] for u in updates) / len(updates) for k in (updates[0] if updates else {})}
     if updates:
         train_metrics["train_tokens"] = sum(u["train_tokens"] for u in updates)
@@ -826,15 +776,13 @@ def gather_metrics(local, learner, step, cfg, rank, world_size):
 
 
 def evaluate_held_out(engine, model, weight_dtype, executor, tokenizer, rows, cfg):
-    """Held-out accuracy (eval/ metrics and time/eval) through the training engine, synced to the weights just
-    trained, with eval.py's protocol."""
+    """Held-out accuracy (eval/ metrics and time/eval) through the training engine, with eval.py's protocol."""
     sync_weights(engine, model, weight_dtype)  # the engine holds the weights it last sampled with, not the trained ones
     started = time.perf_counter()
     eval_rollout = dataclasses.replace(cfg.rollout, temperature=cfg.eval_temperature)
     eval_cfg = EvalConfig(model=cfg.model, benchmarks=["held_out"], n=cfg.eval_samples, seed=cfg.seed,
                           rollout=eval_rollout)
-    # The engine samples at its own config's temperature: switch it for the evaluation.
-    train_rollout, engine.cfg = engine.cfg, eval_rollout
+    train_rollout, engine.cfg = engine.cfg, eval_rollout  # the engine samples at its own config's temperature
     try:
         summary = evaluate(cfg.model, {"held_out": rows}, eval_cfg, engine=engine, executor=executor,
                            tokenizer=tokenizer, out_dir=None)["held_out"]
@@ -942,8 +890,7 @@ def filter_solved(cfg):
     engine = Engine(model_path, cfg.rollout, seed=cfg.seed)
     executor = Executor(workers=cfg.rollout.tool_workers or None, timeout_s=cfg.rollout.tool_timeout_s,
                         memory_mb=cfg.rollout.tool_memory_mb) if cfg.rollout.use_tool else None
-    # One pass in chunks of prompts_per_step problems; every rank claims from the shared counter as in training.
-    solved = {}
+    solved = {}  # one pass in chunks of prompts_per_step; every rank claims from the shared counter, as in training
     for chunk, start in enumerate(range(0, len(problems), cfg.prompts_per_step)):
         rows = problems[start:start + cfg.prompts_per_step]
         groups = generate(engine, executor, tokenizer, [r["problem"] for r in rows], cfg.filter_samples, cfg.rollout,

@@ -5,7 +5,7 @@
     torchrun --nnodes=N --node_rank=$NODE_RANK --nproc_per_node=8 --master_addr=$MASTER_ADDR \\
         --master_port=29500 sft.py configs/sft.yaml data=PATH.jsonl                                 # N nodes
 
-Data: chat JSONL, one conversation per line,
+Data: chat JSONL, one conversation per line, tokenized exactly as a rollout produces it (render_conversation):
     {"messages": [{"role": "user", "content": PROBLEM}, {"role": "assistant", "content": TURN_1},
                   {"role": "tool", "content": TOOL_TEXT}, {"role": "assistant", "content": TURN_2}], "tools": [...]}
 roles system/user/assistant/tool; an assistant `content` is exactly what the model writes after the template's
@@ -14,24 +14,17 @@ generation prompt (for the rStar2 template: after `<|im_start|>assistant\\n<reas
 
 What one step does:
     1. a global batch of `global_batch_size` conversations (the paper's batch, 128), in a per-epoch shuffle;
-    2. sorted by length and cut into micro-batches of similar length (length bucketing: little padding), dealt
-       round-robin to the ranks, `global_batch_size / (world_size * micro_batch_size)` accumulation steps each;
-       a micro-batch whose conversations share a long prompt is packed into one row with that prompt once
-       (share_prefix: same loss and gradients, ~2x faster on the tiny demo, where the prompt is 70% of the tokens);
+    2. sorted by length into micro-batches (length bucketing: little padding), dealt round-robin to the ranks,
+       `global_batch_size / (world_size * micro_batch_size)` accumulation steps each; share_prefix packs a
+       micro-batch whose conversations share a long prompt into one row with that prompt once (collate_shared_prefix);
     3. loss = cross-entropy on the tokens the model writes (assistant turns and their <|im_end|>), summed, divided
        by the number of such tokens in the WHOLE global batch, so every token weighs the same however the batch
        is split across micro-batches and ranks (the per-micro-batch mean is the classic gradient-accumulation bug);
     4. AdamW step, lr warm-up then cosine decay (§4.1: 4% warm-up, cosine, lr 5e-6, 3 epochs).
 
-Tokenization follows the rollout token for token (rollout.py, render_conversation), so SFT teaches the exact
-sequences RL samples: prompt (loss 0) + each assistant turn + <|im_end|> (loss 1) + each tool turn (loss 0).
-tests/test_sft.py checks this against rollout.render_prompt / render_tool_turn.
-
-Training is FSDP2 (`fully_shard` per decoder layer, then the root) from 1 CPU process to N GPUs, fp32 master weights,
-compute in common.compute_dtype (bf16 on GPU, with fp32 gradient reduction). The model is built on the meta device and
-rank 0's weights are broadcast, so host memory holds one full copy per node, not one per rank. Checkpoints (model,
-optimizer, RNG, step) go through torch.distributed.checkpoint; a killed run resumes with `resume=auto` at the same data
-position. The result is a Hugging Face directory `out_dir/final` (safetensors + config + tokenizer).
+Training is FSDP2 from 1 CPU process to N GPUs, fp32 master weights, bf16 compute on GPU (build_model). Checkpoints
+(model, optimizer, RNG, step) go through torch.distributed.checkpoint; a killed run resumes with `resume=auto` at the
+same data position. The result is a Hugging Face directory `out_dir/final` (safetensors + config + tokenizer).
 
 Paper vs this file: the paper's SFT data (ToolACE, APIGen-MT, Glaive, Magicoder as function calls, Tulu-3, Nemotron
 chat; 222K examples) is not released; bring your own JSONL. Sequence length, prompt masking and packing are not
@@ -152,7 +145,7 @@ def check_world(cfg, world_size):
 
 
 # -----------------------------------------------------------------------------
-# data: chat JSONL -> token ids + loss mask, tokenized the way the rollout builds a trajectory
+# data: chat JSONL -> token ids + loss mask, as the rollout builds a trajectory, so SFT teaches what RL samples
 
 def check_conversation(row, where):
     """Raise ConfigError naming the row and message if `row` is not a conversation sft.py can train on."""
@@ -189,8 +182,7 @@ def render_conversation(tokenizer, messages, tools, chat_template, where="conver
     Each context is the template's own rendering cut at the previous end (so any chat template works), minus the
     text the template puts after <|im_end|> (a "\\n"): a rollout stops at <|im_end|> and appends the next turn at
     once. Segments are tokenized separately, as the engine returns sampled tokens and the loop appends tool turns.
-    Tool messages are data, as in rollout.render_tool_turn: a "<|im_end|>" that a tool printed stays text (loss 0).
-    """
+    Tool messages are data, as in rollout.render_tool_turn: a "<|im_end|>" that a tool printed stays text (loss 0)."""
     # The template renders placeholders for the tool contents, so its own text can be told from the tool's.
     tool_texts = [m["content"] for m in messages if m["role"] == "tool"]
     shown = [{**m, "content": DATA_PLACEHOLDER} if m["role"] == "tool" else m for m in messages]
@@ -236,10 +228,9 @@ def render_conversation(tokenizer, messages, tools, chat_template, where="conver
 
 
 def read_template(path):
-    """The Jinja text of chat_template. "chatml" is Qwen-style ChatML with tools (configs/templates/chatml.jinja,
-    the tiny tokenizer's own): the rStar2 prompt's turn structure without its math-answer instructions, for
-    general SFT data. Qwen3's own template rewrites assistant turns (<think> handling), which render_conversation
-    refuses."""
+    """The Jinja text of chat_template. "chatml" is Qwen-style ChatML with tools (configs/templates/chatml.jinja, the
+    tiny tokenizer's own): the rStar2 prompt's turn structure without its math-answer instructions, for general SFT
+    data. Qwen3's own template rewrites assistant turns (<think> handling), which render_conversation refuses."""
     if path == "chatml":
         path = "configs/templates/chatml.jinja"
     return resolve(path).read_text() if path else None
@@ -397,12 +388,11 @@ def check_model_dir(path):
 
 
 def build_model(cfg, model_path, device, rank):
-    """The FSDP2-wrapped policy in fp32 (the master weights), with the checkpoint's weights.
-
-    Every rank builds the module on the meta device (no memory), shards it, and allocates only its shard; rank 0
-    alone reads the checkpoint and broadcasts it tensor by tensor. Buffers that are not in the state dict (RoPE's
-    inv_freq) are copied from rank 0's loaded model too, since to_empty leaves them uninitialised.
-    """
+    """The FSDP2-wrapped policy in fp32 (the master weights), with the checkpoint's weights. Every rank builds the
+    module on the meta device (no memory), shards it and allocates only its shard; rank 0 alone reads the checkpoint
+    and broadcasts it tensor by tensor, so host memory holds one full copy per node, not one per rank. Buffers that
+    are not in the state dict (RoPE's inv_freq) are copied from rank 0's loaded model too, since to_empty leaves them
+    uninitialised."""
     config = AutoConfig.from_pretrained(model_path)
     save_dtype = getattr(config, "dtype", None) or torch.float32
     with torch.device("meta"):
@@ -442,10 +432,9 @@ def lr_at(step, total_steps, cfg):
 
 
 def save_hf_model(model, tokenizer, model_path, out, save_dtype, rank, prompt_format, written_by):
-    """Gather the full weights on rank 0 and write a Hugging Face directory atomically: into out.tmp, then a rename,
-    so a crash never leaves a half-written model where rl.py or vLLM would load it. prompt_format = (chat template
-    text, tool schema), the format the model was trained in, goes beside config.json (rollout.write_format): eval.py
-    reads it to evaluate the model in its own format."""
+    """Gather the full weights on rank 0 and write a Hugging Face directory atomically (by a rename), so a crash never
+    leaves a half-written model where rl.py or vLLM would load it. prompt_format, the (chat template text, tool schema)
+    the model was trained in, goes beside config.json (rollout.write_format): eval.py evaluates the model in it."""
     full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         out = Path(out)
@@ -488,8 +477,7 @@ def restore(cfg, ckpt_root, model, optimizer, run_state, rank):
 def accumulate_gradients(model, examples, lengths, batch, cfg, pad_id, device, rank, world_size):
     """Steps 2-3 of the docstring: forward and backward over this rank's micro-batches of the global `batch`. Returns
     (this rank's summed loss, its conversation tokens, the trained tokens of the whole global batch)."""
-    # the denominator of the token mean: every trained token of the global batch (all ranks know the batch)
-    num_loss_tokens = sum(sum(examples[i][1][1:]) for i in batch)
+    num_loss_tokens = sum(sum(examples[i][1][1:]) for i in batch)  # the token mean's denominator; every rank knows it
     loss_sum = torch.zeros((), device=device)
     num_tokens = 0
     for indices in rank_micro_batches(batch, lengths, cfg.micro_batch_size, rank, world_size):
@@ -504,8 +492,7 @@ def accumulate_gradients(model, examples, lengths, batch, cfg, pad_id, device, r
 
 
 def train(cfg):
-    """Run SFT as configured; returns (model, tokenizer) with the trained FSDP model (tests compare it with the
-    saved directory)."""
+    """Run SFT as configured; returns (model, tokenizer), the trained FSDP model for tests to compare with final/."""
     rank, world_size, _, device = init_distributed()
     accumulation = check_world(cfg, world_size)
     model_path = check_model_dir(cfg.model)
