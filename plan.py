@@ -1,8 +1,10 @@
-"""Will this RL config fit? The memory of every phase of one rl.py step, per rank, and the bytes it moves, from the
-model's config.json alone (no weights are loaded, nothing is allocated).
+"""Will this RL config fit, and how long will a step take? The memory of every phase of one rl.py step, per rank,
+the bytes it moves, and an estimate of its seconds, from the model's config.json alone (no weights are loaded,
+nothing is allocated).
 
     python rl.py configs/stage1.yaml mode=plan                          # the config's world size
     python rl.py configs/stage1.yaml mode=plan world_size=16            # another GPU count
+    python rl.py configs/stage1.yaml mode=plan plan_mfu=0.3 plan_decode_tok_s=25   # other time assumptions
     python rl.py configs/qwen3_1p7b_1gpu.yaml mode=plan plan_model_config=path/to/config.json
     python -m bench.scale                                               # chunked vs unchunked log-probs; balance bytes
 
@@ -20,10 +22,13 @@ The plan is arithmetic on the model's shapes, written to follow what rl.py does 
             length at once (rollout.Engine.max_concurrency);
   bytes     what each rank must receive (the logical volume; ring collectives send about as much): the weight sync
             gathers bf16 shards, FSDP gathers layers and reduce-scatters fp32 gradients per micro-batch, and the
-            balance gathers (length, owner, index) and moves only the trajectories that change rank.
+            balance gathers (length, owner, index) and moves only the trajectories that change rank;
+  time      each term a formula of the config and of stated assumptions (PlanAssumptions, printed with the
+            estimate): decode from K and a per-sequence decode rate, training FLOPs at an MFU, bytes over links.
 The CPU check (tests/test_plan.py) runs the real code in 1 and 2 processes and compares these numbers with what it
 measures: tensor bytes, the peak of torch's FSDPMemTracker and the bytes seen in every c10d collective (CommMeter
 below). GPU terms that a CPU cannot show (CUDA context, vLLM's profile run, CUDA graphs) are estimates, named as such.
+The time's FLOP counts are checked against torch's FlopCounterMode; its rates are assumptions, printed as such.
 """
 import dataclasses
 import json
@@ -39,7 +44,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common import REPO, ConfigError
+from common import REPO, ConfigError, load_config
+from grpo_roc import rollouts_per_prompt
 
 GiB = 2**30
 # Memory as the driver reports it (torch.cuda.mem_get_info's total), not the marketing number.
@@ -268,20 +274,29 @@ def bytes_moved(m, cfg, world, c=2):
     per_micro = max(1, cfg.micro_batch_tokens // r.context_len)          # full-length trajectories per micro-batch
     micro_batches = math.ceil(kept_per_rank / per_micro) * 1              # per optimizer pass, worst case
     everything = padded_numel(m.tensors(), world)
-    layers = everything - padded_numel(m.root_tensors(), world)
+    fsdp = fsdp_bytes_per_micro_batch(m, world, c)
     trajectory = pickled_trajectory_bytes(r.max_prompt_tokens, r.max_response_tokens, m.vocab)
     return dict(
         weight_sync=int(engine_c * everything * share), weight_sync_fp32=int(4 * everything * share),
-        old_logprobs=int(micro_batches * c * everything * share),         # forward only: one all-gather per unit
-        # forward all-gathers every unit, backward re-gathers the layers (resharded after forward), then the fp32
-        # gradients are reduce-scattered
-        train=int(micro_batches * (c * everything + c * layers + 4 * everything) * share),
+        old_logprobs=micro_batches * fsdp["forward_all_gather"],          # forward only: one all-gather per unit
+        train=micro_batches * sum(fsdp.values()),
         micro_batches=micro_batches,
         balance_meta=balance_received(world, kept_per_rank, [], m.vocab),
         balance_payload_max=balance_received(world, kept_per_rank, [(r.max_prompt_tokens, r.max_response_tokens)]
                                              * kept_per_rank, m.vocab) - balance_received(world, kept_per_rank, [], m.vocab),
         balance_all_gather=int(trajectory * (kept_total - kept_total / world)),   # before the fix: every trajectory
         trajectory_pickled=trajectory, kept_per_rank=kept_per_rank)
+
+
+def fsdp_bytes_per_micro_batch(m, world, c=2, reduce_c=4):
+    """What one rank receives from FSDP2 in one micro-batch's forward and backward: forward all-gathers every unit in
+    compute dtype, backward re-gathers the decoder layers (resharded after forward; the root is not), then the
+    gradients are reduce-scattered in reduce_c bytes (MixedPrecisionPolicy's reduce_dtype: fp32 in sft.build_model)."""
+    share = (world - 1) / world
+    everything = padded_numel(m.tensors(), world)
+    layers = everything - padded_numel(m.root_tensors(), world)
+    return dict(forward_all_gather=int(c * everything * share), backward_all_gather=int(c * layers * share),
+                reduce_scatter=int(reduce_c * everything * share))
 
 
 # -----------------------------------------------------------------------------
@@ -399,10 +414,194 @@ def format_plan(cfg, m, world, config_path, gpus=GPUS):
     return "\n".join(lines)
 
 
-def print_plan(cfg, world):
-    """rl.py mode=plan."""
+def print_plan(cfg, world, plan_args=()):
+    """rl.py mode=plan [plan_mfu=0.3 ...]: a step's memory and bytes, then its time under the stated assumptions."""
+    assumptions = load_assumptions(cfg, plan_args)
     path = resolve_model_config(cfg)
-    print(format_plan(cfg, ModelShape.from_config(path), world, path.relative_to(REPO) if path.is_relative_to(REPO) else path))
+    shape = ModelShape.from_config(path)
+    print(format_plan(cfg, shape, world, path.relative_to(REPO) if path.is_relative_to(REPO) else path))
+    print(format_step_time(cfg, shape, world, assumptions))
+
+
+# -----------------------------------------------------------------------------
+# the time of a step: each term one formula of the config and of stated assumptions, none of them measured
+
+# Dense bf16 matmul peak per GPU (data sheets, without sparsity; the H200 is the H100's chip with more, faster memory)
+PEAK_BF16_FLOPS = {"H100-80GB": 989e12, "H200": 989e12, "MI300X": 1307e12}
+# HBM bandwidth per GPU (data sheets): the roofline of decoding, printed beside plan_decode_tok_s to judge it by
+HBM_BYTES_PER_S = {"H100-80GB": 3.35e12, "H200": 4.8e12, "MI300X": 5.3e12}
+
+
+@dataclasses.dataclass
+class PlanAssumptions:
+    """What mode=plan's time estimate assumes, each overridable on rl.py's command line (`plan_mfu=0.3`). They live
+    here, not in rl.RLConfig, so the config a run saves holds the method alone. Stated, not measured: replace each
+    with a measurement of the target machine when there is one (gpu_check.py, nccl-tests)."""
+    # decode tokens/s of ONE sequence while K share a GPU (its rate is K times this): 53-71% of the HBM roofline
+    # printed for stage 1's K on these GPUs (weights + K KV caches read per token)
+    plan_decode_tok_s: float = 40.0
+    # share of the GPU's dense bf16 peak the trainer's matmuls reach, recomputed forwards counted as work
+    plan_mfu: float = 0.35
+    # GB/s per GPU per direction within a node: NVLink 4 on H100/H200 (900 GB/s both ways); MI300X's Infinity Fabric
+    # is 7 links x 64 GB/s = 448
+    plan_nvlink_gb_s: float = 450.0
+    plan_network_gb_s: float = 50.0    # GB/s per GPU between nodes: one 400 Gb/s NIC per GPU (nominal)
+    plan_gpus_per_node: int = 8
+    plan_prompt_tokens: int = 0        # mean prompt tokens per trajectory; 0 = rollout.max_prompt_tokens (worst case)
+    plan_response_tokens: int = 0      # mean response tokens; 0 = rollout.max_response_tokens (worst case)
+    plan_start_step: int = 0           # the step this run starts from (stage 2 continues stage 1's: 300)
+
+    def validate(self):
+        for name in ("plan_decode_tok_s", "plan_nvlink_gb_s", "plan_network_gb_s", "plan_gpus_per_node"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be > 0")
+        if not 0 < self.plan_mfu <= 1:
+            raise ConfigError(f"plan_mfu={self.plan_mfu}: must be in (0, 1], a share of the GPU's peak")
+        for name in ("plan_prompt_tokens", "plan_response_tokens", "plan_start_step"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0 (0 = the config's own)")
+
+
+def split_plan_args(argv, config_class):
+    """rl.py's command line -> (its own arguments, mode=plan's assumptions): a plan_* key that config_class does not
+    have (plan_model_config it has) is an assumption, parsed by load_assumptions, whose errors name the key."""
+    own = {f.name for f in dataclasses.fields(config_class)}
+
+    def is_assumption(arg):
+        key = arg.split("=", 1)[0]
+        return "=" in arg and key.startswith("plan_") and key not in own
+
+    return [a for a in argv if not is_assumption(a)], [a for a in argv if is_assumption(a)]
+
+
+def load_assumptions(cfg, plan_args):
+    if plan_args and cfg.mode != "plan":
+        raise ConfigError(f"{plan_args[0]}: an assumption of mode=plan's time estimate; add mode=plan")
+    a = load_config(PlanAssumptions, list(plan_args))
+    if a.plan_start_step >= cfg.steps:
+        raise ConfigError(f"plan_start_step={a.plan_start_step}: must be below steps={cfg.steps}")
+    return a
+
+
+def link_seconds(received, world, a):
+    """Seconds to receive `received` bytes of a collective over `world` ranks: the part from the node's own GPUs over
+    NVLink, the rest over the network, one after the other (a ring is bound by its slowest hop: about the same)."""
+    if world == 1:
+        return 0.0
+    intra = received * (min(a.plan_gpus_per_node, world) - 1) / (world - 1)
+    return intra / (a.plan_nvlink_gb_s * 1e9) + (received - intra) / (a.plan_network_gb_s * 1e9)
+
+
+def step_time(cfg, m, world, a, gpus=GPUS):
+    """Seconds of each term of one step on each GPU in `gpus` (a name of PEAK_BF16_FLOPS), and what they rest on.
+
+    rollout decode  n rollouts per rank of R response tokens, K at once (the KV budget, as rollout.admission sizes
+                    it), each at plan_decode_tok_s; never less than the longest response alone (the last to finish);
+    training        FLOPs / (GPU peak x plan_mfu): 2 N T for the old log-probs (forward only), 6 N T for the update,
+                    2 N' T for what backward recomputes (the decoder layers but their down projections under
+                    activation checkpointing, the lm_head under chunked log-probs); N = parameters that multiply (all
+                    but the input embedding), T = tokens trained per rank;
+    FSDP            per micro-batch, forward all-gathers in both passes, backward's re-gathers and the reduce-scatters
+                    (fsdp_bytes_per_micro_batch), over link_seconds; FSDP2 prefetches the next layer while one
+                    computes, so the training phase takes the longer of compute and FSDP when they overlap;
+    weight sync     the bf16 shards every rank gathers (bytes_moved), over link_seconds."""
+    r = cfg.rollout
+    prompt, response = a.plan_prompt_tokens or r.max_prompt_tokens, a.plan_response_tokens or r.max_response_tokens
+    rollouts = math.ceil(cfg.prompts_per_step * rollouts_per_prompt(cfg.group_size, cfg.algorithm) / world)
+    kept = math.ceil(cfg.prompts_per_step * cfg.group_size / world)
+    micro_batches = math.ceil(kept / max(1, cfg.micro_batch_tokens // (prompt + response)))
+    tokens = kept * (prompt + response)
+    head = m.vocab * m.hidden
+    multiply = m.numel() - (0 if m.tied else head)          # an embedding lookup multiplies nothing
+    # torch's non-reentrant checkpoint stops recomputing once backward has what it saved (early_stop, torch/utils/
+    # checkpoint.py): a layer is rerun up to the down projection's input, so that matmul is not
+    rerun_layers = m.layers * (m.numel(m.layer_tensors()) - m.hidden * m.intermediate)
+    recomputed = (rerun_layers if cfg.activation_checkpointing else 0) + (head if cfg.logprob_chunk_tokens else 0)
+    flops = dict(old_logprobs=2 * multiply * tokens, update=6 * multiply * tokens, recompute=2 * recomputed * tokens)
+    fsdp = fsdp_bytes_per_micro_batch(m, world)
+    all_gather = micro_batches * (2 * fsdp["forward_all_gather"] + fsdp["backward_all_gather"])
+    fsdp_s = dict(all_gather=link_seconds(all_gather, world, a),
+                  reduce_scatter=link_seconds(micro_batches * fsdp["reduce_scatter"], world, a))
+    sync_bytes = bytes_moved(m, cfg, world)["weight_sync"]
+    out = dict(prompt=prompt, response=response, rollouts=rollouts, kept=kept, micro_batches=micro_batches,
+               tokens=tokens, multiply=multiply, recomputed=recomputed, flops=flops, all_gather_bytes=all_gather,
+               reduce_scatter_bytes=micro_batches * fsdp["reduce_scatter"], fsdp_s=fsdp_s,
+               sync_bytes=sync_bytes, sync_s=link_seconds(sync_bytes, world, a), gpus={})
+    for name, gpu_bytes in gpus.items():
+        engine = engine_memory(m, r, gpu_bytes)
+        # K as rollout.py admits trajectories: at the full budget, or at the mean length (rollout.admission)
+        k = engine["K"] if r.admission == "budget" else max_concurrency(engine["kv_cache"], m, prompt + response)
+        running = min(k, rollouts, r.max_concurrency or k)
+        kv_read = running * kv_bytes_per_token(m, r.tensor_parallel_size) * (prompt + response / 2)
+        t = dict(K=k, decode_tok_s_gpu=running * a.plan_decode_tok_s,
+                 roofline_tok_s=HBM_BYTES_PER_S[name] / (engine["weights"] + kv_read),
+                 decode=(max(rollouts * response / running, r.max_response_tokens) / a.plan_decode_tok_s
+                         if running else math.inf),
+                 **{term: f / (PEAK_BF16_FLOPS[name] * a.plan_mfu) for term, f in flops.items()})
+        t["compute"] = t["old_logprobs"] + t["update"] + t["recompute"]
+        t["step"] = t["decode"] + max(t["compute"], sum(fsdp_s.values())) + out["sync_s"]
+        t["step_no_overlap"] = t["decode"] + t["compute"] + sum(fsdp_s.values()) + out["sync_s"]
+        out["gpus"][name] = t
+    return out
+
+
+def format_step_time(cfg, m, world, a, gpus=GPUS):
+    s = step_time(cfg, m, world, a, gpus)
+    names, cols = list(s["gpus"]), list(s["gpus"].values())
+
+    def row(label, value, fmt="12.0f"):  # value: a function of one GPU's terms, or one number for every GPU
+        return f"  {label:58s}" + "".join(f"{value(t) if callable(value) else value:{fmt}}" for t in cols)
+
+    notes = {"plan_decode_tok_s": "decode tokens/s of one sequence while K share a GPU (assumed: a measured rate "
+                                  "of this model at K on the GPU replaces it; gpu_check.py's check 4 measures one)",
+             "plan_mfu": "share of the GPU's dense bf16 peak the trainer reaches, recompute counted (assumed)",
+             "plan_nvlink_gb_s": "GB/s per GPU per direction within a node (NVLink 4; MI300X's Infinity Fabric 448)",
+             "plan_network_gb_s": "GB/s per GPU between nodes: one 400 Gb/s NIC each (nominal; nccl-tests gives less)",
+             "plan_gpus_per_node": f"{world} ranks = {math.ceil(world / a.plan_gpus_per_node)} node(s)",
+             "plan_prompt_tokens": f"mean prompt tokens; 0 = max_prompt_tokens, the worst case (now {s['prompt']})",
+             "plan_response_tokens": f"mean response tokens; 0 = max_response_tokens, the worst case "
+                                     f"(now {s['response']})",
+             "plan_start_step": "the step this run starts from (continued from init_from: that checkpoint's step)"}
+    fsdp = s["fsdp_s"]
+    steps = cfg.steps - a.plan_start_step
+    lines = ["seconds per step (estimates from stated assumptions, none measured; override any as key=value):"]
+    lines += [f"  {f.name + '=' + str(getattr(a, f.name)):28s}{notes[f.name]}" for f in dataclasses.fields(a)]
+    lines += [f"  per rank: n = {s['rollouts']} rollouts of R = {s['response']} response tokens; T = {s['kept']} kept x "
+              f"{s['prompt'] + s['response']} tokens = {s['tokens'] / 1e6:.2f}M trained in {s['micro_batches']} "
+              f"micro-batches; N = {s['multiply'] / 1e9:.2f}B parameters that multiply (all but the input "
+              f"embedding), N' = {s['recomputed'] / 1e9:.2f}B of them recomputed in backward",
+              f"  {'':58s}" + "".join(f"{name:>12s}" for name in names),
+              f"  {'GPU peak, dense bf16 TFLOPs (data sheets)':58s}"
+              + "".join(f"{PEAK_BF16_FLOPS[name] / 1e12:12.0f}" for name in names),
+              row("decode tokens/s per GPU: min(K, n) x plan_decode_tok_s", lambda t: t["decode_tok_s_gpu"]),
+              row("  HBM roofline tokens/s per sequence at that K", lambda t: t["roofline_tok_s"]),
+              row("rollout decode: n R / (min(K, n) x plan_decode_tok_s)", lambda t: t["decode"]),
+              row("old log-probs: 2 N T / (GPU peak x plan_mfu)", lambda t: t["old_logprobs"]),
+              row("update: 6 N T / (GPU peak x plan_mfu)", lambda t: t["update"]),
+              row("recompute in backward: 2 N' T / (GPU peak x plan_mfu)", lambda t: t["recompute"]),
+              row(f"FSDP all-gathers, bf16 ({s['all_gather_bytes'] / 2**40:.2f} TiB)", fsdp["all_gather"]),
+              row(f"FSDP reduce-scatters, fp32 ({s['reduce_scatter_bytes'] / 2**40:.2f} TiB)",
+                  fsdp["reduce_scatter"]),
+              row(f"weight sync ({s['sync_bytes'] / GiB:.2f} GiB of bf16 shards)", s["sync_s"], "12.1f"),
+              row("step: decode + max(training compute, FSDP) + sync", lambda t: t["step"]),
+              row("  minutes", lambda t: t["step"] / 60, "12.1f"),
+              row("  minutes if FSDP does not overlap compute", lambda t: t["step_no_overlap"] / 60, "12.1f"),
+              row(f"stage: {steps} steps ({a.plan_start_step} -> {cfg.steps}), days",
+                  lambda t: steps * t["step"] / 86400, "12.2f"),
+              f"  what would cut the FSDP seconds ({sum(fsdp.values()):.0f} now):",
+              row("  reduce-scatter in bf16 (reduce_dtype, sft.build_model)",
+                  fsdp["all_gather"] + fsdp["reduce_scatter"] / 2)]
+    for factor in (2, 4):  # every FSDP collective runs once per micro-batch: fewer, larger ones cut them all
+        bigger = dataclasses.replace(cfg, micro_batch_tokens=factor * cfg.micro_batch_tokens)
+        t = step_time(bigger, m, world, a, gpus)
+        peaks = [plan(bigger, m, world, size)["phases"]["training"] for size in gpus.values()]
+        lines.append(row(f"  micro_batch_tokens={bigger.micro_batch_tokens} ({t['micro_batches']} micro-batches)",
+                         sum(t["fsdp_s"].values())))
+        lines.append(f"  {'    its training phase, GiB per GPU':58s}" + "".join(
+            f"{peak / GiB:9.2f} {'ok' if peak <= size else 'NO'}" for peak, size in zip(peaks, gpus.values())))
+    lines.append("Not counted: prefill (a prompt's 2G samples share its prefix cache), the tool calls' wall time, "
+                 "engine sleep/wake, the optimizer step, checkpoints, evaluation, waiting for the slowest rank.")
+    return "\n".join(lines)
 
 
 # -----------------------------------------------------------------------------

@@ -7,7 +7,7 @@
         --master_addr=$MASTER_ADDR --master_port=29500 rl.py configs/stage1.yaml   # the paper's 64 GPUs
     (the same for configs/stage2.yaml, which continues stage 1; then stage 3:)
     python rl.py configs/stage3.yaml mode=filter                     # stage-3 data: drop problems solved 8/8
-    python rl.py configs/stage1.yaml mode=plan                       # memory per rank and phase, bytes per step (plan.py)
+    python rl.py configs/stage1.yaml mode=plan                       # memory, bytes, time of a step per rank (plan.py)
 
 Every rank is a trainer and a rollout worker at once (colocated, as verl's hybrid engine): it holds an FSDP2 shard
 of the policy and its own in-process vLLM engine (rollout.py). One RL step, one function per step in train():
@@ -56,7 +56,7 @@ from common import (ConfigError, MetricsLogger, atomic_write_text, compute_dtype
 from eval import EvalConfig, evaluate
 from executor import Executor
 from grpo_roc import filter_groups, group_advantages, policy_loss, roc_penalty, rollouts_per_prompt, select_group
-from plan import print_plan
+from plan import print_plan, split_plan_args
 from reward import score_batch
 from rollout import (Engine, RolloutConfig, balance_by_tokens, configure_vllm_logging, generate, load_format,
                      render_prompt)
@@ -71,7 +71,7 @@ class RLConfig:
     model: str = ""                          # HF directory (or hub id) of the SFT policy, with its tokenizer
     train_data: str = "data/train_int_mix.jsonl"
     out_dir: str = "out/rl"
-    mode: Literal["train", "filter", "plan"] = "train"   # plan: memory and bytes per rank and phase (plan.py)
+    mode: Literal["train", "filter", "plan"] = "train"   # plan: memory, bytes and time of a step (plan.py)
     plan_model_config: str = ""              # mode=plan: the model's config.json when `model` is not on disk yet
     seed: int = 0
     world_size: int = 0                      # ranks this config was written for; 0 = any. Checked against torchrun's
@@ -467,8 +467,7 @@ def train_step(model, optimizer, samples, cfg, step, pad_id, device, temperature
     if hasattr(grad_norm, "full_tensor"):
         grad_norm = grad_norm.full_tensor()
     optimizer.step()
-    # Freed now, not at the next step's start: a 14B shard's gradients would otherwise stay allocated through the
-    # weight sync and the rollout, where the engine needs the memory (verl frees them here too).
+    # Freed now, not next step: else the gradients hold memory the engine needs in sync and rollout (as verl does)
     optimizer.zero_grad(set_to_none=True)
     # Every summed metric was divided by the per-rank share of the tokens, so the rank mean is the global value.
     keys = sorted(sums)
@@ -920,10 +919,11 @@ def filter_solved(cfg):
 
 if __name__ == "__main__":
     try:
-        config = load_config(RLConfig, sys.argv[1:])
+        argv, plan_args = split_plan_args(sys.argv[1:], RLConfig)  # plan_mfu=...: plan.py's, not the method's
+        config = load_config(RLConfig, argv)
         configure_vllm_logging(config.verbose)
-        if config.mode == "plan":  # no process group, no model: the config's own world size (or torchrun's)
-            print_plan(config, config.world_size or int(os.environ.get("WORLD_SIZE", "1")))
+        if config.mode == "plan" or plan_args:  # no process group, no model: the config's own world size (or torchrun's)
+            print_plan(config, config.world_size or int(os.environ.get("WORLD_SIZE", "1")), plan_args)
         else:
             (filter_solved if config.mode == "filter" else train)(config)
     except ConfigError as e:

@@ -5,6 +5,7 @@ and collectives (plan.PeakMemory, plan.CommMeter), never from the process's RSS.
 
 Run: .venv/bin/python -m pytest tests/test_plan.py -q
 """
+import dataclasses
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 import plan
@@ -160,14 +162,135 @@ def test_engine_concurrency_formula_matches_vllm(tiny_model_dir):
 
 
 def test_plan_of_stage1_on_64_gpus():
-    proc = subprocess.run([PYTHON, "rl.py", "configs/stage1.yaml", "mode=plan"], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run([PYTHON, "rl.py", "configs/stage1.yaml", "mode=plan", "plan_mfu=0.7"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "14.77B parameters" in out and "on 64 ranks" in out
     for gpu in plan.GPUS:
         assert f"{gpu}: fits" in out
     assert "phase: training" in out and "K: full-length" in out
+    # the time estimate: every assumption printed with its value (the override's), then each term and the totals
+    time_block = out[out.index("seconds per step"):]
+    for field in dataclasses.fields(plan.PlanAssumptions):
+        value = 0.7 if field.name == "plan_mfu" else field.default
+        assert f"  {field.name}={value} " in time_block, field.name
+    for term in ("rollout decode:", "old log-probs:", "update:", "recompute in backward:", "FSDP all-gathers",
+                 "FSDP reduce-scatters", "weight sync", "step:", "stage: 300 steps", "reduce-scatter in bf16",
+                 "micro_batch_tokens=40960"):
+        assert term in time_block, term
+
+
+def stage1(*overrides):
+    """configs/stage1.yaml and the Qwen3-14B shapes, the plan's assumptions parsed from `overrides` as rl.py does."""
+    argv, plan_args = plan.split_plan_args(["configs/stage1.yaml", "mode=plan", *overrides], rl.RLConfig)
+    cfg = load_config(rl.RLConfig, argv)
+    shape = plan.ModelShape.from_config(REPO / "configs/models/Qwen3-14B-Base.json")
+    return cfg, shape, plan.load_assumptions(cfg, plan_args)
+
+
+def test_step_time_terms_follow_their_formulas():
+    cfg, shape, a = stage1()
+    base = plan.step_time(cfg, shape, 64, a)
+    twice = lambda **kw: plan.step_time(cfg, shape, 64, dataclasses.replace(a, **kw))  # noqa: E731
+    faster_gpu, faster_links, faster_decode = twice(plan_mfu=2 * a.plan_mfu), twice(
+        plan_nvlink_gb_s=2 * a.plan_nvlink_gb_s, plan_network_gb_s=2 * a.plan_network_gb_s), twice(
+        plan_decode_tok_s=2 * a.plan_decode_tok_s)
+    for gpu, t in base["gpus"].items():
+        # training = FLOPs / (peak x MFU): double the MFU, half the time; nothing else moves
+        for term in ("old_logprobs", "update", "recompute", "compute"):
+            assert faster_gpu["gpus"][gpu][term] == pytest.approx(t[term] / 2)
+        assert faster_gpu["gpus"][gpu]["decode"] == t["decode"]
+        # the update is 3 forwards' worth, the old log-probs one; checkpointing recomputes a forward of the layers
+        assert t["update"] == pytest.approx(3 * t["old_logprobs"])
+        # stage 1 recomputes the layers (but their down projections) and the lm_head's chunks: less than a forward
+        assert 0.5 * t["old_logprobs"] < t["recompute"] < t["old_logprobs"]
+        # decode = n R / (K rate): double the rate, half the time (K < n here, so not the one-response floor)
+        assert faster_decode["gpus"][gpu]["decode"] == pytest.approx(t["decode"] / 2)
+        assert t["decode"] == pytest.approx(base["rollouts"] * base["response"] / t["decode_tok_s_gpu"])
+        assert t["step"] == pytest.approx(t["decode"] + max(t["compute"], sum(base["fsdp_s"].values())) + base["sync_s"])
+    # bytes / bandwidth: double both links, half the sync and FSDP seconds
+    assert faster_links["sync_s"] == pytest.approx(base["sync_s"] / 2)
+    for key in ("all_gather", "reduce_scatter"):
+        assert faster_links["fsdp_s"][key] == pytest.approx(base["fsdp_s"][key] / 2)
+    # K is the plan's own (the engine rows above it), more KV cache per GPU gives more tokens/s per GPU
+    k = [t["K"] for t in base["gpus"].values()]
+    assert k == [plan.plan(cfg, shape, 64, size)["engine"]["K"] for size in plan.GPUS.values()] and k == sorted(k)
+    # no checkpointing and no chunked log-probs: nothing recomputed
+    bare = plan.step_time(dataclasses.replace(cfg, activation_checkpointing=False, logprob_chunk_tokens=0), shape, 64, a)
+    assert bare["recomputed"] == 0 and all(t["recompute"] == 0 for t in bare["gpus"].values())
+
+
+def test_fsdp_what_ifs_and_the_link_split():
+    cfg, shape, a = stage1()
+    fp32, bf16 = plan.fsdp_bytes_per_micro_batch(shape, 64), plan.fsdp_bytes_per_micro_batch(shape, 64, reduce_c=2)
+    assert bf16["reduce_scatter"] == pytest.approx(fp32["reduce_scatter"] / 2, rel=1e-9)
+    assert bf16["forward_all_gather"] == fp32["forward_all_gather"]
+    # bytes_moved's update line is the same per-micro-batch volume, micro_batches times
+    moved = plan.bytes_moved(shape, cfg, 64)
+    assert moved["train"] == moved["micro_batches"] * sum(fp32.values())
+    # every FSDP collective runs once per micro-batch: twice the tokens per micro-batch, half of them and half the time
+    base = plan.step_time(cfg, shape, 64, a)
+    bigger = plan.step_time(dataclasses.replace(cfg, micro_batch_tokens=2 * cfg.micro_batch_tokens), shape, 64, a)
+    assert bigger["micro_batches"] * 2 == base["micro_batches"]
+    assert sum(bigger["fsdp_s"].values()) == pytest.approx(sum(base["fsdp_s"].values()) / 2)
+    assert bigger["gpus"]["MI300X"]["compute"] == base["gpus"]["MI300X"]["compute"]   # the same tokens to compute
+    # within one node everything crosses NVLink; over 8 nodes 7 of every 63 peers' bytes do, the rest the network
+    received = 10**12
+    assert plan.link_seconds(received, 8, a) == pytest.approx(received / (a.plan_nvlink_gb_s * 1e9))
+    assert plan.link_seconds(received, 64, a) == pytest.approx(
+        received * 7 / 63 / (a.plan_nvlink_gb_s * 1e9) + received * 56 / 63 / (a.plan_network_gb_s * 1e9))
+    assert plan.link_seconds(received, 1, a) == 0
+    # the printed what-if is those numbers
+    text = plan.format_step_time(cfg, shape, 64, a)
+    line = next(x for x in text.splitlines() if "reduce-scatter in bf16" in x)
+    assert float(line.split()[-1]) == pytest.approx(base["fsdp_s"]["all_gather"] + base["fsdp_s"]["reduce_scatter"] / 2,
+                                                    abs=0.5)
+
+
+def test_plan_assumptions_parse_and_errors_name_the_key():
+    cfg, _, a = stage1("plan_mfu=0.5", "plan_network_gb_s=25", "plan_response_tokens=3000")
+    assert (a.plan_mfu, a.plan_network_gb_s, a.plan_response_tokens) == (0.5, 25.0, 3000)
+    assert cfg.plan_model_config   # plan_model_config is the RL config's own key, not an assumption
+    for bad, match in [("plan_mfuu=0.3", "'plan_mfuu': unknown key .*did you mean 'plan_mfu'"),
+                       ("plan_mfu=abc", "'plan_mfu': expected a float"), ("plan_mfu=1.5", "plan_mfu=1.5"),
+                       ("plan_decode_tok_s=0", "plan_decode_tok_s=0"), ("plan_gpus_per_node=-8", "plan_gpus_per_node"),
+                       ("plan_start_step=300", "plan_start_step=300: must be below steps=300")]:
+        with pytest.raises(ConfigError, match=match):
+            stage1(bad)
+    # an assumption without mode=plan is an error, not silently ignored by a training run
+    argv, plan_args = plan.split_plan_args(["configs/stage1.yaml", "plan_mfu=0.3"], rl.RLConfig)
+    with pytest.raises(ConfigError, match="plan_mfu=0.3: .*add mode=plan"):
+        plan.load_assumptions(load_config(rl.RLConfig, argv), plan_args)
+
+
+def test_training_flops_formula_against_torch_flop_counter():
+    """2 N T for the old log-probs, 6 N T for the update, 2 N' T more for what backward recomputes (each layer up to
+    its down projection under activation checkpointing, the lm_head under chunked log-probs): against torch's
+    FlopCounterMode around rl.token_logprobs on a real Qwen3 model (short rows: attention's T^2 term is small)."""
+    dims = dict(vocab_size=512, hidden_size=96, intermediate_size=320, num_hidden_layers=3, num_attention_heads=6,
+                num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)
+    shape = plan.ModelShape(hidden=96, intermediate=320, layers=3, heads=6, kv_heads=2, head_dim=32, vocab=512,
+                            tied=False)
+    cfg, _, a = stage1()
+    cfg = dataclasses.replace(cfg, micro_batch_tokens=16,
+                              rollout=dataclasses.replace(cfg.rollout, max_prompt_tokens=4, max_response_tokens=12))
+    ids = torch.randint(0, 512, (4, 16))
+    for checkpointing, chunk in [(False, 0), (True, 0), (True, 8)]:
+        t = plan.step_time(dataclasses.replace(cfg, activation_checkpointing=checkpointing, logprob_chunk_tokens=chunk),
+                           shape, 1, a)
+        planned = {k: v / t["tokens"] * ids.numel() for k, v in t["flops"].items()}
+        model = AutoModelForCausalLM.from_config(Qwen3Config(**dims), attn_implementation="sdpa")
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        with torch.no_grad(), FlopCounterMode(display=False) as forward:
+            rl.token_logprobs(model, ids, 1.0, chunk)
+        with FlopCounterMode(display=False) as update:
+            rl.token_logprobs(model, ids, 1.0, chunk).sum().backward()
+        what = f"checkpointing={checkpointing}, logprob_chunk_tokens={chunk}"
+        assert planned["old_logprobs"] == pytest.approx(forward.get_total_flops(), rel=0.03), what
+        assert planned["update"] + planned["recompute"] == pytest.approx(update.get_total_flops(), rel=0.03), what
 
 
 def test_a_plan_that_does_not_fit_says_what_to_change():
