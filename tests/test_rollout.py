@@ -734,7 +734,7 @@ def test_at_most_k_trajectories_are_in_the_engine(engine, executor, tokenizer):
 
 
 class RecordingLLM:
-    """vllm.LLM's sleep and wake_up, recorded: vLLM rejects sleep mode on CPU."""
+    """vllm.LLM's sleep, wake_up and weight reload, recorded: vLLM rejects sleep mode on CPU."""
 
     def __init__(self):
         self.calls = []
@@ -745,19 +745,46 @@ class RecordingLLM:
     def wake_up(self, tags=None):
         self.calls.append(("wake_up", tags))
 
+    def collective_rpc(self, method, kwargs):
+        self.calls.append((method,))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+
+def sleepy_engine(cfg):
+    engine = rollout.Engine.__new__(rollout.Engine)  # no vLLM behind it: only the sleep bookkeeping runs
+    engine.cfg, engine.on_gpu, engine.llm, engine.asleep, engine.weights_discarded = cfg, True, RecordingLLM(), set(), False
+    return engine
+
 
 def test_the_engine_wakes_weights_and_kv_cache_separately_and_each_once():
-    engine = rollout.Engine.__new__(rollout.Engine)  # no vLLM behind it: only the sleep bookkeeping runs
-    engine.cfg, engine.on_gpu, engine.llm, engine.asleep = rollout.RolloutConfig(), True, RecordingLLM(), set()
+    engine = sleepy_engine(rollout.RolloutConfig(sleep_level=1))
     engine.wake_up()  # awake: nothing to do
     engine.sleep()
     engine.wake_up(tags=["weights"])
     engine.wake_up(tags=["weights"])  # already awake
     engine.wake_up(tags=["kv_cache"])
     engine.sleep()
-    engine.wake_up()  # both at once where the caller has nothing to load in between
+    engine.wake_up()  # both at once where the caller has nothing to load in between (level 1 kept the weights)
     assert engine.llm.calls == [("sleep", 1), ("wake_up", ["weights"]), ("wake_up", ["kv_cache"]),
                                 ("sleep", 1), ("wake_up", ["weights", "kv_cache"])]
+
+
+def test_after_a_level_2_sleep_the_kv_cache_wakes_only_after_new_weights():
+    """Level 2 (the default) discards the weights: sampling before update_weights would read uninitialized memory,
+    so the KV cache, without which nothing samples, refuses to wake until then. rl.sync_weights' order passes."""
+    engine = sleepy_engine(rollout.RolloutConfig())
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="sleep_level=2 discarded the weights"):
+        engine.wake_up()
+    engine.wake_up(tags=["weights"])
+    with pytest.raises(RuntimeError, match="update_weights before the KV cache wakes"):
+        engine.wake_up(tags=["kv_cache"])
+    engine.update_weights(iter([]))
+    engine.wake_up(tags=["kv_cache"])
+    assert engine.llm.calls == [("sleep", 2), ("wake_up", ["weights"]), ("reload_weights",), ("reset_prefix_cache",),
+                                ("wake_up", ["kv_cache"])]
 
 
 @pytest.mark.slow
