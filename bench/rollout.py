@@ -8,7 +8,8 @@ counts; then the loop with and without a per-turn barrier at each mean tool late
 rollout.admission rules on an engine whose KV cache is too small for every trajectory at its full budget. Prints
 one table per comparison and the ratios, all measured in the same run. Engine steps, prefill and preemption counts
 come from vLLM and do not depend on machine load; the seconds do. gpu_check.py runs bench() on a GPU.
-Tests: tests/test_rollout.py, tests/test_eval.py and tests/dist_rollout.py use scripted_policy from here.
+Tests: tests/test_rollout.py, tests/test_eval.py and tests/dist_rollout.py use scripted_policy from here;
+tests/test_rollout.py also checks its V2-runner class against the CUDA wheel's source and drives it on CPU.
 """
 import concurrent.futures
 import dataclasses
@@ -306,6 +307,9 @@ def bench(cfg):
                                   (("no barrier", latency), lambda: rollouts(engine, tools, cfg.rollout))):
                     runs.setdefault(mode, []).append(measure(engine, run))
         table = best(runs, [m for m in runs if m[1] is None])
+        # The policy steers every mode (on CUDA through its V2 class): tools off, the tokens must be the scripts'.
+        if table[("plain generate, tools off", None)]["tokens"] != [t[0] for t in list(scripts.values())[len(problems):]]:
+            raise RuntimeError("scripted_policy did not force the scripted tokens; the benchmark is void")
         for latency in cfg.tool_latencies_s:
             table.update(best(runs, [("per-turn barrier", latency), ("no barrier", latency)]))
         block_size = engine.engine.vllm_config.cache_config.block_size
