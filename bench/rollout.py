@@ -77,8 +77,8 @@ def scripted_policy(scripts, call_end_id, v2=None):
     the model's choices are fixed. Pass it as Engine(..., logits_processors=[scripted_policy(scripts, id)]).
     vLLM accepts only a subclass of the interface of the model runner it runs (each loader checks): v2=None picks
     that one (uses_v2_model_runner), so on CUDA the benchmark times the V2 runner that training runs too."""
-    # vLLM inside the two class builders, not at the top: the tests import this module, and their fast tests must
-    # collect without vLLM's ~17 s import; and vLLM reads VLLM_LOGGING_LEVEL when imported, so the benchmark's
+    # vLLM inside the functions, not at the top: the tests import this module, and their fast tests must collect
+    # without vLLM's ~17 s import; and vLLM reads VLLM_LOGGING_LEVEL when imported, so the benchmark's
     # configure_vllm_logging must come first.
 
     # Looked up once per request (its prompt never changes), not once per step: apply() runs every step.
@@ -98,7 +98,9 @@ def scripted_policy(scripts, call_end_id, v2=None):
             logits[list(rows), list(tokens)] = 0.0
         return logits
 
-    return (scripted_policy_v2 if (uses_v2_model_runner() if v2 is None else v2) else scripted_policy_v1)(turn_of, force)
+    if v2 is None:
+        v2 = uses_v2_model_runner()
+    return (scripted_policy_v2 if v2 else scripted_policy_v1)(turn_of, force)
 
 
 def scripted_policy_v1(turn_of, force):
