@@ -6,9 +6,12 @@ Needs requirements-gpu.txt installed and no network (the model is a random Qwen3
 CPU one so the numbers mean something). It checks and times, in this order:
   1. log-prob agreement in bf16: after an optimizer step and update_weights, engine log-probs of fixed tokens vs the
      trainer's (HF, bf16) and vs an fp32 reference of the same weights; bf16 cannot match to 1e-5 like fp32 on CPU,
-     so the numbers are reported and only a gross mismatch (mean |diff| > 0.05) fails;
+     so the numbers are reported and only a gross mismatch (mean |diff| > 0.05) fails; then sampling as the loop
+     asks for it (on CUDA vLLM 0.33 runs its V2 model runner, the CPU tests its V1 one): sampled log-probs at
+     temperature 0.6 vs the trainer's log_softmax(logits / 0.6), and per-request seeds (docs/gpu.md, vLLM source);
   2. the time of one weight update, the whole state dict at once and lazily (one tensor gathered at a time);
-  3. sleep / wake_up: GPU memory freed by sleep, and that generation and log-probs are intact after waking;
+  3. sleep / wake_up at levels 2 and 1: GPU memory freed, host RAM taken, log-probs intact after waking (level 2
+     through the weight reload, as rl.sync_weights does);
   4. throughput: rollout.generate (no tool, n=1) vs vLLM's own LLM.generate on the same prompts and lengths;
   5. the barrier-free loop vs a per-turn barrier with tool calls (bench/rollout.py's scripted trajectories);
   6. the RL cycle with rl.py's own functions: rollout, sleep, old log-probs and a training step at 20,480-token
@@ -20,6 +23,7 @@ check failed. STATUS: written on a CPU-only machine and NOT yet run on any GPU (
 the first run. Without a GPU it exits at once with a message (exit code 1); no CPU test needs it.
 """
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -27,6 +31,7 @@ import time
 import traceback
 from pathlib import Path
 
+import psutil
 import torch
 import vllm
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
@@ -86,10 +91,10 @@ def gpu_memory_used_gib():
     return (total - free) / 2**30
 
 
-def trainer_logprobs(model, prompt_ids, response_ids):
+def trainer_logprobs(model, prompt_ids, response_ids, temperature=1.0):
     ids = torch.tensor([list(prompt_ids) + list(response_ids)], device="cuda")
     with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt_ids) - 1:-1].float()
+        logits = model(ids).logits[0, len(prompt_ids) - 1:-1].float() / temperature
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response_ids, device="cuda")[:, None])[:, 0].cpu()
 
 
@@ -203,6 +208,35 @@ def main(cfg):
     return 1 if failures else 0
 
 
+def sampling(engine, trainer, prompt, results):
+    """What rollout.Engine asks of the model runner that CUDA runs (vLLM 0.33's V2 one; the CPU tests run V1): the
+    sampled tokens' log-probs at temperature 0.6 are the trainer's log_softmax(logits / 0.6) ("processed_logprobs",
+    vllm/v1/worker/gpu/sample/sampler.py), and a request's seed fixes its tokens (sample/states.py, gumbel.py):
+    rerun alone, the same; in a batch of 16, reported (bf16 kernels may differ with the batch); another seed, others."""
+    engine.update_weights(trainer.state_dict().items())
+    ids = itertools.count()
+
+    def sample(seed, others=0):
+        requests = [f"sampling-{next(ids)}" for _ in range(1 + others)]
+        for i, request in enumerate(requests):
+            engine.add(request, prompt, 48, seed + 1000 * i, [], 0.6, 1.0)
+        done = {}
+        while engine.has_unfinished():
+            done.update((request, (tokens, logprobs)) for request, tokens, logprobs in engine.step())
+        return done[requests[0]]
+
+    tokens, logprobs = sample(7)
+    tempered = (torch.tensor(logprobs) - trainer_logprobs(trainer, prompt, tokens, temperature=0.6)).abs()
+    untempered = (torch.tensor(logprobs) - trainer_logprobs(trainer, prompt, tokens)).abs()
+    rerun, batched, other = sample(7)[0], sample(7, others=15)[0], sample(8)[0]
+    results["sampling"] = {"tokens": len(tokens), "vs_trainer_at_0.6_mean": tempered.mean().item(),
+                           "vs_trainer_at_0.6_max": tempered.max().item(), "vs_trainer_at_1.0_mean": untempered.mean().item(),
+                           "same_seed_same_tokens": rerun == tokens, "same_seed_in_batch_of_16_same_tokens": batched == tokens,
+                           "other_seed_other_tokens": other != tokens}
+    if tempered.mean() > 0.05 or rerun != tokens or other == tokens:
+        raise AssertionError(f"sampling: {results['sampling']}")
+
+
 def checks_1_to_5(cfg, out, results, check):
     common.init_distributed()
 
@@ -253,23 +287,35 @@ def checks_1_to_5(cfg, out, results, check):
             raise AssertionError(f"engine vs trainer mean |diff| {bf16.mean():.3g} after update_weights")
 
     check("logprobs_bf16", weights_and_logprobs)
+    check("sampling", lambda: sampling(engine, trainer, prompt, results))
 
-    # 3. sleep / wake_up around a training step
+    # 3. sleep / wake_up around a training step, at level 2 (the default: the weights are discarded, so they are
+    # reloaded between waking the weights and the KV cache, rl.sync_weights' order) and level 1 (kept in host RAM)
     def sleep_wake():
+        engine.update_weights(trainer.state_dict().items())
         reference = engine.score([prompt], [fixed])[0]
-        awake = gpu_memory_used_gib()
-        start = time.perf_counter()
-        engine.sleep()
-        sleep_s, asleep = time.perf_counter() - start, gpu_memory_used_gib()
-        start = time.perf_counter()
-        engine.wake_up()
-        wake_s = time.perf_counter() - start
-        again = engine.score([prompt], [fixed])[0]
-        drift = max(abs(a - b) for a, b in zip(reference, again))
-        results["sleep_wake"] = {"gpu_used_awake_gib": awake, "gpu_used_asleep_gib": asleep, "sleep_s": sleep_s,
-                                 "wake_s": wake_s, "logprob_drift_after_wake": drift}
-        if asleep > awake - 0.5 or drift > 1e-3:
-            raise AssertionError(f"sleep freed {awake - asleep:.2f} GiB, log-prob drift {drift:.3g}")
+        try:
+            for level in (2, 1):
+                engine.cfg = dataclasses.replace(rcfg, sleep_level=level)
+                awake, rss = gpu_memory_used_gib(), psutil.Process().memory_info().rss
+                start = time.perf_counter()
+                engine.sleep()
+                sleep_s, asleep = time.perf_counter() - start, gpu_memory_used_gib()
+                host = (psutil.Process().memory_info().rss - rss) / 2**30
+                start = time.perf_counter()
+                engine.wake_up(tags=["weights"])
+                if level == 2:
+                    engine.update_weights(trainer.state_dict().items())
+                engine.wake_up(tags=["kv_cache"])
+                wake_s = time.perf_counter() - start
+                drift = max(abs(a - b) for a, b in zip(reference, engine.score([prompt], [fixed])[0]))
+                results[f"sleep_wake_level{level}"] = {
+                    "gpu_used_awake_gib": awake, "gpu_used_asleep_gib": asleep, "host_rss_growth_asleep_gib": host,
+                    "sleep_s": sleep_s, "wake_s": wake_s, "logprob_drift_after_wake": drift}
+                if asleep > awake - 0.5 or drift > 1e-3:
+                    raise AssertionError(f"level {level}: sleep freed {awake - asleep:.2f} GiB, log-prob drift {drift:.3g}")
+        finally:
+            engine.cfg = rcfg  # whatever failed, the next checks sample at the config's level
 
     check("sleep_wake", sleep_wake)
 

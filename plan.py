@@ -17,9 +17,9 @@ The plan is arithmetic on the model's shapes, written to follow what rl.py does 
             with activation checkpointing only each layer's input is kept, and one layer is recomputed at a time;
   log-probs the output projection and log-softmax per chunk of `logprob_chunk_tokens` tokens, recomputed in backward
             (rl.py), so the [tokens x vocab] working set is a chunk's, not the micro-batch's;
-  engine    vLLM colocated, asleep (level 1) while training: at wake it takes gpu_memory_utilization of the GPU for
-            weights + its profiled activations + KV cache; K = the trajectories that fit the KV cache at full
-            length at once (rollout.Engine.max_concurrency);
+  engine    vLLM colocated, asleep while training (rollout.sleep_level): at wake it takes gpu_memory_utilization
+            of the GPU for weights + its profiled activations + KV cache; K = the trajectories that fit the KV
+            cache at full length at once (rollout.Engine.max_concurrency);
   bytes     what each rank must receive (the logical volume; ring collectives send about as much): the weight sync
             gathers bf16 shards, FSDP gathers layers and reduce-scatters fp32 gradients per micro-batch, and the
             balance gathers (length, owner, index) and moves only the trajectories that change rank;

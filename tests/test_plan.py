@@ -293,6 +293,15 @@ def test_training_flops_formula_against_torch_flop_counter():
         assert planned["update"] + planned["recompute"] == pytest.approx(update.get_total_flops(), rel=0.03), what
 
 
+def test_host_ram_while_asleep_follows_the_sleep_level():
+    """Level 2 (the default) discards the engine's weights, level 1 copies them (bf16) to host RAM while training."""
+    shape = plan.ModelShape.from_config(REPO / "configs/models/Qwen3-14B-Base.json")
+    for level, host in ((2, 0), (1, 2 * shape.numel())):
+        cfg = load_config(rl.RLConfig, ["configs/stage1.yaml", f"rollout.sleep_level={level}"])
+        assert plan.plan(cfg, shape, 64, plan.GPUS["H200"])["engine"]["host_when_asleep"] == host
+        assert f"host RAM per rank while the engine sleeps (level {level}): {host / 2**30:7.2f} GiB" in \
+            plan.format_plan(cfg, shape, 64, "Qwen3-14B-Base.json")
+
 def test_a_plan_that_does_not_fit_says_what_to_change():
     cfg = load_config(rl.RLConfig, ["configs/stage1.yaml", "activation_checkpointing=false"])
     shape = plan.ModelShape.from_config(REPO / "configs/models/Qwen3-14B-Base.json")

