@@ -620,8 +620,9 @@ class Engine:
     # -- asynchronous use: the rollout loop drives vLLM's own add_request / step
 
     def add(self, request_id, token_ids, max_tokens, seed, stop_token_ids, temperature, top_p):
-        request = (request_id, list(token_ids), dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                                     seed=seed, stop_token_ids=list(stop_token_ids)))
+        sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                        stop_token_ids=list(stop_token_ids))  # SamplingParams(**sampling): tests/test_vllm_api.py reads it
+        request = (request_id, list(token_ids), sampling)
         if self.tp_group is None:
             self._add(*request)
         else:
