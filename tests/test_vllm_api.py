@@ -142,7 +142,7 @@ class Source:
                 values = (values or set()) | {c.value for c in ast.walk(node.slice) if isinstance(c, ast.Constant)}
         for name in annotation_names(annotation):
             hit = self.resolve(module, name)
-            if hit and isinstance(hit[1], ast.Assign) and hit[1] is not None:
+            if hit and isinstance(hit[1], ast.Assign):
                 inner = self.literal_values(hit[0], hit[1].value)
                 if inner is not None:
                     values = (values or set()) | inner
@@ -200,10 +200,11 @@ def signature_text(fn):
 # what our code uses, read from rollout.py and rl.py
 
 class Use:
-    """One use of vLLM: `path` is (module, name, *members); a call has its positional count and keywords."""
+    """One use of vLLM: `path` is (module, name, *members); a call has its number of positional arguments and its
+    keywords, each with the string constants it may take (checked against a Literal annotation)."""
 
-    def __init__(self, path, where, call=None, keywords=(), values=None):
-        self.path, self.where, self.call, self.keywords, self.values = path, where, call, set(keywords), values or {}
+    def __init__(self, path, where, call=None, keywords=None):
+        self.path, self.where, self.call, self.keywords = path, where, call, keywords or {}
 
     @property
     def name(self):
@@ -245,8 +246,8 @@ def overrides_passed_to_engine():
 
 
 def dict_keys(scope, name):
-    """name -> {key: string values} of a dict built in `scope` as name = dict(...), name[k] = ...,
-    name.setdefault(k, ...), name.get(k, ...), name.update(**kw) is not followed (vllm_overrides are separately)."""
+    """{key: string values} of the dict `name` built in `scope` by name = dict(...), name[k] = ..., name.setdefault(k,
+    ...) and name.get(k, ...) (settings.update(vllm_overrides): overrides_passed_to_engine)."""
     keys = {}
     for node in ast.walk(scope):
         if isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == [name] \
@@ -308,8 +309,7 @@ def vllm_uses():
                         keywords.update(keys)
                         if name == "settings":
                             keywords.update({k: set() for k in overrides})
-                use = Use(path, where, call=len(node.args), keywords=keywords, values=keywords)
-                uses.append(use)
+                uses.append(Use(path, where, call=len(node.args), keywords=keywords))
                 if path[-1] == "collective_rpc":  # the worker method it runs, with the kwargs it gets
                     method = node.args[0].value
                     kwargs = next(kw.value for kw in node.keywords if kw.arg == "kwargs")
@@ -399,9 +399,8 @@ def check_function(use, src, module, fn):
                     any(kw.arg is None and ast.unparse(kw.value) == a.kwarg.arg for kw in call.keywords):
                 target = src.resolve(module, call.func.id)
                 if target and isinstance(target[1], ast.ClassDef):
-                    fields = src.fields(*target)
-                    accepted |= set(fields)
-                    problems += literal_problems(use, src, target[0], target[1], fields)
+                    accepted |= set(src.fields(*target))
+                    problems += literal_problems(use, src, *target)
     if use.call > len(positional) and not a.vararg:
         problems.append(f"{use.where}: {use.name} takes {len(positional)} positional arguments, given {use.call}")
     for k in sorted(set(use.keywords) - accepted):
@@ -411,17 +410,18 @@ def check_function(use, src, module, fn):
     problems += [f"{use.where}: {use.name} requires {r!r}, not passed" for r in required if r not in use.keywords]
     for p in a.args + a.kwonlyargs:  # string values against a Literal annotation of the parameter itself
         allowed = src.literal_values(module, p.annotation)
-        for value in sorted(use.values.get(p.arg, ())):
+        for value in sorted(use.keywords.get(p.arg, ())):
             if allowed is not None and value not in allowed:
                 problems.append(f"{use.where}: {use.name}({p.arg}={value!r}): allowed {sorted(allowed)}")
     return problems
 
 
-def literal_problems(use, src, module, cls, fields):
+def literal_problems(use, src, module, cls):
+    """String values passed for fields of a config class (EngineArgs) whose annotation is a Literal."""
     problems = []
     annotations = {n.target.id: n.annotation for _, c in src.bases(module, cls) for n in c.body
                    if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
-    for key, values in sorted(use.values.items()):
+    for key, values in sorted(use.keywords.items()):
         allowed = src.literal_values(module, annotations.get(key))
         problems += [f"{use.where}: {use.name}({key}={v!r}): {cls.name} allows {sorted(allowed)}"
                      for v in sorted(values) if allowed is not None and v not in allowed]
@@ -489,8 +489,8 @@ def test_the_uses_are_read_from_the_code():
         assert expected in names, f"{expected} not found among {sorted(names)}"
     llm = next(u for u in vllm_uses() if u.path == ("vllm", "LLM") and u.call is not None)
     assert {"model", "seed", "distributed_executor_backend", "logprobs_mode", "kv_cache_memory_bytes",
-            "enable_chunked_prefill", "max_num_seqs", "logits_processors", "disable_log_stats"} <= llm.keywords
-    assert llm.values["distributed_executor_backend"] == {"external_launcher", "uni"}
+            "enable_chunked_prefill", "max_num_seqs", "logits_processors", "disable_log_stats"} <= set(llm.keywords)
+    assert llm.keywords["distributed_executor_backend"] == {"external_launcher", "uni"}
 
 
 def test_every_name_in_the_type_table_is_used():
