@@ -65,7 +65,8 @@ def check_colocation(engine, default_group, default_store, tp_size):
     placement = engine.llm.collective_rpc(worker_placement)
     assert placement == [(rank, local_rank, device)], f"rank {rank}: worker (rank, local rank, device) {placement}"
     parallel = engine.engine.vllm_config.parallel_config
-    assert (parallel.distributed_executor_backend, parallel.world_size) == ("external_launcher", tp_size), parallel
+    assert (parallel.distributed_executor_backend, parallel.world_size) == ("external_launcher", tp_size), \
+        f"rank {rank}: vLLM backend {parallel.distributed_executor_backend}, world size {parallel.world_size}"
     assert type(engine.engine.engine_core).__name__ == "InprocClient", type(engine.engine.engine_core)
     return placement[0]
 
