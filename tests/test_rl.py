@@ -117,8 +117,8 @@ def test_the_training_step_frees_the_gradients_it_applied(three_splits):
 # the weight sync: the order of the engine's wake-up, the bytes it gathers
 
 class RecordingEngine:
-    """The two calls rl.sync_weights makes into rollout.Engine, recorded (vLLM cannot sleep on CPU, so the real
-    engine's wake-ups are no-ops there); update_weights consumes the tensors as vLLM's reload_weights does."""
+    """The two calls rl.sync_weights makes into rollout.Engine, recorded beside free_cached_memory's (the real engine
+    in this order: tests/test_rollout.py); update_weights consumes the tensors as vLLM's reload_weights does."""
 
     def __init__(self, calls):
         self.calls = calls
