@@ -43,8 +43,9 @@ def main(argv):
         data = coverage.CoverageData(extra)
         data.read()
         cov.get_data().update(data)
-    measured = {Path(f).name: f for f in cov.get_data().measured_files() if Path(f).name in FILES
-                and Path(f).parent.name != "tests"}
+    files = cov.get_data().measured_files()
+    root = next(Path(f).parent for f in files if Path(f).name == "rl.py" and Path(f).parent.name != "tests")
+    measured = {Path(f).name: f for f in files if Path(f).parent == root and Path(f).name in FILES}
     total = 0
     for name in FILES:
         if name not in measured:
