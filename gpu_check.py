@@ -17,9 +17,9 @@ CPU one so the numbers mean something). It checks and times, in this order:
      numbers for the phase (`python gpu_check.py only_cycle=true` runs this one alone).
 Results: printed as a Markdown block for GPU_CHECK.md and written to out_dir/gpu_check.json, then a one-screen
 verdict (PASS/FAIL per check, a row per RL-cycle phase). Exit code 1 if a check failed. Run under coverage
-(docs/coverage.md), it must execute the method lines no CPU test runs: the CUDA branches of common.init_distributed
-and common.free_cached_memory. STATUS: written on a CPU-only machine and NOT yet run on any GPU (CUDA or ROCm); GPU_CHECK.md records
-the first run. Without a GPU it exits at once with a message (exit code 1); no CPU test needs it.
+(docs/coverage.md), it executes the method lines no CPU test runs: the CUDA branches of common.init_distributed and
+common.free_cached_memory. STATUS: written on a CPU-only machine and NOT yet run on any GPU (CUDA or ROCm);
+GPU_CHECK.md records the first run. Without a GPU it exits at once with a message (exit code 1); no CPU test needs it.
 """
 import dataclasses
 import json
@@ -214,8 +214,8 @@ def brief(value):
 
 
 def verdict(results):
-    """One screen, printed last: PASS or FAIL per check with its numbers or its error's last line, then one row per
-    phase of the RL cycle (time, device memory used, PyTorch's peak) beside plan.py's training peak."""
+    """One screen, printed last: PASS or FAIL per check with its numbers (the RL cycle's include plan.py's) or its
+    error's last line, and one row per phase of the RL cycle: time, device memory used, PyTorch's peak."""
     failures = results.get("failures", [])
     scalars = {k: v for k, v in results.items() if not isinstance(v, (dict, list))}
     lines = [f"gpu_check.py on {results.get('env', {}).get('gpu', '?')}: "
@@ -228,8 +228,8 @@ def verdict(results):
             continue
         lines.append(f"PASS {name}: {brief(value)}"[:160])
         for phase in value.get("phases", []):
-            lines.append(f"     {phase['phase'][:44]:44} {phase['seconds']:7.1f} s  used {phase['device_used_gib']:6.1f} "
-                         f"GiB  peak {phase['torch_peak_allocated_gib']:6.1f} GiB")
+            lines.append(f"     {phase['phase'][:44]:44} {phase['seconds']:7.1f} s  used "
+                         f"{phase['device_used_gib']:6.1f} GiB  peak {phase['torch_peak_allocated_gib']:6.1f} GiB")
     return "\n".join(lines)
 
 
