@@ -18,7 +18,6 @@ import random
 import shutil
 import sys
 import time
-import types
 import typing
 from pathlib import Path
 
@@ -37,19 +36,6 @@ class ConfigError(ValueError):
 def _coerce(value, tp, where):
     """Check `value` against the annotation `tp`; convert the few lossless cases (int -> float, "1e-6" -> float)."""
     origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, where)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{where}: cannot be None")
     if origin is typing.Literal:
         if value not in typing.get_args(tp):
             raise ConfigError(f"{where}: {value!r} is not one of {list(typing.get_args(tp))}")
@@ -61,10 +47,6 @@ def _coerce(value, tp, where):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
         return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}")
-        return dict(value)
     if tp is typing.Any:
         return value
     if tp is bool:

@@ -18,9 +18,11 @@ CPU one so the numbers mean something). It checks and times, in this order:
      micro-batches, wake + weight sync (verl's order), rollout again, twice, on a Qwen3-4B-shaped model with random
      weights and the 151,936 vocabulary; per phase the device's used memory and PyTorch's peak, beside plan.py's
      numbers for the phase (`python gpu_check.py only_cycle=true` runs this one alone).
-Results: printed as a Markdown block for GPU_CHECK.md and written to out_dir/gpu_check.json. Exit code 1 if a
-check failed. STATUS: written on a CPU-only machine and NOT yet run on any GPU (CUDA or ROCm); GPU_CHECK.md records
-the first run. Without a GPU it exits at once with a message (exit code 1); no CPU test needs it.
+Results: printed as a Markdown block for GPU_CHECK.md and written to out_dir/gpu_check.json, then a one-screen
+verdict (PASS/FAIL per check, a row per RL-cycle phase). Exit code 1 if a check failed. Run under coverage
+(docs/coverage.md), it executes the method lines no CPU test runs: the CUDA branches of common.init_distributed and
+common.free_cached_memory. STATUS: written on a CPU-only machine and NOT yet run on any GPU (CUDA or ROCm);
+GPU_CHECK.md records the first run. Without a GPU it exits at once with a message (exit code 1); no CPU test needs it.
 """
 import dataclasses
 import itertools
@@ -205,6 +207,7 @@ def main(cfg):
     results["failures"] = failures
     (out / "gpu_check.json").write_text(json.dumps(results, indent=1))
     print("\n## gpu_check.py results\n```json\n" + json.dumps(results, indent=1) + "\n```")
+    print("\n" + verdict(results))
     return 1 if failures else 0
 
 
@@ -235,6 +238,33 @@ def sampling(engine, trainer, prompt, results):
                            "other_seed_other_tokens": other != tokens}
     if tempered.mean() > 0.05 or rerun != tokens or other == tokens:
         raise AssertionError(f"sampling: {results['sampling']}")
+
+
+def brief(value):
+    """A check's numbers on one line: its scalars, 3 significant digits (nested tables stay in the JSON)."""
+    if not isinstance(value, dict):
+        return f"{value:.3g}" if isinstance(value, float) else str(value)
+    return "  ".join(f"{k}={brief(v)}" for k, v in value.items() if isinstance(v, (int, float, str, bool)))
+
+
+def verdict(results):
+    """One screen, printed last: PASS or FAIL per check with its numbers (the RL cycle's include plan.py's) or its
+    error's last line, and one row per phase of the RL cycle: time, device memory used, PyTorch's peak."""
+    failures = results.get("failures", [])
+    scalars = {k: v for k, v in results.items() if not isinstance(v, (dict, list))}
+    lines = [f"gpu_check.py on {results.get('env', {}).get('gpu', '?')}: "
+             f"{'FAIL (' + ', '.join(failures) + ')' if failures else 'PASS'}  {brief(scalars)}".rstrip()]
+    for name, value in results.items():
+        if name in ("env", "failures") or not isinstance(value, dict):
+            continue
+        if name in failures:
+            lines.append(f"FAIL {name}: {value['error'].strip().splitlines()[-1]}"[:160])
+            continue
+        lines.append(f"PASS {name}: {brief(value)}"[:160])
+        for phase in value.get("phases", []):
+            lines.append(f"     {phase['phase'][:44]:44} {phase['seconds']:7.1f} s  used "
+                         f"{phase['device_used_gib']:6.1f} GiB  peak {phase['torch_peak_allocated_gib']:6.1f} GiB")
+    return "\n".join(lines)
 
 
 def checks_1_to_5(cfg, out, results, check):

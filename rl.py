@@ -703,7 +703,7 @@ def roll_out(engine, tool, tokenizer, rows, rollouts, cfg, step, rank, times):
     started, busy_before = time.perf_counter(), tool.busy_s if tool else 0.0
     groups = generate(engine, tool, tokenizer, [r["problem"] for r in rows], rollouts, cfg.rollout,
                       seed=cfg.seed, step=step)
-    engine.sleep()  # GPU: free the KV cache and weights for training (a no-op on CPU)
+    engine.sleep()  # free the KV cache and weights for training (on CPU, vLLM's worker skips the release)
     groups = own_groups(groups, len(rows), rank)
     times["rollout"] = time.perf_counter() - started
     times["tool_busy"] = (tool.busy_s if tool else 0.0) - busy_before

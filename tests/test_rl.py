@@ -3,7 +3,9 @@ bad configs stop before any work, and a tiny run (real engine, real executor) ki
 
 Run: .venv/bin/python -m pytest tests/test_rl.py -q        (-m "not slow" for the fast half, ~10 s)
 """
+import dataclasses
 import json
+import math
 import os
 import shutil
 import signal
@@ -22,7 +24,7 @@ import rollout
 import tiny
 from dist_rl_train_step import fixed_batch   # tests/ is on sys.path (pytest's rootdir-relative import)
 from grpo_roc import policy_loss
-from common import ConfigError, init_distributed, latest_checkpoint, load_config, load_problems, save_checkpoint
+from common import ConfigError, compute_dtype, init_distributed, latest_checkpoint, load_config, load_problems, save_checkpoint
 from rollout import Trajectory
 
 REPO = Path(__file__).resolve().parent.parent
@@ -115,8 +117,8 @@ def test_the_training_step_frees_the_gradients_it_applied(three_splits):
 # the weight sync: the order of the engine's wake-up, the bytes it gathers
 
 class RecordingEngine:
-    """The two calls rl.sync_weights makes into rollout.Engine, recorded (vLLM cannot sleep on CPU, so the real
-    engine's wake-ups are no-ops there); update_weights consumes the tensors as vLLM's reload_weights does."""
+    """The two calls rl.sync_weights makes into rollout.Engine, recorded beside free_cached_memory's (the real engine
+    in this order: tests/test_rollout.py); update_weights consumes the tensors as vLLM's reload_weights does."""
 
     def __init__(self, calls):
         self.calls = calls
@@ -374,6 +376,37 @@ def test_stage_3_starts_from_the_stage_2_master_weights_with_a_fresh_optimizer(t
                                tmp_path / "none") == (checkpoint, False)
     save_checkpoint(tmp_path / "stage3" / "checkpoints", 10, fresh, fresh_optimizer, {"step": 10, "data_position": 5120})
     assert rl.start_checkpoint(cfg, tmp_path / "stage3" / "checkpoints")[1] is False
+
+
+def test_bf16_training_is_fsdp2_mixed_precision_on_gloo_as_on_a_gpu(tiny_model_dir):
+    """The GPU's training path, on CPU: train_dtype=auto is bf16 on a GPU (common.compute_dtype), which build_model turns
+    into FSDP2's MixedPrecisionPolicy: bf16 weights and activations in forward and backward, fp32 master weights,
+    gradients (reduce_dtype) and AdamW step. Here in a gloo world of one; gpu_check.py's RL cycle runs it on CUDA."""
+    init_distributed()
+    cpu = torch.device("cpu")
+    assert compute_dtype(torch.device("cuda")) == torch.bfloat16 and compute_dtype(cpu) == torch.float32
+    cfg = load_config(rl.RLConfig, [f"model={tiny_model_dir}", "lr=1e-3", "warmup_steps=0", "train_dtype=bfloat16"])
+    model, optimizer = rl.load_policy(cfg, cpu, 0)
+    reference, _ = rl.load_policy(dataclasses.replace(cfg, train_dtype="float32"), cpu, 0)
+    before = {name: p.full_tensor().clone() for name, p in model.named_parameters()}
+    seen = []
+    model.model.layers[0].mlp.down_proj.register_forward_hook(
+        lambda module, args, out: seen.append((module.weight.dtype, args[0].dtype, out.dtype)))
+    samples = fixed_batch(model.config.vocab_size)
+    input_ids = rl.collate(samples[:4], 0, cpu)[0]
+    with torch.no_grad():
+        gap = (rl.token_logprobs(model, input_ids, 1.0) - rl.token_logprobs(reference, input_ids, 1.0)).abs()
+    assert seen == [(torch.bfloat16,) * 3]
+    assert 1e-4 < gap.max() < 0.05, gap.max()  # bf16 rounding (4e-3 here) of the same weights, not another model
+
+    rl.recompute_logprobs(model, samples, cfg, 0, cpu, 1.0)
+    grads = {}
+    optimizer.register_step_pre_hook(lambda *_: grads.update((n, p.grad.dtype) for n, p in model.named_parameters()))
+    metrics = rl.train_step(model, optimizer, samples, cfg, 0, 0, cpu)
+    assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+    assert set(grads.values()) == {torch.float32} and len(grads) == len(before)
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.float32 and not torch.equal(p.full_tensor(), before[name]), name
 
 
 def test_the_planned_epochs_are_printed_and_many_passes_warn():

@@ -276,14 +276,18 @@ def test_importing_rollout_does_not_import_vllm():
 # -----------------------------------------------------------------------------
 # vLLM's logging
 
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+CPU_WORKER_LOGGER = "vllm.v1.worker.cpu_worker"
+
 
 @pytest.fixture
 def clean_vllm_logging(monkeypatch):
     """No VLLM_LOGGING_LEVEL, no filter on the reload logger, the vllm logger's level: all restored afterwards."""
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "unset")  # records the original state, so teardown restores it
     monkeypatch.delenv("VLLM_LOGGING_LEVEL")
-    reload_logger = logging.getLogger(rollout.VLLM_RELOAD_LOGGER)
-    monkeypatch.setattr(reload_logger, "filters", [])
+    reload_logger = logging.getLogger(RELOAD_LOGGER)
+    for name in rollout.HARMLESS_VLLM_WARNINGS:
+        monkeypatch.setattr(logging.getLogger(name), "filters", [])
     monkeypatch.setattr(logging.getLogger("vllm"), "level", logging.getLogger("vllm").level)
     records = []
     handler = logging.Handler()
@@ -303,6 +307,13 @@ def test_vllm_logs_warnings_and_drops_exactly_the_harmless_reload_warning(clean_
     reload_logger.info("Reloading and processing weights took 0.01 seconds")
     assert [r.getMessage() for r in records] == ["QKVParallelLinear: Failed to load weights",
                                                  "RotaryEmbedding: Failed to load weights for layer 3"]
+    worker_logger, worker_records = logging.getLogger(CPU_WORKER_LOGGER), []
+    worker_logger.addHandler(handler := logging.Handler())
+    handler.emit = worker_records.append
+    worker_logger.warning("sleep mode is not supported on CPU, ignore it.")  # Engine.sleep and wake_up on CPU
+    worker_logger.warning("Selective discard is not supported on CPU.")
+    worker_logger.removeHandler(handler)
+    assert [r.getMessage() for r in worker_records] == ["Selective discard is not supported on CPU."]
 
 
 @pytest.mark.parametrize("verbose, level", [(True, None), (False, "DEBUG")])
@@ -322,7 +333,11 @@ def test_the_dropped_warning_is_the_one_vllm_emits():
               / "model_executor/model_loader/reload/layerwise.py").read_text()
     assert "logger = init_logger(__name__)" in source
     assert 'logger.warning("%s: Failed to load weights", layer.__class__.__name__)' in source
-    assert rollout.VLLM_RELOAD_LOGGER == "vllm.model_executor.model_loader.reload.layerwise"
+    assert rollout.HARMLESS_VLLM_WARNINGS[RELOAD_LOGGER] == "RotaryEmbedding: Failed to load weights"
+    worker = (Path(importlib.util.find_spec("vllm").submodule_search_locations[0]) / "v1/worker/cpu_worker.py").read_text()
+    assert "logger = init_logger(__name__)" in worker
+    assert worker.count('logger.warning("sleep mode is not supported on CPU, ignore it.")') == 2  # sleep, wake_up
+    assert rollout.HARMLESS_VLLM_WARNINGS[CPU_WORKER_LOGGER] == "sleep mode is not supported on CPU, ignore it."
 
 
 # -----------------------------------------------------------------------------
@@ -785,6 +800,38 @@ def test_after_a_level_2_sleep_the_kv_cache_wakes_only_after_new_weights():
     engine.wake_up(tags=["kv_cache"])
     assert engine.llm.calls == [("sleep", 2), ("wake_up", ["weights"]), ("reload_weights",), ("reset_prefix_cache",),
                                 ("wake_up", ["kv_cache"])]
+
+
+@pytest.mark.slow
+def test_sleep_and_wake_run_through_vllms_engine_on_cpu_in_rl_s_order(engine, tiny_model_dir, tokenizer, monkeypatch):
+    """The GPU's calls, made on CPU through vLLM's engine core (only the worker's memory release is a no-op there,
+    v1/worker/cpu_worker.py): sleep pauses the scheduler; the engine stays asleep until both the weights and the KV
+    cache are woken; the weights loaded in between (rl.sync_weights' order) are the ones it then scores with."""
+    calls = []
+    for name in ("sleep", "wake_up"):
+        monkeypatch.setattr(engine.llm, name, lambda *a, _call=getattr(engine.llm, name), _name=name, **k:
+                            calls.append((_name, a, k)) or _call(*a, **k))
+    prompt = rollout.render_prompt(tokenizer, "Compute 2 + 3.", RolloutConfig(**ENGINE_CFG))
+    response = tokenizer.encode(" It is 5. </reason>\n<answer> \\boxed{5} </answer>", add_special_tokens=False)
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict()
+    changed = {**original, "model.norm.weight": 2 * original["model.norm.weight"]}
+    before = engine.score([prompt], [response])[0]
+    scores = []
+    for weights in (changed, original):
+        engine.sleep()
+        engine.sleep()  # asleep already: nothing to do
+        assert engine.engine.is_sleeping()
+        engine.wake_up(tags=["weights"])
+        engine.wake_up(tags=["weights"])  # awake already
+        assert engine.engine.is_sleeping()  # the scheduler stays paused until the KV cache is back
+        engine.update_weights(iter(weights.items()))
+        engine.wake_up(tags=["kv_cache"])
+        assert not engine.engine.is_sleeping()
+        scores.append(engine.score([prompt], [response])[0])
+    assert max(abs(a - b) for a, b in zip(scores[0], before)) > 0.1  # the weights loaded while half asleep
+    assert scores[1] == pytest.approx(before, abs=1e-5)
+    assert calls == 2 * [("sleep", (), {"level": engine.cfg.sleep_level}), ("wake_up", (), {"tags": ["weights"]}),
+                         ("wake_up", (), {"tags": ["kv_cache"]})]
 
 
 @pytest.mark.slow
