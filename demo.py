@@ -39,7 +39,8 @@ import matplotlib
 import yaml
 
 import tiny
-from common import REPO, ConfigError, atomic_write_text, load_config, load_jsonl, resolve
+from machinery.config import REPO, atomic_write_text, ConfigError, load_config, resolve
+from machinery.data import load_jsonl
 from rollout import RolloutConfig
 
 matplotlib.use("Agg")  # no display on a server; before pyplot is imported

@@ -43,12 +43,14 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 import tiny  # the demo's task, for the generated `arith` benchmark
-from common import (BENCHMARKS, ConfigError, atomic_write_text, init_distributed, load_config, load_problems, resolve,
-                    save_config)
+from machinery.data import BENCHMARKS, load_problems
+from machinery.config import atomic_write_text, ConfigError, load_config, resolve, save_config
+from machinery.distributed import init_distributed
 from executor import Executor
 from reward import extract_answer, fast_equivalent, score_batch  # stdlib only at import; math-verify loads in its workers
-from rollout import (AUTO_VARIANT, Engine, RolloutConfig, apply_model_format, configure_vllm_logging, generate,
-                     render_prompt)  # importing rollout does not load vLLM: rollout.Engine does
+from machinery.prompts import AUTO_VARIANT, apply_model_format, render_prompt
+from machinery.engine import configure_vllm_logging, Engine
+from rollout import generate, RolloutConfig
 
 # Benchmarks that are not files: `arith` is generated on the fly, so the demo and eval agree on it by seed.
 GENERATED_BENCHMARKS = ("arith",)

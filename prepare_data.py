@@ -30,7 +30,8 @@ import re
 import sys
 from collections import Counter, defaultdict
 
-from common import BENCHMARKS, ConfigError, atomic_write_text, load_config, load_jsonl, load_problems, resolve
+from machinery.data import BENCHMARKS, load_jsonl, load_problems
+from machinery.config import atomic_write_text, ConfigError, load_config, resolve
 
 NGRAM = 8
 # DAPO-Math-17k's prompt around each problem (BytedTsinghua-SIA/DAPO-Math-17k, the release's training data)

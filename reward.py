@@ -42,23 +42,10 @@ math-verify (and the sympy it loads, ~0.3 s and ~50 MB) is imported inside the f
 run, not here: rl.py and eval.py import this file, and only its workers call math-verify (bench/reward.py,
 which calls it directly, imports it itself).
 """
-import atexit
-import ctypes
 import functools
-import json
-import logging
-import os
 import re
-import resource
-import select
-import signal
-import subprocess
-import sys
-import threading
-import time
-from collections import deque
 from fractions import Fraction
-from itertools import combinations
+from machinery.verifier import _far_apart, _run_in_pool, COLLECTION
 
 # Worker time one check may take, all stages together. math-verify's own default is 5 s per stage; MATH
 # answers take 1-50 ms, so 5 s only ever binds on pathological input.
@@ -66,9 +53,6 @@ DEFAULT_TIMEOUT_S = 5.0
 # The longest gold answer in data/*.jsonl is 159 characters (a 3x3 matrix). A "final answer" six times
 # longer is not an answer, and parsing it could cost seconds of sympy, so it scores 0 unparsed.
 MAX_ANSWER_CHARS = 1000
-# Virtual memory cap per worker: (10^{10})! or a 10^9-digit power then fails with MemoryError inside the
-# worker (a clean False) instead of swapping the node. A worker with sympy + antlr loaded maps ~100 MB.
-WORKER_MEMORY_BYTES = 2 << 30
 
 # -----------------------------------------------------------------------------
 # Extraction: the last box of the model's own text
@@ -251,7 +235,6 @@ def _as_number(s):
 # _math_verify_value of each answer the workers evaluated. Golds recur every epoch, and wrong answers
 # recur across rollouts, so each is parsed once per process.
 _VALUES = {}
-COLLECTION = "collection"  # several values, which verify never finds equal to one number (is_collection)
 
 
 def _plain_number(answer):
@@ -260,14 +243,6 @@ def _plain_number(answer):
     if "%" in answer:
         return None
     return _as_number(normalize_answer(answer))
-
-
-def _far_apart(a, b):
-    """Two values too far apart for any rounding math-verify allows (6 decimal places): 1/3 = 0.333333
-    stays open."""
-    # Two Fractions are compared as Fractions: a 400-digit integer does not fit in a float.
-    tolerance = Fraction(1, 1000) if isinstance(a, Fraction) and isinstance(b, Fraction) else 1e-3
-    return abs(a - b) > tolerance * max(1, abs(a), abs(b))
 
 
 def _value(answer):
@@ -320,318 +295,8 @@ def fast_equivalent(pred, gold):
 # and carry on. No signal handler interrupts a C-level big-int operation; the parent's kill covers that.
 
 
-class _Deadline(BaseException):
-    pass
-
-
-def _raise_deadline(signum, frame):
-    raise _Deadline()
-
-
-_PARSED = {}  # per worker: parse results by string; golds repeat across a group's 2G rollouts
-
-
-def _parse_cached(latex):
-    from math_verify import parse
-
-    if latex not in _PARSED:
-        if len(_PARSED) > 20000:
-            _PARSED.clear()
-        _PARSED[latex] = parse(latex, parsing_timeout=None)
-    return _PARSED[latex]
-
-
-def _math_verify_equivalent(pred, gold):
-    """math-verify's verdict on two extracted answers. No time limit: run it under the worker's alarm.
-
-    Both sides are wrapped in \\boxed{} so math-verify parses exactly that answer (the release does the
-    same for the gold); verify is not symmetric, and gold goes first as its docs require.
-    """
-    from math_verify import verify
-
-    gold_parsed, pred_parsed = _parse_cached("\\boxed{" + gold + "}"), _parse_cached("\\boxed{" + pred + "}")
-    return bool(gold_parsed and pred_parsed and verify(gold_parsed, pred_parsed, timeout_seconds=None))
-
-
-def _math_verify_value(answer):
-    """[re, im] of an answer that math-verify parses to one closed-form number ("-\\sqrt{3}",
-    "\\frac{20000}{\\pi}"); COLLECTION for several values ("(6,31,-1)", "[2, 7)"; not "5, 5", the set {5});
-    None for anything else (variables, relations, text). No time limit: run it under the worker's alarm.
-    """
-    import sympy
-
-    def is_collection(expr):
-        # What verify, comparing it as a set with {number}, can never find equal to one number: a tuple or
-        # matrix of two or more entries (compared by length), an interval or union of more than a point, a
-        # set of two or more numbers far apart. Not {0.5, 1/2} or {2, \\sqrt{4}} (equal to 1/2 and to 2
-        # there), nor "[0.5, \\frac12]" (parsed as an interval of one point).
-        if isinstance(expr, (sympy.Tuple, sympy.MatrixBase)):
-            return len(expr) >= 2
-        if isinstance(expr, (sympy.Interval, sympy.Union)):
-            return expr.measure.is_positive is True
-        if isinstance(expr, sympy.FiniteSet) and all(isinstance(e, sympy.Expr) and e.is_number for e in expr.args):
-            values = [complex(e.evalf(30)) for e in expr.args]
-            return len(values) >= 2 and all(_far_apart(a, b) for a, b in combinations(values, 2))
-        return False
-
-    parsed = _parse_cached("\\boxed{" + answer + "}")
-    expressions = [e for e in parsed if not isinstance(e, str)]  # parse also returns the matched string
-    if expressions and all(map(is_collection, expressions)):
-        return COLLECTION
-    expr = parsed[0] if parsed else None
-    if not isinstance(expr, sympy.Expr) or expr.free_symbols or not expr.is_number:
-        return None
-    value = complex(expr.evalf(30))
-    return [value.real, value.imag] if abs(value) < 1e300 else None
-
-
-_TASKS = {"verify": (_math_verify_equivalent, False), "value": (_math_verify_value, None)}  # (function, safe result)
-_WARMUP_PAIRS = [("\\frac{\\sqrt{2}}{2}", "\\sqrt{2}/2"), ("(x+1)^2", "x^2+2x+1"), ("[1, 2)", "(1,2)"),
-                 ("\\{1, 2\\}", "1,2"), ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "y = 2x"), ("1+2i", "3.5")]
-
-
-def _worker_main():
-    """Loop of one worker: read a JSON task per line on stdin, answer a JSON line on stdout.
-
-    Exits at EOF (the parent closed the pipe or died). PR_SET_PDEATHSIG also kills it if the parent dies
-    while it is stuck in C code, so a killed trainer leaves no orphan burning a core.
-    """
-    # The protocol gets its own copy of stdout; fd 1 goes to /dev/null so a library's stray print (antlr
-    # reports syntax errors that way) cannot corrupt a reply.
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG = 1, SIGKILL = 9 (Linux)
-        resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY_BYTES, WORKER_MEMORY_BYTES))
-        import math_verify  # noqa: F401  (the import is the slow part of startup)
-
-        # Its only warning here is "Timeout is disabled", which is the point.
-        logging.getLogger("math_verify").setLevel(logging.CRITICAL)
-        signal.signal(signal.SIGALRM, _raise_deadline)
-        # sympy loads code paths on first use (~1.5 s): pay that before "ready", not inside a deadline.
-        for pred, gold in _WARMUP_PAIRS:
-            _math_verify_equivalent(pred, gold)
-            _math_verify_value(pred)
-        _PARSED.clear()
-    except BaseException as e:  # noqa: BLE001  (report any startup failure, then exit)
-        out.write(json.dumps(["startup_error", f"{type(e).__name__}: {e}"]) + "\n")
-        out.flush()
-        return
-    out.write(json.dumps(["ready", os.getpid()]) + "\n")
-    out.flush()
-    for line in sys.stdin:
-        task_id, kind, *strings, deadline_s = json.loads(line)
-        function, result = _TASKS[kind]
-        timed_out = False
-        cpu_started = time.process_time()
-        # Stop a little before the parent's kill, so the worker survives and a respawn is saved.
-        # The inner finally disarms the timer before the outer handler runs, so a late alarm cannot escape.
-        signal.setitimer(signal.ITIMER_REAL, max(0.01, 0.9 * deadline_s))
-        try:
-            try:
-                result = function(*strings)
-            finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-        except _Deadline:
-            timed_out = True
-        except BaseException:  # noqa: BLE001  (MemoryError, RecursionError, sympy internals: the safe result)
-            pass
-        out.write(json.dumps([task_id, result, time.process_time() - cpu_started, timed_out]) + "\n")
-        out.flush()
-
-
 # -----------------------------------------------------------------------------
 # The pool: persistent workers, a hard deadline per check, kill and replace
-
-
-def default_num_workers():
-    """CPUs available to this process, shared among the torchrun ranks on this node, at most 8.
-
-    The fast path leaves 25% of the MATH-500 labeled set open, and 2.5% of integer answers (which no verify
-    needs), so more workers would mostly hold memory: ~80 MB resident each.
-    """
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, min(8, cpus // max(1, ranks_here)))
-
-
-class VerifierPool:
-    """Worker processes that run math-verify, each started with a clean interpreter.
-
-    Workers are `python reward.py --worker` subprocesses, not multiprocessing forks: forking a trainer
-    that holds CUDA, NCCL or vLLM threads is unsafe, and "spawn" would re-import the caller's main module
-    (rl.py, so torch and vllm) in every worker. A worker only takes tasks after it reports "ready", so
-    its start (~2 s of CPU: the import and a sympy warm-up) never counts against a deadline.
-    """
-
-    def __init__(self, num_workers=None):
-        self.num_workers = num_workers or default_num_workers()
-        if not isinstance(self.num_workers, int) or self.num_workers < 1:
-            raise ValueError(f"VerifierPool: num_workers must be a positive int, got {num_workers!r}")
-        self.owner_pid = os.getpid()
-        self.workers = []
-        self.kills = 0  # workers SIGKILLed (a check past its deadline); rl.py can log it
-        self.worker_cpu_s = 0.0  # CPU seconds the workers spent on checks, for bench/reward.py
-        self.tasks_run = {"value": 0, "verify": 0}
-        self.startup_failures = 0
-        for _ in range(self.num_workers):
-            self._spawn()
-
-    def _spawn(self):
-        # stderr is dropped: antlr and sympy write there, and the startup error comes back on stdout.
-        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker"],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                bufsize=0)
-        self.workers.append({"proc": proc, "buffer": b"", "ready": False, "task": None, "started": 0.0,
-                             "born": time.monotonic(), "error": None})
-
-    def _replace(self, worker, kill):
-        """Retire `worker` (SIGKILL first if `kill`: it may be stuck in C code) and start a fresh one."""
-        if kill:
-            worker["proc"].kill()
-            self.kills += 1
-        worker["proc"].wait()
-        for pipe in (worker["proc"].stdin, worker["proc"].stdout):
-            try:
-                pipe.close()
-            except OSError:
-                pass
-        self.workers.remove(worker)
-        self._spawn()
-
-    def run(self, tasks, timeouts):
-        """Run [("verify", pred, gold) or ("value", answer), ...] with per-task deadlines in seconds.
-
-        Returns (results, seconds): each task's result and the worker time it took. A task that hits its
-        deadline (the worker's alarm, or the kill) gets the safe result, False for verify and None for
-        value, and infinite seconds: whatever used that answer is out of time.
-        """
-        if not self.workers:
-            raise RuntimeError("VerifierPool.run: the pool is closed")
-        results = [False if task[0] == "verify" else None for task in tasks]
-        seconds = [float("inf")] * len(tasks)
-        pending = deque(range(len(tasks)))
-        unfinished = len(tasks)
-        try:
-            while unfinished:
-                # One task per worker at a time, so a deadline is one task's and a kill loses one check.
-                for worker in self.workers:
-                    if worker["ready"] and worker["task"] is None and pending:
-                        index = pending.popleft()
-                        line = json.dumps([index, *tasks[index], timeouts[index]]) + "\n"
-                        worker["task"], worker["started"] = index, time.monotonic()
-                        try:
-                            worker["proc"].stdin.write(line.encode())
-                        except OSError:  # it died between tasks; the read below sees EOF
-                            pass
-                # Sleep until a reply, or until the earliest deadline of a busy worker.
-                now = time.monotonic()
-                busy = [w["started"] + timeouts[w["task"]] - now for w in self.workers if w["task"] is not None]
-                wait_s = max(0.0, min(busy)) if busy else 0.5
-                readable, _, _ = select.select([w["proc"].stdout for w in self.workers], [], [], wait_s)
-                for worker in [w for w in self.workers if w["proc"].stdout in readable]:
-                    data = os.read(worker["proc"].stdout.fileno(), 1 << 16)
-                    if not data:  # it died (segfault, OOM kill): its check stays False; replace it
-                        unfinished -= worker["task"] is not None
-                        self._replace(worker, kill=False)
-                        if not worker["ready"]:
-                            self._startup_failed(worker["error"] or f"exit code {worker['proc'].returncode}")
-                        continue
-                    worker["buffer"] += data  # a pipe read may end mid-line
-                    while b"\n" in worker["buffer"]:
-                        line, worker["buffer"] = worker["buffer"].split(b"\n", 1)
-                        message = json.loads(line)
-                        if message[0] == "ready":
-                            worker["ready"] = True
-                            self.startup_failures = 0
-                        elif message[0] == "startup_error":
-                            worker["error"] = message[1]  # it exits next; the EOF above counts it
-                        elif message[0] == worker["task"]:
-                            results[message[0]] = message[1]
-                            if not message[3]:
-                                seconds[message[0]] = time.monotonic() - worker["started"]
-                            self.worker_cpu_s += message[2]
-                            self.tasks_run[tasks[message[0]][0]] += 1
-                            worker["task"] = None
-                            unfinished -= 1
-                now = time.monotonic()
-                for worker in list(self.workers):
-                    if worker["task"] is not None and now - worker["started"] >= timeouts[worker["task"]]:
-                        unfinished -= 1  # the hard deadline: its check stays False
-                        self._replace(worker, kill=True)
-                    elif not worker["ready"] and now - worker["born"] > 120:
-                        self._replace(worker, kill=True)
-                        self._startup_failed("no 'ready' within 120 s")
-        except BaseException:
-            # Interrupted (Ctrl-C, a failed start): a busy worker would answer a task of this batch
-            # into the next one, so replace every busy worker before letting the exception through.
-            for worker in [w for w in self.workers if w["task"] is not None]:
-                self._replace(worker, kill=True)
-            raise
-        return results, seconds
-
-    def _startup_failed(self, reason):
-        self.startup_failures += 1
-        if self.startup_failures >= 3 * self.num_workers:
-            raise RuntimeError(f"reward.py: math-verify workers fail to start ({reason}); "
-                               f"check that `{sys.executable} -c 'import math_verify'` works")
-
-    def close(self):
-        """Close the pipes (workers exit at EOF) and kill any worker that has not exited after 2 s."""
-        if os.getpid() != self.owner_pid:
-            return  # a forked child must not touch its parent's workers
-        for worker in self.workers:
-            try:
-                worker["proc"].stdin.close()
-            except OSError:
-                pass
-        deadline = time.monotonic() + 2.0
-        for worker in list(self.workers):
-            try:
-                worker["proc"].wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                worker["proc"].kill()
-                worker["proc"].wait()
-            worker["proc"].stdout.close()
-        self.workers = []
-
-
-# One pool per process, started on first use and kept for the whole run (a worker costs ~2 s of CPU to
-# start). Under torchrun every rank has its own, sized by default_num_workers. A process forked from the
-# owner (a DataLoader worker) sees owner_pid differ and starts its own instead of sharing pipes.
-_POOL = None
-_POOL_LOCK = threading.RLock()  # re-entered by _run_in_pool -> start_pool
-
-
-def start_pool(num_workers=None):
-    """Start (or restart with a new size) the shared pool. Optional: the first check starts it lazily."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is not None and _POOL.owner_pid == os.getpid():
-            if num_workers is None or _POOL.num_workers == num_workers:
-                return _POOL
-            _POOL.close()
-        _POOL = VerifierPool(num_workers)
-        return _POOL
-
-
-def shutdown_pool():
-    """Stop the shared pool's workers (also run at exit). The next check starts a new pool."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is not None:
-            _POOL.close()
-        _POOL = None
-
-
-atexit.register(shutdown_pool)
-
-
-def _run_in_pool(tasks, timeouts):
-    if not tasks:
-        return [], []
-    with _POOL_LOCK:  # one batch at a time: the workers are shared by every thread of this process
-        return start_pool().run(tasks, timeouts)
 
 
 def _slow_path(pairs, timeout_s):
@@ -750,8 +415,3 @@ def compute_reward(response, gold, finished=True, require_answer_tag=False, time
     return score_batch([response], [gold], [finished], require_answer_tag, timeout_s)[0]
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["--worker"]:  # how VerifierPool starts each worker
-        _worker_main()
-    else:
-        sys.exit(__doc__)

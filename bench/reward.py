@@ -19,9 +19,11 @@ import time
 
 from math_verify import parse, verify
 
-from common import load_config, load_problems
-from reward import (DEFAULT_TIMEOUT_S, _VALUES, _differ_by_value, _run_in_pool, default_num_workers,
-                    extract_answer, fast_equivalent, normalize_answer, score_batch, shutdown_pool, start_pool)
+from machinery.config import load_config
+from machinery.data import load_problems
+from reward import (DEFAULT_TIMEOUT_S, _differ_by_value, _VALUES, extract_answer, fast_equivalent,
+                    normalize_answer, score_batch)
+from machinery.verifier import _run_in_pool, default_num_workers, shutdown_pool, start_pool
 
 
 def math500_labeled_set(path="data/math500.jsonl", negatives_per_problem=2, seed=0):

@@ -24,10 +24,12 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-import common
 from executor import Executor
-from rollout import (ADMISSION_RULES, Engine, RolloutConfig, configure_vllm_logging, generate, load_format,
-                     render_prompt)
+from rollout import ADMISSION_RULES, generate, RolloutConfig
+from machinery.engine import configure_vllm_logging, Engine
+from machinery.prompts import load_format, render_prompt
+from machinery.config import load_config
+from machinery.distributed import init_distributed
 
 
 @dataclasses.dataclass
@@ -279,7 +281,7 @@ def bench(cfg):
     # vLLM's CPU worker reads the variable when it binds its threads; torch, imported already, is told directly.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    common.init_distributed()
+    init_distributed()
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     problems, scripts = bench_scripts(tokenizer, cfg.rollout, cfg.trajectories, cfg.seed)
     plain_cfg, plain_prompts, plain_lengths = tools_off_scripts(tokenizer, cfg.rollout, problems, scripts)
@@ -318,7 +320,7 @@ def bench(cfg):
         close_engine(engine)
 
         # Admission on a KV cache that holds admission_kv_trajectories at the full budget, on the same trajectories.
-        common.init_distributed()  # vLLM's shutdown took the process group with it (Engine.close)
+        init_distributed()  # vLLM's shutdown took the process group with it (Engine.close)
         blocks = -(-cfg.admission_kv_trajectories * cfg.rollout.context_len // block_size) + 1  # + vLLM's null block
         engine = start_engine(cfg, policy, num_gpu_blocks_override=blocks)
         tools = DelayedExecutor(executor, cfg.admission_latency_s)
@@ -371,7 +373,7 @@ def print_tables(cfg, table, admission, concurrency, tokens, tool_calls, workers
 
 if __name__ == "__main__":
     try:
-        cli = common.load_config(BenchConfig, sys.argv[1:])
+        cli = load_config(BenchConfig, sys.argv[1:])
     except ValueError as e:  # ConfigError is a ValueError: one line that names the problem, no traceback
         sys.exit(f"bench.rollout: {e}")
     configure_vllm_logging(cli.verbose)

@@ -26,10 +26,12 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-import plan
+from machinery import plan
 import rl
-from common import REPO, init_distributed, load_config
-from rollout import assign_by_tokens, balance_by_tokens
+from machinery.config import REPO, load_config
+from machinery.distributed import init_distributed
+from machinery.distributed import assign_by_tokens, balance_by_tokens
+from machinery.training import token_logprobs
 
 
 @dataclasses.dataclass
@@ -58,7 +60,7 @@ def bench_logprobs(cfg):
     input_ids = torch.randint(0, cfg.vocab, (1, cfg.tokens + 1))
 
     def step(chunk):  # gradients accumulate in place into the ones the warm-up step made, as over micro-batches
-        rl.token_logprobs(model, input_ids, 1.0, chunk).sum().backward()
+        token_logprobs(model, input_ids, 1.0, chunk).sum().backward()
 
     rows = []
     for chunk in [0] + list(cfg.chunks):

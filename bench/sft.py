@@ -12,9 +12,11 @@ import time
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from common import ConfigError, cpu_threads, init_distributed, load_config, seed_everything
-from sft import (SFTConfig, build_model, check_model_dir, check_world, global_batch, load_conversations,
-                 micro_batch_inputs, micro_batch_loss_sum, rank_micro_batches)
+from machinery.config import ConfigError, load_config
+from machinery.distributed import cpu_threads, init_distributed, seed_everything
+from sft import (check_world, global_batch, load_conversations, micro_batch_inputs,
+                 micro_batch_loss_sum, rank_micro_batches, SFTConfig)
+from machinery.model import build_model, check_model_dir
 
 
 def bench(cfg, repeats=3):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import coverage
 
-FILES = ("rl.py", "rollout.py", "sft.py", "eval.py", "common.py", "gpu_check.py")
+FILES = ("rl.py", "rollout.py", "sft.py", "eval.py", "machinery/distributed.py", "tools/gpu_check.py")
 
 
 def functions_by_line(source):

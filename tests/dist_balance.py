@@ -17,8 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch.distributed as dist
 
-import common
 import rollout
+from machinery.distributed import balance_by_tokens, init_distributed, split_by_tokens
 
 
 def trajectories_of(rank, count):
@@ -37,8 +37,8 @@ def check(mine, rank, world_size):
     # the reference: every trajectory everywhere (the old all-gather), split the same way on every rank
     parts = [None] * world_size
     dist.all_gather_object(parts, mine)
-    expected = rollout.split_by_tokens([t for part in parts for t in part], world_size)[rank]
-    share, traffic = rollout.balance_by_tokens(mine)
+    expected = split_by_tokens([t for part in parts for t in part], world_size)[rank]
+    share, traffic = balance_by_tokens(mine)
     assert share == expected, f"rank {rank}: the share differs from split_by_tokens over all trajectories"
     # what must have arrived: from each other rank, its trajectories in this share, in its order, pickled
     keys = {(t.problem_index, t.sample_index) for t in share}
@@ -51,7 +51,7 @@ def check(mine, rank, world_size):
 
 
 def main():
-    rank, world_size, _, _ = common.init_distributed()
+    rank, world_size, _, _ = init_distributed()
     mine = trajectories_of(rank, 24 if rank == 0 else 4)
     share, traffic, gathered_before = check(mine, rank, world_size)
     sent = [None] * world_size

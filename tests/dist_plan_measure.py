@@ -19,10 +19,13 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefT
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import plan  # noqa: E402
+from machinery import plan  # noqa: E402
 import rl  # noqa: E402
-from common import init_distributed, load_config  # noqa: E402
-from rollout import balance_by_tokens  # noqa: E402
+from machinery.distributed import init_distributed
+from machinery.config import load_config
+from machinery.distributed import balance_by_tokens  # noqa: E402
+from machinery.distributed import full_weights
+from machinery.training import last_hidden_states, token_logprobs
 
 
 def full_sample(tokens, vocab, seed):
@@ -54,7 +57,7 @@ def main():
 
     # gradients: one forward/backward, summed over this rank's gradient shards
     input_ids = torch.tensor([full_sample(tokens, vocab, rank).prompt_ids + full_sample(tokens, vocab, rank).response_ids])
-    rl.token_logprobs(model, input_ids, 1.0, cfg.logprob_chunk_tokens).sum().backward()
+    token_logprobs(model, input_ids, 1.0, cfg.logprob_chunk_tokens).sum().backward()
     out["grads"] = plan.tensor_bytes(p.grad for p in model.parameters())
     optimizer.zero_grad(set_to_none=True)
 
@@ -67,7 +70,7 @@ def main():
             model.gradient_checkpointing_disable()
         tracker = FSDPMemTracker(model, optimizer)
         with tracker:
-            hidden = rl.last_hidden_states(model, input_ids)
+            hidden = last_hidden_states(model, input_ids)
             out[f"saved_checkpointing_{checkpointing}"] = tracker.get_tracker_snapshot("current")[device][_FSDPRefType.ACT]
         del hidden
     if not cfg.activation_checkpointing:
@@ -92,7 +95,7 @@ def main():
     dtype = getattr(torch, cfg.rollout.dtype) if cfg.rollout.dtype != "auto" else torch.float32
     comm = plan.CommMeter()
     with comm, torch.no_grad():
-        for _ in rl.full_weights(model, dtype):
+        for _ in full_weights(model, dtype):
             pass
     out["weight_sync_received"] = comm.total()
 

@@ -17,7 +17,9 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import rl  # noqa: E402
-from common import init_distributed, load_config  # noqa: E402
+from machinery.distributed import init_distributed
+from machinery.config import load_config
+from machinery.distributed import full_weights
 
 # Eight trajectories of very different lengths and tool-token masks: a per-micro-batch token mean would weigh
 # them differently depending on the split, so a scaling bug moves the gradient far past float noise.
@@ -69,7 +71,7 @@ def main():
     for dtype in (torch.float32, torch.bfloat16):
         traffic = {}
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as profiler:
-            sent = {name: t.clone() for name, t in rl.full_weights(model, dtype, traffic)}
+            sent = {name: t.clone() for name, t in full_weights(model, dtype, traffic)}
         gathers = [(e.name(), [d for d in e.dtypes() if d not in ("", "Scalar", "ScalarList")])
                    for e in profiler.profiler.kineto_results.events() if "gather" in e.name().lower() and "::" in e.name()]
         sync[str(dtype)] = {"weights": sent, "gathered_bytes": traffic["weight_sync_gathered_bytes"], "gathers": gathers}

@@ -27,10 +27,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import common
 import rollout
 from bench.rollout import scripted_policy
 from executor import Executor
+from machinery.distributed import balance_by_tokens, init_distributed
+from machinery.engine import Engine
+from machinery.prompts import render_prompt
 
 
 def say(line):
@@ -90,7 +92,7 @@ def optimizer_step(model, optimizer, tokenizer):
 
 
 def main(model_dir):
-    rank, world_size, _, _ = common.init_distributed()
+    rank, world_size, _, _ = init_distributed()
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -102,9 +104,9 @@ def main(model_dir):
     cfg = rollout.RolloutConfig(dtype="float32", enforce_eager=True, gpu_memory_utilization=0.1, max_prompt_tokens=448,
                                 max_response_tokens=64)
     default_group, default_store = dist.group.WORLD, dist.distributed_c10d._get_default_store()
-    engine = rollout.Engine(model_dir, cfg, seed=rank)
+    engine = Engine(model_dir, cfg, seed=rank)
     placement = check_colocation(engine, default_group, default_store, tp_size=1)
-    prompt = rollout.render_prompt(tokenizer, "Compute 4821 * 37 - 905.", cfg)
+    prompt = render_prompt(tokenizer, "Compute 4821 * 37 - 905.", cfg)
     fixed = tokenizer.encode(" I will compute it with Python. </reason>\n<answer> \\boxed{177472} </answer><|im_end|>",
                              add_special_tokens=False)
 
@@ -145,7 +147,7 @@ def main(model_dir):
     assert gap < TOLERANCE, f"rank {rank}: sampled log-probs vs trainer: max |diff| {gap}"
 
     # 5. the training split: every trajectory lands on exactly one rank
-    share, _ = rollout.balance_by_tokens([t for g in groups for t in g])
+    share, _ = balance_by_tokens([t for g in groups for t in g])
     shares = [None] * world_size
     dist.all_gather_object(shares, [(t.problem_index, t.sample_index, len(t.prompt_ids) + len(t.response_ids)) for t in share])
     keys = sorted(k[:2] for part in shares for k in part)
@@ -158,18 +160,18 @@ def main(model_dir):
 
 
 def main_tensor_parallel(model_dir):
-    rank, _, _, _ = common.init_distributed()
+    rank, _, _, _ = init_distributed()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     cfg = rollout.RolloutConfig(dtype="float32", enforce_eager=True, gpu_memory_utilization=0.1, max_prompt_tokens=448,
                                 max_response_tokens=128, tensor_parallel_size=2)
     scripts, call_end = {}, tokenizer.convert_tokens_to_ids("</tool_call>")
     default_group, default_store = dist.group.WORLD, dist.distributed_c10d._get_default_store()
-    engine = rollout.Engine(model_dir, cfg, seed=0, logits_processors=[scripted_policy(scripts, call_end)])
+    engine = Engine(model_dir, cfg, seed=0, logits_processors=[scripted_policy(scripts, call_end)])
     placement = check_colocation(engine, default_group, default_store, tp_size=2)
     problem = "Compute 6 * 7."
     call = json.dumps({"name": "python_code_with_standard_io", "arguments": {"code": "print(6 * 7)", "input": ""}})
     turns = [f"\n<tool_call>\n{call}\n</tool_call>", " 42 </reason><answer> \\boxed{42} </answer><|im_end|>"]
-    scripts[tuple(rollout.render_prompt(tokenizer, problem, cfg))] = [tokenizer.encode(t, add_special_tokens=False) for t in turns]
+    scripts[tuple(render_prompt(tokenizer, problem, cfg))] = [tokenizer.encode(t, add_special_tokens=False) for t in turns]
     with Executor(workers=1, timeout_s=2.0) as executor:
         groups = rollout.generate(engine, executor, tokenizer, [problem, "Compute 1 + 2.", "Compute 3 + 4."], 2, cfg, seed=0)
     trajs = [t for g in groups for t in g]
@@ -181,7 +183,7 @@ def main_tensor_parallel(model_dir):
     else:
         assert trajs == [], f"rank {rank}: a tensor-parallel follower returned trajectories"
     # synchronous calls take the leader's inputs on every rank of the group
-    prompt = rollout.render_prompt(tokenizer, problem, cfg)
+    prompt = render_prompt(tokenizer, problem, cfg)
     scored = engine.score([prompt], [tokenizer.encode(" 42", add_special_tokens=False)] if rank == 0 else [[7, 7]])
     both = [None, None]
     torch.distributed.all_gather_object(both, scored)

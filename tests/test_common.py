@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from common import (BENCHMARKS, REPO, TRAINING_FILES, ConfigError, load_config, load_jsonl, load_problems,
-                    normalize_problem)
+from machinery.data import BENCHMARKS, TRAINING_FILES, load_jsonl, load_problems, normalize_problem
+from machinery.config import REPO, ConfigError, load_config
 
 
 @dataclasses.dataclass
@@ -137,7 +137,7 @@ def test_a_child_of_a_single_process_world_starts_its_own_and_torchrun_children_
     child = tmp_path / "child.py"
     child.write_text(
         f"import os, sys; sys.path.insert(0, {str(REPO)!r})\n"
-        "from common import init_distributed\n"
+        "from machinery.distributed import init_distributed\n"
         "import torch.distributed as dist\n"
         "rank, world, _, _ = init_distributed()\n"
         # One file per process: two torchrun children printing to one pipe interleave ('childchild 1 2 ...').
@@ -146,7 +146,7 @@ def test_a_child_of_a_single_process_world_starts_its_own_and_torchrun_children_
         "dist.barrier(); dist.destroy_process_group()\n")
     parent = (
         f"import os, subprocess, sys; sys.path.insert(0, {str(REPO)!r})\n"
-        "from common import init_distributed\n"
+        "from machinery.distributed import init_distributed\n"
         "init_distributed()\n"
         "print('parent', os.environ['MASTER_PORT'], flush=True)\n"
         f"subprocess.run([sys.executable, {str(child)!r}], check=True)\n"

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-import executor
 from bench.executor import leak_counters, soak, stray_processes
-from executor import SANDBOX_UID_BASE, ExecResult, Executor, truncate_middle
+from machinery.sandbox import SANDBOX_UID_BASE, truncate_middle
+from executor import ExecResult, Executor
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 2.0
@@ -109,7 +109,7 @@ def test_exceptions_show_the_snippets_traceback_only(ex):
     assert result.stderr.startswith("Traceback (most recent call last):\n  File \"main.py\", line 3, in <module>")
     assert "    return 1 / 0\n" in result.stderr                          # the source line is shown
     assert result.stderr.endswith("ZeroDivisionError: division by zero\n")
-    assert "executor.py" not in result.stderr                             # no wrapper frames
+    assert "sandbox.py" not in result.stderr                              # no wrapper frames
 
 
 def test_the_snippet_runs_as_a_script_named_main(ex):
@@ -550,17 +550,18 @@ def test_gpu_device_nodes_are_masked(tmp_path):
     script = f"""
     import os, sys, json
     sys.path.insert(0, {str(REPO)!r})
-    import executor
-    executor._unshare(executor.CLONE_NEWNS)
-    executor._mount(None, "/", None, executor.MS_REC | executor.MS_PRIVATE)
+    from executor import Executor
+    from machinery import sandbox
+    sandbox._unshare(sandbox.CLONE_NEWNS)
+    sandbox._mount(None, "/", None, sandbox.MS_REC | sandbox.MS_PRIVATE)
     fake = {str(tmp_path)!r}
-    executor._mount("tmpfs", fake, "tmpfs", 0, "mode=755")
+    sandbox._mount("tmpfs", fake, "tmpfs", 0, "mode=755")
     for name, major, minor in [("null", 1, 3), ("zero", 1, 5), ("urandom", 1, 9), ("nvidia0", 195, 0),
                                ("nvidiactl", 195, 255), ("kfd", 238, 0)]:
         os.mknod(f"{{fake}}/{{name}}", 0o20666, os.makedev(major, minor))
     os.makedirs(f"{{fake}}/dri"); os.mknod(f"{{fake}}/dri/renderD128", 0o20666, os.makedev(226, 128)); os.makedirs(f"{{fake}}/shm")
-    executor._mount(fake, "/dev", None, executor.MS_BIND)
-    with executor.Executor(workers=1) as e:
+    sandbox._mount(fake, "/dev", None, sandbox.MS_BIND)
+    with Executor(workers=1) as e:
         r = e.run("import os\\nprint([os.stat('/dev/' + n).st_rdev == os.stat('/dev/null').st_rdev for n in ('nvidia0', 'nvidiactl', 'kfd')], os.listdir('/dev/dri'))")
         print(json.dumps([r.stdout, e.isolation["gpu_devices_masked"]]))
     """
@@ -733,12 +734,13 @@ def run_as_nobody(tmp_path, chroot):
     launcher = textwrap.dedent(f"""
         import os, sys
         sys.path.insert(0, {str(REPO)!r})
-        import executor
-        executor._unshare(executor.CLONE_NEWNS)
-        executor._mount(None, "/", None, executor.MS_REC | executor.MS_PRIVATE)
-        executor._hide_paths([], executor._keep_paths(), {{"hidden_paths": [], "warnings": []}})
+        from executor import Executor
+        from machinery import sandbox
+        sandbox._unshare(sandbox.CLONE_NEWNS)
+        sandbox._mount(None, "/", None, sandbox.MS_REC | sandbox.MS_PRIVATE)
+        sandbox._hide_paths([], sandbox._keep_paths(), {{"hidden_paths": [], "warnings": []}})
         if {chroot}:
-            executor._mount("/", {str(tmp_path)!r}, None, executor.MS_BIND | executor.MS_REC)
+            sandbox._mount("/", {str(tmp_path)!r}, None, sandbox.MS_BIND | sandbox.MS_REC)
             os.chroot({str(tmp_path)!r})
         os.chdir("/tmp")
         os.setgroups([]); os.setresgid(65534, 65534, 65534); os.setresuid(65534, 65534, 65534)

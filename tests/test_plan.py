@@ -17,10 +17,14 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-import plan
+from machinery import plan
 import rl
-from common import ConfigError, init_distributed, load_config
-from rollout import Engine, RolloutConfig
+from machinery.config import ConfigError, load_config
+from machinery.distributed import init_distributed
+from machinery.engine import Engine
+from rollout import RolloutConfig
+from machinery.training import token_logprobs
+from tools.gpu_check import verdict
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -285,9 +289,9 @@ def test_training_flops_formula_against_torch_flop_counter():
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         with torch.no_grad(), FlopCounterMode(display=False) as forward:
-            rl.token_logprobs(model, ids, 1.0, chunk)
+            token_logprobs(model, ids, 1.0, chunk)
         with FlopCounterMode(display=False) as update:
-            rl.token_logprobs(model, ids, 1.0, chunk).sum().backward()
+            token_logprobs(model, ids, 1.0, chunk).sum().backward()
         what = f"checkpointing={checkpointing}, logprob_chunk_tokens={chunk}"
         assert planned["old_logprobs"] == pytest.approx(forward.get_total_flops(), rel=0.03), what
         assert planned["update"] + planned["recompute"] == pytest.approx(update.get_total_flops(), rel=0.03), what
@@ -325,14 +329,13 @@ def test_a_model_without_config_is_a_clear_error():
 def test_gpu_check_refuses_a_machine_without_a_gpu():
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: run gpu_check.py itself")
-    proc = subprocess.run([PYTHON, "gpu_check.py", "only_cycle=true"], cwd=REPO, capture_output=True, text=True,
+    proc = subprocess.run([PYTHON, "-m", "tools.gpu_check", "only_cycle=true"], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 1 and "no CUDA (or ROCm) GPU here" in proc.stderr
 
 
 def test_gpu_check_ends_with_a_one_screen_verdict_per_check_and_phase():
     """gpu_check.py's last output, from the results it records: the GPU fills them, the formatting runs here."""
-    import gpu_check  # it imports vllm and bench/ at its top: loaded for this test only, not for all of test_plan.py
 
     phases = [dict(phase=f"{r}: {p}", seconds=1.5, device_used_gib=40.0, torch_peak_allocated_gib=30.25)
               for r in range(2) for p in ("rollout", "sleep", "old log-probs", "train step", "wake + weight sync")]
@@ -341,7 +344,7 @@ def test_gpu_check_ends_with_a_one_screen_verdict_per_check_and_phase():
                "sleep_wake": {"error": "Traceback (most recent call last):\n  ...\nAssertionError: sleep freed 0.10 GiB\n"},
                "rl_cycle": {"K": 12, "phases": phases, "plan_fits": True, "plan_phases_gib": {"rollout": 50.0}},
                "failures": ["sleep_wake"]}
-    lines = gpu_check.verdict(results).splitlines()
+    lines = verdict(results).splitlines()
     assert lines[0] == "gpu_check.py on NVIDIA H100: FAIL (sleep_wake)  engine_start_s=20"
     assert lines[1:4] == ["PASS logprobs_bf16: vs_trainer_bf16_mean=0.0123  tokens=30",
                           "FAIL sleep_wake: AssertionError: sleep freed 0.10 GiB", "PASS rl_cycle: K=12  plan_fits=True"]

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 import prepare_data
-from common import ConfigError, load_config, load_problems
+from machinery.config import ConfigError, load_config
+from machinery.data import load_problems
 
 REPO = Path(__file__).resolve().parent.parent
 

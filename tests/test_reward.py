@@ -18,6 +18,7 @@ from math_verify import parse, verify
 
 import reward
 from bench.reward import NOTATION_SHAPES, _decided_without_verify, audit_fast_path, math500_labeled_set
+from machinery.verifier import _run_in_pool, shutdown_pool, start_pool
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -251,7 +252,7 @@ def test_score_batch_keeps_order_and_takes_one_or_many_finished_flags():
 
 def test_score_batch_verifies_each_distinct_pair_once():
     # A group's 2G rollouts often give the same answer; math-verify should see it once.
-    pool = reward.start_pool()
+    pool = start_pool()
     before = pool.tasks_run["verify"]
     rewards = reward.score_batch(["so \\boxed{(x+1)^2}"] * 32, ["x^2+2x+1"] * 32)
     assert rewards == [1.0] * 32
@@ -308,7 +309,7 @@ def test_math_verify_itself_accepts_every_benchmark_gold_against_itself():
     golds = sorted({json.loads(line)["answer"] for p in paths
                     for line in open(os.path.join(REPO, f"data/{p}.jsonl"), encoding="utf-8")})
     golds = [g for g in golds if not g.lstrip("-").isdigit()]
-    results, _ = reward._run_in_pool([("verify", g, g) for g in golds], [10.0] * len(golds))
+    results, _ = _run_in_pool([("verify", g, g) for g in golds], [10.0] * len(golds))
     # Misses, with the reason (math-verify 0.9.0): none.
     assert [g for g, ok in zip(golds, results) if not ok] == []
 
@@ -345,7 +346,7 @@ def test_what_skips_verify_agrees_with_verify_on_the_labeled_set():
         if verdict is not None:
             decided[pred, gold] = verdict
     assert len(decided) > 400
-    checks, _ = reward._run_in_pool([("verify", p, g) for p, g in decided], [10.0] * len(decided))
+    checks, _ = _run_in_pool([("verify", p, g) for p, g in decided], [10.0] * len(decided))
     assert [pair for pair, check in zip(decided, checks) if decided[pair] != check] == []
 
 
@@ -380,7 +381,7 @@ def test_hostile_input_scores_zero_within_the_time_limit(name):
 def test_a_stuck_worker_is_killed_at_the_deadline_and_replaced():
     # A worker inside one C call (a huge big-int power) cannot run its alarm handler; SIGSTOP makes every
     # worker just as unresponsive, so only the parent's kill can end the check.
-    pool = reward.start_pool()
+    pool = start_pool()
     reward.is_equivalent("\\sqrt{8}", "2\\sqrt{2}")  # the pool is up
     kills = pool.kills
     stopped = [w["proc"].pid for w in pool.workers]
@@ -399,26 +400,26 @@ def test_a_stuck_worker_is_killed_at_the_deadline_and_replaced():
 
 
 def test_workers_that_cannot_start_raise_a_clear_error(monkeypatch):
-    reward.shutdown_pool()
+    shutdown_pool()
     monkeypatch.setattr(sys, "executable", "/bin/false")
     with pytest.raises(RuntimeError, match="workers fail to start"):
         reward.is_equivalent("\\sqrt{8}", "2\\sqrt{2}")
     monkeypatch.undo()
-    reward.shutdown_pool()
+    shutdown_pool()
     assert reward.is_equivalent("\\sqrt{8}", "2\\sqrt{2}") is True
 
 
 def test_shutdown_leaves_no_worker_behind():
-    pool = reward.start_pool()
+    pool = start_pool()
     pids = [w["proc"].pid for w in pool.workers]
-    reward.shutdown_pool()
+    shutdown_pool()
     for pid in pids:
         assert subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0
 
 
 def test_workers_die_with_their_parent():
     # A trainer killed with SIGKILL runs no cleanup; PR_SET_PDEATHSIG must still take its workers down.
-    code = ("import reward, sys; pool = reward.start_pool(1); reward.is_equivalent('\\\\sqrt{8}', '2\\\\sqrt{2}');"
+    code = ("import reward, sys; from machinery.verifier import start_pool; pool = start_pool(1); reward.is_equivalent('\\\\sqrt{8}', '2\\\\sqrt{2}');"
             "print(pool.workers[0]['proc'].pid, flush=True); import time; time.sleep(60)")
     parent = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
     worker_pid = int(parent.stdout.readline())

@@ -24,8 +24,14 @@ import rollout
 import tiny
 from dist_rl_train_step import fixed_batch   # tests/ is on sys.path (pytest's rootdir-relative import)
 from grpo_roc import policy_loss
-from common import ConfigError, compute_dtype, init_distributed, latest_checkpoint, load_config, load_problems, save_checkpoint
+from machinery.config import ConfigError, load_config
+from machinery.distributed import compute_dtype, init_distributed
+from machinery.checkpoint import latest_checkpoint, save_checkpoint
+from machinery.data import load_problems
 from rollout import Trajectory
+from machinery.checkpoint import load_weights, start_checkpoint
+from machinery.prompts import load_format, read_format
+from machinery.training import collate, micro_batches, token_logprobs
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -173,10 +179,10 @@ def test_a_per_micro_batch_mean_would_change_this_batch_far_beyond_the_tolerance
     for mode in ("global", "per_micro_batch"):
         model.zero_grad()
         total = sum(sum(s.loss_mask) for s in samples)
-        batches = rl.micro_batches(samples, cfg)
+        batches = micro_batches(samples, cfg)
         for batch in batches:
-            input_ids, _, mask, advantages = rl.collate(batch, 0, torch.device("cpu"))
-            logp = rl.token_logprobs(model, input_ids, 1.0)
+            input_ids, _, mask, advantages = collate(batch, 0, torch.device("cpu"))
+            logp = token_logprobs(model, input_ids, 1.0)
             if mode == "global":  # rl.train_step's scaling (in one process)
                 loss, _ = policy_loss(logp, logp.detach(), advantages, mask, num_tokens=total)
             else:                 # each micro-batch's own token mean, averaged over micro-batches
@@ -192,7 +198,7 @@ def test_a_per_micro_batch_mean_would_change_this_batch_far_beyond_the_tolerance
 
 def logprobs_and_grads(model, input_ids, chunk_tokens):
     model.zero_grad(set_to_none=True)
-    logp = rl.token_logprobs(model, input_ids, 0.7, chunk_tokens)
+    logp = token_logprobs(model, input_ids, 0.7, chunk_tokens)
     (logp * torch.linspace(-1, 1, logp.numel()).view_as(logp)).sum().backward()  # every position's gradient differs
     return logp.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
@@ -208,7 +214,7 @@ def test_chunked_logprobs_equal_the_full_logits_ones_with_their_gradients(tiny_m
     for name, grad in full_grads.items():
         torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
     with torch.no_grad():  # recompute_logprobs' path: no checkpoint, the same values
-        torch.testing.assert_close(rl.token_logprobs(model, input_ids, 0.7, 37), full_logp, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(token_logprobs(model, input_ids, 0.7, 37), full_logp, atol=1e-6, rtol=1e-6)
 
 
 def memory_of_backward(model, input_ids, chunk_tokens):
@@ -276,16 +282,16 @@ def sample(length, prompt=2):
 def test_micro_batches_keep_under_both_caps_and_lose_no_sample():
     samples = [sample(n) for n in (50, 10, 30, 30, 20, 5)]
     cfg = rl.RLConfig(model="x", micro_batch_tokens=60, micro_batch_size=0)
-    batches = rl.micro_batches(samples, cfg)
+    batches = micro_batches(samples, cfg)
     assert all(len(b) * max(len(s) for s in b) <= 60 for b in batches)  # padded size
     assert sorted(len(s) for b in batches for s in b) == sorted(len(s) for s in samples)
     cfg.micro_batch_size = 1
-    assert [len(b) for b in rl.micro_batches(samples, cfg)] == [1] * 6
+    assert [len(b) for b in micro_batches(samples, cfg)] == [1] * 6
 
 
 def test_a_trajectory_longer_than_a_micro_batch_is_an_error_that_says_what_to_raise():
     with pytest.raises(ConfigError, match="does not fit micro_batch_tokens=60"):
-        rl.micro_batches([sample(61)], rl.RLConfig(model="x", micro_batch_tokens=60))
+        micro_batches([sample(61)], rl.RLConfig(model="x", micro_batch_tokens=60))
 
 
 # -----------------------------------------------------------------------------
@@ -358,24 +364,24 @@ def test_stage_3_starts_from_the_stage_2_master_weights_with_a_fresh_optimizer(t
     assert not cfg.init_optimizer  # what configs/stage3.yaml says
     model, optimizer = rl.load_policy(cfg, torch.device("cpu"), 0)
     input_ids = torch.randint(0, model.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(0))
-    (-rl.token_logprobs(model, input_ids, 1.0, 16).mean()).backward()
+    (-token_logprobs(model, input_ids, 1.0, 16).mean()).backward()
     optimizer.step()  # stage 2's weights and AdamW moments: not the HF directory's any more
     save_checkpoint(stage2, 385, model, optimizer, {"step": 385, "data_position": 385 * 512})
 
-    checkpoint, weights_only = rl.start_checkpoint(cfg, tmp_path / "stage3" / "checkpoints")
+    checkpoint, weights_only = start_checkpoint(cfg, tmp_path / "stage3" / "checkpoints")
     assert checkpoint == latest_checkpoint(stage2) and weights_only
     fresh, fresh_optimizer = rl.load_policy(cfg, torch.device("cpu"), 0)
     trained = {name: p.full_tensor() for name, p in model.named_parameters()}
     assert any(not torch.equal(p.full_tensor(), trained[name]) for name, p in fresh.named_parameters())
-    rl.load_weights(checkpoint, fresh)
+    load_weights(checkpoint, fresh)
     for name, p in fresh.named_parameters():
         assert p.dtype == torch.float32 and torch.equal(p.full_tensor(), trained[name]), name
     assert fresh_optimizer.state_dict()["state"] == {}
     # stage 2 (init_optimizer true, the default) takes everything; once stage 3 has saved, its own checkpoint wins
-    assert rl.start_checkpoint(load_config(rl.RLConfig, [f"model={tiny_model_dir}", f"init_from={stage2}"]),
+    assert start_checkpoint(load_config(rl.RLConfig, [f"model={tiny_model_dir}", f"init_from={stage2}"]),
                                tmp_path / "none") == (checkpoint, False)
     save_checkpoint(tmp_path / "stage3" / "checkpoints", 10, fresh, fresh_optimizer, {"step": 10, "data_position": 5120})
-    assert rl.start_checkpoint(cfg, tmp_path / "stage3" / "checkpoints")[1] is False
+    assert start_checkpoint(cfg, tmp_path / "stage3" / "checkpoints")[1] is False
 
 
 def test_bf16_training_is_fsdp2_mixed_precision_on_gloo_as_on_a_gpu(tiny_model_dir):
@@ -393,9 +399,9 @@ def test_bf16_training_is_fsdp2_mixed_precision_on_gloo_as_on_a_gpu(tiny_model_d
     model.model.layers[0].mlp.down_proj.register_forward_hook(
         lambda module, args, out: seen.append((module.weight.dtype, args[0].dtype, out.dtype)))
     samples = fixed_batch(model.config.vocab_size)
-    input_ids = rl.collate(samples[:4], 0, cpu)[0]
+    input_ids = collate(samples[:4], 0, cpu)[0]
     with torch.no_grad():
-        gap = (rl.token_logprobs(model, input_ids, 1.0) - rl.token_logprobs(reference, input_ids, 1.0)).abs()
+        gap = (token_logprobs(model, input_ids, 1.0) - token_logprobs(reference, input_ids, 1.0)).abs()
     assert seen == [(torch.bfloat16,) * 3]
     assert 1e-4 < gap.max() < 0.05, gap.max()  # bf16 rounding (4e-3 here) of the same weights, not another model
 
@@ -540,10 +546,10 @@ def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_data_and_metrics(
         torch.testing.assert_close(final_resumed[name], weight, atol=1e-6, rtol=1e-5, msg=name)
     # Both directories say the format they were trained in (configs/tiny.yaml: the code prompt), for eval.py.
     for model_dir in (sft_policy, killed / "hf_step_2"):
-        record, template, schema = rollout.read_format(model_dir)
-        assert record["prompt_variant"] == "code" and (template, schema) == rollout.load_format(
+        record, template, schema = read_format(model_dir)
+        assert record["prompt_variant"] == "code" and (template, schema) == load_format(
             rollout.RolloutConfig(prompt_variant="code"))[:2]
-    assert rollout.read_format(killed / "hf_step_2")[0]["written_by"] == "rl.py"
+    assert read_format(killed / "hf_step_2")[0]["written_by"] == "rl.py"
 
 
 @pytest.mark.slow

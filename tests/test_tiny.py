@@ -8,9 +8,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import rollout
 import sft
-from common import REPO, load_config
-from tiny import (TOOL_TOKENS, TinyConfig, build_model, build_tokenizer, make_arithmetic_problems, make_sft_transcripts,
-                  pretrain_base_model, pretraining_documents, write_sft_transcripts)
+from machinery.config import REPO, load_config
+from tiny import (TOOL_TOKENS, build_model, build_tokenizer, make_arithmetic_problems,
+                  make_sft_transcripts, pretrain_base_model, pretraining_documents, TinyConfig,
+                  write_sft_transcripts)
 
 CODE_TEMPLATE = (REPO / "configs/templates/rstar2_code.jinja").read_text()
 CODE_TOOL = json.loads((REPO / "configs/templates/python_code_with_standard_io.json").read_text())

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-import rollout
 from gpu_wheel import REPO, gpu_vllm_source, pinned_gpu_version
+from machinery.engine import SLEEP_TAGS
 
 # Where vLLM's outputs reach our code through a local name: the type each name holds (rollout.Engine.step / score /
 # generate_plain / counters). test_every_name_in_the_type_table_is_used keeps the table honest.
@@ -216,7 +216,7 @@ def repo_tree(name):
 
 
 def engine_class():
-    return next(n for n in repo_tree("rollout.py").body if isinstance(n, ast.ClassDef) and n.name == "Engine")
+    return next(n for n in repo_tree("machinery/engine.py").body if isinstance(n, ast.ClassDef) and n.name == "Engine")
 
 
 def sync_weights_function():
@@ -236,7 +236,7 @@ def overrides_passed_to_engine():
     """Keywords that callers outside the tests pass through Engine(...) to vllm.LLM (its **vllm_overrides)."""
     own = {a.arg for a in next(f for f in engine_class().body if getattr(f, "name", "") == "__init__").args.args}
     found = {}
-    for path in sorted(REPO.glob("*.py")) + sorted(REPO.glob("bench/*.py")):
+    for path in sorted(REPO.glob("*.py")) + sorted(REPO.glob("*/*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] == "Engine":
                 for kw in node.keywords:
@@ -270,7 +270,7 @@ def vllm_uses():
         if isinstance(node, ast.ImportFrom) and node.module.split(".")[0] == "vllm":
             for alias in node.names:
                 imported[alias.asname or alias.name] = (node.module, alias.name)
-                uses.append(Use((node.module, alias.name), f"rollout.py:{node.lineno}"))
+                uses.append(Use((node.module, alias.name), f"machinery/engine.py:{node.lineno}"))
         if isinstance(node, ast.Import) and any(a.name == "vllm" for a in node.names):
             imported["vllm"] = ("vllm",)
     overrides = overrides_passed_to_engine()
@@ -293,7 +293,7 @@ def vllm_uses():
             return inner + ("[]",) if inner else None
         return None
 
-    for scope, owner, file in [(engine, "self", "rollout.py"), (sync, "engine", "rl.py")]:
+    for scope, owner, file in [(engine, "self", "machinery/engine.py"), (sync, "engine", "rl.py")]:
         for node in ast.walk(scope):
             where = f"{file}:{getattr(node, 'lineno', '?')}"
             if isinstance(node, ast.Call):
@@ -326,8 +326,8 @@ def vllm_uses():
             elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("VLLM_"):
                 uses.append(Use(("vllm.envs", node.value), where))
     # Sleep tags go to LLM.wake_up(tags=...) through a variable; the worker's memory pools must carry these names.
-    for tag in rollout.SLEEP_TAGS:
-        uses.append(Use(("sleep tag", tag), "rollout.py: SLEEP_TAGS"))
+    for tag in SLEEP_TAGS:
+        uses.append(Use(("sleep tag", tag), "machinery/engine.py: SLEEP_TAGS"))
     # rl.sync_weights itself calls only Engine methods (checked below); the vLLM calls behind them are Engine's.
     for node in ast.walk(sync):
         if isinstance(node, ast.Attribute) and ast.unparse(node.value) == "engine" and node.attr not in RECEIVERS:

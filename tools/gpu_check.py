@@ -38,13 +38,15 @@ import torch
 import vllm
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
-import common
-import plan
+from machinery import plan
 import rl
 import rollout
 import tiny
 from bench import rollout as rollout_bench
-from common import load_config
+from machinery.config import load_config
+from machinery.distributed import init_distributed
+from machinery.engine import Engine
+from machinery.prompts import render_prompt
 
 
 @dataclasses.dataclass
@@ -128,7 +130,7 @@ def rl_cycle(cfg, out, results):
     order), rollout again, cycle_rounds times, with rl.py's own functions on one GPU. Per phase: the device's used
     memory at its end (mem_get_info: vLLM's sleep-mode pool is outside PyTorch's counters), PyTorch's peak allocated
     during it, and the plan's number for the phase."""
-    common.init_distributed()
+    init_distributed()
     device = torch.device("cuda", torch.cuda.current_device())
     model_dir = cycle_model(cfg, out)
     context = cfg.cycle_micro_batch_tokens // 2
@@ -154,7 +156,7 @@ def rl_cycle(cfg, out, results):
         return result
 
     model, optimizer = measure("load trainer (FSDP2, fp32 master)", lambda: rl.load_policy(rl_cfg, device, 0))
-    engine = measure("engine start", lambda: rollout.Engine(model_dir, rl_cfg.rollout, seed=0))
+    engine = measure("engine start", lambda: Engine(model_dir, rl_cfg.rollout, seed=0))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     record["K"] = engine.max_concurrency()
     problems = [row["problem"] for row in tiny.make_arithmetic_problems(cfg.cycle_prompts, seed=2)]
@@ -268,7 +270,7 @@ def verdict(results):
 
 
 def checks_1_to_5(cfg, out, results, check):
-    common.init_distributed()
+    init_distributed()
 
     model_dir = tiny.build_tiny_model(tiny.TinyConfig(
         out_dir=str(out / "model"), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
@@ -278,13 +280,13 @@ def checks_1_to_5(cfg, out, results, check):
     rcfg = rollout.RolloutConfig(dtype="bfloat16", gpu_memory_utilization=cfg.gpu_memory_utilization,
                                  enforce_eager=cfg.enforce_eager, max_prompt_tokens=512, max_response_tokens=1024)
     start = time.perf_counter()
-    engine = rollout.Engine(model_dir, rcfg, seed=0)
+    engine = Engine(model_dir, rcfg, seed=0)
     results["engine_start_s"] = time.perf_counter() - start
     results["max_concurrency_K"] = engine.max_concurrency()
 
     # 1-2. weight update and log-prob agreement in bf16
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
-    prompt = rollout.render_prompt(tokenizer, "Compute 4821 * 37 - 905.", rcfg)
+    prompt = render_prompt(tokenizer, "Compute 4821 * 37 - 905.", rcfg)
     fixed = tokenizer.encode(" I will compute it. </reason>\n<answer> \\boxed{177472} </answer><|im_end|>",
                              add_special_tokens=False)
 
@@ -353,7 +355,7 @@ def checks_1_to_5(cfg, out, results, check):
     def throughput():
         plain_cfg = dataclasses.replace(rcfg, use_tool=False, max_response_tokens=cfg.max_tokens)
         problems = [row["problem"] for row in tiny.make_arithmetic_problems(cfg.prompts, seed=1)]
-        prompts = [rollout.render_prompt(tokenizer, p, plain_cfg) for p in problems]
+        prompts = [render_prompt(tokenizer, p, plain_cfg) for p in problems]
         engine.generate_plain(prompts[:4], 8)  # warm-up
         start = time.perf_counter()
         plain = engine.generate_plain(prompts, cfg.max_tokens)

@@ -44,8 +44,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common import REPO, ConfigError, load_config
-from grpo_roc import rollouts_per_prompt
+from machinery.config import REPO, ConfigError, load_config
 
 GiB = 2**30
 # Memory as the driver reports it (torch.cuda.mem_get_info's total), not the marketing number.
@@ -507,7 +506,7 @@ def step_time(cfg, m, world, a, gpus=GPUS):
     weight sync     the bf16 shards every rank gathers (bytes_moved), over link_seconds."""
     r = cfg.rollout
     prompt, response = a.plan_prompt_tokens or r.max_prompt_tokens, a.plan_response_tokens or r.max_response_tokens
-    rollouts = math.ceil(cfg.prompts_per_step * rollouts_per_prompt(cfg.group_size, cfg.algorithm) / world)
+    rollouts = math.ceil(cfg.prompts_per_step * cfg.rollouts_per_prompt / world)
     kept = math.ceil(cfg.prompts_per_step * cfg.group_size / world)
     micro_batches = math.ceil(kept / max(1, cfg.micro_batch_tokens // (prompt + response)))
     tokens = kept * (prompt + response)

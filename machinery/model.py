@@ -1,0 +1,88 @@
+"""Model directories: checks, building an FSDP2-sharded Hugging Face causal LM, and the export of a
+trained policy with its prompt format."""
+import os
+import shutil
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+from machinery.config import ConfigError, resolve
+from machinery.distributed import compute_dtype
+from machinery.prompts import write_format
+
+
+def check_model_dir(path):
+    """A local model directory needs a config and a tokenizer; a hub id (org/name, no such local folder) is left
+    to transformers."""
+    local = resolve(path)
+    if not local.exists():
+        hub_id = len(Path(path).parts) == 2 and not str(path).startswith((".", "/")) and not local.parent.exists()
+        if not hub_id:
+            raise ConfigError(f"model={path}: no such directory (and not a hub id like Qwen/Qwen3-14B-Base)")
+        return path
+    if not (local / "config.json").is_file():
+        raise ConfigError(f"model={path}: {local} has no config.json; expected a Hugging Face model directory")
+    if not any((local / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise ConfigError(f"model={path}: {local} has no tokenizer (tokenizer.json / tokenizer_config.json); "
+                          "save it beside the weights (tokenizer.save_pretrained)")
+    return str(local)
+
+
+def build_model(cfg, model_path, device, rank):
+    """The FSDP2-wrapped policy in fp32 (the master weights), with the checkpoint's weights. Every rank builds the
+    module on the meta device (no memory), shards it and allocates only its shard; rank 0 alone reads the checkpoint
+    and broadcasts it tensor by tensor, so host memory holds one full copy per node, not one per rank. Buffers that
+    are not in the state dict (RoPE's inv_freq) are copied from rank 0's loaded model too, since to_empty leaves them
+    uninitialised."""
+    config = AutoConfig.from_pretrained(model_path)
+    save_dtype = getattr(config, "dtype", None) or torch.float32
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=cfg.attn_implementation)
+    if cfg.activation_checkpointing:
+        # recompute each decoder layer in backward; non-reentrant checkpointing composes with FSDP2's hooks
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    bf16 = compute_dtype(device, cfg.train_dtype) == torch.bfloat16
+    # bf16 params in forward/backward, fp32 gradient reduction and fp32 master weights in the optimizer
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp_policy)
+    fully_shard(model, mp_policy=mp_policy)  # the root: embeddings, final norm, lm_head (tied or not)
+    model.to_empty(device=device)
+
+    source = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32) if rank == 0 else None
+    full_state = source.state_dict() if rank == 0 else {}
+    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    source_buffers = dict(source.named_buffers()) if rank == 0 else {}
+    for name, buffer in model.named_buffers():
+        if rank == 0:
+            buffer.copy_(source_buffers[name])
+        dist.broadcast(buffer, src=0)
+    del source, full_state
+    model.train()
+    return model, save_dtype
+
+
+def save_hf_model(model, tokenizer, model_path, out, save_dtype, rank, prompt_format, written_by):
+    """Gather the full weights on rank 0 and write a Hugging Face directory atomically (by a rename), so a crash never
+    leaves a half-written model where rl.py or vLLM would load it. prompt_format, the (chat template text, tool schema)
+    the model was trained in, goes beside config.json (rollout.write_format): eval.py evaluates the model in it."""
+    full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        out = Path(out)
+        tmp, old = out.with_name(out.name + ".tmp"), out.with_name(out.name + ".old")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.config.dtype = save_dtype
+        model.save_pretrained(tmp, state_dict={k: v.to(save_dtype) for k, v in full_state.items()})
+        tokenizer.save_pretrained(tmp)
+        write_format(tmp, *prompt_format, written_by=written_by)
+        try:  # keep the base model's sampling defaults (eos ids etc.)
+            GenerationConfig.from_pretrained(model_path).save_pretrained(tmp)
+        except OSError:
+            pass
+        if out.exists():
+            os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()

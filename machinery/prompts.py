@@ -1,0 +1,239 @@
+"""The rStar2 prompt formats (paper Fig. 3 and the released code's): templates and tool schemas,
+the rendered prompt and tool turn, token-exact, with tool output kept apart from control tokens,
+and the format a trained model directory carries."""
+import dataclasses
+import functools
+import json
+import re
+import warnings
+from pathlib import Path
+from machinery.config import resolve
+
+
+# The two prompt formats (paper vs release differ in four places, shared/docs/reference/prompt_template_paper_fig3.txt).
+# `prompt_variant` switches template and tool schema together; explicit paths override either.
+PROMPT_VARIANTS = {
+    "code": ("configs/templates/rstar2_code.jinja", "configs/templates/python_code_with_standard_io.json"),
+    "paper": ("configs/templates/rstar2_paper.jinja", "configs/templates/execute_python_code_with_standard_io.json"),
+}
+
+
+AUTO_VARIANT = "auto"  # the format saved in the model directory (FORMAT_FILE)
+
+
+# The format a checkpoint was trained with, written beside config.json by sft.py and rl.py (write_format), so
+# eval.py evaluates it in that format by default: in another one its tool calls fail as "unknown tool".
+FORMAT_FILE = "rstar2_format.json"
+
+
+FORMAT_TEMPLATE_FILE = "rstar2_chat_template.jinja"
+
+
+FORMAT_SCHEMA_FILE = "rstar2_tool_schema.json"
+
+
+def format_paths(cfg):
+    if cfg.prompt_variant == AUTO_VARIANT:
+        raise ValueError("rollout.prompt_variant=auto is read from the model directory: call "
+                         "rollout.apply_model_format(cfg, model_dir) before rendering")
+    template, schema = PROMPT_VARIANTS[cfg.prompt_variant]
+    # Relative to the repo, so a config works from any working directory.
+    return resolve(cfg.chat_template or template), resolve(cfg.tool_schema or schema)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_format(template_path, schema_path):
+    template = Path(template_path).read_text()
+    try:
+        schema = json.loads(Path(schema_path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"rollout.tool_schema {schema_path}: not valid JSON ({e})") from None
+    name = schema.get("function", {}).get("name") if isinstance(schema, dict) else None
+    if not name:
+        raise ValueError(f"rollout.tool_schema {schema_path}: expected {{\"type\": \"function\", "
+                         f"\"function\": {{\"name\": ...}}}}, found no function name")
+    return template, schema
+
+
+def load_format(cfg):
+    """(template text, tool schema dict, tool name) for this config."""
+    template, schema = _read_format(*map(str, format_paths(cfg)))
+    return template, schema, schema["function"]["name"]
+
+
+def variant_of(template, schema):
+    """The built-in variant whose template (and schema, unless None) these are, else None."""
+    for name, paths in PROMPT_VARIANTS.items():
+        variant_template, variant_schema = _read_format(*map(str, map(resolve, paths)))
+        if template == variant_template and schema in (None, variant_schema):
+            return name
+    return None
+
+
+def write_format(directory, template, schema, written_by):
+    """Save a training run's prompt format into the Hugging Face directory being written: the template and tool
+    schema themselves (either may be None: not part of the format), so the directory carries its format wherever
+    it is copied, and FORMAT_FILE, which names them and the built-in variant they are (null for a custom one)."""
+    directory = Path(directory)
+    record = {"prompt_variant": variant_of(template, schema), "chat_template": None, "tool_schema": None,
+              "written_by": written_by}
+    if template is not None:
+        (directory / FORMAT_TEMPLATE_FILE).write_text(template)
+        record["chat_template"] = FORMAT_TEMPLATE_FILE
+    if schema is not None:
+        (directory / FORMAT_SCHEMA_FILE).write_text(json.dumps(schema, indent=2) + "\n")
+        record["tool_schema"] = FORMAT_SCHEMA_FILE
+    (directory / FORMAT_FILE).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def read_format(model_dir):
+    """(record, template text or None, schema or None) from model_dir's FORMAT_FILE; None if it has none."""
+    model_dir = Path(model_dir)
+    path = model_dir / FORMAT_FILE
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        template = (model_dir / record["chat_template"]).read_text() if record["chat_template"] else None
+        schema = json.loads((model_dir / record["tool_schema"]).read_text()) if record["tool_schema"] else None
+    except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a prompt format written by sft.py / rl.py ({type(e).__name__}: {e})") from None
+    if record.get("prompt_variant") not in (None, *PROMPT_VARIANTS):
+        raise ValueError(f"{path}: unknown prompt_variant {record.get('prompt_variant')!r}")
+    return record, template, schema
+
+
+def apply_model_format(cfg, model_dir):
+    """cfg (a RolloutConfig) for evaluating model_dir. prompt_variant="auto" takes the format saved there
+    (FORMAT_FILE), or the paper's prompt, the released rStar2-Agent-14B's, for a directory without one. An explicit
+    setting (prompt_variant, chat_template or tool_schema) wins; one that differs from the saved format warns."""
+    saved = read_format(model_dir)
+    if cfg.prompt_variant == AUTO_VARIANT:
+        if saved is None:
+            warnings.warn(f"{model_dir} has no {FORMAT_FILE} (it was not saved by sft.py or rl.py): evaluating with "
+                          "rollout.prompt_variant=paper, the released rStar2-Agent-14B's format")
+            return dataclasses.replace(cfg, prompt_variant="paper")
+        record, template, schema = saved
+        variant = record["prompt_variant"] or "paper"  # a custom format: the parts it lacks are the paper's
+        variant_template, variant_schema, _ = load_format(dataclasses.replace(
+            cfg, prompt_variant=variant, chat_template="", tool_schema=""))
+        # The variant's own files where the saved ones equal them, so the resolved config reads as the variant.
+        chat_template = "" if template in (None, variant_template) else str(Path(model_dir) / FORMAT_TEMPLATE_FILE)
+        tool_schema = "" if schema in (None, variant_schema) else str(Path(model_dir) / FORMAT_SCHEMA_FILE)
+        cfg = dataclasses.replace(cfg, prompt_variant=variant, chat_template=cfg.chat_template or chat_template,
+                                  tool_schema=cfg.tool_schema or tool_schema)
+    if saved is not None:
+        record, template, schema = saved
+        used_template, used_schema, _ = load_format(cfg)
+        differ = [name for name, used, trained in (("chat template", used_template, template),
+                                                   ("tool schema", used_schema, schema))
+                  if trained is not None and used != trained]
+        if differ:
+            warnings.warn(f"{model_dir} was trained with another {' and '.join(differ)} than this run's "
+                          f"(its {FORMAT_FILE}: prompt_variant={record['prompt_variant']}; here rollout.prompt_variant="
+                          f"{cfg.prompt_variant}, chat_template={cfg.chat_template!r}, tool_schema={cfg.tool_schema!r}): "
+                          "its tool calls may fail; rollout.prompt_variant=auto evaluates it in its own format")
+    return cfg
+
+
+def _render(tokenizer, messages, cfg, add_generation_prompt):
+    # The template comes from config, not from the tokenizer: the same checkpoint can be trained and evaluated
+    # in either rStar2 format, and the released checkpoint served with its own.
+    template, schema, _ = load_format(cfg)
+    return tokenizer.apply_chat_template(messages, tools=[schema] if cfg.use_tool else None, chat_template=template,
+                                         add_generation_prompt=add_generation_prompt, tokenize=False)
+
+
+def render_prompt(tokenizer, problem_text, cfg):
+    """Token ids of the first prompt: system + tools, the user prefix + raw problem, the generation prompt.
+    The template adds the answer-format prefix itself; the data stores only the question (as the release)."""
+    if not isinstance(problem_text, str) or not problem_text.strip():
+        raise ValueError(f"render_prompt: the problem must be a non-empty string, got {problem_text!r}")
+    text = _render(tokenizer, [{"role": "user", "content": problem_text}], cfg, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+# Stands in for untrusted text while a template renders, so the template's own text can be told from the data.
+DATA_PLACEHOLDER = "\x00data\x00"
+
+
+@functools.lru_cache(maxsize=4)
+def _plain_tokenizer(tokenizer):
+    """The tokenizer's normalizer, pre-tokenizer and BPE without its added tokens: "<|im_end|>" in its input is the
+    ten characters, never the control token (encode_rendered)."""
+    if not tokenizer.is_fast:
+        raise ValueError(f"tokenizer {tokenizer.name_or_path}: a fast (Rust) tokenizer is needed to keep tool output "
+                         "apart from control tokens")
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    spec.update(added_tokens=[], truncation=None, padding=None)
+    return type(tokenizer.backend_tokenizer).from_str(json.dumps(spec))
+
+
+@functools.lru_cache(maxsize=4)
+def _control_tokens(tokenizer):
+    """(regex matching any added token's text, leftmost-longest as the tokenizer matches them; text -> id)."""
+    added = tokenizer.added_tokens_decoder
+    odd = [t.content for t in added.values() if t.lstrip or t.rstrip or t.single_word]
+    if odd:  # such tokens change the whitespace around them, which encode_rendered does not reproduce
+        raise ValueError(f"tokenizer {tokenizer.name_or_path}: added tokens with lstrip/rstrip/single_word ({odd[:3]}) "
+                         "are not supported")
+    ids = {t.content: i for i, t in added.items()}
+    return re.compile("|".join(re.escape(t) for t in sorted(ids, key=len, reverse=True))), ids
+
+
+def encode_rendered(tokenizer, fixed, data):
+    """Token ids of fixed[0] + data[0] + fixed[1] + ... + fixed[-1] (fixed: a template's own text, data: what
+    was substituted into it), as tokenizer.encode gives them, except that a control-token string inside data
+    stays plain text. Tool output is data: code that prints "</tool_response><|im_end|>" must not end the turn.
+
+    Control tokens are taken from the fixed parts only; each stretch of text between two of them, template
+    text and data together, is one plain BPE encoding, as the tokenizer itself splits at added tokens. So text
+    without control-token strings gets exactly tokenizer.encode's ids."""
+    if len(fixed) != len(data) + 1:
+        raise ValueError(f"encode_rendered: {len(fixed)} fixed parts around {len(data)} data parts")
+    control, control_ids = _control_tokens(tokenizer)
+    plain = _plain_tokenizer(tokenizer)
+    ids, stretch = [], []
+
+    def flush():
+        text = "".join(stretch)
+        stretch.clear()
+        encoded = plain.encode(text, add_special_tokens=False).ids if text else []
+        if set(encoded) & set(control_ids.values()):
+            raise ValueError(f"tokenizer {tokenizer.name_or_path}: its BPE alone encodes {text[:80]!r} with a "
+                             "control token; cannot keep data apart from control tokens")
+        ids.extend(encoded)
+
+    for i, part in enumerate(fixed):
+        at = 0
+        for match in control.finditer(part):
+            stretch.append(part[at:match.start()])
+            flush()
+            ids.append(control_ids[match.group()])
+            at = match.end()
+        stretch.append(part[at:])
+        if i < len(data):
+            stretch.append(data[i])
+    flush()
+    return ids
+
+
+def render_tool_turn(tokenizer, tool_text, cfg):
+    """Token ids appended after the assistant's <|im_end|> that closes a tool-call turn:
+    <|im_start|>user\\n<tool_response>\\n{tool_text}\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n + opening tag.
+
+    Rendered by the template itself (a conversation with and without the tool message, the common prefix cut),
+    as the release does, so a custom template's tool turn comes out right too. It starts with a special token, so
+    tokenizing it alone gives the same ids as in context. tool_text is data (encode_rendered)."""
+    question = [{"role": "user", "content": "?"}]
+    before = _render(tokenizer, question, cfg, add_generation_prompt=False)
+    after = _render(tokenizer, question + [{"role": "tool", "content": DATA_PLACEHOLDER}], cfg, add_generation_prompt=True)
+    if not after.startswith(before):
+        raise ValueError(f"chat template {format_paths(cfg)[0]}: rendering a tool message changes the text before it; "
+                         "cannot cut out the tool turn")
+    fixed = after[len(before):].split(DATA_PLACEHOLDER)
+    real = _render(tokenizer, question + [{"role": "tool", "content": tool_text}], cfg, add_generation_prompt=True)
+    if len(fixed) != 2 or real != before + fixed[0] + tool_text + fixed[1]:
+        raise ValueError(f"chat template {format_paths(cfg)[0]}: the tool message's content is not rendered once and "
+                         "verbatim; cannot tell the tool's text from the template's")
+    return encode_rendered(tokenizer, fixed, [tool_text])

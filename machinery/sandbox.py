@@ -1,0 +1,1037 @@
+"""The executor's sandbox: warm worker processes, their isolation (namespaces, mounts, a uid of
+their own, rlimits, fallbacks where the OS refuses) and the fork, watch, kill and sweep of one
+call. Standard library only: each worker process loads this file by path."""
+import _signal
+import ast
+import atexit
+import builtins
+import contextlib
+import ctypes
+import gc
+import json
+import math
+import os
+import random
+import re
+import resource
+import select
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import types
+
+
+STATUSES = ("ok", "error", "timeout", "oom")
+MAIN = "main.py"                     # the snippet's file name: fixed, so tracebacks are the same on a rerun
+
+
+TRUNCATION_MARK = "...(truncated)..."   # verl's marker for a middle cut
+
+
+SANDBOX_UID_BASE = 2_000_000_000     # a worker's sandbox uid is this + its pid: unique while it lives, < 2**31
+
+
+EXIT_MEMORY = 201                    # the child's exit code for an uncaught MemoryError (status "oom")
+
+
+EXIT_SETUP = 202                     # the child could not enter the sandbox: an executor failure
+
+
+STARTUP_TIMEOUT_S = 120.0            # a heavy worker imports sympy in 1-2 s; generous for a loaded CI machine
+
+
+STRETCH_CAP = 3                      # a call's deadline stretches by its CPU waits, to at most 3 x timeout_s
+
+
+BACKSTOP_GRACE_S = 5.0               # the parent gives up on a worker silent for 3 x timeout_s + this
+
+
+TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")   # the world-writable places; private per worker
+
+
+TMP_INODES = 65536                   # files, directories and links in each of them, per call
+
+
+# The router: a mention in a comment only costs a few ms of speed, never correctness.
+HEAVY_RE = re.compile(r"\b(?:numpy|sympy|mpmath|scipy)\b")
+
+
+LIGHT_PRELOAD = ("math", "cmath", "itertools", "functools", "fractions", "decimal", "collections", "heapq",
+                 "bisect", "statistics", "random", "string", "operator", "json", "re")
+
+
+HEAVY_PRELOAD = LIGHT_PRELOAD + ("numpy", "sympy")
+
+
+# Importing is not all: sympy loads much of itself lazily and fills caches as it goes, so a child forked
+# after a bare import spends ~200 ms in its first factor() or solve(). The heavy worker runs these once.
+HEAVY_WARMUP = """
+import numpy as np, sympy as sp
+x, y, n = sp.symbols("x y n")
+sp.factor(x**4 - 1); sp.solve(x**2 - 5*x + 6, x); sp.solve([x + y - 3, x - y - 1], [x, y])
+sp.simplify((x**2 - 1) / (x - 1)); sp.expand((x + 1)**5); sp.diff(sp.sin(x) * x, x); sp.limit(sp.sin(x) / x, x, 0)
+sp.isprime(2**61 - 1); sp.factorint(360); sp.Matrix([[1, 2], [3, 4]]).det(); sp.nsimplify(0.5)
+sp.summation(n**2, (n, 1, 10)); sp.binomial(10, 3); sp.N(sp.pi, 30); sp.Rational(3, 4) + sp.sqrt(8)
+np.linalg.det(np.eye(3)); np.arange(12).reshape(3, 4).sum(axis=0); np.random.default_rng(0).random(3)
+"""
+
+
+def truncate_middle(text, max_chars):
+    """verl's middle cut: the first and the last max_chars // 2 characters around a marker (0 = no cut)."""
+    if max_chars <= 0 or len(text) <= max_chars:
+        return text
+    half = max_chars // 2
+    return text[:half] + TRUNCATION_MARK + text[len(text) - half:]
+
+
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
+
+
+CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
+
+
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+
+
+MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC = 1024, 2048, 4096, 16384
+
+
+MS_PRIVATE, MS_RELATIME, MS_STRICTATIME = 1 << 18, 1 << 21, 1 << 24
+
+
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 36, 38
+
+
+# a remount must repeat these flags, or a user namespace refuses it (they are locked there)
+_MOUNT_OPTION_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
+                       "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME, "strictatime": MS_STRICTATIME}
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+_libc_fork = ctypes.PyDLL(None, use_errno=True).fork   # PyDLL: called with the GIL held, which the child keeps
+
+
+def _check(ret, what):
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _unshare(flags):
+    _check(_libc.unshare(ctypes.c_int(flags)), "unshare")
+
+
+def _mount(source, target, fstype, flags, data=None):
+    enc = lambda s: None if s is None else s.encode()
+    _check(_libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)), f"mount {target}")
+
+
+def _prctl(option, arg):
+    _check(_libc.prctl(ctypes.c_int(option), ctypes.c_ulong(arg), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                       ctypes.c_ulong(0)), f"prctl {option}")
+
+
+def _drop_capabilities():
+    """Empty every capability set: for a child that stays uid 0 of a user namespace, where CAP_SYS_ADMIN would
+    let it unmount the tmpfs that hides the repo. (capset(2) with header version 3, two empty data blocks.)"""
+    for cap in range(64):
+        if _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            break
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)
+    _check(_libc.capset(header, (ctypes.c_uint32 * 6)()), "capset")
+
+
+def _fork(state):
+    """os.fork(), minus the interpreter's after-fork work where a worker does not need it.
+
+    os.fork() makes the child re-create the interpreter's locks and run the handlers that modules registered
+    (threading's _after_fork, random's reseed): ~180 pages written, so copied, and ~0.6 ms of CPU in every
+    trivial call's child. A worker has one thread and holds no lock when it forks, so there is nothing to
+    re-create, and every call seeds the random state before its fork (_run_call): libc's fork() alone does
+    the same. A worker that found more than one thread at its start (a library's pool) keeps os.fork()."""
+    if not state["single_threaded"]:
+        return os.fork()
+    pid = _libc_fork()
+    _check(min(pid, 0), "fork")   # -1 and errno on failure
+    return pid
+
+
+def _write_text(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _under(path, root):
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _isolate(cfg):
+    """Enter the strongest sandbox the OS allows and return a report of it. With a PID namespace this forks:
+    the caller stays outside as a waiter (killing it kills the namespace, via PDEATHSIG) and the function
+    returns in the child, which is PID 1 of the new namespace."""
+    info = dict(level="process", pid_namespace=False, mount_namespace=False, net_namespace=False,
+                ipc_namespace=False, user_namespace=False, sandbox_uid=None, capabilities_dropped=False,
+                kill_scope="subreaper", private_proc=False, hidden_paths=[], readonly_mounts=False,
+                private_tmp=False, tmp_mounts=[], gpu_devices_masked=[], warnings=[],
+                kept_paths=_keep_paths({os.path.realpath(p) for p in cfg["hide_paths"]}))
+    flags = CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC
+    euid, egid, host_pid = os.geteuid(), os.getegid(), os.getpid()
+    try:
+        _unshare(flags)
+        info["level"] = "namespaces"
+    except OSError as root_error:
+        try:   # without root: in a user namespace we own fresh namespaces, but nothing of the host
+            _unshare(flags | CLONE_NEWUSER)
+            # our uid and gid are 0 inside: one may map only oneself, and must deny setgroups(2) before a gid map
+            _write_text("/proc/self/setgroups", "deny")
+            _write_text("/proc/self/uid_map", f"0 {euid} 1")
+            _write_text("/proc/self/gid_map", f"0 {egid} 1")
+            info.update(level="user-namespace", user_namespace=True)
+        except OSError as user_error:
+            info["warnings"].append(f"no namespaces ({root_error.strerror}; user namespace: {user_error.strerror})")
+    if info["level"] == "process":
+        _prctl(PR_SET_CHILD_SUBREAPER, 1)   # a call's orphans re-parent to us, not to init: none escapes the sweep
+        if euid == 0 and not _interpreter_unreachable(info["kept_paths"]):
+            info["sandbox_uid"] = SANDBOX_UID_BASE + host_pid
+        info["capabilities_dropped"] = euid == 0 and info["sandbox_uid"] is None
+        return info
+    info.update(pid_namespace=True, mount_namespace=True, net_namespace=True, ipc_namespace=True,
+                kill_scope="pid namespace")
+    child = os.fork()   # unshare(CLONE_NEWPID) moves our children, not us: the first child is PID 1
+    if child:
+        os.closerange(3, 1 << 16)   # the waiter holds no pipe, so the parent sees EOF when PID 1 dies
+        _, status = os.waitpid(child, 0)   # retried on EINTR by Python itself (PEP 475)
+        os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+    # PDEATHSIG fires when the parent *thread* dies; the waiter has one thread, so: when the waiter dies
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if info["user_namespace"]:
+        info["capabilities_dropped"] = True   # one uid is mapped, so the child cannot switch to another
+    else:
+        info["sandbox_uid"] = SANDBOX_UID_BASE + host_pid   # its own uid: RLIMIT_NPROC counts this worker only
+    # A step that fails (a container that masks /proc, say) is reported and skipped, not fatal by itself: the
+    # worker's probe call (_probe_sandbox) decides whether what is left runs calls, and if not, Executor() raises
+    # with these warnings (a worker that died here would be restarted forever).
+    steps = (("private mounts", lambda: _mount(None, "/", None, MS_REC | MS_PRIVATE)),   # nothing reaches the host
+             ("fresh /proc", lambda: _private_proc(info)),
+             ("hidden paths", lambda: _hide_paths(cfg["hide_paths"], info["kept_paths"], info)),
+             ("GPU masks", lambda: _mask_gpus(info)),
+             ("read-only mounts", lambda: _remount_readonly(info)),
+             ("private tmp", lambda: _private_tmp(cfg, info)))
+    for name, step in steps:
+        try:
+            step()
+        except OSError as e:
+            info["warnings"].append(f"{name}: {e}")
+            if name == "private mounts":
+                break   # any further mount would show on the host
+    # SysV IPC objects outlive their processes: here shared memory dies with its users, and message queues and
+    # semaphore sets cannot be made at all.
+    for key, value in (("kernel/shm_rmid_forced", "1"), ("kernel/msgmni", "0"), ("kernel/sem", "0 0 0 0"),
+                       ("fs/mqueue/queues_max", "0")):
+        with contextlib.suppress(OSError):
+            _write_text(f"/proc/sys/{key}", value)
+    return info
+
+
+def _private_proc(info):
+    # a /proc of this PID namespace: the snippet sees no other process, and /proc/<pid> means our children
+    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    info["private_proc"] = True
+
+
+def _resolve_interpreter_paths():
+    """Point the worker's own view of its interpreter (prefixes, sys.path with its .pth entries) at real paths.
+    A venv reached through a symlink in /tmp or in the home directory would otherwise be imported from a link
+    that the private /tmp or the cover of the home directory removes; the real directories are bound back."""
+    for name in ("prefix", "base_prefix", "exec_prefix", "base_exec_prefix"):
+        setattr(sys, name, os.path.realpath(getattr(sys, name)))
+    sys.path[:] = dict.fromkeys(os.path.realpath(p) if p else p for p in sys.path)   # "" is the call's cwd
+
+
+def _interpreter_path():
+    """The interpreter to start a worker with: its directory resolved, so that sys.executable is a path that
+    exists in the sandbox (the venv's bin/, inside its prefix). The file itself stays: a venv's python is a link
+    to the base interpreter, and the venv is found from the directory the interpreter was started from."""
+    return os.path.join(os.path.realpath(os.path.dirname(sys.executable)), os.path.basename(sys.executable))
+
+
+def _keep_paths(hide=()):
+    """What the snippet must still read: the interpreter with its stdlib, and the venv's site-packages. Taken
+    once per worker, before any mount: after a mount a link on the way may lead nowhere. `hide` (real paths)
+    wins: a path that contains a hidden one (an editable install of the repo on sys.path) is not kept."""
+    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+             os.path.dirname(sys.executable), os.path.dirname(os.path.realpath(sys.executable))}
+    paths.update(p for p in sys.path if p and os.path.isdir(p))   # "" (the cwd) is the call's own directory
+    paths = {os.path.realpath(p) for p in paths}   # symlinks resolved: a bind needs the real directory
+    paths = sorted(p for p in paths if not any(_under(h, p) for h in hide))
+    # the outermost only: binding the prefix brings its lib/python3.x and site-packages along
+    return [p for p in paths if not any(q != p and _under(p, q) for q in paths)]
+
+
+def _interpreter_identity():
+    """[path, st_dev, st_ino] of the interpreter and of its own sys.path entries (stdlib, lib-dynload,
+    site-packages), taken before any mount: in the sandbox each must still be that very file or directory, not
+    missing and not an empty cover. Entries from outside the prefixes (.pth targets) may be hidden on purpose."""
+    prefixes = (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)
+    own = [sys.executable] + [p for p in sys.path if p and os.path.isdir(p) and any(_under(p, q) for q in prefixes)]
+    return [[p, st.st_dev, st.st_ino] for p in own for st in [os.stat(p)]]
+
+
+def _closed_ancestors(path):
+    """The directories above `path` that others may not enter (mode o-x), like a 0700 /root."""
+    closed, path = [], os.path.dirname(path)
+    while path != "/":
+        if not os.stat(path).st_mode & 0o001:
+            closed.append(path)
+        path = os.path.dirname(path)
+    return closed
+
+
+def _interpreter_unreachable(keep):
+    return any(_closed_ancestors(k) or not os.stat(k).st_mode & 0o001 for k in keep)
+
+
+def _hide_paths(hide_paths, keep, info):
+    """Cover each hidden directory with an empty read-only tmpfs and bind the kept paths inside it back. The
+    source of such a bind is an O_PATH descriptor opened before the cover: after it, the path leads nowhere."""
+    hide = {os.path.realpath(p) for p in hide_paths if os.path.isdir(p)}
+    for k in keep:   # an ancestor that a sandbox uid could not pass is covered too, with the interpreter inside
+        hide.update(_closed_ancestors(k))
+    # never covered, whatever the caller's cwd is: a snippet without /usr or /etc cannot run (/tmp is private)
+    system = {"/", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/dev", "/proc", "/sys", "/var", "/run", "/tmp"}
+    hide = sorted(h for h in hide if h not in system)
+    hide = [h for h in hide if not any(o != h and _under(h, o) for o in hide)]   # the outermost covers the rest
+    for h in hide:
+        inside = [k for k in keep if _under(k, h)]
+        fds = [os.open(k, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for k in inside]
+        _mount("tmpfs", h, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=1m")
+        for k, fd in zip(inside, fds):
+            os.makedirs(k, exist_ok=True)
+            _mount(f"/proc/self/fd/{fd}", k, None, MS_BIND | MS_REC)
+            os.close(fd)
+        _mount(None, h, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        info["hidden_paths"].append(h)
+
+
+def _mask_gpus(info):
+    """CUDA_VISIBLE_DEVICES="" is only a request, and GPU device nodes are often 0666 on training nodes: bind
+    /dev/null over the NVIDIA and AMD (kfd) nodes, and an empty tmpfs over /dev/dri."""
+    for name in sorted(os.listdir("/dev")):
+        path = "/dev/" + name
+        try:
+            # nvidia0..N, nvidiactl, nvidia-uvm and friends are nodes; kfd is the AMD compute node (MI300X)
+            if name.startswith("nvidia") and not os.path.isdir(path) or name == "kfd":
+                _mount("/dev/null", path, None, MS_BIND)
+            elif name in ("dri", "nvidia-caps"):
+                _mount("tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k")
+            else:
+                continue
+            info["gpu_devices_masked"].append(path)
+        except OSError as e:
+            info["warnings"].append(f"could not mask {path}: {e.strerror}")
+
+
+def _remount_readonly(info):
+    """Every mount read-only. /proc, /sys and /dev are left: what is writable there belongs to root or to the
+    writer itself, and /dev/shm gets its own tmpfs next."""
+    failures = 0
+    with open("/proc/self/mountinfo") as f:
+        rows = [line.split() for line in f]
+    for row in rows:
+        target = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), row[4])   # mountinfo writes " " as \040
+        options = row[5].split(",")
+        if any(_under(target, p) for p in ("/proc", "/sys", "/dev")) or "ro" in options:
+            continue
+        # MS_BIND with MS_REMOUNT changes this mount's flags only, not the filesystem's (the host keeps rw)
+        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
+        for option in options:
+            flags |= _MOUNT_OPTION_FLAGS.get(option, 0)
+        try:
+            _mount(None, target, None, flags)
+        except OSError:
+            failures += 1
+    info["readonly_mounts"] = failures == 0
+    if failures:
+        info["warnings"].append(f"{failures} mounts could not be made read-only")
+
+
+def _private_tmp(cfg, info):
+    # A little over the file-size limit: one big file meets EFBIG, many meet ENOSPC, and the RAM a call can
+    # fill here (tmpfs is memory, not counted in RLIMIT_AS) stays bounded. The interpreter may itself live
+    # under /tmp (a CI checkout with its venv there): bound back over the fresh tmpfs, read-only, as in _hide_paths.
+    keep = info["kept_paths"]
+    for path in TMP_DIRS:
+        if os.path.isdir(path):
+            info["tmp_mounts"].append(path)
+            inside = [k for k in keep if _under(k, path)]
+            fds = [os.open(k, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for k in inside]
+            # nr_inodes: a bound on what a flood of empty files costs in kernel memory, and a count that
+            # _clean_after_call reads (a tmpfs without the bound reports none)
+            _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV,
+                   f"mode=1777,size={cfg['max_file_mb'] + 16}m,nr_inodes={TMP_INODES}")
+            for k, fd in zip(inside, fds):
+                os.makedirs(k, mode=0o755, exist_ok=True)
+                _mount(f"/proc/self/fd/{fd}", k, None, MS_BIND | MS_REC)
+                _mount(None, k, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+                os.close(fd)
+    info["private_tmp"] = True
+
+
+def _run_child(code, stdin, stdin_fd, out_fd, err_fd, workdir, state):
+    """Runs in the forked child and never returns."""
+    try:
+        os.setsid()   # its own session and group: from PID 2 on, kill(0) must not mean the worker
+        os.dup2(stdin_fd, 0)
+        os.dup2(out_fd, 1)
+        os.dup2(err_fd, 2)
+        os.closerange(3, state["max_fd"])   # the worker's pipes to the parent must not be reachable
+        # (the C function: signal.signal() maps the old handler to an enum, which writes ~60 pages of the worker)
+        _signal.signal(signal.SIGINT, signal.default_int_handler)   # the worker ignores SIGINT; a script does not
+        try:   # under host memory pressure the kernel kills us first (os.write: no file object, fewer pages written)
+            fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+            os.write(fd, b"1000")
+            os.close(fd)
+        except OSError:
+            pass
+        os.chdir(workdir)
+        for limit, soft, hard in state["rlimits"]:
+            resource.setrlimit(limit, (soft, hard))   # hard limits: the snippet cannot raise them back
+        uid = state["sandbox_uid"]
+        if uid is not None:
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+            _prctl(PR_SET_DUMPABLE, 1)   # a uid change hands /proc/self to root; give the snippet its own back
+        if not state["pid_namespace"]:
+            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)   # without a namespace, die at least with the worker
+        if state["capabilities_dropped"]:
+            _drop_capabilities()
+    except BaseException as exc:
+        os.write(2, f"ExecutorError: the sandbox could not be set up: {exc!r}\n".encode())
+        os._exit(EXIT_SETUP)
+    # os._exit, never a normal exit: that would run the worker's atexit and finalizers again in every child
+    try:   # and whatever happens, the child must not return into the worker's loop
+        os._exit(_run_snippet(code, stdin, state["private_tmp"]))
+    except BaseException as exc:
+        os.write(2, f"ExecutorError: {exc!r}\n".encode())
+    finally:
+        os._exit(EXIT_SETUP)
+
+
+def _run_snippet(code, stdin, private_tmp):
+    """`python main.py`, with the value of a final expression shown; returns the exit code."""
+    # Not exec'd in a fresh interpreter, so all a script could tell apart from `python main.py` is set by hand:
+    # argv, __main__, __file__, what happens at exit. The standard streams are the worker's own, unused, now on the
+    # call's fds 0-2: block-buffered stdout as for a script writing to a pipe; reusing them spares ~60 page copies.
+    if not private_tmp:   # without a private /tmp the call's directory changes every time
+        os.environ.update(HOME=os.getcwd(), TMPDIR=os.getcwd())   # ~/.cache and tempfile land in the call's dir
+        tempfile.tempdir = None   # the worker's own mkdtemp() cached /tmp
+    main = sys.modules["__main__"]   # the worker's empty one (_start_worker): what the snippet adds stays in the child
+    returncode = 0
+    try:
+        tree = compile(code, MAIN, "exec", ast.PyCF_ONLY_AST)   # ast.parse, minus a frame
+        last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+        exec(compile(tree, MAIN, "exec"), main.__dict__)
+        if last is not None:   # IPython-like: a final expression's value is shown unless it is None
+            value = eval(compile(ast.Expression(last.value), MAIN, "eval"), main.__dict__)
+            if value is not None:
+                print(repr(value))
+    except SystemExit as exc:
+        returncode = _system_exit_code(exc)
+    except BaseException as exc:   # KeyboardInterrupt included: a script dies of it with a traceback too
+        _print_snippet_traceback(exc)
+        returncode = EXIT_MEMORY if isinstance(exc, MemoryError) else 1
+    try:   # what the interpreter does at exit: wait for non-daemon threads, then run the atexit handlers
+        if threading.active_count() > 1:   # enumerate() on every call would write ~40 pages, so copy them
+            for thread in threading.enumerate():
+                if thread is not threading.main_thread() and not thread.daemon:
+                    thread.join()
+        atexit._run_exitfuncs()   # this also joins non-daemon multiprocessing children, as `python` does
+    except SystemExit as exc:
+        returncode = _system_exit_code(exc)
+    except BaseException as exc:
+        _print_snippet_traceback(exc)
+        returncode = returncode or 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            pass
+    return returncode
+
+
+def _system_exit_code(exc):
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code & 0xFF
+    print(exc.code, file=sys.stderr)   # sys.exit("message") prints it and exits 1, as the interpreter does
+    return 1
+
+
+def _print_snippet_traceback(exc):
+    """The traceback from the snippet's first frame on, without our wrapper's frames (noise, and a path)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename != MAIN:
+        tb = tb.tb_next
+    try:   # the interpreter's own C printer: the same text as `python main.py`, and fast for 10**6 frames
+        sys.__excepthook__(type(exc), exc.with_traceback(tb), tb)
+    except BaseException:
+        os.write(2, f"{type(exc).__name__}\n".encode())
+
+
+class _Capture:
+    """A stream read while it flows: its first and last `keep` bytes and a count of all, so that a gigabyte
+    of printing never sits in memory."""
+
+    def __init__(self, keep):
+        self.keep, self.head, self.tail, self.total = keep, bytearray(), bytearray(), 0
+
+    def add(self, data):
+        self.total += len(data)
+        room = self.keep - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        if data:
+            self.tail += data
+            del self.tail[:max(0, len(self.tail) - self.keep)]
+
+    def text(self, max_chars):
+        """(text, truncated): decoded (invalid UTF-8 becomes U+FFFD) and cut in the middle to max_chars."""
+        # nothing dropped: cut by characters exactly as truncate_middle does for the tool response
+        if self.total == len(self.head) + len(self.tail):
+            text = (self.head + self.tail).decode("utf-8", "replace")
+            if len(text) <= max_chars:
+                return text, False
+            return truncate_middle(text, max_chars), True
+        # `keep` (2 * max_chars + 4 bytes) holds max_chars // 2 characters of 4 bytes at each end, past one cut in two
+        half = max_chars // 2
+        head = self.head.decode("utf-8", "replace")[:half]
+        tail = self.tail.decode("utf-8", "replace")[-half:] if half else ""
+        return head + TRUNCATION_MARK + tail, True
+
+
+def _run_call(code, stdin, cfg, state):
+    """One call from fork to sweep; returns the fields of an ExecResult."""
+    workdir = _fresh_workdir(state)
+    # as for `python main.py`: tracebacks show source lines, __file__ and inspect work
+    fd = os.open(os.path.join(workdir, MAIN), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    os.write(fd, code.encode("utf-8", "surrogatepass"))
+    os.close(fd)
+    free_inodes = _free_inodes(state) if state["private_tmp"] else None   # what the call's clean-up compares with
+    # stdin as a file, not a pipe: writing it cannot block on a snippet that never reads, and reads past
+    # its end get EOF at once (input() raises EOFError; sys.stdin.read() does not hang)
+    stdin_fd = os.memfd_create("stdin")
+    os.write(stdin_fd, stdin.encode("utf-8", "replace"))
+    os.lseek(stdin_fd, 0, os.SEEK_SET)
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    # Set up before the fork: until the child exits, every page this process writes is copied.
+    keep = 2 * cfg["max_output_chars"] + 4   # bytes per end: see _Capture.text
+    captures = {out_r: _Capture(keep), err_r: _Capture(keep)}
+    poller = select.poll()
+    for fd in captures:
+        poller.register(fd, select.POLLIN)
+    drain_until, output_limit = None, cfg["output_limit_mb"] << 20
+    open_fds, returncode, killed_for, elapsed, ran_ns = set(captures), None, None, None, 0
+    # Seeded from the inputs, here, not in the child (pages written before the fork are not copied): a forked
+    # child would otherwise share numpy's global state with every other call of its worker, and a pure function
+    # of (code, stdin) keeps an RL rerun byte-identical (hash() is, under PYTHONHASHSEED=0). os.urandom stays random.
+    seed = hash((code, stdin)) & (2**64 - 1)
+    random.seed(seed)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(seed % 2**32)
+    start = time.monotonic()
+    deadline = start + cfg["timeout_s"]
+    pid = _fork(state)
+    if pid == 0:
+        _run_child(code, stdin, stdin_fd, out_w, err_w, workdir, state)
+    for fd in (stdin_fd, out_w, err_w):
+        os.close(fd)
+    pidfd = os.pidfd_open(pid)   # readable at the child's exit: one poll() waits for output and exit at once
+    poller.register(pidfd, select.POLLIN)
+    # Until the main process is reaped (returncode), read its output, kill it at the deadline or the output limit
+    # (killed_for: why *we* killed it). Then a short drain: the pipes reach EOF once all that holds them is dead.
+    while open_fds or returncode is None:
+        now = time.monotonic()
+        if returncode is not None:
+            wait_until = drain_until
+        else:
+            wait_until = deadline if killed_for is None else now + 1.0
+        for fd, _ in poller.poll(max(0.0, wait_until - now) * 1000):
+            if fd == pidfd:
+                _, status = os.waitpid(pid, 0)
+                returncode, elapsed = os.waitstatus_to_exitcode(status), time.monotonic() - start
+                poller.unregister(pidfd)
+                _signal_everything(state, pid)   # the call ends with its main process: background ones die now
+                drain_until = time.monotonic() + 1.0
+                continue
+            data = os.read(fd, 1 << 16)
+            if not data:
+                poller.unregister(fd)
+                open_fds.discard(fd)
+                continue
+            captures[fd].add(data)
+            if killed_for is None and sum(c.total for c in captures.values()) > output_limit:
+                killed_for = "output limit"   # a print loop is stopped at once, not read until the timeout
+                _signal_everything(state, pid)
+        # Checked after the events: a child that exited while this worker waited for a CPU finished, not timed out.
+        now = time.monotonic()
+        if returncode is None and killed_for is None and now >= deadline:
+            # Time the snippet spent runnable but waiting for a CPU is the machine's, not the snippet's: on an
+            # oversubscribed node a benign call must not time out (executor-anchors.md §3 J.38), or the
+            # tool-error ratio that RoC ranks by (Eq. 4) would measure the load. A sleep or a blocking wait is
+            # not on the run queue and counts in full.
+            # The kernel books a wait when the task gets the CPU back, so a task starved right now is not in the
+            # total yet: if it is runnable and has not run since our last look, it is still waiting. (Seen on a
+            # 2-core machine at load 20: a child runnable for 2 s since its fork without having run at all.)
+            own_proc = state["private_proc"] or not state["pid_namespace"]   # /proc/<pid> is our child
+            run_ns, wait_ns, runnable = _cpu_times(pid) if own_proc else (0, 0, False)
+            stretched = start + cfg["timeout_s"] + wait_ns / 1e9
+            if runnable and run_ns == ran_ns:
+                stretched = max(stretched, now + 0.05)
+            ran_ns = run_ns
+            stretched = min(stretched, start + STRETCH_CAP * cfg["timeout_s"])
+            if stretched > now + 0.001:
+                deadline = stretched
+            else:
+                killed_for = "wall-clock limit"
+                _signal_everything(state, pid)
+        if returncode is not None and now >= drain_until:
+            break   # a writer that will not die (uninterruptible I/O) still holds a pipe; stop waiting for it
+    # The sweep, before the answer: when the parent has the result, the call has left nothing behind.
+    _kill_leftovers(state, pid)
+    for fd in (out_r, err_r, pidfd):
+        os.close(fd)
+    _clean_after_call(state, workdir, free_inodes)
+    return _describe(returncode, killed_for, elapsed, captures[out_r], captures[err_r], cfg)
+
+
+def _cpu_times(pid):
+    """(ns on a CPU, ns runnable but waiting for one, runnable now?) of a process, from /proc/<pid>."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            run_ns, wait_ns = (int(x) for x in f.read().split()[:2])
+        with open(f"/proc/{pid}/stat") as f:
+            runnable = f.read().rsplit(")", 1)[1].split()[0] == "R"
+        return run_ns, wait_ns, runnable
+    except (OSError, ValueError, IndexError):   # gone, or no CONFIG_SCHED_INFO: plain wall clock
+        return 0, 0, False
+
+
+def _signal_everything(state, pid):
+    """SIGKILL the main process and, from PID 1, everything else in the namespace (the sweep reaps them)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(-1 if state["pid_namespace"] else pid, signal.SIGKILL)
+
+
+def _kill_leftovers(state, session):
+    """Kill and reap every process the call left: from PID 1 the whole namespace, with kill(-1); without one,
+    the children of the subreaper (an orphan re-parents to us), looking again until none is left."""
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        if state["pid_namespace"]:
+            _signal_everything(state, session)
+        else:
+            try:
+                with open(f"/proc/self/task/{os.getpid()}/children") as f:
+                    children = [int(pid) for pid in f.read().split()]
+            except OSError:   # no /proc/<pid>/task/*/children: the call's session is all we can reach
+                children = []
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(session, signal.SIGKILL)
+            for pid in children:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+
+
+def _fresh_workdir(state):
+    """An empty directory owned by the sandbox uid. With a private /tmp the path is fixed, so a snippet that
+    prints its cwd prints the same thing on a rerun; otherwise it is a new temporary directory."""
+    if state["private_tmp"]:
+        path = "/tmp/sandbox"
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:   # left by a call whose clean-up failed half-way
+            shutil.rmtree(path, ignore_errors=True)
+            os.mkdir(path, 0o700)
+    else:
+        path = tempfile.mkdtemp(prefix="rstar2-exec-")
+    if state["sandbox_uid"] is not None:
+        os.chown(path, state["sandbox_uid"], state["sandbox_uid"])
+    return path
+
+
+def _free_inodes(state):
+    """The free inode count of each private tmpfs (None without them). Every file, directory, hard link and
+    (on Linux 6.6+) extended attribute made there takes from it."""
+    return [os.statvfs(root).f_ffree for root in state["tmp_mounts"]]
+
+
+def _clean_after_call(state, workdir, free_inodes):
+    """Nothing a call wrote survives it: empty the private tmpfs mounts (or remove the temporary directory)."""
+    if not state["private_tmp"]:
+        _remove_tree(workdir)
+        return
+    # Most calls write no file: then no count moved since main.py was written, so the mounts hold what they did
+    # then, up to a main.py or a call's directory that was replaced (deleted and made again). Removing those two
+    # (rmdir: only if empty) leaves the mounts as the call found them, in 2 syscalls instead of a walk of all four.
+    if free_inodes and _free_inodes(state) == free_inodes:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(workdir, MAIN))
+            os.rmdir(workdir)
+            return
+    # the mounts stay (remounting per call would cost more); their contents go, /tmp/sandbox included, except
+    # the interpreter bound back under them (see _private_tmp) and the directories leading to it
+    keep = [k for k in state["kept_paths"] if any(_under(k, root) for root in TMP_DIRS)]
+    for root in TMP_DIRS:
+        if os.path.isdir(root):
+            _empty_dir(root, keep)
+
+
+def _empty_dir(path, keep):
+    for entry in os.scandir(path):
+        if entry.path in keep:
+            continue
+        if any(_under(k, entry.path) for k in keep) and entry.is_dir(follow_symlinks=False):
+            _empty_dir(entry.path, keep)
+        else:
+            _remove_tree(entry.path)
+
+
+def _remove_tree(path):
+    if os.path.islink(path) or not os.path.isdir(path):
+        os.unlink(path)
+        return
+    try:
+        shutil.rmtree(path)
+    except OSError:   # not root: the snippet may have made its own dirs 000; open them up (never through a link)
+        os.chmod(path, 0o700)
+        for root, dirs, _ in os.walk(path):
+            for d in dirs:
+                if not os.path.islink(os.path.join(root, d)):
+                    os.chmod(os.path.join(root, d), 0o700)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _describe(returncode, killed_for, elapsed, out, err, cfg):
+    """Status and reason from how the child ended, plus a last stderr line where Python wrote none."""
+    stdout, cut_out = out.text(cfg["max_output_chars"])
+    stderr, cut_err = err.text(cfg["max_output_chars"])
+    if killed_for == "wall-clock limit":
+        status, note = "timeout", f"TimeoutError: the code ran longer than {cfg['timeout_s']:g} s and was killed"
+    elif killed_for == "output limit":
+        status, note = "error", f"OutputLimitError: the code wrote more than {cfg['output_limit_mb']} MiB and was killed"
+    elif returncode == -signal.SIGXCPU:
+        killed_for = "cpu-time limit"
+        status, note = "timeout", "TimeoutError: the code used more than its CPU time limit and was killed"
+    elif returncode == EXIT_MEMORY:
+        # The exit code is the child's own word, so a snippet could fake an oom: it would only mislabel
+        # itself. An OOM-killer SIGKILL (memory the host ran out of) shows as a signal below.
+        killed_for, status, note = "memory limit", "oom", ""
+    elif returncode == 0:
+        status, note = "ok", ""
+    elif returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = str(-returncode)
+        killed_for = f"signal {name}"
+        status, note = "error", f"Killed by signal {-returncode} ({name})"
+    else:
+        killed_for, status, note = f"exit status {returncode}", "error", ""
+    # the note goes after the truncation, so the model always sees why the call ended
+    if note:
+        stderr += ("" if not stderr or stderr.endswith("\n") else "\n") + note + "\n"
+    return dict(status=status, stdout=stdout, stderr=stderr, elapsed_s=elapsed or 0.0, truncated=cut_out or cut_err,
+                reason=killed_for or "", returncode=returncode)
+
+
+def _send(fd, obj):
+    data = json.dumps(obj).encode()
+    data = struct.pack("<I", len(data)) + data
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _recv_blocking(fd):
+    def exact(n):
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = os.read(fd, n - len(buf))
+            if not chunk:
+                return None
+            buf += chunk
+        return bytes(buf)
+    header = exact(4)
+    body = header and exact(struct.unpack("<I", header)[0])
+    return None if body is None else json.loads(body)
+
+
+# A call the worker makes itself before it reports ready: the whole path of a call (the call's directory, the uid
+# switch, the limits, the sweep, the clean-up of /tmp) and the interpreter's paths, as the sandbox uid sees them.
+SANDBOX_PROBE = """
+import json, os, sys
+missing = []
+for path, dev, ino in json.load(sys.stdin):
+    try:
+        st = os.stat(path)
+        if (st.st_dev, st.st_ino) != (dev, ino) or not os.access(path, os.R_OK | os.X_OK):
+            missing.append(path)
+    except OSError:
+        missing.append(path)
+print(json.dumps(missing))
+"""
+
+
+def _worker_main(cfg_json):
+    """A worker's life. One whose sandbox cannot run calls says why in its first message (Executor() raises it)."""
+    cfg = json.loads(cfg_json)
+    os.environ.pop("LD_BIND_NOW", None)   # the worker's own (_worker_env), not the snippet's or its subprocesses'
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # a ^C in the terminal is for the trainer, not for us
+    try:
+        info, state = _start_worker(cfg)
+        problem = _probe_sandbox(cfg, state)
+    except Exception as exc:   # a bug or an OS we do not know: the parent gets the reason, not just an EOF
+        info, problem = {}, f"{type(exc).__name__}: {exc}"
+    if problem:
+        _send(cfg["response_fd"], {"ready": False, "error": problem, "isolation": info})
+        os._exit(EXIT_SETUP)
+    _send(cfg["response_fd"], {"ready": True, "isolation": info})
+    while True:
+        request = _recv_blocking(cfg["request_fd"])
+        if request is None:   # the parent closed the pipe or died: leave; the namespace goes with PID 1
+            os._exit(0)
+        # one call at a time, start to sweep: the parent sends the next request only after this answer
+        _send(cfg["response_fd"], _run_call(request["code"], request["stdin"], cfg, state))
+
+
+def _start_worker(cfg):
+    """Isolation, preloads and the per-child state: (the isolation report, the state every child gets)."""
+    _resolve_interpreter_paths()   # before _isolate takes the paths to keep
+    interpreter = _interpreter_identity()
+    info = _isolate(cfg)   # from here on this is PID 1 of the worker's namespaces (if the OS allowed them)
+    os.chdir("/")   # the cwd we were started in may be one of the hidden directories
+    for name in HEAVY_PRELOAD if cfg["kind"] == "heavy" else LIGHT_PRELOAD:
+        try:
+            __import__(name)
+        except ImportError as e:
+            info["warnings"].append(f"could not preload {name}: {e}")
+    if cfg["kind"] == "heavy":
+        try:
+            exec(HEAVY_WARMUP, {})
+        except Exception as e:   # without numpy or sympy the worker still runs plain Python
+            info["warnings"].append(f"heavy warm-up failed: {e!r}")
+    # argv and a fresh, empty __main__ (so the snippet's functions pickle, for multiprocessing), set once here: the
+    # worker never runs a snippet, so every child finds them empty, and a child that made its own would write (and
+    # copy) ~40 pages, the old __main__'s among them.
+    sys.argv = [MAIN]
+    main = types.ModuleType("__main__")
+    main.__builtins__, main.__file__ = builtins, MAIN
+    sys.modules["__main__"] = main
+    # The first compile() in a process costs ~3 ms of parser set-up: paid here once, not in every child.
+    compile("x = [i for i in range(3)]\nprint(x)\n", MAIN, "exec")
+    ast.parse("x = 1")
+    # A fork copies the page table of every resident page, and the child's exit tears it down again: drop the
+    # start-up's garbage and hand malloc's free pages back first (~10% fewer pages in a light worker).
+    gc.collect()
+    _libc.malloc_trim(0)
+    gc.freeze()   # a child's garbage collector then leaves the inherited objects, and so their pages, alone
+    # memory_mb is what a call may add: RLIMIT_AS counts the worker's own mappings, which the child inherits
+    vm_bytes = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    address_space = vm_bytes + (cfg["memory_mb"] << 20)
+    cpu_s = math.ceil(cfg["timeout_s"]) + 1   # past the wall clock, so the clock's kill comes first
+    nproc = cfg["max_processes"]
+    if info["level"] == "process" and info["sandbox_uid"] is None:
+        nproc += _processes_of_uid(os.getuid())   # without a uid of its own, RLIMIT_NPROC counts all of ours
+    # (limit, soft, hard) for every child. Hard = soft, or nearly: code-judge and SandboxFusion set only soft
+    # limits, which the snippet raises right back (executor-anchors.md §3 A.7).
+    rlimits = [(resource.RLIMIT_AS, address_space, address_space),        # bytearray(10**11): MemoryError
+               (resource.RLIMIT_CPU, cpu_s, cpu_s + 1),   # a second line behind the wall clock: SIGXCPU, then KILL
+               (resource.RLIMIT_NPROC, nproc, nproc),                     # a fork bomb meets EAGAIN
+               (resource.RLIMIT_FSIZE, cfg["max_file_mb"] << 20, cfg["max_file_mb"] << 20),   # a disk fill: EFBIG
+               (resource.RLIMIT_NOFILE, 256, 256),                         # fd exhaustion stays in the child
+               (resource.RLIMIT_CORE, 0, 0)]                               # a segfault writes no core file
+    state = dict(info, max_fd=resource.getrlimit(resource.RLIMIT_NOFILE)[0], rlimits=rlimits, interpreter=interpreter,
+                 single_threaded=len(os.listdir("/proc/self/task")) == 1)
+    info["preloaded_mb"] = vm_bytes >> 20
+    if info["private_tmp"]:   # the call's directory is always the same: its environment is set once, here
+        os.environ.update(HOME="/tmp/sandbox", TMPDIR="/tmp/sandbox")
+    # No setuid binary or file capability can lift a child back up: every child inherits this at its fork.
+    _prctl(PR_SET_NO_NEW_PRIVS, 1)
+    return info, state
+
+
+def _probe_sandbox(cfg, state):
+    """None if a call runs and sees the interpreter, else what is wrong (the steps of _isolate may fail)."""
+    warnings = "; ".join(state["warnings"]) or "none"
+    try:   # generous: a loaded machine must not fail a worker's start, and the probe needs a few ms of CPU
+        result = _run_call(SANDBOX_PROBE, json.dumps(state["interpreter"]), dict(cfg, timeout_s=max(cfg["timeout_s"], 30.0)),
+                           state)
+    except OSError as e:
+        return f"a call could not run in the sandbox ({e}; isolation warnings: {warnings})"
+    if result["status"] != "ok":
+        return (f"a call could not run in the sandbox ({result['reason']}: {result['stderr'][-1000:].strip()}; "
+                f"isolation warnings: {warnings})")
+    missing = json.loads(result["stdout"])
+    if missing:
+        return (f"the sandbox cannot reach the interpreter's own files {missing} (hidden by hide_paths, the cwd or "
+                f"the home directory, or behind a directory the sandbox uid may not enter; isolation warnings: {warnings})")
+    return None
+
+
+def _processes_of_uid(uid):
+    count = 0
+    for name in os.listdir("/proc"):
+        with contextlib.suppress(OSError):
+            count += name.isdigit() and os.stat(f"/proc/{name}").st_uid == uid
+    return count
+
+
+class _WorkerGone(Exception):
+    """The worker died, hung or sent garbage; it gets replaced. sent=False: before it had the call."""
+    sent = True   # set to False by the code that raises it before the request was written
+
+
+# The worker loads this file under another module name: a script that imported us (`__main__`, say) never runs again.
+_BOOT = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('rstar2_executor_worker', "
+         "sys.argv[1]); m = importlib.util.module_from_spec(spec); sys.modules[spec.name] = m; "
+         "spec.loader.exec_module(m); m._worker_main(sys.argv[2])")
+
+
+def _worker_env():
+    """A worker's whole environment, built rather than scrubbed: /proc/<pid>/environ keeps what a process was
+    started with, so a secret deleted from os.environ later would still be readable there."""
+    return {"PATH": f"{os.path.dirname(_interpreter_path())}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
+            "LC_ALL": "C.UTF-8", "USER": "sandbox", "LOGNAME": "sandbox", "HOME": "/nonexistent",
+            "PYTHONHASHSEED": "0",   # the order of a set of strings is then the same on every rerun
+            "PYTHONDONTWRITEBYTECODE": "1", "MPLBACKEND": "Agg",
+            "PYTHONIOENCODING": "utf-8:surrogateescape",   # the snippet's stdin and stdout, as in a UTF-8 locale
+            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMEXPR_NUM_THREADS": "1",
+            "CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": "",
+            # every symbol bound at load: otherwise each child's first call of a libc function (setsid, setresuid,
+            # ...) has the dynamic linker write the worker's GOT, pages the child then copies (~15 faults a call)
+            "LD_BIND_NOW": "1"}
+
+
+class _WorkerProcess:
+    """One warm worker (light or heavy) and its two pipes. One thread at a time uses it, holding `lock`."""
+
+    def __init__(self, kind, settings):
+        self.kind, self.settings, self.proc, self.isolation = kind, settings, None, None
+        self.lock = threading.Lock()
+        self.start()
+
+    def start(self):
+        # Popen, not fork: this process has threads (ours, vLLM's), and only exec leaves them behind cleanly.
+        # Our ends of the pipes are close-on-exec, so no other child of the trainer inherits them.
+        req_r, self.req_w = os.pipe()
+        self.resp_r, resp_w = os.pipe()
+        cfg = dict(self.settings, kind=self.kind, request_fd=req_r, response_fd=resp_w)
+        # start_new_session: a ^C in the terminal goes to the foreground group, and the workers are not in it
+        self.proc = subprocess.Popen([_interpreter_path(), "-s", "-B", "-c", _BOOT, os.path.abspath(__file__),
+                                      json.dumps(cfg)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     env=_worker_env(), cwd="/", pass_fds=(req_r, resp_w), start_new_session=True)
+        os.close(req_r)
+        os.close(resp_w)
+        os.set_blocking(self.req_w, False)   # writes go through _poll, so a stuck worker cannot block us
+        self.ready = False
+
+    def kill(self):
+        """SIGKILL the waiter; PDEATHSIG then kills PID 1, and with it every process in the namespace."""
+        if self.proc is not None:
+            self.proc.kill()
+
+    def stop(self):
+        """Kill, reap and close the pipes. Only the thread that uses this worker may call it (or close(), once
+        the threads are gone): an fd closed under a reader can come back as someone else's."""
+        if self.proc is None:
+            return
+        self.kill()
+        self.proc.wait()
+        os.close(self.req_w)
+        os.close(self.resp_r)
+        self.proc = None
+
+    def restart(self):
+        self.stop()
+        self.start()
+
+    def wait_ready(self):
+        """The worker's isolation report, once it has started (its first message)."""
+        if not self.ready:
+            message = self._receive(time.monotonic() + STARTUP_TIMEOUT_S)
+            if message.get("ready") is False and isinstance(message.get("error"), str):
+                # not _WorkerGone: a restart would fail the same way; this is the caller's to see and fix
+                raise RuntimeError(f"Executor: the {self.kind} worker could not set up its sandbox: {message['error']}")
+            if message.get("ready") is not True or not isinstance(message.get("isolation"), dict):
+                raise _WorkerGone(f"bad first message from the worker: {str(message)[:200]}")
+            self.isolation, self.ready = message["isolation"], True
+        return self.isolation
+
+    def call(self, code, stdin, timeout_s, result_type):
+        try:   # up to the write, a failure leaves the call unsent (see _call)
+            if self.proc.poll() is not None:
+                raise _WorkerGone("the worker is gone")
+            self.wait_ready()
+            self._write(json.dumps({"code": code, "stdin": stdin}).encode(), time.monotonic() + BACKSTOP_GRACE_S)
+        except _WorkerGone as e:
+            e.sent = False
+            raise
+        message = self._receive(time.monotonic() + STRETCH_CAP * timeout_s + BACKSTOP_GRACE_S)
+        try:   # the worker is trusted code, but a check costs nothing and names the problem if it is not
+            result = result_type(**message)
+            assert result.status in STATUSES and isinstance(result.stdout, str) and isinstance(result.stderr, str)
+        except (TypeError, AssertionError):
+            raise _WorkerGone(f"malformed result from the worker: {str(message)[:200]}") from None
+        return result
+
+    def _write(self, body, deadline):
+        # a 1 MB snippet is more than a pipe holds (64 KB): write what fits, wait for room, within the deadline
+        data = memoryview(struct.pack("<I", len(body)) + body)
+        while data:
+            try:
+                data = data[os.write(self.req_w, data):]
+            except BlockingIOError:
+                self._poll(self.req_w, select.POLLOUT, deadline)
+            except BrokenPipeError:
+                raise _WorkerGone("the worker is gone") from None
+
+    def _receive(self, deadline):
+        (length,) = struct.unpack("<I", self._read_exact(4, deadline))
+        if length > 64 << 20:   # a result is a few KB (capped streams); anything huge is a broken worker
+            raise _WorkerGone(f"a {length}-byte message from the worker")
+        try:
+            return json.loads(self._read_exact(length, deadline))
+        except ValueError:
+            raise _WorkerGone("a message from the worker is not JSON") from None
+
+    def _read_exact(self, n, deadline):
+        buf = bytearray()
+        while len(buf) < n:
+            self._poll(self.resp_r, select.POLLIN, deadline)
+            chunk = os.read(self.resp_r, n - len(buf))
+            if not chunk:
+                raise _WorkerGone(f"the worker exited (code {self.proc.poll()})")
+            buf += chunk
+        return bytes(buf)
+
+    @staticmethod
+    def _poll(fd, event, deadline):
+        poller = select.poll()   # not select.select: a trainer's fds easily pass select's limit of 1024
+        poller.register(fd, event)
+        while not poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
+            if time.monotonic() >= deadline:
+                raise _WorkerGone("the worker did not answer in time")

@@ -1,0 +1,1 @@
+"""Tools that stand apart from the method: python -m tools.gpu_check."""
