@@ -30,13 +30,11 @@ configs/eval.yaml follows the paper. demo.py and rl.py call evaluate() in-proces
 import dataclasses
 import difflib
 import json
-import math
 import os
 import re
 import statistics
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch.distributed as dist
@@ -51,6 +49,7 @@ from reward import extract_answer, fast_equivalent, score_batch  # stdlib only a
 from machinery.prompts import AUTO_VARIANT, apply_model_format, render_prompt
 from machinery.engine import configure_vllm_logging, Engine
 from rollout import generate, RolloutConfig
+from machinery.metrics import pass_at_k, sample_metrics, trajectory_record
 
 # Benchmarks that are not files: `arith` is generated on the fly, so the demo and eval agree on it by seed.
 GENERATED_BENCHMARKS = ("arith",)
@@ -112,17 +111,6 @@ def default_ks(n):
 # -----------------------------------------------------------------------------
 # metrics: pass@k, majority vote, the per-benchmark summary
 
-def pass_at_k(n, c, k):
-    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k), the chance that k of the n
-    drawn without replacement include a correct one (Chen et al. 2021, Eq. 1); c / n for k = 1 (avg pass@1).
-    Python's integers are exact, so no product tricks are needed."""
-    if not 1 <= k <= n or not 0 <= c <= n:
-        raise ValueError(f"pass_at_k: need 1 <= k <= n and 0 <= c <= n, got n={n} c={c} k={k}")
-    # C(n-c, k) counts the k-subsets with no correct sample; math.comb is 0 when k > n - c, giving 1.0.
-    # The naive 1 - (1 - c/n)^k samples with replacement and overestimates pass@k for k close to n.
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
 def majority_vote(answers):
     """Index of the sample whose answer wins a plurality vote (None does not vote; None if nobody votes). Answers
     vote together when reward.fast_equivalent calls them equal ("1,080" = "1080"); math-verify per pair would cost
@@ -172,27 +160,7 @@ def summarize(groups, ks):
             winner = majority_vote([r["answer"] if r["finished"] else None for r in group[:k]])
             votes.append(winner is not None and bool(group[winner]["correct"]))
         metrics[f"maj@{k}"] = statistics.fmean(votes)
-    metrics["response_tokens"] = statistics.fmean(r["response_tokens"] for r in samples)  # model + tool tokens
-    metrics["model_tokens"] = statistics.fmean(r["model_tokens"] for r in samples)        # sampled by the model
-    calls = sum(r["num_tool_calls"] for r in samples)
-    errors = sum(r["num_tool_errors"] for r in samples)
-    metrics["tool_calls_per_trajectory"] = calls / len(samples)
-    # Pooled over calls, not averaged per trajectory: a trajectory with 20 calls weighs 20 times one with 1.
-    metrics["tool_error_rate"] = errors / calls if calls else None
-    correct = [r for r in samples if r["correct"]]
-    correct_calls = sum(r["num_tool_calls"] for r in correct)
-    # Fig. 4 tracks this one: GRPO-RoC should drive tool errors out of the trajectories it rewards.
-    metrics["tool_error_rate_in_correct"] = (sum(r["num_tool_errors"] for r in correct) / correct_calls
-                                             if correct_calls else None)
-    by_kind = Counter()
-    for r in samples:
-        by_kind.update(r["tool_errors_by_kind"])
-    metrics["tool_errors_by_kind"] = dict(sorted(by_kind.items()))
-    # A low answer rate with a high truncated rate means the budget is too small for the model, not that it is
-    # wrong; the stage-1 "clip ratio" (about 10%, §4.3) is this number during training.
-    metrics["answer_rate"] = statistics.fmean(r["answer"] is not None for r in samples)
-    metrics["truncated_rate"] = statistics.fmean(bool(r["truncated"]) for r in samples)
-    metrics["turns"] = statistics.fmean(r["num_turns"] for r in samples)
+    metrics.update(sample_metrics(samples))
     return metrics
 
 
@@ -362,16 +330,10 @@ def sample_records(chunk, trajectories, tokenizer, cfg, rank=0):
         if t.problem_index not in prompts:
             prompts[t.problem_index] = tokenizer.decode(t.prompt_ids)
         # Small fields first and the long texts last, so `head samples.jsonl` is readable.
-        records.append({
-            "benchmark": name, "problem_id": row["id"], "sample_index": t.sample_index,
-            "gold": row["answer"], "answer": extract_answer(t.model_text, require_answer_tag=cfg.require_answer_tag),
-            "correct": reward == 1.0, "finished": t.finished, "truncated": t.truncated, "stop_reason": t.stop_reason,
-            "response_tokens": len(t.response_ids), "model_tokens": t.num_model_tokens, "num_turns": t.num_turns,
-            "num_tool_calls": t.num_tool_calls, "num_tool_errors": t.num_tool_errors,
-            "tool_errors_by_kind": {k: v for k, v in t.tool_errors_by_kind.items() if v},  # error/timeout/oom/parse
-            "num_answer_tags": t.num_answer_tags, "rank": rank,
-            "prompt": prompts[t.problem_index], "response": t.response_text,
-        })
+        answer = extract_answer(t.model_text, require_answer_tag=cfg.require_answer_tag)
+        records.append({"benchmark": name, "problem_id": row["id"], "sample_index": t.sample_index,
+                        "gold": row["answer"], **trajectory_record(t, reward == 1.0, answer), "rank": rank,
+                        "prompt": prompts[t.problem_index], "response": t.response_text})
     return records
 
 

@@ -37,6 +37,7 @@ import json
 import math
 import os
 import sys
+import statistics
 import time
 from typing import Literal
 
@@ -51,12 +52,11 @@ from machinery.metrics import MetricsLogger
 from machinery.distributed import compute_dtype, cpu_threads, free_cached_memory, init_distributed
 from machinery.checkpoint import load_checkpoint, save_checkpoint
 from machinery.data import load_problems
-from eval import EvalConfig, evaluate
 from executor import Executor
 from grpo_roc import (filter_groups, group_advantages, policy_loss, roc_penalty,
                       rollouts_per_prompt, select_group)
 from machinery.plan import print_plan, split_plan_args
-from reward import score_batch
+from reward import extract_answer, score_batch
 from machinery.engine import configure_vllm_logging, Engine
 from rollout import generate, RolloutConfig
 from machinery.distributed import balance_by_tokens
@@ -67,6 +67,7 @@ from machinery.data import drop_long_prompts
 from machinery.distributed import add_traffic, full_weights, own_groups
 from machinery.metrics import TimedExecutor
 from machinery.training import collate, equalize_micro_batches, micro_batches, token_logprobs
+from machinery.metrics import pass_at_k, sample_metrics, trajectory_record
 
 
 # -----------------------------------------------------------------------------
@@ -539,21 +540,37 @@ def gather_metrics(local, learner, step, cfg, rank, world_size):
     return metrics
 
 
+# eval.py's chunk_problems: the same chunks of held-out problems get the same sampling seeds (rollout.request_seed)
+EVAL_CHUNK_PROBLEMS = 64
+
+
 def evaluate_held_out(engine, model, weight_dtype, executor, tokenizer, rows, cfg):
-    """Held-out accuracy (eval/ metrics and time/eval) through the training engine, with eval.py's protocol."""
-    sync_weights(engine, model, weight_dtype)  # the engine holds the weights it last sampled with, not the trained ones
+    """Held-out accuracy (eval/ metrics and time/eval) through the training engine, measured as eval.py
+    measures it: eval_samples trajectories per problem at eval_temperature, graded by the reward (Eq. 3)."""
+    sync_weights(engine, model, weight_dtype)  # the engine holds the weights it last sampled with
     started = time.perf_counter()
-    eval_rollout = dataclasses.replace(cfg.rollout, temperature=cfg.eval_temperature)
-    eval_cfg = EvalConfig(model=cfg.model, benchmarks=["held_out"], n=cfg.eval_samples, seed=cfg.seed,
-                          rollout=eval_rollout)
-    train_rollout, engine.cfg = engine.cfg, eval_rollout  # the engine samples at its own config's temperature
-    try:
-        summary = evaluate(cfg.model, {"held_out": rows}, eval_cfg, engine=engine, executor=executor,
-                           tokenizer=tokenizer, out_dir=None)["held_out"]
-    finally:
-        engine.cfg = train_rollout
-    keys = ("pass@1", "tool_calls_per_trajectory", "tool_error_rate", "tool_error_rate_in_correct", "answer_rate",
-            "response_tokens")
+    # generate() sends the temperature with every request: the engine's own config does not set it
+    rollout_cfg = dataclasses.replace(cfg.rollout, temperature=cfg.eval_temperature)
+    records = {}
+    for step, start in enumerate(range(0, len(rows), EVAL_CHUNK_PROBLEMS)):
+        chunk = rows[start:start + EVAL_CHUNK_PROBLEMS]
+        groups = generate(engine, executor, tokenizer, [r["problem"] for r in chunk], cfg.eval_samples,
+                          rollout_cfg, seed=cfg.seed, step=step)
+        flat = [t for group in groups for t in group]
+        rewards = score_batch([t.model_text for t in flat], [chunk[t.problem_index]["answer"] for t in flat],
+                              [t.finished for t in flat])
+        for t, reward in zip(flat, rewards):
+            # tensor-parallel ranks of one engine may all report its samples: each counts once
+            records[start + t.problem_index, t.sample_index] = trajectory_record(
+                t, reward == 1.0, extract_answer(t.model_text))
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, records)
+    records = {key: record for part in parts for key, record in part.items()}
+    correct = [sum(records[p, s]["correct"] for s in range(cfg.eval_samples)) for p in range(len(rows))]
+    summary = {"pass@1": statistics.fmean(pass_at_k(cfg.eval_samples, c, 1) for c in correct),
+               **sample_metrics(list(records.values()))}
+    keys = ("pass@1", "tool_calls_per_trajectory", "tool_error_rate", "tool_error_rate_in_correct",
+            "answer_rate", "response_tokens")
     metrics = {f"eval/{k}": summary[k] for k in keys if summary.get(k) is not None}
     metrics["time/eval"] = time.perf_counter() - started
     return metrics

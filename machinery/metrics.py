@@ -1,6 +1,10 @@
 """The metrics log (JSONL, optionally W&B and TensorBoard) and the tool's busy time."""
 import json
+import math
+import statistics
+from collections import Counter
 from pathlib import Path
+
 from machinery.config import atomic_write_text
 
 
@@ -63,3 +67,52 @@ class TimedExecutor:
     def _count(self, future):
         if future.exception() is None:
             self.busy_s += future.result().elapsed_s  # float += under the GIL: the callbacks' threads cannot tear it
+
+
+def pass_at_k(n, c, k):
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k), the chance that k of the n
+    drawn without replacement include a correct one (Chen et al. 2021, Eq. 1); c / n for k = 1 (avg pass@1).
+    Python's integers are exact, so no product tricks are needed."""
+    if not 1 <= k <= n or not 0 <= c <= n:
+        raise ValueError(f"pass_at_k: need 1 <= k <= n and 0 <= c <= n, got n={n} c={c} k={k}")
+    # C(n-c, k) counts the k-subsets with no correct sample; math.comb is 0 when k > n - c, giving 1.0.
+    # The naive 1 - (1 - c/n)^k samples with replacement and overestimates pass@k for k close to n.
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def trajectory_record(t, correct, answer):
+    """The numbers of one graded trajectory that eval.py writes per sample and both eval.py and rl.py's
+    held-out evaluation average (sample_metrics); small fields only, in the order samples.jsonl shows."""
+    return {"answer": answer, "correct": correct, "finished": t.finished, "truncated": t.truncated,
+            "stop_reason": t.stop_reason, "response_tokens": len(t.response_ids),
+            "model_tokens": t.num_model_tokens, "num_turns": t.num_turns,
+            "num_tool_calls": t.num_tool_calls, "num_tool_errors": t.num_tool_errors,
+            "tool_errors_by_kind": {k: v for k, v in t.tool_errors_by_kind.items() if v},
+            "num_answer_tags": t.num_answer_tags}
+
+
+def sample_metrics(samples):
+    """Means over trajectory_record dicts: lengths, tool use and errors, answers, truncation."""
+    metrics = {}
+    metrics["response_tokens"] = statistics.fmean(r["response_tokens"] for r in samples)  # model + tool tokens
+    metrics["model_tokens"] = statistics.fmean(r["model_tokens"] for r in samples)        # sampled by the model
+    calls = sum(r["num_tool_calls"] for r in samples)
+    errors = sum(r["num_tool_errors"] for r in samples)
+    metrics["tool_calls_per_trajectory"] = calls / len(samples)
+    # Pooled over calls, not averaged per trajectory: a trajectory with 20 calls weighs 20 times one with 1.
+    metrics["tool_error_rate"] = errors / calls if calls else None
+    correct = [r for r in samples if r["correct"]]
+    correct_calls = sum(r["num_tool_calls"] for r in correct)
+    # Fig. 4 tracks this one: GRPO-RoC should drive tool errors out of the trajectories it rewards.
+    metrics["tool_error_rate_in_correct"] = (sum(r["num_tool_errors"] for r in correct) / correct_calls
+                                             if correct_calls else None)
+    by_kind = Counter()
+    for r in samples:
+        by_kind.update(r["tool_errors_by_kind"])
+    metrics["tool_errors_by_kind"] = dict(sorted(by_kind.items()))
+    # A low answer rate with a high truncated rate means the budget is too small for the model, not that it is
+    # wrong; the stage-1 "clip ratio" (about 10%, §4.3) is this number during training.
+    metrics["answer_rate"] = statistics.fmean(r["answer"] is not None for r in samples)
+    metrics["truncated_rate"] = statistics.fmean(bool(r["truncated"]) for r in samples)
+    metrics["turns"] = statistics.fmean(r["num_turns"] for r in samples)
+    return metrics
