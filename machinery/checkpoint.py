@@ -5,9 +5,11 @@ import random
 import shutil
 import time
 from pathlib import Path
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from machinery.config import ConfigError, resolve
+from machinery.model import build_model
 
 
 CHECKPOINT_PREFIX = "step_"
@@ -107,3 +109,49 @@ def load_weights(checkpoint, model):
     state = {"model": get_model_state_dict(model)}
     dcp.load(state, checkpoint_id=str(checkpoint))
     set_model_state_dict(model, state["model"])
+
+
+def resume_run(cfg, ckpt_root, model, optimizer, run_state, rank):
+    """The step sft.py's run starts at: 0, or a checkpoint's, with its model, optimizer and RNG
+    loaded. The step alone fixes the data position and the lr, so the checkpoint must come from
+    this very run (run_state)."""
+    checkpoint = (None if cfg.resume == "never"
+                  else latest_checkpoint(ckpt_root) if cfg.resume == "auto" else resolve(cfg.resume))
+    if checkpoint is None:
+        return 0
+    saved = load_checkpoint(checkpoint, model, optimizer)
+    mismatch = {k: (saved.get(k), v) for k, v in run_state.items() if saved.get(k) != v}
+    if mismatch:
+        raise ConfigError(f"resume from {checkpoint}: the run changed since it was saved (saved, "
+                          f"now): {mismatch}; the data order would differ. Use a new out_dir or "
+                          "resume=never")
+    if rank == 0:
+        print(f"resumed from {checkpoint} at step {saved['step']}", flush=True)
+    return saved["step"]
+
+
+def load_policy(cfg, device, rank):
+    model, _ = build_model(cfg, cfg.model, device, rank)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  betas=(cfg.adam_beta1, cfg.adam_beta2))
+    return model, optimizer
+
+
+def restore(cfg, ckpt_root, device, rank):
+    """(policy, optimizer, run state) this run starts from: fresh, init_from's weights alone, or a
+    checkpoint restored whole (model, optimizer, RNG, step, data position). Checkpoints are atomic
+    by rename: a run killed mid-save resumes from the previous complete one."""
+    checkpoint, weights_only = start_checkpoint(cfg, ckpt_root)
+    state = {"step": 0, "data_position": 0}
+    model, optimizer = load_policy(cfg, device, rank)
+    if weights_only:
+        load_weights(checkpoint, model)
+        if rank == 0:
+            print(f"initialised from {checkpoint}: its weights only, a fresh optimizer from step 0 "
+                  "(init_optimizer=false)", flush=True)
+    elif checkpoint is not None:
+        state = load_checkpoint(checkpoint, model, optimizer)
+        if rank == 0:
+            print(f"resumed from {checkpoint}: step {state['step']}, data position "
+                  f"{state['data_position']}", flush=True)
+    return model, optimizer, state

@@ -1,7 +1,9 @@
 """The metrics log (JSONL, optionally W&B and TensorBoard) and the tool's busy time."""
+import contextlib
 import json
 import math
 import statistics
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -116,3 +118,56 @@ def sample_metrics(samples):
     metrics["truncated_rate"] = statistics.fmean(bool(r["truncated"]) for r in samples)
     metrics["turns"] = statistics.fmean(r["num_turns"] for r in samples)
     return metrics
+
+
+@contextlib.contextmanager
+def timed(times, key):
+    """times[key] = the seconds the `with` block took."""
+    started = time.perf_counter()
+    yield
+    times[key] = time.perf_counter() - started
+
+
+def step_metrics(records, num_groups):
+    """The step's numbers, over every sampled trajectory of every rank (select_samples' records).
+    None, not 0, where there is nothing to average: "no correct trajectory called the tool" is not
+    "no errors"."""
+    n = len(records)
+
+    def mean(key, rows=records):
+        return sum(r[key] for r in rows) / len(rows) if rows else None
+
+    def ratio(a, b):
+        return a / b if b else None
+
+    calls = sum(r["tool_calls"] for r in records)
+    correct = [r for r in records if r["reward"] > 0]
+    positives = [r for r in correct if not r["all_equal"]]
+    by_kind = {}
+    for r in records:
+        for kind, count in r["errors_by_kind"].items():
+            by_kind[kind] = by_kind.get(kind, 0) + count
+    out = {
+        "accuracy": mean("reward"),  # the mean 0/1 reward of everything sampled
+        "selected_reward_mean": mean("reward", [r for r in records if r["selected"]]),
+        "all_equal_group_fraction": sum(r["all_equal"] for r in records) / max(n, 1),
+        "trajectories": n, "selected": sum(r["selected"] for r in records), "groups": num_groups,
+        "tool_calls_per_trajectory": calls / max(n, 1),
+        # a policy that drops the tool shows here
+        "tool_call_rate": sum(r["tool_calls"] > 0 for r in records) / max(n, 1),
+        "tool_error_ratio": ratio(sum(r["tool_errors"] for r in records), calls),
+        # Fig. 4: failed calls per call, pooled over the trajectories that got the answer right
+        "tool_error_ratio_in_correct": ratio(sum(r["tool_errors"] for r in correct),
+                                             sum(r["tool_calls"] for r in correct)),
+        "parse_failure_rate": ratio(sum(r["parse_errors"] for r in records), calls),
+        "format_penalty": mean("format_penalty"),
+        # RoC at work: the kept positives should have a lower penalty than all positives
+        "roc_penalty_positives": mean("penalty", positives),
+        "roc_penalty_kept_positives": mean("penalty", [r for r in positives if r["selected"]]),
+        "response_tokens": mean("response_tokens"),
+        "response_tokens_max": max((r["response_tokens"] for r in records), default=0),
+        "model_tokens": mean("model_tokens"), "turns": mean("turns"),
+        "truncation_ratio": mean("truncated"),
+    }
+    out.update({f"tool_errors/{kind}": count for kind, count in sorted(by_kind.items())})
+    return out

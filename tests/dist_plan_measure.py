@@ -26,6 +26,7 @@ from machinery.config import load_config
 from machinery.distributed import balance_by_tokens  # noqa: E402
 from machinery.distributed import full_weights
 from machinery.training import last_hidden_states, token_logprobs
+from machinery.checkpoint import load_policy
 
 
 def full_sample(tokens, vocab, seed):
@@ -51,7 +52,7 @@ def main():
     torch.manual_seed(0)
     cfg = load_config(rl.RLConfig, [f"model={model_dir}", "lr=1e-3", "warmup_steps=0", *overrides])
     tokens = cfg.micro_batch_tokens
-    model, optimizer = rl.load_policy(cfg, device, rank)
+    model, optimizer = load_policy(cfg, device, rank)
     vocab = model.config.vocab_size
     out = {"world_size": world_size, "master": plan.tensor_bytes(model.parameters())}
 

@@ -20,6 +20,7 @@ import rl  # noqa: E402
 from machinery.distributed import init_distributed
 from machinery.config import load_config
 from machinery.distributed import full_weights
+from machinery.checkpoint import load_policy
 
 # Eight trajectories of very different lengths and tool-token masks: a per-micro-batch token mean would weigh
 # them differently depending on the split, so a scaling bug moves the gradient far past float noise.
@@ -48,7 +49,7 @@ def main():
     # log-probs in chunks of 64 tokens: several per micro-batch, so their recomputation in backward is in the check
     cfg = load_config(rl.RLConfig, [f"model={model_dir}", "lr=1e-3", "warmup_steps=0", "logprob_chunk_tokens=64",
                                     *overrides])
-    model, optimizer = rl.load_policy(cfg, device, rank)
+    model, optimizer = load_policy(cfg, device, rank)
     samples = fixed_batch(model.config.vocab_size)
     per_rank = len(samples) // world_size
     mine = samples[rank * per_rank:(rank + 1) * per_rank]

@@ -32,6 +32,9 @@ from rollout import Trajectory
 from machinery.checkpoint import load_weights, start_checkpoint
 from machinery.prompts import load_format, read_format
 from machinery.training import collate, micro_batches, token_logprobs
+from machinery.checkpoint import load_policy
+from machinery.data import check_inputs, epoch_plan
+from machinery.metrics import step_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -343,7 +346,7 @@ def test_tool_error_ratio_in_correct_pools_the_calls_of_correct_trajectories_onl
                     tool_errors=e, parse_errors=p, errors_by_kind={"error": e - p, "parse": p}, response_tokens=10,
                     model_tokens=8, truncated=False, turns=2, problem=0)
                for r, c, e, p in [(1, 4, 1, 0), (1, 1, 0, 0), (0, 5, 5, 2), (0, 0, 0, 0)]]
-    metrics = rl.step_metrics(records, num_groups=1)
+    metrics = step_metrics(records, num_groups=1)
     assert metrics["tool_error_ratio_in_correct"] == pytest.approx(1 / 5)   # Fig. 4: 1 failed of 5 calls
     assert metrics["tool_error_ratio"] == pytest.approx(6 / 10)
     assert metrics["parse_failure_rate"] == pytest.approx(2 / 10)
@@ -362,7 +365,7 @@ def test_stage_3_starts_from_the_stage_2_master_weights_with_a_fresh_optimizer(t
     cfg = load_config(rl.RLConfig, ["configs/stage3.yaml", f"model={tiny_model_dir}", f"init_from={stage2}",
                                     f"out_dir={tmp_path / 'stage3'}", "world_size=0", "lr=1e-3"])
     assert not cfg.init_optimizer  # what configs/stage3.yaml says
-    model, optimizer = rl.load_policy(cfg, torch.device("cpu"), 0)
+    model, optimizer = load_policy(cfg, torch.device("cpu"), 0)
     input_ids = torch.randint(0, model.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(0))
     (-token_logprobs(model, input_ids, 1.0, 16).mean()).backward()
     optimizer.step()  # stage 2's weights and AdamW moments: not the HF directory's any more
@@ -370,7 +373,7 @@ def test_stage_3_starts_from_the_stage_2_master_weights_with_a_fresh_optimizer(t
 
     checkpoint, weights_only = start_checkpoint(cfg, tmp_path / "stage3" / "checkpoints")
     assert checkpoint == latest_checkpoint(stage2) and weights_only
-    fresh, fresh_optimizer = rl.load_policy(cfg, torch.device("cpu"), 0)
+    fresh, fresh_optimizer = load_policy(cfg, torch.device("cpu"), 0)
     trained = {name: p.full_tensor() for name, p in model.named_parameters()}
     assert any(not torch.equal(p.full_tensor(), trained[name]) for name, p in fresh.named_parameters())
     load_weights(checkpoint, fresh)
@@ -392,8 +395,8 @@ def test_bf16_training_is_fsdp2_mixed_precision_on_gloo_as_on_a_gpu(tiny_model_d
     cpu = torch.device("cpu")
     assert compute_dtype(torch.device("cuda")) == torch.bfloat16 and compute_dtype(cpu) == torch.float32
     cfg = load_config(rl.RLConfig, [f"model={tiny_model_dir}", "lr=1e-3", "warmup_steps=0", "train_dtype=bfloat16"])
-    model, optimizer = rl.load_policy(cfg, cpu, 0)
-    reference, _ = rl.load_policy(dataclasses.replace(cfg, train_dtype="float32"), cpu, 0)
+    model, optimizer = load_policy(cfg, cpu, 0)
+    reference, _ = load_policy(dataclasses.replace(cfg, train_dtype="float32"), cpu, 0)
     before = {name: p.full_tensor().clone() for name, p in model.named_parameters()}
     seen = []
     model.model.layers[0].mlp.down_proj.register_forward_hook(
@@ -418,11 +421,11 @@ def test_bf16_training_is_fsdp2_mixed_precision_on_gloo_as_on_a_gpu(tiny_model_d
 def test_the_planned_epochs_are_printed_and_many_passes_warn():
     cfg = load_config(rl.RLConfig, ["configs/stage1.yaml", "model=x"])
     problems = len(load_problems(cfg.train_data))
-    epochs, line = rl.epoch_plan(cfg, problems, start_step=0)
+    epochs, line = epoch_plan(cfg, problems, start_step=0)
     assert epochs == pytest.approx(300 * 512 / 8127) and "18.9 epochs" in line and "WARNING" in line
-    epochs, line = rl.epoch_plan(cfg, 42_000, start_step=0)  # the paper's data size
+    epochs, line = epoch_plan(cfg, 42_000, start_step=0)  # the paper's data size
     assert epochs == pytest.approx(3.66, abs=0.01) and "WARNING" not in line
-    assert "0.0 epochs" in rl.epoch_plan(cfg, 42_000, start_step=300)[1]  # a finished run plans nothing more
+    assert "0.0 epochs" in epoch_plan(cfg, 42_000, start_step=300)[1]  # a finished run plans nothing more
 
 
 # -----------------------------------------------------------------------------
@@ -444,10 +447,10 @@ def test_bad_configs_are_rejected_when_loaded(overrides, message):
 def test_a_config_for_n_ranks_launched_on_m_is_rejected_before_loading_anything(tiny_model_dir):
     cfg = load_config(rl.RLConfig, ["configs/tiny.yaml", f"model={tiny_model_dir}", "world_size=8"])
     with pytest.raises(ConfigError, match="written for 8 ranks but was launched on 2"):
-        rl.check_inputs(cfg, world_size=2)
+        check_inputs(cfg, world_size=2)
     cfg = load_config(rl.RLConfig, ["configs/tiny.yaml", f"model={tiny_model_dir}", "rollout.tensor_parallel_size=4"])
     with pytest.raises(ConfigError, match="tensor_parallel_size=4 does not divide the 6 ranks"):
-        rl.check_inputs(cfg, world_size=6)
+        check_inputs(cfg, world_size=6)
 
 
 def test_a_model_directory_without_a_tokenizer_is_rejected_by_the_command_line(tiny_model_dir, tmp_path):

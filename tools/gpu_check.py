@@ -47,6 +47,7 @@ from machinery.config import load_config
 from machinery.distributed import init_distributed
 from machinery.engine import Engine
 from machinery.prompts import render_prompt
+from machinery.checkpoint import load_policy
 
 
 @dataclasses.dataclass
@@ -155,7 +156,7 @@ def rl_cycle(cfg, out, results):
                            torch_peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30))
         return result
 
-    model, optimizer = measure("load trainer (FSDP2, fp32 master)", lambda: rl.load_policy(rl_cfg, device, 0))
+    model, optimizer = measure("load trainer (FSDP2, fp32 master)", lambda: load_policy(rl_cfg, device, 0))
     engine = measure("engine start", lambda: Engine(model_dir, rl_cfg.rollout, seed=0))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     record["K"] = engine.max_concurrency()
