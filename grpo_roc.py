@@ -22,8 +22,9 @@ Paper vs released code (microsoft/rStar @ ecbfb94), and what this file does:
   - p_err: the release greps tool responses for "error" (missing timeouts, parse failures);
     here the caller counts the executor's status flags.
   - negatives: uniform in both (the release dropped penalty-sorting them, rStar PR #50).
-  - counts per side: positives round(|pos| * G / 2G) (halves to even), negatives the rest, then at least
-    min(2, available) each. The release rounds both sides, which keeps G-1 or G+1 for odd G.
+  - counts per side: positives round(|pos| * G / 2G) (halves to even), negatives the rest,
+    then at least min(2, available) each. The release rounds both sides, which keeps G-1 or
+    G+1 for odd G.
   - std: unbiased (torch.std in verl); the paper does not say which.
   - all-equal groups: dropped, as the release's reject_equal_reward; filter_groups(enabled=).
   - dual-clip (c = 3 on negative advantages) is a verl default the paper never mentions:
@@ -63,7 +64,8 @@ def roc_penalty(num_tool_calls, num_tool_errors, num_answer_tags, num_turns,
         raise ValueError(f"roc_penalty: num_tool_errors ({num_tool_errors}) exceeds "
                          f"num_tool_calls ({num_tool_calls})")
     if num_turns < 1:
-        raise ValueError("roc_penalty: num_turns must be >= 1 (every rollout has an assistant turn)")
+        raise ValueError("roc_penalty: num_turns must be >= 1 (every rollout has an assistant "
+                         "turn)")
     # Eq. 4: 0.5 with no tool call at all, which nudges the policy to use the tool; a clean
     # tool user scores 0, one whose every call failed scores 1.
     p_err = 0.5 if num_tool_calls == 0 else num_tool_errors / num_tool_calls
@@ -234,18 +236,8 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.28,
     Returns (loss, metrics). Metrics are detached 0-dim tensors; all but ratio_max are divided
     by num_tokens too, so they also sum over micro-batches; ratio_max combines by max.
     """
-    if logp.dim() != 2 or old_logp.shape != logp.shape or mask.shape != logp.shape:
-        raise ValueError(f"logp, old_logp and mask must share one [B, T] shape, got "
-                         f"{tuple(logp.shape)}, {tuple(old_logp.shape)}, {tuple(mask.shape)}")
-    if advantages.shape == logp.shape[:1]:
-        advantages = advantages.unsqueeze(-1)
-    elif advantages.shape != logp.shape:
-        raise ValueError(f"advantages must be [B] or [B, T] for logp {tuple(logp.shape)}, "
-                         f"got {tuple(advantages.shape)}")
-    if not 0 <= clip_low < 1 or clip_high < 0:
-        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
-    if dual_clip is not None and dual_clip <= 1:
-        raise ValueError(f"dual_clip must be None or > 1, got {dual_clip}")
+    advantages = _checked_advantages(logp, old_logp, advantages, mask, clip_low, clip_high,
+                                     dual_clip)
     mask = mask.bool()
     if num_tokens is None:
         num_tokens = mask.sum()
@@ -261,7 +253,10 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.28,
     ratio = torch.exp(log_ratio)
     # min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A), negated for a loss. The clip stops
     # the update once a token moved far enough; the higher upper bound (DAPO's Clip-Higher)
-    # lets unlikely tokens of good rollouts grow more, which delays entropy collapse.
+    # lets unlikely tokens of good rollouts grow more, which delays entropy collapse. With one
+    # optimizer step per RL step (every shipped config) old_logp is the same weights' log-prob,
+    # rho is exactly 1 and the clip never binds; it acts from the second step on the same
+    # rollouts (mini_batches > 1).
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
     per_token = -torch.minimum(unclipped, clipped)
@@ -274,20 +269,42 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.28,
     loss = torch.where(mask, per_token, 0.0).sum() / num_tokens
 
     with torch.no_grad():
-        # Where the clip is active the token gets no gradient: that fraction, per side.
-        clipped_low = mask & (ratio < 1 - clip_low) & (advantages < 0)
-        clipped_high = mask & (ratio > 1 + clip_high) & (advantages > 0)
-        # k3 estimator of KL(pi_old || pi_theta): non-negative, low variance (Schulman 2020).
-        kl_per_token = torch.where(mask, ratio - 1 - log_ratio, 0.0)
-        # Same denominator as the loss, so summing over micro-batches gives global values.
-        metrics = {
-            "clip_low_fraction": clipped_low.sum() / num_tokens,
-            "clip_high_fraction": clipped_high.sum() / num_tokens,
-            "approx_kl": kl_per_token.sum() / num_tokens,
-            "ratio_mean": torch.where(mask, ratio, 0.0).sum() / num_tokens,
-            "ratio_max": torch.where(mask, ratio, 0.0).max(),
-        }
+        metrics = _loss_metrics(ratio, log_ratio, advantages, mask, clip_low, clip_high, num_tokens)
     return loss, metrics
+
+
+def _checked_advantages(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip):
+    """policy_loss's arguments checked; the advantages as [B, 1] or [B, T]."""
+    if logp.dim() != 2 or old_logp.shape != logp.shape or mask.shape != logp.shape:
+        raise ValueError(f"logp, old_logp and mask must share one [B, T] shape, got "
+                         f"{tuple(logp.shape)}, {tuple(old_logp.shape)}, {tuple(mask.shape)}")
+    if advantages.shape == logp.shape[:1]:
+        advantages = advantages.unsqueeze(-1)
+    elif advantages.shape != logp.shape:
+        raise ValueError(f"advantages must be [B] or [B, T] for logp {tuple(logp.shape)}, "
+                         f"got {tuple(advantages.shape)}")
+    if not 0 <= clip_low < 1 or clip_high < 0:
+        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
+    if dual_clip is not None and dual_clip <= 1:
+        raise ValueError(f"dual_clip must be None or > 1, got {dual_clip}")
+    return advantages
+
+
+def _loss_metrics(ratio, log_ratio, advantages, mask, clip_low, clip_high, num_tokens):
+    """Detached metrics of policy_loss, over the same denominator as the loss, so that summing
+    them over micro-batches gives global values (ratio_max combines by max)."""
+    # Where the clip is active the token gets no gradient: that fraction, per side.
+    clipped_low = mask & (ratio < 1 - clip_low) & (advantages < 0)
+    clipped_high = mask & (ratio > 1 + clip_high) & (advantages > 0)
+    # k3 estimator of KL(pi_old || pi_theta): non-negative, low variance (Schulman 2020).
+    kl_per_token = torch.where(mask, ratio - 1 - log_ratio, 0.0)
+    return {
+        "clip_low_fraction": clipped_low.sum() / num_tokens,
+        "clip_high_fraction": clipped_high.sum() / num_tokens,
+        "approx_kl": kl_per_token.sum() / num_tokens,
+        "ratio_mean": torch.where(mask, ratio, 0.0).sum() / num_tokens,
+        "ratio_max": torch.where(mask, ratio, 0.0).max(),
+    }
 
 
 # -----------------------------------------------------------------------------
@@ -304,8 +321,9 @@ if __name__ == "__main__":
     kept_groups, all_equal_fraction = filter_groups([rewards])
     kept = select_group(rewards, penalties, group_size, rng, mode="roc")
     advantages = group_advantages([rewards[i] for i in kept])
+    topk = select_group(rewards, penalties, group_size, rng, positive_rule="topk")
     print(f"all-equal groups: {all_equal_fraction:.0%}; kept rollouts: {kept} "
-          f"(topk would keep {select_group(rewards, penalties, group_size, rng, positive_rule='topk')})")
+          f"(topk would keep {topk})")
     for i, (calls, errors, tags, turns, reward) in enumerate(rollouts):
         advantage = f"{advantages[kept.index(i)]:+.3f}" if i in kept else "dropped"
         print(f"rollout {i}: reward {reward:.0f}  calls {calls} failed {errors} answers {tags} "
