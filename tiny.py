@@ -32,7 +32,7 @@ TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_respons
 
 # Qwen2/3's pre-tokenizer regex. Training the BPE behind it matters: transformers' Qwen2Tokenizer swaps in this
 # pre-tokenizer on load, so a BPE trained behind plain ByteLevel() would encode differently after a reload
-# (shared/docs/cpu-stack.md §1). It also splits numbers into single digits, which the arithmetic task needs.
+# (docs/design.md, the CPU stack). It also splits numbers into single digits, which the arithmetic task needs.
 QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
@@ -48,7 +48,7 @@ class TinyConfig:
     # tokenizer
     vocab_size: int = 2048           # BPE merges are learned up to this size (plus the added tokens)
     corpus_problems: int = 3000      # training problems mixed into the BPE corpus so real text tokenizes sensibly
-    # model: Qwen3 layout. head_dim 64 because vLLM's CPU attention kernels support it (cpu-stack.md §3)
+    # model: Qwen3 layout. head_dim 64 because vLLM's CPU attention kernels support it (docs/design.md, the CPU stack)
     hidden_size: int = 128
     intermediate_size: int = 384
     num_hidden_layers: int = 2

@@ -104,7 +104,7 @@ def start_checkpoint(cfg, ckpt_root):
 
 def load_weights(checkpoint, model):
     """The model's weights alone from a checkpoint of common.save_checkpoint: the fp32 master weights, not the bf16
-    Hugging Face export, so stage 3 starts from exactly where stage 2's optimizer left them (§6.3 resets only the
+    Hugging Face export, so stage 3 starts from exactly where stage 2's optimizer left them (§4.3 resets only the
     optimizer). DCP reads each rank's shard, whatever the world size that wrote it."""
     state = {"model": get_model_state_dict(model)}
     dcp.load(state, checkpoint_id=str(checkpoint))

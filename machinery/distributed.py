@@ -58,7 +58,7 @@ def init_distributed():
 
 def compute_dtype(device, requested="auto"):
     """The dtype of forward/backward and of an exported model: bf16 on GPU, fp32 on CPU, where bf16 is ~4.5x slower
-    than fp32 on AVX2 (cpu-stack.md §2). A `requested` train_dtype other than auto wins."""
+    than fp32 on AVX2 (docs/design.md, the CPU stack). A `requested` train_dtype other than auto wins."""
     import torch
 
     return getattr(torch, requested if requested != "auto" else "bfloat16" if device.type == "cuda" else "float32")

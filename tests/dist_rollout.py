@@ -73,7 +73,7 @@ def check_colocation(engine, default_group, default_store, tp_size):
     return placement[0]
 
 
-TOLERANCE = 1e-4  # fp32 on both sides; measured max |diff| is ~1e-6 (cpu-stack.md §3 found <= 4.8e-7)
+TOLERANCE = 1e-4  # fp32 on both sides; measured max |diff| is ~1e-6 (docs/design.md, the CPU stack: <= 4.8e-7)
 
 
 def trainer_logprobs(model, prompt_ids, response_ids):

@@ -358,7 +358,7 @@ def test_tool_error_ratio_in_correct_pools_the_calls_of_correct_trajectories_onl
 # stages: stage 3 starts from stage 2's master weights with a fresh optimizer; the data plan is printed
 
 def test_stage_3_starts_from_the_stage_2_master_weights_with_a_fresh_optimizer(tiny_model_dir, tmp_path):
-    """The paper resets only the optimizer for stage 3 (§6.3). Its start was the bf16 Hugging Face export of stage 2;
+    """The paper resets only the optimizer for stage 3 (§4.3). Its start was the bf16 Hugging Face export of stage 2;
     it is now stage 2's DCP checkpoint: the fp32 master weights, exactly, and no optimizer state, from step 0."""
     init_distributed()  # a gloo world of one: FSDP2 and DCP take the path they take under torchrun
     stage2 = tmp_path / "stage2" / "checkpoints"
@@ -557,7 +557,7 @@ def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_data_and_metrics(
 
 @pytest.mark.slow
 def test_filter_drops_only_problems_solved_every_time_and_keeps_the_rest_in_order(sft_policy, tmp_path):
-    """mode=filter (stage-3 data, §6.3) through the real engine, tool and reward, one sample per problem. The policy
+    """mode=filter (stage-3 data, §4.3) through the real engine, tool and reward, one sample per problem. The policy
     memorised MEMO_PROBLEMS but answers right only about one sample in eight. Each problem appears 16 times under
     different ids with its true answer, and twice with a gold answer no sample can reach (-1): those rows must all be
     kept, whatever the policy samples, and some solvable row must go (none of 64 at 1 in 8 would be 0.875^64 = 2e-4;
