@@ -17,6 +17,8 @@ import rollout
 import sft
 import tiny
 from machinery.config import REPO, ConfigError, load_config
+from machinery.conversations import (collate_conversations, collate_shared_prefix, prompt_format,
+                                     read_template, read_tools, shared_prefix_length)
 from machinery.model import check_model_dir
 from machinery.prompts import read_format, render_prompt, render_tool_turn
 
@@ -41,7 +43,7 @@ def tokenizer(tiny_model_dir):
 
 
 def code_format():
-    return (REPO / CODE_TEMPLATE).read_text(), sft.read_tools(CODE_TOOL)
+    return (REPO / CODE_TEMPLATE).read_text(), read_tools(CODE_TOOL)
 
 
 # -----------------------------------------------------------------------------
@@ -141,13 +143,13 @@ def test_sharing_the_prompt_gives_the_loss_and_gradients_of_the_padded_batch(tok
     optimisation only, so the summed loss and every gradient must equal the padded batch's."""
     template, tools = code_format()
     examples = [sft.render_conversation(tokenizer, messages, tools, template) for messages in transcripts(4)]
-    prefix_length = sft.shared_prefix_length(examples)
+    prefix_length = shared_prefix_length(examples)
     prompt = tokenizer.decode(examples[0][0][:prefix_length])
     assert prompt.endswith("This is the problem:\nCompute ") and len(tokenizer.encode(prompt)) > 300
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     results = []
-    for inputs, labels in (sft.collate(examples, tokenizer.pad_token_id), sft.collate_shared_prefix(examples, prefix_length)):
+    for inputs, labels in (collate_conversations(examples, tokenizer.pad_token_id), collate_shared_prefix(examples, prefix_length)):
         model.zero_grad()
         loss = sft.micro_batch_loss_sum(model, inputs, labels)
         loss.backward()
@@ -163,8 +165,8 @@ def test_sharing_the_prompt_gives_the_loss_and_gradients_of_the_padded_batch(tok
 def test_no_sharing_when_the_common_prefix_is_short(tokenizer):
     rows = [[{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": "An answer."}] for i in range(4)]
     examples = [sft.render_conversation(tokenizer, messages, None, None) for messages in rows]
-    assert sft.shared_prefix_length(examples) == 0
-    assert sft.shared_prefix_length(examples[:1]) == 0
+    assert shared_prefix_length(examples) == 0
+    assert shared_prefix_length(examples[:1]) == 0
 
 
 # -----------------------------------------------------------------------------
@@ -231,11 +233,11 @@ def test_the_command_line_reports_a_bad_config_in_one_line(tmp_path):
 
 def test_the_saved_format_is_the_runs_template_and_its_one_tool_schema(tokenizer):
     code = sft.SFTConfig(chat_template=CODE_TEMPLATE, tool_schema=CODE_TOOL)
-    assert sft.prompt_format(code, tokenizer) == ((REPO / CODE_TEMPLATE).read_text(),
-                                                  json.loads((REPO / CODE_TOOL).read_text()))
+    assert prompt_format(code, tokenizer) == ((REPO / CODE_TEMPLATE).read_text(),
+                                              json.loads((REPO / CODE_TOOL).read_text()))
     # General SFT (configs/sft.yaml): ChatML, rows bring their own tools; the tokenizer's own template when unset.
-    assert sft.prompt_format(sft.SFTConfig(chat_template="chatml"), tokenizer) == (sft.read_template("chatml"), None)
-    assert sft.prompt_format(sft.SFTConfig(), tokenizer) == (tokenizer.chat_template, None)
+    assert prompt_format(sft.SFTConfig(chat_template="chatml"), tokenizer) == (read_template("chatml"), None)
+    assert prompt_format(sft.SFTConfig(), tokenizer) == (tokenizer.chat_template, None)
 
 
 def test_the_shipped_configs_load_and_carry_the_recipes(tmp_path, tiny_model_dir):
@@ -271,7 +273,7 @@ def test_micro_batches_group_similar_lengths_and_split_the_batch_evenly_over_ran
 
 def test_lr_warms_up_from_above_zero_then_decays_by_cosine_to_the_floor():
     cfg = sft.SFTConfig(lr=1.0, warmup_ratio=0.04, min_lr_ratio=0.1)
-    lrs = [sft.lr_at(step, 100, cfg) for step in range(100)]
+    lrs = [sft.cosine_lr_at(step, 100, cfg) for step in range(100)]
     assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
     assert all(a >= b for a, b in zip(lrs[3:], lrs[4:]))
     assert lrs[-1] == pytest.approx(0.1)

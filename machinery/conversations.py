@@ -1,0 +1,183 @@
+"""Chat conversations for sft.py: the row format, the template and tool-schema files, the checks
+that a chat template cuts into rollout segments, and the packing of conversations into model
+inputs."""
+import json
+
+import torch
+
+from machinery.config import ConfigError, resolve
+from machinery.prompts import DATA_PLACEHOLDER
+
+ROLES = ("system", "user", "assistant", "tool")
+# The token that ends an assistant turn, the one the rollout stops at: ChatML's, as in the rStar2
+# prompt and Qwen. Not tokenizer.eos_token, which is <|endoftext|> in base checkpoints such as
+# Qwen3-14B-Base.
+END_OF_TURN = "<|im_end|>"
+IGNORE = -100  # label of a position that predicts nothing we train
+
+
+# -----------------------------------------------------------------------------
+# rows and format files
+
+def check_conversation(row, where):
+    """Raise ConfigError naming the row and message if `row` is no conversation sft.py trains on."""
+    messages = row.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ConfigError(f"{where}: expected a non-empty list under 'messages', "
+                          f"got {messages!r:.80}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            role = message.get("role") if isinstance(message, dict) else message
+            raise ConfigError(f"{where}: message {i}: role must be one of {list(ROLES)}, "
+                              f"got {role!r:.80}")
+        if not isinstance(message.get("content"), str):
+            raise ConfigError(f"{where}: message {i} ({message['role']}): 'content' must be a "
+                              f"string, got {message.get('content')!r:.80}")
+        if message["role"] == "assistant" and not message["content"]:
+            raise ConfigError(f"{where}: message {i}: an assistant message has empty content")
+    if messages[0]["role"] not in ("system", "user"):
+        raise ConfigError(f"{where}: the conversation must start with a system or user message, "
+                          f"not {messages[0]['role']!r}")
+    if messages[-1]["role"] != "assistant":
+        raise ConfigError(f"{where}: the last message must be the assistant's (it is "
+                          f"{messages[-1]['role']!r}); a trailing turn after the last assistant "
+                          "message would train nothing")
+    tools = row.get("tools")
+    if tools is not None and not (isinstance(tools, list)
+                                  and all(isinstance(t, dict) for t in tools)):
+        raise ConfigError(f"{where}: 'tools' must be a list of JSON tool schemas, "
+                          f"got {tools!r:.80}")
+
+
+def read_template(path):
+    """The Jinja text of chat_template. "chatml" is Qwen-style ChatML with tools
+    (configs/templates/chatml.jinja, the tiny tokenizer's own): the rStar2 prompt's turn structure
+    without its math-answer instructions, for general SFT data. Qwen3's own template rewrites
+    assistant turns (<think> handling), which sft.render_conversation refuses."""
+    if path == "chatml":
+        path = "configs/templates/chatml.jinja"
+    return resolve(path).read_text() if path else None
+
+
+def read_tools(path):
+    if not path:
+        return None
+    try:
+        schema = json.loads(resolve(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"tool_schema {path}: not valid JSON ({e})") from None
+    return schema if isinstance(schema, list) else [schema]
+
+
+def prompt_format(cfg, tokenizer):
+    """(template text, tool schema or None) this run trains with, for the saved model directory. A
+    schema only when the config gives exactly one: the rollout calls one tool, and rows that bring
+    their own tools have no single format to record."""
+    tools = read_tools(cfg.tool_schema)
+    template = read_template(cfg.chat_template) or tokenizer.chat_template
+    return template, tools[0] if tools and len(tools) == 1 else None
+
+
+# -----------------------------------------------------------------------------
+# rendering: a chat template's text, and the checks that it cuts into rollout segments
+
+def chat_text(tokenizer, messages, tools, chat_template, add_generation_prompt):
+    """The template's text of `messages` (the tokenizer's own template if chat_template is None)."""
+    return tokenizer.apply_chat_template(messages, tools=tools or None,
+                                         chat_template=chat_template or None, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+
+
+def end_of_turn_ids(tokenizer):
+    """[END_OF_TURN's id]; without it as one token a turn cannot end as it does in rollout.py."""
+    ids = tokenizer.encode(END_OF_TURN, add_special_tokens=False)
+    if len(ids) != 1:
+        raise ConfigError(f"the tokenizer has no single {END_OF_TURN} token (it encodes to {ids}); "
+                          "sft.py and rollout.py need ChatML's end-of-turn token")
+    return ids
+
+
+def check_context(tokenizer, messages, k, prompt, covered, tools, chat_template, where):
+    """`prompt` (the text up to assistant message k, tool contents as DATA_PLACEHOLDER) must extend
+    what the earlier segments `covered`, and hold each tool message once and verbatim, so the
+    template's own text can be told from the tool's."""
+    if not prompt.startswith(covered):
+        raise ConfigError(f"{where}: the chat template renders the turns before message {k} "
+                          "differently once more messages follow; cannot cut the conversation into "
+                          "rollout segments")
+    tool_texts = [m["content"] for m in messages[:k] if m["role"] == "tool"]
+    parts = prompt.split(DATA_PLACEHOLDER)
+    if len(parts) != len(tool_texts) + 1 or chat_text(
+            tokenizer, messages[:k], tools, chat_template, add_generation_prompt=True) != "".join(
+                part + text for part, text in zip(parts, tool_texts + [""])):
+        raise ConfigError(f"{where}: the chat template does not render each tool message before "
+                          f"message {k} once and verbatim; cannot tell the tool's text from the "
+                          "template's")
+
+
+def check_turn(covered, written, k, where):
+    """The text through assistant message k must start with `written` (the generation prompt + the
+    content) + END_OF_TURN, or SFT would train on text the model never sees at rollout time."""
+    if not covered.startswith(written + END_OF_TURN):
+        raise ConfigError(f"{where}: the chat template does not render assistant message {k} as "
+                          f"the generation prompt + content + {END_OF_TURN}, so the model would be "
+                          "trained on text it never sees at rollout time (templates that rewrite "
+                          "assistant content are not supported)")
+
+
+# -----------------------------------------------------------------------------
+# packing: a micro-batch of (input_ids, loss_mask) into model inputs and labels
+
+def collate_conversations(examples, pad_id):
+    """Right-padded [B, T] model inputs, and labels[b, t] = the token position t must predict
+    (t + 1), or IGNORE."""
+    width = max(len(ids) for ids, _ in examples)
+    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
+    for row, (ids, mask) in enumerate(examples):
+        input_ids[row, :len(ids)] = torch.tensor(ids)
+        attention_mask[row, :len(ids)] = 1
+        labels[row, :len(ids) - 1] = torch.tensor(
+            [t if m else IGNORE for t, m in zip(ids[1:], mask[1:])])
+    return {"input_ids": input_ids, "attention_mask": attention_mask}, labels
+
+
+def shared_prefix_length(examples, min_saving=0.5):
+    """How many leading tokens all conversations of a micro-batch share before their first trained
+    token (the system prompt, tool schemas and user prefix: 406 of ~580 tokens per tiny-demo
+    transcript). 0 unless encoding that prefix once would save at least `min_saving` of the
+    micro-batch's tokens."""
+    if len(examples) < 2:
+        return 0
+    first = examples[0][0]
+    # the token at `length` must not be a target
+    limit = min(mask.index(1) for _, mask in examples) - 1
+    length = 0
+    while length < limit and all(ids[length] == first[length] for ids, _ in examples):
+        length += 1
+    saved = length * (len(examples) - 1)
+    return length if saved >= min_saving * sum(len(ids) for ids, _ in examples) else 0
+
+
+def collate_shared_prefix(examples, prefix_length):
+    """The micro-batch as ONE row: the shared prefix once, then every conversation's remainder, each
+    attending to the prefix and to itself only (a block mask), with its own positions. Under causal
+    attention the prefix has the same hidden states in every conversation, so this is the same loss
+    and the same gradients as the padded batch (to float rounding; tests/test_sft.py) in a single
+    forward pass, for a fraction of the compute."""
+    tokens, positions = list(examples[0][0][:prefix_length]), list(range(prefix_length))
+    segments = [-1] * prefix_length
+    labels = [IGNORE] * prefix_length  # the prefix predicts only untrained tokens
+    for index, (ids, mask) in enumerate(examples):
+        tokens += ids[prefix_length:]
+        positions += range(prefix_length, len(ids))
+        segments += [index] * (len(ids) - prefix_length)
+        labels += [t if m else IGNORE
+                   for t, m in zip(ids[prefix_length + 1:], mask[prefix_length + 1:])] + [IGNORE]
+    segment = torch.tensor(segments)
+    causal = torch.ones(len(tokens), len(tokens), dtype=torch.bool).tril()
+    visible = causal & ((segment[None, :] == -1) | (segment[None, :] == segment[:, None]))
+    inputs = {"input_ids": torch.tensor([tokens]), "position_ids": torch.tensor([positions]),
+              "attention_mask": visible[None, None]}  # a 4D mask is used as is (True = may attend)
+    return inputs, torch.tensor([labels])
