@@ -61,7 +61,8 @@ from machinery.metrics import (MetricsLogger, TimedExecutor, pass_at_k, sample_m
 from machinery.model import save_hf_model
 from machinery.plan import print_plan, split_plan_args
 from machinery.prompts import load_format
-from machinery.training import collate, equalize_micro_batches, micro_batches, token_logprobs
+from machinery.training import (TrainSample, collate, equalize_micro_batches, micro_batches,
+                                token_logprobs)
 from machinery.checkpoint import restore
 from machinery.data import check_inputs, epoch_plan
 from machinery.metrics import step_metrics
@@ -222,22 +223,6 @@ def sync_weights(engine, model, dtype, traffic=None):
 
 # -----------------------------------------------------------------------------
 # steps 6-7 on a fixed batch, without any engine (tests/test_rl.py drives exactly this code)
-
-@dataclasses.dataclass
-class TrainSample:
-    """A selected trajectory for the trainer; field names as rollout.Trajectory's."""
-    prompt_ids: list[int]
-    response_ids: list[int]  # model and tool tokens after the prompt
-    loss_mask: list[int]     # per response token: 1 = written by the model, 0 = tool output
-    advantage: float         # Eq. 7, shared by all tokens of the trajectory
-    engine_logprobs: list[float] | None = None  # per response token, as the engine sampled it
-    old_logprobs: list[float] | None = None     # per response token, the trainer's, pre-update
-    problem_index: int = 0
-    sample_index: int = 0
-
-    def __len__(self):
-        return len(self.prompt_ids) + len(self.response_ids)
-
 
 @torch.no_grad()
 def recompute_logprobs(model, samples, cfg, pad_id, device, temperature):

@@ -27,11 +27,11 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from machinery import plan
-import rl
 from machinery.config import REPO, load_config
 from machinery.distributed import init_distributed
 from machinery.distributed import assign_by_tokens, balance_by_tokens
 from machinery.training import token_logprobs
+from machinery.training import TrainSample
 
 
 @dataclasses.dataclass
@@ -100,7 +100,7 @@ def trajectories(rank, count, vocab):
     out = []
     for i in range(count):
         n = rng.randint(100, 2000)
-        out.append(rl.TrainSample([rng.randrange(vocab) for _ in range(64)], [rng.randrange(vocab) for _ in range(n)],
+        out.append(TrainSample([rng.randrange(vocab) for _ in range(64)], [rng.randrange(vocab) for _ in range(n)],
                                   [1] * n, 0.5, engine_logprobs=[-rng.random() for _ in range(n)],
                                   problem_index=rank * count + i))
     return out

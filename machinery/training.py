@@ -1,9 +1,29 @@
 """Packing trajectories into micro-batches and the trainer's log-probs at the sampling temperature,
 chunked through the output projection so no [tokens, vocab] fp32 tensor is kept."""
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 from machinery.config import ConfigError
+
+
+@dataclasses.dataclass
+class TrainSample:
+    """What the trainer needs of a selected rollout.Trajectory, under the same field names: tokens,
+    mask, advantage and log-probs. Not the Trajectory itself: with its texts and tool calls the
+    token balance would pickle and move about 1.5x the bytes between ranks."""
+    prompt_ids: list[int]
+    response_ids: list[int]  # model and tool tokens after the prompt
+    loss_mask: list[int]     # per response token: 1 = written by the model, 0 = tool output
+    advantage: float         # Eq. 7, shared by all tokens of the trajectory
+    engine_logprobs: list[float] | None = None  # per response token, as the engine sampled it
+    old_logprobs: list[float] | None = None     # per response token, the trainer's, pre-update
+    problem_index: int = 0
+    sample_index: int = 0
+
+    def __len__(self):
+        return len(self.prompt_ids) + len(self.response_ids)
 
 
 def micro_batches(samples, cfg):

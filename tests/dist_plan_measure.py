@@ -27,6 +27,7 @@ from machinery.distributed import balance_by_tokens  # noqa: E402
 from machinery.distributed import full_weights
 from machinery.training import last_hidden_states, token_logprobs
 from machinery.checkpoint import load_policy
+from machinery.training import TrainSample
 
 
 def full_sample(tokens, vocab, seed):
@@ -34,7 +35,7 @@ def full_sample(tokens, vocab, seed):
     rng = random.Random(seed)
     prompt = [rng.randrange(3, vocab) for _ in range(16)]
     response = [rng.randrange(3, vocab) for _ in range(tokens - 16)]
-    sample = rl.TrainSample(prompt, response, [1] * len(response), advantage=1.0 if seed % 2 else -1.0)
+    sample = TrainSample(prompt, response, [1] * len(response), advantage=1.0 if seed % 2 else -1.0)
     sample.old_logprobs = [-8.0] * len(response)
     return sample
 
@@ -102,7 +103,7 @@ def main():
 
     # the balance: rank 0 holds most trajectories, so some must move; what arrives is counted
     rng = random.Random(7 + rank)
-    mine = [rl.TrainSample([rng.randrange(3, vocab) for _ in range(8)], [rng.randrange(3, vocab) for _ in range(n)],
+    mine = [TrainSample([rng.randrange(3, vocab) for _ in range(8)], [rng.randrange(3, vocab) for _ in range(n)],
                            [1] * n, 0.5, engine_logprobs=[-rng.random() for _ in range(n)], problem_index=i,
                            sample_index=rank)
             for i, n in enumerate([40, 300, 120, 90, 60, 200] if rank == 0 else [50])]

@@ -21,6 +21,7 @@ from machinery.distributed import init_distributed
 from machinery.config import load_config
 from machinery.distributed import full_weights
 from machinery.checkpoint import load_policy
+from machinery.training import TrainSample
 
 # Eight trajectories of very different lengths and tool-token masks: a per-micro-batch token mean would weigh
 # them differently depending on the split, so a scaling bug moves the gradient far past float noise.
@@ -38,7 +39,7 @@ def fixed_batch(vocab_size):
         # a block of "tool output" in the middle of longer responses: loss mask 0 there
         mask = [0 if (response_len > 20 and 10 <= j < 20) else 1 for j in range(response_len)]
         advantage = [1.2, -0.8, 0.5, -1.5][i % 4]
-        samples.append(rl.TrainSample(prompt, response, mask, advantage, problem_index=i))
+        samples.append(TrainSample(prompt, response, mask, advantage, problem_index=i))
     return samples
 
 

@@ -35,6 +35,7 @@ from machinery.training import collate, micro_batches, token_logprobs
 from machinery.checkpoint import load_policy
 from machinery.data import check_inputs, epoch_plan
 from machinery.metrics import step_metrics
+from machinery.training import TrainSample
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -279,7 +280,7 @@ def test_lr_ramps_up_over_the_warmup_then_stays_constant():
 
 
 def sample(length, prompt=2):
-    return rl.TrainSample(list(range(prompt)), list(range(length - prompt)), [1] * (length - prompt), 1.0)
+    return TrainSample(list(range(prompt)), list(range(length - prompt)), [1] * (length - prompt), 1.0)
 
 
 def test_micro_batches_keep_under_both_caps_and_lose_no_sample():

@@ -48,6 +48,7 @@ from machinery.distributed import init_distributed
 from machinery.engine import Engine
 from machinery.prompts import render_prompt
 from machinery.checkpoint import load_policy
+from machinery.training import TrainSample
 
 
 @dataclasses.dataclass
@@ -163,7 +164,7 @@ def rl_cycle(cfg, out, results):
     problems = [row["problem"] for row in tiny.make_arithmetic_problems(cfg.cycle_prompts, seed=2)]
     plain = dataclasses.replace(rl_cfg.rollout, max_response_tokens=cfg.cycle_max_tokens)
     generator = torch.Generator().manual_seed(0)
-    samples = [rl.TrainSample(torch.randint(0, shape.vocab, (1024,), generator=generator).tolist(),
+    samples = [TrainSample(torch.randint(0, shape.vocab, (1024,), generator=generator).tolist(),
                               torch.randint(0, shape.vocab, (context - 1024,), generator=generator).tolist(),
                               [1] * (context - 1024), advantage=(-1.0) ** i) for i in range(4)]  # 2 micro-batches
     weight_dtype = torch.bfloat16
