@@ -19,7 +19,7 @@ The plan is arithmetic on the model's shapes, written to follow what rl.py does 
             (rl.py), so the [tokens x vocab] working set is a chunk's, not the micro-batch's;
   engine    vLLM colocated, asleep while training (rollout.sleep_level): at wake it takes gpu_memory_utilization
             of the GPU for weights + its profiled activations + KV cache; K = the trajectories that fit the KV
-            cache at full length at once (rollout.Engine.max_concurrency);
+            cache at full length at once (machinery.engine.Engine.max_concurrency);
   bytes     what each rank must receive (the logical volume; ring collectives send about as much): the weight sync
             gathers bf16 shards, FSDP gathers layers and reduce-scatters fp32 gradients per micro-batch, and the
             balance gathers (length, owner, index) and moves only the trajectories that change rank;
@@ -53,13 +53,13 @@ GPUS = {
     "H200": 143771 * 2**20,
     "MI300X": 196592 * 2**20,
 }
-# Estimates for what a CPU cannot measure (not measured here; gpu_check.py records the real ones):
+# Estimates for what a CPU cannot measure (not measured here; tools/gpu_check.py records the real ones):
 CUDA_CONTEXT = 1 * GiB           # CUDA/HIP context, cuBLAS/NCCL workspaces: outside every PyTorch tensor
 CUDA_GRAPHS = 1 * GiB            # vLLM's graph pool, captured after the KV cache is sized (not inside the budget)
 ENGINE_BATCH_TOKENS = 16384      # vLLM's max_num_batched_tokens for LLM() on GPUs >= 70 GiB (arg_utils defaults)
 ENGINE_MAX_SEQS = 1024           # ... and max_num_seqs, which caps K
 KV_BLOCK = 16                    # vLLM's default block size: the KV cache is allocated in blocks of 16 tokens
-SYNC_BUCKET = 64 * 2**20         # rl.WEIGHT_SYNC_BUCKET_BYTES: full tensors gathered together by the weight sync
+SYNC_BUCKET = 64 * 2**20         # distributed.WEIGHT_SYNC_BUCKET_BYTES: full tensors gathered together by the weight sync
 META_BYTES = 24                  # one (length, owner, index) entry of the balance's gather: three int64
 
 
@@ -219,7 +219,7 @@ def kv_bytes_per_token(m, tp=1, c=2):
 
 
 def max_concurrency(kv_cache_bytes, m, context_len, tp=1, c=2, max_seqs=ENGINE_MAX_SEQS, block=KV_BLOCK):
-    """K of §3.2 as rollout.Engine.max_concurrency computes it: whole blocks of KV cache, trajectories at full length."""
+    """K of §3.2 as machinery.engine.Engine.max_concurrency computes it: whole blocks of KV cache, trajectories at full length."""
     blocks = max(0, kv_cache_bytes) // (block * kv_bytes_per_token(m, tp, c))
     return min(blocks * block // context_len, max_seqs)
 
@@ -290,7 +290,7 @@ def bytes_moved(m, cfg, world, c=2):
 def fsdp_bytes_per_micro_batch(m, world, c=2, reduce_c=4):
     """What one rank receives from FSDP2 in one micro-batch's forward and backward: forward all-gathers every unit in
     compute dtype, backward re-gathers the decoder layers (resharded after forward; the root is not), then the
-    gradients are reduce-scattered in reduce_c bytes (MixedPrecisionPolicy's reduce_dtype: fp32 in sft.build_model)."""
+    gradients are reduce-scattered in reduce_c bytes (MixedPrecisionPolicy's reduce_dtype: fp32 in model.build_model)."""
     share = (world - 1) / world
     everything = padded_numel(m.tensors(), world)
     layers = everything - padded_numel(m.root_tensors(), world)
@@ -435,7 +435,7 @@ HBM_BYTES_PER_S = {"H100-80GB": 3.35e12, "H200": 4.8e12, "MI300X": 5.3e12}
 class PlanAssumptions:
     """What mode=plan's time estimate assumes, each overridable on rl.py's command line (`plan_mfu=0.3`). They live
     here, not in rl.RLConfig, so the config a run saves holds the method alone. Stated, not measured: replace each
-    with a measurement of the target machine when there is one (gpu_check.py, nccl-tests)."""
+    with a measurement of the target machine when there is one (tools/gpu_check.py, nccl-tests)."""
     # decode tokens/s of ONE sequence while K share a GPU (its rate is K times this): 53-71% of the HBM roofline
     # printed for stage 1's K on these GPUs (weights + K KV caches read per token)
     plan_decode_tok_s: float = 40.0
@@ -494,7 +494,7 @@ def link_seconds(received, world, a):
 def step_time(cfg, m, world, a, gpus=GPUS):
     """Seconds of each term of one step on each GPU in `gpus` (a name of PEAK_BF16_FLOPS), and what they rest on.
 
-    rollout decode  n rollouts per rank of R response tokens, K at once (the KV budget, as rollout.admission sizes
+    rollout decode  n rollouts per rank of R response tokens, K at once (the KV budget, as rollout.py sizes
                     it), each at plan_decode_tok_s; never less than the longest response alone (the last to finish);
     training        FLOPs / (GPU peak x plan_mfu): 2 N T for the old log-probs (forward only), 6 N T for the update,
                     2 N' T for what backward recomputes (the decoder layers but their down projections under
@@ -528,8 +528,7 @@ def step_time(cfg, m, world, a, gpus=GPUS):
                sync_bytes=sync_bytes, sync_s=link_seconds(sync_bytes, world, a), gpus={})
     for name, gpu_bytes in gpus.items():
         engine = engine_memory(m, r, gpu_bytes)
-        # K as rollout.py admits trajectories: at the full budget, or at the mean length (rollout.admission)
-        k = engine["K"] if r.admission == "budget" else max_concurrency(engine["kv_cache"], m, prompt + response)
+        k = engine["K"]  # K as rollout.py admits trajectories: each at its full budget (§3.2)
         running = min(k, rollouts, r.max_concurrency or k)
         kv_read = running * kv_bytes_per_token(m, r.tensor_parallel_size) * (prompt + response / 2)
         t = dict(K=k, decode_tok_s_gpu=running * a.plan_decode_tok_s,
@@ -552,7 +551,7 @@ def format_step_time(cfg, m, world, a, gpus=GPUS):
         return f"  {label:58s}" + "".join(f"{value(t) if callable(value) else value:{fmt}}" for t in cols)
 
     notes = {"plan_decode_tok_s": "decode tokens/s of one sequence while K share a GPU (assumed: a measured rate "
-                                  "of this model at K on the GPU replaces it; gpu_check.py's check 4 measures one)",
+                                  "of this model at K on the GPU replaces it; tools/gpu_check.py's check 4 measures one)",
              "plan_mfu": "share of the GPU's dense bf16 peak the trainer reaches, recompute counted (assumed)",
              "plan_nvlink_gb_s": "GB/s per GPU per direction within a node (NVLink 4; MI300X's Infinity Fabric 448)",
              "plan_network_gb_s": "GB/s per GPU between nodes: one 400 Gb/s NIC each (nominal; nccl-tests gives less)",
@@ -588,7 +587,7 @@ def format_step_time(cfg, m, world, a, gpus=GPUS):
               row(f"stage: {steps} steps ({a.plan_start_step} -> {cfg.steps}), days",
                   lambda t: steps * t["step"] / 86400, "12.2f"),
               f"  what would cut the FSDP seconds ({sum(fsdp.values()):.0f} now):",
-              row("  reduce-scatter in bf16 (reduce_dtype, sft.build_model)",
+              row("  reduce-scatter in bf16 (reduce_dtype, model.build_model)",
                   fsdp["all_gather"] + fsdp["reduce_scatter"] / 2)]
     for factor in (2, 4):  # every FSDP collective runs once per micro-batch: fewer, larger ones cut them all
         bigger = dataclasses.replace(cfg, micro_batch_tokens=factor * cfg.micro_batch_tokens)
@@ -604,7 +603,7 @@ def format_step_time(cfg, m, world, a, gpus=GPUS):
 
 
 # -----------------------------------------------------------------------------
-# measuring: the bytes in every collective (tests/test_plan.py, the benchmark, gpu_check.py)
+# measuring: the bytes in every collective (tests/test_plan.py, the benchmark, tools/gpu_check.py)
 
 class CommMeter(TorchDispatchMode):
     """Counts, per collective, the bytes this rank receives: every c10d op goes through the dispatcher (FSDP2's

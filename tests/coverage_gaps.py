@@ -3,7 +3,7 @@
     python tests/coverage_gaps.py [DATA_FILE ...] [--source]
 
 DATA_FILE: coverage data files (default .coverage), e.g. the CPU suite's (`pytest --cov`, docs/coverage.md) and
-gpu_check.py's (`coverage run gpu_check.py`); a line counts as run if any of them ran it. Each file is read from the
+tools/gpu_check.py's (`coverage run -m tools.gpu_check`); a line counts as run if any of them ran it. Each file is read from the
 path the data recorded, so data from another checkout is read against that checkout's source. --source prints
 each missed line's text too. Not a test (no test_ prefix): a reading aid, run by hand.
 """

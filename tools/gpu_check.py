@@ -1,6 +1,6 @@
-"""The GPU check of rollout.py, in one call: what CPU tests cannot show, measured on one CUDA GPU with `vllm`.
+"""The GPU check, in one call: what CPU tests cannot show, measured on one CUDA GPU with `vllm`.
 
-    python gpu_check.py [out_dir=$OUT] [hidden_size=1024 num_hidden_layers=12] [prompts=64 max_tokens=256]
+    python -m tools.gpu_check [out_dir=$OUT] [hidden_size=1024 num_hidden_layers=12] [prompts=64 max_tokens=256]
 
 Needs requirements-gpu.txt installed and no network (the model is a random Qwen3 built by tiny.py, larger than the
 CPU one so the numbers mean something). It checks and times, in this order:
@@ -16,12 +16,12 @@ CPU one so the numbers mean something). It checks and times, in this order:
   5. the barrier-free loop vs a per-turn barrier with tool calls (bench/rollout.py's scripted trajectories);
   6. the RL cycle with rl.py's own functions: rollout, sleep, old log-probs and a training step at 20,480-token
      micro-batches, wake + weight sync (verl's order), rollout again, twice, on a Qwen3-4B-shaped model with random
-     weights and the 151,936 vocabulary; per phase the device's used memory and PyTorch's peak, beside plan.py's
-     numbers for the phase (`python gpu_check.py only_cycle=true` runs this one alone).
+     weights and the 151,936 vocabulary; per phase the device's used memory and PyTorch's peak, beside machinery/plan.py's
+     numbers for the phase (`python -m tools.gpu_check only_cycle=true` runs it alone).
 Results: printed as a Markdown block for GPU_CHECK.md and written to out_dir/gpu_check.json, then a one-screen
 verdict (PASS/FAIL per check, a row per RL-cycle phase). Exit code 1 if a check failed. Run under coverage
-(docs/coverage.md), it executes the method lines no CPU test runs: the CUDA branches of common.init_distributed and
-common.free_cached_memory. STATUS: written on a CPU-only machine and NOT yet run on any GPU (CUDA or ROCm);
+(docs/coverage.md), it executes the method lines no CPU test runs: the CUDA branches of
+machinery.distributed's init_distributed and free_cached_memory. STATUS: written on a CPU-only machine and NOT yet run on any GPU (CUDA or ROCm);
 GPU_CHECK.md records the first run. Without a GPU it exits at once with a message (exit code 1); no CPU test needs it.
 """
 import dataclasses
@@ -70,7 +70,7 @@ class GPUCheckConfig:
     # barrier benchmark
     bench_trajectories: int = 64
     tool_latency_s: float = 0.3
-    # 6. the RL cycle on one GPU (rl.py's own functions), against plan.py: a Qwen3-shaped model with random weights,
+    # 6. the RL cycle on one GPU (rl.py's own functions), against machinery/plan.py: a Qwen3-shaped model with random weights,
     # Qwen3-4B's shape by default, which with its fp32 master weights and AdamW (16 bytes a parameter, ~64 GB) and a
     # colocated engine is about what one H200 holds (python rl.py ... mode=plan shows the sum for other shapes)
     only_cycle: bool = False          # skip checks 1-5
@@ -216,7 +216,7 @@ def main(cfg):
 
 
 def sampling(engine, trainer, prompt, results):
-    """What rollout.Engine asks of the model runner that CUDA runs (vLLM 0.33's V2 one; the CPU tests run V1): the
+    """What machinery.engine.Engine asks of the model runner that CUDA runs (vLLM 0.33's V2 one; the CPU tests run V1): the
     sampled tokens' log-probs at temperature 0.6 are the trainer's log_softmax(logits / 0.6) ("processed_logprobs",
     vllm/v1/worker/gpu/sample/sampler.py), and a request's seed fixes its tokens (sample/states.py, gumbel.py):
     rerun alone, the same; in a batch of 16, reported (bf16 kernels may differ with the batch); another seed, others."""
@@ -252,7 +252,7 @@ def brief(value):
 
 
 def verdict(results):
-    """One screen, printed last: PASS or FAIL per check with its numbers (the RL cycle's include plan.py's) or its
+    """One screen, printed last: PASS or FAIL per check with its numbers (the RL cycle's include the plan's) or its
     error's last line, and one row per phase of the RL cycle: time, device memory used, PyTorch's peak."""
     failures = results.get("failures", [])
     scalars = {k: v for k, v in results.items() if not isinstance(v, (dict, list))}
