@@ -50,22 +50,19 @@ from grpo_roc import (filter_groups, group_advantages, policy_loss, roc_penalty,
                       rollouts_per_prompt, select_group)
 from reward import extract_answer, score_batch
 from rollout import RolloutConfig, generate
-from machinery.checkpoint import save_checkpoint
+from machinery.checkpoint import check_inputs, epoch_plan, restore, save_checkpoint
 from machinery.config import ConfigError, atomic_write_text, load_config, resolve, save_config
 from machinery.data import drop_long_prompts
 from machinery.distributed import (add_traffic, balance_by_tokens, compute_dtype, cpu_threads,
                                    free_cached_memory, full_weights, init_distributed, own_groups)
 from machinery.engine import Engine, configure_vllm_logging
-from machinery.metrics import (MetricsLogger, TimedExecutor, pass_at_k, sample_metrics, timed,
-                               trajectory_record)
+from machinery.metrics import (MetricsLogger, TimedExecutor, pass_at_k, sample_metrics,
+                               step_metrics, timed, trajectory_record)
 from machinery.model import save_hf_model
 from machinery.plan import print_plan, split_plan_args
 from machinery.prompts import load_format
 from machinery.training import (TrainSample, collate, equalize_micro_batches, micro_batches,
                                 token_logprobs)
-from machinery.checkpoint import restore
-from machinery.data import check_inputs, epoch_plan
-from machinery.metrics import step_metrics
 
 
 # -----------------------------------------------------------------------------

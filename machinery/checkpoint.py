@@ -5,12 +5,22 @@ import random
 import shutil
 import time
 from pathlib import Path
+
+import numpy as np
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
 from machinery.config import ConfigError, resolve
 from machinery.model import build_model
-
+from machinery.data import load_problems
+from machinery.model import check_model_dir
 
 CHECKPOINT_PREFIX = "step_"
 
@@ -30,10 +40,6 @@ def save_checkpoint(ckpt_root, step, model, optimizer, trainer_state, keep=2):
     """Save model + optimizer (sharded, via DCP) and `trainer_state` (step, data position, per-rank RNG) into
     step_N.tmp/ on all ranks; rank 0 renames it to step_N/ after a barrier, the commit point. Needs a filesystem
     every rank sees (multi-node: a shared one)."""
-    import torch
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     rank = dist.get_rank()
     final = Path(ckpt_root) / f"{CHECKPOINT_PREFIX}{step:08d}"
@@ -65,11 +71,6 @@ def save_checkpoint(ckpt_root, step, model, optimizer, trainer_state, keep=2):
 def load_checkpoint(path, model, optimizer):
     """Load a checkpoint written by save_checkpoint into an already FSDP-wrapped model and its optimizer.
     Restores this rank's RNG streams and returns the saved trainer_state."""
-    import numpy as np
-    import torch
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     path = Path(path)
     model_state, optim_state = get_state_dict(model, optimizer)
@@ -155,3 +156,44 @@ def restore(cfg, ckpt_root, device, rank):
             print(f"resumed from {checkpoint}: step {state['step']}, data position "
                   f"{state['data_position']}", flush=True)
     return model, optimizer, state
+
+
+def check_inputs(cfg, world_size=None):
+    """Everything that can be wrong with the inputs, before a model or an engine is loaded:
+    torchrun's WORLD_SIZE is read before any process group exists."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    if cfg.world_size and cfg.world_size != world_size:
+        raise ConfigError(f"world_size={cfg.world_size}: this config is written for "
+                          f"{cfg.world_size} ranks but was launched on {world_size}; change "
+                          "torchrun's --nnodes/--nproc_per_node, or world_size=0")
+    tp = cfg.rollout.tensor_parallel_size
+    if world_size % tp:
+        raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide the {world_size} "
+                          "ranks into engines")
+    engines = world_size // tp
+    if cfg.mode == "train" and cfg.prompts_per_step < engines:
+        raise ConfigError(f"prompts_per_step={cfg.prompts_per_step} is fewer than the {engines} "
+                          "engines: some would idle")
+    model = check_model_dir(cfg.model)
+    problems = load_problems(cfg.filter_source if cfg.mode == "filter" else cfg.train_data)
+    eval_rows = load_problems(cfg.eval_data) if cfg.eval_data and cfg.mode == "train" else []
+    return model, problems, eval_rows
+
+
+# The paper's stage 1 is 300 steps x 512 prompts over 42K problems: about 3.7 passes (§4.2, §4.3)
+EPOCHS_WARN = 5.0
+
+
+def epoch_plan(cfg, num_problems, start_step):
+    """(passes over train_data this run makes, the line train() prints), a warning past EPOCHS_WARN."""
+    prompts = (cfg.steps - start_step) * cfg.prompts_per_step
+    epochs = prompts / num_problems
+    line = (f"plan: steps {start_step} -> {cfg.steps} x {cfg.prompts_per_step} prompts = "
+            f"{prompts:,} prompts over {num_problems:,} problems of {cfg.train_data}: "
+            f"{epochs:.1f} epochs")
+    if epochs > EPOCHS_WARN:
+        line += (f"\nWARNING: {epochs:.1f} passes over the same problems, above {EPOCHS_WARN}; the "
+                 "paper's stage 1 makes 3.7 (300 x 512 prompts over 42K problems). Add problems "
+                 "(prepare_data.py, README: the paper's data size) or lower steps or "
+                 "prompts_per_step.")
+    return epochs, line

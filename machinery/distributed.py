@@ -2,14 +2,15 @@
 gather for the engine's reload (FSDP2 shards, bucketed all-gathers); the prompt-claim counter and
 the token balance across ranks (paper §3.2)."""
 import gc
+import itertools
 import os
+import pickle
 import random
+
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
-import itertools
-import pickle
-
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -21,8 +22,6 @@ def init_distributed():
     """Start torch.distributed and return (rank, world_size, local_rank, device). A plain `python x.py` becomes a
     world of one with torchrun's env variables set, so FSDP2, the TCPStore work counter and vLLM's external_launcher
     take exactly the path they take on 64 GPUs."""
-    import torch
-    import torch.distributed as dist
 
     store = None
     # A child process (demo.py's stages, a test's subprocess) inherits the variables a single-process parent set
@@ -59,7 +58,6 @@ def init_distributed():
 def compute_dtype(device, requested="auto"):
     """The dtype of forward/backward and of an exported model: bf16 on GPU, fp32 on CPU, where bf16 is ~4.5x slower
     than fp32 on AVX2 (docs/design.md, the CPU stack). A `requested` train_dtype other than auto wins."""
-    import torch
 
     return getattr(torch, requested if requested != "auto" else "bfloat16" if device.type == "cuda" else "float32")
 
@@ -68,7 +66,6 @@ def free_cached_memory():
     """Give the blocks PyTorch's allocator caches but no tensor uses back to the GPU (a no-op on CPU). vLLM's
     sleep-mode allocator maps its memory outside PyTorch's cache, so it cannot reuse those blocks: after a 14B
     training step some 45-50 GB of them would still be held when the engine wakes."""
-    import torch
 
     gc.collect()  # tensors only a reference cycle still holds
     if torch.cuda.is_available():
@@ -79,7 +76,6 @@ def free_cached_memory():
 def cpu_threads(count, device):
     """On CPU, set torch's threads to `count` (0: leave them); returns the previous count. In-process vLLM sets
     torch to 1 thread "for serving" and replaces torch.set_num_threads with a no-op, so this calls the builtin."""
-    import torch
 
     previous = torch.get_num_threads()
     if count and device.type == "cpu":
@@ -88,8 +84,6 @@ def cpu_threads(count, device):
 
 
 def seed_everything(seed):
-    import numpy as np
-    import torch
 
     random.seed(seed)
     np.random.seed(seed)

@@ -16,26 +16,32 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_rl_train_step import (
+    fixed_batch,  # tests/ is on sys.path (pytest's rootdir-relative import)
+)
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import rl
 import rollout
 import tiny
-from dist_rl_train_step import fixed_batch   # tests/ is on sys.path (pytest's rootdir-relative import)
 from grpo_roc import policy_loss
+from machinery.checkpoint import (
+    check_inputs,
+    epoch_plan,
+    latest_checkpoint,
+    load_policy,
+    load_weights,
+    save_checkpoint,
+    start_checkpoint,
+)
 from machinery.config import ConfigError, load_config
-from machinery.distributed import compute_dtype, init_distributed
-from machinery.checkpoint import latest_checkpoint, save_checkpoint
 from machinery.data import load_problems
-from rollout import Trajectory
-from machinery.checkpoint import load_weights, start_checkpoint
-from machinery.prompts import load_format, read_format
-from machinery.training import collate, micro_batches, token_logprobs
-from machinery.checkpoint import load_policy
-from machinery.data import check_inputs, epoch_plan
+from machinery.distributed import compute_dtype, init_distributed
 from machinery.metrics import step_metrics
-from machinery.training import TrainSample
+from machinery.prompts import load_format, read_format
+from machinery.training import TrainSample, collate, micro_batches, token_logprobs
+from rollout import Trajectory
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
