@@ -13,20 +13,35 @@ from machinery.distributed import compute_dtype
 from machinery.prompts import write_format
 
 
-def check_model_dir(path):
-    """A local model directory needs a config and a tokenizer; a hub id (org/name, no such local folder) is left
-    to transformers."""
+# Any one of these (fast tokenizer, sentencepiece, BPE vocab) lets AutoTokenizer and vLLM load a
+# tokenizer. A trainer that did not save the tokenizer with the weights is the usual cause of none.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def check_model_dir(path, allow_hub_id=True):
+    """The model path, checked before anything slow starts: a local directory needs a config and a
+    tokenizer. A hub id (org/name, no such local folder) is left to transformers unless allow_hub_id
+    is False: eval.py reads the directory itself (its saved prompt format, the resume check)."""
     local = resolve(path)
-    if not local.exists():
-        hub_id = len(Path(path).parts) == 2 and not str(path).startswith((".", "/")) and not local.parent.exists()
+    if not local.is_dir():
+        if not allow_hub_id:
+            raise ConfigError(f"model directory not found: {local} (eval.py reads a local "
+                              "Hugging Face directory; download a hub model first, e.g. "
+                              "huggingface-cli download NAME --local-dir DIR)")
+        hub_id = (len(Path(path).parts) == 2 and not str(path).startswith((".", "/"))
+                  and not local.parent.exists())
         if not hub_id:
-            raise ConfigError(f"model={path}: no such directory (and not a hub id like Qwen/Qwen3-14B-Base)")
+            raise ConfigError(f"model={path}: no such directory "
+                              "(and not a hub id like Qwen/Qwen3-14B-Base)")
         return path
     if not (local / "config.json").is_file():
-        raise ConfigError(f"model={path}: {local} has no config.json; expected a Hugging Face model directory")
-    if not any((local / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        raise ConfigError(f"model={path}: {local} has no tokenizer (tokenizer.json / tokenizer_config.json); "
-                          "save it beside the weights (tokenizer.save_pretrained)")
+        raise ConfigError(f"model={path}: {local} has no config.json; "
+                          "expected a Hugging Face model directory")
+    if not any((local / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(f"model directory {local} has no tokenizer "
+                          f"(none of {', '.join(TOKENIZER_FILES)}); save it beside the weights "
+                          "(tokenizer.save_pretrained), or copy in the tokenizer files of the "
+                          "model it was trained from")
     return str(local)
 
 

@@ -21,7 +21,10 @@ from executor import Executor
 from rollout import RolloutConfig
 from machinery.distributed import init_distributed
 from machinery.engine import Engine
+from machinery.model import check_model_dir
 from machinery.prompts import load_format, render_prompt, write_format
+from machinery.results import generation_settings, markdown_table, open_samples
+from machinery.metrics import pass_at_k
 
 REPO = Path(evaluation.__file__).resolve().parent
 
@@ -36,20 +39,20 @@ def test_pass_at_k_equals_the_fraction_of_k_subsets_that_contain_a_correct_sampl
             for k in range(1, n + 1):
                 subsets = list(itertools.combinations(outcomes, k))
                 brute_force = sum(any(s) for s in subsets) / len(subsets)
-                assert evaluation.pass_at_k(n, c, k) == pytest.approx(brute_force, abs=1e-12), (n, c, k)
+                assert pass_at_k(n, c, k) == pytest.approx(brute_force, abs=1e-12), (n, c, k)
 
 
 def test_pass_at_1_is_the_fraction_correct_and_large_n_stays_exact():
-    assert evaluation.pass_at_k(16, 5, 1) == pytest.approx(5 / 16)
+    assert pass_at_k(16, 5, 1) == pytest.approx(5 / 16)
     # C(1024, 512) overflows a float; exact integers keep the estimate right where float products drift.
-    assert evaluation.pass_at_k(1024, 1, 512) == pytest.approx(0.5)
-    assert evaluation.pass_at_k(1024, 0, 512) == 0.0
+    assert pass_at_k(1024, 1, 512) == pytest.approx(0.5)
+    assert pass_at_k(1024, 0, 512) == 0.0
 
 
 @pytest.mark.parametrize("n, c, k", [(4, 5, 1), (4, -1, 1), (4, 2, 0), (4, 2, 5)])
 def test_pass_at_k_rejects_impossible_counts(n, c, k):
     with pytest.raises(ValueError, match="pass_at_k"):
-        evaluation.pass_at_k(n, c, k)
+        pass_at_k(n, c, k)
 
 
 def test_majority_vote_pools_spellings_of_one_answer_and_ignores_missing_answers():
@@ -131,7 +134,7 @@ def test_summary_rejects_problems_with_different_sample_counts():
 
 
 def test_markdown_table_shows_percentages_like_the_paper():
-    table = evaluation.markdown_table({"hand": evaluation.summarize(HAND_CHECKED, ks=[1, 2, 4])})
+    table = markdown_table({"hand": evaluation.summarize(HAND_CHECKED, ks=[1, 2, 4])})
     header, rule, row = table.splitlines()
     assert header.split(" | ")[3:6] == ["avg pass@1", "pass@2", "pass@4"]
     assert "maj@4" in header
@@ -185,15 +188,15 @@ def test_a_bad_problems_file_names_file_and_line(tmp_path):
 
 
 def test_model_directory_without_tokenizer_says_so(tiny_model_dir, tmp_path):
-    evaluation.check_model_dir(tiny_model_dir)  # the real thing passes
+    check_model_dir(tiny_model_dir, allow_hub_id=False)  # the real thing passes
     bare = tmp_path / "weights-only"
     shutil.copytree(tiny_model_dir, bare, ignore=shutil.ignore_patterns("tokenizer*", "vocab*", "chat_template*"))
     with pytest.raises(ConfigError, match=rf"model directory {bare} has no tokenizer"):
-        evaluation.check_model_dir(bare)
+        check_model_dir(bare, allow_hub_id=False)
     with pytest.raises(ConfigError, match="model directory not found"):
-        evaluation.check_model_dir(tmp_path / "nope")
+        check_model_dir(tmp_path / "nope", allow_hub_id=False)
     with pytest.raises(ConfigError, match="no config.json"):
-        evaluation.check_model_dir(tmp_path)
+        check_model_dir(tmp_path, allow_hub_id=False)
 
 
 def test_command_line_reports_bad_input_in_one_line_before_any_engine(tiny_model_dir, tmp_path):
@@ -230,12 +233,12 @@ def write_samples(path, records, torn_tail=""):
 
 def test_resume_keeps_whole_problems_and_drops_partial_ones_and_a_torn_line(tmp_path):
     cfg = make_cfg(n=4)
-    settings = evaluation.generation_settings("model-dir", cfg)
-    assert evaluation.open_samples(tmp_path, settings, cfg.n, resume=True) == {}  # fresh: writes generation.json
+    settings = generation_settings("model-dir", cfg)
+    assert open_samples(tmp_path, settings, cfg.n, resume=True) == {}  # fresh: writes generation.json
     partial = [record("C", 0, "1", True), record("C", 2, "1", True)]  # samples 1 and 3 never made it to disk
     write_samples(tmp_path / "samples.jsonl", HAND_CHECKED[0] + partial + HAND_CHECKED[1],
                   torn_tail='{"benchmark": "ha')
-    finished = evaluation.open_samples(tmp_path, settings, cfg.n, resume=True)
+    finished = open_samples(tmp_path, settings, cfg.n, resume=True)
     assert sorted(finished) == [("hand", "A"), ("hand", "B")]
     assert finished[("hand", "B")] == HAND_CHECKED[1]
     # The file now holds exactly the finished problems, so the regenerated C is appended to a clean file.
@@ -245,29 +248,29 @@ def test_resume_keeps_whole_problems_and_drops_partial_ones_and_a_torn_line(tmp_
 
 def test_resume_refuses_samples_made_with_other_settings(tmp_path):
     cfg = make_cfg(n=4)
-    evaluation.open_samples(tmp_path, evaluation.generation_settings("model-dir", cfg), 4, resume=True)
+    open_samples(tmp_path, generation_settings("model-dir", cfg), 4, resume=True)
     write_samples(tmp_path / "samples.jsonl", HAND_CHECKED[0])
     hotter = make_cfg(n=4)
     hotter.rollout.temperature = 1.0
     with pytest.raises(ConfigError, match=r"other settings \(rollout.temperature\)"):
-        evaluation.open_samples(tmp_path, evaluation.generation_settings("model-dir", hotter), 4, resume=True)
+        open_samples(tmp_path, generation_settings("model-dir", hotter), 4, resume=True)
     # Engine resources do not change what a sample is, so they may differ between a run and its resume.
     roomier = make_cfg(n=4)
     roomier.rollout.gpu_memory_utilization = 0.95
-    assert len(evaluation.open_samples(tmp_path, evaluation.generation_settings("model-dir", roomier), 4, True)) == 1
+    assert len(open_samples(tmp_path, generation_settings("model-dir", roomier), 4, True)) == 1
     # resume=false starts over.
-    assert evaluation.open_samples(tmp_path, evaluation.generation_settings("model-dir", hotter), 4, False) == {}
+    assert open_samples(tmp_path, generation_settings("model-dir", hotter), 4, False) == {}
     assert (tmp_path / "samples.jsonl").read_text() == ""
 
 
 def test_a_corrupt_line_inside_samples_jsonl_names_file_and_line(tmp_path):
-    settings = evaluation.generation_settings("model-dir", make_cfg(n=4))
-    evaluation.open_samples(tmp_path, settings, 4, resume=True)
+    settings = generation_settings("model-dir", make_cfg(n=4))
+    open_samples(tmp_path, settings, 4, resume=True)
     write_samples(tmp_path / "samples.jsonl", HAND_CHECKED[0][:1])
     with open(tmp_path / "samples.jsonl", "a") as f:
         f.write("not json\n" + json.dumps(HAND_CHECKED[0][1]) + "\n")
     with pytest.raises(ConfigError, match=r"samples.jsonl:2: not valid JSON"):
-        evaluation.open_samples(tmp_path, settings, 4, resume=True)
+        open_samples(tmp_path, settings, 4, resume=True)
 
 
 # -----------------------------------------------------------------------------
@@ -386,7 +389,7 @@ def test_whole_path_grades_scripted_samples_and_writes_table_json_and_jsonl(firs
     assert m["truncated_rate"] == pytest.approx(1 / 5) and m["answer_rate"] == 1.0
     # The files say the same as the return value.
     assert json.loads((out_dir / "summary.json").read_text())["benchmarks"] == summary
-    assert (out_dir / "summary.md").read_text() == evaluation.markdown_table(summary) + "\n"
+    assert (out_dir / "summary.md").read_text() == markdown_table(summary) + "\n"
 
 
 @pytest.mark.slow

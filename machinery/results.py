@@ -1,0 +1,161 @@
+"""eval.py's results directory: samples.jsonl (one line per sample, appended per chunk; the
+resume point), generation.json (the settings its samples were made with), summary.json and
+summary.md."""
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+
+import torch.distributed as dist
+
+from machinery.config import atomic_write_text, ConfigError
+
+# RolloutConfig fields that change speed or memory, never what a sample is.
+ROLLOUT_RESOURCE_FIELDS = ("gpu_memory_utilization", "cpu_kv_cache_gb", "tensor_parallel_size",
+                           "enforce_eager", "enable_prefix_caching", "max_concurrency",
+                           "sleep_level", "tool_workers")
+
+
+def generation_settings(model_path, cfg):
+    """Everything that decides what a sample is. Finished samples are reused only when this
+    matches: a resumed run with another temperature, prompt or model would mix two experiments
+    in one number."""
+    # Grading settings are in too: samples.jsonl stores the verdict, so another grader needs
+    # fresh records. benchmarks and limit are not: more of them only adds problems to the file.
+    settings = {"model": str(Path(model_path).resolve()), "n": cfg.n, "seed": cfg.seed,
+                "require_answer_tag": cfg.require_answer_tag}
+    rollout = dataclasses.asdict(cfg.rollout)
+    for name in ROLLOUT_RESOURCE_FIELDS:  # how fast, not what: may change between run and resume
+        rollout.pop(name, None)
+    settings["rollout"] = rollout
+    return settings
+
+
+def open_samples(out_dir, settings, n, resume):
+    """The finished problems in out_dir/samples.jsonl: {(benchmark, problem id): its n records};
+    {} for a fresh run. A line cut off by a kill and the samples of an unfinished problem are
+    dropped, so that problem is generated again, whole: its n samples come from one call with
+    the usual seeds, never a mix of two runs."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    samples_path, settings_path = out_dir / "samples.jsonl", out_dir / "generation.json"
+    if not resume or not samples_path.exists():
+        # generation.json is written first and only here, so it holds for every record after.
+        atomic_write_text(samples_path, "")
+        atomic_write_text(settings_path, json.dumps(settings, indent=1))
+        return {}
+    saved = json.loads(settings_path.read_text()) if settings_path.exists() else None
+    if saved != settings:
+        changed = sorted(_diff_keys(saved, settings)) if saved else ["generation.json is missing"]
+        raise ConfigError(f"{out_dir} holds samples made with other settings "
+                          f"({', '.join(changed)}); use another out_dir, or resume=false to "
+                          "start over")
+    lines = samples_path.read_text(encoding="utf-8").split("\n")
+    groups = {}
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if lineno == len(lines):  # the last line, cut off mid-write
+                continue
+            raise ConfigError(f"{samples_path}:{lineno}: not valid JSON; "
+                              "fix or delete the file") from None
+        key = (record["benchmark"], record["problem_id"])
+        groups.setdefault(key, {})[record["sample_index"]] = record
+    finished = {key: [by_index[j] for j in range(n)] for key, by_index in groups.items()
+                if sorted(by_index) == list(range(n))}
+    # Rewrite only when something was dropped: the common resume leaves the file untouched.
+    kept = [json.dumps(r) for records in finished.values() for r in records]
+    if len(kept) != sum(1 for line in lines if line.strip()):
+        atomic_write_text(samples_path, "".join(line + "\n" for line in kept))
+    return finished
+
+
+def _diff_keys(a, b, prefix=""):
+    for key in set(a) | set(b):
+        if isinstance(a.get(key), dict) and isinstance(b.get(key), dict):
+            yield from _diff_keys(a[key], b[key], f"{prefix}{key}.")
+        elif a.get(key) != b.get(key):
+            yield f"{prefix}{key}"
+
+
+def work_left(model_path, problems, cfg, out_dir, rank, world_size):
+    """(the finished problems, on rank 0: {(benchmark, id): records}, the (benchmark, row) pairs
+    still to generate, the same on every rank). Rank 0 alone reads out_dir (no shared filesystem
+    is assumed); every rank needs only the finished keys, to agree on the work that is left."""
+    finished = {}
+    if out_dir is not None and rank == 0:
+        finished = open_samples(out_dir, generation_settings(model_path, cfg), cfg.n, cfg.resume)
+    done = [set(finished)]
+    if world_size > 1:
+        dist.broadcast_object_list(done, src=0)
+    todo = [(name, row) for name, rows in problems.items() for row in rows
+            if (name, row["id"]) not in done[0]]
+    if rank == 0:
+        total = sum(len(rows) for rows in problems.values())
+        resumed = f", {total - len(todo)} already in {out_dir}" if total > len(todo) else ""
+        print(f"[eval] {total} problems x {cfg.n} samples{resumed}; {len(todo)} to generate on "
+              f"{world_size} rank(s)", flush=True)
+    return finished, todo
+
+
+def gather_records(chunk, records, rank, world_size):
+    """Every rank's records of one chunk on rank 0 ([] elsewhere), one per sample, whole
+    problems in work-list order so the file reads like the benchmark. Rank 0 alone writes: one
+    file, no locking, no shared filesystem."""
+    if world_size > 1:
+        parts = [None] * world_size if rank == 0 else None
+        dist.gather_object(records, parts, dst=0)
+        records = [r for part in parts for r in part] if rank == 0 else []
+    if rank != 0:
+        return records
+    # The ranks of a tensor-parallel group share an engine, and may all report its samples.
+    order = {(name, row["id"]): i for i, (name, row) in enumerate(chunk)}
+    unique = {(r["benchmark"], r["problem_id"], r["sample_index"]): r for r in reversed(records)}
+    return sorted(unique.values(),
+                  key=lambda r: (order[(r["benchmark"], r["problem_id"])], r["sample_index"]))
+
+
+def append_samples(out_dir, records):
+    """Append whole problems to samples.jsonl, then fsync: what is on disk survives a kill."""
+    with open(Path(out_dir) / "samples.jsonl", "a", encoding="utf-8") as f:
+        # One write: a kill leaves at most one torn last line, which open_samples drops.
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_summary(out_dir, model_path, summary):
+    """summary.json (every metric) and summary.md (the table), each replaced whole."""
+    atomic_write_text(Path(out_dir) / "summary.json", json.dumps(
+        {"model": str(model_path), "benchmarks": summary}, indent=1))
+    atomic_write_text(Path(out_dir) / "summary.md", markdown_table(summary) + "\n")
+
+
+def markdown_table(summary):
+    """The per-benchmark table, scores in percent as in the paper's Table 3."""
+    def percent(x):
+        return "-" if x is None else f"{100 * x:.1f}"
+
+    ks = sorted({int(key.split("@")[1]) for m in summary.values() for key in m
+                 if re.fullmatch(r"pass@\d+", key)})
+    # pass@1 gets its own column with the spread over runs; of maj@k only the largest k is shown,
+    # the rest are in summary.json.
+    pass_columns = [k for k in ks if k > 1]
+    maj = max(ks) if ks else 1
+    header = (["benchmark", "problems", "n", "avg pass@1"] + [f"pass@{k}" for k in pass_columns]
+              + [f"maj@{maj}", "response tokens", "tool calls/traj", "tool-error rate",
+                 "truncated"])
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for name, m in summary.items():
+        row = [name, str(m["problems"]), str(m["n"]),
+               f"{percent(m['pass@1'])} ± {percent(m['pass@1_std'])}"]
+        row += [percent(m.get(f"pass@{k}")) for k in pass_columns]
+        row += [percent(m.get(f"maj@{maj}")), f"{m['response_tokens']:.0f}",
+                f"{m['tool_calls_per_trajectory']:.2f}", percent(m["tool_error_rate"]),
+                percent(m["truncated_rate"])]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
