@@ -1,6 +1,20 @@
-"""The executor's sandbox: warm worker processes, their isolation (namespaces, mounts, a uid of
-their own, rlimits, fallbacks where the OS refuses) and the fork, watch, kill and sweep of one
-call. Standard library only: each worker process loads this file by path."""
+"""The executor's sandbox: warm worker processes, their isolation, and one call's fork, watch,
+kill and sweep. Standard library only: each worker process loads this file by path.
+
+  - Warm workers: a "light" one (stdlib preloaded, ~1 ms fork) and a "heavy" one (numpy and sympy
+    imported and exercised, ~8 ms fork instead of a ~1 s import) per slot. A worker forks one
+    child per call.
+  - Each worker is PID 1 of its own PID, mount, network and IPC namespaces: the repo, the caller's
+    cwd and home hidden, all else read-only but a private /tmp, GPUs masked, no network. Before it
+    answers, it kills and reaps all the call left and empties /tmp. The child runs as a uid of its
+    own, under hard rlimits.
+  - The worker holds the wall clock (less the time a call waited for a CPU) and the output caps;
+    the trainer's process is a backstop that replaces a worker that hangs or dies.
+Where the OS refuses (non-root, containers) a worker falls back once, at start: to a user namespace
+(the same mounts; capabilities dropped instead of a uid switch), then to plain processes (a
+subreaper still catches every descendant; no hiding, no network cut, and same-uid code can signal
+the caller). Linux only (5.3 or later, for pidfd_open). The designs this draws on and the hostile
+inputs it is tested against: docs/design.md, "The sandbox: designs and hostile inputs"."""
 import _signal
 import ast
 import atexit
@@ -89,6 +103,9 @@ def truncate_middle(text, max_chars):
     return text[:half] + TRUNCATION_MARK + text[len(text) - half:]
 
 
+# -----------------------------------------------------------------------------
+# Linux through libc: Python 3.11 has no os.unshare, os.mount or capset
+
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
 
 
@@ -170,6 +187,22 @@ def _write_text(path, text):
 
 def _under(path, root):
     return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+# -----------------------------------------------------------------------------
+# a worker's isolation, set up once when it starts
+#
+# Once per worker: per call each layer would cost 0.5-2.5 ms (measured on this machine kind).
+# The calls of a worker run one after another, so what they share (the private /tmp, the namespace) is emptied
+# between them instead.
+#   PID namespace   the worker is its PID 1: kill(-1) from there reaches every process a call made, and when
+#                   the worker dies the kernel kills them all. A process group alone is escaped by setsid.
+#   mount namespace the answer key, the trainer's files and the caller's home are not there; nothing written
+#                   outside the private tmpfs mounts survives (everything else is read-only).
+#   net namespace   only a loopback, down: no internet, no Redis/vLLM/Ray port of the training cluster.
+#   IPC namespace   SysV objects made by a call stay in the worker (and are forbidden or die with it).
+#   sandbox uid     one per worker (root only): cannot signal the worker or the trainer, cannot read root's
+#                   0600 files, and RLIMIT_NPROC, which counts per uid, then counts one call's processes.
 
 
 def _isolate(cfg):
@@ -384,6 +417,14 @@ def _private_tmp(cfg, info):
     info["private_tmp"] = True
 
 
+# -----------------------------------------------------------------------------
+# one call, in the child: enter the sandbox, run the snippet as a script
+#
+# The order matters: the fds first (nothing of the worker's may stay reachable), then what needs root
+# (oom_score_adj may only go down as root, the rlimits are set while we may still set them hard), then the
+# uid switch (no_new_privs is already set: the worker set it on itself, and a fork inherits it).
+
+
 def _run_child(code, stdin, stdin_fd, out_fd, err_fd, workdir, state):
     """Runs in the forked child and never returns."""
     try:
@@ -487,6 +528,14 @@ def _print_snippet_traceback(exc):
         os.write(2, f"{type(exc).__name__}\n".encode())
 
 
+# -----------------------------------------------------------------------------
+# one call, in the worker: fork, watch, kill, sweep, describe
+#
+# The worker, not the child, holds the clock and the output caps: a snippet can cancel any alarm of its own
+# (signal.alarm(0)), catch any exception, ignore SIGTERM, or sit in C code that never returns to Python
+# (10**10**9, a regex that backtracks), so only a SIGKILL from outside is sure to stop it.
+
+
 class _Capture:
     """A stream read while it flows: its first and last `keep` bytes and a count of all, so that a gigabyte
     of printing never sits in memory."""
@@ -587,7 +636,7 @@ def _run_call(code, stdin, cfg, state):
         now = time.monotonic()
         if returncode is None and killed_for is None and now >= deadline:
             # Time the snippet spent runnable but waiting for a CPU is the machine's, not the snippet's: on an
-            # oversubscribed node a benign call must not time out (executor-anchors.md §3 J.38), or the
+            # oversubscribed node a benign call must not time out (docs/design.md, the sandbox's hostile inputs), or the
             # tool-error ratio that RoC ranks by (Eq. 4) would measure the load. A sleep or a blocking wait is
             # not on the run queue and counts in full.
             # The kernel books a wait when the task gets the CPU back, so a task starved right now is not in the
@@ -655,6 +704,7 @@ def _kill_leftovers(state, session):
             os.waitpid(-1, 0)
         except ChildProcessError:
             return
+    # still not empty after 5 s (a process stuck in uninterruptible I/O): the next call's sweep reaps it
 
 
 def _fresh_workdir(state):
@@ -759,6 +809,11 @@ def _describe(returncode, killed_for, elapsed, out, err, cfg):
                 reason=killed_for or "", returncode=returncode)
 
 
+# -----------------------------------------------------------------------------
+# the worker process. Messages are a 4-byte length and JSON: never pickle, whose reader would run code.
+# Two pipes per worker, no sockets: nothing to bind, nothing another process can connect to.
+
+
 def _send(fd, obj):
     data = json.dumps(obj).encode()
     data = struct.pack("<I", len(data)) + data
@@ -857,7 +912,7 @@ def _start_worker(cfg):
     if info["level"] == "process" and info["sandbox_uid"] is None:
         nproc += _processes_of_uid(os.getuid())   # without a uid of its own, RLIMIT_NPROC counts all of ours
     # (limit, soft, hard) for every child. Hard = soft, or nearly: code-judge and SandboxFusion set only soft
-    # limits, which the snippet raises right back (executor-anchors.md §3 A.7).
+    # limits, which the snippet raises right back (docs/design.md, the sandbox's hostile inputs).
     rlimits = [(resource.RLIMIT_AS, address_space, address_space),        # bytearray(10**11): MemoryError
                (resource.RLIMIT_CPU, cpu_s, cpu_s + 1),   # a second line behind the wall clock: SIGXCPU, then KILL
                (resource.RLIMIT_NPROC, nproc, nproc),                     # a fork bomb meets EAGAIN
@@ -898,6 +953,10 @@ def _processes_of_uid(uid):
         with contextlib.suppress(OSError):
             count += name.isdigit() and os.stat(f"/proc/{name}").st_uid == uid
     return count
+
+
+# -----------------------------------------------------------------------------
+# this process's side: the worker handles
 
 
 class _WorkerGone(Exception):

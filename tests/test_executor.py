@@ -1,7 +1,7 @@
 """executor.py: the python_code_with_standard_io tool and its sandbox, run for real (real forks, namespaces, kills).
 
-The hostile cases follow the categories of shared/docs/executor-anchors.md §3 (A time, B memory, C processes,
-D output, E filesystem, F network, G attacks on the host, H exit status, I input, J load). Each asserts the
+The hostile cases follow the categories of docs/design.md, "The sandbox: designs and hostile inputs"
+(A time, B memory, C processes, D output, E filesystem, F network, G attacks on the host, H exit status, I input, J load). Each asserts the
 status the model sees *and* the containment: the caller is fine, nothing of the call is left running, and the
 next call works. Needs Linux; the namespace cases need root (CI runs as root), the fallback cases check what a
 non-root caller gets.
@@ -138,7 +138,7 @@ def test_threads_are_joined_and_atexit_runs_as_in_python(ex):
 
 def test_tool_response_matches_the_releases_wording():
     ok = ExecResult("ok", "2\n", "", 0.031, False)
-    # byte for byte shared/docs/reference/tool_turn_rendered_code.txt
+    # byte for byte tests/reference/tool_turn_rendered_code.txt
     assert ok.tool_response() == "Tool call success\nstdout: 2\n\nexecution time: 0.03s"
     assert ok.tool_response(show_time=False) == "Tool call success\nstdout: 2\n"
     timeout = ExecResult("timeout", "", "TimeoutError: ...\n", 4.0, False, "wall-clock limit")
