@@ -1,57 +1,58 @@
-"""The reward of rStar2-Agent (arXiv 2508.20722, Eq. 3): 1 if the final \\boxed{} answer equals the reference, else 0.
+"""The reward of rStar2-Agent (arXiv 2508.20722, Eq. 3): 1 if the final \\boxed{} answer equals the
+reference, else 0.
 
   r = 1 if is_equivalent(extract_answer(response), gold) and the rollout finished, else 0.
   No format reward, no tool reward (§2.2.1); a truncated rollout scores 0 (§4.3.1).
 
 A wrong reward silently poisons training and a hung verifier stalls a whole step, so:
-  1. extract_answer takes the last \\boxed{...} / \\fbox{...} / \\boxed 5 of the *model's prose*: text inside
-     <tool_call> and <tool_response> blocks is skipped, so code that prints "\\boxed{42}" earns nothing.
-     require_answer_tag=True also demands the box sit inside the last <answer>...</answer>, as the paper's
-     prompt asks; the released code does not require it, and neither does the default here.
-  2. fast_equivalent decides most pairs in microseconds, in-process: equal after normalising notation
-     ("1,080" = "1080", "10,\\!080" = "10080", \\dfrac = \\frac, 90^\\circ = 90, "x=5" = "5", \\text{(C)} = "C",
-     units dropped; "32, 349" is a list, not 32349). It says "not equal" only for two plain numbers that
-     differ; everything else it cannot call equal goes on. Integer answers (the paper's training data,
-     §4.2) never leave it.
-  3. The rest goes to math-verify (symbolic equivalence: the library, not a hand-written parser) in a
-     pool of worker processes. Each distinct answer is first parsed and evaluated once ("3\\sqrt{13}" is a
-     number, far from "10": rejected; "(6,31,-1)" is a tuple, never one number); only pairs still open
-     pay for math-verify's verify. Nothing becomes True without math-verify or an equal normalised
-     spelling, nothing False without math-verify's verify or parse, or two different plain numbers.
-  4. Every check has a hard limit. math-verify's own timeout is signal.alarm, which works only in a main
-     thread, and a big-int power holds the GIL, so no thread can stop it: each worker runs math-verify in
-     its own main thread under its own alarm, and the parent SIGKILLs and replaces a worker that still
-     misses the deadline. Out of time, crashed or killed means False; the caller never hangs or crashes.
+  1. extract_answer takes the last \\boxed{...} / \\fbox{...} / \\boxed 5 of the *model's prose*:
+     text inside <tool_call> and <tool_response> blocks is skipped, so code that prints
+     "\\boxed{42}" earns nothing. require_answer_tag=True also demands the box sit inside the last
+     <answer>...</answer>, as the paper's prompt asks; the released code does not require it, and
+     neither does the default here.
+  2. fast_equivalent decides most pairs in microseconds, in-process: equal after normalising
+     notation ("1,080" = "1080", "10,\\!080" = "10080", \\dfrac = \\frac, 90^\\circ = 90, "x=5" =
+     "5", \\text{(C)} = "C", units dropped; "32, 349" is a list, not 32349). It says "not equal"
+     only for two plain numbers that differ; everything else it cannot call equal goes on. Integer
+     answers (the paper's training data, §4.2) never leave it.
+  3. The rest goes to math-verify (symbolic equivalence: the library, not a hand-written parser) in
+     a pool of worker processes. Each distinct answer is first parsed and evaluated once
+     ("3\\sqrt{13}" is a number, far from "10": rejected; "(6,31,-1)" is a tuple, never one number);
+     only pairs still open pay for math-verify's verify. Nothing becomes True without math-verify or
+     an equal normalised spelling, nothing False without math-verify's verify or parse, or two
+     different plain numbers.
+  4. Every check has a hard limit. math-verify's own timeout is signal.alarm, which works only in a
+     main thread, and a big-int power holds the GIL, so no thread can stop it: each worker runs
+     math-verify in its own main thread under its own alarm, and the parent SIGKILLs and replaces a
+     worker that still misses the deadline. Out of time, crashed or killed means False; the caller
+     never hangs or crashes.
 
 Paper vs released code (microsoft/rStar @ ecbfb94), and what this file does:
   - the release accepts if PRIME's grader OR math-verify accepts; here the fast path OR math-verify.
-  - the release scores the whole decoded text, tool output included; here only model prose (point 1).
-  - the release scores truncated text like any other; here finished=False gives 0, as the paper says.
+  - the release scores the whole decoded text, tool output included; here only model prose (1.).
+  - the release scores truncated text like any other; here finished=False gives 0 (as the paper).
   - the release verifies remotely in the code sandbox (§3.1); here in local worker processes.
   - an answer in several boxes: math-verify's parse joins every box of the text into one set, so
-    "\\boxed{3} and \\boxed{5}" is {3, 5} (equal to neither 3 nor 5) and "\\boxed{1}, \\boxed{2}" equals the
-    list "1,2". Here the last box is the answer: 5 in the first case, 2 in the second (a list answer must
-    be given in one box, "\\boxed{1, 2}", as the prompt's "final answer ... by the \\boxed{} tag" asks).
+    "\\boxed{3} and \\boxed{5}" is {3, 5} (equal to neither 3 nor 5) and "\\boxed{1}, \\boxed{2}"
+    equals the list "1,2". Here the last box is the answer: 5 in the first case, 2 in the second (a
+    list answer must be given in one box, "\\boxed{1, 2}", as the prompt's "final answer ... by the
+    \\boxed{} tag" asks).
 
-Use: `from reward import score_batch` (rl.py, eval.py), compute_reward / is_equivalent / extract_answer;
-     start_pool(n) to choose the pool size (default: CPUs / local ranks, at most 8), shutdown_pool().
-Benchmark: python -m bench.reward [workers=2 rounds=3 timeout_s=5 negatives_per_problem=2 audit_all_pairs=false]
-Tests:     .venv/bin/python -m pytest tests/test_reward.py -q
-
-math-verify (and the sympy it loads, ~0.3 s and ~50 MB) is imported inside the functions the worker processes
-run, not here: rl.py and eval.py import this file, and only its workers call math-verify (bench/reward.py,
-which calls it directly, imports it itself).
+score_batch is what rl.py and eval.py call; the worker pool behind the slow path (its size, its
+deadlines, math-verify imported in the workers only) is machinery/verifier.py.
 """
 import functools
 import re
 from fractions import Fraction
-from machinery.verifier import _far_apart, _run_in_pool, COLLECTION
 
-# Worker time one check may take, all stages together. math-verify's own default is 5 s per stage; MATH
-# answers take 1-50 ms, so 5 s only ever binds on pathological input.
+from machinery.verifier import COLLECTION, _far_apart, _run_in_pool
+
+# Worker time one check may take, all stages together. math-verify's own default is 5 s per stage;
+# MATH answers take 1-50 ms, so 5 s only ever binds on pathological input.
 DEFAULT_TIMEOUT_S = 5.0
-# The longest gold answer in data/*.jsonl is 159 characters (a 3x3 matrix). A "final answer" six times
-# longer is not an answer, and parsing it could cost seconds of sympy, so it scores 0 unparsed.
+# The longest gold answer in data/*.jsonl is 159 characters (a 3x3 matrix). A "final answer" six
+# times longer is not an answer, and parsing it could cost seconds of sympy, so it scores 0
+# unparsed.
 MAX_ANSWER_CHARS = 1000
 
 # -----------------------------------------------------------------------------
@@ -61,15 +62,16 @@ MAX_ANSWER_CHARS = 1000
 def _model_prose(text):
     """`text` minus every <tool_call>...</tool_call> and <tool_response>...</tool_response> block.
 
-    A tag scan cannot be the boundary against the tool: code that prints "</tool_response>" ends the block
-    early. So rl.py and eval.py pass only the model's own turns (rollout.Trajectory.model_text, cut by the
-    loss mask), and this skip is for the code inside them and for whole transcripts without the tokens.
-    An unclosed block runs to the end.
+    A tag scan cannot be the boundary against the tool: code that prints "</tool_response>" ends the
+    block early. So rl.py and eval.py pass only the model's own turns
+    (rollout.Trajectory.model_text, cut by the loss mask), and this skip is for the code inside them
+    and for whole transcripts without the tokens. An unclosed block runs to the end.
     """
-    # Both tags are single tokens of the Qwen tokenizer and survive skip_special_tokens (rstar2-method §3.1),
-    # so they are in the decoded text rollout.py passes.
+    # Both tags are single tokens of the Qwen tokenizer and survive skip_special_tokens
+    # (docs/design.md, the released code's tool I/O): they are in the text rollout.py passes.
     closers = {"<tool_call>": "</tool_call>", "<tool_response>": "</tool_response>"}
-    # One left-to-right scan, each tag re-searched only once passed: linear for a megabyte of unclosed tags.
+    # One left-to-right scan, each tag re-searched only once passed: linear for a megabyte of
+    # unclosed tags.
     next_open = {tag: text.find(tag) for tag in closers}
     kept, pos = [], 0
     while True:
@@ -88,8 +90,8 @@ def _model_prose(text):
                 next_open[other] = text.find(other, pos)
 
 
-# Only braces and backslash escapes matter for matching: \{ and \} are literal braces, and "\\}" is a
-# line break followed by a real closing brace, so a backslash always swallows the next character.
+# Only braces and backslash escapes matter for matching: \{ and \} are literal braces, and "\\}" is
+# a line break followed by a real closing brace, so a backslash always swallows the next character.
 _BRACE_TOKEN = re.compile(r"\\.|[{}]", re.DOTALL)
 
 
@@ -116,24 +118,28 @@ def _box_content(text, start):
 
 
 def extract_answer(text, require_answer_tag=False):
-    """The content of the last \\boxed{...} (or \\fbox{...}, or \\boxed 5) in the model's prose, or None.
+    """The content of the last \\boxed{...} (or \\fbox{...}, or \\boxed 5) in the model's prose, or
+    None.
 
-    Nested braces are matched. The last box is taken even when an earlier one is complete: a final box that
-    is empty, unbalanced or over MAX_ANSWER_CHARS means the final answer is malformed, and gives None.
-    require_answer_tag: only look inside the last closed <answer>...</answer> (paper §2.1 prompt).
+    Nested braces are matched. The last box is taken even when an earlier one is complete: a final
+    box that is empty, unbalanced or over MAX_ANSWER_CHARS means the final answer is malformed, and
+    gives None. require_answer_tag: only look inside the last closed <answer>...</answer> (paper
+    §2.1 prompt).
     """
     if not isinstance(text, str):
         raise TypeError(f"extract_answer: text must be a str, got {type(text).__name__}")
     prose = _model_prose(text)
     lo, hi = 0, len(prose)
-    # The rollout ends with the turn that makes no tool call (§2.1), so the final answer is the last one.
+    # The rollout ends with the turn that makes no tool call (§2.1), so the final answer is the last
+    # one.
     if require_answer_tag:
         hi = prose.rfind("</answer>")
         lo = prose.rfind("<answer>", 0, max(hi, 0))
         if hi < 0 or lo < 0:
             return None
         lo += len("<answer>")
-    # rfind from the end: a "\\boxed{}" spam of a megabyte is one backwards scan, not a parse of each.
+    # rfind from the end: a "\\boxed{}" spam of a megabyte is one backwards scan, not a parse of
+    # each.
     at, name = max((prose.rfind(cmd, lo, hi), cmd) for cmd in ("\\boxed", "\\fbox"))
     if at < 0:
         return None
@@ -147,11 +153,12 @@ def extract_answer(text, require_answer_tag=False):
 # Fast path: normalise the notation, then compare strings or exact numbers
 
 _DELIMITERS = [("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")]
-_UNIT_AT_END = re.compile(r"\\(?:text|textrm|textbf|mbox|mathrm)\s*\{[^{}]*\}\s*(?:\^\s*\{?\d\}?)?\s*$")
+_UNIT_AT_END = re.compile(
+    r"\\(?:text|textrm|textbf|mbox|mathrm)\s*\{[^{}]*\}\s*(?:\^\s*\{?\d\}?)?\s*$")
 _WHOLE_TEXT = re.compile(r"\\(?:text|textrm|textbf|mbox|mathrm)\s*\{([^{}]*)\}")
-# A thousands separator is a bare comma, or MATH's "10,\\!080" / "1{,}000", before exactly three digits,
-# decimals allowed ("1,000.99"). A comma followed by a space is a list: math-verify reads "32, 349" as
-# {32, 349}, and "1234,567" as {567, 1234}.
+# A thousands separator is a bare comma, or MATH's "10,\\!080" / "1{,}000", before exactly three
+# digits, decimals allowed ("1,000.99"). A comma followed by a space is a list: math-verify reads
+# "32, 349" as {32, 349}, and "1234,567" as {567, 1234}.
 _GLUED_SEPARATOR = re.compile(r"(?<=\d)(?:,\\!|\{,\})(?=\d{3}(?!\d))")
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 _INTEGER = re.compile(r"-?\d+(?:\.0*)?")
@@ -161,8 +168,8 @@ _INTEGER = re.compile(r"-?\d+(?:\.0*)?")
 def normalize_answer(answer):
     """A canonical spelling of an answer; two spellings of one answer should map to the same string.
 
-    Only notation is touched (the conventions MATH and AIME graders accept); anything mathematical is
-    left to math-verify. Used only to decide equality, never shown to math-verify.
+    Only notation is touched (the conventions MATH and AIME graders accept); anything mathematical
+    is left to math-verify. Used only to decide equality, never shown to math-verify.
     """
     s = answer.strip()
     # Models box math-mode text as often as not: "\\boxed{$\\frac{1}{2}$}".
@@ -175,7 +182,8 @@ def normalize_answer(answer):
     s = _GLUED_SEPARATOR.sub(",", s)  # before TeX spacing turns "10,\\!080" into the list "10, 080"
     s = re.sub(r"\\[,;:! ]|\\q?quad(?![a-zA-Z])|~", " ", s)  # TeX spacing, as in "10,\!080"
     s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|\\degree(?![a-zA-Z])", "", s)  # 90^\circ = 90
-    # MATH golds write "10\\%" and "\\$32" for the numbers 10 and 32 (math-verify also reads "10\\%" as 0.1).
+    # MATH golds write "10\\%" and "\\$32" for the numbers 10 and 32 (math-verify also reads "10\\%"
+    # as 0.1).
     s = s.replace("\\%", "").replace("%", "").replace("\\$", "").replace("$", "")
     # A trailing \text{...} after a number is a unit ("5.4 \text{ cents}", "864 \mbox{ inches}^2");
     # an answer that is only text is unwrapped ("\text{Evelyn}", "\text{(C)}").
@@ -186,20 +194,22 @@ def normalize_answer(answer):
         s = without_unit
     if _WHOLE_TEXT.fullmatch(s.strip()):
         s = _WHOLE_TEXT.fullmatch(s.strip()).group(1)
-    # Whitespace carries no meaning in TeX math, except that "1 2" must not become "12", and that a space
-    # after a comma makes a list ("32, 349"): that one is kept until the thousands check below.
+    # Whitespace carries no meaning in TeX math, except that "1 2" must not become "12", and that a
+    # space after a comma makes a list ("32, 349"): that one is kept until the thousands check
+    # below.
     s = re.sub(r"(?<=[\d,])\s+(?=\d)", " ", s)
     s = re.sub(r"(?<![\d,])\s+|\s+(?![\d])", "", s).strip()
     s = s.rstrip(".")  # a sentence's full stop inside the box: "\\boxed{5.}"
-    # "x=5", "x \\approx 11", "\\approx 2.5": MATH accepts the bare value, and math-verify compares the
-    # right-hand side of an assignment or an approximation.
+    # "x=5", "x \\approx 11", "\\approx 2.5": MATH accepts the bare value, and math-verify compares
+    # the right-hand side of an assignment or an approximation.
     assignment = re.fullmatch(r"(?:[a-zA-Z]=|[a-zA-Z]?\\approx(?![a-zA-Z]))([^=<>]+)", s)
     if assignment:
         s = assignment.group(1).strip()
     choice = re.fullmatch(r"\(([A-Z])\)", s)  # multiple choice "(C)" = "C"
     if choice:
         s = choice.group(1)
-    # Only groups of exactly three digits: "1,000" and "1,000.99" are numbers, "1,2" and "3,5,7" are lists.
+    # Only groups of exactly three digits: "1,000" and "1,000.99" are numbers, "1,2" and "3,5,7" are
+    # lists.
     if _THOUSANDS.fullmatch(s):
         s = s.replace(",", "")
     s = re.sub(r",\s+", ",", s)  # the list "[1, 2)" is spelled as "[1,2)"
@@ -218,8 +228,8 @@ _FRACTIONS = [
 
 
 def _as_number(s):
-    """(value, exact) for a normalised integer, decimal or integer fraction, else None. exact is False for
-    decimals, which math-verify rounds (_far_apart)."""
+    """(value, exact) for a normalised integer, decimal or integer fraction, else None. exact is
+    False for decimals, which math-verify rounds (_far_apart)."""
     if re.fullmatch(r"-?\d+", s):
         return Fraction(int(s)), True
     if re.fullmatch(r"-?\d*\.\d+", s):
@@ -232,21 +242,22 @@ def _as_number(s):
     return None
 
 
-# _math_verify_value of each answer the workers evaluated. Golds recur every epoch, and wrong answers
-# recur across rollouts, so each is parsed once per process.
+# _math_verify_value of each answer the workers evaluated. Golds recur every epoch, and wrong
+# answers recur across rollouts, so each is parsed once per process.
 _VALUES = {}
 
 
 def _plain_number(answer):
-    """_as_number of the normalised answer ("\\$16,\\!386.20", "x \\approx 11", "5 \\text{ cm}"); None for a
-    percent, which math-verify reads both ways ("50\\%" is 50 and 0.5)."""
+    """_as_number of the normalised answer ("\\$16,\\!386.20", "x \\approx 11", "5 \\text{ cm}");
+    None for a percent, which math-verify reads both ways ("50\\%" is 50 and 0.5)."""
     if "%" in answer:
         return None
     return _as_number(normalize_answer(answer))
 
 
 def _value(answer):
-    """[re, im] of an answer known to be one number (a plain number, or one the workers evaluated), else None."""
+    """[re, im] of an answer known to be one number (a plain number, or one the workers evaluated),
+    else None."""
     number = _plain_number(answer)
     if number:
         try:
@@ -259,20 +270,23 @@ def _value(answer):
 
 def _differ_by_value(pred, gold):
     """True if what math-verify's parser found proves the answers differ: two numbers far apart
-    ("3\\sqrt{13}" vs "10"), or one number against a COLLECTION ("10" vs "(6,31,-1)"). Used by the slow
-    path once the workers have evaluated each answer: nothing here guesses from the spelling."""
+    ("3\\sqrt{13}" vs "10"), or one number against a COLLECTION ("10" vs "(6,31,-1)"). Used by the
+    slow path once the workers have evaluated each answer: nothing here guesses from the
+    spelling."""
     p_value, g_value = _value(pred), _value(gold)
     if p_value and g_value:
         return _far_apart(complex(*p_value), complex(*g_value))
-    return bool((p_value and _VALUES.get(gold) == COLLECTION) or (g_value and _VALUES.get(pred) == COLLECTION))
+    return bool((p_value and _VALUES.get(gold) == COLLECTION)
+                or (g_value and _VALUES.get(pred) == COLLECTION))
 
 
 def fast_equivalent(pred, gold):
-    """True: one answer in two notations (an equal normalised spelling or an equal number). False: two
-    plain numbers (_plain_number) that differ exactly (two rationals) or by more than math-verify rounds.
-    None (math-verify must look) for every other pair ("10" vs "(6,31,-1)", "32, 349" vs "32349"), so a
-    shape this file does not know costs a math-verify call, never a wrong 0. Audited against math-verify
-    on all pairs of MATH-500 answers and NOTATION_SHAPES: `python -m bench.reward audit_all_pairs=true`.
+    """True: one answer in two notations (an equal normalised spelling or an equal number). False:
+    two plain numbers (_plain_number) that differ exactly (two rationals) or by more than
+    math-verify rounds. None (math-verify must look) for every other pair ("10" vs "(6,31,-1)", "32,
+    349" vs "32349"), so a shape this file does not know costs a math-verify call, never a wrong 0.
+    Audited against math-verify on all pairs of MATH-500 answers and NOTATION_SHAPES: `python -m
+    bench.reward audit_all_pairs=true`.
     """
     p, g = normalize_answer(pred), normalize_answer(gold)
     if p and p == g:
@@ -287,26 +301,19 @@ def fast_equivalent(pred, gold):
 
 
 # -----------------------------------------------------------------------------
-# math-verify, as run inside a worker process
-#
-# A worker sets a finer alarm (setitimer) than math-verify's signal.alarm(whole seconds) around each whole
-# task, and switches math-verify's off (theirs would reset the same timer). The alarm raises _Deadline, a
-# BaseException, because math-verify and sympy catch Exception (and math-verify its own TimeoutException)
-# and carry on. No signal handler interrupts a C-level big-int operation; the parent's kill covers that.
-
-
-# -----------------------------------------------------------------------------
-# The pool: persistent workers, a hard deadline per check, kill and replace
+# The slow path: math-verify in the worker pool, a hard deadline per check
 
 
 def _slow_path(pairs, timeout_s):
-    """Verdicts for the (pred, gold) pairs the fast path left open, in the worker pool. 1. Each distinct answer
-    not known yet is evaluated once (math-verify's parse, then sympy's evalf), with half of timeout_s: parsing is
-    most of what a verify costs. 2. Pairs whose values differ (_differ_by_value) are False. 3. The rest get
-    math-verify's verify with what step 1 left of timeout_s: no pair gets more than timeout_s of worker time in
-    all. Nothing is True without verify."""
+    """Verdicts for the (pred, gold) pairs the fast path left open, in the worker pool. 1. Each
+    distinct answer not known yet is evaluated once (math-verify's parse, then sympy's evalf), with
+    half of timeout_s: parsing is most of what a verify costs. 2. Pairs whose values differ
+    (_differ_by_value) are False. 3. The rest get math-verify's verify with what step 1 left of
+    timeout_s: no pair gets more than timeout_s of worker time in all. Nothing is True without
+    verify."""
     # Worth evaluating: every answer not known yet, except "%" answers, which have two readings.
-    unknown = sorted({s for pair in pairs for s in pair if s not in _VALUES and _value(s) is None and "%" not in s})
+    unknown = sorted({s for pair in pairs for s in pair
+                      if s not in _VALUES and _value(s) is None and "%" not in s})
     values, seconds = _run_in_pool([("value", s) for s in unknown], [timeout_s / 2] * len(unknown))
     spent = dict(zip(unknown, seconds))
     if len(_VALUES) > 100_000:
@@ -321,7 +328,8 @@ def _slow_path(pairs, timeout_s):
         else:
             to_verify.append((pred, gold))
             budgets.append(budget)
-    # On the MATH-500 labeled set 145 of the 371 open pairs get this far (bench/reward.py prints counts).
+    # On the MATH-500 labeled set 145 of the 371 open pairs get this far (bench/reward.py prints
+    # counts).
     results, _ = _run_in_pool([("verify", *pair) for pair in to_verify], budgets)
     verdicts.update(zip(to_verify, map(bool, results)))
     return [verdicts[pair] for pair in pairs]
@@ -341,11 +349,13 @@ def _check_gold(gold, where):
         if depth < 0:
             break
     if depth:
-        raise ValueError(f"{where}: gold answer is malformed, its braces do not balance: {gold[:200]!r}")
+        raise ValueError(f"{where}: gold answer is malformed, its braces do not balance: "
+                         f"{gold[:200]!r}")
     if "\\boxed" in gold or "\\fbox" in gold:
         gold = extract_answer(gold) or ""
     if not gold.strip():
-        raise ValueError(f"{where}: gold answer is empty; a data row without an answer cannot be scored")
+        raise ValueError(f"{where}: gold answer is empty; a data row without an answer cannot be "
+                         "scored")
     return gold.strip()
 
 
@@ -370,33 +380,37 @@ def is_equivalent(pred, gold, timeout_s=DEFAULT_TIMEOUT_S):
     return _slow_path([(pred.strip(), gold)], timeout_s)[0]
 
 
-def score_batch(responses, golds, finished=True, require_answer_tag=False, timeout_s=DEFAULT_TIMEOUT_S):
+def score_batch(responses, golds, finished=True, require_answer_tag=False,
+                timeout_s=DEFAULT_TIMEOUT_S):
     """Rewards (0.0 / 1.0) for decoded responses against their gold answers, in order.
 
-    finished: one bool for all, or one per response; False (no end of turn: truncated) scores 0 (§4.3.1).
-    The fast path runs here; the rest is deduplicated (a group's 2G rollouts often agree) and verified in
-    parallel by the worker pool, each pair under its own hard timeout_s.
+    finished: one bool for all, or one per response; False (no end of turn: truncated) scores 0
+              (§4.3.1).
+    The fast path runs here; the rest is deduplicated (a group's 2G rollouts often agree) and
+    verified in parallel by the worker pool, each pair under its own hard timeout_s.
     """
     responses, golds = list(responses), list(golds)
     if len(responses) != len(golds):
         raise ValueError(f"score_batch: {len(responses)} responses but {len(golds)} golds")
-    if isinstance(finished, str) or not hasattr(finished, "__len__"):  # one flag for the whole batch
+    if isinstance(finished, str) or not hasattr(finished, "__len__"):  # one flag for the batch
         finished = [finished] * len(responses)
     finished = list(finished)
     if len(finished) != len(responses):
-        raise ValueError(f"score_batch: {len(responses)} responses but {len(finished)} finished flags")
+        raise ValueError(f"score_batch: {len(responses)} responses but {len(finished)} finished "
+                         "flags")
     rewards = [0.0] * len(responses)
     undecided = {}  # (pred, gold) -> indices waiting for math-verify
     for i, (response, gold, done) in enumerate(zip(responses, golds, finished)):
         if not isinstance(response, str):
-            raise TypeError(f"score_batch: responses[{i}] must be a str, got {type(response).__name__}")
+            raise TypeError(f"score_batch: responses[{i}] must be a str, got "
+                            f"{type(response).__name__}")
         if isinstance(done, str) or done is None:
             raise TypeError(f"score_batch: finished[{i}] must be a bool, got {done!r}")
         gold = _check_gold(gold, f"score_batch: golds[{i}]")
         if not done:  # truncated: kept in the batch with reward 0, not filtered out (§4.3.1)
             continue
         pred = extract_answer(response, require_answer_tag=require_answer_tag)
-        if pred is None:  # no final box: 0, like a wrong answer (there is no format reward, §2.2.1)
+        if pred is None:  # no final box: 0, like a wrong answer (no format reward, §2.2.1)
             continue
         verdict = fast_equivalent(pred, gold)
         if verdict is None:
@@ -410,8 +424,10 @@ def score_batch(responses, golds, finished=True, require_answer_tag=False, timeo
     return rewards
 
 
-def compute_reward(response, gold, finished=True, require_answer_tag=False, timeout_s=DEFAULT_TIMEOUT_S):
-    """The reward of one decoded response (Eq. 3): 1.0 if its final boxed answer equals gold, else 0.0."""
+def compute_reward(response, gold, finished=True, require_answer_tag=False,
+                   timeout_s=DEFAULT_TIMEOUT_S):
+    """The reward of one decoded response (Eq. 3): 1.0 if its final boxed answer equals gold, else
+    0.0."""
     return score_batch([response], [gold], [finished], require_answer_tag, timeout_s)[0]
 
 
