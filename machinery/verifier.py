@@ -215,15 +215,23 @@ class VerifierPool:
         try:
             while unfinished:
                 # One task per worker at a time, so a deadline is one task's and a kill loses one check.
-                for worker in self.workers:
-                    if worker["ready"] and worker["task"] is None and pending:
-                        index = pending.popleft()
-                        line = json.dumps([index, *tasks[index], timeouts[index]]) + "\n"
-                        worker["task"], worker["started"] = index, time.monotonic()
-                        try:
-                            worker["proc"].stdin.write(line.encode())
-                        except OSError:  # it died between tasks; the read below sees EOF
-                            pass
+                for worker in list(self.workers):
+                    if not (worker["ready"] and worker["task"] is None and pending):
+                        continue
+                    # A worker that died idle (killed from outside, or with the thread that started
+                    # it: PR_SET_PDEATHSIG follows the thread) is replaced before it gets a check,
+                    # which would otherwise come back False as if the check had crashed it.
+                    if worker["proc"].poll() is not None:
+                        self._replace(worker, kill=False)
+                        continue
+                    index = pending.popleft()
+                    line = json.dumps([index, *tasks[index], timeouts[index]]) + "\n"
+                    try:
+                        worker["proc"].stdin.write(line.encode())
+                    except OSError:  # it died before it read the check: another worker takes it
+                        pending.appendleft(index)
+                        continue
+                    worker["task"], worker["started"] = index, time.monotonic()
                 # Sleep until a reply, or until the earliest deadline of a busy worker.
                 now = time.monotonic()
                 busy = [w["started"] + timeouts[w["task"]] - now for w in self.workers if w["task"] is not None]

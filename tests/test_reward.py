@@ -399,6 +399,37 @@ def test_a_stuck_worker_is_killed_at_the_deadline_and_replaced():
     assert reward.is_equivalent("(x+1)^2", "x^2+2x+1") is True  # the others, or the fresh worker
 
 
+def test_an_idle_worker_killed_from_outside_costs_no_check():
+    """A worker that died while idle (the OOM killer, a stray kill) is replaced before it is given a
+    check: the check runs on a live worker and gets its true verdict, not the False of a crash."""
+    pool = start_pool()
+    reward.is_equivalent("\\sqrt{8}", "2\\sqrt{2}")  # the pool is up, every worker idle
+    for worker in pool.workers:
+        os.kill(worker["proc"].pid, signal.SIGKILL)
+        worker["proc"].wait()
+    assert reward.is_equivalent("(x+1)^2", "x^2+2x+1") is True
+
+
+def test_workers_replaced_inside_a_thread_outlive_it():
+    """Workers that a grading thread starts (replacing killed ones) die with that thread
+    (PR_SET_PDEATHSIG follows the thread that forked them); the next check, from another thread,
+    must still get its true verdict."""
+    pool = start_pool()
+    reward.is_equivalent("\\sqrt{8}", "2\\sqrt{2}")
+
+    def kill_all_then_grade():
+        for worker in pool.workers:
+            os.kill(worker["proc"].pid, signal.SIGKILL)
+            worker["proc"].wait()
+        reward.is_equivalent("\\frac{1}{2}", "0.5")  # replaces them from this thread
+
+    thread = threading.Thread(target=kill_all_then_grade)
+    thread.start()
+    thread.join()
+    time.sleep(0.5)  # the thread's end has signalled its workers
+    assert reward.is_equivalent("(x+1)^2", "x^2+2x+1") is True
+
+
 def test_workers_that_cannot_start_raise_a_clear_error(monkeypatch):
     shutdown_pool()
     monkeypatch.setattr(sys, "executable", "/bin/false")
