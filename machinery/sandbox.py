@@ -82,8 +82,9 @@ LIGHT_PRELOAD = ("math", "cmath", "itertools", "functools", "fractions", "decima
 HEAVY_PRELOAD = LIGHT_PRELOAD + ("numpy", "sympy")
 
 
-# Importing is not all: sympy loads much of itself lazily and fills caches as it goes, so a child forked
-# after a bare import spends ~200 ms in its first factor() or solve(). The heavy worker runs these once.
+# Importing is not all: sympy loads much of itself lazily and fills caches as it goes, so a child
+# forked after a bare import spends ~200 ms in its first factor() or solve(). The heavy worker runs
+# these once.
 HEAVY_WARMUP = """
 import numpy as np, sympy as sp
 x, y, n = sp.symbols("x y n")
@@ -96,7 +97,8 @@ np.linalg.det(np.eye(3)); np.arange(12).reshape(3, 4).sum(axis=0); np.random.def
 
 
 def truncate_middle(text, max_chars):
-    """verl's middle cut: the first and the last max_chars // 2 characters around a marker (0 = no cut)."""
+    """verl's middle cut: the first and the last max_chars // 2 characters around a marker (0 = no
+    cut)."""
     if max_chars <= 0 or len(text) <= max_chars:
         return text
     half = max_chars // 2
@@ -156,8 +158,9 @@ def _prctl(option, arg):
 
 
 def _drop_capabilities():
-    """Empty every capability set: for a child that stays uid 0 of a user namespace, where CAP_SYS_ADMIN would
-    let it unmount the tmpfs that hides the repo. (capset(2) with header version 3, two empty data blocks.)"""
+    """Empty every capability set: for a child that stays uid 0 of a user namespace, where
+    CAP_SYS_ADMIN would let it unmount the tmpfs that hides the repo. (capset(2) with header version
+    3, two empty data blocks.)"""
     for cap in range(64):
         if _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
             break
@@ -168,11 +171,12 @@ def _drop_capabilities():
 def _fork(state):
     """os.fork(), minus the interpreter's after-fork work where a worker does not need it.
 
-    os.fork() makes the child re-create the interpreter's locks and run the handlers that modules registered
-    (threading's _after_fork, random's reseed): ~180 pages written, so copied, and ~0.6 ms of CPU in every
-    trivial call's child. A worker has one thread and holds no lock when it forks, so there is nothing to
-    re-create, and every call seeds the random state before its fork (_run_call): libc's fork() alone does
-    the same. A worker that found more than one thread at its start (a library's pool) keeps os.fork()."""
+    os.fork() makes the child re-create the interpreter's locks and run the handlers that modules
+    registered (threading's _after_fork, random's reseed): ~180 pages written, so copied, and ~0.6
+    ms of CPU in every trivial call's child. A worker has one thread and holds no lock when it
+    forks, so there is nothing to re-create, and every call seeds the random state before its fork
+    (_run_call): libc's fork() alone does the same. A worker that found more than one thread at its
+    start (a library's pool) keeps os.fork()."""
     if not state["single_threaded"]:
         return os.fork()
     pid = _libc_fork()
@@ -206,9 +210,9 @@ def _under(path, root):
 
 
 def _isolate(cfg):
-    """Enter the strongest sandbox the OS allows and return a report of it. With a PID namespace this forks:
-    the caller stays outside as a waiter (killing it kills the namespace, via PDEATHSIG) and the function
-    returns in the child, which is PID 1 of the new namespace."""
+    """Enter the strongest sandbox the OS allows and return a report of it. With a PID namespace
+    this forks: the caller stays outside as a waiter (killing it kills the namespace, via PDEATHSIG)
+    and the function returns in the child, which is PID 1 of the new namespace."""
     info = dict(level="process", pid_namespace=False, mount_namespace=False, net_namespace=False,
                 ipc_namespace=False, user_namespace=False, sandbox_uid=None, capabilities_dropped=False,
                 kill_scope="subreaper", private_proc=False, hidden_paths=[], readonly_mounts=False,
@@ -222,7 +226,8 @@ def _isolate(cfg):
     except OSError as root_error:
         try:   # without root: in a user namespace we own fresh namespaces, but nothing of the host
             _unshare(flags | CLONE_NEWUSER)
-            # our uid and gid are 0 inside: one may map only oneself, and must deny setgroups(2) before a gid map
+            # our uid and gid are 0 inside: one may map only oneself, and must deny setgroups(2)
+            # before a gid map
             _write_text("/proc/self/setgroups", "deny")
             _write_text("/proc/self/uid_map", f"0 {euid} 1")
             _write_text("/proc/self/gid_map", f"0 {egid} 1")
@@ -242,15 +247,17 @@ def _isolate(cfg):
         os.closerange(3, 1 << 16)   # the waiter holds no pipe, so the parent sees EOF when PID 1 dies
         _, status = os.waitpid(child, 0)   # retried on EINTR by Python itself (PEP 475)
         os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
-    # PDEATHSIG fires when the parent *thread* dies; the waiter has one thread, so: when the waiter dies
+    # PDEATHSIG fires when the parent *thread* dies; the waiter has one thread, so: when the waiter
+    # dies
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if info["user_namespace"]:
         info["capabilities_dropped"] = True   # one uid is mapped, so the child cannot switch to another
     else:
         info["sandbox_uid"] = SANDBOX_UID_BASE + host_pid   # its own uid: RLIMIT_NPROC counts this worker only
-    # A step that fails (a container that masks /proc, say) is reported and skipped, not fatal by itself: the
-    # worker's probe call (_probe_sandbox) decides whether what is left runs calls, and if not, Executor() raises
-    # with these warnings (a worker that died here would be restarted forever).
+    # A step that fails (a container that masks /proc, say) is reported and skipped, not fatal by
+    # itself: the worker's probe call (_probe_sandbox) decides whether what is left runs calls, and
+    # if not, Executor() raises with these warnings (a worker that died here would be restarted
+    # forever).
     steps = (("private mounts", lambda: _mount(None, "/", None, MS_REC | MS_PRIVATE)),   # nothing reaches the host
              ("fresh /proc", lambda: _private_proc(info)),
              ("hidden paths", lambda: _hide_paths(cfg["hide_paths"], info["kept_paths"], info)),
@@ -264,8 +271,8 @@ def _isolate(cfg):
             info["warnings"].append(f"{name}: {e}")
             if name == "private mounts":
                 break   # any further mount would show on the host
-    # SysV IPC objects outlive their processes: here shared memory dies with its users, and message queues and
-    # semaphore sets cannot be made at all.
+    # SysV IPC objects outlive their processes: here shared memory dies with its users, and message
+    # queues and semaphore sets cannot be made at all.
     for key, value in (("kernel/shm_rmid_forced", "1"), ("kernel/msgmni", "0"), ("kernel/sem", "0 0 0 0"),
                        ("fs/mqueue/queues_max", "0")):
         with contextlib.suppress(OSError):
@@ -274,31 +281,35 @@ def _isolate(cfg):
 
 
 def _private_proc(info):
-    # a /proc of this PID namespace: the snippet sees no other process, and /proc/<pid> means our children
+    # a /proc of this PID namespace: the snippet sees no other process, and /proc/<pid> means our
+    # children
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     info["private_proc"] = True
 
 
 def _resolve_interpreter_paths():
-    """Point the worker's own view of its interpreter (prefixes, sys.path with its .pth entries) at real paths.
-    A venv reached through a symlink in /tmp or in the home directory would otherwise be imported from a link
-    that the private /tmp or the cover of the home directory removes; the real directories are bound back."""
+    """Point the worker's own view of its interpreter (prefixes, sys.path with its .pth entries) at
+    real paths. A venv reached through a symlink in /tmp or in the home directory would otherwise be
+    imported from a link that the private /tmp or the cover of the home directory removes; the real
+    directories are bound back."""
     for name in ("prefix", "base_prefix", "exec_prefix", "base_exec_prefix"):
         setattr(sys, name, os.path.realpath(getattr(sys, name)))
     sys.path[:] = dict.fromkeys(os.path.realpath(p) if p else p for p in sys.path)   # "" is the call's cwd
 
 
 def _interpreter_path():
-    """The interpreter to start a worker with: its directory resolved, so that sys.executable is a path that
-    exists in the sandbox (the venv's bin/, inside its prefix). The file itself stays: a venv's python is a link
-    to the base interpreter, and the venv is found from the directory the interpreter was started from."""
+    """The interpreter to start a worker with: its directory resolved, so that sys.executable is a
+    path that exists in the sandbox (the venv's bin/, inside its prefix). The file itself stays: a
+    venv's python is a link to the base interpreter, and the venv is found from the directory the
+    interpreter was started from."""
     return os.path.join(os.path.realpath(os.path.dirname(sys.executable)), os.path.basename(sys.executable))
 
 
 def _keep_paths(hide=()):
-    """What the snippet must still read: the interpreter with its stdlib, and the venv's site-packages. Taken
-    once per worker, before any mount: after a mount a link on the way may lead nowhere. `hide` (real paths)
-    wins: a path that contains a hidden one (an editable install of the repo on sys.path) is not kept."""
+    """What the snippet must still read: the interpreter with its stdlib, and the venv's
+    site-packages. Taken once per worker, before any mount: after a mount a link on the way may lead
+    nowhere. `hide` (real paths) wins: a path that contains a hidden one (an editable install of the
+    repo on sys.path) is not kept."""
     paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
              os.path.dirname(sys.executable), os.path.dirname(os.path.realpath(sys.executable))}
     paths.update(p for p in sys.path if p and os.path.isdir(p))   # "" (the cwd) is the call's own directory
@@ -309,9 +320,10 @@ def _keep_paths(hide=()):
 
 
 def _interpreter_identity():
-    """[path, st_dev, st_ino] of the interpreter and of its own sys.path entries (stdlib, lib-dynload,
-    site-packages), taken before any mount: in the sandbox each must still be that very file or directory, not
-    missing and not an empty cover. Entries from outside the prefixes (.pth targets) may be hidden on purpose."""
+    """[path, st_dev, st_ino] of the interpreter and of its own sys.path entries (stdlib,
+    lib-dynload, site-packages), taken before any mount: in the sandbox each must still be that very
+    file or directory, not missing and not an empty cover. Entries from outside the prefixes (.pth
+    targets) may be hidden on purpose."""
     prefixes = (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)
     own = [sys.executable] + [p for p in sys.path if p and os.path.isdir(p) and any(_under(p, q) for q in prefixes)]
     return [[p, st.st_dev, st.st_ino] for p in own for st in [os.stat(p)]]
@@ -332,12 +344,14 @@ def _interpreter_unreachable(keep):
 
 
 def _hide_paths(hide_paths, keep, info):
-    """Cover each hidden directory with an empty read-only tmpfs and bind the kept paths inside it back. The
-    source of such a bind is an O_PATH descriptor opened before the cover: after it, the path leads nowhere."""
+    """Cover each hidden directory with an empty read-only tmpfs and bind the kept paths inside it
+    back. The source of such a bind is an O_PATH descriptor opened before the cover: after it, the
+    path leads nowhere."""
     hide = {os.path.realpath(p) for p in hide_paths if os.path.isdir(p)}
     for k in keep:   # an ancestor that a sandbox uid could not pass is covered too, with the interpreter inside
         hide.update(_closed_ancestors(k))
-    # never covered, whatever the caller's cwd is: a snippet without /usr or /etc cannot run (/tmp is private)
+    # never covered, whatever the caller's cwd is: a snippet without /usr or /etc cannot run (/tmp
+    # is private)
     system = {"/", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/dev", "/proc", "/sys", "/var", "/run", "/tmp"}
     hide = sorted(h for h in hide if h not in system)
     hide = [h for h in hide if not any(o != h and _under(h, o) for o in hide)]   # the outermost covers the rest
@@ -354,12 +368,13 @@ def _hide_paths(hide_paths, keep, info):
 
 
 def _mask_gpus(info):
-    """CUDA_VISIBLE_DEVICES="" is only a request, and GPU device nodes are often 0666 on training nodes: bind
-    /dev/null over the NVIDIA and AMD (kfd) nodes, and an empty tmpfs over /dev/dri."""
+    """CUDA_VISIBLE_DEVICES="" is only a request, and GPU device nodes are often 0666 on training
+    nodes: bind /dev/null over the NVIDIA and AMD (kfd) nodes, and an empty tmpfs over /dev/dri."""
     for name in sorted(os.listdir("/dev")):
         path = "/dev/" + name
         try:
-            # nvidia0..N, nvidiactl, nvidia-uvm and friends are nodes; kfd is the AMD compute node (MI300X)
+            # nvidia0..N, nvidiactl, nvidia-uvm and friends are nodes; kfd is the AMD compute node
+            # (MI300X)
             if name.startswith("nvidia") and not os.path.isdir(path) or name == "kfd":
                 _mount("/dev/null", path, None, MS_BIND)
             elif name in ("dri", "nvidia-caps"):
@@ -372,8 +387,8 @@ def _mask_gpus(info):
 
 
 def _remount_readonly(info):
-    """Every mount read-only. /proc, /sys and /dev are left: what is writable there belongs to root or to the
-    writer itself, and /dev/shm gets its own tmpfs next."""
+    """Every mount read-only. /proc, /sys and /dev are left: what is writable there belongs to root
+    or to the writer itself, and /dev/shm gets its own tmpfs next."""
     failures = 0
     with open("/proc/self/mountinfo") as f:
         rows = [line.split() for line in f]
@@ -382,7 +397,8 @@ def _remount_readonly(info):
         options = row[5].split(",")
         if any(_under(target, p) for p in ("/proc", "/sys", "/dev")) or "ro" in options:
             continue
-        # MS_BIND with MS_REMOUNT changes this mount's flags only, not the filesystem's (the host keeps rw)
+        # MS_BIND with MS_REMOUNT changes this mount's flags only, not the filesystem's (the host
+        # keeps rw)
         flags = MS_REMOUNT | MS_BIND | MS_RDONLY
         for option in options:
             flags |= _MOUNT_OPTION_FLAGS.get(option, 0)
@@ -396,17 +412,18 @@ def _remount_readonly(info):
 
 
 def _private_tmp(cfg, info):
-    # A little over the file-size limit: one big file meets EFBIG, many meet ENOSPC, and the RAM a call can
-    # fill here (tmpfs is memory, not counted in RLIMIT_AS) stays bounded. The interpreter may itself live
-    # under /tmp (a CI checkout with its venv there): bound back over the fresh tmpfs, read-only, as in _hide_paths.
+    # A little over the file-size limit: one big file meets EFBIG, many meet ENOSPC, and the RAM a
+    # call can fill here (tmpfs is memory, not counted in RLIMIT_AS) stays bounded. The interpreter
+    # may itself live under /tmp (a CI checkout with its venv there): bound back over the fresh
+    # tmpfs, read-only, as in _hide_paths.
     keep = info["kept_paths"]
     for path in TMP_DIRS:
         if os.path.isdir(path):
             info["tmp_mounts"].append(path)
             inside = [k for k in keep if _under(k, path)]
             fds = [os.open(k, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for k in inside]
-            # nr_inodes: a bound on what a flood of empty files costs in kernel memory, and a count that
-            # _clean_after_call reads (a tmpfs without the bound reports none)
+            # nr_inodes: a bound on what a flood of empty files costs in kernel memory, and a count
+            # that _clean_after_call reads (a tmpfs without the bound reports none)
             _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV,
                    f"mode=1777,size={cfg['max_file_mb'] + 16}m,nr_inodes={TMP_INODES}")
             for k, fd in zip(inside, fds):
@@ -420,9 +437,10 @@ def _private_tmp(cfg, info):
 # -----------------------------------------------------------------------------
 # one call, in the child: enter the sandbox, run the snippet as a script
 #
-# The order matters: the fds first (nothing of the worker's may stay reachable), then what needs root
-# (oom_score_adj may only go down as root, the rlimits are set while we may still set them hard), then the
-# uid switch (no_new_privs is already set: the worker set it on itself, and a fork inherits it).
+# The order matters: the fds first (nothing of the worker's may stay reachable), then what needs
+# root (oom_score_adj may only go down as root, the rlimits are set while we may still set them
+# hard), then the uid switch (no_new_privs is already set: the worker set it on itself, and a fork
+# inherits it).
 
 
 def _run_child(code, stdin, stdin_fd, out_fd, err_fd, workdir, state):
@@ -433,7 +451,8 @@ def _run_child(code, stdin, stdin_fd, out_fd, err_fd, workdir, state):
         os.dup2(out_fd, 1)
         os.dup2(err_fd, 2)
         os.closerange(3, state["max_fd"])   # the worker's pipes to the parent must not be reachable
-        # (the C function: signal.signal() maps the old handler to an enum, which writes ~60 pages of the worker)
+        # (the C function: signal.signal() maps the old handler to an enum, which writes ~60 pages
+        # of the worker)
         _signal.signal(signal.SIGINT, signal.default_int_handler)   # the worker ignores SIGINT; a script does not
         try:   # under host memory pressure the kernel kills us first (os.write: no file object, fewer pages written)
             fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
@@ -457,7 +476,8 @@ def _run_child(code, stdin, stdin_fd, out_fd, err_fd, workdir, state):
     except BaseException as exc:
         os.write(2, f"ExecutorError: the sandbox could not be set up: {exc!r}\n".encode())
         os._exit(EXIT_SETUP)
-    # os._exit, never a normal exit: that would run the worker's atexit and finalizers again in every child
+    # os._exit, never a normal exit: that would run the worker's atexit and finalizers again in
+    # every child
     try:   # and whatever happens, the child must not return into the worker's loop
         os._exit(_run_snippet(code, stdin, state["private_tmp"]))
     except BaseException as exc:
@@ -468,9 +488,10 @@ def _run_child(code, stdin, stdin_fd, out_fd, err_fd, workdir, state):
 
 def _run_snippet(code, stdin, private_tmp):
     """`python main.py`, with the value of a final expression shown; returns the exit code."""
-    # Not exec'd in a fresh interpreter, so all a script could tell apart from `python main.py` is set by hand:
-    # argv, __main__, __file__, what happens at exit. The standard streams are the worker's own, unused, now on the
-    # call's fds 0-2: block-buffered stdout as for a script writing to a pipe; reusing them spares ~60 page copies.
+    # Not exec'd in a fresh interpreter, so all a script could tell apart from `python main.py` is
+    # set by hand: argv, __main__, __file__, what happens at exit. The standard streams are the
+    # worker's own, unused, now on the call's fds 0-2: block-buffered stdout as for a script writing
+    # to a pipe; reusing them spares ~60 page copies.
     if not private_tmp:   # without a private /tmp the call's directory changes every time
         os.environ.update(HOME=os.getcwd(), TMPDIR=os.getcwd())   # ~/.cache and tempfile land in the call's dir
         tempfile.tempdir = None   # the worker's own mkdtemp() cached /tmp
@@ -518,7 +539,8 @@ def _system_exit_code(exc):
 
 
 def _print_snippet_traceback(exc):
-    """The traceback from the snippet's first frame on, without our wrapper's frames (noise, and a path)."""
+    """The traceback from the snippet's first frame on, without our wrapper's frames (noise, and a
+    path)."""
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename != MAIN:
         tb = tb.tb_next
@@ -531,14 +553,15 @@ def _print_snippet_traceback(exc):
 # -----------------------------------------------------------------------------
 # one call, in the worker: fork, watch, kill, sweep, describe
 #
-# The worker, not the child, holds the clock and the output caps: a snippet can cancel any alarm of its own
-# (signal.alarm(0)), catch any exception, ignore SIGTERM, or sit in C code that never returns to Python
-# (10**10**9, a regex that backtracks), so only a SIGKILL from outside is sure to stop it.
+# The worker, not the child, holds the clock and the output caps: a snippet can cancel any alarm of
+# its own (signal.alarm(0)), catch any exception, ignore SIGTERM, or sit in C code that never
+# returns to Python (10**10**9, a regex that backtracks), so only a SIGKILL from outside is sure to
+# stop it.
 
 
 class _Capture:
-    """A stream read while it flows: its first and last `keep` bytes and a count of all, so that a gigabyte
-    of printing never sits in memory."""
+    """A stream read while it flows: its first and last `keep` bytes and a count of all, so that a
+    gigabyte of printing never sits in memory."""
 
     def __init__(self, keep):
         self.keep, self.head, self.tail, self.total = keep, bytearray(), bytearray(), 0
@@ -554,14 +577,16 @@ class _Capture:
             del self.tail[:max(0, len(self.tail) - self.keep)]
 
     def text(self, max_chars):
-        """(text, truncated): decoded (invalid UTF-8 becomes U+FFFD) and cut in the middle to max_chars."""
+        """(text, truncated): decoded (invalid UTF-8 becomes U+FFFD) and cut in the middle to
+        max_chars."""
         # nothing dropped: cut by characters exactly as truncate_middle does for the tool response
         if self.total == len(self.head) + len(self.tail):
             text = (self.head + self.tail).decode("utf-8", "replace")
             if len(text) <= max_chars:
                 return text, False
             return truncate_middle(text, max_chars), True
-        # `keep` (2 * max_chars + 4 bytes) holds max_chars // 2 characters of 4 bytes at each end, past one cut in two
+        # `keep` (2 * max_chars + 4 bytes) holds max_chars // 2 characters of 4 bytes at each end,
+        # past one cut in two
         half = max_chars // 2
         head = self.head.decode("utf-8", "replace")[:half]
         tail = self.tail.decode("utf-8", "replace")[-half:] if half else ""
@@ -576,8 +601,8 @@ def _run_call(code, stdin, cfg, state):
     os.write(fd, code.encode("utf-8", "surrogatepass"))
     os.close(fd)
     free_inodes = _free_inodes(state) if state["private_tmp"] else None   # what the call's clean-up compares with
-    # stdin as a file, not a pipe: writing it cannot block on a snippet that never reads, and reads past
-    # its end get EOF at once (input() raises EOFError; sys.stdin.read() does not hang)
+    # stdin as a file, not a pipe: writing it cannot block on a snippet that never reads, and reads
+    # past its end get EOF at once (input() raises EOFError; sys.stdin.read() does not hang)
     stdin_fd = os.memfd_create("stdin")
     os.write(stdin_fd, stdin.encode("utf-8", "replace"))
     os.lseek(stdin_fd, 0, os.SEEK_SET)
@@ -591,9 +616,10 @@ def _run_call(code, stdin, cfg, state):
         poller.register(fd, select.POLLIN)
     drain_until, output_limit = None, cfg["output_limit_mb"] << 20
     open_fds, returncode, killed_for, elapsed, ran_ns = set(captures), None, None, None, 0
-    # Seeded from the inputs, here, not in the child (pages written before the fork are not copied): a forked
-    # child would otherwise share numpy's global state with every other call of its worker, and a pure function
-    # of (code, stdin) keeps an RL rerun byte-identical (hash() is, under PYTHONHASHSEED=0). os.urandom stays random.
+    # Seeded from the inputs, here, not in the child (pages written before the fork are not copied):
+    # a forked child would otherwise share numpy's global state with every other call of its worker,
+    # and a pure function of (code, stdin) keeps an RL rerun byte-identical (hash() is, under
+    # PYTHONHASHSEED=0). os.urandom stays random.
     seed = hash((code, stdin)) & (2**64 - 1)
     random.seed(seed)
     if "numpy" in sys.modules:
@@ -607,8 +633,9 @@ def _run_call(code, stdin, cfg, state):
         os.close(fd)
     pidfd = os.pidfd_open(pid)   # readable at the child's exit: one poll() waits for output and exit at once
     poller.register(pidfd, select.POLLIN)
-    # Until the main process is reaped (returncode), read its output, kill it at the deadline or the output limit
-    # (killed_for: why *we* killed it). Then a short drain: the pipes reach EOF once all that holds them is dead.
+    # Until the main process is reaped (returncode), read its output, kill it at the deadline or the
+    # output limit (killed_for: why *we* killed it). Then a short drain: the pipes reach EOF once
+    # all that holds them is dead.
     while open_fds or returncode is None:
         now = time.monotonic()
         if returncode is not None:
@@ -632,16 +659,18 @@ def _run_call(code, stdin, cfg, state):
             if killed_for is None and sum(c.total for c in captures.values()) > output_limit:
                 killed_for = "output limit"   # a print loop is stopped at once, not read until the timeout
                 _signal_everything(state, pid)
-        # Checked after the events: a child that exited while this worker waited for a CPU finished, not timed out.
+        # Checked after the events: a child that exited while this worker waited for a CPU finished,
+        # not timed out.
         now = time.monotonic()
         if returncode is None and killed_for is None and now >= deadline:
-            # Time the snippet spent runnable but waiting for a CPU is the machine's, not the snippet's: on an
-            # oversubscribed node a benign call must not time out (docs/design.md, the sandbox's hostile inputs), or the
-            # tool-error ratio that RoC ranks by (Eq. 4) would measure the load. A sleep or a blocking wait is
-            # not on the run queue and counts in full.
-            # The kernel books a wait when the task gets the CPU back, so a task starved right now is not in the
-            # total yet: if it is runnable and has not run since our last look, it is still waiting. (Seen on a
-            # 2-core machine at load 20: a child runnable for 2 s since its fork without having run at all.)
+            # Time the snippet spent runnable but waiting for a CPU is the machine's, not the
+            # snippet's: on an oversubscribed node a benign call must not time out (docs/design.md,
+            # the sandbox's hostile inputs), or the tool-error ratio that RoC ranks by (Eq. 4) would
+            # measure the load. A sleep or a blocking wait is not on the run queue and counts in
+            # full. The kernel books a wait when the task gets the CPU back, so a task starved right
+            # now is not in the total yet: if it is runnable and has not run since our last look, it
+            # is still waiting. (Seen on a 2-core machine at load 20: a child runnable for 2 s since
+            # its fork without having run at all.)
             own_proc = state["private_proc"] or not state["pid_namespace"]   # /proc/<pid> is our child
             run_ns, wait_ns, runnable = _cpu_times(pid) if own_proc else (0, 0, False)
             stretched = start + cfg["timeout_s"] + wait_ns / 1e9
@@ -656,7 +685,8 @@ def _run_call(code, stdin, cfg, state):
                 _signal_everything(state, pid)
         if returncode is not None and now >= drain_until:
             break   # a writer that will not die (uninterruptible I/O) still holds a pipe; stop waiting for it
-    # The sweep, before the answer: when the parent has the result, the call has left nothing behind.
+    # The sweep, before the answer: when the parent has the result, the call has left nothing
+    # behind.
     _kill_leftovers(state, pid)
     for fd in (out_r, err_r, pidfd):
         os.close(fd)
@@ -665,7 +695,8 @@ def _run_call(code, stdin, cfg, state):
 
 
 def _cpu_times(pid):
-    """(ns on a CPU, ns runnable but waiting for one, runnable now?) of a process, from /proc/<pid>."""
+    """(ns on a CPU, ns runnable but waiting for one, runnable now?) of a process, from
+    /proc/<pid>."""
     try:
         with open(f"/proc/{pid}/schedstat") as f:
             run_ns, wait_ns = (int(x) for x in f.read().split()[:2])
@@ -677,14 +708,16 @@ def _cpu_times(pid):
 
 
 def _signal_everything(state, pid):
-    """SIGKILL the main process and, from PID 1, everything else in the namespace (the sweep reaps them)."""
+    """SIGKILL the main process and, from PID 1, everything else in the namespace (the sweep reaps
+    them)."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(-1 if state["pid_namespace"] else pid, signal.SIGKILL)
 
 
 def _kill_leftovers(state, session):
-    """Kill and reap every process the call left: from PID 1 the whole namespace, with kill(-1); without one,
-    the children of the subreaper (an orphan re-parents to us), looking again until none is left."""
+    """Kill and reap every process the call left: from PID 1 the whole namespace, with kill(-1);
+    without one, the children of the subreaper (an orphan re-parents to us), looking again until
+    none is left."""
     deadline = time.monotonic() + 5.0
     while time.monotonic() < deadline:
         if state["pid_namespace"]:
@@ -704,12 +737,14 @@ def _kill_leftovers(state, session):
             os.waitpid(-1, 0)
         except ChildProcessError:
             return
-    # still not empty after 5 s (a process stuck in uninterruptible I/O): the next call's sweep reaps it
+    # still not empty after 5 s (a process stuck in uninterruptible I/O): the next call's sweep
+    # reaps it
 
 
 def _fresh_workdir(state):
-    """An empty directory owned by the sandbox uid. With a private /tmp the path is fixed, so a snippet that
-    prints its cwd prints the same thing on a rerun; otherwise it is a new temporary directory."""
+    """An empty directory owned by the sandbox uid. With a private /tmp the path is fixed, so a
+    snippet that prints its cwd prints the same thing on a rerun; otherwise it is a new temporary
+    directory."""
     if state["private_tmp"]:
         path = "/tmp/sandbox"
         try:
@@ -725,26 +760,29 @@ def _fresh_workdir(state):
 
 
 def _free_inodes(state):
-    """The free inode count of each private tmpfs (None without them). Every file, directory, hard link and
-    (on Linux 6.6+) extended attribute made there takes from it."""
+    """The free inode count of each private tmpfs (None without them). Every file, directory, hard
+    link and (on Linux 6.6+) extended attribute made there takes from it."""
     return [os.statvfs(root).f_ffree for root in state["tmp_mounts"]]
 
 
 def _clean_after_call(state, workdir, free_inodes):
-    """Nothing a call wrote survives it: empty the private tmpfs mounts (or remove the temporary directory)."""
+    """Nothing a call wrote survives it: empty the private tmpfs mounts (or remove the temporary
+    directory)."""
     if not state["private_tmp"]:
         _remove_tree(workdir)
         return
-    # Most calls write no file: then no count moved since main.py was written, so the mounts hold what they did
-    # then, up to a main.py or a call's directory that was replaced (deleted and made again). Removing those two
-    # (rmdir: only if empty) leaves the mounts as the call found them, in 2 syscalls instead of a walk of all four.
+    # Most calls write no file: then no count moved since main.py was written, so the mounts hold
+    # what they did then, up to a main.py or a call's directory that was replaced (deleted and made
+    # again). Removing those two (rmdir: only if empty) leaves the mounts as the call found them, in
+    # 2 syscalls instead of a walk of all four.
     if free_inodes and _free_inodes(state) == free_inodes:
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(workdir, MAIN))
             os.rmdir(workdir)
             return
-    # the mounts stay (remounting per call would cost more); their contents go, /tmp/sandbox included, except
-    # the interpreter bound back under them (see _private_tmp) and the directories leading to it
+    # the mounts stay (remounting per call would cost more); their contents go, /tmp/sandbox
+    # included, except the interpreter bound back under them (see _private_tmp) and the directories
+    # leading to it
     keep = [k for k in state["kept_paths"] if any(_under(k, root) for root in TMP_DIRS)]
     for root in TMP_DIRS:
         if os.path.isdir(root):
@@ -777,7 +815,8 @@ def _remove_tree(path):
 
 
 def _describe(returncode, killed_for, elapsed, out, err, cfg):
-    """Status and reason from how the child ended, plus a last stderr line where Python wrote none."""
+    """Status and reason from how the child ended, plus a last stderr line where Python wrote
+    none."""
     stdout, cut_out = out.text(cfg["max_output_chars"])
     stderr, cut_err = err.text(cfg["max_output_chars"])
     if killed_for == "wall-clock limit":
@@ -788,8 +827,9 @@ def _describe(returncode, killed_for, elapsed, out, err, cfg):
         killed_for = "cpu-time limit"
         status, note = "timeout", "TimeoutError: the code used more than its CPU time limit and was killed"
     elif returncode == EXIT_MEMORY:
-        # The exit code is the child's own word, so a snippet could fake an oom: it would only mislabel
-        # itself. An OOM-killer SIGKILL (memory the host ran out of) shows as a signal below.
+        # The exit code is the child's own word, so a snippet could fake an oom: it would only
+        # mislabel itself. An OOM-killer SIGKILL (memory the host ran out of) shows as a signal
+        # below.
         killed_for, status, note = "memory limit", "oom", ""
     elif returncode == 0:
         status, note = "ok", ""
@@ -809,9 +849,9 @@ def _describe(returncode, killed_for, elapsed, out, err, cfg):
                 reason=killed_for or "", returncode=returncode)
 
 
-# -----------------------------------------------------------------------------
-# the worker process. Messages are a 4-byte length and JSON: never pickle, whose reader would run code.
-# Two pipes per worker, no sockets: nothing to bind, nothing another process can connect to.
+# ----------------------------------------------------------------------------- the worker process.
+# Messages are a 4-byte length and JSON: never pickle, whose reader would run code. Two pipes per
+# worker, no sockets: nothing to bind, nothing another process can connect to.
 
 
 def _send(fd, obj):
@@ -835,8 +875,9 @@ def _recv_blocking(fd):
     return None if body is None else json.loads(body)
 
 
-# A call the worker makes itself before it reports ready: the whole path of a call (the call's directory, the uid
-# switch, the limits, the sweep, the clean-up of /tmp) and the interpreter's paths, as the sandbox uid sees them.
+# A call the worker makes itself before it reports ready: the whole path of a call (the call's
+# directory, the uid switch, the limits, the sweep, the clean-up of /tmp) and the interpreter's
+# paths, as the sandbox uid sees them.
 SANDBOX_PROBE = """
 import json, os, sys
 missing = []
@@ -852,7 +893,8 @@ print(json.dumps(missing))
 
 
 def _worker_main(cfg_json):
-    """A worker's life. One whose sandbox cannot run calls says why in its first message (Executor() raises it)."""
+    """A worker's life. One whose sandbox cannot run calls says why in its first message (Executor()
+    raises it)."""
     cfg = json.loads(cfg_json)
     os.environ.pop("LD_BIND_NOW", None)   # the worker's own (_worker_env), not the snippet's or its subprocesses'
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # a ^C in the terminal is for the trainer, not for us
@@ -869,12 +911,14 @@ def _worker_main(cfg_json):
         request = _recv_blocking(cfg["request_fd"])
         if request is None:   # the parent closed the pipe or died: leave; the namespace goes with PID 1
             os._exit(0)
-        # one call at a time, start to sweep: the parent sends the next request only after this answer
+        # one call at a time, start to sweep: the parent sends the next request only after this
+        # answer
         _send(cfg["response_fd"], _run_call(request["code"], request["stdin"], cfg, state))
 
 
 def _start_worker(cfg):
-    """Isolation, preloads and the per-child state: (the isolation report, the state every child gets)."""
+    """Isolation, preloads and the per-child state: (the isolation report, the state every child
+    gets)."""
     _resolve_interpreter_paths()   # before _isolate takes the paths to keep
     interpreter = _interpreter_identity()
     info = _isolate(cfg)   # from here on this is PID 1 of the worker's namespaces (if the OS allowed them)
@@ -889,30 +933,34 @@ def _start_worker(cfg):
             exec(HEAVY_WARMUP, {})
         except Exception as e:   # without numpy or sympy the worker still runs plain Python
             info["warnings"].append(f"heavy warm-up failed: {e!r}")
-    # argv and a fresh, empty __main__ (so the snippet's functions pickle, for multiprocessing), set once here: the
-    # worker never runs a snippet, so every child finds them empty, and a child that made its own would write (and
-    # copy) ~40 pages, the old __main__'s among them.
+    # argv and a fresh, empty __main__ (so the snippet's functions pickle, for multiprocessing), set
+    # once here: the worker never runs a snippet, so every child finds them empty, and a child that
+    # made its own would write (and copy) ~40 pages, the old __main__'s among them.
     sys.argv = [MAIN]
     main = types.ModuleType("__main__")
     main.__builtins__, main.__file__ = builtins, MAIN
     sys.modules["__main__"] = main
-    # The first compile() in a process costs ~3 ms of parser set-up: paid here once, not in every child.
+    # The first compile() in a process costs ~3 ms of parser set-up: paid here once, not in every
+    # child.
     compile("x = [i for i in range(3)]\nprint(x)\n", MAIN, "exec")
     ast.parse("x = 1")
-    # A fork copies the page table of every resident page, and the child's exit tears it down again: drop the
-    # start-up's garbage and hand malloc's free pages back first (~10% fewer pages in a light worker).
+    # A fork copies the page table of every resident page, and the child's exit tears it down again:
+    # drop the start-up's garbage and hand malloc's free pages back first (~10% fewer pages in a
+    # light worker).
     gc.collect()
     _libc.malloc_trim(0)
     gc.freeze()   # a child's garbage collector then leaves the inherited objects, and so their pages, alone
-    # memory_mb is what a call may add: RLIMIT_AS counts the worker's own mappings, which the child inherits
+    # memory_mb is what a call may add: RLIMIT_AS counts the worker's own mappings, which the child
+    # inherits
     vm_bytes = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
     address_space = vm_bytes + (cfg["memory_mb"] << 20)
     cpu_s = math.ceil(cfg["timeout_s"]) + 1   # past the wall clock, so the clock's kill comes first
     nproc = cfg["max_processes"]
     if info["level"] == "process" and info["sandbox_uid"] is None:
         nproc += _processes_of_uid(os.getuid())   # without a uid of its own, RLIMIT_NPROC counts all of ours
-    # (limit, soft, hard) for every child. Hard = soft, or nearly: code-judge and SandboxFusion set only soft
-    # limits, which the snippet raises right back (docs/design.md, the sandbox's hostile inputs).
+    # (limit, soft, hard) for every child. Hard = soft, or nearly: code-judge and SandboxFusion set
+    # only soft limits, which the snippet raises right back (docs/design.md, the sandbox's hostile
+    # inputs).
     rlimits = [(resource.RLIMIT_AS, address_space, address_space),        # bytearray(10**11): MemoryError
                (resource.RLIMIT_CPU, cpu_s, cpu_s + 1),   # a second line behind the wall clock: SIGXCPU, then KILL
                (resource.RLIMIT_NPROC, nproc, nproc),                     # a fork bomb meets EAGAIN
@@ -924,13 +972,15 @@ def _start_worker(cfg):
     info["preloaded_mb"] = vm_bytes >> 20
     if info["private_tmp"]:   # the call's directory is always the same: its environment is set once, here
         os.environ.update(HOME="/tmp/sandbox", TMPDIR="/tmp/sandbox")
-    # No setuid binary or file capability can lift a child back up: every child inherits this at its fork.
+    # No setuid binary or file capability can lift a child back up: every child inherits this at its
+    # fork.
     _prctl(PR_SET_NO_NEW_PRIVS, 1)
     return info, state
 
 
 def _probe_sandbox(cfg, state):
-    """None if a call runs and sees the interpreter, else what is wrong (the steps of _isolate may fail)."""
+    """None if a call runs and sees the interpreter, else what is wrong (the steps of _isolate may
+    fail)."""
     warnings = "; ".join(state["warnings"]) or "none"
     try:   # generous: a loaded machine must not fail a worker's start, and the probe needs a few ms of CPU
         result = _run_call(SANDBOX_PROBE, json.dumps(state["interpreter"]), dict(cfg, timeout_s=max(cfg["timeout_s"], 30.0)),
@@ -960,19 +1010,22 @@ def _processes_of_uid(uid):
 
 
 class _WorkerGone(Exception):
-    """The worker died, hung or sent garbage; it gets replaced. sent=False: before it had the call."""
+    """The worker died, hung or sent garbage; it gets replaced. sent=False: before it had the
+    call."""
     sent = True   # set to False by the code that raises it before the request was written
 
 
-# The worker loads this file under another module name: a script that imported us (`__main__`, say) never runs again.
+# The worker loads this file under another module name: a script that imported us (`__main__`, say)
+# never runs again.
 _BOOT = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('rstar2_executor_worker', "
          "sys.argv[1]); m = importlib.util.module_from_spec(spec); sys.modules[spec.name] = m; "
          "spec.loader.exec_module(m); m._worker_main(sys.argv[2])")
 
 
 def _worker_env():
-    """A worker's whole environment, built rather than scrubbed: /proc/<pid>/environ keeps what a process was
-    started with, so a secret deleted from os.environ later would still be readable there."""
+    """A worker's whole environment, built rather than scrubbed: /proc/<pid>/environ keeps what a
+    process was started with, so a secret deleted from os.environ later would still be readable
+    there."""
     return {"PATH": f"{os.path.dirname(_interpreter_path())}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
             "LC_ALL": "C.UTF-8", "USER": "sandbox", "LOGNAME": "sandbox", "HOME": "/nonexistent",
             "PYTHONHASHSEED": "0",   # the order of a set of strings is then the same on every rerun
@@ -980,13 +1033,15 @@ def _worker_env():
             "PYTHONIOENCODING": "utf-8:surrogateescape",   # the snippet's stdin and stdout, as in a UTF-8 locale
             "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMEXPR_NUM_THREADS": "1",
             "CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": "",
-            # every symbol bound at load: otherwise each child's first call of a libc function (setsid, setresuid,
-            # ...) has the dynamic linker write the worker's GOT, pages the child then copies (~15 faults a call)
+            # every symbol bound at load: otherwise each child's first call of a libc function
+            # (setsid, setresuid, ...) has the dynamic linker write the worker's GOT, pages the
+            # child then copies (~15 faults a call)
             "LD_BIND_NOW": "1"}
 
 
 class _WorkerProcess:
-    """One warm worker (light or heavy) and its two pipes. One thread at a time uses it, holding `lock`."""
+    """One warm worker (light or heavy) and its two pipes. One thread at a time uses it, holding
+    `lock`."""
 
     def __init__(self, kind, settings):
         self.kind, self.settings, self.proc, self.isolation = kind, settings, None, None
@@ -994,12 +1049,14 @@ class _WorkerProcess:
         self.start()
 
     def start(self):
-        # Popen, not fork: this process has threads (ours, vLLM's), and only exec leaves them behind cleanly.
-        # Our ends of the pipes are close-on-exec, so no other child of the trainer inherits them.
+        # Popen, not fork: this process has threads (ours, vLLM's), and only exec leaves them behind
+        # cleanly. Our ends of the pipes are close-on-exec, so no other child of the trainer
+        # inherits them.
         req_r, self.req_w = os.pipe()
         self.resp_r, resp_w = os.pipe()
         cfg = dict(self.settings, kind=self.kind, request_fd=req_r, response_fd=resp_w)
-        # start_new_session: a ^C in the terminal goes to the foreground group, and the workers are not in it
+        # start_new_session: a ^C in the terminal goes to the foreground group, and the workers are
+        # not in it
         self.proc = subprocess.Popen([_interpreter_path(), "-s", "-B", "-c", _BOOT, os.path.abspath(__file__),
                                       json.dumps(cfg)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      env=_worker_env(), cwd="/", pass_fds=(req_r, resp_w), start_new_session=True)
@@ -1009,13 +1066,15 @@ class _WorkerProcess:
         self.ready = False
 
     def kill(self):
-        """SIGKILL the waiter; PDEATHSIG then kills PID 1, and with it every process in the namespace."""
+        """SIGKILL the waiter; PDEATHSIG then kills PID 1, and with it every process in the
+        namespace."""
         if self.proc is not None:
             self.proc.kill()
 
     def stop(self):
-        """Kill, reap and close the pipes. Only the thread that uses this worker may call it (or close(), once
-        the threads are gone): an fd closed under a reader can come back as someone else's."""
+        """Kill, reap and close the pipes. Only the thread that uses this worker may call it (or
+        close(), once the threads are gone): an fd closed under a reader can come back as someone
+        else's."""
         if self.proc is None:
             return
         self.kill()
@@ -1033,7 +1092,8 @@ class _WorkerProcess:
         if not self.ready:
             message = self._receive(time.monotonic() + STARTUP_TIMEOUT_S)
             if message.get("ready") is False and isinstance(message.get("error"), str):
-                # not _WorkerGone: a restart would fail the same way; this is the caller's to see and fix
+                # not _WorkerGone: a restart would fail the same way; this is the caller's to see
+                # and fix
                 raise RuntimeError(f"Executor: the {self.kind} worker could not set up its sandbox: {message['error']}")
             if message.get("ready") is not True or not isinstance(message.get("isolation"), dict):
                 raise _WorkerGone(f"bad first message from the worker: {str(message)[:200]}")
@@ -1058,7 +1118,8 @@ class _WorkerProcess:
         return result
 
     def _write(self, body, deadline):
-        # a 1 MB snippet is more than a pipe holds (64 KB): write what fits, wait for room, within the deadline
+        # a 1 MB snippet is more than a pipe holds (64 KB): write what fits, wait for room, within
+        # the deadline
         data = memoryview(struct.pack("<I", len(body)) + body)
         while data:
             try:

@@ -17,8 +17,9 @@ from fractions import Fraction
 from itertools import combinations
 
 
-# Virtual memory cap per worker: (10^{10})! or a 10^9-digit power then fails with MemoryError inside the
-# worker (a clean False) instead of swapping the node. A worker with sympy + antlr loaded maps ~100 MB.
+# Virtual memory cap per worker: (10^{10})! or a 10^9-digit power then fails with MemoryError inside
+# the worker (a clean False) instead of swapping the node. A worker with sympy + antlr loaded maps
+# ~100 MB.
 WORKER_MEMORY_BYTES = 2 << 30
 
 
@@ -44,10 +45,11 @@ def _parse_cached(latex):
 
 
 def _math_verify_equivalent(pred, gold):
-    """math-verify's verdict on two extracted answers. No time limit: run it under the worker's alarm.
+    """math-verify's verdict on two extracted answers. No time limit: run it under the worker's
+    alarm.
 
-    Both sides are wrapped in \\boxed{} so math-verify parses exactly that answer (the release does the
-    same for the gold); verify is not symmetric, and gold goes first as its docs require.
+    Both sides are wrapped in \\boxed{} so math-verify parses exactly that answer (the release does
+    the same for the gold); verify is not symmetric, and gold goes first as its docs require.
     """
     from math_verify import verify
 
@@ -57,16 +59,17 @@ def _math_verify_equivalent(pred, gold):
 
 def _math_verify_value(answer):
     """[re, im] of an answer that math-verify parses to one closed-form number ("-\\sqrt{3}",
-    "\\frac{20000}{\\pi}"); COLLECTION for several values ("(6,31,-1)", "[2, 7)"; not "5, 5", the set {5});
-    None for anything else (variables, relations, text). No time limit: run it under the worker's alarm.
+    "\\frac{20000}{\\pi}"); COLLECTION for several values ("(6,31,-1)", "[2, 7)"; not "5, 5", the
+    set {5}); None for anything else (variables, relations, text). No time limit: run it under the
+    worker's alarm.
     """
     import sympy
 
     def is_collection(expr):
-        # What verify, comparing it as a set with {number}, can never find equal to one number: a tuple or
-        # matrix of two or more entries (compared by length), an interval or union of more than a point, a
-        # set of two or more numbers far apart. Not {0.5, 1/2} or {2, \\sqrt{4}} (equal to 1/2 and to 2
-        # there), nor "[0.5, \\frac12]" (parsed as an interval of one point).
+        # What verify, comparing it as a set with {number}, can never find equal to one number: a
+        # tuple or matrix of two or more entries (compared by length), an interval or union of more
+        # than a point, a set of two or more numbers far apart. Not {0.5, 1/2} or {2, \\sqrt{4}}
+        # (equal to 1/2 and to 2 there), nor "[0.5, \\frac12]" (parsed as an interval of one point).
         if isinstance(expr, (sympy.Tuple, sympy.MatrixBase)):
             return len(expr) >= 2
         if isinstance(expr, (sympy.Interval, sympy.Union)):
@@ -97,11 +100,11 @@ _WARMUP_PAIRS = [("\\frac{\\sqrt{2}}{2}", "\\sqrt{2}/2"), ("(x+1)^2", "x^2+2x+1"
 def _worker_main():
     """Loop of one worker: read a JSON task per line on stdin, answer a JSON line on stdout.
 
-    Exits at EOF (the parent closed the pipe or died). PR_SET_PDEATHSIG also kills it if the parent dies
-    while it is stuck in C code, so a killed trainer leaves no orphan burning a core.
+    Exits at EOF (the parent closed the pipe or died). PR_SET_PDEATHSIG also kills it if the parent
+    dies while it is stuck in C code, so a killed trainer leaves no orphan burning a core.
     """
-    # The protocol gets its own copy of stdout; fd 1 goes to /dev/null so a library's stray print (antlr
-    # reports syntax errors that way) cannot corrupt a reply.
+    # The protocol gets its own copy of stdout; fd 1 goes to /dev/null so a library's stray print
+    # (antlr reports syntax errors that way) cannot corrupt a reply.
     out = os.fdopen(os.dup(1), "w")
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
     try:
@@ -112,7 +115,8 @@ def _worker_main():
         # Its only warning here is "Timeout is disabled", which is the point.
         logging.getLogger("math_verify").setLevel(logging.CRITICAL)
         signal.signal(signal.SIGALRM, _raise_deadline)
-        # sympy loads code paths on first use (~1.5 s): pay that before "ready", not inside a deadline.
+        # sympy loads code paths on first use (~1.5 s): pay that before "ready", not inside a
+        # deadline.
         for pred, gold in _WARMUP_PAIRS:
             _math_verify_equivalent(pred, gold)
             _math_verify_value(pred)
@@ -128,8 +132,9 @@ def _worker_main():
         function, result = _TASKS[kind]
         timed_out = False
         cpu_started = time.process_time()
-        # Stop a little before the parent's kill, so the worker survives and a respawn is saved.
-        # The inner finally disarms the timer before the outer handler runs, so a late alarm cannot escape.
+        # Stop a little before the parent's kill, so the worker survives and a respawn is saved. The
+        # inner finally disarms the timer before the outer handler runs, so a late alarm cannot
+        # escape.
         signal.setitimer(signal.ITIMER_REAL, max(0.01, 0.9 * deadline_s))
         try:
             try:
@@ -147,8 +152,8 @@ def _worker_main():
 def default_num_workers():
     """CPUs available to this process, shared among the torchrun ranks on this node, at most 8.
 
-    The fast path leaves 25% of the MATH-500 labeled set open, and 2.5% of integer answers (which no verify
-    needs), so more workers would mostly hold memory: ~80 MB resident each.
+    The fast path leaves 25% of the MATH-500 labeled set open, and 2.5% of integer answers (which no
+    verify needs), so more workers would mostly hold memory: ~80 MB resident each.
     """
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -158,10 +163,11 @@ def default_num_workers():
 class VerifierPool:
     """Worker processes that run math-verify, each started with a clean interpreter.
 
-    Workers are `python reward.py --worker` subprocesses, not multiprocessing forks: forking a trainer
-    that holds CUDA, NCCL or vLLM threads is unsafe, and "spawn" would re-import the caller's main module
-    (rl.py, so torch and vllm) in every worker. A worker only takes tasks after it reports "ready", so
-    its start (~2 s of CPU: the import and a sympy warm-up) never counts against a deadline.
+    Workers are `python machinery/verifier.py --worker` subprocesses, not multiprocessing forks: forking a
+    trainer that holds CUDA, NCCL or vLLM threads is unsafe, and "spawn" would re-import the
+    caller's main module (rl.py, so torch and vllm) in every worker. A worker only takes tasks after
+    it reports "ready", so its start (~2 s of CPU: the import and a sympy warm-up) never counts
+    against a deadline.
     """
 
     def __init__(self, num_workers=None):
@@ -178,7 +184,8 @@ class VerifierPool:
             self._spawn()
 
     def _spawn(self):
-        # stderr is dropped: antlr and sympy write there, and the startup error comes back on stdout.
+        # stderr is dropped: antlr and sympy write there, and the startup error comes back on
+        # stdout.
         proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker"],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                 bufsize=0)
@@ -186,7 +193,8 @@ class VerifierPool:
                              "born": time.monotonic(), "error": None})
 
     def _replace(self, worker, kill):
-        """Retire `worker` (SIGKILL first if `kill`: it may be stuck in C code) and start a fresh one."""
+        """Retire `worker` (SIGKILL first if `kill`: it may be stuck in C code) and start a fresh
+        one."""
         if kill:
             worker["proc"].kill()
             self.kills += 1
@@ -200,11 +208,12 @@ class VerifierPool:
         self._spawn()
 
     def run(self, tasks, timeouts):
-        """Run [("verify", pred, gold) or ("value", answer), ...] with per-task deadlines in seconds.
+        """Run [("verify", pred, gold) or ("value", answer), ...] with per-task deadlines in
+        seconds.
 
-        Returns (results, seconds): each task's result and the worker time it took. A task that hits its
-        deadline (the worker's alarm, or the kill) gets the safe result, False for verify and None for
-        value, and infinite seconds: whatever used that answer is out of time.
+        Returns (results, seconds): each task's result and the worker time it took. A task that hits
+        its deadline (the worker's alarm, or the kill) gets the safe result, False for verify and
+        None for value, and infinite seconds: whatever used that answer is out of time.
         """
         if not self.workers:
             raise RuntimeError("VerifierPool.run: the pool is closed")
@@ -214,7 +223,8 @@ class VerifierPool:
         unfinished = len(tasks)
         try:
             while unfinished:
-                # One task per worker at a time, so a deadline is one task's and a kill loses one check.
+                # One task per worker at a time, so a deadline is one task's and a kill loses one
+                # check.
                 for worker in list(self.workers):
                     if not (worker["ready"] and worker["task"] is None and pending):
                         continue
@@ -281,11 +291,12 @@ class VerifierPool:
     def _startup_failed(self, reason):
         self.startup_failures += 1
         if self.startup_failures >= 3 * self.num_workers:
-            raise RuntimeError(f"reward.py: math-verify workers fail to start ({reason}); "
+            raise RuntimeError(f"machinery/verifier.py: math-verify workers fail to start ({reason}); "
                                f"check that `{sys.executable} -c 'import math_verify'` works")
 
     def close(self):
-        """Close the pipes (workers exit at EOF) and kill any worker that has not exited after 2 s."""
+        """Close the pipes (workers exit at EOF) and kill any worker that has not exited after 2
+        s."""
         if os.getpid() != self.owner_pid:
             return  # a forked child must not touch its parent's workers
         for worker in self.workers:
@@ -304,9 +315,10 @@ class VerifierPool:
         self.workers = []
 
 
-# One pool per process, started on first use and kept for the whole run (a worker costs ~2 s of CPU to
-# start). Under torchrun every rank has its own, sized by default_num_workers. A process forked from the
-# owner (a DataLoader worker) sees owner_pid differ and starts its own instead of sharing pipes.
+# One pool per process, started on first use and kept for the whole run (a worker costs ~2 s of CPU
+# to start). Under torchrun every rank has its own, sized by default_num_workers. A process forked
+# from the owner (a DataLoader worker) sees owner_pid differ and starts its own instead of sharing
+# pipes.
 _POOL = None
 
 
@@ -314,7 +326,8 @@ _POOL_LOCK = threading.RLock()  # re-entered by _run_in_pool -> start_pool
 
 
 def start_pool(num_workers=None):
-    """Start (or restart with a new size) the shared pool. Optional: the first check starts it lazily."""
+    """Start (or restart with a new size) the shared pool. Optional: the first check starts it
+    lazily."""
     global _POOL
     with _POOL_LOCK:
         if _POOL is not None and _POOL.owner_pid == os.getpid():
@@ -349,8 +362,8 @@ COLLECTION = "collection"  # several values, which verify never finds equal to o
 
 
 def _far_apart(a, b):
-    """Two values too far apart for any rounding math-verify allows (6 decimal places): 1/3 = 0.333333
-    stays open."""
+    """Two values too far apart for any rounding math-verify allows (6 decimal places): 1/3 =
+    0.333333 stays open."""
     # Two Fractions are compared as Fractions: a 400-digit integer does not fit in a float.
     tolerance = Fraction(1, 1000) if isinstance(a, Fraction) and isinstance(b, Fraction) else 1e-3
     return abs(a - b) > tolerance * max(1, abs(a), abs(b))
