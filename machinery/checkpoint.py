@@ -26,20 +26,22 @@ CHECKPOINT_PREFIX = "step_"
 
 
 def latest_checkpoint(ckpt_root):
-    """The newest complete checkpoint directory, or None. A directory gets its final name only after every rank has
-    written it (save_checkpoint), so a run killed mid-save leaves a `.tmp` directory that is never picked up."""
+    """The newest complete checkpoint directory, or None. A directory gets its final name only after
+    every rank has written it (save_checkpoint), so a run killed mid-save leaves a `.tmp` directory
+    that is never picked up."""
     ckpt_root = Path(ckpt_root)
     if not ckpt_root.is_dir():
         return None
     done = sorted(p for p in ckpt_root.iterdir()
-                  if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX) and (p / "COMPLETE").exists())
+                  if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)
+                  and (p / "COMPLETE").exists())
     return done[-1] if done else None
 
 
 def save_checkpoint(ckpt_root, step, model, optimizer, trainer_state, keep=2):
-    """Save model + optimizer (sharded, via DCP) and `trainer_state` (step, data position, per-rank RNG) into
-    step_N.tmp/ on all ranks; rank 0 renames it to step_N/ after a barrier, the commit point. Needs a filesystem
-    every rank sees (multi-node: a shared one)."""
+    """Save model + optimizer (sharded, via DCP) and `trainer_state` (step, data position, per-rank
+    RNG) into step_N.tmp/ on all ranks; rank 0 renames it to step_N/ after a barrier, the commit
+    point. Needs a filesystem every rank sees (multi-node: a shared one)."""
 
     rank = dist.get_rank()
     final = Path(ckpt_root) / f"{CHECKPOINT_PREFIX}{step:08d}"
@@ -60,7 +62,8 @@ def save_checkpoint(ckpt_root, step, model, optimizer, trainer_state, keep=2):
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        old = sorted(p for p in Path(ckpt_root).iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)
+        old = sorted(p for p in Path(ckpt_root).iterdir()
+                     if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)
                      and not p.name.endswith(".tmp"))[:-keep]
         for p in old:
             shutil.rmtree(p, ignore_errors=True)
@@ -69,18 +72,20 @@ def save_checkpoint(ckpt_root, step, model, optimizer, trainer_state, keep=2):
 
 
 def load_checkpoint(path, model, optimizer):
-    """Load a checkpoint written by save_checkpoint into an already FSDP-wrapped model and its optimizer.
-    Restores this rank's RNG streams and returns the saved trainer_state."""
+    """Load a checkpoint written by save_checkpoint into an already FSDP-wrapped model and its
+    optimizer. Restores this rank's RNG streams and returns the saved trainer_state."""
 
     path = Path(path)
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
     rank = dist.get_rank()
     rank_file = path / f"trainer_state_rank{rank}.pt"
     if not rank_file.exists():
-        raise ConfigError(f"{path}: no {rank_file.name}; was this checkpoint written by a run with a different world size?")
+        raise ConfigError(f"{path}: no {rank_file.name}; was this checkpoint written by a run with "
+                          "a different world size?")
     saved = torch.load(rank_file, weights_only=False)
     random.setstate(saved["rng"]["python"])
     torch.set_rng_state(saved["rng"]["torch"])
@@ -89,24 +94,29 @@ def load_checkpoint(path, model, optimizer):
 
 
 def start_checkpoint(cfg, ckpt_root):
-    """(the checkpoint this run starts from or None, whether only its weights are taken). init_from counts only while
-    this run has no checkpoint of its own, so a restart resumes the run rather than starting it over."""
-    checkpoint = (None if cfg.resume == "never" else latest_checkpoint(ckpt_root) if cfg.resume == "auto"
+    """(the checkpoint this run starts from or None, whether only its weights are taken). init_from
+    counts only while this run has no checkpoint of its own, so a restart resumes the run rather
+    than starting it over."""
+    checkpoint = (None if cfg.resume == "never"
+                  else latest_checkpoint(ckpt_root) if cfg.resume == "auto"
                   else resolve(cfg.resume))
     initial = checkpoint is None and cfg.resume == "auto" and bool(cfg.init_from)
     if initial:
         source = resolve(cfg.init_from)
-        checkpoint = latest_checkpoint(source) or latest_checkpoint(source / "checkpoints") or source
+        checkpoint = (latest_checkpoint(source) or latest_checkpoint(source / "checkpoints")
+                      or source)
     if checkpoint is not None and not (checkpoint / "COMPLETE").is_file():
-        raise ConfigError(f"{checkpoint}: not a complete checkpoint (no COMPLETE marker); expected a step_N directory "
-                          "written by rl.py, or a run directory's checkpoints/ folder")
+        raise ConfigError(f"{checkpoint}: not a complete checkpoint (no COMPLETE marker); "
+                          "expected a step_N directory written by rl.py, or a run directory's "
+                          "checkpoints/ folder")
     return checkpoint, initial and not cfg.init_optimizer
 
 
 def load_weights(checkpoint, model):
-    """The model's weights alone from a checkpoint of common.save_checkpoint: the fp32 master weights, not the bf16
-    Hugging Face export, so stage 3 starts from exactly where stage 2's optimizer left them (§4.3 resets only the
-    optimizer). DCP reads each rank's shard, whatever the world size that wrote it."""
+    """The model's weights alone from a checkpoint of save_checkpoint: the fp32 master weights, not
+    the bf16 Hugging Face export, so stage 3 starts from exactly where stage 2's optimizer left them
+    (§4.3 resets only the optimizer). DCP reads each rank's shard, whatever the world size that
+    wrote it."""
     state = {"model": get_model_state_dict(model)}
     dcp.load(state, checkpoint_id=str(checkpoint))
     set_model_state_dict(model, state["model"])
@@ -117,7 +127,8 @@ def resume_run(cfg, ckpt_root, model, optimizer, run_state, rank):
     loaded. The step alone fixes the data position and the lr, so the checkpoint must come from
     this very run (run_state)."""
     checkpoint = (None if cfg.resume == "never"
-                  else latest_checkpoint(ckpt_root) if cfg.resume == "auto" else resolve(cfg.resume))
+                  else latest_checkpoint(ckpt_root) if cfg.resume == "auto"
+                  else resolve(cfg.resume))
     if checkpoint is None:
         return 0
     saved = load_checkpoint(checkpoint, model, optimizer)
@@ -185,7 +196,8 @@ EPOCHS_WARN = 5.0
 
 
 def epoch_plan(cfg, num_problems, start_step):
-    """(passes over train_data this run makes, the line train() prints), a warning past EPOCHS_WARN."""
+    """(passes over train_data this run makes, the line train() prints), a warning past
+    EPOCHS_WARN."""
     prompts = (cfg.steps - start_step) * cfg.prompts_per_step
     epochs = prompts / num_problems
     line = (f"plan: steps {start_step} -> {cfg.steps} x {cfg.prompts_per_step} prompts = "

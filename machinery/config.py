@@ -17,7 +17,8 @@ class ConfigError(ValueError):
 
 
 def _coerce(value, tp, where):
-    """Check `value` against the annotation `tp`; convert the few lossless cases (int -> float, "1e-6" -> float)."""
+    """Check `value` against the annotation `tp`; convert the few lossless cases (int -> float,
+    "1e-6" -> float)."""
     origin = typing.get_origin(tp)
     if origin is typing.Literal:
         if value not in typing.get_args(tp):
@@ -78,7 +79,8 @@ def _line_numbers(text):
 
 
 def _apply(cfg, updates, source, lines, prefix=""):
-    """Set the fields of dataclass instance `cfg` from the mapping `updates`, recursing into nested sections."""
+    """Set the fields of dataclass instance `cfg` from the mapping `updates`, recursing into nested
+    sections."""
     fields = {f.name: f for f in dataclasses.fields(cfg)}
     hints = typing.get_type_hints(type(cfg))
     for key, value in updates.items():
@@ -88,20 +90,23 @@ def _apply(cfg, updates, source, lines, prefix=""):
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
-            raise ConfigError(f"{where}: unknown key{hint}; {type(cfg).__name__} has {sorted(fields)}")
+            raise ConfigError(f"{where}: unknown key{hint}; "
+                              f"{type(cfg).__name__} has {sorted(fields)}")
         tp = hints[key]
         current = getattr(cfg, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
-                raise ConfigError(f"{where}: is a section ({type(current).__name__}); expected a mapping, got {value!r}")
+                raise ConfigError(f"{where}: is a section ({type(current).__name__}); "
+                                  f"expected a mapping, got {value!r}")
             _apply(current, value, source, lines, dotted + ".")
         else:
             setattr(cfg, key, _coerce(value, tp, where))
 
 
 def load_config(cls, argv=None):
-    """Build a `cls` dataclass from `[CONFIG.yaml] [key=value ...]` (default: sys.argv[1:]): the dataclass's
-    defaults, then the YAML file, then the overrides, parsed as YAML scalars (`lr=1e-6`, `benchmarks=aime24,aime25`)."""
+    """Build a `cls` dataclass from `[CONFIG.yaml] [key=value ...]` (default: sys.argv[1:]): the
+    dataclass's defaults, then the YAML file, then the overrides, parsed as YAML scalars (`lr=1e-6`,
+    `benchmarks=aime24,aime25`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = cls()
     if argv and "=" not in argv[0]:
@@ -115,11 +120,13 @@ def load_config(cls, argv=None):
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
         data = {} if data is None else data
         if not isinstance(data, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(data).__name__}")
+            raise ConfigError(f"{path}: the top level must be a mapping of keys, "
+                              f"got {type(data).__name__}")
         _apply(cfg, data, str(path), _line_numbers(text))
     for arg in argv:
         if "=" not in arg:
-            raise ConfigError(f"command line: bad override {arg!r}; expected key=value (the config file must come first)")
+            raise ConfigError(f"command line: bad override {arg!r}; expected key=value "
+                              "(the config file must come first)")
         key, raw = arg.split("=", 1)
         if not key:
             raise ConfigError(f"command line: bad override {arg!r}; the key is empty")
@@ -127,7 +134,8 @@ def load_config(cls, argv=None):
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError:
             value = raw
-        for part in reversed(key.split(".")):  # rollout.max_turns=15 -> {"rollout": {"max_turns": 15}}
+        # rollout.max_turns=15 -> {"rollout": {"max_turns": 15}}
+        for part in reversed(key.split(".")):
             value = {part: value}
         _apply(cfg, value, "command line", {})
     if hasattr(cfg, "validate"):
@@ -136,7 +144,8 @@ def load_config(cls, argv=None):
 
 
 def save_config(cfg, run_dir):
-    """Print the resolved config and save it as run_dir/config.yaml, so every run says what it ran with."""
+    """Print the resolved config and save it as run_dir/config.yaml, so every run says what it ran
+    with."""
     text = yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
     print(f"# {type(cfg).__name__}\n{text}", flush=True)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
@@ -144,7 +153,8 @@ def save_config(cfg, run_dir):
 
 
 def atomic_write_text(path, text):
-    """Write-then-rename, so a reader never sees half a file (a crash leaves the old file intact)."""
+    """Write-then-rename, so a reader never sees half a file (a crash leaves the old file
+    intact)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     with open(tmp, "w") as f:

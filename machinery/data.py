@@ -5,10 +5,11 @@ from machinery.config import ConfigError, resolve
 from machinery.prompts import render_prompt
 
 
-# The benchmarks eval.py knows, and the files training may read. Training never reads a benchmark file;
-# tests/test_common.py checks that no training problem equals a benchmark problem.
-BENCHMARKS = {"aime24": "data/aime24.jsonl", "aime25": "data/aime25.jsonl", "hmmt25": "data/hmmt_feb_2025.jsonl",
-              "amc23": "data/amc23.jsonl", "math500": "data/math500.jsonl", "gsm8k": "data/gsm8k_test.jsonl"}
+# The benchmarks eval.py knows, and the files training may read. Training never reads a benchmark
+# file; tests/test_common.py checks that no training problem equals a benchmark problem.
+BENCHMARKS = {"aime24": "data/aime24.jsonl", "aime25": "data/aime25.jsonl",
+              "hmmt25": "data/hmmt_feb_2025.jsonl", "amc23": "data/amc23.jsonl",
+              "math500": "data/math500.jsonl", "gsm8k": "data/gsm8k_test.jsonl"}
 
 
 TRAINING_FILES = ["data/train_int_mix.jsonl", "data/math_train.jsonl", "data/math_test4500.jsonl",
@@ -16,9 +17,9 @@ TRAINING_FILES = ["data/train_int_mix.jsonl", "data/math_train.jsonl", "data/mat
 
 
 def load_jsonl(path, required=None):
-    """Read a JSONL file; every row must be a JSON object whose `required` keys are non-empty strings. A bad row
-    stops with `file:line: reason`: a silently skipped row is a silently changed dataset (a wrong gold, a wrong reward).
-    """
+    """Read a JSONL file; every row must be a JSON object whose `required` keys are non-empty
+    strings. A bad row stops with `file:line: reason`: a silently skipped row is a silently changed
+    dataset (a wrong gold, a wrong reward)."""
     path = resolve(path)
     if not path.is_file():
         raise ConfigError(f"data file not found: {path}")
@@ -30,14 +31,17 @@ def load_jsonl(path, required=None):
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+                raise ConfigError(f"{path}:{lineno}: not valid JSON "
+                                  f"({e.msg} at column {e.colno})") from None
             if not isinstance(row, dict):
-                raise ConfigError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+                raise ConfigError(f"{path}:{lineno}: expected a JSON object, "
+                                  f"got {type(row).__name__}")
             for key in required or ():
                 if key not in row:
                     raise ConfigError(f"{path}:{lineno}: missing key '{key}'")
                 if not isinstance(row[key], str) or not row[key].strip():
-                    raise ConfigError(f"{path}:{lineno}: '{key}' must be a non-empty string, got {row[key]!r}")
+                    raise ConfigError(f"{path}:{lineno}: '{key}' must be a non-empty string, "
+                                      f"got {row[key]!r}")
             rows.append(row)
     if not rows:
         raise ConfigError(f"{path}: no rows")
@@ -45,12 +49,14 @@ def load_jsonl(path, required=None):
 
 
 def load_problems(path):
-    """Math problems: rows with non-empty string id, problem and answer; ids unique within the file."""
+    """Math problems: rows with non-empty string id, problem and answer; ids unique within the
+    file."""
     rows = load_jsonl(path, required=("id", "problem", "answer"))
     seen = {}
     for lineno, row in enumerate(rows, 1):
         if row["id"] in seen:
-            raise ConfigError(f"{resolve(path)}: duplicate id {row['id']!r} (rows {seen[row['id']]} and {lineno})")
+            raise ConfigError(f"{resolve(path)}: duplicate id {row['id']!r} "
+                              f"(rows {seen[row['id']]} and {lineno})")
         seen[row["id"]] = lineno
     return rows
 
@@ -61,12 +67,16 @@ def normalize_problem(text):
 
 
 def drop_long_prompts(rows, tokenizer, rollout_cfg, name):
-    """Problems whose rendered prompt fits rollout.max_prompt_tokens (the rStar verl fork filters long prompts the
-    same way); a longer one would stop the run when its step comes, so it is dropped up front and counted."""
-    kept = [r for r in rows if len(render_prompt(tokenizer, r["problem"], rollout_cfg)) <= rollout_cfg.max_prompt_tokens]
+    """Problems whose rendered prompt fits rollout.max_prompt_tokens (the rStar verl fork filters
+    long prompts the same way); a longer one would stop the run when its step comes, so it is
+    dropped up front and counted."""
+    kept = [r for r in rows
+            if len(render_prompt(tokenizer, r["problem"], rollout_cfg))
+            <= rollout_cfg.max_prompt_tokens]
     if len(kept) < len(rows):
-        print(f"{name}: dropped {len(rows) - len(kept)} of {len(rows)} problems whose prompt is longer than "
-              f"rollout.max_prompt_tokens={rollout_cfg.max_prompt_tokens}", flush=True)
+        print(f"{name}: dropped {len(rows) - len(kept)} of {len(rows)} problems whose prompt is "
+              f"longer than rollout.max_prompt_tokens={rollout_cfg.max_prompt_tokens}", flush=True)
     if not kept:
-        raise ConfigError(f"{name}: no problem fits rollout.max_prompt_tokens={rollout_cfg.max_prompt_tokens}")
+        raise ConfigError(f"{name}: no problem fits "
+                          f"rollout.max_prompt_tokens={rollout_cfg.max_prompt_tokens}")
     return kept

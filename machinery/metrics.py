@@ -11,10 +11,12 @@ from machinery.config import atomic_write_text
 
 
 class MetricsLogger:
-    """Appends one JSON object per step to run_dir/metrics.jsonl (rank 0 only); mirrors to wandb/tensorboard
-    when asked. On resume, lines past the resumed step are dropped so the file stays one line per step."""
+    """Appends one JSON object per step to run_dir/metrics.jsonl (rank 0 only); mirrors to
+    wandb/tensorboard when asked. On resume, lines past the resumed step are dropped so the file
+    stays one line per step."""
 
-    def __init__(self, run_dir, enabled=True, wandb_project="", tensorboard=False, config=None, resume_step=0):
+    def __init__(self, run_dir, enabled=True, wandb_project="", tensorboard=False, config=None,
+                 resume_step=0):
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self.wandb = self.tb = None
@@ -22,12 +24,14 @@ class MetricsLogger:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
-            kept = [l for l in self.path.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) <= resume_step]
+            kept = [l for l in self.path.read_text().splitlines()
+                    if l.strip() and json.loads(l).get("step", 0) <= resume_step]
             atomic_write_text(self.path, "".join(l + "\n" for l in kept))
         if wandb_project:
             import wandb  # optional: pip install wandb
 
-            self.wandb = wandb.init(project=wandb_project, config=config, dir=str(run_dir), resume="allow")
+            self.wandb = wandb.init(project=wandb_project, config=config, dir=str(run_dir),
+                                    resume="allow")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # optional: pip install tensorboard
 
@@ -36,8 +40,9 @@ class MetricsLogger:
     def log(self, step, metrics):
         if not self.enabled:
             return
-        row = {"step": step, **{k: (float(v) if hasattr(v, "__float__") and not isinstance(v, (int, str)) else v)
-                                for k, v in metrics.items()}}
+        row = {"step": step,
+               **{k: (float(v) if hasattr(v, "__float__") and not isinstance(v, (int, str)) else v)
+                  for k, v in metrics.items()}}
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
         if self.wandb:
@@ -55,8 +60,8 @@ class MetricsLogger:
 
 
 class TimedExecutor:
-    """The executor, adding up the seconds its calls run. Calls overlap decoding (no per-turn barrier), so this
-    is the tool's load, not a slice of the rollout's wall time."""
+    """The executor, adding up the seconds its calls run. Calls overlap decoding (no per-turn
+    barrier), so this is the tool's load, not a slice of the rollout's wall time."""
 
     def __init__(self, executor):
         self.executor, self.busy_s = executor, 0.0
@@ -68,23 +73,27 @@ class TimedExecutor:
 
     def _count(self, future):
         if future.exception() is None:
-            self.busy_s += future.result().elapsed_s  # float += under the GIL: the callbacks' threads cannot tear it
+            # float += under the GIL: the callbacks' threads cannot tear it
+            self.busy_s += future.result().elapsed_s
 
 
 def pass_at_k(n, c, k):
-    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k), the chance that k of the n
-    drawn without replacement include a correct one (Chen et al. 2021, Eq. 1); c / n for k = 1 (avg pass@1).
-    Python's integers are exact, so no product tricks are needed."""
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k), the chance
+    that k of the n drawn without replacement include a correct one (Chen et al. 2021, Eq. 1); c / n
+    for k = 1 (avg pass@1). Python's integers are exact, so no product tricks are needed."""
     if not 1 <= k <= n or not 0 <= c <= n:
-        raise ValueError(f"pass_at_k: need 1 <= k <= n and 0 <= c <= n, got n={n} c={c} k={k}")
-    # C(n-c, k) counts the k-subsets with no correct sample; math.comb is 0 when k > n - c, giving 1.0.
-    # The naive 1 - (1 - c/n)^k samples with replacement and overestimates pass@k for k close to n.
+        raise ValueError(f"pass_at_k: need 1 <= k <= n and 0 <= c <= n, "
+                         f"got n={n} c={c} k={k}")
+    # C(n-c, k) counts the k-subsets with no correct sample; math.comb is 0 when k > n - c,
+    # giving 1.0. The naive 1 - (1 - c/n)^k samples with replacement and overestimates pass@k for
+    # k close to n.
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def trajectory_record(t, correct, answer):
-    """The numbers of one graded trajectory that eval.py writes per sample and both eval.py and rl.py's
-    held-out evaluation average (sample_metrics); small fields only, in the order samples.jsonl shows."""
+    """The numbers of one graded trajectory that eval.py writes per sample and both eval.py and
+    rl.py's held-out evaluation average (sample_metrics); small fields only, in the order
+    samples.jsonl shows."""
     return {"answer": answer, "correct": correct, "finished": t.finished, "truncated": t.truncated,
             "stop_reason": t.stop_reason, "response_tokens": len(t.response_ids),
             "model_tokens": t.num_model_tokens, "num_turns": t.num_turns,
@@ -96,24 +105,27 @@ def trajectory_record(t, correct, answer):
 def sample_metrics(samples):
     """Means over trajectory_record dicts: lengths, tool use and errors, answers, truncation."""
     metrics = {}
-    metrics["response_tokens"] = statistics.fmean(r["response_tokens"] for r in samples)  # model + tool tokens
-    metrics["model_tokens"] = statistics.fmean(r["model_tokens"] for r in samples)        # sampled by the model
+    # model + tool tokens
+    metrics["response_tokens"] = statistics.fmean(r["response_tokens"] for r in samples)
+    # sampled by the model
+    metrics["model_tokens"] = statistics.fmean(r["model_tokens"] for r in samples)
     calls = sum(r["num_tool_calls"] for r in samples)
     errors = sum(r["num_tool_errors"] for r in samples)
     metrics["tool_calls_per_trajectory"] = calls / len(samples)
-    # Pooled over calls, not averaged per trajectory: a trajectory with 20 calls weighs 20 times one with 1.
+    # Pooled over calls, not averaged per trajectory: a trajectory with 20 calls weighs 20
+    # times one with 1.
     metrics["tool_error_rate"] = errors / calls if calls else None
     correct = [r for r in samples if r["correct"]]
     correct_calls = sum(r["num_tool_calls"] for r in correct)
     # Fig. 4 tracks this one: GRPO-RoC should drive tool errors out of the trajectories it rewards.
-    metrics["tool_error_rate_in_correct"] = (sum(r["num_tool_errors"] for r in correct) / correct_calls
-                                             if correct_calls else None)
+    metrics["tool_error_rate_in_correct"] = (sum(r["num_tool_errors"] for r in correct)
+                                             / correct_calls if correct_calls else None)
     by_kind = Counter()
     for r in samples:
         by_kind.update(r["tool_errors_by_kind"])
     metrics["tool_errors_by_kind"] = dict(sorted(by_kind.items()))
-    # A low answer rate with a high truncated rate means the budget is too small for the model, not that it is
-    # wrong; the stage-1 "clip ratio" (about 10%, §4.3) is this number during training.
+    # A low answer rate with a high truncated rate means the budget is too small for the model, not
+    # that it is wrong; the stage-1 "clip ratio" (about 10%, §4.3) is this number during training.
     metrics["answer_rate"] = statistics.fmean(r["answer"] is not None for r in samples)
     metrics["truncated_rate"] = statistics.fmean(bool(r["truncated"]) for r in samples)
     metrics["turns"] = statistics.fmean(r["num_turns"] for r in samples)

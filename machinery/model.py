@@ -5,7 +5,8 @@ import shutil
 from pathlib import Path
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     set_model_state_dict)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from machinery.config import ConfigError, resolve
@@ -46,29 +47,36 @@ def check_model_dir(path, allow_hub_id=True):
 
 
 def build_model(cfg, model_path, device, rank):
-    """The FSDP2-wrapped policy in fp32 (the master weights), with the checkpoint's weights. Every rank builds the
-    module on the meta device (no memory), shards it and allocates only its shard; rank 0 alone reads the checkpoint
-    and broadcasts it tensor by tensor, so host memory holds one full copy per node, not one per rank. Buffers that
-    are not in the state dict (RoPE's inv_freq) are copied from rank 0's loaded model too, since to_empty leaves them
-    uninitialised."""
+    """The FSDP2-wrapped policy in fp32 (the master weights), with the checkpoint's weights. Every
+    rank builds the module on the meta device (no memory), shards it and allocates only its shard;
+    rank 0 alone reads the checkpoint and broadcasts it tensor by tensor, so host memory holds one
+    full copy per node, not one per rank. Buffers that are not in the state dict (RoPE's inv_freq)
+    are copied from rank 0's loaded model too, since to_empty leaves them uninitialised."""
     config = AutoConfig.from_pretrained(model_path)
     save_dtype = getattr(config, "dtype", None) or torch.float32
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=cfg.attn_implementation)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                 attn_implementation=cfg.attn_implementation)
     if cfg.activation_checkpointing:
-        # recompute each decoder layer in backward; non-reentrant checkpointing composes with FSDP2's hooks
+        # recompute each decoder layer in backward; non-reentrant checkpointing composes with
+        # FSDP2's hooks
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     bf16 = compute_dtype(device, cfg.train_dtype) == torch.bfloat16
-    # bf16 params in forward/backward, fp32 gradient reduction and fp32 master weights in the optimizer
-    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    # bf16 params in forward/backward, fp32 gradient reduction and fp32 master weights in the
+    # optimizer
+    mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                 if bf16 else MixedPrecisionPolicy())
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=mp_policy)
-    fully_shard(model, mp_policy=mp_policy)  # the root: embeddings, final norm, lm_head (tied or not)
+    # the root: embeddings, final norm, lm_head (tied or not)
+    fully_shard(model, mp_policy=mp_policy)
     model.to_empty(device=device)
 
-    source = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32) if rank == 0 else None
+    source = (AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32) if rank == 0
+              else None)
     full_state = source.state_dict() if rank == 0 else {}
-    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    set_model_state_dict(model, full_state,
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     source_buffers = dict(source.named_buffers()) if rank == 0 else {}
     for name, buffer in model.named_buffers():
         if rank == 0:
@@ -80,10 +88,12 @@ def build_model(cfg, model_path, device, rank):
 
 
 def save_hf_model(model, tokenizer, model_path, out, save_dtype, rank, prompt_format, written_by):
-    """Gather the full weights on rank 0 and write a Hugging Face directory atomically (by a rename), so a crash never
-    leaves a half-written model where rl.py or vLLM would load it. prompt_format, the (chat template text, tool schema)
-    the model was trained in, goes beside config.json (rollout.write_format): eval.py evaluates the model in it."""
-    full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    """Gather the full weights on rank 0 and write a Hugging Face directory atomically (by a
+    rename), so a crash never leaves a half-written model where rl.py or vLLM would load it.
+    prompt_format, the (chat template text, tool schema) the model was trained in, goes beside
+    config.json (machinery.prompts.write_format): eval.py evaluates the model in it."""
+    full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                      cpu_offload=True))
     if rank == 0:
         out = Path(out)
         tmp, old = out.with_name(out.name + ".tmp"), out.with_name(out.name + ".old")

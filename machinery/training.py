@@ -27,14 +27,16 @@ class TrainSample:
 
 
 def micro_batches(samples, cfg):
-    """This rank's samples in micro-batches under the token and size caps, longest first (little padding each)."""
+    """This rank's samples in micro-batches under the token and size caps, longest first (little
+    padding each)."""
     order = sorted(range(len(samples)), key=lambda i: -len(samples[i]))
     batches, current, longest = [], [], 0
     for i in order:
         length = len(samples[i])
         if length > cfg.micro_batch_tokens:
             raise ConfigError(f"a trajectory of {length} tokens does not fit micro_batch_tokens="
-                              f"{cfg.micro_batch_tokens}; raise it to at least max_prompt_tokens + max_response_tokens")
+                              f"{cfg.micro_batch_tokens}; raise it to at least "
+                              "max_prompt_tokens + max_response_tokens")
         grown = max(longest, length) * (len(current) + 1)  # padded size if this sample joins
         full = cfg.micro_batch_size and len(current) >= cfg.micro_batch_size
         if current and (grown > cfg.micro_batch_tokens or full):
@@ -48,23 +50,25 @@ def micro_batches(samples, cfg):
 
 
 def equalize_micro_batches(batches):
-    """FSDP2 runs collectives inside every forward and backward, so all ranks must run the same number of them: a
-    rank with fewer micro-batches runs empty ones (one padding token, nothing masked in, zero gradient)."""
+    """FSDP2 runs collectives inside every forward and backward, so all ranks must run the same
+    number of them: a rank with fewer micro-batches runs empty ones (one padding token, nothing
+    masked in, zero gradient)."""
     count = torch.tensor([len(batches)])
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     return batches + [[]] * (int(count) - len(batches))
 
 
 def collate(batch, pad_id, device):
-    """Padded tensors over the *target* positions 0..L-2 (position t predicts token t+1): response token j sits at
-    P + j (P prompt tokens) and is predicted at P + j - 1. Right padding needs no attention mask: under causal
-    attention no real token sees the padding after it."""
+    """Padded tensors over the *target* positions 0..L-2 (position t predicts token t+1): response
+    token j sits at P + j (P prompt tokens) and is predicted at P + j - 1. Right padding needs no
+    attention mask: under causal attention no real token sees the padding after it."""
     if not batch:  # the empty micro-batch of equalize_micro_batches
         zeros = torch.zeros(1, 1, device=device)
         return torch.full((1, 2), pad_id, device=device), zeros, zeros.bool(), zeros[:, 0]
     length = max(len(s) for s in batch)
     input_ids = torch.full((len(batch), length), pad_id, dtype=torch.long)
-    # mask: 0 on the prompt, on padding and on tool output (loss_mask 0, never trained, as the release's response_mask)
+    # mask: 0 on the prompt, on padding and on tool output (loss_mask 0, never trained, as the
+    # release's response_mask)
     mask = torch.zeros(len(batch), length - 1)
     old = torch.zeros(len(batch), length - 1)
     for row, s in enumerate(batch):
@@ -78,13 +82,15 @@ def collate(batch, pad_id, device):
 
 
 def token_logprobs(model, input_ids, temperature, chunk_tokens=0):
-    """log pi(token t+1 | tokens <= t) for every position at the sampling temperature: softmax(logits / T) is the
-    policy that sampled and what the engine reports ("processed" log-probs, rollout.Engine), so ratio and guard agree.
-    Memory: the logits are [tokens, V], V = 151,936 for Qwen3, and their fp32 log-softmax is what backward would
-    keep: 12.4 GB at a 20,480-token micro-batch, plus the bf16 logits and their gradients. With chunk_tokens > 0 the
-    output projection runs on the last hidden states chunk_tokens at a time, each chunk recomputed in backward: at
-    most one [chunk, V] logits exists at once, the maths unchanged (tests/test_rl.py checks values and gradients).
-    chunk_tokens=0: the model's own logits, one row at a time (without gradients, enough to avoid [B, T, V] in fp32)."""
+    """log pi(token t+1 | tokens <= t) for every position at the sampling temperature:
+    softmax(logits / T) is the policy that sampled and what the engine reports ("processed"
+    log-probs, machinery.engine.Engine), so ratio and guard agree. Memory: the logits are
+    [tokens, V], V = 151,936 for Qwen3, and their fp32 log-softmax is what backward would keep:
+    12.4 GB at a 20,480-token micro-batch, plus the bf16 logits and their gradients. With
+    chunk_tokens > 0 the output projection runs on the last hidden states chunk_tokens at a time,
+    each chunk recomputed in backward: at most one [chunk, V] logits exists at once, the maths
+    unchanged (tests/test_rl.py checks values and gradients). chunk_tokens=0: the model's own
+    logits, one row at a time (without gradients, enough to avoid [B, T, V] in fp32)."""
     targets = input_ids[:, 1:]
     if not chunk_tokens:
         logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1]
@@ -95,9 +101,10 @@ def token_logprobs(model, input_ids, temperature, chunk_tokens=0):
     head = model.get_output_embeddings()
     chunks = []
     for start in range(0, len(flat_targets), chunk_tokens):
-        piece = (head, hidden[start:start + chunk_tokens], flat_targets[start:start + chunk_tokens], temperature)
-        chunks.append(checkpoint(projected_logprobs, *piece, use_reentrant=False) if torch.is_grad_enabled()
-                      else projected_logprobs(*piece))
+        piece = (head, hidden[start:start + chunk_tokens], flat_targets[start:start + chunk_tokens],
+                 temperature)
+        chunks.append(checkpoint(projected_logprobs, *piece, use_reentrant=False)
+                      if torch.is_grad_enabled() else projected_logprobs(*piece))
     return torch.cat(chunks).view(targets.shape)
 
 
@@ -112,11 +119,13 @@ def projected_logprobs(head, hidden, targets, temperature):
 
 
 def last_hidden_states(model, input_ids):
-    """The decoder's final (normed) hidden states, [B, T, hidden], and no logits (logits_to_keep = no position). Via the
-    whole model's forward, not the decoder's alone: under FSDP2 the root's forward gathers the embedding and the output
-    projection, which stays gathered for the chunks and backward (the root is not resharded after forward)."""
+    """The decoder's final (normed) hidden states, [B, T, hidden], and no logits
+    (logits_to_keep = no position). Via the whole model's forward, not the decoder's alone: under
+    FSDP2 the root's forward gathers the embedding and the output projection, which stays gathered
+    for the chunks and backward (the root is not resharded after forward)."""
     captured = []
-    hook = model.get_decoder().register_forward_hook(lambda module, args, out: captured.append(out.last_hidden_state))
+    hook = model.get_decoder().register_forward_hook(
+        lambda module, args, out: captured.append(out.last_hidden_state))
     no_position = torch.zeros(0, dtype=torch.long, device=input_ids.device)
     try:
         model(input_ids=input_ids, use_cache=False, logits_to_keep=no_position)
