@@ -269,7 +269,7 @@ def gather_bucket(named_params, dtype, traffic=None):
     for p, r, w in zip(params, rows, widths):
         shard = p.to_local().detach()
         if shard.shape[0] != max(0, min(r, p.shape[0] - rank * r)):
-            raise RuntimeError(f"rl.gather_bucket: rank {rank} holds {shard.shape[0]} rows of a "
+            raise RuntimeError(f"gather_bucket: rank {rank} holds {shard.shape[0]} rows of a "
                                f"{tuple(p.shape)} parameter, not torch.chunk's; this FSDP2 layout "
                                "needs the per-tensor path")
         local[offset:offset + shard.numel()].copy_(shard.reshape(-1))

@@ -468,15 +468,15 @@ def format_plan(cfg, m, world, config_path, gpus=GPUS):
               "trajectories per rank):",
               f"  weight sync (bf16 shards gathered)                        "
               f"{gb(b['weight_sync'])} GiB   "
-              f"(fp32 gathered, before the fix: {gb(b['weight_sync_fp32']).strip()})",
+              f"(gathered in fp32 instead: {gb(b['weight_sync_fp32']).strip()})",
               f"  old log-probs, FSDP all-gathers ({b['micro_batches']} micro-batches, worst case)"
               f"   {gb(b['old_logprobs'])} GiB",
               f"  update, FSDP all-gathers + fp32 reduce-scatters           {gb(b['train'])} GiB",
               f"  balance: (length, owner, index) of every trajectory       "
               f"{b['balance_meta'] / 2**20:7.2f} MiB",
               f"  balance: trajectories moved, at most                      "
-              f"{b['balance_payload_max'] / 2**20:7.2f} MiB   (all-gather of every trajectory, "
-              f"before the fix: {b['balance_all_gather'] / 2**20:.0f} MiB)"]
+              f"{b['balance_payload_max'] / 2**20:7.2f} MiB   (an all-gather of every "
+              f"trajectory instead: {b['balance_all_gather'] / 2**20:.0f} MiB)"]
     for name, p in plans.items():
         bad = [phase for phase, ok in p["fits"].items() if not ok]
         verdict = ("fits" if not bad and not p["advice"]
@@ -873,4 +873,5 @@ def tensor_bytes(tensors):
 
 
 if __name__ == "__main__":
-    sys.exit("plan.py: run `python rl.py CONFIG mode=plan` (the benchmark: python -m bench.scale)")
+    sys.exit("machinery/plan.py: run `python rl.py CONFIG mode=plan` (the benchmark: python -m "
+             "bench.scale)")
