@@ -41,31 +41,38 @@ import types
 
 
 STATUSES = ("ok", "error", "timeout", "oom")
-MAIN = "main.py"                     # the snippet's file name: fixed, so tracebacks are the same on a rerun
+# the snippet's file name: fixed, so tracebacks are the same on a rerun
+MAIN = "main.py"
 
 
 TRUNCATION_MARK = "...(truncated)..."   # verl's marker for a middle cut
 
 
-SANDBOX_UID_BASE = 2_000_000_000     # a worker's sandbox uid is this + its pid: unique while it lives, < 2**31
+# a worker's sandbox uid is this + its pid: unique while it lives, < 2**31
+SANDBOX_UID_BASE = 2_000_000_000
 
 
-EXIT_MEMORY = 201                    # the child's exit code for an uncaught MemoryError (status "oom")
+# the child's exit code for an uncaught MemoryError (status "oom")
+EXIT_MEMORY = 201
 
 
 EXIT_SETUP = 202                     # the child could not enter the sandbox: an executor failure
 
 
-STARTUP_TIMEOUT_S = 120.0            # a heavy worker imports sympy in 1-2 s; generous for a loaded CI machine
+# a heavy worker imports sympy in 1-2 s; generous for a loaded CI machine
+STARTUP_TIMEOUT_S = 120.0
 
 
-STRETCH_CAP = 3                      # a call's deadline stretches by its CPU waits, to at most 3 x timeout_s
+# a call's deadline stretches by its CPU waits, to at most 3 x timeout_s
+STRETCH_CAP = 3
 
 
-BACKSTOP_GRACE_S = 5.0               # the parent gives up on a worker silent for 3 x timeout_s + this
+# the parent gives up on a worker silent for 3 x timeout_s + this
+BACKSTOP_GRACE_S = 5.0
 
 
-TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")   # the world-writable places; private per worker
+# the world-writable places; private per worker
+TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 
 
 TMP_INODES = 65536                   # files, directories and links in each of them, per call
@@ -75,8 +82,8 @@ TMP_INODES = 65536                   # files, directories and links in each of t
 HEAVY_RE = re.compile(r"\b(?:numpy|sympy|mpmath|scipy)\b")
 
 
-LIGHT_PRELOAD = ("math", "cmath", "itertools", "functools", "fractions", "decimal", "collections", "heapq",
-                 "bisect", "statistics", "random", "string", "operator", "json", "re")
+LIGHT_PRELOAD = ("math", "cmath", "itertools", "functools", "fractions", "decimal", "collections",
+                 "heapq", "bisect", "statistics", "random", "string", "operator", "json", "re")
 
 
 HEAVY_PRELOAD = LIGHT_PRELOAD + ("numpy", "sympy")
@@ -89,10 +96,12 @@ HEAVY_WARMUP = """
 import numpy as np, sympy as sp
 x, y, n = sp.symbols("x y n")
 sp.factor(x**4 - 1); sp.solve(x**2 - 5*x + 6, x); sp.solve([x + y - 3, x - y - 1], [x, y])
-sp.simplify((x**2 - 1) / (x - 1)); sp.expand((x + 1)**5); sp.diff(sp.sin(x) * x, x); sp.limit(sp.sin(x) / x, x, 0)
+sp.simplify((x**2 - 1) / (x - 1)); sp.expand((x + 1)**5); sp.diff(sp.sin(x) * x, x); \
+sp.limit(sp.sin(x) / x, x, 0)
 sp.isprime(2**61 - 1); sp.factorint(360); sp.Matrix([[1, 2], [3, 4]]).det(); sp.nsimplify(0.5)
 sp.summation(n**2, (n, 1, 10)); sp.binomial(10, 3); sp.N(sp.pi, 30); sp.Rational(3, 4) + sp.sqrt(8)
-np.linalg.det(np.eye(3)); np.arange(12).reshape(3, 4).sum(axis=0); np.random.default_rng(0).random(3)
+np.linalg.det(np.eye(3)); np.arange(12).reshape(3, 4).sum(axis=0); \
+np.random.default_rng(0).random(3)
 """
 
 
@@ -123,18 +132,21 @@ MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC = 1024, 2048, 4096, 16384
 MS_PRIVATE, MS_RELATIME, MS_STRICTATIME = 1 << 18, 1 << 21, 1 << 24
 
 
-PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 36, 38
+(PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_CHILD_SUBREAPER,
+ PR_SET_NO_NEW_PRIVS) = 1, 4, 24, 36, 38
 
 
 # a remount must repeat these flags, or a user namespace refuses it (they are locked there)
-_MOUNT_OPTION_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
-                       "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME, "strictatime": MS_STRICTATIME}
+_MOUNT_OPTION_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC,
+                       "noatime": MS_NOATIME, "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME,
+                       "strictatime": MS_STRICTATIME}
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-_libc_fork = ctypes.PyDLL(None, use_errno=True).fork   # PyDLL: called with the GIL held, which the child keeps
+# PyDLL: called with the GIL held, which the child keeps
+_libc_fork = ctypes.PyDLL(None, use_errno=True).fork
 
 
 def _check(ret, what):
@@ -149,12 +161,13 @@ def _unshare(flags):
 
 def _mount(source, target, fstype, flags, data=None):
     enc = lambda s: None if s is None else s.encode()
-    _check(_libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)), f"mount {target}")
+    _check(_libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
+           f"mount {target}")
 
 
 def _prctl(option, arg):
-    _check(_libc.prctl(ctypes.c_int(option), ctypes.c_ulong(arg), ctypes.c_ulong(0), ctypes.c_ulong(0),
-                       ctypes.c_ulong(0)), f"prctl {option}")
+    _check(_libc.prctl(ctypes.c_int(option), ctypes.c_ulong(arg), ctypes.c_ulong(0),
+                       ctypes.c_ulong(0), ctypes.c_ulong(0)), f"prctl {option}")
 
 
 def _drop_capabilities():
@@ -197,16 +210,21 @@ def _under(path, root):
 # a worker's isolation, set up once when it starts
 #
 # Once per worker: per call each layer would cost 0.5-2.5 ms (measured on this machine kind).
-# The calls of a worker run one after another, so what they share (the private /tmp, the namespace) is emptied
-# between them instead.
-#   PID namespace   the worker is its PID 1: kill(-1) from there reaches every process a call made, and when
-#                   the worker dies the kernel kills them all. A process group alone is escaped by setsid.
-#   mount namespace the answer key, the trainer's files and the caller's home are not there; nothing written
-#                   outside the private tmpfs mounts survives (everything else is read-only).
-#   net namespace   only a loopback, down: no internet, no Redis/vLLM/Ray port of the training cluster.
-#   IPC namespace   SysV objects made by a call stay in the worker (and are forbidden or die with it).
-#   sandbox uid     one per worker (root only): cannot signal the worker or the trainer, cannot read root's
-#                   0600 files, and RLIMIT_NPROC, which counts per uid, then counts one call's processes.
+# The calls of a worker run one after another, so what they share (the private /tmp, the namespace)
+# is emptied between them instead.
+#   PID namespace   the worker is its PID 1: kill(-1) from there reaches every process a call made,
+#                   and when the worker dies the kernel kills them all. A process group alone is
+#                   escaped by setsid.
+#   mount namespace the answer key, the trainer's files and the caller's home are not there;
+#                   nothing written outside the private tmpfs mounts survives (everything else is
+#                   read-only).
+#   net namespace   only a loopback, down: no internet, no Redis/vLLM/Ray port of the training
+#                   cluster.
+#   IPC namespace   SysV objects made by a call stay in the worker (and are forbidden or die with
+#                   it).
+#   sandbox uid     one per worker (root only): cannot signal the worker or the trainer, cannot
+#                   read root's 0600 files, and RLIMIT_NPROC, which counts per uid, then counts one
+#                   call's processes.
 
 
 def _isolate(cfg):
@@ -214,8 +232,9 @@ def _isolate(cfg):
     this forks: the caller stays outside as a waiter (killing it kills the namespace, via PDEATHSIG)
     and the function returns in the child, which is PID 1 of the new namespace."""
     info = dict(level="process", pid_namespace=False, mount_namespace=False, net_namespace=False,
-                ipc_namespace=False, user_namespace=False, sandbox_uid=None, capabilities_dropped=False,
-                kill_scope="subreaper", private_proc=False, hidden_paths=[], readonly_mounts=False,
+                ipc_namespace=False, user_namespace=False, sandbox_uid=None,
+                capabilities_dropped=False, kill_scope="subreaper", private_proc=False,
+                hidden_paths=[], readonly_mounts=False,
                 private_tmp=False, tmp_mounts=[], gpu_devices_masked=[], warnings=[],
                 kept_paths=_keep_paths({os.path.realpath(p) for p in cfg["hide_paths"]}))
     flags = CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC
@@ -233,9 +252,11 @@ def _isolate(cfg):
             _write_text("/proc/self/gid_map", f"0 {egid} 1")
             info.update(level="user-namespace", user_namespace=True)
         except OSError as user_error:
-            info["warnings"].append(f"no namespaces ({root_error.strerror}; user namespace: {user_error.strerror})")
+            info["warnings"].append(f"no namespaces ({root_error.strerror}; "
+                                    f"user namespace: {user_error.strerror})")
     if info["level"] == "process":
-        _prctl(PR_SET_CHILD_SUBREAPER, 1)   # a call's orphans re-parent to us, not to init: none escapes the sweep
+        # a call's orphans re-parent to us, not to init: none escapes the sweep
+        _prctl(PR_SET_CHILD_SUBREAPER, 1)
         if euid == 0 and not _interpreter_unreachable(info["kept_paths"]):
             info["sandbox_uid"] = SANDBOX_UID_BASE + host_pid
         info["capabilities_dropped"] = euid == 0 and info["sandbox_uid"] is None
@@ -244,21 +265,25 @@ def _isolate(cfg):
                 kill_scope="pid namespace")
     child = os.fork()   # unshare(CLONE_NEWPID) moves our children, not us: the first child is PID 1
     if child:
-        os.closerange(3, 1 << 16)   # the waiter holds no pipe, so the parent sees EOF when PID 1 dies
+        # the waiter holds no pipe, so the parent sees EOF when PID 1 dies
+        os.closerange(3, 1 << 16)
         _, status = os.waitpid(child, 0)   # retried on EINTR by Python itself (PEP 475)
         os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
     # PDEATHSIG fires when the parent *thread* dies; the waiter has one thread, so: when the waiter
     # dies
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if info["user_namespace"]:
-        info["capabilities_dropped"] = True   # one uid is mapped, so the child cannot switch to another
+        # one uid is mapped, so the child cannot switch to another
+        info["capabilities_dropped"] = True
     else:
-        info["sandbox_uid"] = SANDBOX_UID_BASE + host_pid   # its own uid: RLIMIT_NPROC counts this worker only
+        # its own uid: RLIMIT_NPROC counts this worker only
+        info["sandbox_uid"] = SANDBOX_UID_BASE + host_pid
     # A step that fails (a container that masks /proc, say) is reported and skipped, not fatal by
     # itself: the worker's probe call (_probe_sandbox) decides whether what is left runs calls, and
     # if not, Executor() raises with these warnings (a worker that died here would be restarted
     # forever).
-    steps = (("private mounts", lambda: _mount(None, "/", None, MS_REC | MS_PRIVATE)),   # nothing reaches the host
+    # private mounts: nothing reaches the host
+    steps = (("private mounts", lambda: _mount(None, "/", None, MS_REC | MS_PRIVATE)),
              ("fresh /proc", lambda: _private_proc(info)),
              ("hidden paths", lambda: _hide_paths(cfg["hide_paths"], info["kept_paths"], info)),
              ("GPU masks", lambda: _mask_gpus(info)),
@@ -273,8 +298,8 @@ def _isolate(cfg):
                 break   # any further mount would show on the host
     # SysV IPC objects outlive their processes: here shared memory dies with its users, and message
     # queues and semaphore sets cannot be made at all.
-    for key, value in (("kernel/shm_rmid_forced", "1"), ("kernel/msgmni", "0"), ("kernel/sem", "0 0 0 0"),
-                       ("fs/mqueue/queues_max", "0")):
+    for key, value in (("kernel/shm_rmid_forced", "1"), ("kernel/msgmni", "0"),
+                       ("kernel/sem", "0 0 0 0"), ("fs/mqueue/queues_max", "0")):
         with contextlib.suppress(OSError):
             _write_text(f"/proc/sys/{key}", value)
     return info
@@ -294,7 +319,8 @@ def _resolve_interpreter_paths():
     directories are bound back."""
     for name in ("prefix", "base_prefix", "exec_prefix", "base_exec_prefix"):
         setattr(sys, name, os.path.realpath(getattr(sys, name)))
-    sys.path[:] = dict.fromkeys(os.path.realpath(p) if p else p for p in sys.path)   # "" is the call's cwd
+    # "" is the call's cwd
+    sys.path[:] = dict.fromkeys(os.path.realpath(p) if p else p for p in sys.path)
 
 
 def _interpreter_path():
@@ -302,7 +328,8 @@ def _interpreter_path():
     path that exists in the sandbox (the venv's bin/, inside its prefix). The file itself stays: a
     venv's python is a link to the base interpreter, and the venv is found from the directory the
     interpreter was started from."""
-    return os.path.join(os.path.realpath(os.path.dirname(sys.executable)), os.path.basename(sys.executable))
+    return os.path.join(os.path.realpath(os.path.dirname(sys.executable)),
+                        os.path.basename(sys.executable))
 
 
 def _keep_paths(hide=()):
@@ -312,8 +339,10 @@ def _keep_paths(hide=()):
     repo on sys.path) is not kept."""
     paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
              os.path.dirname(sys.executable), os.path.dirname(os.path.realpath(sys.executable))}
-    paths.update(p for p in sys.path if p and os.path.isdir(p))   # "" (the cwd) is the call's own directory
-    paths = {os.path.realpath(p) for p in paths}   # symlinks resolved: a bind needs the real directory
+    # "" (the cwd) is the call's own directory
+    paths.update(p for p in sys.path if p and os.path.isdir(p))
+    # symlinks resolved: a bind needs the real directory
+    paths = {os.path.realpath(p) for p in paths}
     paths = sorted(p for p in paths if not any(_under(h, p) for h in hide))
     # the outermost only: binding the prefix brings its lib/python3.x and site-packages along
     return [p for p in paths if not any(q != p and _under(p, q) for q in paths)]
@@ -325,7 +354,8 @@ def _interpreter_identity():
     file or directory, not missing and not an empty cover. Entries from outside the prefixes (.pth
     targets) may be hidden on purpose."""
     prefixes = (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)
-    own = [sys.executable] + [p for p in sys.path if p and os.path.isdir(p) and any(_under(p, q) for q in prefixes)]
+    own = [sys.executable] + [p for p in sys.path
+                              if p and os.path.isdir(p) and any(_under(p, q) for q in prefixes)]
     return [[p, st.st_dev, st.st_ino] for p in own for st in [os.stat(p)]]
 
 
@@ -348,13 +378,16 @@ def _hide_paths(hide_paths, keep, info):
     back. The source of such a bind is an O_PATH descriptor opened before the cover: after it, the
     path leads nowhere."""
     hide = {os.path.realpath(p) for p in hide_paths if os.path.isdir(p)}
-    for k in keep:   # an ancestor that a sandbox uid could not pass is covered too, with the interpreter inside
+    # an ancestor that a sandbox uid could not pass is covered too, with the interpreter inside
+    for k in keep:
         hide.update(_closed_ancestors(k))
     # never covered, whatever the caller's cwd is: a snippet without /usr or /etc cannot run (/tmp
     # is private)
-    system = {"/", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/dev", "/proc", "/sys", "/var", "/run", "/tmp"}
+    system = {"/", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/dev", "/proc", "/sys",
+              "/var", "/run", "/tmp"}
     hide = sorted(h for h in hide if h not in system)
-    hide = [h for h in hide if not any(o != h and _under(h, o) for o in hide)]   # the outermost covers the rest
+    # the outermost covers the rest
+    hide = [h for h in hide if not any(o != h and _under(h, o) for o in hide)]
     for h in hide:
         inside = [k for k in keep if _under(k, h)]
         fds = [os.open(k, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for k in inside]
@@ -393,7 +426,8 @@ def _remount_readonly(info):
     with open("/proc/self/mountinfo") as f:
         rows = [line.split() for line in f]
     for row in rows:
-        target = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), row[4])   # mountinfo writes " " as \040
+        # mountinfo writes " " as \040
+        target = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), row[4])
         options = row[5].split(",")
         if any(_under(target, p) for p in ("/proc", "/sys", "/dev")) or "ro" in options:
             continue
@@ -451,10 +485,12 @@ def _run_child(code, stdin, stdin_fd, out_fd, err_fd, workdir, state):
         os.dup2(out_fd, 1)
         os.dup2(err_fd, 2)
         os.closerange(3, state["max_fd"])   # the worker's pipes to the parent must not be reachable
-        # (the C function: signal.signal() maps the old handler to an enum, which writes ~60 pages
-        # of the worker)
-        _signal.signal(signal.SIGINT, signal.default_int_handler)   # the worker ignores SIGINT; a script does not
-        try:   # under host memory pressure the kernel kills us first (os.write: no file object, fewer pages written)
+        # the worker ignores SIGINT; a script does not (the C function: signal.signal() maps the
+        # old handler to an enum, which writes ~60 pages of the worker)
+        _signal.signal(signal.SIGINT, signal.default_int_handler)
+        # under host memory pressure the kernel kills us first (os.write: no file object, fewer
+        # pages written)
+        try:
             fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
             os.write(fd, b"1000")
             os.close(fd)
@@ -462,15 +498,18 @@ def _run_child(code, stdin, stdin_fd, out_fd, err_fd, workdir, state):
             pass
         os.chdir(workdir)
         for limit, soft, hard in state["rlimits"]:
-            resource.setrlimit(limit, (soft, hard))   # hard limits: the snippet cannot raise them back
+            # hard limits: the snippet cannot raise them back
+            resource.setrlimit(limit, (soft, hard))
         uid = state["sandbox_uid"]
         if uid is not None:
             os.setgroups([])
             os.setresgid(uid, uid, uid)
             os.setresuid(uid, uid, uid)
-            _prctl(PR_SET_DUMPABLE, 1)   # a uid change hands /proc/self to root; give the snippet its own back
+            # a uid change hands /proc/self to root; give the snippet its own back
+            _prctl(PR_SET_DUMPABLE, 1)
         if not state["pid_namespace"]:
-            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)   # without a namespace, die at least with the worker
+            # without a namespace, die at least with the worker
+            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if state["capabilities_dropped"]:
             _drop_capabilities()
     except BaseException as exc:
@@ -493,9 +532,11 @@ def _run_snippet(code, stdin, private_tmp):
     # worker's own, unused, now on the call's fds 0-2: block-buffered stdout as for a script writing
     # to a pipe; reusing them spares ~60 page copies.
     if not private_tmp:   # without a private /tmp the call's directory changes every time
-        os.environ.update(HOME=os.getcwd(), TMPDIR=os.getcwd())   # ~/.cache and tempfile land in the call's dir
+        # ~/.cache and tempfile land in the call's dir
+        os.environ.update(HOME=os.getcwd(), TMPDIR=os.getcwd())
         tempfile.tempdir = None   # the worker's own mkdtemp() cached /tmp
-    main = sys.modules["__main__"]   # the worker's empty one (_start_worker): what the snippet adds stays in the child
+    # the worker's empty one (_start_worker): what the snippet adds stays in the child
+    main = sys.modules["__main__"]
     returncode = 0
     try:
         tree = compile(code, MAIN, "exec", ast.PyCF_ONLY_AST)   # ast.parse, minus a frame
@@ -507,15 +548,19 @@ def _run_snippet(code, stdin, private_tmp):
                 print(repr(value))
     except SystemExit as exc:
         returncode = _system_exit_code(exc)
-    except BaseException as exc:   # KeyboardInterrupt included: a script dies of it with a traceback too
+    except BaseException as exc:
+        # KeyboardInterrupt included: a script dies of it with a traceback too
         _print_snippet_traceback(exc)
         returncode = EXIT_MEMORY if isinstance(exc, MemoryError) else 1
-    try:   # what the interpreter does at exit: wait for non-daemon threads, then run the atexit handlers
-        if threading.active_count() > 1:   # enumerate() on every call would write ~40 pages, so copy them
+    # what the interpreter does at exit: wait for non-daemon threads, then run the atexit handlers
+    try:
+        # enumerate() on every call would write ~40 pages, so copy them
+        if threading.active_count() > 1:
             for thread in threading.enumerate():
                 if thread is not threading.main_thread() and not thread.daemon:
                     thread.join()
-        atexit._run_exitfuncs()   # this also joins non-daemon multiprocessing children, as `python` does
+        # this also joins non-daemon multiprocessing children, as `python` does
+        atexit._run_exitfuncs()
     except SystemExit as exc:
         returncode = _system_exit_code(exc)
     except BaseException as exc:
@@ -534,7 +579,8 @@ def _system_exit_code(exc):
         return 0
     if isinstance(exc.code, int):
         return exc.code & 0xFF
-    print(exc.code, file=sys.stderr)   # sys.exit("message") prints it and exits 1, as the interpreter does
+    # sys.exit("message") prints it and exits 1, as the interpreter does
+    print(exc.code, file=sys.stderr)
     return 1
 
 
@@ -544,7 +590,8 @@ def _print_snippet_traceback(exc):
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename != MAIN:
         tb = tb.tb_next
-    try:   # the interpreter's own C printer: the same text as `python main.py`, and fast for 10**6 frames
+    # the interpreter's own C printer: the same text as `python main.py`, and fast for 10**6 frames
+    try:
         sys.__excepthook__(type(exc), exc.with_traceback(tb), tb)
     except BaseException:
         os.write(2, f"{type(exc).__name__}\n".encode())
@@ -597,10 +644,12 @@ def _run_call(code, stdin, cfg, state):
     """One call from fork to sweep; returns the fields of an ExecResult."""
     workdir = _fresh_workdir(state)
     # as for `python main.py`: tracebacks show source lines, __file__ and inspect work
-    fd = os.open(os.path.join(workdir, MAIN), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    fd = os.open(os.path.join(workdir, MAIN), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                 0o644)
     os.write(fd, code.encode("utf-8", "surrogatepass"))
     os.close(fd)
-    free_inodes = _free_inodes(state) if state["private_tmp"] else None   # what the call's clean-up compares with
+    # what the call's clean-up compares with
+    free_inodes = _free_inodes(state) if state["private_tmp"] else None
     # stdin as a file, not a pipe: writing it cannot block on a snippet that never reads, and reads
     # past its end get EOF at once (input() raises EOFError; sys.stdin.read() does not hang)
     stdin_fd = os.memfd_create("stdin")
@@ -631,7 +680,8 @@ def _run_call(code, stdin, cfg, state):
         _run_child(code, stdin, stdin_fd, out_w, err_w, workdir, state)
     for fd in (stdin_fd, out_w, err_w):
         os.close(fd)
-    pidfd = os.pidfd_open(pid)   # readable at the child's exit: one poll() waits for output and exit at once
+    # readable at the child's exit: one poll() waits for output and exit at once
+    pidfd = os.pidfd_open(pid)
     poller.register(pidfd, select.POLLIN)
     # Until the main process is reaped (returncode), read its output, kill it at the deadline or the
     # output limit (killed_for: why *we* killed it). Then a short drain: the pipes reach EOF once
@@ -647,7 +697,8 @@ def _run_call(code, stdin, cfg, state):
                 _, status = os.waitpid(pid, 0)
                 returncode, elapsed = os.waitstatus_to_exitcode(status), time.monotonic() - start
                 poller.unregister(pidfd)
-                _signal_everything(state, pid)   # the call ends with its main process: background ones die now
+                # the call ends with its main process: background ones die now
+                _signal_everything(state, pid)
                 drain_until = time.monotonic() + 1.0
                 continue
             data = os.read(fd, 1 << 16)
@@ -657,7 +708,8 @@ def _run_call(code, stdin, cfg, state):
                 continue
             captures[fd].add(data)
             if killed_for is None and sum(c.total for c in captures.values()) > output_limit:
-                killed_for = "output limit"   # a print loop is stopped at once, not read until the timeout
+                # a print loop is stopped at once, not read until the timeout
+                killed_for = "output limit"
                 _signal_everything(state, pid)
         # Checked after the events: a child that exited while this worker waited for a CPU finished,
         # not timed out.
@@ -671,7 +723,8 @@ def _run_call(code, stdin, cfg, state):
             # now is not in the total yet: if it is runnable and has not run since our last look, it
             # is still waiting. (Seen on a 2-core machine at load 20: a child runnable for 2 s since
             # its fork without having run at all.)
-            own_proc = state["private_proc"] or not state["pid_namespace"]   # /proc/<pid> is our child
+            # /proc/<pid> is our child
+            own_proc = state["private_proc"] or not state["pid_namespace"]
             run_ns, wait_ns, runnable = _cpu_times(pid) if own_proc else (0, 0, False)
             stretched = start + cfg["timeout_s"] + wait_ns / 1e9
             if runnable and run_ns == ran_ns:
@@ -684,7 +737,9 @@ def _run_call(code, stdin, cfg, state):
                 killed_for = "wall-clock limit"
                 _signal_everything(state, pid)
         if returncode is not None and now >= drain_until:
-            break   # a writer that will not die (uninterruptible I/O) still holds a pipe; stop waiting for it
+            # a writer that will not die (uninterruptible I/O) still holds a pipe; stop waiting
+            # for it
+            break
     # The sweep, before the answer: when the parent has the result, the call has left nothing
     # behind.
     _kill_leftovers(state, pid)
@@ -726,7 +781,8 @@ def _kill_leftovers(state, session):
             try:
                 with open(f"/proc/self/task/{os.getpid()}/children") as f:
                     children = [int(pid) for pid in f.read().split()]
-            except OSError:   # no /proc/<pid>/task/*/children: the call's session is all we can reach
+            except OSError:
+                # no /proc/<pid>/task/*/children: the call's session is all we can reach
                 children = []
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(session, signal.SIGKILL)
@@ -805,7 +861,8 @@ def _remove_tree(path):
         return
     try:
         shutil.rmtree(path)
-    except OSError:   # not root: the snippet may have made its own dirs 000; open them up (never through a link)
+    except OSError:
+        # not root: the snippet may have made its own dirs 000; open them up (never through a link)
         os.chmod(path, 0o700)
         for root, dirs, _ in os.walk(path):
             for d in dirs:
@@ -820,12 +877,15 @@ def _describe(returncode, killed_for, elapsed, out, err, cfg):
     stdout, cut_out = out.text(cfg["max_output_chars"])
     stderr, cut_err = err.text(cfg["max_output_chars"])
     if killed_for == "wall-clock limit":
-        status, note = "timeout", f"TimeoutError: the code ran longer than {cfg['timeout_s']:g} s and was killed"
+        status, note = "timeout", (f"TimeoutError: the code ran longer than {cfg['timeout_s']:g} s "
+                                   "and was killed")
     elif killed_for == "output limit":
-        status, note = "error", f"OutputLimitError: the code wrote more than {cfg['output_limit_mb']} MiB and was killed"
+        status, note = "error", ("OutputLimitError: the code wrote more than "
+                                 f"{cfg['output_limit_mb']} MiB and was killed")
     elif returncode == -signal.SIGXCPU:
         killed_for = "cpu-time limit"
-        status, note = "timeout", "TimeoutError: the code used more than its CPU time limit and was killed"
+        status, note = "timeout", ("TimeoutError: the code used more than its CPU time limit "
+                                   "and was killed")
     elif returncode == EXIT_MEMORY:
         # The exit code is the child's own word, so a snippet could fake an oom: it would only
         # mislabel itself. An OOM-killer SIGKILL (memory the host ran out of) shows as a signal
@@ -845,8 +905,8 @@ def _describe(returncode, killed_for, elapsed, out, err, cfg):
     # the note goes after the truncation, so the model always sees why the call ended
     if note:
         stderr += ("" if not stderr or stderr.endswith("\n") else "\n") + note + "\n"
-    return dict(status=status, stdout=stdout, stderr=stderr, elapsed_s=elapsed or 0.0, truncated=cut_out or cut_err,
-                reason=killed_for or "", returncode=returncode)
+    return dict(status=status, stdout=stdout, stderr=stderr, elapsed_s=elapsed or 0.0,
+                truncated=cut_out or cut_err, reason=killed_for or "", returncode=returncode)
 
 
 # ----------------------------------------------------------------------------- the worker process.
@@ -896,12 +956,15 @@ def _worker_main(cfg_json):
     """A worker's life. One whose sandbox cannot run calls says why in its first message (Executor()
     raises it)."""
     cfg = json.loads(cfg_json)
-    os.environ.pop("LD_BIND_NOW", None)   # the worker's own (_worker_env), not the snippet's or its subprocesses'
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # a ^C in the terminal is for the trainer, not for us
+    # the worker's own (_worker_env), not the snippet's or its subprocesses'
+    os.environ.pop("LD_BIND_NOW", None)
+    # a ^C in the terminal is for the trainer, not for us
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         info, state = _start_worker(cfg)
         problem = _probe_sandbox(cfg, state)
-    except Exception as exc:   # a bug or an OS we do not know: the parent gets the reason, not just an EOF
+    except Exception as exc:
+        # a bug or an OS we do not know: the parent gets the reason, not just an EOF
         info, problem = {}, f"{type(exc).__name__}: {exc}"
     if problem:
         _send(cfg["response_fd"], {"ready": False, "error": problem, "isolation": info})
@@ -909,7 +972,8 @@ def _worker_main(cfg_json):
     _send(cfg["response_fd"], {"ready": True, "isolation": info})
     while True:
         request = _recv_blocking(cfg["request_fd"])
-        if request is None:   # the parent closed the pipe or died: leave; the namespace goes with PID 1
+        # the parent closed the pipe or died: leave; the namespace goes with PID 1
+        if request is None:
             os._exit(0)
         # one call at a time, start to sweep: the parent sends the next request only after this
         # answer
@@ -921,7 +985,8 @@ def _start_worker(cfg):
     gets)."""
     _resolve_interpreter_paths()   # before _isolate takes the paths to keep
     interpreter = _interpreter_identity()
-    info = _isolate(cfg)   # from here on this is PID 1 of the worker's namespaces (if the OS allowed them)
+    # from here on this is PID 1 of the worker's namespaces (if the OS allowed them)
+    info = _isolate(cfg)
     os.chdir("/")   # the cwd we were started in may be one of the hidden directories
     for name in HEAVY_PRELOAD if cfg["kind"] == "heavy" else LIGHT_PRELOAD:
         try:
@@ -949,7 +1014,8 @@ def _start_worker(cfg):
     # light worker).
     gc.collect()
     _libc.malloc_trim(0)
-    gc.freeze()   # a child's garbage collector then leaves the inherited objects, and so their pages, alone
+    # a child's garbage collector then leaves the inherited objects, and so their pages, alone
+    gc.freeze()
     # memory_mb is what a call may add: RLIMIT_AS counts the worker's own mappings, which the child
     # inherits
     vm_bytes = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
@@ -957,20 +1023,24 @@ def _start_worker(cfg):
     cpu_s = math.ceil(cfg["timeout_s"]) + 1   # past the wall clock, so the clock's kill comes first
     nproc = cfg["max_processes"]
     if info["level"] == "process" and info["sandbox_uid"] is None:
-        nproc += _processes_of_uid(os.getuid())   # without a uid of its own, RLIMIT_NPROC counts all of ours
+        # without a uid of its own, RLIMIT_NPROC counts all of ours
+        nproc += _processes_of_uid(os.getuid())
     # (limit, soft, hard) for every child. Hard = soft, or nearly: code-judge and SandboxFusion set
     # only soft limits, which the snippet raises right back (docs/design.md, the sandbox's hostile
     # inputs).
-    rlimits = [(resource.RLIMIT_AS, address_space, address_space),        # bytearray(10**11): MemoryError
-               (resource.RLIMIT_CPU, cpu_s, cpu_s + 1),   # a second line behind the wall clock: SIGXCPU, then KILL
-               (resource.RLIMIT_NPROC, nproc, nproc),                     # a fork bomb meets EAGAIN
-               (resource.RLIMIT_FSIZE, cfg["max_file_mb"] << 20, cfg["max_file_mb"] << 20),   # a disk fill: EFBIG
-               (resource.RLIMIT_NOFILE, 256, 256),                         # fd exhaustion stays in the child
-               (resource.RLIMIT_CORE, 0, 0)]                               # a segfault writes no core file
-    state = dict(info, max_fd=resource.getrlimit(resource.RLIMIT_NOFILE)[0], rlimits=rlimits, interpreter=interpreter,
-                 single_threaded=len(os.listdir("/proc/self/task")) == 1)
+    rlimits = [(resource.RLIMIT_AS, address_space, address_space),  # bytearray(10**11): MemoryError
+               # a second line behind the wall clock: SIGXCPU, then KILL
+               (resource.RLIMIT_CPU, cpu_s, cpu_s + 1),
+               (resource.RLIMIT_NPROC, nproc, nproc),   # a fork bomb meets EAGAIN
+               # a disk fill: EFBIG
+               (resource.RLIMIT_FSIZE, cfg["max_file_mb"] << 20, cfg["max_file_mb"] << 20),
+               (resource.RLIMIT_NOFILE, 256, 256),      # fd exhaustion stays in the child
+               (resource.RLIMIT_CORE, 0, 0)]            # a segfault writes no core file
+    state = dict(info, max_fd=resource.getrlimit(resource.RLIMIT_NOFILE)[0], rlimits=rlimits,
+                 interpreter=interpreter, single_threaded=len(os.listdir("/proc/self/task")) == 1)
     info["preloaded_mb"] = vm_bytes >> 20
-    if info["private_tmp"]:   # the call's directory is always the same: its environment is set once, here
+    # the call's directory is always the same: its environment is set once, here
+    if info["private_tmp"]:
         os.environ.update(HOME="/tmp/sandbox", TMPDIR="/tmp/sandbox")
     # No setuid binary or file capability can lift a child back up: every child inherits this at its
     # fork.
@@ -982,18 +1052,20 @@ def _probe_sandbox(cfg, state):
     """None if a call runs and sees the interpreter, else what is wrong (the steps of _isolate may
     fail)."""
     warnings = "; ".join(state["warnings"]) or "none"
-    try:   # generous: a loaded machine must not fail a worker's start, and the probe needs a few ms of CPU
-        result = _run_call(SANDBOX_PROBE, json.dumps(state["interpreter"]), dict(cfg, timeout_s=max(cfg["timeout_s"], 30.0)),
-                           state)
+    # generous: a loaded machine must not fail a worker's start, and the probe needs a few ms of CPU
+    try:
+        result = _run_call(SANDBOX_PROBE, json.dumps(state["interpreter"]),
+                           dict(cfg, timeout_s=max(cfg["timeout_s"], 30.0)), state)
     except OSError as e:
         return f"a call could not run in the sandbox ({e}; isolation warnings: {warnings})"
     if result["status"] != "ok":
-        return (f"a call could not run in the sandbox ({result['reason']}: {result['stderr'][-1000:].strip()}; "
-                f"isolation warnings: {warnings})")
+        return (f"a call could not run in the sandbox ({result['reason']}: "
+                f"{result['stderr'][-1000:].strip()}; isolation warnings: {warnings})")
     missing = json.loads(result["stdout"])
     if missing:
-        return (f"the sandbox cannot reach the interpreter's own files {missing} (hidden by hide_paths, the cwd or "
-                f"the home directory, or behind a directory the sandbox uid may not enter; isolation warnings: {warnings})")
+        return (f"the sandbox cannot reach the interpreter's own files {missing} (hidden by "
+                "hide_paths, the cwd or the home directory, or behind a directory the sandbox uid "
+                f"may not enter; isolation warnings: {warnings})")
     return None
 
 
@@ -1017,8 +1089,9 @@ class _WorkerGone(Exception):
 
 # The worker loads this file under another module name: a script that imported us (`__main__`, say)
 # never runs again.
-_BOOT = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('rstar2_executor_worker', "
-         "sys.argv[1]); m = importlib.util.module_from_spec(spec); sys.modules[spec.name] = m; "
+_BOOT = ("import importlib.util, sys; "
+         "spec = importlib.util.spec_from_file_location('rstar2_executor_worker', sys.argv[1]); "
+         "m = importlib.util.module_from_spec(spec); sys.modules[spec.name] = m; "
          "spec.loader.exec_module(m); m._worker_main(sys.argv[2])")
 
 
@@ -1026,12 +1099,15 @@ def _worker_env():
     """A worker's whole environment, built rather than scrubbed: /proc/<pid>/environ keeps what a
     process was started with, so a secret deleted from os.environ later would still be readable
     there."""
-    return {"PATH": f"{os.path.dirname(_interpreter_path())}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
-            "LC_ALL": "C.UTF-8", "USER": "sandbox", "LOGNAME": "sandbox", "HOME": "/nonexistent",
+    return {"PATH": f"{os.path.dirname(_interpreter_path())}:/usr/local/bin:/usr/bin:/bin",
+            "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "USER": "sandbox", "LOGNAME": "sandbox",
+            "HOME": "/nonexistent",
             "PYTHONHASHSEED": "0",   # the order of a set of strings is then the same on every rerun
             "PYTHONDONTWRITEBYTECODE": "1", "MPLBACKEND": "Agg",
-            "PYTHONIOENCODING": "utf-8:surrogateescape",   # the snippet's stdin and stdout, as in a UTF-8 locale
-            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMEXPR_NUM_THREADS": "1",
+            # the snippet's stdin and stdout, as in a UTF-8 locale
+            "PYTHONIOENCODING": "utf-8:surrogateescape",
+            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+            "NUMEXPR_NUM_THREADS": "1",
             "CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": "",
             # every symbol bound at load: otherwise each child's first call of a libc function
             # (setsid, setresuid, ...) has the dynamic linker write the worker's GOT, pages the
@@ -1057,12 +1133,15 @@ class _WorkerProcess:
         cfg = dict(self.settings, kind=self.kind, request_fd=req_r, response_fd=resp_w)
         # start_new_session: a ^C in the terminal goes to the foreground group, and the workers are
         # not in it
-        self.proc = subprocess.Popen([_interpreter_path(), "-s", "-B", "-c", _BOOT, os.path.abspath(__file__),
-                                      json.dumps(cfg)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     env=_worker_env(), cwd="/", pass_fds=(req_r, resp_w), start_new_session=True)
+        self.proc = subprocess.Popen([_interpreter_path(), "-s", "-B", "-c", _BOOT,
+                                      os.path.abspath(__file__), json.dumps(cfg)],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     env=_worker_env(), cwd="/", pass_fds=(req_r, resp_w),
+                                     start_new_session=True)
         os.close(req_r)
         os.close(resp_w)
-        os.set_blocking(self.req_w, False)   # writes go through _poll, so a stuck worker cannot block us
+        # writes go through _poll, so a stuck worker cannot block us
+        os.set_blocking(self.req_w, False)
         self.ready = False
 
     def kill(self):
@@ -1094,7 +1173,8 @@ class _WorkerProcess:
             if message.get("ready") is False and isinstance(message.get("error"), str):
                 # not _WorkerGone: a restart would fail the same way; this is the caller's to see
                 # and fix
-                raise RuntimeError(f"Executor: the {self.kind} worker could not set up its sandbox: {message['error']}")
+                raise RuntimeError(f"Executor: the {self.kind} worker could not set up its "
+                                   f"sandbox: {message['error']}")
             if message.get("ready") is not True or not isinstance(message.get("isolation"), dict):
                 raise _WorkerGone(f"bad first message from the worker: {str(message)[:200]}")
             self.isolation, self.ready = message["isolation"], True
@@ -1105,14 +1185,17 @@ class _WorkerProcess:
             if self.proc.poll() is not None:
                 raise _WorkerGone("the worker is gone")
             self.wait_ready()
-            self._write(json.dumps({"code": code, "stdin": stdin}).encode(), time.monotonic() + BACKSTOP_GRACE_S)
+            self._write(json.dumps({"code": code, "stdin": stdin}).encode(),
+                        time.monotonic() + BACKSTOP_GRACE_S)
         except _WorkerGone as e:
             e.sent = False
             raise
         message = self._receive(time.monotonic() + STRETCH_CAP * timeout_s + BACKSTOP_GRACE_S)
-        try:   # the worker is trusted code, but a check costs nothing and names the problem if it is not
+        # the worker is trusted code, but a check costs nothing and names the problem if it is not
+        try:
             result = result_type(**message)
-            assert result.status in STATUSES and isinstance(result.stdout, str) and isinstance(result.stderr, str)
+            assert (result.status in STATUSES and isinstance(result.stdout, str)
+                    and isinstance(result.stderr, str))
         except (TypeError, AssertionError):
             raise _WorkerGone(f"malformed result from the worker: {str(message)[:200]}") from None
         return result
@@ -1131,7 +1214,8 @@ class _WorkerProcess:
 
     def _receive(self, deadline):
         (length,) = struct.unpack("<I", self._read_exact(4, deadline))
-        if length > 64 << 20:   # a result is a few KB (capped streams); anything huge is a broken worker
+        # a result is a few KB (capped streams); anything huge is a broken worker
+        if length > 64 << 20:
             raise _WorkerGone(f"a {length}-byte message from the worker")
         try:
             return json.loads(self._read_exact(length, deadline))
@@ -1150,7 +1234,8 @@ class _WorkerProcess:
 
     @staticmethod
     def _poll(fd, event, deadline):
-        poller = select.poll()   # not select.select: a trainer's fds easily pass select's limit of 1024
+        # not select.select: a trainer's fds easily pass select's limit of 1024
+        poller = select.poll()
         poller.register(fd, event)
         while not poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
             if time.monotonic() >= deadline:

@@ -53,8 +53,10 @@ def _math_verify_equivalent(pred, gold):
     """
     from math_verify import verify
 
-    gold_parsed, pred_parsed = _parse_cached("\\boxed{" + gold + "}"), _parse_cached("\\boxed{" + pred + "}")
-    return bool(gold_parsed and pred_parsed and verify(gold_parsed, pred_parsed, timeout_seconds=None))
+    gold_parsed, pred_parsed = (_parse_cached("\\boxed{" + gold + "}"),
+                                _parse_cached("\\boxed{" + pred + "}"))
+    return bool(gold_parsed and pred_parsed
+                and verify(gold_parsed, pred_parsed, timeout_seconds=None))
 
 
 def _math_verify_value(answer):
@@ -74,13 +76,15 @@ def _math_verify_value(answer):
             return len(expr) >= 2
         if isinstance(expr, (sympy.Interval, sympy.Union)):
             return expr.measure.is_positive is True
-        if isinstance(expr, sympy.FiniteSet) and all(isinstance(e, sympy.Expr) and e.is_number for e in expr.args):
+        if isinstance(expr, sympy.FiniteSet) and all(isinstance(e, sympy.Expr) and e.is_number
+                                                     for e in expr.args):
             values = [complex(e.evalf(30)) for e in expr.args]
             return len(values) >= 2 and all(_far_apart(a, b) for a, b in combinations(values, 2))
         return False
 
     parsed = _parse_cached("\\boxed{" + answer + "}")
-    expressions = [e for e in parsed if not isinstance(e, str)]  # parse also returns the matched string
+    # parse also returns the matched string
+    expressions = [e for e in parsed if not isinstance(e, str)]
     if expressions and all(map(is_collection, expressions)):
         return COLLECTION
     expr = parsed[0] if parsed else None
@@ -90,11 +94,13 @@ def _math_verify_value(answer):
     return [value.real, value.imag] if abs(value) < 1e300 else None
 
 
-_TASKS = {"verify": (_math_verify_equivalent, False), "value": (_math_verify_value, None)}  # (function, safe result)
+# (function, safe result)
+_TASKS = {"verify": (_math_verify_equivalent, False), "value": (_math_verify_value, None)}
 
 
-_WARMUP_PAIRS = [("\\frac{\\sqrt{2}}{2}", "\\sqrt{2}/2"), ("(x+1)^2", "x^2+2x+1"), ("[1, 2)", "(1,2)"),
-                 ("\\{1, 2\\}", "1,2"), ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "y = 2x"), ("1+2i", "3.5")]
+_WARMUP_PAIRS = [("\\frac{\\sqrt{2}}{2}", "\\sqrt{2}/2"), ("(x+1)^2", "x^2+2x+1"),
+                 ("[1, 2)", "(1,2)"), ("\\{1, 2\\}", "1,2"),
+                 ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "y = 2x"), ("1+2i", "3.5")]
 
 
 def _worker_main():
@@ -143,9 +149,11 @@ def _worker_main():
                 signal.setitimer(signal.ITIMER_REAL, 0)
         except _Deadline:
             timed_out = True
-        except BaseException:  # noqa: BLE001  (MemoryError, RecursionError, sympy internals: the safe result)
+        except BaseException:  # noqa: BLE001
+            # MemoryError, RecursionError, sympy internals: the safe result
             pass
-        out.write(json.dumps([task_id, result, time.process_time() - cpu_started, timed_out]) + "\n")
+        out.write(json.dumps([task_id, result, time.process_time() - cpu_started, timed_out])
+                  + "\n")
         out.flush()
 
 
@@ -155,7 +163,8 @@ def default_num_workers():
     The fast path leaves 25% of the MATH-500 labeled set open, and 2.5% of integer answers (which no
     verify needs), so more workers would mostly hold memory: ~80 MB resident each.
     """
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpus = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else (os.cpu_count() or 1))
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(1, min(8, cpus // max(1, ranks_here)))
 
@@ -163,17 +172,18 @@ def default_num_workers():
 class VerifierPool:
     """Worker processes that run math-verify, each started with a clean interpreter.
 
-    Workers are `python machinery/verifier.py --worker` subprocesses, not multiprocessing forks: forking a
-    trainer that holds CUDA, NCCL or vLLM threads is unsafe, and "spawn" would re-import the
-    caller's main module (rl.py, so torch and vllm) in every worker. A worker only takes tasks after
-    it reports "ready", so its start (~2 s of CPU: the import and a sympy warm-up) never counts
-    against a deadline.
+    Workers are `python machinery/verifier.py --worker` subprocesses, not multiprocessing forks:
+    forking a trainer that holds CUDA, NCCL or vLLM threads is unsafe, and "spawn" would re-import
+    the caller's main module (rl.py, so torch and vllm) in every worker. A worker only takes tasks
+    after it reports "ready", so its start (~2 s of CPU: the import and a sympy warm-up) never
+    counts against a deadline.
     """
 
     def __init__(self, num_workers=None):
         self.num_workers = num_workers or default_num_workers()
         if not isinstance(self.num_workers, int) or self.num_workers < 1:
-            raise ValueError(f"VerifierPool: num_workers must be a positive int, got {num_workers!r}")
+            raise ValueError("VerifierPool: num_workers must be a positive int, "
+                             f"got {num_workers!r}")
         self.owner_pid = os.getpid()
         self.workers = []
         self.kills = 0  # workers SIGKILLed (a check past its deadline); rl.py can log it
@@ -187,10 +197,10 @@ class VerifierPool:
         # stderr is dropped: antlr and sympy write there, and the startup error comes back on
         # stdout.
         proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker"],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                bufsize=0)
-        self.workers.append({"proc": proc, "buffer": b"", "ready": False, "task": None, "started": 0.0,
-                             "born": time.monotonic(), "error": None})
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, bufsize=0)
+        self.workers.append({"proc": proc, "buffer": b"", "ready": False, "task": None,
+                             "started": 0.0, "born": time.monotonic(), "error": None})
 
     def _replace(self, worker, kill):
         """Retire `worker` (SIGKILL first if `kill`: it may be stuck in C code) and start a fresh
@@ -244,16 +254,19 @@ class VerifierPool:
                     worker["task"], worker["started"] = index, time.monotonic()
                 # Sleep until a reply, or until the earliest deadline of a busy worker.
                 now = time.monotonic()
-                busy = [w["started"] + timeouts[w["task"]] - now for w in self.workers if w["task"] is not None]
+                busy = [w["started"] + timeouts[w["task"]] - now
+                        for w in self.workers if w["task"] is not None]
                 wait_s = max(0.0, min(busy)) if busy else 0.5
-                readable, _, _ = select.select([w["proc"].stdout for w in self.workers], [], [], wait_s)
+                readable, _, _ = select.select([w["proc"].stdout for w in self.workers], [], [],
+                                               wait_s)
                 for worker in [w for w in self.workers if w["proc"].stdout in readable]:
                     data = os.read(worker["proc"].stdout.fileno(), 1 << 16)
                     if not data:  # it died (segfault, OOM kill): its check stays False; replace it
                         unfinished -= worker["task"] is not None
                         self._replace(worker, kill=False)
                         if not worker["ready"]:
-                            self._startup_failed(worker["error"] or f"exit code {worker['proc'].returncode}")
+                            self._startup_failed(worker["error"]
+                                                 or f"exit code {worker['proc'].returncode}")
                         continue
                     worker["buffer"] += data  # a pipe read may end mid-line
                     while b"\n" in worker["buffer"]:
@@ -274,7 +287,8 @@ class VerifierPool:
                             unfinished -= 1
                 now = time.monotonic()
                 for worker in list(self.workers):
-                    if worker["task"] is not None and now - worker["started"] >= timeouts[worker["task"]]:
+                    if (worker["task"] is not None
+                            and now - worker["started"] >= timeouts[worker["task"]]):
                         unfinished -= 1  # the hard deadline: its check stays False
                         self._replace(worker, kill=True)
                     elif not worker["ready"] and now - worker["born"] > 120:
@@ -291,8 +305,9 @@ class VerifierPool:
     def _startup_failed(self, reason):
         self.startup_failures += 1
         if self.startup_failures >= 3 * self.num_workers:
-            raise RuntimeError(f"machinery/verifier.py: math-verify workers fail to start ({reason}); "
-                               f"check that `{sys.executable} -c 'import math_verify'` works")
+            raise RuntimeError("machinery/verifier.py: math-verify workers fail to start "
+                               f"({reason}); check that "
+                               f"`{sys.executable} -c 'import math_verify'` works")
 
     def close(self):
         """Close the pipes (workers exit at EOF) and kill any worker that has not exited after 2
@@ -358,7 +373,8 @@ def _run_in_pool(tasks, timeouts):
 
 
 
-COLLECTION = "collection"  # several values, which verify never finds equal to one number (is_collection)
+# several values, which verify never finds equal to one number (is_collection)
+COLLECTION = "collection"
 
 
 def _far_apart(a, b):
