@@ -13,31 +13,26 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
-from dist_rl_train_step import (
-    fixed_batch,  # tests/ is on sys.path (pytest's rootdir-relative import)
-)
+from dist_rl_train_step import fixed_batch  # tests/ is on sys.path (pytest's rootdir-relative import)
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import eval as evaluation
 import rl
 import rollout
 import tiny
+from executor import Executor
 from grpo_roc import policy_loss
-from machinery.checkpoint import (
-    check_inputs,
-    epoch_plan,
-    latest_checkpoint,
-    load_policy,
-    load_weights,
-    save_checkpoint,
-    start_checkpoint,
-)
+from machinery.checkpoint import (check_inputs, epoch_plan, latest_checkpoint, load_policy, load_weights,
+                                  save_checkpoint, start_checkpoint)
 from machinery.config import ConfigError, load_config
 from machinery.data import load_problems
 from machinery.distributed import compute_dtype, init_distributed
+from machinery.engine import Engine
 from machinery.metrics import step_metrics
 from machinery.prompts import load_format, read_format
 from machinery.training import TrainSample, collate, micro_batches, token_logprobs
@@ -484,8 +479,6 @@ MEMO_PROBLEMS = [{"id": f"memo-{i}", "problem": f"Compute {a} * {b} + {c}.", "an
 def sft_policy(tmp_path_factory):
     """A small policy that calls the tool and answers, sometimes right: tiny.py's architecture at hidden 64 x 2
     layers, after sft.py on transcripts of MEMO_PROBLEMS (run through the real executor)."""
-
-
     work = tmp_path_factory.mktemp("sft")
     model = tiny.build_tiny_model(tiny.TinyConfig(out_dir=str(work / "model"), hidden_size=64, intermediate_size=128,
                                                   num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
@@ -584,3 +577,31 @@ def test_filter_drops_only_problems_solved_every_time_and_keeps_the_rest_in_orde
     assert {r["id"] for r in unreachable} <= set(kept_ids)
     assert len(kept) < len(rows)
     assert f"kept {len(kept)} of {len(rows)} problems" in out.stdout
+
+
+@pytest.mark.slow
+def test_the_held_out_numbers_of_a_run_are_eval_pys_numbers(sft_policy, tmp_path):
+    """rl.py measures its held-out accuracy with the method's own pieces (generate, score_batch), not
+    by importing eval.py; on the same engine, weights, problems and seeds it must report what
+    eval.evaluate reports."""
+    rows = [{**p, "id": f"{p['id']}-{k}"} for k in range(3) for p in MEMO_PROBLEMS]
+    cfg = load_config(rl.RLConfig, ["configs/tiny.yaml", f"model={sft_policy}", "eval_samples=2",
+                                    "rollout.max_response_tokens=200"])
+    init_distributed()
+    engine = Engine(sft_policy, cfg.rollout, seed=cfg.seed)
+    model = AutoModelForCausalLM.from_pretrained(sft_policy)
+    tokenizer = AutoTokenizer.from_pretrained(sft_policy)
+    with Executor(workers=1) as executor:
+        run = SimpleNamespace(cfg=cfg, eval_rows=rows, engine=engine, model=model, world_size=1,
+                              weight_dtype=torch.float32, tool=executor, tokenizer=tokenizer)
+        mine = rl.evaluate_held_out(run)
+        eval_cfg = evaluation.EvalConfig(model=str(sft_policy), benchmarks=["held_out"], n=2,
+                                         seed=cfg.seed, rollout=dataclasses.replace(
+                                             cfg.rollout, temperature=cfg.eval_temperature))
+        theirs = evaluation.evaluate(sft_policy, {"held_out": rows}, eval_cfg, engine=engine,
+                                     executor=executor, tokenizer=tokenizer)["held_out"]
+    engine.close()
+    assert mine["eval/pass@1"] == theirs["pass@1"]
+    assert 0 < mine["eval/tool_calls_per_trajectory"] == theirs["tool_calls_per_trajectory"]
+    for key in ("tool_error_rate", "tool_error_rate_in_correct", "answer_rate", "response_tokens"):
+        assert mine.get(f"eval/{key}") == theirs[key], key
