@@ -104,8 +104,9 @@ class Engine:
     its logits by the same temperature. score() returns prompt log-probs, never processed: temperature 1."""
 
     def __init__(self, model_path, cfg, seed=0, **vllm_overrides):
-        # In-process engine core, forced as external_launcher forces it (vllm/config/parallel.py): update_weights hands
-        # tensors to the worker unserialized, and no subprocess starts (47 s -> 8-12 s on CPU, cpu-stack.md §3).
+        # In-process engine core, forced as external_launcher forces it (vllm/config/parallel.py):
+        # update_weights hands tensors to the worker unserialized, and no subprocess starts (47 s ->
+        # 8-12 s on CPU; docs/design.md, the CPU stack).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         import vllm
         from vllm import LLM
@@ -163,8 +164,6 @@ class Engine:
                     self.tp_group, self.tp_leader = group, first
         self.is_leader = self.rank == self.tp_leader
         self.pending = []  # tensor parallel: requests added since the last step, not yet sent to the group
-        # generate()'s running mean of trajectory length (prompt + response tokens), for rollout.admission="expected"
-        self.finished_trajectories, self.finished_trajectory_tokens = 0, 0
         self.llm = LLM(**settings)
         self.engine = self.llm.llm_engine
         self.asleep, self.weights_discarded = set(), False  # what sleep() released (SLEEP_TAGS); lost at level 2
@@ -314,7 +313,8 @@ class Engine:
             self.asleep -= set(waking)
 
     def close(self):
-        """Shut the engine down, last: under external_launcher vLLM's shutdown also destroys the default process group
-        (destroying it first makes vLLM's cleanup fail, cpu-stack.md §3; init_distributed() can start a new one)."""
+        """Shut the engine down, last: under external_launcher vLLM's shutdown also destroys the
+        default process group (destroying it first makes vLLM's cleanup fail; docs/design.md, the
+        CPU stack; init_distributed() can start a new one)."""
         self.engine = self.llm = None
         gc.collect()

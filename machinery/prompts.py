@@ -10,7 +10,8 @@ from pathlib import Path
 from machinery.config import resolve
 
 
-# The two prompt formats (paper vs release differ in four places, shared/docs/reference/prompt_template_paper_fig3.txt).
+# The two prompt formats (paper vs release differ in four places,
+# tests/reference/prompt_template_paper_fig3.txt).
 # `prompt_variant` switches template and tool schema together; explicit paths override either.
 PROMPT_VARIANTS = {
     "code": ("configs/templates/rstar2_code.jinja", "configs/templates/python_code_with_standard_io.json"),

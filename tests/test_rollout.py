@@ -42,7 +42,7 @@ SEPARATOR = "# =================================================================
 
 
 def reference_text(name):
-    """The verbatim part of a shared/docs/reference file (below its source notes)."""
+    """The verbatim part of a tests/reference file (below its source notes)."""
     path = REFERENCE / name
     if not path.exists():
         pytest.skip(f"{path} not available")
@@ -152,8 +152,6 @@ def test_bad_format_config_names_the_problem(tmp_path):
         RolloutConfig(max_prompt_tokens=64, max_response_tokens=64, max_model_len=100).validate()
     with pytest.raises(ValueError, match="non-empty string"):
         render_prompt(None, "  ", RolloutConfig())
-    with pytest.raises(ValueError, match=r"rollout.admission: 'mean' is not one of \['budget', 'expected'\]"):
-        RolloutConfig(admission="mean").validate()
 
 
 # -----------------------------------------------------------------------------
@@ -209,7 +207,7 @@ def test_auto_evaluates_a_custom_format_from_the_files_in_the_model_directory(tm
 
 
 # -----------------------------------------------------------------------------
-# the tool call parser (tool_io_format.txt §1-2)
+# the tool call parser (tests/reference/tool_io_format.txt §1-2)
 
 TOOL = "python_code_with_standard_io"
 
@@ -380,12 +378,14 @@ ENGINE_IN_A_FULL_PROCESS = """
 import json, sys
 import psutil, yaml
 sys.path.insert(0, ".")
-import common, rollout
+from machinery.distributed import init_distributed
+from machinery.engine import Engine
+from rollout import RolloutConfig
 ballast = b"x" * (2 << 30)  # 2 GiB, every page written, so it is resident
 rss = psutil.Process().memory_info().rss
-cfg = rollout.RolloutConfig(**yaml.safe_load(open("configs/tiny.yaml"))["rollout"])
-common.init_distributed()  # the path rl.py takes: a gloo world of one, external_launcher
-engine = rollout.Engine(sys.argv[1], cfg, seed=0)
+cfg = RolloutConfig(**yaml.safe_load(open("configs/tiny.yaml"))["rollout"])
+init_distributed()  # the path rl.py takes: a gloo world of one, external_launcher
+engine = Engine(sys.argv[1], cfg, seed=0)
 tokens = engine.generate_plain([[1, 2, 3]], max_tokens=8)
 print(json.dumps({"rss_before_engine": rss, "tokens": tokens, "k": engine.max_concurrency()}))
 """
@@ -724,7 +724,8 @@ def test_reruns_reproduce_and_the_schedule_does_not_change_the_result(engine, ex
 
     first = rollout.generate(engine, executor, tokenizer, problems, 2, cfg, seed=0)
     assert [len(g) for g in first] == [2, 2, 2] and first[0][0].num_tool_calls == 1
-    barrier = rollout.generate(engine, executor, tokenizer, problems, 2, cfg, seed=0, turn_barrier=True)
+    barrier = bench_rollout.generate_with(bench_rollout.BarrierRollouts, engine, executor,
+                                          tokenizer, problems, 2, cfg, seed=0)
     assert tokens(barrier) == tokens(first)
     two_at_a_time = rollout.generate(engine, executor, tokenizer, problems, 2, dataclasses.replace(cfg, max_concurrency=2), seed=0)
     assert tokens(two_at_a_time) == tokens(first)
@@ -842,31 +843,35 @@ def test_sleep_and_wake_run_through_vllms_engine_on_cpu_in_rl_s_order(engine, ti
 
 @pytest.mark.slow
 def test_admission_by_expected_length_sizes_k_from_the_running_mean(engine, executor, tokenizer):
-    """rollout.admission="expected" sizes K from the mean length of the trajectories this engine has finished, and
-    adds every trajectory it finishes to that mean. With a history whose mean is half the KV cache, K = 2, where
-    the paper's rule (every trajectory at its full budget) admits all four at once."""
+    """The benchmark's "expected" admission (bench.rollout.ExpectedLengthRollouts) sizes K from
+    the mean length of the trajectories this engine has finished, and both of its rules add every
+    trajectory they finish to that mean. With a history whose mean is half the KV cache, K = 2,
+    where the paper's rule (every trajectory at its full budget) admits all four at once."""
     cache = engine.engine.vllm_config.cache_config
     half_the_cache = cache.num_gpu_blocks * cache.block_size // 2
-    saved = engine.finished_trajectories, engine.finished_trajectory_tokens
     history = 1000  # heavy enough that the 4 short trajectories below do not move K during the run
     engine.finished_trajectories, engine.finished_trajectory_tokens = history, history * half_the_cache
     peak, add = [], engine.add
+    cfg = RolloutConfig(**{**ENGINE_CFG, "max_response_tokens": 16})
 
     def counting_add(*args, **kwargs):
         add(*args, **kwargs)
         peak.append(engine.engine.get_num_unfinished_requests())
 
+    def admitted(rule):
+        return bench_rollout.generate_with(bench_rollout.ADMISSION_LOOPS[rule], engine, executor,
+                                           tokenizer, ["Compute 1 + 1.", "Compute 2 + 2."], 2, cfg,
+                                           seed=0)
+
     engine.add = counting_add
     try:
-        problems = ["Compute 1 + 1.", "Compute 2 + 2."]
-        expected = run(engine, executor, tokenizer, problems, n=2, max_response_tokens=16, admission="expected")
+        expected = admitted("expected")
         expected_peak, peak[:] = max(peak), []
-        budget = run(engine, executor, tokenizer, problems, n=2, max_response_tokens=16, admission="budget")
+        budget = admitted("budget")
         budget_peak = max(peak)
         finished = engine.finished_trajectories, engine.finished_trajectory_tokens
     finally:
-        del engine.add
-        engine.finished_trajectories, engine.finished_trajectory_tokens = saved
+        del engine.add, engine.finished_trajectories, engine.finished_trajectory_tokens
     assert (expected_peak, budget_peak) == (2, 4)
     trajs = [t for g in expected + budget for t in g]
     assert finished == (history + 8, history * half_the_cache + sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs))
