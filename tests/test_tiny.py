@@ -12,6 +12,7 @@ from machinery.config import REPO, load_config
 from tiny import (TOOL_TOKENS, build_model, build_tokenizer, make_arithmetic_problems,
                   make_sft_transcripts, pretrain_base_model, pretraining_documents, TinyConfig,
                   write_sft_transcripts)
+from machinery.conversations import check_conversation
 
 CODE_TEMPLATE = (REPO / "configs/templates/rstar2_code.jinja").read_text()
 CODE_TOOL = json.loads((REPO / "configs/templates/python_code_with_standard_io.json").read_text())
@@ -132,7 +133,7 @@ def test_sft_transcripts_run_the_real_tool_and_end_in_the_boxed_answer():
     assert rows == make_sft_transcripts(problems, error_fraction=0.5, seed=0)  # no timings: reruns are identical
     failed = 0
     for row, problem in zip(rows, problems):
-        sft.check_conversation(row, problem["id"])
+        check_conversation(row, problem["id"])
         messages = row["messages"]
         assert messages[0] == {"role": "user", "content": problem["problem"]}
         assert messages[-1]["content"].endswith(f"</reason>\n<answer> \\boxed{{{problem['answer']}}} </answer>")
