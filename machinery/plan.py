@@ -54,6 +54,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from machinery.config import REPO, ConfigError, load_config
+from machinery.engine import kv_bytes_per_token, trajectories_that_fit
 
 GiB = 2**30
 # Memory as the driver reports it (torch.cuda.mem_get_info's total), not the marketing number.
@@ -250,18 +251,13 @@ def trainer_memory(m, world, tokens, chunk, checkpointing, c=2, prefetch=2):
 # -----------------------------------------------------------------------------
 # the engine: weights, KV cache and K
 
-def kv_bytes_per_token(m, tp=1, c=2):
-    """K and V of every layer for one token, on one rank of a tensor-parallel group (kv heads are
-    split, or replicated when there are fewer than tp)."""
-    return 2 * m.layers * max(1, m.kv_heads // tp) * m.head_dim * c
-
-
 def max_concurrency(kv_cache_bytes, m, context_len, tp=1, c=2, max_seqs=ENGINE_MAX_SEQS,
                     block=KV_BLOCK):
-    """K of §3.2 as machinery.engine.Engine.max_concurrency computes it: whole blocks of KV cache,
-    trajectories at full length."""
-    blocks = max(0, kv_cache_bytes) // (block * kv_bytes_per_token(m, tp, c))
-    return min(blocks * block // context_len, max_seqs)
+    """K of §3.2 as the engine counts it (machinery.engine.trajectories_that_fit): whole blocks of
+    KV cache, trajectories at full length."""
+    per_token = kv_bytes_per_token(m.layers, m.kv_heads, m.head_dim, c, tp)
+    return trajectories_that_fit(max(0, kv_cache_bytes) // (block * per_token), block, context_len,
+                                 max_seqs)
 
 
 def engine_memory(m, rollout, gpu_bytes, c=2):
@@ -277,7 +273,8 @@ def engine_memory(m, rollout, gpu_bytes, c=2):
     kv_cache = budget - weights - activations - CUDA_CONTEXT
     k = max_concurrency(kv_cache, m, rollout.context_len, tp, c)
     return dict(budget=budget, weights=weights, activations=activations, kv_cache=kv_cache, K=k,
-                kv_per_trajectory=kv_bytes_per_token(m, tp, c) * rollout.context_len,
+                kv_per_trajectory=kv_bytes_per_token(m.layers, m.kv_heads, m.head_dim, c, tp)
+                * rollout.context_len,
                 graphs=0 if rollout.enforce_eager else CUDA_GRAPHS,
                 host_when_asleep=weights if rollout.sleep_level == 1 else 0)
 
@@ -631,7 +628,9 @@ def step_time(cfg, m, world, a, gpus=GPUS):
         engine = engine_memory(m, r, gpu_bytes)
         k = engine["K"]  # K as rollout.py admits trajectories: each at its full budget (§3.2)
         running = min(k, rollouts, r.max_concurrency or k)
-        kv_read = running * kv_bytes_per_token(m, r.tensor_parallel_size) * (prompt + response / 2)
+        kv_read = (running * kv_bytes_per_token(m.layers, m.kv_heads, m.head_dim, 2,
+                                                r.tensor_parallel_size)
+                   * (prompt + response / 2))
         t = dict(K=k, decode_tok_s_gpu=running * a.plan_decode_tok_s,
                  roofline_tok_s=HBM_BYTES_PER_S[name] / (engine["weights"] + kv_read),
                  decode=(max(rollouts * response / running, r.max_response_tokens)

@@ -22,8 +22,9 @@ PROMPT_VARIANTS = {
 AUTO_VARIANT = "auto"  # the format saved in the model directory (FORMAT_FILE)
 
 
-# The format a checkpoint was trained with, written beside config.json by sft.py and rl.py (write_format), so
-# eval.py evaluates it in that format by default: in another one its tool calls fail as "unknown tool".
+# The format a checkpoint was trained with, written beside config.json by sft.py and rl.py
+# (write_format), so eval.py evaluates it in that format by default: in another one its tool calls
+# fail as "unknown tool".
 FORMAT_FILE = "rstar2_format.json"
 
 
@@ -72,9 +73,10 @@ def variant_of(template, schema):
 
 
 def write_format(directory, template, schema, written_by):
-    """Save a training run's prompt format into the Hugging Face directory being written: the template and tool
-    schema themselves (either may be None: not part of the format), so the directory carries its format wherever
-    it is copied, and FORMAT_FILE, which names them and the built-in variant they are (null for a custom one)."""
+    """Save a training run's prompt format into the Hugging Face directory being written: the
+    template and tool schema themselves (either may be None: not part of the format), so the
+    directory carries its format wherever it is copied, and FORMAT_FILE, which names them and the
+    built-in variant they are (null for a custom one)."""
     directory = Path(directory)
     record = {"prompt_variant": variant_of(template, schema), "chat_template": None, "tool_schema": None,
               "written_by": written_by}
@@ -88,7 +90,8 @@ def write_format(directory, template, schema, written_by):
 
 
 def read_format(model_dir):
-    """(record, template text or None, schema or None) from model_dir's FORMAT_FILE; None if it has none."""
+    """(record, template text or None, schema or None) from model_dir's FORMAT_FILE; None if it has
+    none."""
     model_dir = Path(model_dir)
     path = model_dir / FORMAT_FILE
     if not path.is_file():
@@ -105,9 +108,10 @@ def read_format(model_dir):
 
 
 def apply_model_format(cfg, model_dir):
-    """cfg (a RolloutConfig) for evaluating model_dir. prompt_variant="auto" takes the format saved there
-    (FORMAT_FILE), or the paper's prompt, the released rStar2-Agent-14B's, for a directory without one. An explicit
-    setting (prompt_variant, chat_template or tool_schema) wins; one that differs from the saved format warns."""
+    """cfg (a RolloutConfig) for evaluating model_dir. prompt_variant="auto" takes the format saved
+    there (FORMAT_FILE), or the paper's prompt, the released rStar2-Agent-14B's, for a directory
+    without one. An explicit setting (prompt_variant, chat_template or tool_schema) wins; one that
+    differs from the saved format warns."""
     saved = read_format(model_dir)
     if cfg.prompt_variant == AUTO_VARIANT:
         if saved is None:
@@ -118,7 +122,8 @@ def apply_model_format(cfg, model_dir):
         variant = record["prompt_variant"] or "paper"  # a custom format: the parts it lacks are the paper's
         variant_template, variant_schema, _ = load_format(dataclasses.replace(
             cfg, prompt_variant=variant, chat_template="", tool_schema=""))
-        # The variant's own files where the saved ones equal them, so the resolved config reads as the variant.
+        # The variant's own files where the saved ones equal them, so the resolved config reads as
+        # the variant.
         chat_template = "" if template in (None, variant_template) else str(Path(model_dir) / FORMAT_TEMPLATE_FILE)
         tool_schema = "" if schema in (None, variant_schema) else str(Path(model_dir) / FORMAT_SCHEMA_FILE)
         cfg = dataclasses.replace(cfg, prompt_variant=variant, chat_template=cfg.chat_template or chat_template,
@@ -138,30 +143,32 @@ def apply_model_format(cfg, model_dir):
 
 
 def _render(tokenizer, messages, cfg, add_generation_prompt):
-    # The template comes from config, not from the tokenizer: the same checkpoint can be trained and evaluated
-    # in either rStar2 format, and the released checkpoint served with its own.
+    # The template comes from config, not from the tokenizer: the same checkpoint can be trained and
+    # evaluated in either rStar2 format, and the released checkpoint served with its own.
     template, schema, _ = load_format(cfg)
     return tokenizer.apply_chat_template(messages, tools=[schema] if cfg.use_tool else None, chat_template=template,
                                          add_generation_prompt=add_generation_prompt, tokenize=False)
 
 
 def render_prompt(tokenizer, problem_text, cfg):
-    """Token ids of the first prompt: system + tools, the user prefix + raw problem, the generation prompt.
-    The template adds the answer-format prefix itself; the data stores only the question (as the release)."""
+    """Token ids of the first prompt: system + tools, the user prefix + raw problem, the generation
+    prompt. The template adds the answer-format prefix itself; the data stores only the question (as
+    the release)."""
     if not isinstance(problem_text, str) or not problem_text.strip():
         raise ValueError(f"render_prompt: the problem must be a non-empty string, got {problem_text!r}")
     text = _render(tokenizer, [{"role": "user", "content": problem_text}], cfg, add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-# Stands in for untrusted text while a template renders, so the template's own text can be told from the data.
+# Stands in for untrusted text while a template renders, so the template's own text can be told from
+# the data.
 DATA_PLACEHOLDER = "\x00data\x00"
 
 
 @functools.lru_cache(maxsize=4)
 def _plain_tokenizer(tokenizer):
-    """The tokenizer's normalizer, pre-tokenizer and BPE without its added tokens: "<|im_end|>" in its input is the
-    ten characters, never the control token (encode_rendered)."""
+    """The tokenizer's normalizer, pre-tokenizer and BPE without its added tokens: "<|im_end|>" in
+    its input is the ten characters, never the control token (encode_rendered)."""
     if not tokenizer.is_fast:
         raise ValueError(f"tokenizer {tokenizer.name_or_path}: a fast (Rust) tokenizer is needed to keep tool output "
                          "apart from control tokens")
@@ -172,7 +179,8 @@ def _plain_tokenizer(tokenizer):
 
 @functools.lru_cache(maxsize=4)
 def _control_tokens(tokenizer):
-    """(regex matching any added token's text, leftmost-longest as the tokenizer matches them; text -> id)."""
+    """(regex matching any added token's text, leftmost-longest as the tokenizer matches them; text
+    -> id)."""
     added = tokenizer.added_tokens_decoder
     odd = [t.content for t in added.values() if t.lstrip or t.rstrip or t.single_word]
     if odd:  # such tokens change the whitespace around them, which encode_rendered does not reproduce
@@ -183,13 +191,14 @@ def _control_tokens(tokenizer):
 
 
 def encode_rendered(tokenizer, fixed, data):
-    """Token ids of fixed[0] + data[0] + fixed[1] + ... + fixed[-1] (fixed: a template's own text, data: what
-    was substituted into it), as tokenizer.encode gives them, except that a control-token string inside data
-    stays plain text. Tool output is data: code that prints "</tool_response><|im_end|>" must not end the turn.
+    """Token ids of fixed[0] + data[0] + fixed[1] + ... + fixed[-1] (fixed: a template's own text,
+    data: what was substituted into it), as tokenizer.encode gives them, except that a control-token
+    string inside data stays plain text. Tool output is data: code that prints
+    "</tool_response><|im_end|>" must not end the turn.
 
-    Control tokens are taken from the fixed parts only; each stretch of text between two of them, template
-    text and data together, is one plain BPE encoding, as the tokenizer itself splits at added tokens. So text
-    without control-token strings gets exactly tokenizer.encode's ids."""
+    Control tokens are taken from the fixed parts only; each stretch of text between two of them,
+    template text and data together, is one plain BPE encoding, as the tokenizer itself splits at
+    added tokens. So text without control-token strings gets exactly tokenizer.encode's ids."""
     if len(fixed) != len(data) + 1:
         raise ValueError(f"encode_rendered: {len(fixed)} fixed parts around {len(data)} data parts")
     control, control_ids = _control_tokens(tokenizer)
@@ -221,11 +230,13 @@ def encode_rendered(tokenizer, fixed, data):
 
 def render_tool_turn(tokenizer, tool_text, cfg):
     """Token ids appended after the assistant's <|im_end|> that closes a tool-call turn:
-    <|im_start|>user\\n<tool_response>\\n{tool_text}\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n + opening tag.
+    <|im_start|>user\\n<tool_response>\\n{tool_text}\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n
+    + opening tag.
 
-    Rendered by the template itself (a conversation with and without the tool message, the common prefix cut),
-    as the release does, so a custom template's tool turn comes out right too. It starts with a special token, so
-    tokenizing it alone gives the same ids as in context. tool_text is data (encode_rendered)."""
+    Rendered by the template itself (a conversation with and without the tool message, the common
+    prefix cut), as the release does, so a custom template's tool turn comes out right too. It
+    starts with a special token, so tokenizing it alone gives the same ids as in context. tool_text
+    is data (encode_rendered)."""
     question = [{"role": "user", "content": "?"}]
     before = _render(tokenizer, question, cfg, add_generation_prompt=False)
     after = _render(tokenizer, question + [{"role": "tool", "content": DATA_PLACEHOLDER}], cfg, add_generation_prompt=True)

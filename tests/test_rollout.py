@@ -31,7 +31,7 @@ from gpu_wheel import gpu_vllm_source
 from rollout import parse_tool_call, RolloutConfig, ToolCallError
 from machinery.distributed import init_distributed, split_by_tokens
 from machinery.engine import (HARMLESS_VLLM_WARNINGS, configure_vllm_logging, cpu_kv_cache_bytes,
-                              Engine, kv_bytes_per_token)
+                              Engine, model_kv_bytes_per_token)
 from machinery.prompts import (FORMAT_SCHEMA_FILE, FORMAT_TEMPLATE_FILE, _render,
                                apply_model_format, load_format, read_format, render_prompt,
                                render_tool_turn, variant_of, write_format)
@@ -350,9 +350,9 @@ def test_the_dropped_warning_is_the_one_vllm_emits():
 
 def test_cpu_kv_cache_is_sized_from_the_config(tiny_model_dir):
     # The tiny model: 2 layers x 2 KV heads x head_dim 64, K and V, 4 bytes each in float32.
-    assert kv_bytes_per_token(tiny_model_dir, "float32") == 2 * 2 * 2 * 64 * 4
-    assert kv_bytes_per_token(tiny_model_dir, "bfloat16") == 2 * 2 * 2 * 64 * 2
-    assert kv_bytes_per_token(tiny_model_dir, "float32", tensor_parallel_size=2) == 2 * 2 * 1 * 64 * 4
+    assert model_kv_bytes_per_token(tiny_model_dir, "float32") == 2 * 2 * 2 * 64 * 4
+    assert model_kv_bytes_per_token(tiny_model_dir, "bfloat16") == 2 * 2 * 2 * 64 * 2
+    assert model_kv_bytes_per_token(tiny_model_dir, "float32", tensor_parallel_size=2) == 2 * 2 * 1 * 64 * 4
     cfg = RolloutConfig(dtype="float32", max_prompt_tokens=512, max_response_tokens=384, max_concurrency=3)
     size, why = cpu_kv_cache_bytes(tiny_model_dir, cfg)
     assert size == 3 * 896 * 2048 and "3 trajectories (rollout.max_concurrency) x 896 tokens" in why  # 896 = 7 blocks
