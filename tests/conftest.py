@@ -1,5 +1,6 @@
-"""Shared fixtures. The tiny model is built once per test session (about 5 s) and reused by every test that needs
-a real Hugging Face model directory: rollout, sft, rl and eval tests all load it the way they load Qwen3-14B."""
+"""Shared fixtures. The tiny model is built once per test session (about 5 s) and reused by every
+test that needs a real Hugging Face model directory: rollout, sft, rl and eval tests all load it the
+way they load Qwen3-14B."""
 import os
 import sys
 from pathlib import Path

@@ -1,11 +1,13 @@
-"""The lines of the method files that no run executed, per file and function: what docs/coverage.md classifies.
+"""The lines of the method files that no run executed, per file and function: what docs/coverage.md
+classifies.
 
     python tests/coverage_gaps.py [DATA_FILE ...] [--source]
 
-DATA_FILE: coverage data files (default .coverage), e.g. the CPU suite's (`pytest --cov`, docs/coverage.md) and
-tools/gpu_check.py's (`coverage run -m tools.gpu_check`); a line counts as run if any of them ran it. Each file is read from the
-path the data recorded, so data from another checkout is read against that checkout's source. --source prints
-each missed line's text too. Not a test (no test_ prefix): a reading aid, run by hand.
+DATA_FILE: coverage data files (default .coverage), e.g. the CPU suite's (`pytest --cov`,
+docs/coverage.md) and tools/gpu_check.py's (`coverage run -m tools.gpu_check`); a line counts as run
+if any of them ran it. Each file is read from the path the data recorded, so data from another
+checkout is read against that checkout's source. --source prints each missed line's text too. Not a
+test (no test_ prefix): a reading aid, run by hand.
 """
 import ast
 import sys
@@ -13,7 +15,8 @@ from pathlib import Path
 
 import coverage
 
-FILES = ("rl.py", "rollout.py", "sft.py", "eval.py", "machinery/distributed.py", "tools/gpu_check.py")
+FILES = ("rl.py", "rollout.py", "sft.py", "eval.py", "machinery/distributed.py",
+         "tools/gpu_check.py")
 
 
 def functions_by_line(source):
@@ -44,7 +47,8 @@ def main(argv):
         data.read()
         cov.get_data().update(data)
     files = cov.get_data().measured_files()
-    root = next(Path(f).parent for f in files if Path(f).name == "rl.py" and Path(f).parent.name != "tests")
+    root = next(Path(f).parent for f in files if Path(f).name == "rl.py"
+                and Path(f).parent.name != "tests")
     measured = {Path(f).name: f for f in files if Path(f).parent == root and Path(f).name in FILES}
     total = 0
     for name in FILES:

@@ -1,12 +1,15 @@
-"""Measure what plan.py plans, on the real rl.py code: per-rank memory of each phase and the bytes each collective
-receives; writes OUT_DIR/rank{R}.json for tests/test_plan.py to compare with the plan.
+"""Measure what plan.py plans, on the real rl.py code: per-rank memory of each phase and the bytes
+each collective receives; writes OUT_DIR/rank{R}.json for tests/test_plan.py to compare with the
+plan.
 
     python tests/dist_plan_measure.py MODEL_DIR OUT_DIR [key=value ...]                  # 1 process
-    torchrun --standalone --nproc_per_node=2 tests/dist_plan_measure.py MODEL_DIR OUT_DIR [key=value ...]
+    torchrun --standalone --nproc_per_node=2 tests/dist_plan_measure.py MODEL_DIR OUT_DIR
+        [key=value ...]
 
-Memory is counted from tensors, never from the process (RSS depends on what the process already holds): state bytes
-summed over the local shards, and peaks from torch's FSDPMemTracker, a dispatch mode that follows every storage
-(parameters, gradients, optimizer state, activations, temporaries) created or touched inside it.
+Memory is counted from tensors, never from the process (RSS depends on what the process already
+holds): state bytes summed over the local shards, and peaks from torch's FSDPMemTracker, a dispatch
+mode that follows every storage (parameters, gradients, optimizer state, activations, temporaries)
+created or touched inside it.
 """
 import dataclasses
 import json
@@ -31,7 +34,8 @@ from machinery.training import TrainSample
 
 
 def full_sample(tokens, vocab, seed):
-    """One trajectory of exactly `tokens` tokens: a micro-batch at micro_batch_tokens, no padding."""
+    """One trajectory of exactly `tokens` tokens: a micro-batch at micro_batch_tokens, no
+    padding."""
     rng = random.Random(seed)
     prompt = [rng.randrange(3, vocab) for _ in range(16)]
     response = [rng.randrange(3, vocab) for _ in range(tokens - 16)]
@@ -58,37 +62,44 @@ def main():
     out = {"world_size": world_size, "master": plan.tensor_bytes(model.parameters())}
 
     # gradients: one forward/backward, summed over this rank's gradient shards
-    input_ids = torch.tensor([full_sample(tokens, vocab, rank).prompt_ids + full_sample(tokens, vocab, rank).response_ids])
+    input_ids = torch.tensor([full_sample(tokens, vocab, rank).prompt_ids
+                              + full_sample(tokens, vocab, rank).response_ids])
     token_logprobs(model, input_ids, 1.0, cfg.logprob_chunk_tokens).sum().backward()
     out["grads"] = plan.tensor_bytes(p.grad for p in model.parameters())
     optimizer.zero_grad(set_to_none=True)
 
-    # saved activations of the decoder: live tensors after a forward that computes no logits, with checkpointing
-    # off and on (the same model; HF's switch)
+    # saved activations of the decoder: live tensors after a forward that computes no logits, with
+    # checkpointing off and on (the same model; HF's switch)
     for checkpointing in (False, True):
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_disable()
         tracker = FSDPMemTracker(model, optimizer)
         with tracker:
             hidden = last_hidden_states(model, input_ids)
-            out[f"saved_checkpointing_{checkpointing}"] = tracker.get_tracker_snapshot("current")[device][_FSDPRefType.ACT]
+            out[f"saved_checkpointing_{checkpointing}"] = (
+                tracker.get_tracker_snapshot("current")[device][_FSDPRefType.ACT])
         del hidden
     if not cfg.activation_checkpointing:
         model.gradient_checkpointing_disable()
 
-    # the training step: a first one creates AdamW's moments, the second is the steady state that is measured
+    # the training step: a first one creates AdamW's moments, the second is the steady state
+    # that is measured
     # two micro-batches: the second runs with the first one's gradients resident, the plan's case
     samples = [full_sample(tokens, vocab, 100 + rank), full_sample(tokens, vocab, 200 + rank)]
     rl.train_step(model, optimizer, samples, cfg, 0, 0, device)
-    out["adam"] = plan.tensor_bytes(t for state in optimizer.state.values() for t in state.values() if t.dim())
-    out["train_peak"], comm, metrics = peak_and_comm(model, optimizer,
-                                                     lambda: rl.train_step(model, optimizer, samples, cfg, 1, 0, device))
+    out["adam"] = plan.tensor_bytes(t for state in optimizer.state.values() for t in state.values()
+                                    if t.dim())
+    out["train_peak"], comm, metrics = peak_and_comm(
+        model, optimizer, lambda: rl.train_step(model, optimizer, samples, cfg, 1, 0, device))
     out["train_micro_batches"] = metrics["num_micro_batches"]
-    out["train_received"] = {k: v for k, v in comm.received.items() if k in ("_allgather_base", "_reduce_scatter_base")}
+    out["train_received"] = {k: v for k, v in comm.received.items()
+                             if k in ("_allgather_base", "_reduce_scatter_base")}
 
-    # the same step with the log-probs computed all at once (logprob_chunk_tokens=0): the head's share of the peak
+    # the same step with the log-probs computed all at once (logprob_chunk_tokens=0): the head's
+    # share of the peak
     unchunked = dataclasses.replace(cfg, logprob_chunk_tokens=0)
     out["train_peak_unchunked"], _, _ = peak_and_comm(
         model, optimizer, lambda: rl.train_step(model, optimizer, samples, unchunked, 2, 0, device))
@@ -103,15 +114,18 @@ def main():
 
     # the balance: rank 0 holds most trajectories, so some must move; what arrives is counted
     rng = random.Random(7 + rank)
-    mine = [TrainSample([rng.randrange(3, vocab) for _ in range(8)], [rng.randrange(3, vocab) for _ in range(n)],
-                           [1] * n, 0.5, engine_logprobs=[-rng.random() for _ in range(n)], problem_index=i,
-                           sample_index=rank)
+    mine = [TrainSample([rng.randrange(3, vocab) for _ in range(8)],
+                        [rng.randrange(3, vocab) for _ in range(n)],
+                        [1] * n, 0.5, engine_logprobs=[-rng.random() for _ in range(n)],
+                        problem_index=i, sample_index=rank)
             for i, n in enumerate([40, 300, 120, 90, 60, 200] if rank == 0 else [50])]
     comm = plan.CommMeter()
     with comm:
         kept, traffic = balance_by_tokens(mine)
     arrived = [s for s in kept if s.sample_index != rank]
-    out.update(balance_received=comm.received, balance_traffic=traffic, balance_arrived=[(len(s.prompt_ids), len(s.response_ids)) for s in arrived], vocab=vocab)
+    out.update(balance_received=comm.received, balance_traffic=traffic,
+               balance_arrived=[(len(s.prompt_ids), len(s.response_ids)) for s in arrived],
+               vocab=vocab)
     counts = torch.tensor([len(mine)])
     torch.distributed.all_reduce(counts)
     out["balance_trajectories"] = int(counts)

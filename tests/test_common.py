@@ -34,14 +34,15 @@ def write(tmp_path, text, name="c.yaml"):
     return str(path)
 
 
-# -- config --------------------------------------------------------------------------------------------------
+# -- config ----------------------------------------------------------------------------------------
 
 def test_defaults_yaml_then_overrides_in_that_order(tmp_path):
     path = write(tmp_path, "lr: 2.0e-6\nrollout:\n  max_turns: 15\n")
-    cfg = load_config(Demo, [path, "rollout.temperature=0.6", "lr=1e-5", "benchmarks=aime24,aime25", "use_tool=false",
-                             "ks=1,16"])
+    cfg = load_config(Demo, [path, "rollout.temperature=0.6", "lr=1e-5", "benchmarks=aime24,aime25",
+                             "use_tool=false", "ks=1,16"])
     assert cfg.rollout.max_turns == 15 and cfg.rollout.temperature == 0.6
-    assert cfg.lr == 1e-5 and isinstance(cfg.lr, float)  # YAML reads "1e-5" as a string; the float field converts it
+    # YAML reads "1e-5" as a string; the float field converts it
+    assert cfg.lr == 1e-5 and isinstance(cfg.lr, float)
     assert cfg.benchmarks == ["aime24", "aime25"] and cfg.use_tool is False and cfg.ks == [1, 16]
     with pytest.raises(ConfigError, match=r"'ks'\[1\]: expected an int"):
         load_config(Demo, ["ks=1,x"])
@@ -53,12 +54,14 @@ def test_unknown_key_names_the_key_the_file_and_the_line(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(Demo, [path])
     msg = str(e.value)
-    assert f"{path}:3" in msg and "'rollout.max_turn'" in msg and "did you mean 'rollout.max_turns'" in msg
+    assert (f"{path}:3" in msg and "'rollout.max_turn'" in msg
+            and "did you mean 'rollout.max_turns'" in msg)
 
 
 def test_wrong_type_names_the_key(tmp_path):
     path = write(tmp_path, "rollout:\n  max_turns: ten\n")
-    with pytest.raises(ConfigError, match=r"c.yaml:2: 'rollout.max_turns': expected an int, got str 'ten'"):
+    with pytest.raises(ConfigError, match=r"c.yaml:2: 'rollout.max_turns': expected an int, got "
+                                          r"str 'ten'"):
         load_config(Demo, [path])
     with pytest.raises(ConfigError, match="'use_tool': expected true/false"):
         load_config(Demo, ["use_tool=maybe"])
@@ -67,7 +70,8 @@ def test_wrong_type_names_the_key(tmp_path):
 
 
 def test_bad_override_and_missing_file():
-    with pytest.raises(ConfigError, match=r"command line: 'lrr': unknown key \(did you mean 'lr'\?\)"):
+    with pytest.raises(ConfigError, match=r"command line: 'lrr': unknown key \(did you mean "
+                                          r"'lr'\?\)"):
         load_config(Demo, ["lrr=1"])
     with pytest.raises(ConfigError, match="bad override 'lr'"):
         load_config(Demo, ["lr=1", "lr"])
@@ -86,11 +90,12 @@ def test_yaml_that_is_not_a_mapping(tmp_path):
 
 def test_a_script_fails_at_once_with_the_message_not_a_traceback(tmp_path):
     """What a user sees: tiny.py given a typo exits non-zero with one clear line."""
-    proc = subprocess.run([sys.executable, "tiny.py", "hiden_size=3"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "tiny.py", "hiden_size=3"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "unknown key (did you mean 'hidden_size'?)" in proc.stderr
 
 
-# -- data ----------------------------------------------------------------------------------------------------
+# -- data ------------------------------------------------------------------------------------------
 
 def test_loader_reports_file_and_line_of_a_bad_row(tmp_path):
     good = {"id": "a", "problem": "1+1?", "answer": "2"}
@@ -98,8 +103,10 @@ def test_loader_reports_file_and_line_of_a_bad_row(tmp_path):
         "{not json\n": "c.jsonl:2: not valid JSON",
         '["a list"]\n': "c.jsonl:2: expected a JSON object",
         json.dumps({"id": "b", "problem": "x"}) + "\n": "c.jsonl:2: missing key 'answer'",
-        json.dumps({"id": "b", "problem": "x", "answer": 3}) + "\n": "c.jsonl:2: 'answer' must be a non-empty string",
-        json.dumps({"id": "b", "problem": "x", "answer": "  "}) + "\n": "c.jsonl:2: 'answer' must be a non-empty string",
+        json.dumps({"id": "b", "problem": "x", "answer": 3}) + "\n":
+            "c.jsonl:2: 'answer' must be a non-empty string",
+        json.dumps({"id": "b", "problem": "x", "answer": "  "}) + "\n":
+            "c.jsonl:2: 'answer' must be a non-empty string",
         json.dumps(good) + "\n": "duplicate id 'a'",
     }
     for bad_line, message in cases.items():
@@ -114,15 +121,18 @@ def test_loader_reports_file_and_line_of_a_bad_row(tmp_path):
 
 def test_every_shipped_data_file_is_valid():
     counts = {name: len(load_problems(path)) for name, path in BENCHMARKS.items()}
-    assert counts == {"aime24": 30, "aime25": 30, "hmmt25": 30, "amc23": 40, "math500": 500, "gsm8k": 1319}
+    assert counts == {"aime24": 30, "aime25": 30, "hmmt25": 30, "amc23": 40, "math500": 500,
+                      "gsm8k": 1319}
     for path in TRAINING_FILES:
         assert len(load_problems(path)) > 900
 
 
 def test_training_files_hold_no_benchmark_problem():
-    """Exact match after whitespace normalization (the 8-gram decontamination is in data/SOURCES.md).
-    aime_1983_2023 marks its 5 known MATH-500 duplicates with overlaps_eval; they must never be used."""
-    bench = {normalize_problem(r["problem"]) for path in BENCHMARKS.values() for r in load_problems(path)}
+    """Exact match after whitespace normalization (the 8-gram decontamination is in
+    data/SOURCES.md). aime_1983_2023 marks its 5 known MATH-500 duplicates with overlaps_eval; they
+    must never be used."""
+    bench = {normalize_problem(r["problem"]) for path in BENCHMARKS.values()
+             for r in load_problems(path)}
     for path in TRAINING_FILES:
         clean = [r for r in load_problems(path) if not r.get("overlaps_eval")]
         leaked = [r["id"] for r in clean if normalize_problem(r["problem"]) in bench]
@@ -131,16 +141,19 @@ def test_training_files_hold_no_benchmark_problem():
     assert len(marked) == 5
 
 
-def test_a_child_of_a_single_process_world_starts_its_own_and_torchrun_children_keep_theirs(tmp_path):
-    """A script that called init_distributed() as a plain process (RANK & co. now in its env) and starts another
-    script: the child makes its own world of one on its own port; under torchrun the launcher's world wins."""
+def test_a_child_of_a_single_process_world_starts_its_own_and_torchrun_children_keep_theirs(
+        tmp_path):
+    """A script that called init_distributed() as a plain process (RANK & co. now in its env) and
+    starts another script: the child makes its own world of one on its own port; under torchrun the
+    launcher's world wins."""
     child = tmp_path / "child.py"
     child.write_text(
         f"import os, sys; sys.path.insert(0, {str(REPO)!r})\n"
         "from machinery.distributed import init_distributed\n"
         "import torch.distributed as dist\n"
         "rank, world, _, _ = init_distributed()\n"
-        # One file per process: two torchrun children printing to one pipe interleave ('childchild 1 2 ...').
+        # One file per process: two torchrun children printing to one pipe interleave
+        # ('childchild 1 2 ...').
         f"open(os.path.join({str(tmp_path)!r}, f'child-{{os.getpid()}}.txt'), 'w').write("
         "f\"{os.environ.get('LOCAL_WORLD_SIZE')} {rank} {world} {os.environ['MASTER_PORT']}\")\n"
         "dist.barrier(); dist.destroy_process_group()\n")
@@ -150,14 +163,16 @@ def test_a_child_of_a_single_process_world_starts_its_own_and_torchrun_children_
         "init_distributed()\n"
         "print('parent', os.environ['MASTER_PORT'], flush=True)\n"
         f"subprocess.run([sys.executable, {str(child)!r}], check=True)\n"
-        f"subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', "
-        f"{str(child)!r}], check=True)\n")
-    proc = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=180)
+        "subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', "
+        f"'--nproc_per_node=2', {str(child)!r}], check=True)\n")
+    proc = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True,
+                          timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     parent_port = re.search(r"parent (\d+)", proc.stdout).group(1)
     children = [tuple(f.read_text().split()) for f in tmp_path.glob("child-*.txt")]
     assert len(children) == 3, proc.stdout + proc.stderr[-3000:]
-    # torchrun's children run with LOCAL_WORLD_SIZE=2; the plain child made its world of one (LOCAL_WORLD_SIZE=1)
+    # torchrun's children run with LOCAL_WORLD_SIZE=2; the plain child made its world of one
+    # (LOCAL_WORLD_SIZE=1)
     (plain,) = [c[1:] for c in children if c[0] == "1"]
     torchrun = [c[1:] for c in children if c[0] == "2"]
     assert plain[:2] == ("0", "1") and plain[2] != parent_port

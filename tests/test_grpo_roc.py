@@ -99,8 +99,9 @@ def test_counts_per_side_for_every_split_of_32(rule):
         assert sum(rewards[i] for i in kept) == EXPECTED_KEPT_POSITIVES_OF_32[num_pos], num_pos
 
 
-# The same for an odd G = 7 of 14, where the release's two rounded shares would add up to 6 or 8 rollouts (5 correct:
-# round(2.5) + round(4.5) = 6; 7 correct: round(3.5) + round(3.5) = 8). Positives round, negatives take the rest.
+# The same for an odd G = 7 of 14, where the release's two rounded shares would add up to 6 or 8
+# rollouts (5 correct: round(2.5) + round(4.5) = 6; 7 correct: round(3.5) + round(3.5) = 8).
+# Positives round, negatives take the rest.
 EXPECTED_KEPT_POSITIVES_OF_14 = [0, 1, 2, 2, 2, 2, 3, 4, 4, 4, 5, 5, 5, 6, 7]
 
 
@@ -181,7 +182,8 @@ def test_topk_keeps_lowest_penalties_with_ties_in_rollout_order():
     penalties = [0.5, 0.0, 0.5, 1.0, 0.5, 0, 0, 0]
     kept = resample_on_correct(rewards, penalties, 4, np.random.default_rng(0), "topk")
     assert [i for i in kept if rewards[i]] == [0, 1]       # 0.0 first, then the first 0.5
-    assert resample_on_correct(rewards, penalties, 4, np.random.default_rng(5), "topk")[:2] == [0, 1]
+    assert resample_on_correct(rewards, penalties, 4, np.random.default_rng(5),
+                               "topk")[:2] == [0, 1]
 
 
 def test_edge_cases_all_correct_all_wrong_one_correct_and_small_groups():
@@ -240,11 +242,13 @@ def test_roc_mode_is_resample_on_correct():
 
 
 def test_roc_keeps_fewer_positives_with_tool_errors_than_uniform_selection():
-    """What RoC is for (§2.2.3, Fig. 4), on a fixed batch shaped like the tiny demo's after SFT: 2G = 8 rollouts per
-    question, each (tool calls, failed calls, reward). A clean answer makes 1 call; a recovered one makes 2, the
-    first failed (penalty 0.5). Uniform selection, which is plain GRPO's (select_group mode="grpo" thins 2G to G
-    exactly like sampling G), keeps positives with errors at their share in the batch; RoC keeps far fewer."""
-    clean_right, recovered_right, clean_wrong, failed_wrong = (1, 0, 1.0), (2, 1, 1.0), (1, 0, 0.0), (2, 1, 0.0)
+    """What RoC is for (§2.2.3, Fig. 4), on a fixed batch shaped like the tiny demo's after SFT:
+    2G = 8 rollouts per question, each (tool calls, failed calls, reward). A clean answer makes 1
+    call; a recovered one makes 2, the first failed (penalty 0.5). Uniform selection, which is plain
+    GRPO's (select_group mode="grpo" thins 2G to G exactly like sampling G), keeps positives with
+    errors at their share in the batch; RoC keeps far fewer."""
+    clean_right, recovered_right, clean_wrong, failed_wrong = ((1, 0, 1.0), (2, 1, 1.0),
+                                                               (1, 0, 0.0), (2, 1, 0.0))
     batch = [
         [clean_right] * 3 + [recovered_right] * 2 + [clean_wrong] * 2 + [failed_wrong],
         [clean_right] * 2 + [recovered_right] * 2 + [clean_wrong] * 3 + [failed_wrong],
@@ -258,15 +262,18 @@ def test_roc_keeps_fewer_positives_with_tool_errors_than_uniform_selection():
             rewards = [reward for _, _, reward in group]
             penalties = [roc_penalty(calls, errors, 1, calls + 1) for calls, errors, _ in group]
             for mode in kept:
-                for i in select_group(rewards, penalties, 4, np.random.default_rng([seed, g]), mode=mode):
+                for i in select_group(rewards, penalties, 4, np.random.default_rng([seed, g]),
+                                      mode=mode):
                     if rewards[i]:
                         kept[mode][0] += 1
                         kept[mode][1] += group[i][1] > 0
     share = {mode: errors / positives for mode, (positives, errors) in kept.items()}
-    in_batch = sum(t == recovered_right for group in batch for t in group) / sum(t[2] for group in batch for t in group)
-    assert abs(share["grpo"] - in_batch) < 0.03, (share, in_batch)  # uniform: the batch's own share (10 of 25)
-    # RoC: clean positives weigh 1/0.1 against 1/0.6 (penalty_offset 0.1), so a recovered one is kept only when
-    # too few clean ones are left to fill the positive slots.
+    in_batch = (sum(t == recovered_right for group in batch for t in group)
+                / sum(t[2] for group in batch for t in group))
+    # uniform: the batch's own share (10 of 25)
+    assert abs(share["grpo"] - in_batch) < 0.03, (share, in_batch)
+    # RoC: clean positives weigh 1/0.1 against 1/0.6 (penalty_offset 0.1), so a recovered one is
+    # kept only when too few clean ones are left to fill the positive slots.
     assert share["roc"] < 0.5 * share["grpo"], share
     assert kept["roc"][1] < kept["grpo"][1], kept
 
@@ -325,12 +332,14 @@ def test_loss_gradient_matches_the_hand_derived_surrogate_gradient():
     assert metrics["clip_high_fraction"].item() == pytest.approx(1 / 7)
     assert metrics["clip_low_fraction"].item() == pytest.approx(1 / 7)
     assert metrics["ratio_max"].item() == pytest.approx(1.5)
-    assert metrics["ratio_mean"].item() == pytest.approx((1.1 + 1.5 + 0.5 + 1.1 + 1.5 + 0.5 + 1) / 7)
+    assert metrics["ratio_mean"].item() == pytest.approx(
+        (1.1 + 1.5 + 0.5 + 1.1 + 1.5 + 0.5 + 1) / 7)
 
 
 def test_loss_gradient_matches_float64_finite_differences():
     logp, old_logp, advantages, mask = _batch(0, [5, 2, 4])
-    noise = torch.randn(old_logp.shape, generator=torch.Generator().manual_seed(0), dtype=old_logp.dtype)
+    noise = torch.randn(old_logp.shape, generator=torch.Generator().manual_seed(0),
+                        dtype=old_logp.dtype)
     logp = (old_logp + 0.05 * noise).requires_grad_()   # ratios near 1, away from the clip kinks
     assert torch.autograd.gradcheck(
         lambda lp: policy_loss(lp, old_logp, advantages, mask)[0], (logp,), eps=1e-6, atol=1e-8)
@@ -407,7 +416,8 @@ def test_dual_clip_bounds_the_loss_of_exploded_negative_tokens():
     logp = torch.full((1, 1), math.log(10.0), dtype=torch.float64)
     advantages, mask = torch.tensor([-1.0], dtype=torch.float64), torch.ones(1, 1, dtype=torch.bool)
     assert policy_loss(logp, old_logp, advantages, mask)[0].item() == pytest.approx(10.0)
-    assert policy_loss(logp, old_logp, advantages, mask, dual_clip=3.0)[0].item() == pytest.approx(3.0)
+    assert policy_loss(logp, old_logp, advantages, mask,
+                       dual_clip=3.0)[0].item() == pytest.approx(3.0)
 
 
 @pytest.mark.parametrize("change, message", [

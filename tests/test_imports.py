@@ -1,5 +1,6 @@
-"""The two places of the repo: the method at the top level, the machinery beneath it. Arrows point down only:
-the package never imports a top-level file, and a script imports no other script sideways."""
+"""The two places of the repo: the method at the top level, the machinery beneath it. Arrows point
+down only: the package never imports a top-level file, and a script imports no other script
+sideways."""
 import ast
 from pathlib import Path
 
@@ -9,7 +10,8 @@ SCRIPTS = {"rl", "sft", "eval"}  # what two of them share lives in the package
 
 
 def imported_modules(path):
-    """The first component of every module a file imports, at any depth (function-level imports too)."""
+    """The first component of every module a file imports, at any depth (function-level imports
+    too)."""
     found = set()
     for node in ast.walk(ast.parse(Path(path).read_text())):
         if isinstance(node, ast.Import):
@@ -34,7 +36,8 @@ def test_the_package_never_imports_a_top_level_file():
 
 
 def test_a_wrong_way_import_is_caught(tmp_path):
-    (tmp_path / "helper.py").write_text("import os\n\n\ndef f():\n    from rollout import generate\n")
+    (tmp_path / "helper.py").write_text("import os\n\n\ndef f():\n"
+                                        "    from rollout import generate\n")
     assert wrong_way_imports(tmp_path) == {"helper.py": ["rollout"]}
 
 

@@ -1,5 +1,5 @@
-"""prepare_data.py: a DAPO-shaped problem set becomes data/'s format, integer answers only, each problem once, none
-that is (or is a rewording of) a benchmark problem.
+"""prepare_data.py: a DAPO-shaped problem set becomes data/'s format, integer answers only, each
+problem once, none that is (or is a rewording of) a benchmark problem.
 
 Run: .venv/bin/python -m pytest tests/test_prepare_data.py -q
 """
@@ -18,8 +18,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def dapo_row(problem, answer):
-    """A row as DAPO-Math-17k has it: the problem inside its instruction prompt, the answer in reward_model."""
-    prompt = f"{prepare_data.DAPO_PREFIX} $Answer (without quotes) where $Answer is the answer to the problem.\n\n" \
+    """A row as DAPO-Math-17k has it: the problem inside its instruction prompt, the answer in
+    reward_model."""
+    prompt = f"{prepare_data.DAPO_PREFIX} $Answer (without quotes) where $Answer is the answer " \
+             "to the problem.\n\n" \
              f"{problem}\n\n{prepare_data.DAPO_SUFFIX}"
     return {"data_source": "math_dapo", "prompt": [{"content": prompt, "role": "user"}],
             "reward_model": {"ground_truth": answer, "style": "rule-lighteval/MATH_v2"}}
@@ -29,7 +31,8 @@ def dapo_row(problem, answer):
 def dapo_file(tmp_path):
     aime = load_problems("data/aime24.jsonl")[3]["problem"]
     words = aime.split()
-    reworded = " ".join(words[:-3] + ["Determine", "this", "value."])  # the tail changed: most 8-grams still shared
+    # the tail changed: most 8-grams still shared
+    reworded = " ".join(words[:-3] + ["Determine", "this", "value."])
     train = load_problems("data/train_int_mix.jsonl")[0]["problem"]
     rows = [dapo_row("How many primes are below 20?", "8")] * 3 + [  # DAPO repeats its problems
         dapo_row("Compute 7 * 11 + 1, in   $\\LaTeX$.", "078"),
@@ -49,14 +52,18 @@ def config(*overrides):
     return load_config(prepare_data.PrepareConfig, list(overrides))
 
 
-def test_a_dapo_set_becomes_integer_problems_without_duplicates_or_benchmark_problems(dapo_file, tmp_path):
+def test_a_dapo_set_becomes_integer_problems_without_duplicates_or_benchmark_problems(dapo_file,
+                                                                                      tmp_path):
     cfg = config(f"source={dapo_file}", f"out={tmp_path / 'out.jsonl'}", "question_key=prompt",
-                 "answer_key=reward_model.ground_truth", "name=dapo", "merge_with=[data/train_int_mix.jsonl]")
+                 "answer_key=reward_model.ground_truth", "name=dapo",
+                 "merge_with=[data/train_int_mix.jsonl]")
     kept, new, dropped = prepare_data.prepare(cfg)
     assert len(kept) == len(load_problems("data/train_int_mix.jsonl"))
     assert new == [
-        {"id": "dapo-1", "problem": "How many primes are below 20?", "answer": "8", "source": "dapo"},
-        {"id": "dapo-4", "problem": "Compute 7 * 11 + 1, in   $\\LaTeX$.", "answer": "78", "source": "dapo"},
+        {"id": "dapo-1", "problem": "How many primes are below 20?", "answer": "8",
+         "source": "dapo"},
+        {"id": "dapo-4", "problem": "Compute 7 * 11 + 1, in   $\\LaTeX$.", "answer": "78",
+         "source": "dapo"},
         {"id": "dapo-10", "problem": "What is 1,000 + 80?", "answer": "1080", "source": "dapo"},
     ]
     assert dropped == {"duplicate": 4, "answer not an integer": 1, "benchmark problem": 1,
@@ -66,17 +73,20 @@ def test_a_dapo_set_becomes_integer_problems_without_duplicates_or_benchmark_pro
 def test_the_command_writes_a_file_rl_py_can_read(dapo_file, tmp_path):
     out = tmp_path / "train.jsonl"
     proc = subprocess.run([sys.executable, "prepare_data.py", f"source={dapo_file}", f"out={out}",
-                           "question_key=prompt", "answer_key=reward_model.ground_truth", "name=dapo"],
+                           "question_key=prompt", "answer_key=reward_model.ground_truth",
+                           "name=dapo"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert [r["id"] for r in load_problems(out)] == ["dapo-1", "dapo-4", "dapo-8", "dapo-10"]  # no merge_with here
+    # no merge_with here
+    assert [r["id"] for r in load_problems(out)] == ["dapo-1", "dapo-4", "dapo-8", "dapo-10"]
     assert "dropped 3: duplicate" in proc.stdout
 
 
 def test_bad_input_names_the_key_or_the_missing_reader(dapo_file, tmp_path):
     with pytest.raises(ConfigError, match="source and out are required"):
         config(f"source={dapo_file}")
-    _, new, dropped = prepare_data.prepare(config(f"source={dapo_file}", "out=x.jsonl", "question_key=question"))
+    _, new, dropped = prepare_data.prepare(config(f"source={dapo_file}", "out=x.jsonl",
+                                                  "question_key=question"))
     assert new == [] and dropped == {"no question at question": 10}
     parquet = tmp_path / "set.parquet"
     try:
@@ -89,6 +99,7 @@ def test_bad_input_names_the_key_or_the_missing_reader(dapo_file, tmp_path):
     else:
         rows = [json.loads(line) for line in dapo_file.read_text().splitlines()]
         pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), parquet)
-        _, new, _ = prepare_data.prepare(config(f"source={parquet}", "out=x.jsonl", "question_key=prompt",
+        _, new, _ = prepare_data.prepare(config(f"source={parquet}", "out=x.jsonl",
+                                                "question_key=prompt",
                                                 "answer_key=reward_model.ground_truth"))
         assert len(new) == 4
