@@ -1,29 +1,35 @@
-"""The tiny CPU demo: the whole rStar2-Agent pipeline on a 0.76M-parameter model that learns to use a Python tool.
+"""The tiny CPU demo: the whole rStar2-Agent pipeline on a 0.76M-parameter model that learns to use
+a Python tool.
 
-    python demo.py                  # tiny model -> SFT transcripts -> sft.py -> rl.py (GRPO-RoC) -> before/after table
-    python demo.py ablation=true    # GRPO vs GRPO-RoC vs GRPO with 2G kept, 3 seeds -> assets/ablation.png (+ .json/.md)
+    python demo.py                  # tiny model -> SFT transcripts -> sft.py -> rl.py (GRPO-RoC)
+                                    # -> before/after table
+    python demo.py ablation=true    # GRPO vs GRPO-RoC vs GRPO with 2G kept, 3 seeds ->
+                                    # assets/ablation.png (+ .json/.md)
     python demo.py verbose=true     # with all of vLLM's logging (default: its warnings only)
 
-The task is multi-digit arithmetic ("Compute 4821 * 67 - 905."): a 2-layer, 128-wide model cannot multiply 4-digit
-numbers in its head, but it can learn to write the expression as code, call the tool, and copy the printed result
-into \\boxed{}. sft.py teaches the format from generated transcripts (in some the code prints the result and then
-fails, and the answer is read from the failed call); rl.py then trains with GRPO-RoC on rewards alone, and the held-out accuracy (real vLLM engine, real
-sandboxed tool, 0/1 reward on the boxed answer) is measured before the first step and after the last.
+The task is multi-digit arithmetic ("Compute 4821 * 67 - 905."): a 2-layer, 128-wide model cannot
+multiply 4-digit numbers in its head, but it can learn to write the expression as code, call the
+tool, and copy the printed result into \\boxed{}. sft.py teaches the format from generated
+transcripts (in some the code prints the result and then fails, and the answer is read from the
+failed call); rl.py then trains with GRPO-RoC on rewards alone, and the held-out accuracy (real vLLM
+engine, real sandboxed tool, 0/1 reward on the boxed answer) is measured before the first step and
+after the last.
 
-Each stage is the README's own command, run as a subprocess and printed, so the demo is also a transcript of how to
-run the pieces by hand:
+Each stage is the README's own command, run as a subprocess and printed, so the demo is also a
+transcript of how to run the pieces by hand:
     python tiny.py                          -> out/tiny-model, out/tiny-sft.jsonl
     (this file)                             -> out/tiny-rl-train.jsonl, out/tiny-rl-test.jsonl
     python sft.py configs/sft_tiny.yaml     -> runs/tiny-sft/final
     python rl.py configs/tiny.yaml          -> runs/tiny-rl/metrics.jsonl, runs/tiny-rl/hf_step_N
-A stage whose output exists is skipped (fresh=true reruns all). rl_args / sft_args pass key=value overrides through,
-e.g. `python demo.py rl_args=steps=30,lr=1e-4`.
+A stage whose output exists is skipped (fresh=true reruns all). rl_args / sft_args pass key=value
+overrides through, e.g. `python demo.py rl_args=steps=30,lr=1e-4`.
 
-The ablation follows the paper's comparison (Fig. 4 and 9), with the same seeds, prompts and steps in every arm:
-plain GRPO samples G rollouts per prompt and trains on all; GRPO-RoC samples 2G and keeps G (twice the rollout
-compute); the equal-compute control, plain GRPO with 2G sampled and all kept, separates the effect of choosing
-positives from the effect of sampling more. The number it is about is Fig. 4's tool-error ratio in correct
-trajectories: failed calls / calls over the trajectories that got the answer right.
+The ablation follows the paper's comparison (Fig. 4 and 9), with the same seeds, prompts and steps
+in every arm: plain GRPO samples G rollouts per prompt and trains on all; GRPO-RoC samples 2G and
+keeps G (twice the rollout compute); the equal-compute control, plain GRPO with 2G sampled and all
+kept, separates the effect of choosing positives from the effect of sampling more. The number it is
+about is Fig. 4's tool-error ratio in correct trajectories: failed calls / calls over the
+trajectories that got the answer right.
 """
 import concurrent.futures
 import dataclasses
@@ -51,51 +57,62 @@ import matplotlib.pyplot as plt  # noqa: E402
 class DemoConfig:
     ablation: bool = False
     fresh: bool = False                      # rerun every stage even if its output exists
-    train_problems: int = 2000               # RL prompts (split "train": disjoint from the SFT and held-out problems)
-    test_problems: int = 100                 # held-out problems (split "test", the same set as eval.py's `arith`)
+    train_problems: int = 2000               # RL prompts (split "train": disjoint from the SFT and
+                                             # held-out problems)
+    test_problems: int = 100                 # held-out problems (split "test", the same set as
+                                             # eval.py's `arith`)
     data_seed: int = 0
     sft_config: str = "configs/sft_tiny.yaml"
     rl_config: str = "configs/tiny.yaml"
     sft_args: list[str] = dataclasses.field(default_factory=list)   # extra key=value for sft.py
-    rl_args: list[str] = dataclasses.field(default_factory=list)    # extra key=value for rl.py (both arms)
-    verbose: bool = False                    # all of vLLM's logging in rl.py (default: its warnings only)
+    rl_args: list[str] = dataclasses.field(default_factory=list)    # extra key=value for rl.py
+                                                                    # (both arms)
+    verbose: bool = False                    # all of vLLM's logging in rl.py (default: its warnings
+                                             # only)
     # ablation
     ablation_dir: str = "runs/ablation"
     ablation_steps: int = 20
     ablation_seeds: list[int] = dataclasses.field(default_factory=lambda: [0, 1, 2])
-    # The last step's policy, measured on the held-out problems with this many samples each at the training
-    # temperature: one training batch (8 prompts) is too few correct trajectories to read a ratio from (0 = off).
+    # The last step's policy, measured on the held-out problems with this many samples each at the
+    # training temperature: one training batch (8 prompts) is too few correct trajectories to read a
+    # ratio from (0 = off).
     ablation_final_samples: int = 4
-    ablation_parallel: int = 2               # rl.py runs at once: each uses one core for its engine and training
-    ablation_smooth: int = 3                 # the plot's trailing mean over steps (the table is not smoothed)
+    ablation_parallel: int = 2               # rl.py runs at once: each uses one core for its engine
+                                             # and training
+    ablation_smooth: int = 3                 # the plot's trailing mean over steps (the table is not
+                                             # smoothed)
     plot: str = "assets/ablation.png"        # the numbers go next to it as .json and .md
 
     def validate(self):
         if self.train_problems < 1 or self.test_problems < 1 or self.ablation_steps < 1:
             raise ConfigError("train_problems, test_problems and ablation_steps must be >= 1")
         if self.ablation_smooth < 1:
-            raise ConfigError(f"ablation_smooth must be >= 1 (1 = no smoothing), got {self.ablation_smooth}")
+            raise ConfigError("ablation_smooth must be >= 1 (1 = no smoothing), "
+                              f"got {self.ablation_smooth}")
         if not self.ablation_seeds:
             raise ConfigError("ablation_seeds is empty")
         if self.ablation_parallel < 1 or self.ablation_final_samples < 0:
-            raise ConfigError(f"ablation_parallel must be >= 1 and ablation_final_samples >= 0, got "
-                              f"{self.ablation_parallel} and {self.ablation_final_samples}")
+            raise ConfigError("ablation_parallel must be >= 1 and ablation_final_samples >= 0, "
+                              f"got {self.ablation_parallel} and {self.ablation_final_samples}")
         for name in ("sft_config", "rl_config"):
             if not resolve(getattr(self, name)).is_file():
                 raise ConfigError(f"{name}: file not found: {getattr(self, name)}")
 
 
 def run(cmd, log=None):
-    """Run one stage as its README command, echoing it; stop the demo if it fails. With `log`, its output goes to
-    that file instead of the terminal (runs side by side would interleave their progress bars)."""
-    # A fresh process per stage: each script starts its own torch.distributed world and vLLM engine, exactly as
-    # when run by hand, and nothing (threads, engines, process groups) leaks from one stage into the next.
+    """Run one stage as its README command, echoing it; stop the demo if it fails. With `log`, its
+    output goes to that file instead of the terminal (runs side by side would interleave their
+    progress bars)."""
+    # A fresh process per stage: each script starts its own torch.distributed world and vLLM engine,
+    # exactly as when run by hand, and nothing (threads, engines, process groups) leaks from one
+    # stage into the next.
     print(f"\n$ {' '.join(cmd)}" + (f" > {log}" if log else ""), flush=True)
     started = time.time()
     if log:
         Path(log).parent.mkdir(parents=True, exist_ok=True)
         with open(log, "w") as out:
-            proc = subprocess.run([sys.executable, *cmd], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+            proc = subprocess.run([sys.executable, *cmd], cwd=REPO, stdout=out,
+                                  stderr=subprocess.STDOUT)
     else:
         proc = subprocess.run([sys.executable, *cmd], cwd=REPO)
     if proc.returncode != 0:
@@ -114,13 +131,15 @@ def config_value(config_path, key):
 def prepare(cfg):
     """Everything before RL; returns {stage: seconds} for the stages that ran."""
     times = {}
-    # The paths are the scripts' own defaults, so `python rl.py configs/tiny.yaml` works afterwards by itself.
+    # The paths are the scripts' own defaults, so `python rl.py configs/tiny.yaml` works afterwards
+    # by itself.
     model_dir, sft_data = resolve(tiny.TinyConfig.out_dir), resolve(tiny.TinyConfig.sft_data)
     if cfg.fresh or not (model_dir / "config.json").is_file() or not sft_data.is_file():
         times["tiny model + SFT transcripts"] = run(["tiny.py"])
-    # The RL prompts and the held-out set, where configs/tiny.yaml expects them. Different splits of the generator
-    # (tiny.make_arithmetic_problems): none of them is an SFT transcript's problem.
-    for key, split, count in (("train_data", "train", cfg.train_problems), ("eval_data", "test", cfg.test_problems)):
+    # The RL prompts and the held-out set, where configs/tiny.yaml expects them. Different splits of
+    # the generator (tiny.make_arithmetic_problems): none of them is an SFT transcript's problem.
+    for key, split, count in (("train_data", "train", cfg.train_problems),
+                              ("eval_data", "test", cfg.test_problems)):
         path = resolve(config_value(cfg.rl_config, key))
         if cfg.fresh or not path.is_file() or len(load_jsonl(path)) != count:
             rows = tiny.make_arithmetic_problems(count, cfg.data_seed, split=split)
@@ -137,15 +156,18 @@ def prepare(cfg):
 
 def read_metrics(run_dir):
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    return ([json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            if path.is_file() else [])
 
 
 def train_rl(cfg, out_dir, args, log=None):
-    """rl.py into out_dir (resumed if it is there, unless fresh); returns its per-step metrics and its seconds."""
+    """rl.py into out_dir (resumed if it is there, unless fresh); returns its per-step metrics and
+    its seconds."""
     if cfg.fresh:
         shutil.rmtree(resolve(out_dir), ignore_errors=True)
     verbose = ["verbose=true"] if cfg.verbose else []
-    seconds = run(["rl.py", cfg.rl_config, f"out_dir={out_dir}", *verbose, *cfg.rl_args, *args], log=log)
+    seconds = run(["rl.py", cfg.rl_config, f"out_dir={out_dir}", *verbose, *cfg.rl_args, *args],
+                  log=log)
     return read_metrics(resolve(out_dir)), seconds
 
 
@@ -162,24 +184,30 @@ def demo(cfg):
     times = prepare(cfg)
     out_dir = config_value(cfg.rl_config, "out_dir")
     metrics, times["rl"] = train_rl(cfg, out_dir, [])
-    # rl.py evaluates the held-out set before its first step and after its last, through its own engine and tool:
-    # the same loop, sampling temperature and grader as training, so the two rows differ only in the weights.
+    # rl.py evaluates the held-out set before its first step and after its last, through its own
+    # engine and tool: the same loop, sampling temperature and grader as training, so the two rows
+    # differ only in the weights.
     points = evals(metrics)
     if len(points) < 2:
-        sys.exit(f"demo.py: {out_dir}/metrics.jsonl has no before/after evaluation (is eval_data set?)")
+        sys.exit(f"demo.py: {out_dir}/metrics.jsonl has no before/after evaluation "
+                 "(is eval_data set?)")
     (before_step, before), (after_step, after) = points[0], points[-1]
     rows = [("held-out accuracy (pass@1)", "eval/pass@1", "{:.1%}"),
             ("tool calls per trajectory", "eval/tool_calls_per_trajectory", "{:.2f}"),
-            ("tool-error ratio in correct trajectories", "eval/tool_error_rate_in_correct", "{:.1%}"),
+            ("tool-error ratio in correct trajectories", "eval/tool_error_rate_in_correct",
+             "{:.1%}"),
             ("answer rate", "eval/answer_rate", "{:.1%}"),
             ("response tokens", "eval/response_tokens", "{:.0f}")]
-    lines = [f"| {'held-out arithmetic (' + str(cfg.test_problems) + ' problems)':<42} | {'after SFT (step ' + str(before_step) + ')':>20} "
-             f"| {'after RL (step ' + str(after_step) + ')':>20} |", f"|{'-' * 44}|{'-' * 22}|{'-' * 22}|"]
+    lines = [f"| {'held-out arithmetic (' + str(cfg.test_problems) + ' problems)':<42} "
+             f"| {'after SFT (step ' + str(before_step) + ')':>20} "
+             f"| {'after RL (step ' + str(after_step) + ')':>20} |",
+             f"|{'-' * 44}|{'-' * 22}|{'-' * 22}|"]
     for label, key, fmt in rows:
         cell = lambda m: fmt.format(m[key]) if m.get(key) is not None else "n/a"  # noqa: E731
         lines.append(f"| {label:<42} | {cell(before):>20} | {cell(after):>20} |")
     print("\n" + "\n".join(lines))
-    print("\ntime: " + ", ".join(f"{k} {v:.0f} s" for k, v in times.items()) + f"; total {time.time() - started:.0f} s")
+    print("\ntime: " + ", ".join(f"{k} {v:.0f} s" for k, v in times.items())
+          + f"; total {time.time() - started:.0f} s")
     return before, after
 
 
@@ -187,14 +215,16 @@ def demo(cfg):
 # the ablation: plain GRPO vs GRPO-RoC, and plain GRPO at RoC's rollout budget
 
 def ablation_arms(cfg):
-    """arm -> (run-directory name, rl.py overrides). Only the algorithm and the group size differ; seeds, prompts
-    (the data order depends only on the seed) and steps are the same in every arm."""
+    """arm -> (run-directory name, rl.py overrides). Only the algorithm and the group size differ;
+    seeds, prompts (the data order depends only on the seed) and steps are the same in every arm."""
     group = config_value(cfg.rl_config, "group_size")
     return {
-        "GRPO": ("grpo", ["algorithm=grpo", f"group_size={group}"]),           # G sampled, all kept (Fig. 9's baseline)
-        "GRPO-RoC": ("roc", ["algorithm=roc", f"group_size={group}"]),         # 2G sampled, RoC keeps G (§2.2.3)
-        # RoC's rollout compute without its choice: 2G sampled and all trained on. RoC beating this arm too means
-        # the effect comes from which positives are kept, not from sampling more.
+        # G sampled, all kept (Fig. 9's baseline)
+        "GRPO": ("grpo", ["algorithm=grpo", f"group_size={group}"]),
+        # 2G sampled, RoC keeps G (§2.2.3)
+        "GRPO-RoC": ("roc", ["algorithm=roc", f"group_size={group}"]),
+        # RoC's rollout compute without its choice: 2G sampled and all trained on. RoC beating this
+        # arm too means the effect comes from which positives are kept, not from sampling more.
         "GRPO, 2G kept": ("grpo2g", ["algorithm=grpo", f"group_size={2 * group}"]),
     }
 
@@ -202,10 +232,12 @@ def ablation_arms(cfg):
 def ablation(cfg):
     prepare(cfg)
     arms = ablation_arms(cfg)
-    temperature = (config_value(cfg.rl_config, "rollout") or {}).get("temperature", RolloutConfig.temperature)
-    if cfg.ablation_final_samples:  # rl.py's held-out evaluation, after the last step only, at T of training
-        final = ["eval_at_start=false", "eval_every=0", f"eval_samples={cfg.ablation_final_samples}",
-                 f"eval_temperature={temperature}"]
+    temperature = (config_value(cfg.rl_config, "rollout") or {}).get("temperature",
+                                                                     RolloutConfig.temperature)
+    # rl.py's held-out evaluation, after the last step only, at T of training
+    if cfg.ablation_final_samples:
+        final = ["eval_at_start=false", "eval_every=0",
+                 f"eval_samples={cfg.ablation_final_samples}", f"eval_temperature={temperature}"]
     else:
         final = ["eval_data="]
     jobs = {(name, seed): (f"{cfg.ablation_dir}/{slug}-seed{seed}",
@@ -213,17 +245,21 @@ def ablation(cfg):
                             f"save_every={cfg.ablation_steps}"])
             for name, (slug, overrides) in arms.items() for seed in cfg.ablation_seeds}
     load_before, started = os.getloadavg(), time.time()
-    # Runs are independent processes (own engine, tool workers, process group on its own port) and each is
-    # single-threaded on CPU (train_threads=0: one torch thread), so two of them fill two cores. Every number
-    # they produce is fixed by its seed; only the seconds depend on what runs beside them.
-    log = (lambda out_dir: f"{resolve(out_dir)}.log") if cfg.ablation_parallel > 1 else (lambda out_dir: None)
+    # Runs are independent processes (own engine, tool workers, process group on its own port) and
+    # each is single-threaded on CPU (train_threads=0: one torch thread), so two of them fill two
+    # cores. Every number they produce is fixed by its seed; only the seconds depend on what runs
+    # beside them.
+    log = ((lambda out_dir: f"{resolve(out_dir)}.log") if cfg.ablation_parallel > 1
+           else (lambda out_dir: None))
     with concurrent.futures.ThreadPoolExecutor(cfg.ablation_parallel) as pool:
-        futures = {key: pool.submit(train_rl, cfg, out_dir, args, log(out_dir)) for key, (out_dir, args) in jobs.items()}
+        futures = {key: pool.submit(train_rl, cfg, out_dir, args, log(out_dir))
+                   for key, (out_dir, args) in jobs.items()}
         results = {key: future.result() for key, future in futures.items()}
     runs = {key: metrics for key, (metrics, _) in results.items()}
-    timing = {"seconds": time.time() - started, "parallel": cfg.ablation_parallel, "load_average_before": load_before,
-              "load_average_after": os.getloadavg(),
-              "seconds_per_run": {f"{name} seed {seed}": s for (name, seed), (_, s) in results.items()}}
+    timing = {"seconds": time.time() - started, "parallel": cfg.ablation_parallel,
+              "load_average_before": load_before, "load_average_after": os.getloadavg(),
+              "seconds_per_run": {f"{name} seed {seed}": s
+                                  for (name, seed), (_, s) in results.items()}}
     summary = summarize_ablation(runs, arms, cfg, timing)
     plot_ablation(runs, arms, cfg)
     return summary
@@ -235,7 +271,8 @@ def mean(values):
 
 
 def seed_spread(values):
-    """Mean, sample standard deviation, min and max over seeds (None: a seed with nothing to measure)."""
+    """Mean, sample standard deviation, min and max over seeds (None: a seed with nothing to
+    measure)."""
     values = [v for v in values if v is not None]
     if not values:
         return {"mean": None, "std": None, "min": None, "max": None, "seeds": 0}
@@ -249,7 +286,8 @@ def train_rows(metrics):
 
 
 def last_third(metrics, key, steps):
-    """The mean of a per-step number over the last third of the steps (the paper's curves are read at the end)."""
+    """The mean of a per-step number over the last third of the steps (the paper's curves are read
+    at the end)."""
     return mean([m[key] for m in train_rows(metrics) if m["step"] > steps - max(1, steps // 3)])
 
 
@@ -258,34 +296,45 @@ def at_step(metrics, key, step):
 
 
 def summarize_ablation(runs, arms, cfg, timing):
-    """Per arm and step: seed mean and spread of the training accuracy and of Fig. 4's tool-error ratio in correct
-    trajectories (failed calls / calls, over every sampled trajectory with reward 1); the last step and the last
-    third per seed; and whether RoC's ratio is below each GRPO arm's by more than the spread across seeds."""
+    """Per arm and step: seed mean and spread of the training accuracy and of Fig. 4's tool-error
+    ratio in correct trajectories (failed calls / calls, over every sampled trajectory with reward
+    1); the last step and the last third per seed; and whether RoC's ratio is below each GRPO arm's
+    by more than the spread across seeds."""
     steps, seeds = cfg.ablation_steps, cfg.ablation_seeds
     keys = ("accuracy", "tool_error_ratio_in_correct")
     summary = {"steps": steps, "seeds": seeds, "timing": timing, "arms": {}, "roc_below": {}}
     for name in arms:
         per_seed = [runs[(name, s)] for s in seeds]
-        arm = {"rollouts_per_step": max((m["trajectories"] for metrics in per_seed for m in train_rows(metrics)), default=0),
-               "trained_per_step": mean([m["selected"] for metrics in per_seed for m in train_rows(metrics)]),
+        arm = {"rollouts_per_step": max((m["trajectories"] for metrics in per_seed
+                                         for m in train_rows(metrics)), default=0),
+               "trained_per_step": mean([m["selected"] for metrics in per_seed
+                                         for m in train_rows(metrics)]),
                "per_step": {key: [seed_spread([at_step(metrics, key, step) for metrics in per_seed])
                                   for step in range(1, steps + 1)] for key in keys}}
         for key in keys:
-            arm[f"{key}_first_step"] = seed_spread([at_step(metrics, key, 1) for metrics in per_seed])
-            arm[f"{key}_last_step"] = seed_spread([at_step(metrics, key, steps) for metrics in per_seed])
-            arm[f"{key}_last_third"] = seed_spread([last_third(metrics, key, steps) for metrics in per_seed])
-        # The policy after the last step on the held-out problems (ablation_final_samples each, training
-        # temperature): the same quantity as the training batches', from several times as many trajectories.
-        finals = [points[-1][1] if (points := evals(metrics)) and points[-1][0] == steps else {} for metrics in per_seed]
+            arm[f"{key}_first_step"] = seed_spread([at_step(metrics, key, 1)
+                                                    for metrics in per_seed])
+            arm[f"{key}_last_step"] = seed_spread([at_step(metrics, key, steps)
+                                                   for metrics in per_seed])
+            arm[f"{key}_last_third"] = seed_spread([last_third(metrics, key, steps)
+                                                    for metrics in per_seed])
+        # The policy after the last step on the held-out problems (ablation_final_samples each,
+        # training temperature): the same quantity as the training batches', from several times as
+        # many trajectories.
+        finals = [points[-1][1] if (points := evals(metrics)) and points[-1][0] == steps else {}
+                  for metrics in per_seed]
         arm["final_accuracy"] = seed_spread([m.get("eval/pass@1") for m in finals])
-        arm["final_tool_error_ratio_in_correct"] = seed_spread([m.get("eval/tool_error_rate_in_correct") for m in finals])
-        arm["final_trajectories"] = cfg.test_problems * cfg.ablation_final_samples if any(finals) else 0
+        arm["final_tool_error_ratio_in_correct"] = seed_spread(
+            [m.get("eval/tool_error_rate_in_correct") for m in finals])
+        arm["final_trajectories"] = (cfg.test_problems * cfg.ablation_final_samples if any(finals)
+                                     else 0)
         summary["arms"][name] = arm
-    # The issue's bar: RoC's ratio below the baseline's by more than the seed spread (the larger of the two arms'
-    # standard deviations over seeds), at the last step (the final policy's measurement where there is one) and over
-    # the last third of the training steps.
+    # The issue's bar: RoC's ratio below the baseline's by more than the seed spread (the larger of
+    # the two arms' standard deviations over seeds), at the last step (the final policy's
+    # measurement where there is one) and over the last third of the training steps.
     roc = summary["arms"]["GRPO-RoC"]
-    last = "final_tool_error_ratio_in_correct" if roc["final_tool_error_ratio_in_correct"]["mean"] is not None \
+    last = "final_tool_error_ratio_in_correct" \
+        if roc["final_tool_error_ratio_in_correct"]["mean"] is not None \
         else "tool_error_ratio_in_correct_last_step"
     summary["last_step_measure"] = last
     for name in arms:
@@ -300,7 +349,8 @@ def summarize_ablation(runs, arms, cfg, timing):
                 summary["roc_below"][name][where] = None
                 continue
             margin, spread = b["mean"] - a["mean"], max(a["std"], b["std"])
-            summary["roc_below"][name][where] = {"margin": margin, "spread": spread, "holds": margin > spread,
+            summary["roc_below"][name][where] = {"margin": margin, "spread": spread,
+                                                 "holds": margin > spread,
                                                  "ranges_disjoint": a["max"] < b["min"]}
     path = resolve(cfg.plot).with_suffix(".json")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -312,15 +362,18 @@ def summarize_ablation(runs, arms, cfg, timing):
 
 
 def ablation_table(summary):
-    pct = lambda s: "n/a" if s["mean"] is None else f"{s['mean']:.1%} ± {s['std']:.1%}"  # noqa: E731
+    pct = lambda s: ("n/a" if s["mean"] is None  # noqa: E731
+                     else f"{s['mean']:.1%} ± {s['std']:.1%}")
     steps, seeds, timing = summary["steps"], summary["seeds"], summary["timing"]
-    lines = [f"Ablation: {steps} steps, seeds {seeds}; mean ± standard deviation over seeds. Training numbers over every "
-             f"sampled trajectory at T=1.0; last third = steps {steps - max(1, steps // 3) + 1}-{steps}. "
-             f"`python demo.py ablation=true`: {timing['seconds']:.0f} s for the runs ({timing.get('parallel', 1)} at "
-             f"a time), load average "
-             f"{timing['load_average_before'][0]:.1f} before, {timing['load_average_after'][0]:.1f} after.", "",
-             "| arm | rollouts sampled / trained per step | train accuracy, step 1 | train accuracy, last third "
-             "| tool-error ratio in correct, step 1 | at the last step's batch | over the last third |",
+    lines = [f"Ablation: {steps} steps, seeds {seeds}; mean ± standard deviation over seeds. "
+             "Training numbers over every sampled trajectory at T=1.0; last third = steps "
+             f"{steps - max(1, steps // 3) + 1}-{steps}. `python demo.py ablation=true`: "
+             f"{timing['seconds']:.0f} s for the runs ({timing.get('parallel', 1)} at a time), "
+             f"load average {timing['load_average_before'][0]:.1f} before, "
+             f"{timing['load_average_after'][0]:.1f} after.", "",
+             "| arm | rollouts sampled / trained per step | train accuracy, step 1 "
+             "| train accuracy, last third | tool-error ratio in correct, step 1 "
+             "| at the last step's batch | over the last third |",
              "|---|---|---|---|---|---|---|"]
     for name, arm in summary["arms"].items():
         lines.append(f"| {name} | {arm['rollouts_per_step']} / {arm['trained_per_step']:.0f} "
@@ -328,25 +381,32 @@ def ablation_table(summary):
                      f"| {pct(arm['tool_error_ratio_in_correct_first_step'])} "
                      f"| {pct(arm['tool_error_ratio_in_correct_last_step'])} "
                      f"| {pct(arm['tool_error_ratio_in_correct_last_third'])} |")
-    finals = {name: arm for name, arm in summary["arms"].items() if arm["final_accuracy"]["mean"] is not None}
+    finals = {name: arm for name, arm in summary["arms"].items()
+              if arm["final_accuracy"]["mean"] is not None}
     if finals:
-        lines += ["", f"The policy after step {steps}, on the held-out problems at the training temperature "
-                      f"({max(a['final_trajectories'] for a in finals.values())} trajectories per seed):", "",
-                  "| arm | held-out accuracy | tool-error ratio in correct trajectories |", "|---|---|---|"]
+        lines += ["", f"The policy after step {steps}, on the held-out problems at the training "
+                      f"temperature ({max(a['final_trajectories'] for a in finals.values())} "
+                      "trajectories per seed):", "",
+                  "| arm | held-out accuracy | tool-error ratio in correct trajectories |",
+                  "|---|---|---|"]
         for name, arm in finals.items():
-            lines.append(f"| {name} | {pct(arm['final_accuracy'])} | {pct(arm['final_tool_error_ratio_in_correct'])} |")
+            lines.append(f"| {name} | {pct(arm['final_accuracy'])} "
+                         f"| {pct(arm['final_tool_error_ratio_in_correct'])} |")
     lines.append("")
-    at_last = ("at the last step (the final policy, held out)" if summary.get("last_step_measure", "").startswith("final")
+    at_last = ("at the last step (the final policy, held out)"
+               if summary.get("last_step_measure", "").startswith("final")
                else "at the last step (its training batch)")
     for name, result in summary["roc_below"].items():
         for where, r in result.items():
             label = at_last if where == "last_step" else "over the last third"
             if r is None:
-                lines.append(f"- RoC vs {name}, {label}: no correct trajectory with a tool call in some arm")
+                lines.append(f"- RoC vs {name}, {label}: no correct trajectory with a tool call in "
+                             "some arm")
                 continue
             verdict = "holds" if r["holds"] else "does NOT hold"
-            lines.append(f"- RoC's tool-error ratio in correct trajectories below {name}'s {label}: by "
-                         f"{r['margin']:+.1%} against a seed spread (larger std) of {r['spread']:.1%}: {verdict}; "
+            lines.append(f"- RoC's tool-error ratio in correct trajectories below {name}'s "
+                         f"{label}: by {r['margin']:+.1%} against a seed spread (larger std) of "
+                         f"{r['spread']:.1%}: {verdict}; "
                          f"seed ranges {'disjoint' if r['ranges_disjoint'] else 'overlap'}")
     return lines
 
@@ -361,28 +421,34 @@ def smooth(values, window):
 
 
 def plot_ablation(runs, arms, cfg):
-    # Left: training accuracy; right: the paper's Fig. 4 quantity, which RoC's choice of positives is meant to push
-    # down. Per arm the seed mean and, shaded, the seed min..max, each seed first smoothed over `ablation_smooth`
-    # steps (8 prompts a step are noisy; the table's numbers are not smoothed).
+    # Left: training accuracy; right: the paper's Fig. 4 quantity, which RoC's choice of positives
+    # is meant to push down. Per arm the seed mean and, shaded, the seed min..max, each seed first
+    # smoothed over `ablation_smooth` steps (8 prompts a step are noisy; the table's numbers are not
+    # smoothed).
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     colors = {"GRPO": "tab:blue", "GRPO-RoC": "tab:red", "GRPO, 2G kept": "tab:green"}
     steps = list(range(1, cfg.ablation_steps + 1))
     for ax, key, title in zip(axes, ("accuracy", "tool_error_ratio_in_correct"),
-                              ("Training accuracy (T=1.0)", "Tool-error ratio in correct trajectories (Fig. 4)")):
+                              ("Training accuracy (T=1.0)",
+                               "Tool-error ratio in correct trajectories (Fig. 4)")):
         for name in arms:
-            curves = [smooth([at_step(runs[(name, s)], key, step) for step in steps], cfg.ablation_smooth)
+            curves = [smooth([at_step(runs[(name, s)], key, step) for step in steps],
+                             cfg.ablation_smooth)
                       for s in cfg.ablation_seeds]
             stats = [seed_spread([c[i] for c in curves]) for i in range(len(steps))]
             xs = [x for x, s in zip(steps, stats) if s["mean"] is not None]
             stats = [s for s in stats if s["mean"] is not None]
             ax.plot(xs, [s["mean"] for s in stats], color=colors.get(name), lw=2,
                     label=f"{name} ({len(cfg.ablation_seeds)} seeds, mean)")
-            ax.fill_between(xs, [s["min"] for s in stats], [s["max"] for s in stats], color=colors.get(name), alpha=0.15)
-        ax.set(xlabel="RL step", title=title, ylabel="reward" if key == "accuracy" else "failed calls / calls")
+            ax.fill_between(xs, [s["min"] for s in stats], [s["max"] for s in stats],
+                            color=colors.get(name), alpha=0.15)
+        ax.set(xlabel="RL step", title=title,
+               ylabel="reward" if key == "accuracy" else "failed calls / calls")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"tiny model: plain GRPO vs GRPO-RoC vs GRPO with 2G kept, {cfg.ablation_steps} steps; shaded: seed "
-                 f"min..max; {cfg.ablation_smooth}-step trailing mean (python demo.py ablation=true)", fontsize=8)
+    fig.suptitle(f"tiny model: plain GRPO vs GRPO-RoC vs GRPO with 2G kept, {cfg.ablation_steps} "
+                 f"steps; shaded: seed min..max; {cfg.ablation_smooth}-step trailing mean "
+                 "(python demo.py ablation=true)", fontsize=8)
     fig.tight_layout()
     path = resolve(cfg.plot)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,26 +1,34 @@
-"""Turn a problem set into data/'s training format: integer answers only, deduplicated, decontaminated.
+"""Turn a problem set into data/'s training format: integer answers only, deduplicated,
+decontaminated.
 
-    python prepare_data.py source=dapo-math-17k.parquet question_key=prompt answer_key=reward_model.ground_truth \\
-        name=dapo merge_with=data/train_int_mix.jsonl out=data/train_int_mix_dapo.jsonl      # DAPO-Math-17k added
-    python prepare_data.py source=mine.jsonl question_key=question answer_key=answer name=mine out=data/mine.jsonl
+    python prepare_data.py source=dapo-math-17k.parquet question_key=prompt \\
+        answer_key=reward_model.ground_truth name=dapo merge_with=data/train_int_mix.jsonl \\
+        out=data/train_int_mix_dapo.jsonl      # DAPO-Math-17k added
+    python prepare_data.py source=mine.jsonl question_key=question answer_key=answer name=mine \\
+        out=data/mine.jsonl
 
-The paper trains on 42K problems (§4.2: 17K DAPO, AoPS problems from OpenMathReasoning, Project Euler); data/ holds
-8.1K. This brings a user's set into the same shape, by the rules data/SOURCES.md built train_int_mix.jsonl with:
+The paper trains on 42K problems (§4.2: 17K DAPO, AoPS problems from OpenMathReasoning, Project
+Euler); data/ holds 8.1K. This brings a user's set into the same shape, by the rules
+data/SOURCES.md built train_int_mix.jsonl with:
 
-  1. answers: integers only (§4.2: verifiers mis-grade other answers), written canonically ("025" -> "25",
-     "1,080" -> "1080", "27.0" -> "27"); any other answer drops the row.
-  2. duplicates: same normalized text (lower-cased, whitespace and $ removed) as an earlier row or as a problem of
-     merge_with; the first one is kept (DAPO-Math-17k repeats each of its 17,917 problems 100 times).
-  3. contamination: same normalized text as a problem of any benchmark in common.BENCHMARKS, or sharing at least
-     ngram_fraction of its word 8-grams with one (of the shorter one's 8-grams; 0 = any shared 8-gram, the paper's
-     literal rule, which also drops problems that merely share a stock phrase).
+  1. answers: integers only (§4.2: verifiers mis-grade other answers), written canonically
+     ("025" -> "25", "1,080" -> "1080", "27.0" -> "27"); any other answer drops the row.
+  2. duplicates: same normalized text (lower-cased, whitespace and $ removed) as an earlier row or
+     as a problem of merge_with; the first one is kept (DAPO-Math-17k repeats each of its 17,917
+     problems 100 times).
+  3. contamination: same normalized text as a problem of any benchmark in machinery.data.BENCHMARKS,
+     or sharing at least ngram_fraction of its word 8-grams with one (of the shorter one's 8-grams;
+     0 = any shared 8-gram, the paper's literal rule, which also drops problems that merely share a
+     stock phrase).
 
-Input: JSONL, or parquet (needs pyarrow, not in requirements.txt: `pip install pyarrow`). Keys are dotted paths into a
-row (reward_model.ground_truth). A question stored as chat messages (DAPO's prompt: [{"role": "user", "content":
-...}]) is the last user message, and DAPO's instruction wrapper around it ("Solve the following math problem step by
-step. ..." / "Remember to put your answer on its own line after "Answer:".") is removed: rollout.py's prompt template
-is the only instruction the policy sees. Output: merge_with's rows unchanged, then {"id": "NAME-ROW", "problem",
-"answer", "source": NAME} per new problem; written atomically, with the count of every kind of drop.
+Input: JSONL, or parquet (needs pyarrow, not in requirements.txt: `pip install pyarrow`). Keys are
+dotted paths into a row (reward_model.ground_truth). A question stored as chat messages (DAPO's
+prompt: [{"role": "user", "content": ...}]) is the last user message, and DAPO's instruction
+wrapper around it ("Solve the following math problem step by step. ..." / "Remember to put your
+answer on its own line after "Answer:".") is removed: machinery/prompts.py's prompt template is
+the only instruction the policy sees. Output: merge_with's rows unchanged, then
+{"id": "NAME-ROW", "problem", "answer", "source": NAME} per new problem; written atomically, with
+the count of every kind of drop.
 
 Tests: .venv/bin/python -m pytest tests/test_prepare_data.py -q
 """
@@ -34,9 +42,10 @@ from machinery.data import BENCHMARKS, load_jsonl, load_problems
 from machinery.config import atomic_write_text, ConfigError, load_config, resolve
 
 NGRAM = 8
-# DAPO-Math-17k's prompt around each problem (BytedTsinghua-SIA/DAPO-Math-17k, the release's training data)
-DAPO_PREFIX = ("Solve the following math problem step by step. The last line of your response should be of the form "
-               "Answer:")
+# DAPO-Math-17k's prompt around each problem (BytedTsinghua-SIA/DAPO-Math-17k, the release's
+# training data)
+DAPO_PREFIX = ("Solve the following math problem step by step. The last line of your response "
+               "should be of the form Answer:")
 DAPO_SUFFIX = 'Remember to put your answer on its own line after "Answer:".'
 INTEGER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.0*)?")
 
@@ -48,20 +57,25 @@ class PrepareConfig:
     name: str = "extra"                  # the rows' source field and id prefix
     question_key: str = "problem"        # dotted path to the question (a string, or chat messages)
     answer_key: str = "answer"           # dotted path to the integer answer
-    merge_with: list[str] = dataclasses.field(default_factory=list)  # data/-format files written first, unchanged
-    ngram_fraction: float = 0.8          # a problem sharing this much of its word 8-grams with a benchmark is dropped
+    # data/-format files written first, unchanged
+    merge_with: list[str] = dataclasses.field(default_factory=list)
+    ngram_fraction: float = 0.8          # a problem sharing this much of its word 8-grams with a
+                                         # benchmark is dropped
 
     def validate(self):
         if not self.source or not self.out:
-            raise ConfigError("source and out are required: python prepare_data.py source=FILE out=data/NAME.jsonl")
+            raise ConfigError("source and out are required: "
+                              "python prepare_data.py source=FILE out=data/NAME.jsonl")
         if not re.fullmatch(r"[\w.-]+", self.name):
-            raise ConfigError(f"name={self.name!r}: letters, digits, '.', '-' and '_' only (it prefixes every id)")
+            raise ConfigError(f"name={self.name!r}: letters, digits, '.', '-' and '_' only "
+                              "(it prefixes every id)")
         if not 0 <= self.ngram_fraction <= 1:
             raise ConfigError(f"ngram_fraction={self.ngram_fraction}: must be in [0, 1]")
 
 
 def normalize(text):
-    """The key under which two problems are the same (data/SOURCES.md): lower-cased, whitespace and $ removed."""
+    """The key under which two problems are the same (data/SOURCES.md): lower-cased, whitespace
+    and $ removed."""
     return re.sub(r"[\s$]", "", text.lower())
 
 
@@ -81,7 +95,8 @@ def canonical_integer(answer):
 def question_text(value):
     """The question itself: the last user message of a chat, without DAPO's instruction wrapper."""
     if isinstance(value, list):
-        users = [m.get("content") for m in value if isinstance(m, dict) and m.get("role") == "user"]
+        users = [m.get("content") for m in value
+                 if isinstance(m, dict) and m.get("role") == "user"]
         value = users[-1] if users else None
     if not isinstance(value, str):
         return None
@@ -103,7 +118,8 @@ def lookup(row, dotted):
 
 
 def read_rows(path, keys):
-    """The rows of a JSONL or parquet file as dicts (for parquet, only the top-level columns of `keys`)."""
+    """The rows of a JSONL or parquet file as dicts (for parquet, only the top-level columns of
+    `keys`)."""
     path = resolve(path)
     if not path.is_file():
         raise ConfigError(f"source={path}: no such file")
@@ -111,12 +127,13 @@ def read_rows(path, keys):
         try:
             import pyarrow.parquet  # optional: only parquet input needs it
         except ImportError:
-            raise ConfigError(f"source={path}: reading parquet needs pyarrow (pip install pyarrow), "
-                              "or convert the file to JSONL first") from None
+            raise ConfigError(f"source={path}: reading parquet needs pyarrow "
+                              "(pip install pyarrow), or convert the file to JSONL first") from None
         columns = sorted({key.split(".")[0] for key in keys})
         missing = [c for c in columns if c not in pyarrow.parquet.read_schema(path).names]
         if missing:
-            raise ConfigError(f"source={path}: no column {missing[0]!r}; set question_key / answer_key")
+            raise ConfigError(f"source={path}: no column {missing[0]!r}; "
+                              "set question_key / answer_key")
         return pyarrow.parquet.read_table(path, columns=columns).to_pylist()
     return load_jsonl(path)
 
@@ -157,11 +174,13 @@ def prepare(cfg):
                for b, count in shared.items()):
             dropped["8-gram overlap with a benchmark"] += 1
             continue
-        new_rows.append({"id": f"{cfg.name}-{number}", "problem": problem, "answer": answer, "source": cfg.name})
+        new_rows.append({"id": f"{cfg.name}-{number}", "problem": problem, "answer": answer,
+                         "source": cfg.name})
     ids = {row["id"] for row in kept_rows}
     clash = next((row["id"] for row in new_rows if row["id"] in ids), None)
     if clash:
-        raise ConfigError(f"name={cfg.name}: id {clash!r} is already in merge_with; choose another name")
+        raise ConfigError(f"name={cfg.name}: id {clash!r} is already in merge_with; "
+                          "choose another name")
     return kept_rows, new_rows, dropped
 
 
@@ -170,8 +189,8 @@ def main(cfg):
     out = resolve(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, "".join(json.dumps(row) + "\n" for row in kept_rows + new_rows))
-    print(f"{out}: {len(kept_rows) + len(new_rows)} problems ({len(kept_rows)} from merge_with, {len(new_rows)} new "
-          f"from {cfg.source})")
+    print(f"{out}: {len(kept_rows) + len(new_rows)} problems ({len(kept_rows)} from merge_with, "
+          f"{len(new_rows)} new from {cfg.source})")
     for reason, count in dropped.most_common():
         print(f"  dropped {count}: {reason}")
 

@@ -1,12 +1,13 @@
-"""The tiny CPU world: a Qwen3-architecture causal LM small enough to train on 2 cores, a tokenizer trained
-locally in seconds (no download), and the synthetic arithmetic task the CPU demo learns.
+"""The tiny CPU world: a Qwen3-architecture causal LM small enough to train on 2 cores, a tokenizer
+trained locally in seconds (no download), and the synthetic arithmetic task the CPU demo learns.
 
-    python tiny.py                                  # writes out/tiny-model (config, weights, tokenizer) and
-                                                    # out/tiny-sft.jsonl (the demo's SFT transcripts)
+    python tiny.py      # writes out/tiny-model (config, weights, tokenizer) and
+                        # out/tiny-sft.jsonl (the demo's SFT transcripts)
     python tiny.py configs/tiny_model.yaml out_dir=/tmp/m hidden_size=256 sft_data=""
 
-The output is an ordinary Hugging Face directory: AutoModelForCausalLM / AutoTokenizer / vLLM load it exactly
-as they load Qwen3-14B, so every script runs one code path for the tiny model and the real one.
+The output is an ordinary Hugging Face directory: AutoModelForCausalLM / AutoTokenizer / vLLM load
+it exactly as they load Qwen3-14B, so every script runs one code path for the tiny model and the
+real one.
 """
 import dataclasses
 import json
@@ -25,19 +26,23 @@ from machinery.data import load_jsonl
 from executor import Executor
 from rollout import format_tool_response, RolloutConfig
 
-# Tokens the rStar2 format needs as single tokens (paper §2.1; in the Qwen3 tokenizer these are added tokens).
-# The tool-call tokens are *not* special, as in Qwen3, so they survive decode(skip_special_tokens=True).
+# Tokens the rStar2 format needs as single tokens (paper §2.1; in the Qwen3 tokenizer these are
+# added tokens). The tool-call tokens are *not* special, as in Qwen3, so they survive
+# decode(skip_special_tokens=True).
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>",
+               "</think>"]
 
-# Qwen2/3's pre-tokenizer regex. Training the BPE behind it matters: transformers' Qwen2Tokenizer swaps in this
-# pre-tokenizer on load, so a BPE trained behind plain ByteLevel() would encode differently after a reload
-# (docs/design.md, the CPU stack). It also splits numbers into single digits, which the arithmetic task needs.
-QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen2/3's pre-tokenizer regex. Training the BPE behind it matters: transformers' Qwen2Tokenizer
+# swaps in this pre-tokenizer on load, so a BPE trained behind plain ByteLevel() would encode
+# differently after a reload (docs/design.md, the CPU stack). It also splits numbers into single
+# digits, which the arithmetic task needs.
+QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
-# The tokenizer's own chat template: plain Qwen-style ChatML with tools, for generic chat (sft.py's "chatml"). The
-# rStar2 prompt itself is chosen by config (rollout.py); both live in configs/templates/.
+# The tokenizer's own chat template: plain Qwen-style ChatML with tools, for generic chat (sft.py's
+# "chatml"). The rStar2 prompt itself is chosen by config (rollout.py); both live in
+# configs/templates/.
 CHATML_TEMPLATE = (REPO / "configs/templates/chatml.jinja").read_text()
 
 
@@ -46,9 +51,12 @@ class TinyConfig:
     out_dir: str = "out/tiny-model"
     seed: int = 0
     # tokenizer
-    vocab_size: int = 2048           # BPE merges are learned up to this size (plus the added tokens)
-    corpus_problems: int = 3000      # training problems mixed into the BPE corpus so real text tokenizes sensibly
-    # model: Qwen3 layout. head_dim 64 because vLLM's CPU attention kernels support it (docs/design.md, the CPU stack)
+    vocab_size: int = 2048           # BPE merges are learned up to this size (plus the added
+                                     # tokens)
+    corpus_problems: int = 3000      # training problems mixed into the BPE corpus so real text
+                                     # tokenizes sensibly
+    # model: Qwen3 layout. head_dim 64 because vLLM's CPU attention kernels support it
+    # (docs/design.md, the CPU stack)
     hidden_size: int = 128
     intermediate_size: int = 384
     num_hidden_layers: int = 2
@@ -56,26 +64,29 @@ class TinyConfig:
     num_key_value_heads: int = 2
     head_dim: int = 64
     max_position_embeddings: int = 4096
-    # pretraining (pretrain_base_model): what a real base model brings to SFT, here the ability to copy numbers
+    # pretraining (pretrain_base_model): what a real base model brings to SFT, here the ability to
+    # copy numbers
     pretrain_steps: int = 300        # 0 = leave the weights at their random init (the tests do)
     pretrain_batch_size: int = 32
     pretrain_lr: float = 6e-3
-    # the demo's SFT transcripts (make_sft_transcripts), written by `python tiny.py`; "" = do not write them
+    # the demo's SFT transcripts (make_sft_transcripts), written by `python tiny.py`; "" = do not
+    # write them
     sft_data: str = "out/tiny-sft.jsonl"
     sft_examples: int = 2000
-    sft_error_fraction: float = 0.4  # share of transcripts whose first code fails (BUGS) and is fixed on a second call
+    sft_error_fraction: float = 0.4  # share of transcripts whose first code fails (BUGS) and is
+                                     # fixed on a second call
 
 
 # -----------------------------------------------------------------------------
-# the arithmetic task: a tool is needed (a 2-layer, 128-wide model cannot multiply 4-digit numbers), and a
-# tiny model can learn to write the code and copy the result, so RL has something to improve.
+# the arithmetic task: a tool is needed (a 2-layer, 128-wide model cannot multiply 4-digit numbers),
+# and a tiny model can learn to write the code and copy the result, so RL has something to improve.
 
 def make_arithmetic_problems(n, seed, split="train"):
     """Rows {id, problem, answer} like the data/ files. Different seeds give different problems.
 
-    Every operand has a fixed width (4, 2 and 3 digits) and every result has 6 digits, so the digits the model
-    copies always sit at the same distance from their source: that is what lets a 2-layer model learn to copy
-    within the demo's budget (see pretrain_base_model)."""
+    Every operand has a fixed width (4, 2 and 3 digits) and every result has 6 digits, so the digits
+    the model copies always sit at the same distance from their source: that is what lets a 2-layer
+    model learn to copy within the demo's budget (see pretrain_base_model)."""
     rng = random.Random(f"arith-{split}-{seed}")
     rows = []
     for i in range(n):
@@ -87,33 +98,38 @@ def make_arithmetic_problems(n, seed, split="train"):
             text, value = f"{a} * {b} - {c}", a * b - c
         else:
             text, value = f"({a} + {c}) * {b}", (a + c) * b
-        rows.append({"id": f"arith-{split}-{i}", "problem": f"Compute {text}.", "answer": str(value)})
+        rows.append({"id": f"arith-{split}-{i}", "problem": f"Compute {text}.",
+                     "answer": str(value)})
     return rows
 
 
 # -----------------------------------------------------------------------------
-# the demo's SFT transcripts: the paper's SFT teaches format, not reasoning (§4.1), and so do these. RL starts
-# from a model that calls the tool and boxes an answer, but still miscopies digits and sometimes writes bad code.
+# the demo's SFT transcripts: the paper's SFT teaches format, not reasoning (§4.1), and so do these.
+# RL starts from a model that calls the tool and boxes an answer, but still miscopies digits and
+# sometimes writes bad code.
 
 TOOL_NAME = "python_code_with_standard_io"
-# The failed call the SFT data teaches, and RL then has to unlearn: code that prints the result and then ends with a
-# stray `exit(1)`. The real sandbox reports it as a failure (exit status 1) and still shows the stdout, so the model
-# can take its answer from a failed call, as the paper's model often does (§2.2.3: correct trajectories with tool
-# errors in them). Every copy the model makes sits where it sits in a clean transcript: the tool text differs only
-# before the printed number (a 2-layer model copies only at fixed distances; see pretrain_base_model). So a failed
-# call costs little reward, and plain GRPO has little reason to drop it: measured after SFT (40% of transcripts with
-# the stray exit, configs/sft_tiny.yaml; 100 held-out problems x 4 samples at T=1.0), 59% of trajectories with a
-# failed call end correct against 76% of clean ones, and 34% of the correct trajectories contain a failed call.
-# Designs that made the model retry (README): `prnt(EXPR)` with its NameError and a fixed second call: 63% against
-# 94% (two more copies of the expression, across the traceback); `import maths` first: 0%; `put(EXPR)` with the
-# retry's copies at the clean distances: 10% against 96%.
+# The failed call the SFT data teaches, and RL then has to unlearn: code that prints the result and
+# then ends with a stray `exit(1)`. The real sandbox reports it as a failure (exit status 1) and
+# still shows the stdout, so the model can take its answer from a failed call, as the paper's model
+# often does (§2.2.3: correct trajectories with tool errors in them). Every copy the model makes
+# sits where it sits in a clean transcript: the tool text differs only before the printed number (a
+# 2-layer model copies only at fixed distances; see pretrain_base_model). So a failed call costs
+# little reward, and plain GRPO has little reason to drop it: measured after SFT (40% of transcripts
+# with the stray exit, configs/sft_tiny.yaml; 100 held-out problems x 4 samples at T=1.0), 59% of
+# trajectories with a failed call end correct against 76% of clean ones, and 34% of the correct
+# trajectories contain a failed call. Designs that made the model retry (README): `prnt(EXPR)` with
+# its NameError and a fixed second call: 63% against 94% (two more copies of the expression, across
+# the traceback); `import maths` first: 0%; `put(EXPR)` with the retry's copies at the clean
+# distances: 10% against 96%.
 BUGS = (
     lambda expression: f"print({expression})\nexit(1)",
 )
 
 
 def tool_call_text(code):
-    """The Hermes-style call the rStar2 prompt asks for (§2.1), with the model's code and empty stdin."""
+    """The Hermes-style call the rStar2 prompt asks for (§2.1), with the model's code and empty
+    stdin."""
     call = json.dumps({"name": TOOL_NAME, "arguments": {"code": code, "input": ""}})
     return f"<tool_call>\n{call}\n</tool_call>"
 
@@ -122,15 +138,17 @@ def make_sft_transcripts(problems, error_fraction=0.3, seed=0):
     """Chat rows {"messages": [...]} for sft.py, one per problem {problem, answer}:
 
         assistant  I will compute it with Python. </reason> <tool_call> print(EXPR) </tool_call>
-        tool       Tool call success / stdout: N      (with the bug: Tool call failure / reason: / stdout: N)
+        tool       Tool call success / stdout: N
+                   (with the bug: Tool call failure / reason: / stdout: N)
         assistant  The result is N. </reason> <answer> \\boxed{N} </answer>
 
-    In a share `error_fraction` the call has a bug (BUGS): the tool reports a failure, with the printed result, and
-    the answer is taken from it, so the SFT model makes tool errors at about that rate when sampling and still gets
-    answers right. GRPO-RoC needs exactly that: correct trajectories with failed calls in them, which it trains on
-    less (§2.2.3, Fig. 4).
-    Every tool text comes from running the code in the real executor, rendered as the rollout renders it (no
-    execution time, so reruns write identical files). Assistant contents start after the template's `<reason>`.
+    In a share `error_fraction` the call has a bug (BUGS): the tool reports a failure, with the
+    printed result, and the answer is taken from it, so the SFT model makes tool errors at about
+    that rate when sampling and still gets answers right. GRPO-RoC needs exactly that: correct
+    trajectories with failed calls in them, which it trains on less (§2.2.3, Fig. 4).
+    Every tool text comes from running the code in the real executor, rendered as the rollout
+    renders it (no execution time, so reruns write identical files). Assistant contents start after
+    the template's `<reason>`.
     """
     if not 0 <= error_fraction <= 1:
         raise ValueError(f"error_fraction must be in [0, 1], got {error_fraction}")
@@ -138,7 +156,8 @@ def make_sft_transcripts(problems, error_fraction=0.3, seed=0):
     plans = []  # per problem: its expression and the code it runs
     for row in problems:
         if not (row["problem"].startswith("Compute ") and row["problem"].endswith(".")):
-            raise ValueError(f"{row.get('id')}: not an arithmetic problem from make_arithmetic_problems: {row['problem']!r}")
+            raise ValueError(f"{row.get('id')}: not an arithmetic problem from "
+                             f"make_arithmetic_problems: {row['problem']!r}")
         expression = row["problem"][len("Compute "):-1]
         buggy = rng.choice(BUGS)(expression) if rng.random() < error_fraction else None
         plans.append((expression, buggy or f"print({expression})"))
@@ -149,21 +168,27 @@ def make_sft_transcripts(problems, error_fraction=0.3, seed=0):
     rows = []
     for row, (expression, code), result in zip(problems, plans, results):
         if (result.status == "ok") != (code == f"print({expression})"):
-            raise RuntimeError(f"{row['id']}: {code!r} gave status {result.status!r}: {result.stderr or result.reason}")
+            raise RuntimeError(f"{row['id']}: {code!r} gave status {result.status!r}: "
+                               f"{result.stderr or result.reason}")
         messages = [{"role": "user", "content": row["problem"]},
-                    {"role": "assistant", "content": f" I will compute {expression} with Python. </reason>\n{tool_call_text(code)}"},
+                    {"role": "assistant",
+                     "content": f" I will compute {expression} with Python. </reason>\n"
+                                f"{tool_call_text(code)}"},
                     {"role": "tool", "content": format_tool_response(result, rollout_cfg)}]
         value = result.stdout.strip()
         if value != row["answer"]:
-            raise RuntimeError(f"{row['id']}: the tool printed {value!r}, the answer is {row['answer']!r}")
-        messages.append({"role": "assistant", "content": f" The result is {value}. </reason>\n<answer> \\boxed{{{value}}} </answer>"})
+            raise RuntimeError(f"{row['id']}: the tool printed {value!r}, the answer is "
+                               f"{row['answer']!r}")
+        messages.append({"role": "assistant",
+                         "content": f" The result is {value}. </reason>\n"
+                                    f"<answer> \\boxed{{{value}}} </answer>"})
         rows.append({"messages": messages})
     return rows
 
 
 def write_sft_transcripts(cfg):
-    """Write cfg.sft_examples transcripts on fresh problems (split "sft": not RL's train split, not eval's test
-    split) to cfg.sft_data as JSONL; returns the path."""
+    """Write cfg.sft_examples transcripts on fresh problems (split "sft": not RL's train split, not
+    eval's test split) to cfg.sft_data as JSONL; returns the path."""
     problems = make_arithmetic_problems(cfg.sft_examples, cfg.seed, split="sft")
     rows = make_sft_transcripts(problems, cfg.sft_error_fraction, cfg.seed)
     path = Path(cfg.sft_data)
@@ -175,20 +200,21 @@ def write_sft_transcripts(cfg):
 
 
 # -----------------------------------------------------------------------------
-# pretraining: the tiny stand-in for what Qwen3-14B-Base knows before SFT. The demo's model must copy a 12-digit
-# expression from the problem into its reasoning and its code, and the 6-digit result from the tool's output into
-# \boxed{}. A randomly initialised model has no copying circuit; behind the ~430-token rStar2 system prompt, sft.py
-# alone plateaued at loss 0.58 with 0% held-out accuracy. On short documents without the system prompt the
-# copying emerges abruptly (measured, digit accuracy on held-out documents: 11% at step 100, 94% at 200, 98% at
-# 300, batch 32, ~1.5 minutes on 2 cores), and SFT then only has to carry it over to the rStar2 prompt.
-# It emerges this early only because every number has a fixed width (make_arithmetic_problems), so each digit is
+# pretraining: the tiny stand-in for what Qwen3-14B-Base knows before SFT. The demo's model must
+# copy a 12-digit expression from the problem into its reasoning and its code, and the 6-digit
+# result from the tool's output into \boxed{}. A randomly initialised model has no copying circuit;
+# behind the ~430-token rStar2 system prompt, sft.py alone plateaued at loss 0.58 with 0% held-out
+# accuracy. On short documents without the system prompt the copying emerges abruptly (measured,
+# digit accuracy on held-out documents: 11% at step 100, 94% at 200, 98% at 300, batch 32, ~1.5
+# minutes on 2 cores), and SFT then only has to carry it over to the rStar2 prompt. It emerges this
+# early only because every number has a fixed width (make_arithmetic_problems), so each digit is
 # copied from a fixed distance; with 3-or-4-digit operands it had not emerged after 600 steps.
 
 def pretraining_documents(rows, tokenizer, error_fraction=0.3, seed=0):
-    """The SFT transcripts of `rows` (make_sft_transcripts: real tool outputs, a share with a failed call)
-    rendered as plain ChatML without the system prompt and tool schema, each assistant turn opening with the
-    `<reason>` the rStar2 template adds. The copies sit at the same token distances as in the rStar2 transcripts,
-    which is what lets the skill carry over to SFT."""
+    """The SFT transcripts of `rows` (make_sft_transcripts: real tool outputs, a share with a failed
+    call) rendered as plain ChatML without the system prompt and tool schema, each assistant turn
+    opening with the `<reason>` the rStar2 template adds. The copies sit at the same token distances
+    as in the rStar2 transcripts, which is what lets the skill carry over to SFT."""
     docs = []
     for transcript in make_sft_transcripts(rows, error_fraction, seed):
         messages = [{**m, "content": "<reason>" + m["content"]} if m["role"] == "assistant" else m
@@ -198,21 +224,24 @@ def pretraining_documents(rows, tokenizer, error_fraction=0.3, seed=0):
 
 
 def pretrain_base_model(model, tokenizer, cfg):
-    """Next-token prediction on pretraining_documents, every token trained; AdamW, 20 warm-up steps, then
-    constant lr. Problems come from their own split ("pretrain"), never an SFT, RL or held-out one."""
+    """Next-token prediction on pretraining_documents, every token trained; AdamW, 20 warm-up steps,
+    then constant lr. Problems come from their own split ("pretrain"), never an SFT, RL or held-out
+    one."""
     if cfg.pretrain_steps == 0:
         return []
-    rows = make_arithmetic_problems(cfg.pretrain_steps * cfg.pretrain_batch_size, cfg.seed, split="pretrain")
-    # No failed calls here: with 30% of the documents carrying a failed call and its retry, the copying emerged
-    # later (digit accuracy 82% against 98% at step 300) and the SFT model then answered nothing right.
+    rows = make_arithmetic_problems(cfg.pretrain_steps * cfg.pretrain_batch_size, cfg.seed,
+                                    split="pretrain")
+    # No failed calls here: with 30% of the documents carrying a failed call and its retry, the
+    # copying emerged later (digit accuracy 82% against 98% at step 300) and the SFT model then
+    # answered nothing right.
     docs = pretraining_documents(rows, tokenizer, error_fraction=0.0, seed=cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.pretrain_lr, weight_decay=0.0)
     losses = []
     model.train()
     progress = tqdm(range(cfg.pretrain_steps), desc="pretrain", dynamic_ncols=True)
     for step in progress:
-        batch = tokenizer(docs[step * cfg.pretrain_batch_size:(step + 1) * cfg.pretrain_batch_size], padding=True,
-                          return_tensors="pt")
+        batch = tokenizer(docs[step * cfg.pretrain_batch_size:(step + 1) * cfg.pretrain_batch_size],
+                          padding=True, return_tensors="pt")
         labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
         logits = model(**batch).logits[:, :-1]
         loss = F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
@@ -232,22 +261,26 @@ def pretrain_base_model(model, tokenizer, cfg):
 # tokenizer
 
 def tokenizer_corpus(cfg):
-    """Text the BPE is trained on: the rStar2 prompt templates and tool schemas (so the long system prompt
-    becomes a few hundred tokens), sample tool turns and arithmetic, and real training problems."""
-    # The rStar2 files only, so the tokenizer stays byte-identical to the one the README's demo figures were
-    # measured with: configs/templates/chatml.jinja joined the folder later, and in two runs with it in the corpus
-    # (and another SFT bug) the merges changed and the copying did not emerge (pretraining loss 0.30-0.32 against
-    # 0.23 at 300 steps, 0% accuracy).
+    """Text the BPE is trained on: the rStar2 prompt templates and tool schemas (so the long system
+    prompt becomes a few hundred tokens), sample tool turns and arithmetic, and real training
+    problems."""
+    # The rStar2 files only, so the tokenizer stays byte-identical to the one the README's demo
+    # figures were measured with: configs/templates/chatml.jinja joined the folder later, and in two
+    # runs with it in the corpus (and another SFT bug) the merges changed and the copying did not
+    # emerge (pretraining loss 0.30-0.32 against 0.23 at 300 steps, 0% accuracy).
     templates = REPO / "configs" / "templates"
     files = sorted(templates.glob("rstar2_*.jinja")) + sorted(templates.glob("*.json"))
     texts = [p.read_text() for p in files] * 20
     for row in make_arithmetic_problems(2000, cfg.seed, "tokenizer"):
         code = row["problem"][len("Compute "):-1]
-        texts.append(f'{row["problem"]} <reason> I will compute it with Python. </reason>\n<tool_call>\n'
-                     f'{{"name": "python_code_with_standard_io", "arguments": {{"code": "print({code})", "input": ""}}}}\n'
-                     f'</tool_call>\nTool call success\nstdout: {row["answer"]}\n\nexecution time: 0.01s\n'
-                     f'Tool call failure\nreason: \nstderr: Traceback (most recent call last):\nNameError: name \'x\' is not defined\n'
-                     f'<reason> The result is {row["answer"]}. </reason>\n<answer> \\boxed{{{row["answer"]}}} </answer>')
+        texts.append(f'{row["problem"]} <reason> I will compute it with Python. </reason>\n'
+                     '<tool_call>\n{"name": "python_code_with_standard_io", "arguments": '
+                     f'{{"code": "print({code})", "input": ""}}}}\n</tool_call>\n'
+                     f'Tool call success\nstdout: {row["answer"]}\n\nexecution time: 0.01s\n'
+                     'Tool call failure\nreason: \nstderr: Traceback (most recent call last):\n'
+                     'NameError: name \'x\' is not defined\n'
+                     f'<reason> The result is {row["answer"]}. </reason>\n'
+                     f'<answer> \\boxed{{{row["answer"]}}} </answer>')
     rows = load_jsonl("data/math_train.jsonl", required=("problem",))[: cfg.corpus_problems]
     texts += [r["problem"] for r in rows]
     return texts
@@ -260,11 +293,13 @@ def build_tokenizer(cfg):
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(tokenizer_corpus(cfg), trainer=trainer)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                 pad_token="<|endoftext|>",
                                  additional_special_tokens=["<|im_start|>"])
     hf.chat_template = CHATML_TEMPLATE
     hf.model_max_length = cfg.max_position_embeddings
@@ -276,7 +311,8 @@ def build_tokenizer(cfg):
 
 def build_model(cfg, tokenizer):
     torch.manual_seed(cfg.seed)
-    vocab = (len(tokenizer) + 63) // 64 * 64  # padded like real checkpoints; ids past len(tokenizer) are never sampled in practice
+    # padded like real checkpoints; ids past len(tokenizer) are never sampled in practice
+    vocab = (len(tokenizer) + 63) // 64 * 64
     config = Qwen3Config(
         vocab_size=vocab, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
@@ -302,8 +338,10 @@ def build_tiny_model(cfg=None):
     tokenizer.save_pretrained(out)
     (out / "tiny_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     n_params = sum(p.numel() for p in model.parameters())
-    pretrained = f", pretrained {len(losses)} steps (loss {losses[0]:.2f} -> {losses[-1]:.2f})" if losses else ""
-    print(f"tiny model: {n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}{pretrained} -> {out}")
+    pretrained = (f", pretrained {len(losses)} steps (loss {losses[0]:.2f} -> {losses[-1]:.2f})"
+                  if losses else "")
+    print(f"tiny model: {n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}{pretrained} "
+          f"-> {out}")
     return out
 
 

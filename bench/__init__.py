@@ -1,12 +1,19 @@
 """Benchmarks, one per method file they measure; run each from the repo root as a module:
 
-    python -m bench.executor                 # the tool: calls/s and CPU per call vs `python -c` and the fork floor
-    python -m bench.executor mode=soak       # the tool under a hostile mix: zombies, strays, fds, memory
-    python -m bench.reward                   # score_batch vs plain math-verify (audit_all_pairs=true: the fast path)
-    python -m bench.rollout model=PATH       # the rollout loop vs plain LLM.generate, barrier vs none, admission
-    python -m bench.sft CONFIG               # SFT with the shared prompt encoded once vs padded batches
-    python -m bench.scale                    # chunked log-prob peak; the balance's bytes per rank as ranks grow
+    python -m bench.executor                 # the tool: calls/s and CPU per call vs `python -c`
+                                             # and the fork floor
+    python -m bench.executor mode=soak       # the tool under a hostile mix: zombies, strays, fds,
+                                             # memory
+    python -m bench.reward                   # score_batch vs plain math-verify
+                                             # (audit_all_pairs=true: the fast path)
+    python -m bench.rollout model=PATH       # the rollout loop vs plain LLM.generate, barrier vs
+                                             # none, admission
+    python -m bench.sft CONFIG               # SFT with the shared prompt encoded once vs padded
+                                             # batches
+    python -m bench.scale                    # chunked log-prob peak; the balance's bytes per rank
+                                             # as ranks grow
 
-Each prints its ratios against a baseline measured in the same run. The figures are in docs/benchmarks.md.
-The method files never import from here; tests may (the scripted policy, the labeled answer sets).
+Each prints its ratios against a baseline measured in the same run. The figures are in
+docs/benchmarks.md. The method files never import from here; tests may (the scripted policy, the
+labeled answer sets).
 """

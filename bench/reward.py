@@ -1,15 +1,18 @@
-"""Benchmark and audit of reward.py: answers/s and agreement, plain math-verify vs score_batch, in one run.
+"""Benchmark and audit of reward.py: answers/s and agreement, plain math-verify vs score_batch, in
+one run.
 
   python -m bench.reward [workers=2 rounds=3 timeout_s=5 negatives_per_problem=2]
-  python -m bench.reward audit_all_pairs=true   # also re-check, with math-verify's verify, every pair of
-                                                # MATH-500's answers and NOTATION_SHAPES decided without it
+  python -m bench.reward audit_all_pairs=true   # also re-check, with math-verify's verify, every
+                                                # pair of MATH-500's answers and NOTATION_SHAPES
+                                                # decided without it
 
 Two workloads: the MATH-500 labeled set (reference solutions against their own and other problems'
-answers) and integer answers, the paper's training case (§4.2). Each prints answers/s and CPU ms per
-answer for plain math-verify, the fast path alone and score_batch, the speedups over plain math-verify
-measured in the same run, and how many equal pairs each finds and how many false positives it gives.
-Tests: .venv/bin/python -m pytest tests/test_reward.py -q (they use math500_labeled_set, NOTATION_SHAPES
-and audit_fast_path from here).
+answers) and integer answers, the paper's training case (§4.2). Each prints answers/s and CPU ms
+per answer for plain math-verify, the fast path alone and score_batch, the speedups over plain
+math-verify measured in the same run, and how many equal pairs each finds and how many false
+positives it gives.
+Tests: .venv/bin/python -m pytest tests/test_reward.py -q (they use math500_labeled_set,
+NOTATION_SHAPES and audit_fast_path from here).
 """
 import dataclasses
 import os
@@ -31,11 +34,11 @@ def math500_labeled_set(path="data/math500.jsonl", negatives_per_problem=2, seed
 
     Positives: each problem's reference `solution` (its last box is the answer, written the way the
     solution's author wrote it) against the normalised `answer`; all must score 1.
-    Negatives: the solution of problem j against the answer of problem i, for `negatives_per_problem`
-    partners j of each i (a seeded shuffle, neighbours in it). Such a pair is truly equal exactly when
-    the two answer strings are identical: every cross pair between different answer strings that the fast
-    path or math-verify accepts was audited (`python -m bench.reward audit_all_pairs=true`), and none is
-    accepted.
+    Negatives: the solution of problem j against the answer of problem i, for
+    `negatives_per_problem` partners j of each i (a seeded shuffle, neighbours in it). Such a pair
+    is truly equal exactly when the two answer strings are identical: every cross pair between
+    different answer strings that the fast path or math-verify accepts was audited
+    (`python -m bench.reward audit_all_pairs=true`), and none is accepted.
     """
     rows = load_problems(path)
     triples = [(row["solution"], row["answer"], True) for row in rows]
@@ -44,7 +47,8 @@ def math500_labeled_set(path="data/math500.jsonl", negatives_per_problem=2, seed
     for k, i in enumerate(order):
         for shift in range(1, negatives_per_problem + 1):
             j = order[(k + shift) % len(order)]
-            triples.append((rows[j]["solution"], rows[i]["answer"], rows[i]["answer"] == rows[j]["answer"]))
+            triples.append((rows[j]["solution"], rows[i]["answer"],
+                            rows[i]["answer"] == rows[j]["answer"]))
     return triples
 
 
@@ -57,7 +61,8 @@ def integer_set(path="data/train_int_mix.jsonl", problems=500):
         gold = int(row["answer"])
         last = f"{gold}+\\sqrt{{2}}" if k % 10 == 0 else str(10 * gold + 1)
         for answer in (str(gold), str(gold + 1), f"\\frac{{{2 * gold + 1}}}{{2}}", last):
-            response = f"<reason>... checked with the tool ...</reason><answer>\\boxed{{{answer}}}</answer>"
+            response = ("<reason>... checked with the tool ...</reason>"
+                        f"<answer>\\boxed{{{answer}}}</answer>")
             triples.append((response, row["answer"], answer == str(gold)))
     return triples
 
@@ -68,19 +73,25 @@ class BenchConfig:
     workers: int = 0  # 0: default_num_workers()
     timeout_s: float = DEFAULT_TIMEOUT_S
     rounds: int = 3  # the machine may be shared: report the median of interleaved rounds
-    audit_all_pairs: bool = False  # also re-check what skips verify on all pairs of MATH-500 answers + NOTATION_SHAPES
+    # also re-check what skips verify on all pairs of MATH-500 answers + NOTATION_SHAPES
+    audit_all_pairs: bool = False
 
     def validate(self):
-        if self.negatives_per_problem < 0 or self.workers < 0 or self.rounds < 1 or self.timeout_s <= 0:
-            raise ValueError(f"bench: want negatives_per_problem, workers >= 0, rounds >= 1, timeout_s > 0; got {self}")
+        if (self.negatives_per_problem < 0 or self.workers < 0 or self.rounds < 1
+                or self.timeout_s <= 0):
+            raise ValueError("bench: want negatives_per_problem, workers >= 0, rounds >= 1, "
+                             f"timeout_s > 0; got {self}")
 
 
 def _fresh_pool(workers):
-    """A new pool, started and warmed up on training-set answers, so no round reuses another's caches."""
+    """A new pool, started and warmed up on training-set answers, so no round reuses another's
+    caches."""
     shutdown_pool()
     pool = start_pool(workers or None)
-    answers = [r["answer"] for r in load_problems("data/math_train.jsonl")[:200] if not r["answer"].isdigit()][:40]
-    tasks = [("value", a) for a in answers] + [("verify", a, b) for a, b in zip(answers, answers[1:])]
+    answers = [r["answer"] for r in load_problems("data/math_train.jsonl")[:200]
+               if not r["answer"].isdigit()][:40]
+    tasks = ([("value", a) for a in answers]
+             + [("verify", a, b) for a, b in zip(answers, answers[1:])])
     _run_in_pool(tasks, [10.0] * len(tasks))
     _VALUES.clear()
     normalize_answer.cache_clear()
@@ -90,11 +101,12 @@ def _fresh_pool(workers):
 def bench(cfg):
     """Answers/s and agreement: plain math-verify vs the fast path alone vs score_batch, in one run.
 
-    Wall time is what a training step waits for. CPU time (this process plus the workers' per-check CPU,
-    pool start excluded) is what the machine pays, and the steadier figure on a shared machine.
+    Wall time is what a training step waits for. CPU time (this process plus the workers' per-check
+    CPU, pool start excluded) is what the machine pays, and the steadier figure on a shared machine.
     """
     workloads = {
-        "MATH-500 labeled set": math500_labeled_set(negatives_per_problem=cfg.negatives_per_problem),
+        "MATH-500 labeled set":
+            math500_labeled_set(negatives_per_problem=cfg.negatives_per_problem),
         "integer answers (train_int_mix)": integer_set(),
     }
     for workload, triples in workloads.items():
@@ -104,15 +116,19 @@ def bench(cfg):
         worker_counts = sorted({cfg.workers or default_num_workers(), 1}, reverse=True)
         methods = [
             ("math-verify: verify(parse(gold), parse(response))", None,
-             lambda: [verify(parse("\\boxed{" + g + "}"), parse(r)) for r, g in zip(responses, golds)]),
+             lambda: [verify(parse("\\boxed{" + g + "}"), parse(r))
+                      for r, g in zip(responses, golds)]),
             ("fast path alone (undecided scores 0)", None,
-             lambda: [fast_equivalent(extract_answer(r) or "", g) is True for r, g in zip(responses, golds)]),
-        ] + [(f"score_batch, {w} worker(s)", w, lambda: score_batch(responses, golds, timeout_s=cfg.timeout_s))
+             lambda: [fast_equivalent(extract_answer(r) or "", g) is True
+                      for r, g in zip(responses, golds)]),
+        ] + [(f"score_batch, {w} worker(s)", w,
+              lambda: score_batch(responses, golds, timeout_s=cfg.timeout_s))
              for w in worker_counts]
         for _ in range(cfg.rounds):
             for name, workers, method in methods:
                 pool = _fresh_pool(workers) if workers else None
-                worker_cpu, tasks_before = (pool.worker_cpu_s, dict(pool.tasks_run)) if pool else (0.0, {})
+                worker_cpu, tasks_before = ((pool.worker_cpu_s, dict(pool.tasks_run)) if pool
+                                            else (0.0, {}))
                 _VALUES.clear()
                 wall, cpu = time.perf_counter(), time.process_time()
                 verdicts = method()
@@ -120,15 +136,17 @@ def bench(cfg):
                 cpu += (pool.worker_cpu_s - worker_cpu) if pool else 0.0
                 results.setdefault(name, []).append((wall, cpu, verdicts))
                 if pool:
-                    tasks = {kind: count - tasks_before[kind] for kind, count in pool.tasks_run.items()}
+                    tasks = {kind: count - tasks_before[kind]
+                             for kind, count in pool.tasks_run.items()}
         shutdown_pool()
         positives = sum(labels)
         _VALUES.clear()
-        undecided = sum(fast_equivalent(extract_answer(r) or "", g) is None for r, g in zip(responses, golds))
+        undecided = sum(fast_equivalent(extract_answer(r) or "", g) is None
+                        for r, g in zip(responses, golds))
         print(f"\n{workload}: {n} pairs, {positives} equal; median of {cfg.rounds} round(s); "
               f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}\n"
-              f"the fast path leaves {undecided} pairs open; the workers evaluate {tasks['value']} distinct "
-              f"answers, then verify {tasks['verify']} pairs")
+              f"the fast path leaves {undecided} pairs open; the workers evaluate "
+              f"{tasks['value']} distinct answers, then verify {tasks['verify']} pairs")
         print(f"{'method':52} {'answers/s':>9} {'speedup':>7} {'CPU ms/answer':>13} {'speedup':>7} "
               f"{'equal found':>11} {'false pos':>9}")
         base = None
@@ -139,47 +157,57 @@ def bench(cfg):
             found = sum(1 for v, label in zip(verdicts, labels) if v and label)
             false_pos = sum(1 for v, label in zip(verdicts, labels) if v and not label)
             base = base or (wall, cpu_ms)
-            print(f"{name:52} {n / wall:9.0f} {base[0] / wall:6.1f}x {cpu_ms:13.3f} {base[1] / cpu_ms:6.1f}x "
-                  f"{found:>5}/{positives:<5} {false_pos:>4}/{n - positives:<4}")
+            print(f"{name:52} {n / wall:9.0f} {base[0] / wall:6.1f}x {cpu_ms:13.3f} "
+                  f"{base[1] / cpu_ms:6.1f}x {found:>5}/{positives:<5} "
+                  f"{false_pos:>4}/{n - positives:<4}")
     if cfg.audit_all_pairs:
-        answers = {row["answer"] for row in load_problems("data/math500.jsonl")} | set(NOTATION_SHAPES)
+        answers = ({row["answer"] for row in load_problems("data/math500.jsonl")}
+                   | set(NOTATION_SHAPES))
         started = time.perf_counter()
         decided, wrong = audit_fast_path(answers, cfg.workers or None, max(cfg.timeout_s, 10))
-        print(f"\naudit: {decided} of {len(answers) * (len(answers) - 1)} ordered pairs of distinct answers "
-              f"(MATH-500's and NOTATION_SHAPES) are decided without verify; {len(wrong)} disagree with "
-              f"math-verify ({time.perf_counter() - started:.0f} s)")
+        print(f"\naudit: {decided} of {len(answers) * (len(answers) - 1)} ordered pairs of "
+              "distinct answers (MATH-500's and NOTATION_SHAPES) are decided without verify; "
+              f"{len(wrong)} disagree with math-verify ({time.perf_counter() - started:.0f} s)")
         for pred, gold, verdict in wrong:
             print(f"  decided {verdict} for pred {pred!r} vs gold {gold!r}")
 
 
-# Spellings users meet that MATH-500's answers do not cover (from third-party grader test suites): the
-# audit adds them to MATH-500's answers, so every pair among them is checked against math-verify too.
+# Spellings users meet that MATH-500's answers do not cover (from third-party grader test suites):
+# the audit adds them to MATH-500's answers, so every pair among them is checked against math-verify
+# too.
 NOTATION_SHAPES = [
-    "32349", "32,349", "32, 349", "32,\\!349", "32,\\ 349", "1234,567", "1,234,567", "1, 234, 567", "1234567",
-    "1000", "1,000", "1, 000", "1{,}000", "1\\,000", "1000.0", "1,000.0", "1000.99", "1,000.99", "1,000.9",
+    "32349", "32,349", "32, 349", "32,\\!349", "32,\\ 349",
+    "1234,567", "1,234,567", "1, 234, 567", "1234567",
+    "1000", "1,000", "1, 000", "1{,}000", "1\\,000", "1000.0", "1,000.0",
+    "1000.99", "1,000.99", "1,000.9",
     "11", "11.0", "x\\approx11", "x \\approx 12", "\\approx 11", "x = 11",
-    "16386.20", "16386.2", "\\$16,\\!386.20", "\\$16,386.20", "\\$16,\\!386", "\\$5.00", "5", "\\$5",
+    "16386.20", "16386.2", "\\$16,\\!386.20", "\\$16,386.20", "\\$16,\\!386",
+    "\\$5.00", "5", "\\$5",
     "10\\%", "0.1", "10", "50\\%", "0.5", "50", "25\\%", "\\frac{1}{4}",
-    "90^\\circ", "90", "90^{\\circ}", "\\frac{\\pi}{2}", "30^\\circ", "\\frac{\\pi}{6}", "180^\\circ", "\\pi",
-    "5 \\text{ cm}", "5\\text{ cm}^2", "6 \\text{ m}", "12 \\text{ inches}", "1 \\text{ foot}", "12", "1",
+    "90^\\circ", "90", "90^{\\circ}", "\\frac{\\pi}{2}",
+    "30^\\circ", "\\frac{\\pi}{6}", "180^\\circ", "\\pi",
+    "5 \\text{ cm}", "5\\text{ cm}^2", "6 \\text{ m}",
+    "12 \\text{ inches}", "1 \\text{ foot}", "12", "1",
     "3, 5", "35", "1, 2", "1,2", "12", "(1,234)", "1234", "1, 2, 3", "123",
-    "5, 5", "[5, 5]", "(5, 5)", "[\\frac12, 0.5]", "(6,31,-1)", "\\{1, 2\\}", "[2, 7)", "-\\sqrt{3}", "2",
+    "5, 5", "[5, 5]", "(5, 5)", "[\\frac12, 0.5]", "(6,31,-1)",
+    "\\{1, 2\\}", "[2, 7)", "-\\sqrt{3}", "2",
     "\\{2, \\sqrt{4}\\}", "\\{\\frac12, 0.5\\}", "\\frac{1}{2}",
 ]
 
 
 def _decided_without_verify(pred, gold):
-    """The verdict score_batch reaches for a pair without math-verify's verify, given the values known so
-    far: fast_equivalent's, else False for two numbers far apart, else None."""
+    """The verdict score_batch reaches for a pair without math-verify's verify, given the values
+    known so far: fast_equivalent's, else False for two numbers far apart, else None."""
     verdict = fast_equivalent(pred, gold)
     return False if verdict is None and _differ_by_value(pred, gold) else verdict
 
 
 def audit_fast_path(answers, workers=None, timeout_s=10.0):
-    """Every ordered pair of distinct `answers` that is decided without math-verify's verify once every
-    answer's value is known (fast_equivalent, then _differ_by_value), re-checked by verify.
+    """Every ordered pair of distinct `answers` that is decided without math-verify's verify once
+    every answer's value is known (fast_equivalent, then _differ_by_value), re-checked by verify.
 
-    Returns (number of pairs decided, [(pred, gold, verdict) for each pair verify decides otherwise]).
+    Returns (number of pairs decided, [(pred, gold, verdict) for each pair verify decides
+    otherwise]).
     """
     answers = sorted(set(answers))
     start_pool(workers)
@@ -187,7 +215,8 @@ def audit_fast_path(answers, workers=None, timeout_s=10.0):
     _VALUES.update(zip(answers, values))
     decided = [(pred, gold, verdict) for pred in answers for gold in answers if pred != gold
                for verdict in [_decided_without_verify(pred, gold)] if verdict is not None]
-    checks, _ = _run_in_pool([("verify", pred, gold) for pred, gold, _ in decided], [timeout_s] * len(decided))
+    checks, _ = _run_in_pool([("verify", pred, gold) for pred, gold, _ in decided],
+                             [timeout_s] * len(decided))
     return len(decided), [(p, g, v) for (p, g, v), check in zip(decided, checks) if v != check]
 
 

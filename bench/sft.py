@@ -1,10 +1,12 @@
-"""Benchmark of sft.py's share_prefix: forward + backward over the first global batch's micro-batches, as padded
-batches and with the shared prompt encoded once, alternating, in this one run.
+"""Benchmark of sft.py's share_prefix: forward + backward over the first global batch's
+micro-batches, as padded batches and with the shared prompt encoded once, alternating, in this one
+run.
 
-    python -m bench.sft configs/sft_tiny.yaml [key=value ...]     # needs out/tiny-model, out/tiny-sft.jsonl (tiny.py)
+    python -m bench.sft configs/sft_tiny.yaml [key=value ...]     # needs out/tiny-model,
+                                                                  # out/tiny-sft.jsonl (tiny.py)
 
-The config is sft.py's (SFTConfig). Prints conversation tokens/s of each, their ratio, and how far apart the two
-losses are (they should agree: share_prefix is exact).
+The config is sft.py's (SFTConfig). Prints conversation tokens/s of each, their ratio, and how far
+apart the two losses are (they should agree: share_prefix is exact).
 """
 import sys
 import time
@@ -32,7 +34,8 @@ def bench(cfg, repeats=3):
     model, _ = build_model(cfg, model_path, device, rank)
     batch = global_batch(len(examples), cfg.global_batch_size, cfg.seed, 0)
     micro_batches = [[examples[i] for i in indices]
-                     for indices in rank_micro_batches(batch, lengths, cfg.micro_batch_size, rank, world_size)]
+                     for indices in rank_micro_batches(batch, lengths, cfg.micro_batch_size, rank,
+                                                       world_size)]
     tokens = sum(len(ids) for micro in micro_batches for ids, _ in micro)
     seconds, losses = {False: [], True: []}, {False: 0.0, True: 0.0}
     for repeat in range(repeats + 1):  # the first round warms up and is not timed
@@ -49,10 +52,11 @@ def bench(cfg, repeats=3):
             losses[share] = total
     if rank == 0:
         base, shared = min(seconds[False]), min(seconds[True])
-        print(f"{len(micro_batches)} micro-batches of {cfg.micro_batch_size}, {tokens} conversation tokens; "
-              f"best of {repeats}, forward + backward:")
+        print(f"{len(micro_batches)} micro-batches of {cfg.micro_batch_size}, {tokens} "
+              f"conversation tokens; best of {repeats}, forward + backward:")
         print(f"  padded batch   {tokens / base:8.0f} tokens/s  ({base:.2f} s)")
-        print(f"  shared prefix  {tokens / shared:8.0f} tokens/s  ({shared:.2f} s)   {base / shared:.2f}x")
+        print(f"  shared prefix  {tokens / shared:8.0f} tokens/s  ({shared:.2f} s)   "
+              f"{base / shared:.2f}x")
         print(f"  loss: {losses[False]:.4f} vs {losses[True]:.4f} (relative difference "
               f"{abs(losses[False] - losses[True]) / losses[False]:.1e})")
 

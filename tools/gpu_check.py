@@ -1,28 +1,35 @@
 """The GPU check, in one call: what CPU tests cannot show, measured on one CUDA GPU with `vllm`.
 
-    python -m tools.gpu_check [out_dir=$OUT] [hidden_size=1024 num_hidden_layers=12] [prompts=64 max_tokens=256]
+    python -m tools.gpu_check [out_dir=$OUT] [hidden_size=1024 num_hidden_layers=12] \\
+        [prompts=64 max_tokens=256]
 
-Needs requirements-gpu.txt installed and no network (the model is a random Qwen3 built by tiny.py, larger than the
-CPU one so the numbers mean something). It checks and times, in this order:
-  1. log-prob agreement in bf16: after an optimizer step and update_weights, engine log-probs of fixed tokens vs the
-     trainer's (HF, bf16) and vs an fp32 reference of the same weights; bf16 cannot match to 1e-5 like fp32 on CPU,
-     so the numbers are reported and only a gross mismatch (mean |diff| > 0.05) fails; then sampling as the loop
-     asks for it (on CUDA vLLM 0.33 runs its V2 model runner, the CPU tests its V1 one): sampled log-probs at
-     temperature 0.6 vs the trainer's log_softmax(logits / 0.6), and per-request seeds (docs/gpu.md, vLLM source);
-  2. the time of one weight update, the whole state dict at once and lazily (one tensor gathered at a time);
-  3. sleep / wake_up at levels 2 and 1: GPU memory freed, host RAM taken, log-probs intact after waking (level 2
-     through the weight reload, as rl.sync_weights does);
-  4. throughput: rollout.generate (no tool, n=1) vs vLLM's own LLM.generate on the same prompts and lengths;
-  5. the barrier-free loop vs a per-turn barrier with tool calls (bench/rollout.py's scripted trajectories);
-  6. the RL cycle with rl.py's own functions: rollout, sleep, old log-probs and a training step at 20,480-token
-     micro-batches, wake + weight sync (verl's order), rollout again, twice, on a Qwen3-4B-shaped model with random
-     weights and the 151,936 vocabulary; per phase the device's used memory and PyTorch's peak, beside machinery/plan.py's
-     numbers for the phase (`python -m tools.gpu_check only_cycle=true` runs it alone).
-Results: printed as a Markdown block for GPU_CHECK.md and written to out_dir/gpu_check.json, then a one-screen
-verdict (PASS/FAIL per check, a row per RL-cycle phase). Exit code 1 if a check failed. Run under coverage
-(docs/coverage.md), it executes the method lines no CPU test runs: the CUDA branches of
-machinery.distributed's init_distributed and free_cached_memory. STATUS: written on a CPU-only machine and NOT yet run on any GPU (CUDA or ROCm);
-GPU_CHECK.md records the first run. Without a GPU it exits at once with a message (exit code 1); no CPU test needs it.
+Needs requirements-gpu.txt installed and no network (the model is a random Qwen3 built by tiny.py,
+larger than the CPU one so the numbers mean something). It checks and times, in this order:
+  1. log-prob agreement in bf16: after an optimizer step and update_weights, engine log-probs of
+     fixed tokens vs the trainer's (HF, bf16) and vs an fp32 reference of the same weights; bf16
+     cannot match to 1e-5 like fp32 on CPU, so the numbers are reported and only a gross mismatch
+     (mean |diff| > 0.05) fails; then sampling as the loop asks for it (on CUDA vLLM 0.33 runs its
+     V2 model runner, the CPU tests its V1 one): sampled log-probs at temperature 0.6 vs the
+     trainer's log_softmax(logits / 0.6), and per-request seeds (docs/gpu.md, vLLM source);
+  2. the time of one weight update, the whole state dict at once and lazily (one tensor gathered at
+     a time);
+  3. sleep / wake_up at levels 2 and 1: GPU memory freed, host RAM taken, log-probs intact after
+     waking (level 2 through the weight reload, as rl.sync_weights does);
+  4. throughput: rollout.generate (no tool, n=1) vs vLLM's own LLM.generate on the same prompts and
+     lengths;
+  5. the barrier-free loop vs a per-turn barrier with tool calls (bench/rollout.py's scripted
+     trajectories);
+  6. the RL cycle with rl.py's own functions: rollout, sleep, old log-probs and a training step at
+     20,480-token micro-batches, wake + weight sync (verl's order), rollout again, twice, on a
+     Qwen3-4B-shaped model with random weights and the 151,936 vocabulary; per phase the device's
+     used memory and PyTorch's peak, beside machinery/plan.py's numbers for the phase
+     (`python -m tools.gpu_check only_cycle=true` runs it alone).
+Results: printed as a Markdown block for GPU_CHECK.md and written to out_dir/gpu_check.json, then a
+one-screen verdict (PASS/FAIL per check, a row per RL-cycle phase). Exit code 1 if a check failed.
+Run under coverage (docs/coverage.md), it executes the method lines no CPU test runs: the CUDA
+branches of machinery.distributed's init_distributed and free_cached_memory. STATUS: written on a
+CPU-only machine and NOT yet run on any GPU (CUDA or ROCm); GPU_CHECK.md records the first run.
+Without a GPU it exits at once with a message (exit code 1); no CPU test needs it.
 """
 import dataclasses
 import itertools
@@ -54,7 +61,8 @@ from machinery.training import TrainSample
 @dataclasses.dataclass
 class GPUCheckConfig:
     out_dir: str = os.environ.get("OUT", "out/gpu_check")
-    # the model: tiny.py's Qwen3 layout at ~200M parameters (random weights; only agreement and speed are measured)
+    # the model: tiny.py's Qwen3 layout at ~200M parameters (random weights; only agreement and
+    # speed are measured)
     hidden_size: int = 1024
     intermediate_size: int = 3072
     num_hidden_layers: int = 12
@@ -70,9 +78,10 @@ class GPUCheckConfig:
     # barrier benchmark
     bench_trajectories: int = 64
     tool_latency_s: float = 0.3
-    # 6. the RL cycle on one GPU (rl.py's own functions), against machinery/plan.py: a Qwen3-shaped model with random weights,
-    # Qwen3-4B's shape by default, which with its fp32 master weights and AdamW (16 bytes a parameter, ~64 GB) and a
-    # colocated engine is about what one H200 holds (python rl.py ... mode=plan shows the sum for other shapes)
+    # 6. the RL cycle on one GPU (rl.py's own functions), against machinery/plan.py: a Qwen3-shaped
+    # model with random weights, Qwen3-4B's shape by default, which with its fp32 master weights and
+    # AdamW (16 bytes a parameter, ~64 GB) and a colocated engine is about what one H200 holds
+    # (python rl.py ... mode=plan shows the sum for other shapes)
     only_cycle: bool = False          # skip checks 1-5
     cycle_hidden_size: int = 2560
     cycle_intermediate_size: int = 9728
@@ -84,7 +93,8 @@ class GPUCheckConfig:
     cycle_logprob_chunk_tokens: int = 1024
     cycle_gpu_memory_utilization: float = 0.3
     cycle_prompts: int = 16
-    cycle_max_tokens: int = 256               # rollout length (random weights: the text is noise, the memory is real)
+    cycle_max_tokens: int = 256               # rollout length (random weights: the text is noise,
+                                              # the memory is real)
     cycle_rounds: int = 2
 
     def validate(self):
@@ -101,21 +111,25 @@ def trainer_logprobs(model, prompt_ids, response_ids, temperature=1.0):
     ids = torch.tensor([list(prompt_ids) + list(response_ids)], device="cuda")
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt_ids) - 1:-1].float() / temperature
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response_ids, device="cuda")[:, None])[:, 0].cpu()
+    return torch.log_softmax(logits, -1).gather(
+        -1, torch.tensor(response_ids, device="cuda")[:, None])[:, 0].cpu()
 
 
 def cycle_model(cfg, out):
-    """A Qwen3-shaped model with random bf16 weights and the tiny tokenizer (ids past it are never needed), saved as
-    a Hugging Face directory: what rl.load_policy and the engine read."""
+    """A Qwen3-shaped model with random bf16 weights and the tiny tokenizer (ids past it are never
+    needed), saved as a Hugging Face directory: what machinery.checkpoint.load_policy and the engine
+    read."""
     model_dir = out / "cycle-model"
     if (model_dir / "config.json").is_file():
         return model_dir
     tokenizer = tiny.build_tokenizer(tiny.TinyConfig())
     config = Qwen3Config(vocab_size=cfg.cycle_vocab_size, hidden_size=cfg.cycle_hidden_size,
-                         intermediate_size=cfg.cycle_intermediate_size, num_hidden_layers=cfg.cycle_num_hidden_layers,
+                         intermediate_size=cfg.cycle_intermediate_size,
+                         num_hidden_layers=cfg.cycle_num_hidden_layers,
                          num_attention_heads=cfg.cycle_num_attention_heads,
-                         num_key_value_heads=cfg.cycle_num_key_value_heads, head_dim=128, tie_word_embeddings=True,
-                         max_position_embeddings=32768, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                         num_key_value_heads=cfg.cycle_num_key_value_heads, head_dim=128,
+                         tie_word_embeddings=True, max_position_embeddings=32768,
+                         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
                          pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -128,20 +142,22 @@ def cycle_model(cfg, out):
 
 
 def rl_cycle(cfg, out, results):
-    """Rollout, sleep, old log-probs and a training step at micro_batch_tokens, wake + sync (rl.sync_weights, verl's
-    order), rollout again, cycle_rounds times, with rl.py's own functions on one GPU. Per phase: the device's used
-    memory at its end (mem_get_info: vLLM's sleep-mode pool is outside PyTorch's counters), PyTorch's peak allocated
-    during it, and the plan's number for the phase."""
+    """Rollout, sleep, old log-probs and a training step at micro_batch_tokens, wake + sync
+    (rl.sync_weights, verl's order), rollout again, cycle_rounds times, with rl.py's own functions
+    on one GPU. Per phase: the device's used memory at its end (mem_get_info: vLLM's sleep-mode pool
+    is outside PyTorch's counters), PyTorch's peak allocated during it, and the plan's number for
+    the phase."""
     init_distributed()
     device = torch.device("cuda", torch.cuda.current_device())
     model_dir = cycle_model(cfg, out)
     context = cfg.cycle_micro_batch_tokens // 2
-    rl_cfg = load_config(rl.RLConfig, [f"model={model_dir}", f"micro_batch_tokens={cfg.cycle_micro_batch_tokens}",
-                                       f"logprob_chunk_tokens={cfg.cycle_logprob_chunk_tokens}",
-                                       "activation_checkpointing=true", "rollout.dtype=bfloat16",
-                                       f"rollout.gpu_memory_utilization={cfg.cycle_gpu_memory_utilization}",
-                                       "rollout.max_prompt_tokens=1024", f"rollout.max_response_tokens={context - 1024}",
-                                       "rollout.use_tool=false", f"rollout.enforce_eager={cfg.enforce_eager}"])
+    rl_cfg = load_config(rl.RLConfig, [
+        f"model={model_dir}", f"micro_batch_tokens={cfg.cycle_micro_batch_tokens}",
+        f"logprob_chunk_tokens={cfg.cycle_logprob_chunk_tokens}",
+        "activation_checkpointing=true", "rollout.dtype=bfloat16",
+        f"rollout.gpu_memory_utilization={cfg.cycle_gpu_memory_utilization}",
+        "rollout.max_prompt_tokens=1024", f"rollout.max_response_tokens={context - 1024}",
+        "rollout.use_tool=false", f"rollout.enforce_eager={cfg.enforce_eager}"])
     shape = plan.ModelShape.from_config(model_dir / "config.json")
     total = torch.cuda.mem_get_info()[1]
     planned = plan.plan(rl_cfg, shape, 1, total)
@@ -153,33 +169,42 @@ def rl_cycle(cfg, out, results):
         started = time.perf_counter()
         result = fn()
         torch.cuda.synchronize()
-        phases.append(dict(phase=name, seconds=time.perf_counter() - started, device_used_gib=gpu_memory_used_gib(),
+        phases.append(dict(phase=name, seconds=time.perf_counter() - started,
+                           device_used_gib=gpu_memory_used_gib(),
                            torch_peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30))
         return result
 
-    model, optimizer = measure("load trainer (FSDP2, fp32 master)", lambda: load_policy(rl_cfg, device, 0))
+    model, optimizer = measure("load trainer (FSDP2, fp32 master)",
+                               lambda: load_policy(rl_cfg, device, 0))
     engine = measure("engine start", lambda: Engine(model_dir, rl_cfg.rollout, seed=0))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     record["K"] = engine.max_concurrency()
     problems = [row["problem"] for row in tiny.make_arithmetic_problems(cfg.cycle_prompts, seed=2)]
     plain = dataclasses.replace(rl_cfg.rollout, max_response_tokens=cfg.cycle_max_tokens)
     generator = torch.Generator().manual_seed(0)
+    # 2 micro-batches
     samples = [TrainSample(torch.randint(0, shape.vocab, (1024,), generator=generator).tolist(),
-                              torch.randint(0, shape.vocab, (context - 1024,), generator=generator).tolist(),
-                              [1] * (context - 1024), advantage=(-1.0) ** i) for i in range(4)]  # 2 micro-batches
+                           torch.randint(0, shape.vocab, (context - 1024,),
+                                         generator=generator).tolist(),
+                           [1] * (context - 1024), advantage=(-1.0) ** i) for i in range(4)]
     weight_dtype = torch.bfloat16
     for round_ in range(cfg.cycle_rounds):
         engine.cfg = plain
-        measure(f"{round_}: rollout", lambda: rollout.generate(engine, None, tokenizer, problems, 2, plain, seed=round_))
+        measure(f"{round_}: rollout",
+                lambda: rollout.generate(engine, None, tokenizer, problems, 2, plain, seed=round_))
         engine.cfg = rl_cfg.rollout
         measure(f"{round_}: sleep", engine.sleep)
-        measure(f"{round_}: old log-probs", lambda: rl.recompute_logprobs(model, samples, rl_cfg, 0, device, 1.0))
-        metrics = measure(f"{round_}: train step ({cfg.cycle_micro_batch_tokens}-token micro-batches)",
-                          lambda: rl.train_step(model, optimizer, samples, rl_cfg, round_, 0, device))
+        measure(f"{round_}: old log-probs",
+                lambda: rl.recompute_logprobs(model, samples, rl_cfg, 0, device, 1.0))
+        metrics = measure(
+            f"{round_}: train step ({cfg.cycle_micro_batch_tokens}-token micro-batches)",
+            lambda: rl.train_step(model, optimizer, samples, rl_cfg, round_, 0, device))
         record[f"{round_}: micro_batches"] = metrics["num_micro_batches"]
-        measure(f"{round_}: wake + weight sync", lambda: rl.sync_weights(engine, model, weight_dtype))
+        measure(f"{round_}: wake + weight sync",
+                lambda: rl.sync_weights(engine, model, weight_dtype))
     engine.cfg = plain
-    measure("last: rollout", lambda: rollout.generate(engine, None, tokenizer, problems, 2, plain, seed=99))
+    measure("last: rollout",
+            lambda: rollout.generate(engine, None, tokenizer, problems, 2, plain, seed=99))
     gib = {k: v / 2**30 for k, v in planned["phases"].items()}
     record.update(phases=phases, gpu_total_gib=total / 2**30, params_B=shape.numel() / 1e9,
                   plan_phases_gib=gib, plan_training_peak_gib=planned["train"]["peak"] / 2**30,
@@ -190,13 +215,14 @@ def rl_cycle(cfg, out, results):
 
 def main(cfg):
     if not torch.cuda.is_available():
-        sys.exit("gpu_check.py: no CUDA (or ROCm) GPU here; it has not run on this machine. The CPU path is covered "
-                 "by tests/test_rollout.py, tests/test_rl.py and tests/test_plan.py")
+        sys.exit("gpu_check.py: no CUDA (or ROCm) GPU here; it has not run on this machine. "
+                 "The CPU path is covered by tests/test_rollout.py, tests/test_rl.py and "
+                 "tests/test_plan.py")
     results, failures = {}, []
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    results["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "vllm": vllm.__version__,
-                      "hip": torch.version.hip}
+    results["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                      "vllm": vllm.__version__, "hip": torch.version.hip}
 
     def check(name, fn):
         try:
@@ -216,10 +242,11 @@ def main(cfg):
 
 
 def sampling(engine, trainer, prompt, results):
-    """What machinery.engine.Engine asks of the model runner that CUDA runs (vLLM 0.33's V2 one; the CPU tests run V1): the
-    sampled tokens' log-probs at temperature 0.6 are the trainer's log_softmax(logits / 0.6) ("processed_logprobs",
-    vllm/v1/worker/gpu/sample/sampler.py), and a request's seed fixes its tokens (sample/states.py, gumbel.py):
-    rerun alone, the same; in a batch of 16, reported (bf16 kernels may differ with the batch); another seed, others."""
+    """What machinery.engine.Engine asks of the model runner that CUDA runs (vLLM 0.33's V2 one; the
+    CPU tests run V1): the sampled tokens' log-probs at temperature 0.6 are the trainer's
+    log_softmax(logits / 0.6) ("processed_logprobs", vllm/v1/worker/gpu/sample/sampler.py), and a
+    request's seed fixes its tokens (sample/states.py, gumbel.py): rerun alone, the same; in a batch
+    of 16, reported (bf16 kernels may differ with the batch); another seed, others."""
     engine.update_weights(trainer.state_dict().items())
     ids = itertools.count()
 
@@ -229,35 +256,43 @@ def sampling(engine, trainer, prompt, results):
             engine.add(request, prompt, 48, seed + 1000 * i, [], 0.6, 1.0)
         done = {}
         while engine.has_unfinished():
-            done.update((request, (tokens, logprobs)) for request, tokens, logprobs in engine.step())
+            done.update((request, (tokens, logprobs))
+                        for request, tokens, logprobs in engine.step())
         return done[requests[0]]
 
     tokens, logprobs = sample(7)
-    tempered = (torch.tensor(logprobs) - trainer_logprobs(trainer, prompt, tokens, temperature=0.6)).abs()
+    tempered = (torch.tensor(logprobs)
+                - trainer_logprobs(trainer, prompt, tokens, temperature=0.6)).abs()
     untempered = (torch.tensor(logprobs) - trainer_logprobs(trainer, prompt, tokens)).abs()
     rerun, batched, other = sample(7)[0], sample(7, others=15)[0], sample(8)[0]
     results["sampling"] = {"tokens": len(tokens), "vs_trainer_at_0.6_mean": tempered.mean().item(),
-                           "vs_trainer_at_0.6_max": tempered.max().item(), "vs_trainer_at_1.0_mean": untempered.mean().item(),
-                           "same_seed_same_tokens": rerun == tokens, "same_seed_in_batch_of_16_same_tokens": batched == tokens,
+                           "vs_trainer_at_0.6_max": tempered.max().item(),
+                           "vs_trainer_at_1.0_mean": untempered.mean().item(),
+                           "same_seed_same_tokens": rerun == tokens,
+                           "same_seed_in_batch_of_16_same_tokens": batched == tokens,
                            "other_seed_other_tokens": other != tokens}
     if tempered.mean() > 0.05 or rerun != tokens or other == tokens:
         raise AssertionError(f"sampling: {results['sampling']}")
 
 
 def brief(value):
-    """A check's numbers on one line: its scalars, 3 significant digits (nested tables stay in the JSON)."""
+    """A check's numbers on one line: its scalars, 3 significant digits (nested tables stay in the
+    JSON)."""
     if not isinstance(value, dict):
         return f"{value:.3g}" if isinstance(value, float) else str(value)
-    return "  ".join(f"{k}={brief(v)}" for k, v in value.items() if isinstance(v, (int, float, str, bool)))
+    return "  ".join(f"{k}={brief(v)}" for k, v in value.items()
+                     if isinstance(v, (int, float, str, bool)))
 
 
 def verdict(results):
-    """One screen, printed last: PASS or FAIL per check with its numbers (the RL cycle's include the plan's) or its
-    error's last line, and one row per phase of the RL cycle: time, device memory used, PyTorch's peak."""
+    """One screen, printed last: PASS or FAIL per check with its numbers (the RL cycle's include the
+    plan's) or its error's last line, and one row per phase of the RL cycle: time, device memory
+    used, PyTorch's peak."""
     failures = results.get("failures", [])
     scalars = {k: v for k, v in results.items() if not isinstance(v, (dict, list))}
     lines = [f"gpu_check.py on {results.get('env', {}).get('gpu', '?')}: "
-             f"{'FAIL (' + ', '.join(failures) + ')' if failures else 'PASS'}  {brief(scalars)}".rstrip()]
+             f"{'FAIL (' + ', '.join(failures) + ')' if failures else 'PASS'}  "
+             f"{brief(scalars)}".rstrip()]
     for name, value in results.items():
         if name in ("env", "failures") or not isinstance(value, dict):
             continue
@@ -267,7 +302,8 @@ def verdict(results):
         lines.append(f"PASS {name}: {brief(value)}"[:160])
         for phase in value.get("phases", []):
             lines.append(f"     {phase['phase'][:44]:44} {phase['seconds']:7.1f} s  used "
-                         f"{phase['device_used_gib']:6.1f} GiB  peak {phase['torch_peak_allocated_gib']:6.1f} GiB")
+                         f"{phase['device_used_gib']:6.1f} GiB  "
+                         f"peak {phase['torch_peak_allocated_gib']:6.1f} GiB")
     return "\n".join(lines)
 
 
@@ -275,12 +311,15 @@ def checks_1_to_5(cfg, out, results, check):
     init_distributed()
 
     model_dir = tiny.build_tiny_model(tiny.TinyConfig(
-        out_dir=str(out / "model"), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        out_dir=str(out / "model"), hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, pretrain_steps=0))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    rcfg = rollout.RolloutConfig(dtype="bfloat16", gpu_memory_utilization=cfg.gpu_memory_utilization,
-                                 enforce_eager=cfg.enforce_eager, max_prompt_tokens=512, max_response_tokens=1024)
+    rcfg = rollout.RolloutConfig(dtype="bfloat16",
+                                 gpu_memory_utilization=cfg.gpu_memory_utilization,
+                                 enforce_eager=cfg.enforce_eager, max_prompt_tokens=512,
+                                 max_response_tokens=1024)
     start = time.perf_counter()
     engine = Engine(model_dir, rcfg, seed=0)
     results["engine_start_s"] = time.perf_counter() - start
@@ -289,7 +328,8 @@ def checks_1_to_5(cfg, out, results, check):
     # 1-2. weight update and log-prob agreement in bf16
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
     prompt = render_prompt(tokenizer, "Compute 4821 * 37 - 905.", rcfg)
-    fixed = tokenizer.encode(" I will compute it. </reason>\n<answer> \\boxed{177472} </answer><|im_end|>",
+    fixed = tokenizer.encode(" I will compute it. </reason>\n"
+                             "<answer> \\boxed{177472} </answer><|im_end|>",
                              add_special_tokens=False)
 
     def weights_and_logprobs():
@@ -298,14 +338,16 @@ def checks_1_to_5(cfg, out, results, check):
         trainer(batch, labels=batch).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        before = (torch.tensor(engine.score([prompt], [fixed])[0]) - trainer_logprobs(trainer, prompt, fixed)).abs()
+        before = (torch.tensor(engine.score([prompt], [fixed])[0])
+                  - trainer_logprobs(trainer, prompt, fixed)).abs()
         torch.cuda.synchronize()
         start = time.perf_counter()
         engine.update_weights(trainer.state_dict().items())
         torch.cuda.synchronize()
         full_s = time.perf_counter() - start
         start = time.perf_counter()
-        engine.update_weights((name, tensor.detach().clone()) for name, tensor in trainer.state_dict().items())
+        engine.update_weights((name, tensor.detach().clone())
+                              for name, tensor in trainer.state_dict().items())
         torch.cuda.synchronize()
         lazy_s = time.perf_counter() - start
         engine_lp = torch.tensor(engine.score([prompt], [fixed])[0])
@@ -314,17 +356,22 @@ def checks_1_to_5(cfg, out, results, check):
         trainer.bfloat16()
         results["weights"] = {"params_M": sum(p.numel() for p in trainer.parameters()) / 1e6,
                               "update_full_state_dict_s": full_s, "update_lazy_generator_s": lazy_s}
-        results["logprobs_bf16"] = {"before_update_max": before.max().item(), "vs_trainer_bf16_max": bf16.max().item(),
-                                    "vs_trainer_bf16_mean": bf16.mean().item(), "vs_fp32_reference_max": fp32.max().item(),
-                                    "vs_fp32_reference_mean": fp32.mean().item(), "tokens": len(fixed)}
+        results["logprobs_bf16"] = {"before_update_max": before.max().item(),
+                                    "vs_trainer_bf16_max": bf16.max().item(),
+                                    "vs_trainer_bf16_mean": bf16.mean().item(),
+                                    "vs_fp32_reference_max": fp32.max().item(),
+                                    "vs_fp32_reference_mean": fp32.mean().item(),
+                                    "tokens": len(fixed)}
         if bf16.mean() > 0.05:
-            raise AssertionError(f"engine vs trainer mean |diff| {bf16.mean():.3g} after update_weights")
+            raise AssertionError(f"engine vs trainer mean |diff| {bf16.mean():.3g} after "
+                                 "update_weights")
 
     check("logprobs_bf16", weights_and_logprobs)
     check("sampling", lambda: sampling(engine, trainer, prompt, results))
 
-    # 3. sleep / wake_up around a training step, at level 2 (the default: the weights are discarded, so they are
-    # reloaded between waking the weights and the KV cache, rl.sync_weights' order) and level 1 (kept in host RAM)
+    # 3. sleep / wake_up around a training step, at level 2 (the default: the weights are discarded,
+    # so they are reloaded between waking the weights and the KV cache, rl.sync_weights' order) and
+    # level 1 (kept in host RAM)
     def sleep_wake():
         engine.update_weights(trainer.state_dict().items())
         reference = engine.score([prompt], [fixed])[0]
@@ -342,12 +389,15 @@ def checks_1_to_5(cfg, out, results, check):
                     engine.update_weights(trainer.state_dict().items())
                 engine.wake_up(tags=["kv_cache"])
                 wake_s = time.perf_counter() - start
-                drift = max(abs(a - b) for a, b in zip(reference, engine.score([prompt], [fixed])[0]))
+                drift = max(abs(a - b)
+                            for a, b in zip(reference, engine.score([prompt], [fixed])[0]))
                 results[f"sleep_wake_level{level}"] = {
-                    "gpu_used_awake_gib": awake, "gpu_used_asleep_gib": asleep, "host_rss_growth_asleep_gib": host,
-                    "sleep_s": sleep_s, "wake_s": wake_s, "logprob_drift_after_wake": drift}
+                    "gpu_used_awake_gib": awake, "gpu_used_asleep_gib": asleep,
+                    "host_rss_growth_asleep_gib": host, "sleep_s": sleep_s, "wake_s": wake_s,
+                    "logprob_drift_after_wake": drift}
                 if asleep > awake - 0.5 or drift > 1e-3:
-                    raise AssertionError(f"level {level}: sleep freed {awake - asleep:.2f} GiB, log-prob drift {drift:.3g}")
+                    raise AssertionError(f"level {level}: sleep freed {awake - asleep:.2f} GiB, "
+                                         f"log-prob drift {drift:.3g}")
         finally:
             engine.cfg = rcfg  # whatever failed, the next checks sample at the config's level
 
@@ -367,20 +417,25 @@ def checks_1_to_5(cfg, out, results, check):
         loop_s = time.perf_counter() - start
         loop_tokens = sum(len(t.response_ids) for g in groups for t in g)
         plain_tokens = sum(map(len, plain))
-        results["throughput"] = {"prompts": cfg.prompts, "plain_tokens_per_s": plain_tokens / plain_s,
+        results["throughput"] = {"prompts": cfg.prompts,
+                                 "plain_tokens_per_s": plain_tokens / plain_s,
                                  "rollout_tokens_per_s": loop_tokens / loop_s,
-                                 "rollout_over_plain": (loop_tokens / loop_s) / (plain_tokens / plain_s),
+                                 "rollout_over_plain":
+                                     (loop_tokens / loop_s) / (plain_tokens / plain_s),
                                  "rollout_tokens": loop_tokens, "plain_tokens": plain_tokens}
 
     check("throughput", throughput)
     del trainer
     torch.cuda.empty_cache()
-    engine.close()  # frees the GPU for the benchmark's own engine (and ends torch.distributed; bench restarts it)
+    # frees the GPU for the benchmark's own engine (and ends torch.distributed; bench restarts it)
+    engine.close()
 
     # 5. the barrier benchmark on the GPU
     def barrier_bench():
-        bench_cfg = rollout_bench.BenchConfig(model=str(model_dir), trajectories=cfg.bench_trajectories,
-                                              tool_latencies_s=[0.0, cfg.tool_latency_s], repeats=1, rollout=dataclasses.replace(rcfg))
+        bench_cfg = rollout_bench.BenchConfig(model=str(model_dir),
+                                              trajectories=cfg.bench_trajectories,
+                                              tool_latencies_s=[0.0, cfg.tool_latency_s], repeats=1,
+                                              rollout=dataclasses.replace(rcfg))
         results["barrier_bench"] = rollout_bench.bench(bench_cfg)
 
     check("barrier_bench", barrier_bench)
