@@ -309,7 +309,8 @@ def build_tokenizer(cfg):
 # -----------------------------------------------------------------------------
 # model
 
-def build_model(cfg, tokenizer):
+def random_model(cfg, tokenizer):
+    """A randomly initialised Qwen3-layout causal LM of cfg's shape for this tokenizer."""
     torch.manual_seed(cfg.seed)
     # padded like real checkpoints; ids past len(tokenizer) are never sampled in practice
     vocab = (len(tokenizer) + 63) // 64 * 64
@@ -329,7 +330,7 @@ def build_tiny_model(cfg=None):
     cfg = cfg or TinyConfig()
     out = Path(cfg.out_dir)
     tokenizer = build_tokenizer(cfg)
-    model = build_model(cfg, tokenizer)
+    model = random_model(cfg, tokenizer)
     losses = pretrain_base_model(model, tokenizer, cfg)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id

@@ -9,7 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 import rollout
 import sft
 from machinery.config import REPO, load_config
-from tiny import (TOOL_TOKENS, build_model, build_tokenizer, make_arithmetic_problems,
+from tiny import (TOOL_TOKENS, build_tokenizer, random_model, make_arithmetic_problems,
                   make_sft_transcripts, pretrain_base_model, pretraining_documents, TinyConfig,
                   write_sft_transcripts)
 from machinery.conversations import check_conversation
@@ -112,7 +112,7 @@ def test_pretraining_documents_are_worked_problems_without_the_system_prompt(tok
 def test_pretraining_lowers_the_loss_and_is_reproducible(tmp_path):
     cfg = TinyConfig(out_dir=str(tmp_path), pretrain_steps=6, pretrain_batch_size=4, sft_data="")
     tokenizer = build_tokenizer(cfg)
-    runs = [pretrain_base_model(build_model(cfg, tokenizer), tokenizer, cfg) for _ in range(2)]
+    runs = [pretrain_base_model(random_model(cfg, tokenizer), tokenizer, cfg) for _ in range(2)]
     assert len(runs[0]) == 6 and runs[0][-1] < runs[0][0] - 0.5
     assert runs[0] == runs[1]
 
