@@ -304,8 +304,8 @@ def cosine_lr_at(step, total_steps, cfg):
 # -----------------------------------------------------------------------------
 # the training loop
 
-def train_step(model, optimizer, examples, lengths, step, total_steps, cfg, pad_id, device, rank,
-               world_size):
+def sft_step(model, optimizer, examples, lengths, step, total_steps, cfg, pad_id, device, rank,
+             world_size):
     """One optimizer step (steps 1-4 of the docstring); returns its metrics, summed over ranks."""
     started = time.perf_counter()
     lr = cosine_lr_at(step, total_steps, cfg)
@@ -368,8 +368,8 @@ def train(cfg):
     progress = tqdm(total=total_steps, initial=start_step, desc="sft", disable=rank != 0,
                     dynamic_ncols=True)
     for step in range(start_step, total_steps):
-        metrics = train_step(model, optimizer, examples, lengths, step, total_steps, cfg, pad_id,
-                             device, rank, world_size)
+        metrics = sft_step(model, optimizer, examples, lengths, step, total_steps, cfg, pad_id,
+                           device, rank, world_size)
         if (step + 1) % cfg.log_every == 0 or step + 1 == total_steps:
             logger.log(step + 1, metrics)
         progress.update(1)
