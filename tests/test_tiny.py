@@ -1,4 +1,5 @@
-"""The tiny model and its locally trained tokenizer (tiny.py): an ordinary Hugging Face directory."""
+"""The tiny model and its locally trained tokenizer (tiny.py): an ordinary Hugging Face
+directory."""
 import json
 import re
 
@@ -56,8 +57,9 @@ def test_chatml_template_renders_roles_and_generation_prompt(tokenizer):
 
 
 def test_rstar2_prompt_renders_exactly_the_released_text_and_is_short(tokenizer):
-    """configs/templates/rstar2_code.jinja reproduces tests/reference/prompt_rendered_code.txt byte for byte,
-    and the BPE (trained on the templates) keeps the long system prompt to a few hundred tokens."""
+    """configs/templates/rstar2_code.jinja reproduces tests/reference/prompt_rendered_code.txt byte
+    for byte, and the BPE (trained on the templates) keeps the long system prompt to a few hundred
+    tokens."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": "{Question}"}], tools=[CODE_TOOL],
                                          chat_template=CODE_TEMPLATE, add_generation_prompt=True, tokenize=False)
     assert text.startswith("<|im_start|>system\nA conversation between User and Assistant.")
@@ -103,7 +105,8 @@ def test_pretraining_documents_are_worked_problems_without_the_system_prompt(tok
         assert "system" not in doc and "<tools>" not in doc
         assert doc.endswith(f"<|im_start|>assistant\n<reason> The result is {row['answer']}. </reason>\n"
                             f"<answer> \\boxed{{{row['answer']}}} </answer><|im_end|>\n")
-    # an answer read from a failed call is part of the base model's text too, the number where a clean call puts it
+    # an answer read from a failed call is part of the base model's text too, the number where a
+    # clean call puts it
     assert clean.count("<tool_call>") == 1 and failed.count("<tool_call>") == 1
     assert "Tool call success\nstdout: " in clean and "Tool call failure\nreason: \nstdout: " in failed
     assert clean.split("stdout: ")[1] == failed.split("stdout: ")[1]
