@@ -25,8 +25,9 @@ def tokenizer(tiny_model_dir):
 
 
 def test_tokenizer_round_trips_text_math_and_code(tokenizer):
-    texts = ["Compute 4821 * 37 - 905.", "Find $\\frac{\\sqrt{2}}{2}$ when $x^2+y^2=1$.", "print(sum(range(10)))\n",
-             "ünïcødé → ∑ 😀", "  leading spaces\ttabs\n\nnewlines  ", '{"name": "f", "arguments": {"code": "x=1"}}']
+    texts = ["Compute 4821 * 37 - 905.", "Find $\\frac{\\sqrt{2}}{2}$ when $x^2+y^2=1$.",
+             "print(sum(range(10)))\n", "ünïcødé → ∑ 😀", "  leading spaces\ttabs\n\nnewlines  ",
+             '{"name": "f", "arguments": {"code": "x=1"}}']
     for text in texts:
         ids = tokenizer(text, add_special_tokens=False).input_ids
         assert tokenizer.decode(ids) == text
@@ -52,27 +53,34 @@ def test_chatml_template_renders_roles_and_generation_prompt(tokenizer):
     messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"},
                 {"role": "assistant", "content": "A"}, {"role": "tool", "content": "T"}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert text == ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\nA<|im_end|>\n"
-                    "<|im_start|>user\n<tool_response>\nT\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert text == ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n"
+                    "<|im_start|>assistant\nA<|im_end|>\n"
+                    "<|im_start|>user\n<tool_response>\nT\n</tool_response><|im_end|>\n"
+                    "<|im_start|>assistant\n")
 
 
 def test_rstar2_prompt_renders_exactly_the_released_text_and_is_short(tokenizer):
     """configs/templates/rstar2_code.jinja reproduces tests/reference/prompt_rendered_code.txt byte
     for byte, and the BPE (trained on the templates) keeps the long system prompt to a few hundred
     tokens."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "{Question}"}], tools=[CODE_TOOL],
-                                         chat_template=CODE_TEMPLATE, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "{Question}"}],
+                                         tools=[CODE_TOOL], chat_template=CODE_TEMPLATE,
+                                         add_generation_prompt=True, tokenize=False)
     assert text.startswith("<|im_start|>system\nA conversation between User and Assistant.")
-    assert '<tools>\n{"type": "function", "function": {"name": "python_code_with_standard_io", "description": ' in text
-    assert text.endswith("This is the problem:\n{Question}<|im_end|>\n<|im_start|>assistant\n<reason>")
-    reference = REPO / "tests/reference/prompt_rendered_code.txt"  # the released code's text, with its sources
+    assert ('<tools>\n{"type": "function", "function": {"name": "python_code_with_standard_io", '
+            '"description": ') in text
+    assert text.endswith("This is the problem:\n{Question}<|im_end|>\n"
+                         "<|im_start|>assistant\n<reason>")
+    # the released code's text, with its sources
+    reference = REPO / "tests/reference/prompt_rendered_code.txt"
     assert text == reference.read_text().split("=" * 68 + "\n", 1)[1]
     assert len(tokenizer(text, add_special_tokens=False).input_ids) < 600
 
 
 def test_model_directory_loads_with_auto_classes(tiny_model_dir, tokenizer):
     config = AutoConfig.from_pretrained(tiny_model_dir)
-    assert config.model_type == "qwen3" and config.head_dim == 64 and config.vocab_size >= len(tokenizer)
+    assert (config.model_type == "qwen3" and config.head_dim == 64
+            and config.vocab_size >= len(tokenizer))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     ids = tokenizer("Compute 1 + 1.", return_tensors="pt").input_ids
     with torch.no_grad():
@@ -82,7 +90,8 @@ def test_model_directory_loads_with_auto_classes(tiny_model_dir, tokenizer):
 
 def test_arithmetic_problems_are_deterministic_and_correct():
     rows = make_arithmetic_problems(50, seed=3)
-    assert rows == make_arithmetic_problems(50, seed=3) and rows != make_arithmetic_problems(50, seed=4)
+    assert (rows == make_arithmetic_problems(50, seed=3)
+            and rows != make_arithmetic_problems(50, seed=4))
     for row in rows:
         expression = row["problem"][len("Compute "):-1]
         assert str(eval(expression)) == row["answer"]
@@ -93,22 +102,28 @@ def test_every_number_has_a_fixed_width_so_each_copied_digit_sits_at_a_fixed_dis
     for row in make_arithmetic_problems(3000, seed=0):
         shapes.add(re.sub(r"\d", "9", row["problem"]))
         assert len(row["answer"]) == 6
-    assert shapes == {"Compute 9999 * 99 + 999.", "Compute 9999 * 99 - 999.", "Compute (9999 + 999) * 99."}
+    assert shapes == {"Compute 9999 * 99 + 999.", "Compute 9999 * 99 - 999.",
+                      "Compute (9999 + 999) * 99."}
 
 
 def test_pretraining_documents_are_worked_problems_without_the_system_prompt(tokenizer):
     row = {"id": "p", "problem": "Compute 2345 * 67 + 891.", "answer": str(2345 * 67 + 891)}
-    clean, failed = (pretraining_documents([row], tokenizer, error_fraction=f)[0] for f in (0.0, 1.0))
+    clean, failed = (pretraining_documents([row], tokenizer, error_fraction=f)[0]
+                     for f in (0.0, 1.0))
     for doc in (clean, failed):
-        assert doc.startswith("<|im_start|>user\nCompute 2345 * 67 + 891.<|im_end|>\n<|im_start|>assistant\n"
-                              "<reason> I will compute 2345 * 67 + 891 with Python. </reason>\n<tool_call>")
+        assert doc.startswith("<|im_start|>user\nCompute 2345 * 67 + 891.<|im_end|>\n"
+                              "<|im_start|>assistant\n"
+                              "<reason> I will compute 2345 * 67 + 891 with Python. </reason>\n"
+                              "<tool_call>")
         assert "system" not in doc and "<tools>" not in doc
-        assert doc.endswith(f"<|im_start|>assistant\n<reason> The result is {row['answer']}. </reason>\n"
+        assert doc.endswith("<|im_start|>assistant\n"
+                            f"<reason> The result is {row['answer']}. </reason>\n"
                             f"<answer> \\boxed{{{row['answer']}}} </answer><|im_end|>\n")
     # an answer read from a failed call is part of the base model's text too, the number where a
     # clean call puts it
     assert clean.count("<tool_call>") == 1 and failed.count("<tool_call>") == 1
-    assert "Tool call success\nstdout: " in clean and "Tool call failure\nreason: \nstdout: " in failed
+    assert ("Tool call success\nstdout: " in clean
+            and "Tool call failure\nreason: \nstdout: " in failed)
     assert clean.split("stdout: ")[1] == failed.split("stdout: ")[1]
 
 
@@ -121,9 +136,13 @@ def test_pretraining_lowers_the_loss_and_is_reproducible(tmp_path):
 
 
 def test_chatml_template_renders_tools(tokenizer):
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "Q"}], tools=[CODE_TOOL], tokenize=False)
-    assert text.startswith("<|im_start|>system\n# Tools\n\nYou are provided with function signatures within <tools></tools> XML tags:\n"
-                           '<tools>\n{"type": "function", "function": {"name": "python_code_with_standard_io"')
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Q"}], tools=[CODE_TOOL],
+                                         tokenize=False)
+    assert text.startswith("<|im_start|>system\n# Tools\n\n"
+                           "You are provided with function signatures within "
+                           "<tools></tools> XML tags:\n"
+                           '<tools>\n{"type": "function", "function": '
+                           '{"name": "python_code_with_standard_io"')
     assert "}}}\n</tools><|im_end|>\n<|im_start|>user\nQ<|im_end|>\n" in text
 
 
@@ -133,28 +152,37 @@ def test_chatml_template_renders_tools(tokenizer):
 def test_sft_transcripts_run_the_real_tool_and_end_in_the_boxed_answer():
     problems = make_arithmetic_problems(12, seed=5, split="sft")
     rows = make_sft_transcripts(problems, error_fraction=0.5, seed=0)
-    assert rows == make_sft_transcripts(problems, error_fraction=0.5, seed=0)  # no timings: reruns are identical
+    # no timings: reruns are identical
+    assert rows == make_sft_transcripts(problems, error_fraction=0.5, seed=0)
     failed = 0
     for row, problem in zip(rows, problems):
         check_conversation(row, problem["id"])
         messages = row["messages"]
         assert messages[0] == {"role": "user", "content": problem["problem"]}
-        assert messages[-1]["content"].endswith(f"</reason>\n<answer> \\boxed{{{problem['answer']}}} </answer>")
+        assert messages[-1]["content"].endswith("</reason>\n<answer> "
+                                                f"\\boxed{{{problem['answer']}}} </answer>")
         assert len(messages) == 4  # one call, its result, the answer
         call = rollout.parse_tool_call(messages[1]["content"], "python_code_with_standard_io")
         expression = problem["problem"][8:-1]
         if call["code"] == f"print({expression})":
-            assert messages[2]["content"] == f"Tool call success\nstdout: {problem['answer']}\n"  # what the executor printed
-        else:  # the bug: the result is printed, then the stray exit(1) makes the real sandbox report a failure
+            # what the executor printed
+            assert messages[2]["content"] == f"Tool call success\nstdout: {problem['answer']}\n"
+        else:
+            # the bug: the result is printed, then the stray exit(1) makes the real sandbox report
+            # a failure
             failed += 1
             assert call["code"] == f"print({expression})\nexit(1)"
-            assert messages[2]["content"] == f"Tool call failure\nreason: \nstdout: {problem['answer']}\n"
+            assert messages[2]["content"] == ("Tool call failure\nreason: \n"
+                                              f"stdout: {problem['answer']}\n")
     assert 2 <= failed <= 10
 
 
-def test_python_tiny_writes_transcripts_that_sft_tokenizes_within_its_length_limit(tiny_model_dir, tmp_path):
-    path = write_sft_transcripts(TinyConfig(sft_data=str(tmp_path / "sft.jsonl"), sft_examples=16, sft_error_fraction=0.5))
-    cfg = load_config(sft.SFTConfig, [str(REPO / "configs/sft_tiny.yaml"), f"model={tiny_model_dir}", f"data={path}"])
+def test_python_tiny_writes_transcripts_that_sft_tokenizes_within_its_length_limit(tiny_model_dir,
+                                                                                   tmp_path):
+    path = write_sft_transcripts(TinyConfig(sft_data=str(tmp_path / "sft.jsonl"), sft_examples=16,
+                                            sft_error_fraction=0.5))
+    cfg = load_config(sft.SFTConfig, [str(REPO / "configs/sft_tiny.yaml"),
+                                      f"model={tiny_model_dir}", f"data={path}"])
     examples, dropped = sft.load_conversations(cfg, AutoTokenizer.from_pretrained(tiny_model_dir))
     assert len(examples) == 16 and dropped == 0
     assert max(len(ids) for ids, _ in examples) < cfg.max_seq_len
