@@ -295,7 +295,8 @@ def test_answer_tags_count_closed_pairs_and_unbalanced_tags_count_zero():
 
 
 def test_importing_rollout_does_not_import_vllm():
-    """sft.py renders prompts with rollout.py; it must not pay vLLM's ~17 s import."""
+    """rollout.py is imported for its config alone (demo.py, the tests); that must not pay vLLM's
+    ~17 s import, which only machinery.engine.Engine makes."""
     code = "import sys, rollout; assert 'vllm' not in sys.modules, 'vllm imported'"
     subprocess.run([sys.executable, "-c", code], cwd=Path(rollout.__file__).parent, check=True)
 
