@@ -1,19 +1,24 @@
-"""torchrun checks of the colocated engine: FSDP2 trainer + one in-process vLLM engine per rank (external_launcher).
+"""torchrun checks of the colocated engine: FSDP2 trainer + one in-process vLLM engine per rank
+(external_launcher).
 
-    torchrun --nproc_per_node=2 tests/dist_rollout.py MODEL_DIR          # weight sync + prompt claiming
-    torchrun --nproc_per_node=2 tests/dist_rollout.py MODEL_DIR tp       # one engine over both ranks (TP=2)
+    torchrun --nproc_per_node=2 tests/dist_rollout.py MODEL_DIR
+        # weight sync + prompt claiming
+    torchrun --nproc_per_node=2 tests/dist_rollout.py MODEL_DIR tp
+        # one engine over both ranks (TP=2)
 
-Each rank: shards the tiny model with FSDP2 (per decoder layer, then the model; gloo, fp32), takes an optimizer
-step so the weights really change, pushes the full state dict into its own engine with update_weights, and
-checks that the engine's log-probs equal the trainer's, both on fixed tokens (score) and on the tokens the engine
-samples in rollouts. The rollouts also check the shared prompt counter: every problem is claimed by exactly one
-rank, and balance_by_tokens hands every trajectory to exactly one rank. Both modes first check where each rank's
-engine sits (check_colocation: its own rank and device, torchrun's world group). Exits non-zero on any failure; prints
-one summary line per rank. Run by tests/test_rollout.py::test_torchrun_weight_sync_and_prompt_claiming.
+Each rank: shards the tiny model with FSDP2 (per decoder layer, then the model; gloo, fp32), takes
+an optimizer step so the weights really change, pushes the full state dict into its own engine with
+update_weights, and checks that the engine's log-probs equal the trainer's, both on fixed tokens
+(score) and on the tokens the engine samples in rollouts. The rollouts also check the shared prompt
+counter: every problem is claimed by exactly one rank, and balance_by_tokens hands every trajectory
+to exactly one rank. Both modes first check where each rank's engine sits (check_colocation: its own
+rank and device, torchrun's world group). Exits non-zero on any failure; prints one summary line per
+rank. Run by tests/test_rollout.py::test_torchrun_weight_sync_and_prompt_claiming.
 
-The tp mode runs one engine with tensor_parallel_size=2 over both ranks: the leader drives the loop (with a tool
-call whose result arrives while the other trajectories decode) and the follower replays its engine calls; the
-leader gets every trajectory, the follower none, and both score the same tokens identically.
+The tp mode runs one engine with tensor_parallel_size=2 over both ranks: the leader drives the loop
+(with a tool call whose result arrives while the other trajectories decode) and the follower replays
+its engine calls; the leader gets every trajectory, the follower none, and both score the same
+tokens identically.
 """
 import json
 import os
@@ -36,7 +41,8 @@ from machinery.prompts import render_prompt
 
 
 def say(line):
-    """One write(2) per line: both ranks share the test's pipe, and print()'s pieces interleave between them."""
+    """One write(2) per line: both ranks share the test's pipe, and print()'s pieces interleave
+    between them."""
     os.write(sys.stdout.fileno(), (line + "\n").encode())
 
 
@@ -46,34 +52,46 @@ def worker_placement(worker):
 
 
 def check_colocation(engine, default_group, default_store, tp_size):
-    """Each rank's engine under torchrun (docs/gpu.md, "Colocation under torchrun"): its worker is this rank on this
-    rank's device, vLLM's world group is torchrun's world, joined through the process group already up (no second
-    init_process_group, no store of its own), its tensor-parallel group is the ranks of this engine, and the engine
-    core runs in this process. ZMQ sockets (vLLM's shared-memory broadcaster) exist only for a group of >1 rank."""
+    """Each rank's engine under torchrun (docs/gpu.md, "Colocation under torchrun"): its worker is
+    this rank on this rank's device, vLLM's world group is torchrun's world, joined through the
+    process group already up (no second init_process_group, no store of its own), its
+    tensor-parallel group is the ranks of this engine, and the engine core runs in this process. ZMQ
+    sockets (vLLM's shared-memory broadcaster) exist only for a group of >1 rank."""
     # vLLM after rollout.Engine set VLLM_ENABLE_V1_MULTIPROCESSING, as rollout.py imports it
     from vllm.distributed import parallel_state
 
     rank, local_rank = dist.get_rank(), int(os.environ["LOCAL_RANK"])
-    assert dist.group.WORLD is default_group, f"rank {rank}: vLLM replaced the default process group"
-    assert dist.distributed_c10d._get_default_store() is default_store, f"rank {rank}: vLLM made its own store"
+    assert dist.group.WORLD is default_group, \
+        f"rank {rank}: vLLM replaced the default process group"
+    assert dist.distributed_c10d._get_default_store() is default_store, \
+        f"rank {rank}: vLLM made its own store"
     world = parallel_state.get_world_group()
-    assert (world.ranks, world.rank_in_group, world.local_rank) == (list(range(dist.get_world_size())), rank, local_rank), \
-        f"rank {rank}: vLLM's world group {world.ranks} (rank {world.rank_in_group}, local {world.local_rank})"
+    assert (world.ranks, world.rank_in_group, world.local_rank) == \
+        (list(range(dist.get_world_size())), rank, local_rank), \
+        f"rank {rank}: vLLM's world group {world.ranks} (rank {world.rank_in_group}, " \
+        f"local {world.local_rank})"
     first = rank - rank % tp_size
     tp = parallel_state.get_tp_group()
-    assert tp.ranks == list(range(first, first + tp_size)), f"rank {rank}: vLLM's TP group {tp.ranks}"
-    assert (tp.mq_broadcaster is not None) == (tp_size > 1), f"rank {rank}: broadcaster {tp.mq_broadcaster}"
+    assert tp.ranks == list(range(first, first + tp_size)), \
+        f"rank {rank}: vLLM's TP group {tp.ranks}"
+    assert (tp.mq_broadcaster is not None) == (tp_size > 1), \
+        f"rank {rank}: broadcaster {tp.mq_broadcaster}"
     device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
     placement = engine.llm.collective_rpc(worker_placement)
-    assert placement == [(rank, local_rank, device)], f"rank {rank}: worker (rank, local rank, device) {placement}"
+    assert placement == [(rank, local_rank, device)], \
+        f"rank {rank}: worker (rank, local rank, device) {placement}"
     parallel = engine.engine.vllm_config.parallel_config
-    assert (parallel.distributed_executor_backend, parallel.world_size) == ("external_launcher", tp_size), \
-        f"rank {rank}: vLLM backend {parallel.distributed_executor_backend}, world size {parallel.world_size}"
-    assert type(engine.engine.engine_core).__name__ == "InprocClient", type(engine.engine.engine_core)
+    assert (parallel.distributed_executor_backend, parallel.world_size) == \
+        ("external_launcher", tp_size), \
+        f"rank {rank}: vLLM backend {parallel.distributed_executor_backend}, " \
+        f"world size {parallel.world_size}"
+    assert type(engine.engine.engine_core).__name__ == "InprocClient", \
+        type(engine.engine.engine_core)
     return placement[0]
 
 
-TOLERANCE = 1e-4  # fp32 on both sides; measured max |diff| is ~1e-6 (docs/design.md, the CPU stack: <= 4.8e-7)
+# fp32 on both sides; measured max |diff| is ~1e-6 (docs/design.md, the CPU stack: <= 4.8e-7)
+TOLERANCE = 1e-4
 
 
 def trainer_logprobs(model, prompt_ids, response_ids):
@@ -101,31 +119,40 @@ def main(model_dir):
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
-    cfg = rollout.RolloutConfig(dtype="float32", enforce_eager=True, gpu_memory_utilization=0.1, max_prompt_tokens=448,
-                                max_response_tokens=64)
+    cfg = rollout.RolloutConfig(dtype="float32", enforce_eager=True, gpu_memory_utilization=0.1,
+                                max_prompt_tokens=448, max_response_tokens=64)
     default_group, default_store = dist.group.WORLD, dist.distributed_c10d._get_default_store()
     engine = Engine(model_dir, cfg, seed=rank)
     placement = check_colocation(engine, default_group, default_store, tp_size=1)
     prompt = render_prompt(tokenizer, "Compute 4821 * 37 - 905.", cfg)
-    fixed = tokenizer.encode(" I will compute it with Python. </reason>\n<answer> \\boxed{177472} </answer><|im_end|>",
+    fixed = tokenizer.encode(" I will compute it with Python. </reason>\n"
+                             "<answer> \\boxed{177472} </answer><|im_end|>",
                              add_special_tokens=False)
 
     # 1. an optimizer step moves the trainer away from the engine's weights
     optimizer_step(model, optimizer, tokenizer)
-    before = (torch.tensor(engine.score([prompt], [fixed])[0]) - trainer_logprobs(model, prompt, fixed)).abs().max()
+    before = (torch.tensor(engine.score([prompt], [fixed])[0])
+              - trainer_logprobs(model, prompt, fixed)).abs().max()
     assert before > 1e-2, f"rank {rank}: the optimizer step did not change the log-probs ({before})"
 
     # 2. the full state dict on every rank (cpu_offload=False), into this rank's engine
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    state = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
     engine.update_weights(state.items())
-    after = (torch.tensor(engine.score([prompt], [fixed])[0]) - trainer_logprobs(model, prompt, fixed)).abs().max()
-    assert after < TOLERANCE, f"rank {rank}: engine vs trainer after update_weights: max |diff| {after}"
+    after = (torch.tensor(engine.score([prompt], [fixed])[0])
+             - trainer_logprobs(model, prompt, fixed)).abs().max()
+    assert after < TOLERANCE, \
+        f"rank {rank}: engine vs trainer after update_weights: max |diff| {after}"
 
-    # 3. the lazy path for big models: a generator gathering one DTensor at a time (collective, same order on all ranks)
+    # 3. the lazy path for big models: a generator gathering one DTensor at a time (collective,
+    # same order on all ranks)
     optimizer_step(model, optimizer, tokenizer)
-    engine.update_weights((name, tensor.full_tensor()) for name, tensor in model.state_dict().items())
-    lazy = (torch.tensor(engine.score([prompt], [fixed])[0]) - trainer_logprobs(model, prompt, fixed)).abs().max()
-    assert lazy < TOLERANCE, f"rank {rank}: engine vs trainer after a lazy update: max |diff| {lazy}"
+    engine.update_weights((name, tensor.full_tensor())
+                          for name, tensor in model.state_dict().items())
+    lazy = (torch.tensor(engine.score([prompt], [fixed])[0])
+            - trainer_logprobs(model, prompt, fixed)).abs().max()
+    assert lazy < TOLERANCE, \
+        f"rank {rank}: engine vs trainer after a lazy update: max |diff| {lazy}"
 
     # 4. rollouts: prompts claimed from the shared counter, sampled log-probs = the trainer's
     problems = [row["problem"] for row in __import__("tiny").make_arithmetic_problems(6, seed=3)]
@@ -135,60 +162,76 @@ def main(model_dir):
     claimed = [None] * world_size
     dist.all_gather_object(claimed, mine)
     every = sorted(i for part in claimed for i in part)
-    assert every == list(range(len(problems))), f"rank {rank}: claims {claimed} do not cover each problem once"
-    # FSDP's forward is collective, so every rank scores every rank's trajectories, in the same order
+    assert every == list(range(len(problems))), \
+        f"rank {rank}: claims {claimed} do not cover each problem once"
+    # FSDP's forward is collective, so every rank scores every rank's trajectories, in the same
+    # order
     everyone = [None] * world_size
     dist.all_gather_object(everyone, [t for g in groups for t in g])
     gap = 0.0
     for traj in (t for part in everyone for t in part):
         mask = torch.tensor(traj.loss_mask, dtype=torch.bool)
-        diff = (trainer_logprobs(model, traj.prompt_ids, traj.response_ids) - torch.tensor(traj.logprobs))[mask]
+        diff = (trainer_logprobs(model, traj.prompt_ids, traj.response_ids)
+                - torch.tensor(traj.logprobs))[mask]
         gap = max(gap, diff.abs().max().item())
     assert gap < TOLERANCE, f"rank {rank}: sampled log-probs vs trainer: max |diff| {gap}"
 
     # 5. the training split: every trajectory lands on exactly one rank
     share, _ = balance_by_tokens([t for g in groups for t in g])
     shares = [None] * world_size
-    dist.all_gather_object(shares, [(t.problem_index, t.sample_index, len(t.prompt_ids) + len(t.response_ids)) for t in share])
+    dist.all_gather_object(shares, [(t.problem_index, t.sample_index,
+                                     len(t.prompt_ids) + len(t.response_ids)) for t in share])
     keys = sorted(k[:2] for part in shares for k in part)
-    assert keys == [(p, s) for p in range(len(problems)) for s in range(2)], f"rank {rank}: bad split {shares}"
+    assert keys == [(p, s) for p in range(len(problems)) for s in range(2)], \
+        f"rank {rank}: bad split {shares}"
     loads = [sum(k[2] for k in part) for part in shares]
 
     say(f"rank {rank}: claimed {mine}, before {before:.3g}, after {after:.2g}, lazy {lazy:.2g}, "
-        f"sampled gap {gap:.2g}, token loads {loads}, vLLM worker (rank, local rank, device) {placement}")
-    engine.close()  # under external_launcher this also ends torch.distributed (vLLM's shutdown destroys the group)
+        f"sampled gap {gap:.2g}, token loads {loads}, vLLM worker (rank, local rank, device) "
+        f"{placement}")
+    # under external_launcher this also ends torch.distributed (vLLM's shutdown destroys the group)
+    engine.close()
 
 
 def main_tensor_parallel(model_dir):
     rank, _, _, _ = init_distributed()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    cfg = rollout.RolloutConfig(dtype="float32", enforce_eager=True, gpu_memory_utilization=0.1, max_prompt_tokens=448,
-                                max_response_tokens=128, tensor_parallel_size=2)
+    cfg = rollout.RolloutConfig(dtype="float32", enforce_eager=True, gpu_memory_utilization=0.1,
+                                max_prompt_tokens=448, max_response_tokens=128,
+                                tensor_parallel_size=2)
     scripts, call_end = {}, tokenizer.convert_tokens_to_ids("</tool_call>")
     default_group, default_store = dist.group.WORLD, dist.distributed_c10d._get_default_store()
     engine = Engine(model_dir, cfg, seed=0, logits_processors=[scripted_policy(scripts, call_end)])
     placement = check_colocation(engine, default_group, default_store, tp_size=2)
     problem = "Compute 6 * 7."
-    call = json.dumps({"name": "python_code_with_standard_io", "arguments": {"code": "print(6 * 7)", "input": ""}})
-    turns = [f"\n<tool_call>\n{call}\n</tool_call>", " 42 </reason><answer> \\boxed{42} </answer><|im_end|>"]
-    scripts[tuple(render_prompt(tokenizer, problem, cfg))] = [tokenizer.encode(t, add_special_tokens=False) for t in turns]
+    call = json.dumps({"name": "python_code_with_standard_io",
+                       "arguments": {"code": "print(6 * 7)", "input": ""}})
+    turns = [f"\n<tool_call>\n{call}\n</tool_call>",
+             " 42 </reason><answer> \\boxed{42} </answer><|im_end|>"]
+    scripts[tuple(render_prompt(tokenizer, problem, cfg))] = [
+        tokenizer.encode(t, add_special_tokens=False) for t in turns]
     with Executor(workers=1, timeout_s=2.0) as executor:
-        groups = rollout.generate(engine, executor, tokenizer, [problem, "Compute 1 + 2.", "Compute 3 + 4."], 2, cfg, seed=0)
+        groups = rollout.generate(engine, executor, tokenizer,
+                                  [problem, "Compute 1 + 2.", "Compute 3 + 4."], 2, cfg, seed=0)
     trajs = [t for g in groups for t in g]
     if rank == 0:
-        assert sorted((t.problem_index, t.sample_index) for t in trajs) == [(p, s) for p in range(3) for s in range(2)]
+        assert sorted((t.problem_index, t.sample_index) for t in trajs) == \
+            [(p, s) for p in range(3) for s in range(2)]
         scripted = [t for t in trajs if t.problem_index == 0]
-        assert all(t.finished and t.tool_calls[0]["status"] == "ok" and "stdout: 42" in t.response_text
+        assert all(t.finished and t.tool_calls[0]["status"] == "ok"
+                   and "stdout: 42" in t.response_text
                    for t in scripted), [(t.stop_reason, t.response_text) for t in scripted]
     else:
         assert trajs == [], f"rank {rank}: a tensor-parallel follower returned trajectories"
     # synchronous calls take the leader's inputs on every rank of the group
     prompt = render_prompt(tokenizer, problem, cfg)
-    scored = engine.score([prompt], [tokenizer.encode(" 42", add_special_tokens=False)] if rank == 0 else [[7, 7]])
+    scored = engine.score([prompt], [tokenizer.encode(" 42", add_special_tokens=False)]
+                          if rank == 0 else [[7, 7]])
     both = [None, None]
     torch.distributed.all_gather_object(both, scored)
     assert both[0] == both[1], f"the two ranks of one engine scored differently: {both}"
-    say(f"rank {rank}: tensor parallel, {len(trajs)} trajectories, score {scored}, vLLM worker {placement}")
+    say(f"rank {rank}: tensor parallel, {len(trajs)} trajectories, score {scored}, vLLM worker "
+        f"{placement}")
     engine.close()
 
 

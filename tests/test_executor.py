@@ -1,13 +1,15 @@
-"""executor.py: the python_code_with_standard_io tool and its sandbox, run for real (real forks, namespaces, kills).
+"""executor.py: the python_code_with_standard_io tool and its sandbox, run for real (real forks,
+namespaces, kills).
 
 The hostile cases follow the categories of docs/design.md, "The sandbox: designs and hostile inputs"
-(A time, B memory, C processes, D output, E filesystem, F network, G attacks on the host, H exit status, I input, J load). Each asserts the
-status the model sees *and* the containment: the caller is fine, nothing of the call is left running, and the
-next call works. Needs Linux; the namespace cases need root (CI runs as root), the fallback cases check what a
-non-root caller gets.
+(A time, B memory, C processes, D output, E filesystem, F network, G attacks on the host, H exit
+status, I input, J load). Each asserts the status the model sees *and* the containment: the caller
+is fine, nothing of the call is left running, and the next call works. Needs Linux; the namespace
+cases need root (CI runs as root), the fallback cases check what a non-root caller gets.
 
     .venv/bin/python -m pytest tests/test_executor.py -q          # about 2 minutes on 2 cores
-    .venv/bin/python -m bench.executor mode=soak calls=10000 timeout_s=2   # the 10,000-call soak (this file runs 1,000)
+    .venv/bin/python -m bench.executor mode=soak calls=10000 timeout_s=2
+        # the 10,000-call soak (this file runs 1,000)
 """
 import json
 import os
@@ -27,9 +29,11 @@ from executor import ExecResult, Executor
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 2.0
-SLACK = 10.0  # bounds that catch a hang, not a slow machine: 2 cores shared with other jobs stall for seconds
+# bounds that catch a hang, not a slow machine: 2 cores shared with other jobs stall for seconds
+SLACK = 10.0
 IS_ROOT = os.geteuid() == 0
-os.environ["RSTAR2_TEST_SECRET"] = "hunter2"   # set before any Executor starts: it must never reach a snippet
+# set before any Executor starts: it must never reach a snippet
+os.environ["RSTAR2_TEST_SECRET"] = "hunter2"
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +45,8 @@ def ex():
 
 @pytest.fixture(scope="module")
 def solo():
-    """One slot: consecutive light calls land in the same warm worker, so state would leak if it could."""
+    """One slot: consecutive light calls land in the same warm worker, so state would leak if it
+    could."""
     with Executor(workers=1, timeout_s=TIMEOUT) as e:
         e.wait_ready()
         yield e
@@ -52,8 +57,9 @@ def worker_pids(e):
 
 
 def assert_contained(e):
-    """After a call returned: nothing of it is left running (each worker is only its waiter and PID 1, no
-    process has its sandbox uid), no child of this process is a zombie, and a benign call still works."""
+    """After a call returned: nothing of it is left running (each worker is only its waiter and PID
+    1, no process has its sandbox uid), no child of this process is a zombie, and a benign call
+    still works."""
     assert stray_processes(e) == []
     assert leak_counters(e)[0] == 0
     for _ in range(3):   # a machine shared with other jobs can stall a benign call past the timeout
@@ -92,13 +98,16 @@ needs_root = pytest.mark.skipif(not IS_ROOT, reason="namespaces and the sandbox 
 
 def test_runs_code_with_stdin_and_shows_a_final_expression_like_ipython(ex):
     result = ex.run("print(1 + 1)")
-    assert (result.status, result.stdout, result.stderr, result.truncated, result.returncode) == ("ok", "2\n", "", False, 0)
+    assert (result.status, result.stdout, result.stderr, result.truncated, result.returncode) == (
+        "ok", "2\n", "", False, 0)
     assert ex.run("x = 6\nx * 7").stdout == "42\n"
-    assert ex.run("print(1)\nNone").stdout == "1\n"                    # None is not shown, print's None neither
+    # None is not shown, print's None neither
+    assert ex.run("print(1)\nNone").stdout == "1\n"
     assert ex.run("print('a')").stdout == "a\n"
     assert ex.run("'text'").stdout == "'text'\n"                        # a repr, not a str
     assert ex.run("a, b = map(int, input().split())\nprint(a * b)", "6 7").stdout == "42\n"
-    assert ex.run("import sys\nprint(sys.stdin.read().splitlines())", "l1\nl2\n").stdout == "['l1', 'l2']\n"
+    assert (ex.run("import sys\nprint(sys.stdin.read().splitlines())", "l1\nl2\n").stdout
+            == "['l1', 'l2']\n")
     sympy = ex.run("import sympy as sp\nx = sp.symbols('x')\nsp.factor(x**2 - 1)")
     assert (sympy.status, sympy.stdout) == ("ok", "(x - 1)*(x + 1)\n")
 
@@ -106,7 +115,8 @@ def test_runs_code_with_stdin_and_shows_a_final_expression_like_ipython(ex):
 def test_exceptions_show_the_snippets_traceback_only(ex):
     result = ex.run("def f():\n    return 1 / 0\nf()")
     assert (result.status, result.returncode, result.reason) == ("error", 1, "exit status 1")
-    assert result.stderr.startswith("Traceback (most recent call last):\n  File \"main.py\", line 3, in <module>")
+    assert result.stderr.startswith("Traceback (most recent call last):\n"
+                                    "  File \"main.py\", line 3, in <module>")
     assert "    return 1 / 0\n" in result.stderr                          # the source line is shown
     assert result.stderr.endswith("ZeroDivisionError: division by zero\n")
     assert "sandbox.py" not in result.stderr                              # no wrapper frames
@@ -119,16 +129,19 @@ def test_the_snippet_runs_as_a_script_named_main(ex):
 
 
 def test_each_call_finds_an_empty_main_and_argv_and_the_workers_environment_stays_its_own(ex):
-    # __main__ and argv are set once in the worker (not per child): what one call adds must not reach the next
-    ex.run("import sys\nleft_behind = 1\nsys.argv.append('x')\nsys.modules['__main__'].__dict__['also'] = 2")
-    result = ex.run("import os, sys\nprint(sorted(k for k in globals() if not k.startswith('__')), sys.argv, "
-                    "'LD_BIND_NOW' in os.environ)")
+    # __main__ and argv are set once in the worker (not per child): what one call adds must not
+    # reach the next
+    ex.run("import sys\nleft_behind = 1\nsys.argv.append('x')\n"
+           "sys.modules['__main__'].__dict__['also'] = 2")
+    result = ex.run("import os, sys\nprint(sorted(k for k in globals() if not k.startswith('__')), "
+                    "sys.argv, 'LD_BIND_NOW' in os.environ)")
     assert result.stdout == "['os', 'sys'] ['main.py'] False\n", result
 
 
 def test_threads_are_joined_and_atexit_runs_as_in_python(ex):
     code = ("import threading, time, atexit\natexit.register(print, 'bye')\n"
-            "threading.Thread(target=lambda: (time.sleep(0.2), print('late'))).start()\nprint('main')")
+            "threading.Thread(target=lambda: (time.sleep(0.2), print('late'))).start()\n"
+            "print('main')")
     assert ex.run(code).stdout == "main\nlate\nbye\n"
 
 
@@ -142,18 +155,22 @@ def test_tool_response_matches_the_releases_wording():
     assert ok.tool_response() == "Tool call success\nstdout: 2\n\nexecution time: 0.03s"
     assert ok.tool_response(show_time=False) == "Tool call success\nstdout: 2\n"
     timeout = ExecResult("timeout", "", "TimeoutError: ...\n", 4.0, False, "wall-clock limit")
-    assert timeout.tool_response(show_time=False) == "Tool call failure\nreason: worker_timeout\nstderr: TimeoutError: ...\n"
+    assert timeout.tool_response(show_time=False) == ("Tool call failure\nreason: worker_timeout\n"
+                                                      "stderr: TimeoutError: ...\n")
     error = ExecResult("error", "part\n", "Traceback ...\nNameError: x\n", 0.5, False)
-    assert error.tool_response(show_time=False) == "Tool call failure\nreason: \nstdout: part\n\nstderr: Traceback ...\nNameError: x\n"
-    assert ExecResult("oom", "", "MemoryError\n", 0.1, False).tool_response(show_time=False).startswith(
-        "Tool call failure\nreason: memory_limit\n")
+    assert error.tool_response(show_time=False) == ("Tool call failure\nreason: \nstdout: part\n\n"
+                                                    "stderr: Traceback ...\nNameError: x\n")
+    assert (ExecResult("oom", "", "MemoryError\n", 0.1, False).tool_response(show_time=False)
+            .startswith("Tool call failure\nreason: memory_limit\n"))
 
 
 def test_tool_response_is_cut_in_the_middle_to_256_chars_by_default():
-    long = ExecResult("error", "x" * 1000, "Traceback\n" + "y" * 500 + "\nValueError: the end\n", 1.0, False)
+    long = ExecResult("error", "x" * 1000, "Traceback\n" + "y" * 500 + "\nValueError: the end\n",
+                      1.0, False)
     text = long.tool_response(show_time=False)
     assert text == truncate_middle(long.tool_response(max_chars=0, show_time=False), 256)
-    assert text.startswith("Tool call failure\nreason: \nstdout: xxx") and text.endswith("ValueError: the end\n")
+    assert (text.startswith("Tool call failure\nreason: \nstdout: xxx")
+            and text.endswith("ValueError: the end\n"))
     assert len(text) == 256 + len("...(truncated)...")
 
 
@@ -165,9 +182,11 @@ def test_each_stream_keeps_head_and_tail_at_max_output_chars(ex):
 
 
 def test_tool_responses_are_byte_identical_across_executors():
-    """RL resume needs the same tool text on a rerun: hash seed, random state, paths and tracebacks are fixed."""
+    """RL resume needs the same tool text on a rerun: hash seed, random state, paths and tracebacks
+    are fixed."""
     code = ("import random, numpy as np, os, tempfile\nprint({'apple', 'pear', 'fig', 'kiwi'})\n"
-            "print(random.random(), np.random.rand())\nprint(os.getcwd(), tempfile.gettempdir())\n{}['missing']")
+            "print(random.random(), np.random.rand())\nprint(os.getcwd(), tempfile.gettempdir())\n"
+            "{}['missing']")
     texts = []
     for _ in range(2):
         with Executor(workers=1, timeout_s=5) as e:
@@ -187,7 +206,8 @@ def test_tool_responses_are_byte_identical_across_executors():
     "import re\nre.match('(a+)+$', 'a' * 40 + 'b')",                       # C code holding the GIL
     """
     import signal
-    signal.alarm(0); signal.signal(signal.SIGALRM, signal.SIG_IGN); signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.alarm(0); signal.signal(signal.SIGALRM, signal.SIG_IGN)
+    signal.setitimer(signal.ITIMER_REAL, 0)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     while True:
         pass
@@ -200,19 +220,22 @@ def test_tool_responses_are_byte_identical_across_executors():
         except BaseException:
             pass
     """,
-], ids=["cpu-loop", "sleep", "event-wait", "regex-backtracking", "alarm-and-sigterm-defused", "catch-everything"])
+], ids=["cpu-loop", "sleep", "event-wait", "regex-backtracking", "alarm-and-sigterm-defused",
+        "catch-everything"])
 def test_time_hostile_snippets_time_out(ex, code):
     result = run_hostile(ex, code, "timeout")
     assert result.reason == "wall-clock limit"
-    assert result.stderr.endswith(f"TimeoutError: the code ran longer than {TIMEOUT:g} s and was killed\n")
+    assert result.stderr.endswith(f"TimeoutError: the code ran longer than {TIMEOUT:g} s and was "
+                                  "killed\n")
     assert TIMEOUT <= result.elapsed_s < TIMEOUT + SLACK
 
 
 def test_time_spent_waiting_for_a_cpu_does_not_count():
-    """On a busy node a call is not killed for the node's load: its deadline moves out by the time it waited
-    for a CPU, up to 3 x timeout_s. This snippet starves itself: it shares one CPU with a busy child of its
-    own, at nice 10 (a ~10% share), so most of its wall time is waiting and it runs to the cap. A sleep is
-    not waiting for a CPU, so the sleep cases above are cut at timeout_s."""
+    """On a busy node a call is not killed for the node's load: its deadline moves out by the time
+    it waited for a CPU, up to 3 x timeout_s. This snippet starves itself: it shares one CPU with a
+    busy child of its own, at nice 10 (a ~10% share), so most of its wall time is waiting and it
+    runs to the cap. A sleep is not waiting for a CPU, so the sleep cases above are cut at
+    timeout_s."""
     starve = """
     import os
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
@@ -225,14 +248,16 @@ def test_time_spent_waiting_for_a_cpu_does_not_count():
     """
     with Executor(workers=1, timeout_s=0.5) as e:
         result = e.run(textwrap.dedent(starve))
-        assert result.status == "timeout" and result.elapsed_s >= 1.0   # the cap is 1.5 s; unstretched: 0.5 s
+        # the cap is 1.5 s; unstretched: 0.5 s
+        assert result.status == "timeout" and result.elapsed_s >= 1.0
         assert_contained(e)
 
 
 def test_limits_are_hard_so_the_snippet_cannot_raise_them(ex):
     code = """
     import resource
-    for limit in (resource.RLIMIT_CPU, resource.RLIMIT_AS, resource.RLIMIT_NPROC, resource.RLIMIT_FSIZE):
+    for limit in (resource.RLIMIT_CPU, resource.RLIMIT_AS, resource.RLIMIT_NPROC,
+                  resource.RLIMIT_FSIZE):
         try:
             resource.setrlimit(limit, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
             print("raised")
@@ -243,7 +268,8 @@ def test_limits_are_hard_so_the_snippet_cannot_raise_them(ex):
 
 
 def test_a_slow_call_does_not_block_the_others(ex):
-    """Results come back as each call finishes: quick calls submitted after a slow one return while it runs."""
+    """Results come back as each call finishes: quick calls submitted after a slow one return while
+    it runs."""
     slow = ex.submit("import time\ntime.sleep(1.8)\nprint('slow')")
     for i in range(5):
         assert ex.submit(f"print({i})").result().stdout == f"{i}\n"
@@ -257,7 +283,8 @@ def test_a_slow_call_does_not_block_the_others(ex):
 
 @pytest.mark.parametrize("code", ["x = bytearray(10**11)", "x = 'x' * 10**11", "x = [0] * 10**10",
                                   "import numpy as np\nnp.zeros((10**5, 10**5))",
-                                  "import numpy as np\nchunks = []\nwhile True:\n    chunks.append(np.zeros(10**7))"],
+                                  "import numpy as np\nchunks = []\nwhile True:\n"
+                                  "    chunks.append(np.zeros(10**7))"],
                          ids=["bytearray", "str", "list", "numpy", "slow-growth"])
 def test_memory_bombs_are_oom(ex, code):
     result = run_hostile(ex, code, "oom")
@@ -266,7 +293,8 @@ def test_memory_bombs_are_oom(ex, code):
 
 def test_memory_up_to_the_limit_works(ex):
     """memory_mb (512 here) is address space on top of the worker's own: a 400 MB mapping fits."""
-    code = "import mmap\nm = mmap.mmap(-1, 400 * 2**20)\nm[-1:] = b'x'\nx = bytearray(50 * 2**20)\nprint(len(m) >> 20)"
+    code = ("import mmap\nm = mmap.mmap(-1, 400 * 2**20)\nm[-1:] = b'x'\n"
+            "x = bytearray(50 * 2**20)\nprint(len(m) >> 20)")
     assert run_hostile(ex, code, "ok").stdout == "400\n"
 
 
@@ -277,7 +305,8 @@ def test_a_crash_in_c_is_an_error_naming_the_signal(ex):
 
 
 def test_deep_recursion_is_contained(ex):
-    result = ex.run("import sys\nsys.setrecursionlimit(10**6)\ndef f(n):\n    return f(n + 1)\nf(0)")
+    result = ex.run("import sys\nsys.setrecursionlimit(10**6)\n"
+                    "def f(n):\n    return f(n + 1)\nf(0)")
     assert result.status in ("error", "timeout", "oom")
     assert_contained(ex)
 
@@ -292,8 +321,8 @@ def test_deep_recursion_is_contained(ex):
     "import multiprocessing\nmultiprocessing.Pool(1000)",
 ], ids=["os-fork-bomb", "shell-fork-bomb", "pool-1000"])
 def test_fork_bombs_are_bounded_and_swept(ex, code):
-    """RLIMIT_NPROC makes forks fail; whether the snippet then loops (timeout), raises or gives up (ok) is its
-    business. What matters: nothing of it survives the call."""
+    """RLIMIT_NPROC makes forks fail; whether the snippet then loops (timeout), raises or gives up
+    (ok) is its business. What matters: nothing of it survives the call."""
     start = time.monotonic()
     assert ex.run(code).status in ("timeout", "error", "ok")
     assert time.monotonic() - start < TIMEOUT + SLACK
@@ -310,30 +339,36 @@ def test_fork_bombs_are_bounded_and_swept(ex, code):
         os._exit(0)
     print('parent done')
     """,
-    "import subprocess\nsubprocess.Popen(['sleep', '100'], start_new_session=True)\nprint('parent done')",
+    "import subprocess\nsubprocess.Popen(['sleep', '100'], start_new_session=True)\n"
+    "print('parent done')",
     "import os, time\nif os.fork() == 0:\n    time.sleep(100)\nprint('parent done')",
 ], ids=["setsid-double-fork", "popen-new-session", "plain-orphan"])
 def test_orphans_and_escapees_die_with_the_call(ex, code):
-    # "ok", not "timeout": the call ended with its main process instead of waiting for the one that sleeps
+    # "ok", not "timeout": the call ended with its main process instead of waiting for the one that
+    # sleeps
     assert run_hostile(ex, code, "ok").stdout == "parent done\n"
 
 
 def test_a_non_daemon_multiprocessing_child_is_waited_for_like_python_does(ex):
-    code = ("import multiprocessing, time\np = multiprocessing.Process(target=time.sleep, args=(100,))\np.start()\n"
-            "print('started', flush=True)")   # unflushed output dies with a killed process, as with `python`
+    code = ("import multiprocessing, time\n"
+            "p = multiprocessing.Process(target=time.sleep, args=(100,))\np.start()\n"
+            # unflushed output dies with a killed process, as with `python`
+            "print('started', flush=True)")
     result = run_hostile(ex, code, "timeout")
     assert result.stdout == "started\n"
 
 
 def test_zombies_do_not_accumulate(ex):
-    code = "import os\nfor _ in range(20):\n    if os.fork() == 0:\n        os._exit(0)\nprint('left 20 zombies')"
+    code = ("import os\nfor _ in range(20):\n    if os.fork() == 0:\n        os._exit(0)\n"
+            "print('left 20 zombies')")
     for result in ex.map([code] * 20):
         assert result.stdout == "left 20 zombies\n"
     assert_contained(ex)
 
 
 def test_blas_and_openmp_run_single_threaded(ex):
-    code = "import os\nprint([os.environ[k] for k in ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'MKL_NUM_THREADS')])"
+    code = ("import os\nprint([os.environ[k] for k in "
+            "('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'MKL_NUM_THREADS')])")
     assert ex.run(code).stdout == "['1', '1', '1']\n"
 
 
@@ -343,28 +378,34 @@ def test_blas_and_openmp_run_single_threaded(ex):
 
 def test_runaway_output_is_stopped_at_once_and_memory_stays_flat(ex):
     rss_before = int(Path("/proc/self/statm").read_text().split()[1])
-    for code in ("while True:\n    print('x' * 10**6)", "import os\nwhile True:\n    os.write(2, b'e' * 65536)"):
+    for code in ("while True:\n    print('x' * 10**6)",
+                 "import os\nwhile True:\n    os.write(2, b'e' * 65536)"):
         result = run_hostile(ex, code, "error")
         assert result.reason == "output limit" and result.elapsed_s < TIMEOUT
-        assert result.stderr.endswith("OutputLimitError: the code wrote more than 16 MiB and was killed\n")
+        assert result.stderr.endswith("OutputLimitError: the code wrote more than 16 MiB and was "
+                                      "killed\n")
         assert len(result.stdout) <= 1000 + len("...(truncated)...")
     assert (int(Path("/proc/self/statm").read_text().split()[1]) - rss_before) * 4096 < 50 << 20
 
 
 def test_one_megabyte_once_is_ok_and_truncated(ex):
     result = run_hostile(ex, "print('a' * 500000 + 'b' * 500000)", "ok")
-    assert result.truncated and result.stdout.startswith("a" * 500) and result.stdout.endswith("b" * 499 + "\n")
+    assert (result.truncated and result.stdout.startswith("a" * 500)
+            and result.stdout.endswith("b" * 499 + "\n"))
 
 
 def test_binary_and_control_characters_never_break_the_executor(ex):
-    result = run_hostile(ex, "import sys, os\nsys.stdout.buffer.write(b'\\xff\\xfe' * 10 + b'ok')\nn = os.write(2, b'\\x00\\x1b[31m\\r')", "ok")
+    result = run_hostile(ex, "import sys, os\nsys.stdout.buffer.write(b'\\xff\\xfe' * 10 + b'ok')\n"
+                             "n = os.write(2, b'\\x00\\x1b[31m\\r')", "ok")
     assert result.stdout == "\ufffd" * 20 + "ok" and result.stderr == "\x00\x1b[31m\r"
 
 
 def test_printed_markers_cannot_spoof_the_status(ex):
-    result = ex.run("print('Tool call success')\nprint('@@E execution time: 0.00s')\nraise SystemExit(2)")
+    result = ex.run("print('Tool call success')\nprint('@@E execution time: 0.00s')\n"
+                    "raise SystemExit(2)")
     assert (result.status, result.returncode) == ("error", 2)
-    assert result.tool_response(show_time=False).startswith("Tool call failure\nreason: \nstdout: Tool call success")
+    assert result.tool_response(show_time=False).startswith("Tool call failure\nreason: \n"
+                                                            "stdout: Tool call success")
 
 
 # -----------------------------------------------------------------------------
@@ -374,38 +415,53 @@ def test_printed_markers_cannot_spoof_the_status(ex):
 def test_disk_fill_stops_at_the_file_size_limit(ex):
     code = "with open('big', 'wb') as f:\n    while True:\n        f.write(b'0' * 2**20)"
     assert "File too large" in run_hostile(ex, code, "error").stderr
-    many = "import os\nfor i in range(10**4):\n    with open(f'/tmp/f{i}', 'wb') as f:\n        f.write(b'0' * 2**20)"
-    assert "No space left on device" in run_hostile(ex, many, "error").stderr   # /tmp is a small private tmpfs
+    many = ("import os\nfor i in range(10**4):\n    with open(f'/tmp/f{i}', 'wb') as f:\n"
+            "        f.write(b'0' * 2**20)")
+    # /tmp is a small private tmpfs
+    assert "No space left on device" in run_hostile(ex, many, "error").stderr
 
 
 @needs_root
 def test_nothing_persists_between_calls_in_the_same_worker(solo):
     write = """
     import os
-    for path in ['here.txt', '/tmp/t', '/var/tmp/v', '/dev/shm/s', '/run/lock/l', os.path.expanduser('~/.cache/c')]:
+    for path in ['here.txt', '/tmp/t', '/var/tmp/v', '/dev/shm/s', '/run/lock/l',
+                 os.path.expanduser('~/.cache/c')]:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         open(path, 'w').write('x')
     print(sorted(os.listdir('.')))
     """
-    look = "import os\nprint(sorted(os.listdir('.')), [sorted(os.listdir(d)) for d in ('/tmp', '/var/tmp', '/dev/shm', '/run/lock')])"
+    look = ("import os\nprint(sorted(os.listdir('.')), "
+            "[sorted(os.listdir(d)) for d in ('/tmp', '/var/tmp', '/dev/shm', '/run/lock')])")
     assert solo.run(textwrap.dedent(write)).stdout == "['.cache', 'here.txt', 'main.py']\n"
-    # only the call's directory and, where the checkout lives under /tmp (a CI clone), the road to its venv remain
-    venv_roots = sorted({k.split("/")[2] for k in solo.isolation["kept_paths"] if k.startswith("/tmp/")})
-    assert solo.run(look).stdout == f"['main.py'] [{sorted(['sandbox'] + venv_roots)}, [], [], []]\n"
+    # only the call's directory and, where the checkout lives under /tmp (a CI clone), the road to
+    # its venv remain
+    venv_roots = sorted({k.split("/")[2] for k in solo.isolation["kept_paths"]
+                         if k.startswith("/tmp/")})
+    assert (solo.run(look).stdout
+            == f"['main.py'] [{sorted(['sandbox'] + venv_roots)}, [], [], []]\n")
 
 
-# A call that leaves the inode counts of the private tmpfs mounts as they were gets the quick clean-up (remove
-# main.py and the call's directory); these keep the counts equal while changing what is there.
+# A call that leaves the inode counts of the private tmpfs mounts as they were gets the quick
+# clean-up (remove main.py and the call's directory); these keep the counts equal while changing
+# what is there.
 SWAPS = {
-    "main.py replaced by another name": "import os\nos.unlink('main.py')\nopen('other', 'w').write('x')",
-    "main.py replaced, mode 000": "import os\nos.unlink('main.py')\nopen('main.py', 'w').write('x')\nos.chmod('main.py', 0)",
-    "the call's directory replaced by a file": "import os\nos.chdir('/tmp')\nos.unlink('sandbox/main.py')\n"
-                                               "os.rmdir('sandbox')\nopen('/tmp/sandbox', 'w').write('x')",
-    "main.py moved out, a new one made": "import os\nos.rename('main.py', '/tmp/moved')\nopen('main.py', 'w').write('x')",
-    "main.py replaced by a hard link": "import os\nos.unlink('main.py')\nopen('/tmp/x', 'w').write('x')\n"
+    "main.py replaced by another name": "import os\nos.unlink('main.py')\n"
+                                        "open('other', 'w').write('x')",
+    "main.py replaced, mode 000": "import os\nos.unlink('main.py')\n"
+                                  "open('main.py', 'w').write('x')\nos.chmod('main.py', 0)",
+    "the call's directory replaced by a file": "import os\nos.chdir('/tmp')\n"
+                                               "os.unlink('sandbox/main.py')\n"
+                                               "os.rmdir('sandbox')\n"
+                                               "open('/tmp/sandbox', 'w').write('x')",
+    "main.py moved out, a new one made": "import os\nos.rename('main.py', '/tmp/moved')\n"
+                                         "open('main.py', 'w').write('x')",
+    "main.py replaced by a hard link": "import os\nos.unlink('main.py')\n"
+                                       "open('/tmp/x', 'w').write('x')\n"
                                        "os.link('/tmp/x', 'main.py')",
     "a subdirectory in place of main.py": "import os\nos.unlink('main.py')\nos.mkdir('main.py')",
-    "an extended attribute on the call's directory": "import os\nos.setxattr('.', 'user.note', b'x' * 64)",
+    "an extended attribute on the call's directory": "import os\nos.setxattr('.', 'user.note', "
+                                                     "b'x' * 64)",
 }
 
 
@@ -413,17 +469,21 @@ SWAPS = {
 @pytest.mark.parametrize("swap", SWAPS)
 def test_nothing_persists_when_a_call_swaps_what_it_was_given(solo, swap):
     assert solo.run(SWAPS[swap]).status == "ok"
-    look = ("import os\nprint(sorted(os.listdir('.')), sorted(os.listdir('/tmp')), os.listdir('/dev/shm'), os.listxattr('.'), "
+    look = ("import os\nprint(sorted(os.listdir('.')), sorted(os.listdir('/tmp')), "
+            "os.listdir('/dev/shm'), os.listxattr('.'), "
             "oct(os.stat('main.py').st_mode), os.path.isfile('main.py'))")
-    venv_roots = sorted({k.split("/")[2] for k in solo.isolation["kept_paths"] if k.startswith("/tmp/")})
-    assert solo.run(look).stdout == f"['main.py'] {sorted(['sandbox'] + venv_roots)} [] [] 0o100644 True\n"
+    venv_roots = sorted({k.split("/")[2] for k in solo.isolation["kept_paths"]
+                         if k.startswith("/tmp/")})
+    assert (solo.run(look).stdout
+            == f"['main.py'] {sorted(['sandbox'] + venv_roots)} [] [] 0o100644 True\n")
 
 
 @needs_root
 def test_paths_outside_the_call_directory_are_read_only(ex):
     code = f"""
     import os, sys
-    for path in ['/escape', '{REPO}/escape', '/usr/local/escape', sys.executable, os.__file__, '/bin/sh', '/etc/passwd']:
+    for path in ['/escape', '{REPO}/escape', '/usr/local/escape', sys.executable, os.__file__,
+                 '/bin/sh', '/etc/passwd']:
         try:
             open(path, 'a').write('x')
             print('WROTE', path)
@@ -439,8 +499,10 @@ def test_paths_outside_the_call_directory_are_read_only(ex):
 def test_the_answer_key_the_repo_and_home_are_hidden(ex):
     code = f"""
     import os
-    print(os.listdir('{REPO}'), os.listdir('{REPO}/.venv') != [], os.listdir(os.path.expanduser('~root')))
-    for path in ['{REPO}/data/aime25.jsonl', '{REPO}/executor.py', '/root/.ssh/id_rsa', '/root/.bash_history']:
+    print(os.listdir('{REPO}'), os.listdir('{REPO}/.venv') != [],
+          os.listdir(os.path.expanduser('~root')))
+    for path in ['{REPO}/data/aime25.jsonl', '{REPO}/executor.py', '/root/.ssh/id_rsa',
+                 '/root/.bash_history']:
         print(os.path.exists(path))
     """
     assert run_hostile(ex, code, "ok").stdout == "['.venv'] True ['.pyenv']\n" + "False\n" * 4
@@ -450,13 +512,15 @@ def test_the_answer_key_the_repo_and_home_are_hidden(ex):
 def test_secrets_never_reach_the_snippet(ex):
     code = f"""
     import os
-    print('RSTAR2_TEST_SECRET' in os.environ, 'hunter2' in open('/proc/self/environ').read())   # started clean
+    # started clean
+    print('RSTAR2_TEST_SECRET' in os.environ, 'hunter2' in open('/proc/self/environ').read())
     try:
         print(open('/proc/1/environ').read())
     except OSError as e:
         print(type(e).__name__)
     pids = [p for p in os.listdir('/proc') if p.isdigit()]
-    print('pytest' in ' '.join(open(f'/proc/{{p}}/cmdline').read() for p in pids), os.environ['CUDA_VISIBLE_DEVICES'] == '')
+    print('pytest' in ' '.join(open(f'/proc/{{p}}/cmdline').read() for p in pids),
+          os.environ['CUDA_VISIBLE_DEVICES'] == '')
     """
     assert run_hostile(ex, code, "ok").stdout == "False False\nPermissionError\nFalse True\n"
 
@@ -485,7 +549,8 @@ def test_no_network_not_even_the_hosts_loopback(ex):
     except OSError:
         print('no dns')
     """
-    assert run_hostile(ex, code, "ok").stdout == "Network is unreachable\nNetwork is unreachable\nno dns\n"
+    assert (run_hostile(ex, code, "ok").stdout
+            == "Network is unreachable\nNetwork is unreachable\nno dns\n")
     with pytest.raises(socket.timeout):
         listener.accept()
     listener.close()
@@ -493,13 +558,14 @@ def test_no_network_not_even_the_hosts_loopback(ex):
 
 @needs_root
 def test_concurrent_calls_can_bind_the_same_port_as_the_host(ex):
-    """Each worker has its own network namespace: two calls holding port 5000 at once, while this process
-    holds it too, do not collide (SandboxFusion's port-conflict test)."""
+    """Each worker has its own network namespace: two calls holding port 5000 at once, while this
+    process holds it too, do not collide (SandboxFusion's port-conflict test)."""
     host = socket.socket()
     host.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     host.bind(("127.0.0.1", 5000))
     host.listen()
-    code = "import socket, time\ns = socket.socket()\ns.bind(('127.0.0.1', 5000))\ns.listen()\ntime.sleep(0.3)\nprint('bound')"
+    code = ("import socket, time\ns = socket.socket()\ns.bind(('127.0.0.1', 5000))\ns.listen()\n"
+            "time.sleep(0.3)\nprint('bound')")
     assert [r.stdout for r in ex.map([code] * 4)] == ["bound\n"] * 4
     host.close()
 
@@ -545,8 +611,8 @@ def test_a_worker_killed_from_outside_is_replaced(ex):
 
 @needs_root
 def test_gpu_device_nodes_are_masked(tmp_path):
-    """A fake /dev with NVIDIA and AMD nodes (in a private mount namespace of a helper, so the host's /dev is
-    untouched): inside the sandbox they must be /dev/null."""
+    """A fake /dev with NVIDIA and AMD nodes (in a private mount namespace of a helper, so the
+    host's /dev is untouched): inside the sandbox they must be /dev/null."""
     script = f"""
     import os, sys, json
     sys.path.insert(0, {str(REPO)!r})
@@ -556,16 +622,20 @@ def test_gpu_device_nodes_are_masked(tmp_path):
     sandbox._mount(None, "/", None, sandbox.MS_REC | sandbox.MS_PRIVATE)
     fake = {str(tmp_path)!r}
     sandbox._mount("tmpfs", fake, "tmpfs", 0, "mode=755")
-    for name, major, minor in [("null", 1, 3), ("zero", 1, 5), ("urandom", 1, 9), ("nvidia0", 195, 0),
-                               ("nvidiactl", 195, 255), ("kfd", 238, 0)]:
+    for name, major, minor in [("null", 1, 3), ("zero", 1, 5), ("urandom", 1, 9),
+                               ("nvidia0", 195, 0), ("nvidiactl", 195, 255), ("kfd", 238, 0)]:
         os.mknod(f"{{fake}}/{{name}}", 0o20666, os.makedev(major, minor))
-    os.makedirs(f"{{fake}}/dri"); os.mknod(f"{{fake}}/dri/renderD128", 0o20666, os.makedev(226, 128)); os.makedirs(f"{{fake}}/shm")
+    os.makedirs(f"{{fake}}/dri")
+    os.mknod(f"{{fake}}/dri/renderD128", 0o20666, os.makedev(226, 128))
+    os.makedirs(f"{{fake}}/shm")
     sandbox._mount(fake, "/dev", None, sandbox.MS_BIND)
     with Executor(workers=1) as e:
-        r = e.run("import os\\nprint([os.stat('/dev/' + n).st_rdev == os.stat('/dev/null').st_rdev for n in ('nvidia0', 'nvidiactl', 'kfd')], os.listdir('/dev/dri'))")
+        r = e.run("import os\\nprint([os.stat('/dev/' + n).st_rdev == os.stat('/dev/null').st_rdev "
+                  "for n in ('nvidia0', 'nvidiactl', 'kfd')], os.listdir('/dev/dri'))")
         print(json.dumps([r.stdout, e.isolation["gpu_devices_masked"]]))
     """
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True,
+                         text=True, timeout=120)
     stdout, masked = json.loads(out.stdout.splitlines()[-1])
     assert stdout == "[True, True, True] []\n"
     assert masked == ["/dev/dri", "/dev/kfd", "/dev/nvidia0", "/dev/nvidiactl"]
@@ -579,8 +649,10 @@ def test_gpu_device_nodes_are_masked(tmp_path):
     ("import sys\nsys.exit(3)", "error", 3, ""),
     ("exit()", "ok", 0, ""),
     ("import sys\nsys.exit('bad input')", "error", 1, "bad input\n"),
-    ("print('lost')\nimport os\nos._exit(0)", "ok", 0, ""),     # os._exit skips the flush, as in python
-    ("print = None\n1 + 1", "ok", 0, ""),                        # rebinding print does not break the display
+    # os._exit skips the flush, as in python
+    ("print('lost')\nimport os\nos._exit(0)", "ok", 0, ""),
+    # rebinding print does not break the display
+    ("print = None\n1 + 1", "ok", 0, ""),
     ("import sys, os\nsys.stdout = open(os.devnull, 'w')\nprint('hidden')", "ok", 0, ""),
 ])
 def test_exit_codes(ex, code, status, returncode, stderr):
@@ -598,8 +670,9 @@ def test_exit_codes(ex, code, status, returncode, stderr):
     ("int a = 1", "SyntaxError: invalid syntax\n"),
     ("x = (" * 3 + "\n", "SyntaxError: '(' was never closed\n"),
     ("print(1)\x00", "source code string cannot contain null bytes\n"),
-    ("print(str(10**5000))", "ValueError: Exceeds the limit (4300 digits) for integer string conversion; "
-                             "use sys.set_int_max_str_digits() to increase the limit\n"),
+    ("print(str(10**5000))",
+     "ValueError: Exceeds the limit (4300 digits) for integer string conversion; "
+     "use sys.set_int_max_str_digits() to increase the limit\n"),
 ], ids=["eof", "c-syntax", "unclosed", "nul-byte", "int-str-limit"])
 def test_bad_snippets_are_errors_with_pythons_message(ex, code, error):
     result = ex.run(code)
@@ -608,7 +681,8 @@ def test_bad_snippets_are_errors_with_pythons_message(ex, code, error):
 
 def test_parser_bombs_and_huge_code_are_contained(ex):
     assert ex.run("(" * 10**6).status == "error"
-    assert ex.run("x = '" + "a" * 10**6 + "'\nprint(len(x))").stdout == "1000000\n"   # a 1 MB snippet
+    # a 1 MB snippet
+    assert ex.run("x = '" + "a" * 10**6 + "'\nprint(len(x))").stdout == "1000000\n"
     assert_contained(ex)
 
 
@@ -649,8 +723,10 @@ def test_a_burst_returns_every_result_in_order_without_cross_talk(ex):
 def test_starts_fast_and_close_leaves_nothing():
     start = time.monotonic()
     e = Executor(workers=2)
-    assert time.monotonic() - start < SLACK               # it waits for one light worker only, not the heavy ones
-    assert e.run("print('first')").stdout == "first\n"   # the light worker is up in a fraction of a second
+    # it waits for one light worker only, not the heavy ones
+    assert time.monotonic() - start < SLACK
+    # the light worker is up in a fraction of a second
+    assert e.run("print('first')").stdout == "first\n"
     assert time.monotonic() - start < SLACK
     pids = worker_pids(e)
     queued = [e.submit("import time\ntime.sleep(5)") for _ in range(6)]
@@ -658,9 +734,10 @@ def test_starts_fast_and_close_leaves_nothing():
     e.close()
     assert sum(f.cancelled() for f in queued) >= 4        # the queued ones are cancelled, not run
     deadline = time.monotonic() + 3
-    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() or uid_in_use(SANDBOX_UID_BASE + p)
-                                              for p in pids):
-        time.sleep(0.05)                                  # the namespaces are torn down asynchronously
+    while time.monotonic() < deadline and any(
+            Path(f"/proc/{p}").exists() or uid_in_use(SANDBOX_UID_BASE + p) for p in pids):
+        # the namespaces are torn down asynchronously
+        time.sleep(0.05)
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists()          # the workers are reaped, no zombies
         assert not uid_in_use(SANDBOX_UID_BASE + pid)     # and nothing of their calls runs on
@@ -668,13 +745,14 @@ def test_starts_fast_and_close_leaves_nothing():
 
 
 def test_soak_1000_mixed_calls_leaks_nothing():
-    """The short form of `python -m bench.executor mode=soak`: one call in ten hostile (timeouts, escapes, floods,
-    kill(-1), fork bombs). No unexpected status, no zombie, no stray, no fd or memory growth."""
+    """The short form of `python -m bench.executor mode=soak`: one call in ten hostile (timeouts,
+    escapes, floods, kill(-1), fork bombs). No unexpected status, no zombie, no stray, no fd or
+    memory growth."""
     with Executor(workers=2, timeout_s=TIMEOUT) as e:
         stats = soak(e, 1000)
     assert stats["wrong"] == [] and stats["benign_after"]
-    # A benign call can still time out when the machine starves it past 3 x timeout_s (seen at load 25 on
-    # 2 cores): allowed, but rare. Everything else must have exactly its status.
+    # A benign call can still time out when the machine starves it past 3 x timeout_s (seen at load
+    # 25 on 2 cores): allowed, but rare. Everything else must have exactly its status.
     assert stats["benign_timeouts"] <= stats["calls"] // 100, stats
     assert stats["zombies"] == 0 and stats["strays"] == 0
     assert stats["fds_after"] <= stats["fds_before"]
@@ -689,9 +767,10 @@ def test_soak_1000_mixed_calls_leaks_nothing():
 @needs_root
 def test_as_root_every_layer_is_in_place(ex):
     iso = ex.isolation
-    assert iso["level"] == "namespaces" and iso["kill_scope"] == "pid namespace" and iso["warnings"] == []
-    assert all(iso[k] for k in ("pid_namespace", "mount_namespace", "net_namespace", "ipc_namespace", "private_proc",
-                                "readonly_mounts", "private_tmp"))
+    assert (iso["level"] == "namespaces" and iso["kill_scope"] == "pid namespace"
+            and iso["warnings"] == [])
+    assert all(iso[k] for k in ("pid_namespace", "mount_namespace", "net_namespace",
+                                "ipc_namespace", "private_proc", "readonly_mounts", "private_tmp"))
     assert iso["sandbox_uid"] >= SANDBOX_UID_BASE and str(REPO) in iso["hidden_paths"]
 
 
@@ -701,11 +780,13 @@ sys.path.insert(0, REPO)
 from executor import Executor
 cases = {
     "timeout": "while True:\\n    pass",
-    "escapee": "import subprocess\\nsubprocess.Popen(['sleep', '100'], start_new_session=True)\\nprint('bye')",
+    "escapee": "import subprocess\\nsubprocess.Popen(['sleep', '100'], start_new_session=True)\\n"
+               "print('bye')",
     "flood": "while True:\\n    print('x' * 10**6)",
     "oom": "x = bytearray(10**11)",
     "repo": "import os\\nprint(os.path.exists(REPO + '/data/aime25.jsonl'))",
-    "net": "import socket\\ntry:\\n    socket.create_connection(('1.1.1.1', 80), timeout=1)\\nexcept OSError as e:\\n    print(e.strerror)",
+    "net": "import socket\\ntry:\\n    socket.create_connection(('1.1.1.1', 80), timeout=1)\\n"
+           "except OSError as e:\\n    print(e.strerror)",
     "kill_parent": "import os\\nos.kill(os.getppid(), 9)\\nprint('alive')",
 }
 with Executor(workers=1, timeout_s=2.0) as e:
@@ -719,7 +800,8 @@ with Executor(workers=1, timeout_s=2.0) as e:
             except OSError:
                 pass
         return found
-    # the least seen over 3 s: a process on its way out (a replaced worker, PDEATHSIG) is not a stray
+    # the least seen over 3 s: a process on its way out (a replaced worker, PDEATHSIG) is not a
+    # stray
     fewest = min(mine() for _ in range(30) if time.sleep(0.1) is None)
     print(json.dumps({"isolation": e.isolation, "processes": fewest,
                       "results": {k: [v.status, v.stdout, v.reason] for k, v in out.items()}}))
@@ -727,9 +809,9 @@ with Executor(workers=1, timeout_s=2.0) as e:
 
 
 def run_as_nobody(tmp_path, chroot):
-    """Run NON_ROOT_CHECKS as uid 65534 in a helper whose root's 0700 home is covered with the interpreter
-    bound back (the interpreter lives there on this machine). chroot=True also takes user namespaces away:
-    the kernel refuses CLONE_NEWUSER to a chrooted process."""
+    """Run NON_ROOT_CHECKS as uid 65534 in a helper whose root's 0700 home is covered with the
+    interpreter bound back (the interpreter lives there on this machine). chroot=True also takes
+    user namespaces away: the kernel refuses CLONE_NEWUSER to a chrooted process."""
     checks = f"REPO = {str(REPO)!r}\n" + NON_ROOT_CHECKS
     launcher = textwrap.dedent(f"""
         import os, sys
@@ -744,9 +826,11 @@ def run_as_nobody(tmp_path, chroot):
             os.chroot({str(tmp_path)!r})
         os.chdir("/tmp")
         os.setgroups([]); os.setresgid(65534, 65534, 65534); os.setresuid(65534, 65534, 65534)
-        os.execve(sys.executable, [sys.executable, "-c", {checks!r}], {{"PATH": "/usr/bin:/bin", "HOME": "/nonexistent"}})
+        os.execve(sys.executable, [sys.executable, "-c", {checks!r}],
+                  {{"PATH": "/usr/bin:/bin", "HOME": "/nonexistent"}})
     """)
-    out = subprocess.run([sys.executable, "-c", launcher], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", launcher], capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.splitlines()[-1])
 
@@ -755,22 +839,29 @@ def run_as_nobody(tmp_path, chroot):
 def test_without_root_a_user_namespace_gives_the_same_containment(tmp_path):
     report = run_as_nobody(tmp_path, chroot=False)
     iso, results = report["isolation"], report["results"]
-    assert iso["level"] == "user-namespace" and iso["capabilities_dropped"] and iso["sandbox_uid"] is None
+    assert (iso["level"] == "user-namespace" and iso["capabilities_dropped"]
+            and iso["sandbox_uid"] is None)
     assert iso["pid_namespace"] and iso["net_namespace"] and iso["mount_namespace"]
-    assert results["timeout"][0] == "timeout" and results["flood"][2] == "output limit" and results["oom"][0] == "oom"
+    assert (results["timeout"][0] == "timeout" and results["flood"][2] == "output limit"
+            and results["oom"][0] == "oom")
     assert results["escapee"][:2] == ["ok", "bye\n"] and results["repo"][1] == "False\n"
-    assert results["net"][1] == "Network is unreachable\n" and results["kill_parent"][:2] == ["ok", "alive\n"]
-    assert report["processes"] == 5   # this helper, and waiter + PID 1 for each of the two workers: no strays
+    assert (results["net"][1] == "Network is unreachable\n"
+            and results["kill_parent"][:2] == ["ok", "alive\n"])
+    # this helper, and waiter + PID 1 for each of the two workers: no strays
+    assert report["processes"] == 5
 
 
 @needs_root
 def test_without_any_namespace_the_executor_degrades_and_says_so(tmp_path):
     report = run_as_nobody(tmp_path, chroot=True)
     iso, results = report["isolation"], report["results"]
-    assert iso["level"] == "process" and iso["kill_scope"] == "subreaper" and not iso["net_namespace"]
+    assert (iso["level"] == "process" and iso["kill_scope"] == "subreaper"
+            and not iso["net_namespace"])
     assert iso["warnings"] and iso["warnings"][0].startswith("no namespaces")
-    assert results["timeout"][0] == "timeout" and results["flood"][2] == "output limit" and results["oom"][0] == "oom"
-    assert results["escapee"][:2] == ["ok", "bye\n"]   # the subreaper still catches the setsid escapee
+    assert (results["timeout"][0] == "timeout" and results["flood"][2] == "output limit"
+            and results["oom"][0] == "oom")
+    # the subreaper still catches the setsid escapee
+    assert results["escapee"][:2] == ["ok", "bye\n"]
     assert report["processes"] == 3                    # this helper and its two workers: no strays
 
 
@@ -783,8 +874,9 @@ sys.path.insert(0, REPO)
 from executor import Executor
 with Executor(workers=1, timeout_s=10.0) as e:
     codes = ["print(1 + 1)", "import numpy\\nprint(numpy.arange(4).sum())",
-             "import os, subprocess, sys\\nprint(os.path.exists(sys.executable), subprocess.run([sys.executable, '-c', "
-             "'import sys; print(sys.prefix)'], capture_output=True, text=True).stdout.strip())",
+             "import os, subprocess, sys\\nprint(os.path.exists(sys.executable), "
+             "subprocess.run([sys.executable, '-c', 'import sys; print(sys.prefix)'], "
+             "capture_output=True, text=True).stdout.strip())",
              "print(3)"]
     print(json.dumps([[r.status, r.stdout, r.stderr[-800:]] for r in map(e.run, codes)]))
 """
@@ -792,19 +884,19 @@ with Executor(workers=1, timeout_s=10.0) as e:
 
 def run_through_link(python, cwd, home):
     env = {"PATH": "/usr/bin:/bin", "HOME": str(home)}
-    out = subprocess.run([str(python), "-c", f"REPO = {str(REPO)!r}\n" + SYMLINKED_CHECKS], cwd=cwd, env=env,
-                         capture_output=True, text=True, timeout=180)
+    out = subprocess.run([str(python), "-c", f"REPO = {str(REPO)!r}\n" + SYMLINKED_CHECKS], cwd=cwd,
+                         env=env, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.splitlines()[-1])
 
 
 @pytest.mark.parametrize("placement", ["tmp", "home", "venv-in-tmp"])
 def test_an_interpreter_reached_through_a_symlink_works(tmp_path, placement):
-    """The venv through a link the sandbox removes: in the temp directory (the private /tmp replaces it; here
-    also the cwd), in the home directory (covered), and a venv that lives under /tmp itself, reached through a
-    link and finding its packages through a .pth line that is a link too. Before real paths were bound, the
-    first lost its worker on every call, the second could not import numpy, the third died emptying /tmp
-    (EROFS on the bound-back venv)."""
+    """The venv through a link the sandbox removes: in the temp directory (the private /tmp replaces
+    it; here also the cwd), in the home directory (covered), and a venv that lives under /tmp
+    itself, reached through a link and finding its packages through a .pth line that is a link too.
+    Before real paths were bound, the first lost its worker on every call, the second could not
+    import numpy, the third died emptying /tmp (EROFS on the bound-back venv)."""
     venv = Path(os.path.realpath(sys.prefix))
     cwd, home = "/", tmp_path / "home"
     home.mkdir()
@@ -815,22 +907,25 @@ def test_an_interpreter_reached_through_a_symlink_works(tmp_path, placement):
         (home / "v").symlink_to(venv)
         link = home / "v"
     else:
-        subprocess.run([os.path.realpath(sys.executable), "-m", "venv", "--without-pip", str(tmp_path / "real")],
-                       check=True, timeout=60)
+        subprocess.run([os.path.realpath(sys.executable), "-m", "venv", "--without-pip",
+                        str(tmp_path / "real")], check=True, timeout=60)
         (tmp_path / "packages").symlink_to(sysconfig.get_paths()["purelib"])
         version = f"python{sys.version_info.major}.{sys.version_info.minor}"
-        (tmp_path / "real" / "lib" / version / "site-packages" / "packages.pth").write_text(f"{tmp_path / 'packages'}\n")
+        (tmp_path / "real" / "lib" / version / "site-packages" / "packages.pth").write_text(
+            f"{tmp_path / 'packages'}\n")
         (tmp_path / "v").symlink_to(tmp_path / "real")
         link = tmp_path / "v"
     results = run_through_link(link / "bin" / "python", cwd, home)
     # sys.executable runs in the sandbox too, as the same venv (its prefix, resolved)
     prefix = os.path.realpath(link)
-    assert results == [["ok", "2\n", ""], ["ok", "6\n", ""], ["ok", f"True {prefix}\n", ""], ["ok", "3\n", ""]]
+    assert results == [["ok", "2\n", ""], ["ok", "6\n", ""], ["ok", f"True {prefix}\n", ""],
+                       ["ok", "3\n", ""]]
 
 
 def test_a_sandbox_that_cannot_run_calls_fails_at_construction_naming_why():
-    """Here the interpreter's own site-packages is hidden: every call would fail to import numpy. The worker
-    checks a call before it reports ready, so Executor() raises and names the directory."""
+    """Here the interpreter's own site-packages is hidden: every call would fail to import numpy.
+    The worker checks a call before it reports ready, so Executor() raises and names the
+    directory."""
     site_packages = sysconfig.get_paths()["purelib"]
     with pytest.raises(RuntimeError, match="could not set up its sandbox") as raised:
         Executor(workers=1, hide_paths=[site_packages])

@@ -1,5 +1,6 @@
-"""Behaviour of rl.py: the update does not depend on how the batch is split, the data order survives a resume,
-bad configs stop before any work, and a tiny run (real engine, real executor) killed with SIGKILL resumes exactly.
+"""Behaviour of rl.py: the update does not depend on how the batch is split, the data order survives
+a resume, bad configs stop before any work, and a tiny run (real engine, real executor) killed with
+SIGKILL resumes exactly.
 
 Run: .venv/bin/python -m pytest tests/test_rl.py -q        (-m "not slow" for the fast half, ~10 s)
 """
@@ -17,7 +18,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from dist_rl_train_step import fixed_batch  # tests/ is on sys.path (pytest's rootdir-relative import)
+# tests/ is on sys.path (pytest's rootdir-relative import)
+from dist_rl_train_step import fixed_batch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -27,8 +29,8 @@ import rollout
 import tiny
 from executor import Executor
 from grpo_roc import policy_loss
-from machinery.checkpoint import (check_inputs, epoch_plan, latest_checkpoint, load_policy, load_weights,
-                                  save_checkpoint, start_checkpoint)
+from machinery.checkpoint import (check_inputs, epoch_plan, latest_checkpoint, load_policy,
+                                  load_weights, save_checkpoint, start_checkpoint)
 from machinery.config import ConfigError, load_config
 from machinery.data import load_problems
 from machinery.distributed import compute_dtype, init_distributed
@@ -45,7 +47,8 @@ PYTHON = sys.executable
 def run(cmd, **kw):
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, **kw)
-    assert proc.returncode == 0, f"{' '.join(map(str, cmd))} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert proc.returncode == 0, (f"{' '.join(map(str, cmd))} failed:\n{proc.stdout[-3000:]}\n"
+                                  f"{proc.stderr[-5000:]}")
     return proc
 
 
@@ -57,19 +60,26 @@ def three_splits(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("invariance")
     script = REPO / "tests" / "dist_rl_train_step.py"
     splits = {
-        # the reference: today's log-probs from the model's full logits; the others compute them in chunks
-        "1 process x 1 micro-batch, unchunked log-probs": [PYTHON, script, tiny_model_dir, out / "r.pt", "micro_batch_size=0",
+        # the reference: today's log-probs from the model's full logits; the others compute them in
+        # chunks
+        "1 process x 1 micro-batch, unchunked log-probs": [PYTHON, script, tiny_model_dir,
+                                                           out / "r.pt", "micro_batch_size=0",
                                                            "logprob_chunk_tokens=0"],
-        "1 process x 1 micro-batch": [PYTHON, script, tiny_model_dir, out / "a.pt", "micro_batch_size=0"],
-        "1 process x 4 micro-batches": [PYTHON, script, tiny_model_dir, out / "b.pt", "micro_batch_size=2"],
-        # --standalone: a free rendezvous port of torchrun's choosing, not the fixed 29500 another run may hold
-        "2 processes x 2 micro-batches": [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script,
-                                          tiny_model_dir, out / "c.pt", "micro_batch_size=2"],
+        "1 process x 1 micro-batch": [PYTHON, script, tiny_model_dir, out / "a.pt",
+                                      "micro_batch_size=0"],
+        "1 process x 4 micro-batches": [PYTHON, script, tiny_model_dir, out / "b.pt",
+                                        "micro_batch_size=2"],
+        # --standalone: a free rendezvous port of torchrun's choosing, not the fixed 29500 another
+        # run may hold
+        "2 processes x 2 micro-batches": [PYTHON, "-m", "torch.distributed.run", "--standalone",
+                                          "--nproc_per_node=2", script, tiny_model_dir,
+                                          out / "c.pt", "micro_batch_size=2"],
     }
     results = {}
     for name, cmd in splits.items():
         run([str(c) for c in cmd], timeout=300)
-        results[name] = torch.load(next(c for c in cmd if str(c).endswith(".pt")), weights_only=False)
+        results[name] = torch.load(next(c for c in cmd if str(c).endswith(".pt")),
+                                   weights_only=False)
     return results
 
 
@@ -90,35 +100,43 @@ def test_gradients_and_metrics_do_not_depend_on_the_split(three_splits):
         for name, grad in reference["grads"].items():
             torch.testing.assert_close(other["grads"][name], grad, atol=1e-6, rtol=1e-4, msg=name)
         for key in ("loss", "grad_norm", "clip_low_fraction", "clip_high_fraction", "approx_kl"):
-            assert other["metrics"][key] == pytest.approx(reference["metrics"][key], rel=1e-5, abs=1e-7), key
+            assert other["metrics"][key] == pytest.approx(reference["metrics"][key], rel=1e-5,
+                                                          abs=1e-7), key
     # both clips were active, so the clipped branches of Eq. 6 were part of what matched
-    assert reference["metrics"]["clip_low_fraction"] > 0 and reference["metrics"]["clip_high_fraction"] > 0
+    assert (reference["metrics"]["clip_low_fraction"] > 0
+            and reference["metrics"]["clip_high_fraction"] > 0)
 
 
 @pytest.mark.slow
 def test_updated_weights_do_not_depend_on_the_split(three_splits, tiny_model_dir):
-    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()  # lm_head too: rl.full_weights sends it
+    # lm_head too: rl.full_weights sends it
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     reference, *others = three_splits.values()
     lr = 1e-3  # tests/dist_rl_train_step.py
-    moved = torch.cat([(reference["weights"][n] - initial[n]).abs().flatten() for n in reference["weights"]])
+    moved = torch.cat([(reference["weights"][n] - initial[n]).abs().flatten()
+                       for n in reference["weights"]])
     assert moved.median() > 0.5 * lr  # AdamW's first step moves almost every weight by about lr
     for other in others:
         for name, weight in reference["weights"].items():
-            # AdamW's first step is lr * g / (|g| + 1e-8): where |g| is float noise (~1e-10, its sign differing
-            # between splits) the step is noise of up to lr, so weights are compared where |g| > 1e-7, at 5% of
-            # lr; elsewhere the step only has to stay within lr. The gradients above are the tight check.
+            # AdamW's first step is lr * g / (|g| + 1e-8): where |g| is float noise (~1e-10, its
+            # sign differing between splits) the step is noise of up to lr, so weights are compared
+            # where |g| > 1e-7, at 5% of lr; elsewhere the step only has to stay within lr. The
+            # gradients above are the tight check.
             grad = reference["grads"].get(name)
-            signal = grad.abs() > 1e-7 if grad is not None else torch.ones_like(weight, dtype=torch.bool)
+            signal = (grad.abs() > 1e-7 if grad is not None
+                      else torch.ones_like(weight, dtype=torch.bool))
             assert signal.float().mean() > 0.5, name
-            torch.testing.assert_close(other["weights"][name][signal], weight[signal], atol=0.05 * lr, rtol=0, msg=name)
+            torch.testing.assert_close(other["weights"][name][signal], weight[signal],
+                                       atol=0.05 * lr, rtol=0, msg=name)
             step = (other["weights"][name] - initial[name])[~signal].abs()
             assert step.numel() == 0 or step.max() <= 1.01 * lr, name
 
 
 @pytest.mark.slow
 def test_the_training_step_frees_the_gradients_it_applied(three_splits):
-    """Issue 12, hazard 1: gradients cleared only at the next step's start stay allocated through the weight sync and
-    the rollout (a 14B shard's worth per rank). After train_step none is left, in one process and on two ranks."""
+    """Issue 12, hazard 1: gradients cleared only at the next step's start stay allocated through
+    the weight sync and the rollout (a 14B shard's worth per rank). After train_step none is left,
+    in one process and on two ranks."""
     for name, result in three_splits.items():
         assert result["grads"], name  # they existed: read just before optimizer.step()
         assert result["grads_left"] == [], name
@@ -128,8 +146,9 @@ def test_the_training_step_frees_the_gradients_it_applied(three_splits):
 # the weight sync: the order of the engine's wake-up, the bytes it gathers
 
 class RecordingEngine:
-    """The two calls rl.sync_weights makes into rollout.Engine, recorded beside free_cached_memory's (the real engine
-    in this order: tests/test_rollout.py); update_weights consumes the tensors as vLLM's reload_weights does."""
+    """The two calls rl.sync_weights makes into rollout.Engine, recorded beside free_cached_memory's
+    (the real engine in this order: tests/test_rollout.py); update_weights consumes the tensors as
+    vLLM's reload_weights does."""
 
     def __init__(self, calls):
         self.calls = calls
@@ -141,10 +160,11 @@ class RecordingEngine:
         self.calls.append(("update_weights", len(list(named_tensors))))
 
 
-def test_weight_sync_wakes_the_weights_loads_them_frees_the_cache_and_only_then_wakes_the_kv_cache(tiny_model_dir,
-                                                                                                     monkeypatch):
-    """Issue 12, hazard 1, verl's order: waking weights and KV cache together, before the gathered full tensors and
-    the training peak's cached blocks are freed, asks for the KV cache's share of the GPU while they still hold theirs."""
+def test_weight_sync_wakes_the_weights_loads_them_frees_the_cache_and_only_then_wakes_the_kv_cache(
+        tiny_model_dir, monkeypatch):
+    """Issue 12, hazard 1, verl's order: waking weights and KV cache together, before the gathered
+    full tensors and the training peak's cached blocks are freed, asks for the KV cache's share of
+    the GPU while they still hold theirs."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     calls = []
     monkeypatch.setattr(rl, "free_cached_memory", lambda: calls.append(("free_cached_memory",)))
@@ -156,13 +176,15 @@ def test_weight_sync_wakes_the_weights_loads_them_frees_the_cache_and_only_then_
 
 @pytest.mark.slow
 def test_weight_sync_gathers_in_the_engine_dtype_in_few_collectives(three_splits):
-    """Issue 12, hazard 4: the shards were all-gathered in fp32 and cast after, so a bf16 engine cost twice the bytes
-    (56 GB per rank per sync at 14B, not 28). The profiler's record of every all-gather in the bf16 sync shows bf16
-    tensors only, half the fp32 sync's bytes, and one collective per bucket instead of one per parameter; the bf16
-    tensors are the fp32 ones cast. (That the engine still matches the trainer: the sync guard of the resume test.)"""
+    """Issue 12, hazard 4: the shards were all-gathered in fp32 and cast after, so a bf16 engine
+    cost twice the bytes (56 GB per rank per sync at 14B, not 28). The profiler's record of every
+    all-gather in the bf16 sync shows bf16 tensors only, half the fp32 sync's bytes, and one
+    collective per bucket instead of one per parameter; the bf16 tensors are the fp32 ones cast.
+    (That the engine still matches the trainer: the sync guard of the resume test.)"""
     for name, result in three_splits.items():
         fp32, bf16 = result["sync"]["torch.float32"], result["sync"]["torch.bfloat16"]
-        assert bf16["gathers"] and {d for _, dtypes in bf16["gathers"] for d in dtypes} == {"c10::BFloat16"}, name
+        assert (bf16["gathers"]
+                and {d for _, dtypes in bf16["gathers"] for d in dtypes} == {"c10::BFloat16"}), name
         assert 2 * bf16["gathered_bytes"] == fp32["gathered_bytes"], name
         # the whole model once per rank, plus at most a row of padding per parameter and rank
         assert result["param_bytes"] <= fp32["gathered_bytes"] < 1.1 * result["param_bytes"], name
@@ -172,7 +194,8 @@ def test_weight_sync_gathers_in_the_engine_dtype_in_few_collectives(three_splits
 
 
 def test_a_per_micro_batch_mean_would_change_this_batch_far_beyond_the_tolerance(tiny_model_dir):
-    """The negative control: the invariance batch is sensitive to the scaling bug the test is there to catch."""
+    """The negative control: the invariance batch is sensitive to the scaling bug the test is there
+    to catch."""
 
 
     sys.path.insert(0, str(REPO / "tests"))
@@ -199,18 +222,21 @@ def test_a_per_micro_batch_mean_would_change_this_batch_far_beyond_the_tolerance
 
 
 # -----------------------------------------------------------------------------
-# chunked log-probs: the same values and gradients, without a [tokens, vocabulary] copy kept for backward
+# chunked log-probs: the same values and gradients, without a [tokens, vocabulary] copy kept for
+# backward
 
 def logprobs_and_grads(model, input_ids, chunk_tokens):
     model.zero_grad(set_to_none=True)
     logp = token_logprobs(model, input_ids, 0.7, chunk_tokens)
-    (logp * torch.linspace(-1, 1, logp.numel()).view_as(logp)).sum().backward()  # every position's gradient differs
+    # every position's gradient differs
+    (logp * torch.linspace(-1, 1, logp.numel()).view_as(logp)).sum().backward()
     return logp.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
 def test_chunked_logprobs_equal_the_full_logits_ones_with_their_gradients(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    input_ids = torch.randint(0, model.config.vocab_size, (3, 50), generator=torch.Generator().manual_seed(0))
+    input_ids = torch.randint(0, model.config.vocab_size, (3, 50),
+                              generator=torch.Generator().manual_seed(0))
     full_logp, full_grads = logprobs_and_grads(model, input_ids, 0)
     # 37 does not divide 3 x 49 positions: chunks cross rows, and the last one is short
     logp, grads = logprobs_and_grads(model, input_ids, 37)
@@ -219,26 +245,31 @@ def test_chunked_logprobs_equal_the_full_logits_ones_with_their_gradients(tiny_m
     for name, grad in full_grads.items():
         torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
     with torch.no_grad():  # recompute_logprobs' path: no checkpoint, the same values
-        torch.testing.assert_close(token_logprobs(model, input_ids, 0.7, 37), full_logp, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(token_logprobs(model, input_ids, 0.7, 37), full_logp, atol=1e-6,
+                                   rtol=1e-6)
 
 
 def memory_of_backward(model, input_ids, chunk_tokens):
-    """(bytes saved for backward in tensors that are not parameters, of them those with a vocabulary-wide last
-    dimension, peak bytes allocated from forward to the end of backward). Counted from the tensors autograd saves
-    (saved_tensors_hooks) and the allocator's events (torch.profiler): what this computation holds, not the process."""
+    """(bytes saved for backward in tensors that are not parameters, of them those with a
+    vocabulary-wide last dimension, peak bytes allocated from forward to the end of backward).
+    Counted from the tensors autograd saves (saved_tensors_hooks) and the allocator's events
+    (torch.profiler): what this computation holds, not the process."""
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved = []
 
     def pack(tensor):
         if tensor.untyped_storage().data_ptr() not in parameters:
-            saved.append((tensor.shape[-1] if tensor.dim() else 0, tensor.numel() * tensor.element_size()))
+            saved.append((tensor.shape[-1] if tensor.dim() else 0,
+                          tensor.numel() * tensor.element_size()))
         return tensor
 
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profiler:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as profiler:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             logprobs_and_grads(model, input_ids, chunk_tokens)
     allocated = peak = 0
-    for event in sorted((e for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"),
+    for event in sorted((e for e in profiler.profiler.kineto_results.events()
+                         if e.name() == "[memory]"),
                         key=lambda e: e.start_ns()):
         allocated += event.nbytes()
         peak = max(peak, allocated)
@@ -246,12 +277,15 @@ def memory_of_backward(model, input_ids, chunk_tokens):
     return sum(b for _, b in saved), sum(b for last, b in saved if last == vocab), peak
 
 
-def test_chunked_logprobs_keep_no_vocabulary_wide_tensor_for_backward_and_lower_the_peak(tiny_model_dir):
-    """Issue 12, hazard 2. Today's path keeps the fp32 log-softmax input over [tokens, V] for backward (12.4 GB at
-    20,480 tokens and Qwen3's 151,936 vocabulary); in chunks nothing vocabulary-wide is kept, and the peak drops by at
-    least one fp32 [tokens, V] copy: the one chunk being recomputed is all that exists at once."""
+def test_chunked_logprobs_keep_no_vocabulary_wide_tensor_for_backward_and_lower_the_peak(
+        tiny_model_dir):
+    """Issue 12, hazard 2. Today's path keeps the fp32 log-softmax input over [tokens, V] for
+    backward (12.4 GB at 20,480 tokens and Qwen3's 151,936 vocabulary); in chunks nothing
+    vocabulary-wide is kept, and the peak drops by at least one fp32 [tokens, V] copy: the one chunk
+    being recomputed is all that exists at once."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    input_ids = torch.randint(0, model.config.vocab_size, (2, 200), generator=torch.Generator().manual_seed(0))
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 200),
+                              generator=torch.Generator().manual_seed(0))
     logits_fp32 = 2 * 199 * model.config.vocab_size * 4
     full_saved, full_vocab, full_peak = memory_of_backward(model, input_ids, 0)
     chunk_saved, chunk_vocab, chunk_peak = memory_of_backward(model, input_ids, 32)
@@ -268,7 +302,8 @@ def test_every_epoch_is_a_fresh_permutation_and_a_resumed_position_reads_the_sam
     for epoch in range(3):
         assert sorted(stream[epoch * 10:(epoch + 1) * 10]) == list(range(10))
     assert stream[:10] != stream[10:20]  # reshuffled, not repeated
-    # a run resumed at position 14 (step 7 of 2 prompts) continues exactly where the uninterrupted one was
+    # a run resumed at position 14 (step 7 of 2 prompts) continues exactly where the uninterrupted
+    # one was
     assert rl.prompt_indices(10, seed=3, start=14, count=9) == stream[14:23]
     assert rl.prompt_indices(10, seed=4, start=0, count=10) != stream[:10]
 
@@ -281,7 +316,8 @@ def test_lr_ramps_up_over_the_warmup_then_stays_constant():
 
 
 def sample(length, prompt=2):
-    return TrainSample(list(range(prompt)), list(range(length - prompt)), [1] * (length - prompt), 1.0)
+    return TrainSample(list(range(prompt)), list(range(length - prompt)), [1] * (length - prompt),
+                       1.0)
 
 
 def test_micro_batches_keep_under_both_caps_and_lose_no_sample():
@@ -303,9 +339,10 @@ def test_a_trajectory_longer_than_a_micro_batch_is_an_error_that_says_what_to_ra
 # selection: all-equal groups dropped, RoC keeps G of 2G, plain GRPO keeps all
 
 def trajectory(problem, index, calls=1, errors=0, answers=1, turns=2, prompt_len=3, response_len=6):
-    t = Trajectory(problem, index, list(range(prompt_len)), list(range(response_len)), [1] * response_len,
-                   [-0.5] * response_len)
-    t.num_tool_calls, t.num_tool_errors, t.num_answer_tags, t.num_turns = calls, errors, answers, turns
+    t = Trajectory(problem, index, list(range(prompt_len)), list(range(response_len)),
+                   [1] * response_len, [-0.5] * response_len)
+    (t.num_tool_calls, t.num_tool_errors, t.num_answer_tags,
+     t.num_turns) = calls, errors, answers, turns
     t.tool_errors_by_kind["error"] = errors
     t.finished = True
     return t
@@ -316,20 +353,24 @@ def test_roc_keeps_g_of_2g_prefers_clean_positives_and_drops_all_equal_groups():
     # problem 0: 4 right (two of them with failed calls), 4 wrong; problem 1: all wrong
     mixed = [trajectory(0, i, errors=1 if i in (0, 1) else 0) for i in range(8)]
     rewards = [[1, 1, 1, 1, 0, 0, 0, 0], [0] * 8]
-    samples, probes, records = rl.select_samples([mixed, [trajectory(1, i) for i in range(8)]], rewards, cfg,
-                                                 step=0, position=0)
+    samples, probes, records = rl.select_samples([mixed, [trajectory(1, i) for i in range(8)]],
+                                                 rewards, cfg, step=0, position=0)
     assert len(samples) == 4 and {s.problem_index for s in samples} == {0}
     kept = {s.sample_index for s in samples}
-    assert kept & {2, 3} == {2, 3} and not kept & {0, 1}      # the clean positives, not the ones with failed calls
+    # the clean positives, not the ones with failed calls
+    assert kept & {2, 3} == {2, 3} and not kept & {0, 1}
     assert sorted(s.advantage > 0 for s in samples) == [False, False, True, True]
-    assert sum(s.advantage for s in samples) == pytest.approx(0, abs=1e-6)  # Eq. 7: zero-mean within the group
-    assert [p.problem_index for p in probes] == [1]           # the dropped group still feeds the sync guard
+    # Eq. 7: zero-mean within the group
+    assert sum(s.advantage for s in samples) == pytest.approx(0, abs=1e-6)
+    # the dropped group still feeds the sync guard
+    assert [p.problem_index for p in probes] == [1]
     assert len(records) == 16 and sum(r["selected"] for r in records) == 4
 
 
 def test_plain_grpo_trains_on_every_rollout_of_a_mixed_group():
     cfg = rl.RLConfig(model="x", group_size=4, algorithm="grpo")
-    samples, _, _ = rl.select_samples([[trajectory(0, i) for i in range(4)]], [[1, 0, 0, 1]], cfg, step=0, position=0)
+    samples, _, _ = rl.select_samples([[trajectory(0, i) for i in range(4)]], [[1, 0, 0, 1]], cfg,
+                                      step=0, position=0)
     assert sorted(s.sample_index for s in samples) == [0, 1, 2, 3]
 
 
@@ -337,19 +378,21 @@ def test_roc_draws_are_reproducible_from_seed_step_and_data_position():
     cfg = rl.RLConfig(model="x", group_size=4, positive_rule="sample")
     group = [trajectory(5, i, errors=i % 3 and 1) for i in range(8)]
     rewards = [[1, 1, 1, 1, 1, 1, 0, 0]]
-    draw = lambda step, position: sorted(s.sample_index for s in  # noqa: E731
-                                         rl.select_samples([group], rewards, cfg, step, position)[0])
+    draw = lambda step, position: sorted(  # noqa: E731
+        s.sample_index for s in rl.select_samples([group], rewards, cfg, step, position)[0])
     assert draw(3, 40) == draw(3, 40)
     assert len({tuple(draw(3, p)) for p in range(40, 60)}) > 1  # other positions, other draws
 
 
 def test_tool_error_ratio_in_correct_pools_the_calls_of_correct_trajectories_only():
-    records = [dict(reward=r, selected=True, all_equal=False, penalty=0.0, format_penalty=0.0, tool_calls=c,
-                    tool_errors=e, parse_errors=p, errors_by_kind={"error": e - p, "parse": p}, response_tokens=10,
-                    model_tokens=8, truncated=False, turns=2, problem=0)
+    records = [dict(reward=r, selected=True, all_equal=False, penalty=0.0, format_penalty=0.0,
+                    tool_calls=c, tool_errors=e, parse_errors=p,
+                    errors_by_kind={"error": e - p, "parse": p}, response_tokens=10, model_tokens=8,
+                    truncated=False, turns=2, problem=0)
                for r, c, e, p in [(1, 4, 1, 0), (1, 1, 0, 0), (0, 5, 5, 2), (0, 0, 0, 0)]]
     metrics = step_metrics(records, num_groups=1)
-    assert metrics["tool_error_ratio_in_correct"] == pytest.approx(1 / 5)   # Fig. 4: 1 failed of 5 calls
+    # Fig. 4: 1 failed of 5 calls
+    assert metrics["tool_error_ratio_in_correct"] == pytest.approx(1 / 5)
     assert metrics["tool_error_ratio"] == pytest.approx(6 / 10)
     assert metrics["parse_failure_rate"] == pytest.approx(2 / 10)
     assert metrics["tool_call_rate"] == pytest.approx(3 / 4)
@@ -357,18 +400,23 @@ def test_tool_error_ratio_in_correct_pools_the_calls_of_correct_trajectories_onl
 
 
 # -----------------------------------------------------------------------------
-# stages: stage 3 starts from stage 2's master weights with a fresh optimizer; the data plan is printed
+# stages: stage 3 starts from stage 2's master weights with a fresh optimizer; the data plan is
+# printed
 
-def test_stage_3_starts_from_the_stage_2_master_weights_with_a_fresh_optimizer(tiny_model_dir, tmp_path):
-    """The paper resets only the optimizer for stage 3 (§4.3). Its start was the bf16 Hugging Face export of stage 2;
-    it is now stage 2's DCP checkpoint: the fp32 master weights, exactly, and no optimizer state, from step 0."""
+def test_stage_3_starts_from_the_stage_2_master_weights_with_a_fresh_optimizer(tiny_model_dir,
+                                                                               tmp_path):
+    """The paper resets only the optimizer for stage 3 (§4.3). Its start was the bf16 Hugging Face
+    export of stage 2; it is now stage 2's DCP checkpoint: the fp32 master weights, exactly, and no
+    optimizer state, from step 0."""
     init_distributed()  # a gloo world of one: FSDP2 and DCP take the path they take under torchrun
     stage2 = tmp_path / "stage2" / "checkpoints"
-    cfg = load_config(rl.RLConfig, ["configs/stage3.yaml", f"model={tiny_model_dir}", f"init_from={stage2}",
-                                    f"out_dir={tmp_path / 'stage3'}", "world_size=0", "lr=1e-3"])
+    cfg = load_config(rl.RLConfig, ["configs/stage3.yaml", f"model={tiny_model_dir}",
+                                    f"init_from={stage2}", f"out_dir={tmp_path / 'stage3'}",
+                                    "world_size=0", "lr=1e-3"])
     assert not cfg.init_optimizer  # what configs/stage3.yaml says
     model, optimizer = load_policy(cfg, torch.device("cpu"), 0)
-    input_ids = torch.randint(0, model.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(0))
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 30),
+                              generator=torch.Generator().manual_seed(0))
     (-token_logprobs(model, input_ids, 1.0, 16).mean()).backward()
     optimizer.step()  # stage 2's weights and AdamW moments: not the HF directory's any more
     save_checkpoint(stage2, 385, model, optimizer, {"step": 385, "data_position": 385 * 512})
@@ -377,26 +425,33 @@ def test_stage_3_starts_from_the_stage_2_master_weights_with_a_fresh_optimizer(t
     assert checkpoint == latest_checkpoint(stage2) and weights_only
     fresh, fresh_optimizer = load_policy(cfg, torch.device("cpu"), 0)
     trained = {name: p.full_tensor() for name, p in model.named_parameters()}
-    assert any(not torch.equal(p.full_tensor(), trained[name]) for name, p in fresh.named_parameters())
+    assert any(not torch.equal(p.full_tensor(), trained[name])
+               for name, p in fresh.named_parameters())
     load_weights(checkpoint, fresh)
     for name, p in fresh.named_parameters():
         assert p.dtype == torch.float32 and torch.equal(p.full_tensor(), trained[name]), name
     assert fresh_optimizer.state_dict()["state"] == {}
-    # stage 2 (init_optimizer true, the default) takes everything; once stage 3 has saved, its own checkpoint wins
-    assert start_checkpoint(load_config(rl.RLConfig, [f"model={tiny_model_dir}", f"init_from={stage2}"]),
-                               tmp_path / "none") == (checkpoint, False)
-    save_checkpoint(tmp_path / "stage3" / "checkpoints", 10, fresh, fresh_optimizer, {"step": 10, "data_position": 5120})
+    # stage 2 (init_optimizer true, the default) takes everything; once stage 3 has saved, its own
+    # checkpoint wins
+    assert start_checkpoint(
+        load_config(rl.RLConfig, [f"model={tiny_model_dir}", f"init_from={stage2}"]),
+        tmp_path / "none") == (checkpoint, False)
+    save_checkpoint(tmp_path / "stage3" / "checkpoints", 10, fresh, fresh_optimizer,
+                    {"step": 10, "data_position": 5120})
     assert start_checkpoint(cfg, tmp_path / "stage3" / "checkpoints")[1] is False
 
 
 def test_bf16_training_is_fsdp2_mixed_precision_on_gloo_as_on_a_gpu(tiny_model_dir):
-    """The GPU's training path, on CPU: train_dtype=auto is bf16 on a GPU (common.compute_dtype), which build_model turns
-    into FSDP2's MixedPrecisionPolicy: bf16 weights and activations in forward and backward, fp32 master weights,
-    gradients (reduce_dtype) and AdamW step. Here in a gloo world of one; gpu_check.py's RL cycle runs it on CUDA."""
+    """The GPU's training path, on CPU: train_dtype=auto is bf16 on a GPU (common.compute_dtype),
+    which build_model turns into FSDP2's MixedPrecisionPolicy: bf16 weights and activations in
+    forward and backward, fp32 master weights, gradients (reduce_dtype) and AdamW step. Here in a
+    gloo world of one; gpu_check.py's RL cycle runs it on CUDA."""
     init_distributed()
     cpu = torch.device("cpu")
-    assert compute_dtype(torch.device("cuda")) == torch.bfloat16 and compute_dtype(cpu) == torch.float32
-    cfg = load_config(rl.RLConfig, [f"model={tiny_model_dir}", "lr=1e-3", "warmup_steps=0", "train_dtype=bfloat16"])
+    assert (compute_dtype(torch.device("cuda")) == torch.bfloat16
+            and compute_dtype(cpu) == torch.float32)
+    cfg = load_config(rl.RLConfig, [f"model={tiny_model_dir}", "lr=1e-3", "warmup_steps=0",
+                                    "train_dtype=bfloat16"])
     model, optimizer = load_policy(cfg, cpu, 0)
     reference, _ = load_policy(dataclasses.replace(cfg, train_dtype="float32"), cpu, 0)
     before = {name: p.full_tensor().clone() for name, p in model.named_parameters()}
@@ -406,13 +461,16 @@ def test_bf16_training_is_fsdp2_mixed_precision_on_gloo_as_on_a_gpu(tiny_model_d
     samples = fixed_batch(model.config.vocab_size)
     input_ids = collate(samples[:4], 0, cpu)[0]
     with torch.no_grad():
-        gap = (token_logprobs(model, input_ids, 1.0) - token_logprobs(reference, input_ids, 1.0)).abs()
+        gap = (token_logprobs(model, input_ids, 1.0)
+               - token_logprobs(reference, input_ids, 1.0)).abs()
     assert seen == [(torch.bfloat16,) * 3]
-    assert 1e-4 < gap.max() < 0.05, gap.max()  # bf16 rounding (4e-3 here) of the same weights, not another model
+    # bf16 rounding (4e-3 here) of the same weights, not another model
+    assert 1e-4 < gap.max() < 0.05, gap.max()
 
     rl.recompute_logprobs(model, samples, cfg, 0, cpu, 1.0)
     grads = {}
-    optimizer.register_step_pre_hook(lambda *_: grads.update((n, p.grad.dtype) for n, p in model.named_parameters()))
+    optimizer.register_step_pre_hook(
+        lambda *_: grads.update((n, p.grad.dtype) for n, p in model.named_parameters()))
     metrics = rl.train_step(model, optimizer, samples, cfg, 0, 0, cpu)
     assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
     assert set(grads.values()) == {torch.float32} and len(grads) == len(before)
@@ -427,19 +485,22 @@ def test_the_planned_epochs_are_printed_and_many_passes_warn():
     assert epochs == pytest.approx(300 * 512 / 8127) and "18.9 epochs" in line and "WARNING" in line
     epochs, line = epoch_plan(cfg, 42_000, start_step=0)  # the paper's data size
     assert epochs == pytest.approx(3.66, abs=0.01) and "WARNING" not in line
-    assert "0.0 epochs" in epoch_plan(cfg, 42_000, start_step=300)[1]  # a finished run plans nothing more
+    # a finished run plans nothing more
+    assert "0.0 epochs" in epoch_plan(cfg, 42_000, start_step=300)[1]
 
 
 # -----------------------------------------------------------------------------
 # bad input stops before any work, with a message that names the problem
 
 @pytest.mark.parametrize("overrides, message", [
-    (["prompts_per_step=6", "mini_batches=4"], "prompts_per_step=6 does not divide into mini_batches=4"),
+    (["prompts_per_step=6", "mini_batches=4"],
+     "prompts_per_step=6 does not divide into mini_batches=4"),
     (["micro_batch_tokens=512"], "micro_batch_tokens=512 cannot hold one trajectory"),
     (["group_size=2"], "GRPO-RoC keeps at least 2 positives and 2 negatives"),
     (["rollout.max_turns=0"], "rollout.max_turns must be >= 1"),
     (["resume=/no/such/checkpoint"], "expected auto, never or a checkpoint directory"),
-    (["init_optimizer=false"], "init_optimizer=false takes the weights of init_from, which is not set"),
+    (["init_optimizer=false"],
+     "init_optimizer=false takes the weights of init_from, which is not set"),
 ])
 def test_bad_configs_are_rejected_when_loaded(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -450,12 +511,14 @@ def test_a_config_for_n_ranks_launched_on_m_is_rejected_before_loading_anything(
     cfg = load_config(rl.RLConfig, ["configs/tiny.yaml", f"model={tiny_model_dir}", "world_size=8"])
     with pytest.raises(ConfigError, match="written for 8 ranks but was launched on 2"):
         check_inputs(cfg, world_size=2)
-    cfg = load_config(rl.RLConfig, ["configs/tiny.yaml", f"model={tiny_model_dir}", "rollout.tensor_parallel_size=4"])
+    cfg = load_config(rl.RLConfig, ["configs/tiny.yaml", f"model={tiny_model_dir}",
+                                    "rollout.tensor_parallel_size=4"])
     with pytest.raises(ConfigError, match="tensor_parallel_size=4 does not divide the 6 ranks"):
         check_inputs(cfg, world_size=6)
 
 
-def test_a_model_directory_without_a_tokenizer_is_rejected_by_the_command_line(tiny_model_dir, tmp_path):
+def test_a_model_directory_without_a_tokenizer_is_rejected_by_the_command_line(tiny_model_dir,
+                                                                               tmp_path):
     weights_only = tmp_path / "weights-only"
     weights_only.mkdir()
     for name in ("config.json", "model.safetensors"):
@@ -467,65 +530,82 @@ def test_a_model_directory_without_a_tokenizer_is_rejected_by_the_command_line(t
 
 
 # -----------------------------------------------------------------------------
-# a real run (engine, executor, reward pool): SIGKILL after a checkpoint, resume=auto, the same metrics
+# a real run (engine, executor, reward pool): SIGKILL after a checkpoint, resume=auto, the same
+# metrics
 
-# Four problems with small numbers: a 0.2M-parameter model memorises their transcripts in 120 SFT steps (~35 s of
-# CPU) and then samples right and wrong answers at temperature 1, so RL groups have mixed rewards and really train.
-MEMO_PROBLEMS = [{"id": f"memo-{i}", "problem": f"Compute {a} * {b} + {c}.", "answer": str(a * b + c)}
+# Four problems with small numbers: a 0.2M-parameter model memorises their transcripts in 120 SFT
+# steps (~35 s of CPU) and then samples right and wrong answers at temperature 1, so RL groups have
+# mixed rewards and really train.
+MEMO_PROBLEMS = [{"id": f"memo-{i}", "problem": f"Compute {a} * {b} + {c}.",
+                  "answer": str(a * b + c)}
                  for i, (a, b, c) in enumerate([(3, 4, 5), (6, 7, 8), (2, 9, 1), (5, 5, 5)])]
 
 
 @pytest.fixture(scope="module")
 def sft_policy(tmp_path_factory):
-    """A small policy that calls the tool and answers, sometimes right: tiny.py's architecture at hidden 64 x 2
-    layers, after sft.py on transcripts of MEMO_PROBLEMS (run through the real executor)."""
+    """A small policy that calls the tool and answers, sometimes right: tiny.py's architecture at
+    hidden 64 x 2 layers, after sft.py on transcripts of MEMO_PROBLEMS (run through the real
+    executor)."""
     work = tmp_path_factory.mktemp("sft")
-    model = tiny.build_tiny_model(tiny.TinyConfig(out_dir=str(work / "model"), hidden_size=64, intermediate_size=128,
-                                                  num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
+    model = tiny.build_tiny_model(tiny.TinyConfig(out_dir=str(work / "model"), hidden_size=64,
+                                                  intermediate_size=128, num_hidden_layers=2,
+                                                  num_attention_heads=1, num_key_value_heads=1,
                                                   pretrain_steps=0))
     rows = tiny.make_sft_transcripts(MEMO_PROBLEMS * 40, error_fraction=0.0, seed=0)
     (work / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     run([PYTHON, "sft.py", "configs/sft_tiny.yaml", f"model={model}", f"data={work / 'sft.jsonl'}",
-         f"out_dir={work / 'run'}", "global_batch_size=8", "epochs=6", "lr=1e-2", "save_every=0", "train_threads=1"],
+         f"out_dir={work / 'run'}", "global_batch_size=8", "epochs=6", "lr=1e-2", "save_every=0",
+         "train_threads=1"],
         timeout=900)
     return work / "run" / "final"
 
 
 def rl_command(policy, data, out_dir):
-    return [PYTHON, "rl.py", "configs/tiny.yaml", f"model={policy}", f"train_data={data}", "eval_data=",
-            f"out_dir={out_dir}", "steps=2", "prompts_per_step=4", "save_every=1", "rollout.max_response_tokens=200"]
+    return [PYTHON, "rl.py", "configs/tiny.yaml", f"model={policy}", f"train_data={data}",
+            "eval_data=", f"out_dir={out_dir}", "steps=2", "prompts_per_step=4", "save_every=1",
+            "rollout.max_response_tokens=200"]
 
 
 def deterministic(metrics):
     """Everything but wall-clock times and rates."""
-    return [{k: v for k, v in m.items() if not k.startswith("time/") and not k.endswith("_per_s")} for m in metrics]
+    return [{k: v for k, v in m.items() if not k.startswith("time/") and not k.endswith("_per_s")}
+            for m in metrics]
 
 
 @pytest.mark.slow
-def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_data_and_metrics(sft_policy, tmp_path):
-    data = tmp_path / "train.jsonl"  # each problem three times under different ids: the data order matters
-    data.write_text("".join(json.dumps({**p, "id": f"{p['id']}-{k}"}) + "\n" for k in range(3) for p in MEMO_PROBLEMS))
-    read = lambda d: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_data_and_metrics(sft_policy,
+                                                                                tmp_path):
+    # each problem three times under different ids: the data order matters
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({**p, "id": f"{p['id']}-{k}"}) + "\n"
+                            for k in range(3) for p in MEMO_PROBLEMS))
+    read = lambda d: [json.loads(line)  # noqa: E731
+                      for line in (d / "metrics.jsonl").read_text().splitlines()]
 
     run(rl_command(sft_policy, data, tmp_path / "straight"), timeout=900)
     straight = read(tmp_path / "straight")
     assert [m["step"] for m in straight] == [1, 2]
-    # Both steps trained, so the teeth are real: step 2's rollouts come from the weights step 1 made (the model must
-    # be restored), and its update depends on AdamW's moments from step 1 (the optimizer must be restored too).
+    # Both steps trained, so the teeth are real: step 2's rollouts come from the weights step 1 made
+    # (the model must be restored), and its update depends on AdamW's moments from step 1 (the
+    # optimizer must be restored too).
     assert all(m["selected"] > 0 and m["train_tokens"] > 0 for m in straight)
-    # The sync guard on a real update: step 2 samples with the weights step 1 trained, and the engine must agree with
-    # the trainer to fp32 noise. (When the tied lm_head was not re-sent, this read 8e-4 here, 1.2 on a larger change.)
+    # The sync guard on a real update: step 2 samples with the weights step 1 trained, and the
+    # engine must agree with the trainer to fp32 noise. (When the tied lm_head was not re-sent, this
+    # read 8e-4 here, 1.2 on a larger change.)
     assert all(m["logprob_gap_max"] < 1e-4 for m in straight)
 
     # the same run, SIGKILLed (no cleanup, no atexit) once the step-1 checkpoint is complete
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(rl_command(sft_policy, data, killed), cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(rl_command(sft_policy, data, killed), cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
     deadline = time.time() + 600
     while not (killed / "checkpoints" / "step_00000001" / "COMPLETE").exists():
-        assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
+        assert proc.poll() is None and time.time() < deadline, (
+            "the run ended before its first checkpoint")
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)  # the process group: the trainer, its tool and reward workers
+    # the process group: the trainer, its tool and reward workers
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     # a save that was cut short leaves only a .tmp directory, which resume must ignore
     (killed / "checkpoints" / "step_00000002.tmp").mkdir(exist_ok=True)
@@ -547,7 +627,8 @@ def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_data_and_metrics(
     final_resumed = load_file(killed / "hf_step_2" / "model.safetensors")
     for name, weight in final_straight.items():
         torch.testing.assert_close(final_resumed[name], weight, atol=1e-6, rtol=1e-5, msg=name)
-    # Both directories say the format they were trained in (configs/tiny.yaml: the code prompt), for eval.py.
+    # Both directories say the format they were trained in (configs/tiny.yaml: the code prompt), for
+    # eval.py.
     for model_dir in (sft_policy, killed / "hf_step_2"):
         record, template, schema = read_format(model_dir)
         assert record["prompt_variant"] == "code" and (template, schema) == load_format(
@@ -556,23 +637,27 @@ def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_data_and_metrics(
 
 
 @pytest.mark.slow
-def test_filter_drops_only_problems_solved_every_time_and_keeps_the_rest_in_order(sft_policy, tmp_path):
-    """mode=filter (stage-3 data, §4.3) through the real engine, tool and reward, one sample per problem. The policy
-    memorised MEMO_PROBLEMS but answers right only about one sample in eight. Each problem appears 16 times under
-    different ids with its true answer, and twice with a gold answer no sample can reach (-1): those rows must all be
-    kept, whatever the policy samples, and some solvable row must go (none of 64 at 1 in 8 would be 0.875^64 = 2e-4;
-    the engine's seeds make the outcome the same on every run of one machine)."""
+def test_filter_drops_only_problems_solved_every_time_and_keeps_the_rest_in_order(sft_policy,
+                                                                                  tmp_path):
+    """mode=filter (stage-3 data, §4.3) through the real engine, tool and reward, one sample per
+    problem. The policy memorised MEMO_PROBLEMS but answers right only about one sample in eight.
+    Each problem appears 16 times under different ids with its true answer, and twice with a gold
+    answer no sample can reach (-1): those rows must all be kept, whatever the policy samples, and
+    some solvable row must go (none of 64 at 1 in 8 would be 0.875^64 = 2e-4; the engine's seeds
+    make the outcome the same on every run of one machine)."""
     solvable = [{**p, "id": f"{p['id']}-{k}"} for k in range(16) for p in MEMO_PROBLEMS]
-    unreachable = [{**p, "id": f"{p['id']}-wrong-gold-{k}", "answer": "-1"} for k in range(2) for p in MEMO_PROBLEMS]
+    unreachable = [{**p, "id": f"{p['id']}-wrong-gold-{k}", "answer": "-1"}
+                   for k in range(2) for p in MEMO_PROBLEMS]
     rows = solvable[:32] + unreachable + solvable[32:]  # the kept rows must come back in this order
     source, kept_path = tmp_path / "source.jsonl", tmp_path / "kept.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = run([PYTHON, "rl.py", "configs/tiny.yaml", "mode=filter", f"model={sft_policy}", f"filter_source={source}",
-               f"train_data={kept_path}", "filter_samples=1", "prompts_per_step=24", "eval_data=",
-               "rollout.max_response_tokens=200"], timeout=600)
+    out = run([PYTHON, "rl.py", "configs/tiny.yaml", "mode=filter", f"model={sft_policy}",
+               f"filter_source={source}", f"train_data={kept_path}", "filter_samples=1",
+               "prompts_per_step=24", "eval_data=", "rollout.max_response_tokens=200"], timeout=600)
     kept = [json.loads(line) for line in kept_path.read_text().splitlines()]
     kept_ids = [r["id"] for r in kept]
-    assert kept_ids == [r["id"] for r in rows if r["id"] in set(kept_ids)]  # the source's order, no row twice
+    # the source's order, no row twice
+    assert kept_ids == [r["id"] for r in rows if r["id"] in set(kept_ids)]
     assert all(r == next(s for s in rows if s["id"] == r["id"]) for r in kept)  # rows unchanged
     assert {r["id"] for r in unreachable} <= set(kept_ids)
     assert len(kept) < len(rows)
@@ -581,8 +666,8 @@ def test_filter_drops_only_problems_solved_every_time_and_keeps_the_rest_in_orde
 
 @pytest.mark.slow
 def test_the_held_out_numbers_of_a_run_are_eval_pys_numbers(sft_policy, tmp_path):
-    """rl.py measures its held-out accuracy with the method's own pieces (generate, score_batch), not
-    by importing eval.py; on the same engine, weights, problems and seeds it must report what
+    """rl.py measures its held-out accuracy with the method's own pieces (generate, score_batch),
+    not by importing eval.py; on the same engine, weights, problems and seeds it must report what
     eval.evaluate reports."""
     rows = [{**p, "id": f"{p['id']}-{k}"} for k in range(3) for p in MEMO_PROBLEMS]
     cfg = load_config(rl.RLConfig, ["configs/tiny.yaml", f"model={sft_policy}", "eval_samples=2",
