@@ -264,10 +264,10 @@ def tokenizer_corpus(cfg):
     """Text the BPE is trained on: the rStar2 prompt templates and tool schemas (so the long system
     prompt becomes a few hundred tokens), sample tool turns and arithmetic, and real training
     problems."""
-    # The rStar2 files only, so the tokenizer stays byte-identical to the one the README's demo
-    # figures were measured with: configs/templates/chatml.jinja joined the folder later, and in two
-    # runs with it in the corpus (and another SFT bug) the merges changed and the copying did not
-    # emerge (pretraining loss 0.30-0.32 against 0.23 at 300 steps, 0% accuracy).
+    # The rStar2 files only, read whole: the merges are a function of every byte of them, comments
+    # included, so an edit to one of these files retrains another tokenizer and moves the demo's
+    # numbers (docs/tiny-task.md, reproducibility). With chatml.jinja in the corpus too the copying
+    # did not emerge (pretraining loss 0.30-0.32 against 0.23 at 300 steps, 0% accuracy).
     templates = REPO / "configs" / "templates"
     files = sorted(templates.glob("rstar2_*.jinja")) + sorted(templates.glob("*.json"))
     texts = [p.read_text() for p in files] * 20
