@@ -383,7 +383,7 @@ def test_a_model_without_config_is_a_clear_error():
 
 def test_gpu_check_refuses_a_machine_without_a_gpu():
     if torch.cuda.is_available():
-        pytest.skip("a GPU is here: run gpu_check.py itself")
+        pytest.skip("a GPU is here: run python -m tools.gpu_check itself")
     proc = subprocess.run([PYTHON, "-m", "tools.gpu_check", "only_cycle=true"], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "no CUDA (or ROCm) GPU here" in proc.stderr
