@@ -93,13 +93,19 @@ def load_checkpoint(path, model, optimizer):
     return saved["trainer_state"]
 
 
+def requested_checkpoint(resume, ckpt_root):
+    """The checkpoint `resume` names: None (never), the newest complete one under ckpt_root
+    (auto), or the path given."""
+    if resume == "never":
+        return None
+    return latest_checkpoint(ckpt_root) if resume == "auto" else resolve(resume)
+
+
 def start_checkpoint(cfg, ckpt_root):
     """(the checkpoint this run starts from or None, whether only its weights are taken). init_from
     counts only while this run has no checkpoint of its own, so a restart resumes the run rather
     than starting it over."""
-    checkpoint = (None if cfg.resume == "never"
-                  else latest_checkpoint(ckpt_root) if cfg.resume == "auto"
-                  else resolve(cfg.resume))
+    checkpoint = requested_checkpoint(cfg.resume, ckpt_root)
     initial = checkpoint is None and cfg.resume == "auto" and bool(cfg.init_from)
     if initial:
         source = resolve(cfg.init_from)
@@ -126,9 +132,7 @@ def resume_run(cfg, ckpt_root, model, optimizer, run_state, rank):
     """The step sft.py's run starts at: 0, or a checkpoint's, with its model, optimizer and RNG
     loaded. The step alone fixes the data position and the lr, so the checkpoint must come from
     this very run (run_state)."""
-    checkpoint = (None if cfg.resume == "never"
-                  else latest_checkpoint(ckpt_root) if cfg.resume == "auto"
-                  else resolve(cfg.resume))
+    checkpoint = requested_checkpoint(cfg.resume, ckpt_root)
     if checkpoint is None:
         return 0
     saved = load_checkpoint(checkpoint, model, optimizer)
