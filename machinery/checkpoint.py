@@ -42,7 +42,6 @@ def save_checkpoint(ckpt_root, step, model, optimizer, trainer_state, keep=2):
     """Save model + optimizer (sharded, via DCP) and `trainer_state` (step, data position, per-rank
     RNG) into step_N.tmp/ on all ranks; rank 0 renames it to step_N/ after a barrier, the commit
     point. Needs a filesystem every rank sees (multi-node: a shared one)."""
-
     rank = dist.get_rank()
     final = Path(ckpt_root) / f"{CHECKPOINT_PREFIX}{step:08d}"
     tmp = final.with_name(final.name + ".tmp")
@@ -74,7 +73,6 @@ def save_checkpoint(ckpt_root, step, model, optimizer, trainer_state, keep=2):
 def load_checkpoint(path, model, optimizer):
     """Load a checkpoint written by save_checkpoint into an already FSDP-wrapped model and its
     optimizer. Restores this rank's RNG streams and returns the saved trainer_state."""
-
     path = Path(path)
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}

@@ -24,7 +24,6 @@ def init_distributed():
     """Start torch.distributed and return (rank, world_size, local_rank, device). A plain
     `python x.py` becomes a world of one with torchrun's env variables set, so FSDP2, the TCPStore
     work counter and vLLM's external_launcher take exactly the path they take on 64 GPUs."""
-
     store = None
     # A child process (demo.py's stages, a test's subprocess) inherits the variables a
     # single-process parent set below; taken for torchrun's, they would send it to bind the parent's
@@ -64,7 +63,6 @@ def compute_dtype(device, requested="auto"):
     """The dtype of forward/backward and of an exported model: bf16 on GPU, fp32 on CPU, where bf16
     is ~4.5x slower than fp32 on AVX2 (docs/design.md, "Sources and facts the code relies on": the
     CPU stack). A `requested` train_dtype other than auto wins."""
-
     return getattr(torch, requested if requested != "auto"
                    else "bfloat16" if device.type == "cuda" else "float32")
 
@@ -74,7 +72,6 @@ def free_cached_memory():
     CPU). vLLM's sleep-mode allocator maps its memory outside PyTorch's cache, so it cannot reuse
     those blocks: after a 14B training step some 45-50 GB of them would still be held when the
     engine wakes."""
-
     gc.collect()  # tensors only a reference cycle still holds
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -85,7 +82,6 @@ def cpu_threads(count, device):
     """On CPU, set torch's threads to `count` (0: leave them); returns the previous count.
     In-process vLLM sets torch to 1 thread "for serving" and replaces torch.set_num_threads with a
     no-op, so this calls the builtin."""
-
     previous = torch.get_num_threads()
     if count and device.type == "cpu":
         torch._C.set_num_threads(count)
@@ -93,7 +89,6 @@ def cpu_threads(count, device):
 
 
 def seed_everything(seed):
-
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
