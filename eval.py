@@ -48,8 +48,8 @@ from machinery.engine import configure_vllm_logging, Engine
 from machinery.metrics import pass_at_k, sample_metrics, trajectory_record
 from machinery.model import check_model_dir
 from machinery.prompts import AUTO_VARIANT, apply_model_format, render_prompt
-from machinery.results import (append_samples, gather_records, markdown_table, work_left,
-                               write_summary)
+from machinery.results import (CHUNK_PROBLEMS, append_samples, gather_records, markdown_table,
+                               work_left, write_summary)
 # reward.py imports only the stdlib; math-verify loads in its worker processes
 from reward import extract_answer, fast_equivalent, score_batch
 from rollout import generate, RolloutConfig
@@ -80,7 +80,7 @@ class EvalConfig:
     seed: int = 0                    # request seeds derive from (seed, chunk, problem, sample)
     out_dir: str = "runs/eval"
     resume: bool = True              # reuse the finished problems in out_dir/samples.jsonl
-    chunk_problems: int = 64         # problems per generate(); samples.jsonl grows after each
+    chunk_problems: int = CHUNK_PROBLEMS  # problems per generate(); samples.jsonl grows after each
     require_answer_tag: bool = False  # grade only a \boxed{} inside <answer>...</answer>
     reward_timeout_s: float = 5.0    # per-answer math-verify deadline
     arith_problems: int = 100        # size of the `arith` benchmark

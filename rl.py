@@ -63,6 +63,7 @@ from machinery.plan import print_plan, split_plan_args
 from machinery.prompts import load_format
 from machinery.training import (TrainSample, collate, equalize_micro_batches, micro_batches,
                                 token_logprobs)
+from machinery.results import CHUNK_PROBLEMS
 
 
 # -----------------------------------------------------------------------------
@@ -436,10 +437,6 @@ def gather_metrics(local, learner, step, cfg, rank, world_size):
     return metrics
 
 
-# eval.py's chunk_problems: the same chunks of held-out problems draw the same sampling seeds
-EVAL_CHUNK_PROBLEMS = 64
-
-
 def evaluate_held_out(run):
     """Held-out accuracy (eval/ metrics and time/eval) through the training engine, as eval.py
     measures it: eval_samples trajectories per problem at eval_temperature, the reward of Eq. 3."""
@@ -449,8 +446,8 @@ def evaluate_held_out(run):
     # generate() sends the temperature with every request: the engine's own config never sets it
     rollout_cfg = dataclasses.replace(cfg.rollout, temperature=cfg.eval_temperature)
     records = {}
-    for step, start in enumerate(range(0, len(rows), EVAL_CHUNK_PROBLEMS)):
-        chunk = rows[start:start + EVAL_CHUNK_PROBLEMS]
+    for step, start in enumerate(range(0, len(rows), CHUNK_PROBLEMS)):
+        chunk = rows[start:start + CHUNK_PROBLEMS]
         groups = generate(run.engine, run.tool, run.tokenizer, [r["problem"] for r in chunk],
                           cfg.eval_samples, rollout_cfg, seed=cfg.seed, step=step)
         flat = [t for group in groups for t in group]

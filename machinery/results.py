@@ -11,6 +11,10 @@ import torch.distributed as dist
 
 from machinery.config import atomic_write_text, ConfigError
 
+# Problems per generate() of an evaluation (eval.py's chunk_problems default). rl.py's held-out
+# evaluation takes the same chunks, so its sampling seeds (seed, chunk, problem, sample) are
+# eval.py's.
+CHUNK_PROBLEMS = 64
 # RolloutConfig fields that change speed or memory, never what a sample is.
 ROLLOUT_RESOURCE_FIELDS = ("gpu_memory_utilization", "cpu_kv_cache_gb", "tensor_parallel_size",
                            "enforce_eager", "enable_prefix_caching", "max_concurrency",
