@@ -13,6 +13,8 @@ For each question the policy writes 2G rollouts that may call a Python tool (rl.
   4. Advantage A_i = (r_i - mean r) / std r over the G kept, shared by all tokens of o_i (Eq. 7).
   5. Loss: PPO's clipped surrogate with Clip-Higher (eps_low 0.2, eps_high 0.28), averaged over
      every model-written token of the batch (token-level, Eq. 6). No KL, no entropy term (§2.2.1).
+     Optionally each token is weighted by how much likelier the trainer finds it than the engine
+     that sampled it (rollout_weights; off in the paper).
 
 Paper vs released code (microsoft/rStar @ ecbfb94), and what this file does:
   - positives: the paper samples ~1/p, the release takes the k lowest p. Both: positive_rule.
@@ -30,6 +32,10 @@ Paper vs released code (microsoft/rStar @ ecbfb94), and what this file does:
   - dual-clip (c = 3 on negative advantages) is a verl default the paper never mentions:
     off here unless policy_loss(dual_clip=3.0).
   - plain GRPO (the paper's ablation): select_group(mode="grpo"), G rollouts, no RoC.
+  - rollout correction: Eq. 6 treats the engine that sampled (vLLM, its own kernels and dtype)
+    and the trainer as one policy; neither paper nor release corrects the gap. rollout_weights
+    offers the truncated / masked importance weights of Yao et al. 2025 (verl's rollout_corr,
+    TRL's vllm_importance_sampling_*); "none" is the paper's objective.
 
 Use: imported by rl.py. `python grpo_roc.py` walks one synthetic group through steps 1-4.
 Tests: .venv/bin/python -m pytest tests/test_grpo_roc.py -q
@@ -220,8 +226,50 @@ def group_advantages(rewards, eps=1e-6) -> list[float]:
     return ((r - r.mean()) / (r.std(ddof=1) + eps)).tolist()
 
 
+# Rollout correction (Yao et al. 2025): "none" is the paper's objective; the others weight each
+# model-written token by the trainer's over the engine's probability, per token or per sequence
+# (geometric mean), truncated at the threshold (tis) or dropped outside [1/threshold, threshold]
+# (mis).
+ROLLOUT_CORRECTIONS = ("none", "token_tis", "token_mis", "geometric_tis", "geometric_mis")
+
+
+def rollout_weights(old_logp, engine_logp, mask, mode="none", threshold=2.0):
+    """Importance weights for the gap between the engine that sampled and the trainer (detached).
+
+    The tokens were drawn from pi_engine (vLLM: other kernels, often bf16), while Eq. 6's ratio
+    starts from the trainer's pi_old: an unbiased gradient needs w = pi_old / pi_engine on each
+    token. The raw ratio has unbounded variance, so it is tamed (Yao et al. 2025, "Your Efficient
+    RL Framework Secretly Brings You Off-Policy RL Training"):
+      token_tis:     w = min(rho, threshold), rho = exp(old - engine) per token (truncated IS);
+      token_mis:     w = rho inside [1/threshold, threshold], else 0 (masked IS: the token
+                     drops out of the loss but still counts in Eq. 6's denominator);
+      geometric_*:   the same on the sequence's geometric mean exp(mean(old - engine)) over its
+                     model-written tokens, shared by all of them. A plain product over 8K tokens
+                     collapses towards 0 (trl#5814); the mean does not grow with length.
+    old_logp, engine_logp, mask: [B, T], one row per sequence. Returns (w, ratio) as [B, T]:
+    ratio is what w was taken from (per token, or the sequence's geometric mean broadcast to its
+    tokens; per token for "none", where w is 1). With engine_logp == old_logp every w is exactly 1.
+    """
+    if mode not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"rollout correction must be one of {ROLLOUT_CORRECTIONS}, got {mode!r}")
+    if not threshold > 1:
+        raise ValueError(f"the rollout correction threshold must be > 1, got {threshold}")
+    with torch.no_grad():
+        log_ratio = torch.where(mask, old_logp - engine_logp, 0.0)
+        if mode.startswith("geometric"):
+            tokens = mask.sum(-1, keepdim=True).clamp(min=1)
+            log_ratio = (log_ratio.sum(-1, keepdim=True) / tokens).expand_as(log_ratio)
+        ratio = torch.exp(log_ratio)
+        if mode == "none":
+            return torch.ones_like(ratio), ratio
+        if mode.endswith("tis"):
+            return ratio.clamp(max=threshold), ratio
+        return torch.where((ratio >= 1 / threshold) & (ratio <= threshold), ratio, 0.0), ratio
+
+
 def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.28,
-                num_tokens=None, dual_clip=None):
+                num_tokens=None, dual_clip=None, engine_logp=None, rollout_correction="none",
+                rollout_is_threshold=2.0):
     """Clip-Higher PPO surrogate, summed over unmasked tokens and divided by num_tokens (Eq. 6).
 
     logp, old_logp: [B, T] log-probs of the sampled tokens under the current / rollout policy.
@@ -233,8 +281,12 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.28,
         gradients over W ranks, so there pass global_count / W. None: this batch's own count.
     dual_clip:      None (paper), or c > 1 to bound the loss of negative-advantage tokens by
         c * |A| as verl does by default.
-    Returns (loss, metrics). Metrics are detached 0-dim tensors; all but ratio_max are divided
-    by num_tokens too, so they also sum over micro-batches; ratio_max combines by max.
+    engine_logp:    [B, T] the engine's log-probs of the same tokens, as it sampled them; None:
+        taken equal to old_logp (no gap). rollout_correction, rollout_is_threshold: how the
+        per-token loss is weighted for the gap (rollout_weights); the gap is measured whatever
+        the setting.
+    Returns (loss, metrics). Metrics are detached 0-dim tensors; all but those named *_max are
+    divided by num_tokens too, so they also sum over micro-batches; *_max combine by max.
     """
     advantages = _checked_advantages(logp, old_logp, advantages, mask, clip_low, clip_high,
                                      dual_clip)
@@ -245,18 +297,23 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.28,
         raise ValueError(f"num_tokens must be > 0 (is every token masked?), got {num_tokens}")
     # The advantage and the rollout policy's log-probs are constants of the objective (Eq. 6):
     # gradients flow only through pi_theta.
-    advantages = advantages.detach()
+    advantages, old_logp = advantages.detach(), old_logp.detach()
+    engine_logp = old_logp if engine_logp is None else engine_logp.detach()
+    weights, weighted_ratio = rollout_weights(old_logp, engine_logp, mask, rollout_correction,
+                                              rollout_is_threshold)
 
     # Importance ratio rho = pi_theta / pi_old per token. Padding may hold any value, even
     # -inf, so masked positions get ratio 1 before exp() can turn them into inf or nan.
-    log_ratio = torch.where(mask, logp - old_logp.detach(), 0.0)
+    log_ratio = torch.where(mask, logp - old_logp, 0.0)
     ratio = torch.exp(log_ratio)
     # min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A), negated for a loss. The clip stops
     # the update once a token moved far enough; the higher upper bound (DAPO's Clip-Higher)
     # lets unlikely tokens of good rollouts grow more, which delays entropy collapse. With one
-    # optimizer step per RL step (every shipped config) old_logp is the same weights' log-prob,
-    # rho is exactly 1 and the clip never binds; it acts from the second step on the same
-    # rollouts (mini_batches > 1).
+    # optimizer step per RL step (mini_batches: 1, every shipped config) the update is
+    # on-policy: old_logp is the same weights' log-prob, rho is exactly 1, the clip never binds
+    # and a KL-to-old term would have zero gradient; with a rollout correction on, the
+    # engine-vs-trainer weight is what departs from 1. The clip acts from the second optimizer
+    # step on the same rollouts (mini_batches > 1).
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
     per_token = -torch.minimum(unclipped, clipped)
@@ -264,12 +321,16 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.28,
         # For A < 0 an exploded ratio would give an unbounded loss; cap it at c * |A|.
         per_token = torch.where(advantages < 0,
                                 torch.minimum(per_token, -dual_clip * advantages), per_token)
+    if rollout_correction != "none":
+        per_token = per_token * weights  # a constant factor per token, as verl and TRL apply it
     # Token-level normalisation (Eq. 6): every token of the batch weighs the same, so long
     # rollouts are not down-weighted as a per-sequence mean would do.
     loss = torch.where(mask, per_token, 0.0).sum() / num_tokens
 
     with torch.no_grad():
         metrics = _loss_metrics(ratio, log_ratio, advantages, mask, clip_low, clip_high, num_tokens)
+        metrics.update(_rollout_metrics(weights, weighted_ratio, old_logp - engine_logp, mask,
+                                        rollout_correction, rollout_is_threshold, num_tokens))
     return loss, metrics
 
 
@@ -304,6 +365,31 @@ def _loss_metrics(ratio, log_ratio, advantages, mask, clip_low, clip_high, num_t
         "approx_kl": kl_per_token.sum() / num_tokens,
         "ratio_mean": torch.where(mask, ratio, 0.0).sum() / num_tokens,
         "ratio_max": torch.where(mask, ratio, 0.0).max(),
+    }
+
+
+def _rollout_metrics(weights, weighted_ratio, log_rho, mask, mode, threshold, num_tokens):
+    """The engine-vs-trainer gap and what the correction did, over the model-written tokens,
+    whatever the setting (verl logs the like under rollout_corr/): the mean of
+    log rho = log(pi_old / pi_engine); k3_kl, the k3 estimate of KL(pi_engine || pi_old) from
+    the tokens the engine sampled (non-negative, low variance); the largest token rho; the
+    weights' mean and max (1 with none); the fractions of tokens truncated to the threshold (tis)
+    or masked out (mis)."""
+    def token_sum(values):
+        return torch.where(mask, values, 0.0).sum() / num_tokens
+
+    log_rho = torch.where(mask, log_rho, 0.0)
+    rho = torch.exp(log_rho)
+    truncated = mode.endswith("tis") & (weighted_ratio > threshold)
+    masked = mode.endswith("mis") & (weights == 0)
+    return {
+        "rollout_corr/log_ratio_mean": token_sum(log_rho),
+        "rollout_corr/k3_kl": token_sum(rho - 1 - log_rho),
+        "rollout_corr/ratio_max": torch.where(mask, rho, 0.0).max(),
+        "rollout_corr/weight_mean": token_sum(weights),
+        "rollout_corr/weight_max": torch.where(mask, weights, 0.0).max(),
+        "rollout_corr/truncated_fraction": token_sum(truncated.to(rho.dtype)),
+        "rollout_corr/masked_fraction": token_sum(masked.to(rho.dtype)),
     }
 
 

@@ -1,4 +1,5 @@
-"""Behaviour of grpo_roc.py: RoC penalties, selection, group advantages and the token-level loss.
+"""Behaviour of grpo_roc.py: RoC penalties, selection, group advantages, the token-level loss and
+its rollout correction.
 
 Run: .venv/bin/python -m pytest tests/test_grpo_roc.py -q   (pure numpy/torch, a few seconds)
 """
@@ -10,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from grpo_roc import (filter_groups, group_advantages, policy_loss, resample_on_correct,
-                      roc_penalty, rollouts_per_prompt, select_group)
+from grpo_roc import (ROLLOUT_CORRECTIONS, filter_groups, group_advantages, policy_loss,
+                      resample_on_correct, roc_penalty, rollout_weights, rollouts_per_prompt,
+                      select_group)
 
 # -----------------------------------------------------------------------------
 # roc_penalty: Eq. 4 (p_err) + Eq. 5 (p_format)
@@ -374,14 +376,21 @@ def test_micro_batches_and_simulated_ranks_give_the_full_batch_loss_and_gradient
     assert not torch.allclose(naive / 4, full_grad, atol=1e-6)
 
 
-def test_metrics_sum_over_micro_batches_to_the_full_batch_value():
+@pytest.mark.parametrize("correction", ["token_mis", "geometric_tis"])
+def test_metrics_sum_over_micro_batches_to_the_full_batch_value(correction):
     logp, old_logp, advantages, mask = _batch(2, [8, 3, 6, 5])
-    _, full = policy_loss(logp, old_logp, advantages, mask)
-    parts = [policy_loss(logp[r], old_logp[r], advantages[r], mask[r], num_tokens=mask.sum())[1]
+    engine_logp = old_logp + 0.5 * torch.randn(old_logp.shape, dtype=old_logp.dtype,
+                                               generator=torch.Generator().manual_seed(2))
+    options = dict(rollout_correction=correction, rollout_is_threshold=1.3)
+    _, full = policy_loss(logp, old_logp, advantages, mask, engine_logp=engine_logp, **options)
+    parts = [policy_loss(logp[r], old_logp[r], advantages[r], mask[r], num_tokens=mask.sum(),
+                         engine_logp=engine_logp[r], **options)[1]
              for r in ([0], [1, 2], [3])]
-    for name in ("clip_low_fraction", "clip_high_fraction", "approx_kl", "ratio_mean"):
-        assert sum(p[name] for p in parts).item() == pytest.approx(full[name].item(), abs=1e-12)
-    assert max(p["ratio_max"] for p in parts).item() == full["ratio_max"].item()
+    assert full["rollout_corr/weight_mean"] != 1.0  # the correction acted
+    for name in full:
+        combine = max if name.endswith("_max") else sum
+        assert combine(p[name] for p in parts).item() == pytest.approx(full[name].item(),
+                                                                       abs=1e-12), name
 
 
 def test_padding_with_minus_inf_is_ignored():
@@ -418,6 +427,108 @@ def test_dual_clip_bounds_the_loss_of_exploded_negative_tokens():
     assert policy_loss(logp, old_logp, advantages, mask)[0].item() == pytest.approx(10.0)
     assert policy_loss(logp, old_logp, advantages, mask,
                        dual_clip=3.0)[0].item() == pytest.approx(3.0)
+
+
+# -----------------------------------------------------------------------------
+# rollout correction: the engine sampled, the trainer's pi_old is in the ratio (Yao et al. 2025)
+
+@pytest.mark.parametrize("correction", ROLLOUT_CORRECTIONS)
+def test_with_the_engine_equal_to_the_trainer_every_correction_is_today_s_loss_exactly(correction):
+    logp, old_logp, advantages, mask = _batch(7, [6, 2, 5])
+    today, today_metrics = policy_loss(logp, old_logp, advantages, mask)
+    today_grad, = torch.autograd.grad(today, logp)
+    loss, metrics = policy_loss(logp, old_logp, advantages, mask, engine_logp=old_logp.clone(),
+                                rollout_correction=correction, rollout_is_threshold=1.01)
+    grad, = torch.autograd.grad(loss, logp)
+    assert torch.equal(loss, today) and torch.equal(grad, today_grad)
+    assert all(torch.equal(metrics[k], v) for k, v in today_metrics.items())
+    assert metrics["rollout_corr/weight_mean"].item() == 1.0  # over the tokens: every w is 1
+    assert metrics["rollout_corr/k3_kl"].item() == metrics["rollout_corr/log_ratio_mean"] == 0.0
+
+
+# Two rollouts; pi_theta / pi_old per token (r) puts tokens in and beyond the clip range, the
+# engine's rho = pi_old / pi_engine puts them in and beyond [1/2, 2]; the last token is padding.
+CLIP_RATIOS = [[1.1, 1.5, 1.0, 1.0], [1.0, 1.0, 0.5, 1.0]]
+ENGINE_RHO = [[0.4, 0.9, 1.5, 3.0], [2.5, 1.0, 0.6, 5.0]]
+# min(r A, clip(r, 0.8, 1.28) A) with A = (2, -1), and its derivative in log pi_theta (r A where
+# the unclipped branch is the min, else 0)
+SURROGATE = [[2.2, 2.56, 2.0, 2.0], [-1.0, -1.0, -0.8, 0.0]]
+SURROGATE_GRAD = [[2.2, 0.0, 2.0, 2.0], [-1.0, -1.0, 0.0, 0.0]]
+GEOMETRIC = [(0.4 * 0.9 * 1.5 * 3.0) ** (1 / 4), (2.5 * 1.0 * 0.6) ** (1 / 3)]  # 1.128, 1.145
+
+
+def _mismatched(correction, threshold):
+    old_logp = torch.full((2, 4), -1.0, dtype=torch.float64)
+    logp = (old_logp + torch.tensor(CLIP_RATIOS, dtype=torch.float64).log()).requires_grad_()
+    engine_logp = old_logp - torch.tensor(ENGINE_RHO, dtype=torch.float64).log()
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.bool)
+    loss, metrics = policy_loss(logp, old_logp, torch.tensor([2.0, -1.0], dtype=torch.float64),
+                                mask, engine_logp=engine_logp, rollout_correction=correction,
+                                rollout_is_threshold=threshold)
+    loss.backward()
+    return loss.item(), logp.grad, metrics
+
+
+@pytest.mark.parametrize("correction, threshold, weights", [
+    # truncated: min(rho, 2)
+    ("token_tis", 2.0, [[0.4, 0.9, 1.5, 2.0], [2.0, 1.0, 0.6, 0.0]]),
+    # masked: rho inside [1/2, 2], else 0
+    ("token_mis", 2.0, [[0.0, 0.9, 1.5, 0.0], [0.0, 1.0, 0.6, 0.0]]),
+    # the sequence's geometric mean of rho, truncated at / masked beyond 1.14
+    ("geometric_tis", 1.14, [[GEOMETRIC[0]] * 4, [1.14] * 3 + [0.0]]),
+    ("geometric_mis", 1.14, [[GEOMETRIC[0]] * 4, [0.0] * 4]),
+])
+def test_a_mismatch_weights_each_token_s_loss_and_gradient_as_by_hand(correction, threshold,
+                                                                      weights):
+    loss, grad, metrics = _mismatched(correction, threshold)
+    w = torch.tensor(weights, dtype=torch.float64)
+    # -w * surrogate, summed over the 7 model-written tokens and divided by 7 (Eq. 6); the weight
+    # is a constant: the gradient is w times the uncorrected one
+    expected_loss = -(w * torch.tensor(SURROGATE, dtype=torch.float64)).sum().item() / 7
+    assert loss == pytest.approx(expected_loss, abs=1e-12)
+    torch.testing.assert_close(grad, -w * torch.tensor(SURROGATE_GRAD, dtype=torch.float64) / 7,
+                               atol=1e-12, rtol=0)
+    assert metrics["rollout_corr/weight_mean"].item() == pytest.approx(w.sum().item() / 7)
+    assert metrics["rollout_corr/weight_max"].item() == pytest.approx(w.max().item())
+
+
+def test_the_mismatch_metrics_are_their_direct_computation_whatever_the_setting():
+    rho = torch.tensor(ENGINE_RHO, dtype=torch.float64)[torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]],
+                                                                     dtype=torch.bool)]
+    for correction in ROLLOUT_CORRECTIONS:
+        metrics = _mismatched(correction, 2.0)[2]
+        assert metrics["rollout_corr/log_ratio_mean"].item() == pytest.approx(
+            rho.log().mean().item(), abs=1e-12)
+        # k3: E_engine[rho - 1 - log rho] estimates KL(pi_engine || pi_old) >= 0
+        assert metrics["rollout_corr/k3_kl"].item() == pytest.approx(
+            (rho - 1 - rho.log()).mean().item(), abs=1e-12)
+        assert metrics["rollout_corr/ratio_max"].item() == pytest.approx(3.0)  # not the padding's 5
+    truncated = _mismatched("token_tis", 2.0)[2]["rollout_corr/truncated_fraction"]
+    masked = _mismatched("token_mis", 2.0)[2]["rollout_corr/masked_fraction"]
+    assert truncated.item() == pytest.approx(2 / 7) and masked.item() == pytest.approx(3 / 7)
+    none = {k: v.item() for k, v in _mismatched("none", 2.0)[2].items()}
+    assert none["rollout_corr/weight_mean"] == none["rollout_corr/weight_max"] == 1.0
+    assert none["rollout_corr/truncated_fraction"] == none["rollout_corr/masked_fraction"] == 0
+
+
+def test_a_geometric_weight_does_not_shrink_with_length_as_a_product_would():
+    """trl#5814: a per-sequence product of token ratios collapses on long responses; the
+    geometric mean of the same ratios stays at their typical size."""
+    log_rho = torch.full((1, 8192), -0.01, dtype=torch.float64)
+    mask = torch.ones_like(log_rho, dtype=torch.bool)
+    weights, _ = rollout_weights(log_rho, torch.zeros_like(log_rho), mask, "geometric_tis", 2.0)
+    assert math.exp(log_rho.sum().item()) < 1e-35
+    assert weights[0, 0].item() == pytest.approx(math.exp(-0.01))
+
+
+@pytest.mark.parametrize("mode, threshold, message", [
+    ("token", 2.0, "rollout correction must be one of"),
+    ("token_tis", 1.0, "threshold must be > 1"),
+])
+def test_rollout_weights_reject_bad_settings(mode, threshold, message):
+    logp = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match=message):
+        rollout_weights(logp, logp, torch.ones(1, 2, dtype=torch.bool), mode, threshold)
 
 
 @pytest.mark.parametrize("change, message", [
