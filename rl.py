@@ -17,8 +17,10 @@ FSDP2 shard of the policy and its own in-process vLLM engine. One RL step, a fun
     3. rewards      0/1 on the final \\boxed{} answer, 0 if truncated (Eq. 3, §4.3.1; reward.py)
     4. selection    drop all-equal groups, Resample-on-Correct keeps G of 2G (§2.2.3; grpo_roc.py)
     5. balance      the kept trajectories spread across ranks by token count
-    6. old logp     recomputed by the trainer, compared with the engine's (the sync guard)
-    7. update       the clipped token-level loss of Eq. 6 over the GLOBAL token count, one step
+    6. old logp     the trainer's, compared with the engine's (the sync guard); a pass of its own
+                    only with mini_batches > 1, else from the update's own forward
+    7. update       the clipped token-level loss of Eq. 6 over the GLOBAL token count, one step;
+                    optionally weighted for the engine-vs-trainer gap (rollout_correction)
     8. log, checkpoint, evaluate
 
 Paper vs this file:
@@ -28,6 +30,8 @@ Paper vs this file:
   - weight decay 0.01 and grad clip 1.0 are verl defaults the paper does not state.
   - rollouts run on vLLM, not SGLang, in every rank's own process (no Ray).
   - algorithm=grpo is the paper's "GRPO with Tool" baseline (Fig. 9): G rollouts, all kept.
+  - rollout_correction (none in the paper): truncated / masked importance weights for the gap
+    between the engine that sampled and the trainer (grpo_roc.rollout_weights).
 """
 import dataclasses
 import json
@@ -46,8 +50,8 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from executor import Executor
-from grpo_roc import (filter_groups, group_advantages, policy_loss, roc_penalty,
-                      rollouts_per_prompt, select_group)
+from grpo_roc import (ROLLOUT_CORRECTIONS, filter_groups, group_advantages, policy_loss,
+                      roc_penalty, rollouts_per_prompt, select_group)
 from reward import extract_answer, score_batch
 from rollout import RolloutConfig, generate
 from machinery.checkpoint import check_inputs, epoch_plan, restore, save_checkpoint
@@ -90,6 +94,10 @@ class RLConfig:
     clip_low: float = 0.2
     clip_high: float = 0.28
     dual_clip: float = 0.0        # 0 = off (paper); verl's default would be 3.0
+    # the engine samples with its own kernels (and dtype): weight each token for that gap (Yao et
+    # al. 2025; grpo_roc.rollout_weights). none = the paper; token_tis / token_mis / geometric_*
+    rollout_correction: Literal[ROLLOUT_CORRECTIONS] = "none"
+    rollout_is_threshold: float = 2.0  # C: tis truncates weights at C; mis drops those off [1/C, C]
     # optimizer: AdamW, constant lr after a linear warm-up (§5.1)
     lr: float = 1e-6
     warmup_steps: int = 20
@@ -158,6 +166,9 @@ class RLConfig:
             raise ConfigError(f"lr={self.lr}: must be > 0")
         if self.dual_clip and self.dual_clip <= 1:
             raise ConfigError(f"dual_clip={self.dual_clip}: must be 0 (off) or > 1")
+        if not self.rollout_is_threshold > 1:
+            raise ConfigError(f"rollout_is_threshold={self.rollout_is_threshold}: must be > 1 "
+                              "(weights are truncated at it, or kept inside [1/C, C])")
         if self.mode == "filter" and not self.filter_source:
             raise ConfigError("mode=filter needs filter_source (the problems to filter); the kept "
                               "ones go to train_data")
@@ -225,7 +236,9 @@ def sync_weights(engine, model, dtype, traffic=None):
 @torch.no_grad()
 def recompute_logprobs(model, samples, cfg, pad_id, device, temperature):
     """Step 6: the trainer's old_logprobs under the current weights. The loss uses these, not the
-    engine's, so the ratio of Eq. 6 starts at exactly 1 whatever the engine's numerics."""
+    engine's, so the ratio of Eq. 6 starts at exactly 1 whatever the engine's numerics. A pass of
+    its own only where the update cannot give them: with mini_batches > 1 the weights have moved
+    by the second optimizer step; with one, train_step takes them from its own forward."""
     for batch in equalize_micro_batches(micro_batches(samples, cfg)):
         input_ids, *_ = collate(batch, pad_id, device)
         logp = token_logprobs(model, input_ids, temperature, cfg.logprob_chunk_tokens).cpu()
@@ -240,7 +253,7 @@ def logprob_gap(samples):
     not as a slow, silent divergence."""
     total, count, largest = 0.0, 0, 0.0
     for s in samples:
-        if s.engine_logprobs is None:
+        if s.engine_logprobs is None or s.old_logprobs is None:  # not sampled, or not forwarded
             continue
         gap = np.abs(np.asarray(s.old_logprobs) - np.asarray(s.engine_logprobs))
         gap = gap[np.asarray(s.loss_mask) > 0]
@@ -254,12 +267,16 @@ def logprob_gap(samples):
 
 
 def train_step(model, optimizer, samples, cfg, step, pad_id, device, temperature=1.0):
-    """One optimizer step on this rank's samples (old_logprobs filled); all ranks call it together.
+    """One optimizer step on this rank's samples; all ranks call it together.
     Eq. 6's loss is a sum over every model-written token of the GLOBAL batch (all micro-batches,
     all ranks) over that count: each micro-batch's token sum is divided by (global count / world
     size) and FSDP's mean over ranks restores the rest, so the gradient is the same however the
     batch is split (the invariance test). A per-micro-batch mean would weigh a token of a short
-    micro-batch more than one of a long one."""
+    micro-batch more than one of a long one.
+    Samples without old_logprobs take them from this forward, detached: before the optimizer
+    step the weights are the ones the old log-probs stand for, so the loss and gradient are the
+    separate pass's (tests/test_rl.py) at a forward less. They are written back to the samples
+    for the sync guard (logprob_gap)."""
     world_size = dist.get_world_size()
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, cfg)
@@ -269,18 +286,28 @@ def train_step(model, optimizer, samples, cfg, step, pad_id, device, temperature
         raise RuntimeError("train_step: the batch has no model-written token on any rank "
                            "(every loss mask is 0)")
     batches = equalize_micro_batches(micro_batches(samples, cfg))
-    sums, ratio_max = {}, torch.zeros(())
+    sums, maxima = {}, {}
+    num_tokens = global_tokens.item() / world_size
     for batch in batches:
-        input_ids, old, mask, advantages = collate(batch, pad_id, device)
-        logp = token_logprobs(model, input_ids, temperature, cfg.logprob_chunk_tokens)
+        input_ids, old, mask, advantages, engine = collate(batch, pad_id, device)
+        logp, entropy = token_logprobs(model, input_ids, temperature, cfg.logprob_chunk_tokens,
+                                       with_entropy=True)
+        if all(s.old_logprobs is None for s in batch):
+            old = shared_old_logprobs(batch, logp)
         loss, metrics = policy_loss(logp, old, advantages, mask, clip_low=cfg.clip_low,
                                     clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or None,
-                                    num_tokens=global_tokens.item() / world_size)
+                                    num_tokens=num_tokens, engine_logp=engine,
+                                    rollout_correction=cfg.rollout_correction,
+                                    rollout_is_threshold=cfg.rollout_is_threshold)
         loss.backward()  # accumulates; FSDP2 reduce-scatters (a mean over ranks) after each
         metrics["loss"] = loss.detach()
-        ratio_max = torch.maximum(ratio_max, metrics.pop("ratio_max").cpu())
+        # the policy's token-mean entropy over the trained tokens (logged, never in the loss)
+        metrics["entropy"] = torch.where(mask, entropy, 0.0).sum() / num_tokens
         for key, value in metrics.items():
-            sums[key] = sums.get(key, 0.0) + value.detach().cpu()
+            if key.endswith("_max"):
+                maxima[key] = torch.maximum(maxima.get(key, value.cpu()), value.cpu())
+            else:
+                sums[key] = sums.get(key, 0.0) + value.detach().cpu()
     # The global grad norm before clipping: a loss-scaling bug shows here even where AdamW hides it.
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
@@ -290,14 +317,26 @@ def train_step(model, optimizer, samples, cfg, step, pad_id, device, temperature
     # Freed now, not next step: the engine needs that memory for the sync and rollout (as verl)
     optimizer.zero_grad(set_to_none=True)
     # Every summed metric was divided by the per-rank share of tokens: the rank mean is global.
-    keys = sorted(sums)
+    keys, max_keys = sorted(sums), sorted(maxima)
     packed = torch.stack([torch.as_tensor(sums[k], dtype=torch.float32) for k in keys])
+    largest = torch.stack([torch.as_tensor(maxima[k], dtype=torch.float32) for k in max_keys])
     dist.all_reduce(packed)
-    dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
     out = {k: float(v) / world_size for k, v in zip(keys, packed)}
-    out.update(ratio_max=float(ratio_max), grad_norm=float(grad_norm), lr=lr_at(step, cfg),
-               num_micro_batches=len(batches), train_tokens=int(global_tokens.item()))
+    out.update({k: float(v) for k, v in zip(max_keys, largest)})
+    out.update(grad_norm=float(grad_norm), lr=lr_at(step, cfg), num_micro_batches=len(batches),
+               train_tokens=int(global_tokens.item()))
     return out
+
+
+def shared_old_logprobs(batch, logp):
+    """train_step's old log-probs from its own forward (one optimizer step per RL step): logp
+    detached, also written back to the samples for the sync guard."""
+    old = logp.detach()
+    rows = old.cpu()
+    for row, s in enumerate(batch):
+        s.old_logprobs = rows[row, len(s.prompt_ids) - 1: len(s) - 1].tolist()
+    return old
 
 
 # -----------------------------------------------------------------------------
@@ -424,7 +463,8 @@ def gather_metrics(local, learner, step, cfg, rank, world_size):
         metrics[f"bytes/{key}"] = max(part["traffic"].get(key, 0) for part in gathered)
     metrics["rollout_tokens_per_s"] = (sum(p["rollout_tokens"] for p in gathered)
                                        / max(metrics["time/rollout"], 1e-9))
-    # prompt + response tokens through the trainer (a no-grad pass for old log-probs, the update)
+    # prompt + response tokens through the trainer (the update; with mini_batches > 1 also a
+    # no-grad pass for the old log-probs)
     metrics["train_tokens_per_s"] = (sum(p["trained_tokens"] for p in gathered)
                                      / max(metrics["time/train"] + metrics["time/old_logprobs"],
                                            1e-9))
@@ -528,13 +568,21 @@ def rl_step(run, step):
     blocks = balance_blocks(samples, cfg, traffic)
     mine = [s for block in blocks for s in block]
     threads = cpu_threads(cfg.train_threads, run.device)  # 6-7 on train_threads, then vLLM's
+    # 6. A pass of its own for the old log-probs only with several optimizer steps; with one,
+    # step 7's forward gives them, and the dropped groups' probes are read only when nothing was
+    # trained (the weights did not move), so that the sync guard never goes blind.
     with timed(times, "old_logprobs"):
-        recompute_logprobs(run.model, mine + probes, cfg, run.pad_id, run.device,
-                           cfg.rollout.temperature)
-        gap = logprob_gap(mine + probes)
+        if cfg.mini_batches > 1:
+            recompute_logprobs(run.model, mine + probes, cfg, run.pad_id, run.device,
+                               cfg.rollout.temperature)
     with timed(times, "train"):
         train_metrics, skipped = update_policy(run.model, run.optimizer, blocks, cfg, step,
                                                run.pad_id, run.device)
+    if skipped == cfg.mini_batches == 1:
+        with timed(times, "old_logprobs"):
+            recompute_logprobs(run.model, probes, cfg, run.pad_id, run.device,
+                               cfg.rollout.temperature)
+    gap = logprob_gap(mine + probes)
     cpu_threads(threads, run.device)
     # 8. A resume needs, besides weights and optimizer, the data position (whole steps); a rerun of
     # a step draws the same tokens (seeds from (seed, step, problem, sample): rollout.request_seed)

@@ -18,7 +18,9 @@ class TrainSample:
     loss_mask: list[int]     # per response token: 1 = written by the model, 0 = tool output
     advantage: float         # Eq. 7, shared by all tokens of the trajectory
     engine_logprobs: list[float] | None = None  # per response token, as the engine sampled it
-    old_logprobs: list[float] | None = None     # per response token, the trainer's, pre-update
+    # per response token, the trainer's, pre-update; None: the update's own forward gives them
+    # (one optimizer step per RL step, rl.train_step), which fills them in for the sync guard
+    old_logprobs: list[float] | None = None
     problem_index: int = 0
     sample_index: int = 0
 
@@ -61,27 +63,38 @@ def equalize_micro_batches(batches):
 def collate(batch, pad_id, device):
     """Padded tensors over the *target* positions 0..L-2 (position t predicts token t+1): response
     token j sits at P + j (P prompt tokens) and is predicted at P + j - 1. Right padding needs no
-    attention mask: under causal attention no real token sees the padding after it."""
+    attention mask: under causal attention no real token sees the padding after it.
+    Returns input_ids, old log-probs, mask, advantages, and the engine's log-probs (None when no
+    sample of the batch has them)."""
     if not batch:  # the empty micro-batch of equalize_micro_batches
         zeros = torch.zeros(1, 1, device=device)
-        return torch.full((1, 2), pad_id, device=device), zeros, zeros.bool(), zeros[:, 0]
+        return torch.full((1, 2), pad_id, device=device), zeros, zeros.bool(), zeros[:, 0], None
+    sampled = [s.engine_logprobs is not None for s in batch]
+    forwarded = [s.old_logprobs is not None for s in batch]
+    if not (all(sampled) or not any(sampled)) or not (all(forwarded) or not any(forwarded)):
+        raise ValueError("collate: a batch mixes samples with and without engine (or old) "
+                         "log-probs")
     length = max(len(s) for s in batch)
     input_ids = torch.full((len(batch), length), pad_id, dtype=torch.long)
     # mask: 0 on the prompt, on padding and on tool output (loss_mask 0, never trained, as the
     # release's response_mask)
     mask = torch.zeros(len(batch), length - 1)
     old = torch.zeros(len(batch), length - 1)
+    engine = torch.zeros(len(batch), length - 1) if all(sampled) else None
     for row, s in enumerate(batch):
         input_ids[row, :len(s)] = torch.tensor(s.prompt_ids + s.response_ids)
         at = slice(len(s.prompt_ids) - 1, len(s) - 1)
         mask[row, at] = torch.tensor(s.loss_mask, dtype=torch.float)
         if s.old_logprobs is not None:
             old[row, at] = torch.tensor(s.old_logprobs)
+        if engine is not None:
+            engine[row, at] = torch.tensor(s.engine_logprobs)
     advantages = torch.tensor([s.advantage for s in batch])
-    return input_ids.to(device), old.to(device), mask.bool().to(device), advantages.to(device)
+    return (input_ids.to(device), old.to(device), mask.bool().to(device), advantages.to(device),
+            None if engine is None else engine.to(device))
 
 
-def token_logprobs(model, input_ids, temperature, chunk_tokens=0):
+def token_logprobs(model, input_ids, temperature, chunk_tokens=0, with_entropy=False):
     """log pi(token t+1 | tokens <= t) for every position at the sampling temperature:
     softmax(logits / T) is the policy that sampled and what the engine reports ("processed"
     log-probs, machinery.engine.Engine), so ratio and guard agree. Memory: the logits are
@@ -90,32 +103,48 @@ def token_logprobs(model, input_ids, temperature, chunk_tokens=0):
     chunk_tokens > 0 the output projection runs on the last hidden states chunk_tokens at a time,
     each chunk recomputed in backward: at most one [chunk, V] logits exists at once, the maths
     unchanged (tests/test_rl.py checks values and gradients). chunk_tokens=0: the model's own
-    logits, one row at a time (without gradients, enough to avoid [B, T, V] in fp32)."""
+    logits, one row at a time (without gradients, enough to avoid [B, T, V] in fp32).
+    with_entropy: also the policy's entropy at every position, [B, T], detached, computed from
+    the same chunk of logits (so never from a whole batch's), for logging only: the paper has no
+    entropy term (§2.2.1)."""
     targets = input_ids[:, 1:]
     if not chunk_tokens:
         logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1]
-        return torch.stack([head_logprobs(row_logits, row_targets, temperature)
-                            for row_logits, row_targets in zip(logits, targets)])
-    hidden = last_hidden_states(model, input_ids)[:, :-1]
-    hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    head = model.get_output_embeddings()
-    chunks = []
-    for start in range(0, len(flat_targets), chunk_tokens):
-        piece = (head, hidden[start:start + chunk_tokens], flat_targets[start:start + chunk_tokens],
-                 temperature)
-        chunks.append(checkpoint(projected_logprobs, *piece, use_reentrant=False)
-                      if torch.is_grad_enabled() else projected_logprobs(*piece))
-    return torch.cat(chunks).view(targets.shape)
+        rows = [head_logprobs(row_logits, row_targets, temperature, with_entropy)
+                for row_logits, row_targets in zip(logits, targets)]
+    else:
+        hidden = last_hidden_states(model, input_ids)[:, :-1]
+        hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        head = model.get_output_embeddings()
+        rows = []
+        for start in range(0, len(flat_targets), chunk_tokens):
+            piece = (head, hidden[start:start + chunk_tokens],
+                     flat_targets[start:start + chunk_tokens], temperature, with_entropy)
+            rows.append(checkpoint(projected_logprobs, *piece, use_reentrant=False)
+                        if torch.is_grad_enabled() else projected_logprobs(*piece))
+    join = torch.cat if chunk_tokens else torch.stack  # chunks of flat positions, or rows
+    if not with_entropy:
+        return join(rows).view(targets.shape)
+    return (join([logp for logp, _ in rows]).view(targets.shape),
+            join([entropy for _, entropy in rows]).view(targets.shape))
 
 
-def head_logprobs(logits, targets, temperature):
-    """log_softmax(logits / T) at the target tokens, in fp32."""
+def head_logprobs(logits, targets, temperature, with_entropy=False):
+    """log_softmax(logits / T) at the target tokens, in fp32; with_entropy: and the entropy of
+    softmax(logits / T) at each position, detached."""
     logits = logits.float() / temperature
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
+    normalizer = logits.logsumexp(-1)
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - normalizer
+    if not with_entropy:
+        return logp
+    with torch.no_grad():  # H = logsumexp(z) - sum softmax(z) z, one [tokens, V] temporary
+        probs = (logits - normalizer[:, None]).exp_()
+        entropy = normalizer - torch.linalg.vecdot(probs, logits)
+    return logp, entropy
 
 
-def projected_logprobs(head, hidden, targets, temperature):
-    return head_logprobs(head(hidden), targets, temperature)
+def projected_logprobs(head, hidden, targets, temperature, with_entropy=False):
+    return head_logprobs(head(hidden), targets, temperature, with_entropy)
 
 
 def last_hidden_states(model, input_ids):

@@ -3,10 +3,16 @@ step's metrics.
 
     python tests/dist_rl_train_step.py MODEL_DIR OUT.pt [key=value ...]                  # 1 process
     torchrun --nproc_per_node=2 tests/dist_rl_train_step.py MODEL_DIR OUT.pt [key=value ...]
+    python tests/dist_rl_train_step.py MODEL_DIR OUT.pt old_logprobs=both [key=value ...]
 
 tests/test_rl.py runs it under several (world size x micro-batch) splits and compares the files: the
 update must not depend on how the batch is split. The batch is built from a fixed seed, identical in
-every process; rank r trains on a contiguous slice of it, as after rollout balancing.
+every process; rank r trains on a contiguous slice of it, as after rollout balancing. Its engine
+log-probs are the trainer's plus noise, so the rollout-correction metrics measure a real gap.
+old_logprobs=both: no noise on the old log-probs; one step with them from rl.recompute_logprobs'
+pass and one, from the same initial weights, with them from the update's own forward (what rl.py
+does with mini_batches=1), for each rollout_correction setting; writes both steps' gradients and
+metrics.
 """
 import random
 import sys
@@ -45,9 +51,61 @@ def fixed_batch(vocab_size):
     return samples
 
 
+def engine_logprobs(samples, first_index):
+    """The engine's log-probs: the trainer's (old_logprobs) plus noise of the sample (not rank)."""
+    for index, s in enumerate(samples, start=first_index):
+        noise = random.Random(77 + index)
+        s.engine_logprobs = [lp + noise.uniform(-0.3, 0.3) for lp in s.old_logprobs]
+
+
+def gradients_before_the_step(model, optimizer):
+    """train_step frees the gradients right after optimizer.step(): they are read just before it."""
+    grads = {}
+    optimizer.register_step_pre_hook(lambda *_: grads.update(
+        {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+         for name, p in model.named_parameters()}))
+    return grads
+
+
+def shared_and_recomputed(model_dir, out_file, overrides, rank, world_size, device):
+    """old_logprobs=both: the update with a separate old-log-prob pass and with the shared forward,
+    from the same weights, under each rollout correction."""
+    results = {}
+    for correction in ("none", "token_tis"):
+        for path in ("recompute", "shared"):
+            torch.manual_seed(0)
+            cfg = load_config(rl.RLConfig, [f"model={model_dir}", "lr=1e-3", "warmup_steps=0",
+                                            "logprob_chunk_tokens=64", "rollout_is_threshold=1.2",
+                                            f"rollout_correction={correction}", *overrides])
+            model, optimizer = load_policy(cfg, device, rank)
+            samples = fixed_batch(model.config.vocab_size)
+            per_rank = len(samples) // world_size
+            mine = samples[rank * per_rank:(rank + 1) * per_rank]
+            rl.recompute_logprobs(model, mine, cfg, pad_id=0, device=device, temperature=1.0)
+            engine_logprobs(mine, rank * per_rank)
+            if path == "shared":
+                recomputed = [s.old_logprobs for s in mine]
+                for s in mine:
+                    s.old_logprobs = None
+            grads = gradients_before_the_step(model, optimizer)
+            metrics = rl.train_step(model, optimizer, mine, cfg, step=0, pad_id=0, device=device)
+            filled = (None if path == "recompute"
+                      else max(abs(a - b) for s, old in zip(mine, recomputed)
+                               for a, b in zip(s.old_logprobs, old)))
+            results[correction, path] = {"grads": grads, "metrics": metrics,
+                                         "gap": rl.logprob_gap(mine), "filled_vs_pass": filled}
+    if rank == 0:
+        torch.save(results, out_file)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
 def main():
     model_dir, out_file, *overrides = sys.argv[1:]
     rank, world_size, _, device = init_distributed()
+    if "old_logprobs=both" in overrides:
+        overrides.remove("old_logprobs=both")
+        return shared_and_recomputed(model_dir, out_file, overrides, rank, world_size, device)
     torch.manual_seed(0)
     # log-probs in chunks of 64 tokens: several per micro-batch, so their recomputation in backward
     # is in the check
@@ -58,17 +116,14 @@ def main():
     per_rank = len(samples) // world_size
     mine = samples[rank * per_rank:(rank + 1) * per_rank]
     rl.recompute_logprobs(model, mine, cfg, pad_id=0, device=device, temperature=1.0)
+    engine_logprobs(mine, rank * per_rank)
     # Old log-probs a little off the current policy, so that ratios differ from 1 and both clips are
     # exercised. The noise belongs to the sample, not to the rank, so every split sees the same
     # global batch.
     for index, s in enumerate(mine, start=rank * per_rank):
         noise = random.Random(99 + index)
         s.old_logprobs = [lp + noise.uniform(-0.4, 0.4) for lp in s.old_logprobs]
-    # train_step frees the gradients right after optimizer.step(), so they are read just before it
-    grads = {}
-    optimizer.register_step_pre_hook(lambda *_: grads.update(
-        {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-         for name, p in model.named_parameters()}))
+    grads = gradients_before_the_step(model, optimizer)
     metrics = rl.train_step(model, optimizer, mine, cfg, step=0, pad_id=0, device=device)
     # what the rollout would hold
     grads_left = [name for name, p in model.named_parameters() if p.grad is not None]

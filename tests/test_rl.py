@@ -99,7 +99,9 @@ def test_gradients_and_metrics_do_not_depend_on_the_split(three_splits):
     for other in others:
         for name, grad in reference["grads"].items():
             torch.testing.assert_close(other["grads"][name], grad, atol=1e-6, rtol=1e-4, msg=name)
-        for key in ("loss", "grad_norm", "clip_low_fraction", "clip_high_fraction", "approx_kl"):
+        for key in ("loss", "grad_norm", "clip_low_fraction", "clip_high_fraction", "approx_kl",
+                    "entropy", "rollout_corr/log_ratio_mean", "rollout_corr/k3_kl",
+                    "rollout_corr/ratio_max"):
             assert other["metrics"][key] == pytest.approx(reference["metrics"][key], rel=1e-5,
                                                           abs=1e-7), key
     # both clips were active, so the clipped branches of Eq. 6 were part of what matched
@@ -193,6 +195,52 @@ def test_weight_sync_gathers_in_the_engine_dtype_in_few_collectives(three_splits
             assert torch.equal(bf16["weights"][key], weight.to(torch.bfloat16)), (name, key)
 
 
+@pytest.fixture(scope="module")
+def shared_and_recomputed(tiny_model_dir, tmp_path_factory):
+    """tests/dist_rl_train_step.py old_logprobs=both in 1 process and in 2: each runs the update
+    with the separate old-log-prob pass and with the update's own forward, from the same weights,
+    with no rollout correction and with token_tis."""
+    out = tmp_path_factory.mktemp("shared-forward")
+    script = REPO / "tests" / "dist_rl_train_step.py"
+    launch = {1: [PYTHON], 2: [PYTHON, "-m", "torch.distributed.run", "--standalone",
+                               "--nproc_per_node=2"]}
+    results = {}
+    for world, prefix in launch.items():
+        run([str(c) for c in [*prefix, script, tiny_model_dir, out / f"{world}.pt",
+                              "old_logprobs=both", "micro_batch_size=2"]], timeout=300)
+        results[world] = torch.load(out / f"{world}.pt", weights_only=False)
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("correction", ["none", "token_tis"])
+def test_the_update_s_own_forward_gives_the_separate_pass_s_loss_gradients_and_guard(
+        shared_and_recomputed, world, correction):
+    """mini_batches=1 (rl.rl_step): no old-log-prob pass; the update's forward, detached, stands in
+    for it, with and without the rollout correction, which reads the same old log-probs."""
+    recomputed = shared_and_recomputed[world][correction, "recompute"]
+    shared = shared_and_recomputed[world][correction, "shared"]
+    assert max(g.abs().max() for g in recomputed["grads"].values()) > 1e-3
+    for name, grad in recomputed["grads"].items():
+        torch.testing.assert_close(shared["grads"][name], grad, atol=1e-9, rtol=1e-6, msg=name)
+    assert shared["metrics"].keys() == recomputed["metrics"].keys()
+    for key, value in recomputed["metrics"].items():
+        assert shared["metrics"][key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+    # the forward's log-probs are written back to the samples: the sync guard reads the same gap
+    assert shared["filled_vs_pass"] < 1e-6
+    assert shared["gap"] == pytest.approx(recomputed["gap"], rel=1e-6)
+    # on-policy: rho is 1 and nothing clipped; the engine's noise (+-0.3) is what the weights see
+    metrics = shared["metrics"]
+    assert metrics["ratio_max"] == 1.0 and metrics["clip_high_fraction"] == 0.0
+    assert metrics["rollout_corr/k3_kl"] > 1e-3
+    if correction == "token_tis":  # rollout_is_threshold=1.2: some weights were truncated
+        assert 0 < metrics["rollout_corr/truncated_fraction"] < 1
+        assert metrics["rollout_corr/weight_max"] == pytest.approx(1.2)
+    else:
+        assert metrics["rollout_corr/weight_mean"] == metrics["rollout_corr/weight_max"] == 1.0
+
+
 def test_a_per_micro_batch_mean_would_change_this_batch_far_beyond_the_tolerance(tiny_model_dir):
     """The negative control: the invariance batch is sensitive to the scaling bug the test is there
     to catch."""
@@ -209,7 +257,7 @@ def test_a_per_micro_batch_mean_would_change_this_batch_far_beyond_the_tolerance
         total = sum(sum(s.loss_mask) for s in samples)
         batches = micro_batches(samples, cfg)
         for batch in batches:
-            input_ids, _, mask, advantages = collate(batch, 0, torch.device("cpu"))
+            input_ids, _, mask, advantages, _ = collate(batch, 0, torch.device("cpu"))
             logp = token_logprobs(model, input_ids, 1.0)
             if mode == "global":  # rl.train_step's scaling (in one process)
                 loss, _ = policy_loss(logp, logp.detach(), advantages, mask, num_tokens=total)
@@ -226,8 +274,9 @@ def test_a_per_micro_batch_mean_would_change_this_batch_far_beyond_the_tolerance
 # backward
 
 def logprobs_and_grads(model, input_ids, chunk_tokens):
+    """As rl.train_step calls token_logprobs: with the entropy."""
     model.zero_grad(set_to_none=True)
-    logp = token_logprobs(model, input_ids, 0.7, chunk_tokens)
+    logp, _ = token_logprobs(model, input_ids, 0.7, chunk_tokens, with_entropy=True)
     # every position's gradient differs
     (logp * torch.linspace(-1, 1, logp.numel()).view_as(logp)).sum().backward()
     return logp.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
@@ -247,6 +296,23 @@ def test_chunked_logprobs_equal_the_full_logits_ones_with_their_gradients(tiny_m
     with torch.no_grad():  # recompute_logprobs' path: no checkpoint, the same values
         torch.testing.assert_close(token_logprobs(model, input_ids, 0.7, 37), full_logp, atol=1e-6,
                                    rtol=1e-6)
+
+
+@pytest.mark.parametrize("chunk_tokens", [0, 37])
+@pytest.mark.parametrize("grad", [True, False])
+def test_the_entropy_is_the_categorical_entropy_of_the_tempered_logits(tiny_model_dir,
+                                                                      chunk_tokens, grad):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    input_ids = torch.randint(0, model.config.vocab_size, (3, 50),
+                              generator=torch.Generator().manual_seed(1))
+    with torch.set_grad_enabled(grad):
+        logp, entropy = token_logprobs(model, input_ids, 0.7, chunk_tokens, with_entropy=True)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids).logits[:, :-1].float() / 0.7
+        expected = torch.distributions.Categorical(logits=logits).entropy()
+    assert entropy.shape == logp.shape and not entropy.requires_grad
+    assert expected.min() > 0.1  # a spread-out policy: the check is not of zeros
+    torch.testing.assert_close(entropy, expected, atol=1e-5, rtol=1e-5)
 
 
 def memory_of_backward(model, input_ids, chunk_tokens):
@@ -501,6 +567,10 @@ def test_the_planned_epochs_are_printed_and_many_passes_warn():
     (["resume=/no/such/checkpoint"], "expected auto, never or a checkpoint directory"),
     (["init_optimizer=false"],
      "init_optimizer=false takes the weights of init_from, which is not set"),
+    (["rollout_correction=token_tis", "rollout_is_threshold=1.0"],
+     "rollout_is_threshold=1.0: must be > 1"),
+    # YAML reads off as false: the setting without a correction is spelled none
+    (["rollout_correction=off"], "False is not one of \\['none', 'token_tis'"),
 ])
 def test_bad_configs_are_rejected_when_loaded(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -593,6 +663,9 @@ def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_data_and_metrics(
     # engine must agree with the trainer to fp32 noise. (When the tied lm_head was not re-sent, this
     # read 8e-4 here, 1.2 on a larger change.)
     assert all(m["logprob_gap_max"] < 1e-4 for m in straight)
+    # logged every step: the policy's entropy, and the same gap as the rollout correction sees it
+    assert all(m["entropy"] > 0 and 0 <= m["rollout_corr/k3_kl"] < 1e-6
+               and m["rollout_corr/weight_mean"] == 1.0 for m in straight)
 
     # the same run, SIGKILLed (no cleanup, no atexit) once the step-1 checkpoint is complete
     killed = tmp_path / "killed"
