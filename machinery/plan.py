@@ -321,8 +321,8 @@ def bytes_moved(m, cfg, world, c=2):
     return dict(
         weight_sync=int(engine_c * everything * share),
         weight_sync_fp32=int(4 * everything * share),
-        # forward only: one all-gather per unit
-        old_logprobs=micro_batches * fsdp["forward_all_gather"],
+        # forward only: one all-gather per unit, and only with mini_batches > 1 (rl.rl_step)
+        old_logprobs=micro_batches * fsdp["forward_all_gather"] * (cfg.mini_batches > 1),
         train=micro_batches * sum(fsdp.values()),
         micro_batches=micro_batches,
         balance_meta=balance_received(world, kept_per_rank, [], m.vocab),
@@ -587,12 +587,13 @@ def step_time(cfg, m, world, a, gpus=GPUS):
     rollout decode  n rollouts per rank of R response tokens, K at once (the KV budget, as
                     rollout.py sizes it), each at plan_decode_tok_s; never less than the longest
                     response alone (the last to finish);
-    training        FLOPs / (GPU peak x plan_mfu): 2 N T for the old log-probs (forward only), 6 N T
-                    for the update, 2 N' T for what backward recomputes (the decoder layers but
-                    their down projections under activation checkpointing, the lm_head under chunked
-                    log-probs); N = parameters that multiply (all but the input embedding),
-                    T = tokens trained per rank;
-    FSDP            per micro-batch, forward all-gathers in both passes, backward's re-gathers and
+    training        FLOPs / (GPU peak x plan_mfu): 2 N T for the old log-probs (forward only;
+                    only with mini_batches > 1: with one optimizer step the update's forward gives
+                    them), 6 N T for the update, 2 N' T for what backward recomputes (the decoder
+                    layers but their down projections under activation checkpointing, the lm_head
+                    under chunked log-probs); N = parameters that multiply (all but the input
+                    embedding), T = tokens trained per rank;
+    FSDP            per micro-batch, forward all-gathers in each pass, backward's re-gathers and
                     the reduce-scatters (fsdp_bytes_per_micro_batch), over link_seconds; FSDP2
                     prefetches the next layer while one computes, so the training phase takes the
                     longer of compute and FSDP when they overlap;
@@ -612,10 +613,12 @@ def step_time(cfg, m, world, a, gpus=GPUS):
     rerun_layers = m.layers * (m.numel(m.layer_tensors()) - m.hidden * m.intermediate)
     recomputed = ((rerun_layers if cfg.activation_checkpointing else 0)
                   + (head if cfg.logprob_chunk_tokens else 0))
-    flops = dict(old_logprobs=2 * multiply * tokens, update=6 * multiply * tokens,
-                 recompute=2 * recomputed * tokens)
+    old_logprob_pass = cfg.mini_batches > 1  # rl.rl_step: else the update's forward gives them
+    flops = dict(old_logprobs=2 * multiply * tokens * old_logprob_pass,
+                 update=6 * multiply * tokens, recompute=2 * recomputed * tokens)
     fsdp = fsdp_bytes_per_micro_batch(m, world)
-    all_gather = micro_batches * (2 * fsdp["forward_all_gather"] + fsdp["backward_all_gather"])
+    all_gather = micro_batches * ((1 + old_logprob_pass) * fsdp["forward_all_gather"]
+                                  + fsdp["backward_all_gather"])
     fsdp_s = dict(all_gather=link_seconds(all_gather, world, a),
                   reduce_scatter=link_seconds(micro_batches * fsdp["reduce_scatter"], world, a))
     sync_bytes = bytes_moved(m, cfg, world)["weight_sync"]
@@ -687,7 +690,8 @@ def format_step_time(cfg, m, world, a, gpus=GPUS):
                   lambda t: t["decode_tok_s_gpu"]),
               row("  HBM roofline tokens/s per sequence at that K", lambda t: t["roofline_tok_s"]),
               row("rollout decode: n R / (min(K, n) x plan_decode_tok_s)", lambda t: t["decode"]),
-              row("old log-probs: 2 N T / (GPU peak x plan_mfu)", lambda t: t["old_logprobs"]),
+              row("old log-probs: 2 N T / (GPU peak x plan_mfu), mini_batches > 1 only",
+                  lambda t: t["old_logprobs"]),
               row("update: 6 N T / (GPU peak x plan_mfu)", lambda t: t["update"]),
               row("recompute in backward: 2 N' T / (GPU peak x plan_mfu)",
                   lambda t: t["recompute"]),

@@ -222,7 +222,7 @@ def stage1(*overrides):
 
 
 def test_step_time_terms_follow_their_formulas():
-    cfg, shape, a = stage1()
+    cfg, shape, a = stage1("mini_batches=2")  # two optimizer steps: a separate old-log-prob pass
     base = plan.step_time(cfg, shape, 64, a)
     twice = lambda **kw: plan.step_time(cfg, shape, 64, dataclasses.replace(a, **kw))  # noqa: E731
     faster_gpu, faster_links, faster_decode = twice(plan_mfu=2 * a.plan_mfu), twice(
@@ -260,6 +260,25 @@ def test_step_time_terms_follow_their_formulas():
         dataclasses.replace(cfg, activation_checkpointing=False, logprob_chunk_tokens=0),
         shape, 64, a)
     assert bare["recomputed"] == 0 and all(t["recompute"] == 0 for t in bare["gpus"].values())
+
+
+def test_with_one_optimizer_step_the_plan_has_no_old_logprob_pass():
+    """rl.rl_step takes the old log-probs from the update's forward when mini_batches=1 (every
+    shipped config): the plan drops that forward's FLOPs and FSDP all-gathers."""
+    one, shape, a = stage1()
+    two = dataclasses.replace(one, mini_batches=2)
+    assert one.mini_batches == 1
+    t1, t2 = plan.step_time(one, shape, 64, a), plan.step_time(two, shape, 64, a)
+    fsdp = plan.fsdp_bytes_per_micro_batch(shape, 64)
+    assert t1["flops"]["old_logprobs"] == 0 and t1["flops"]["update"] == t2["flops"]["update"]
+    assert t2["all_gather_bytes"] - t1["all_gather_bytes"] == (t1["micro_batches"]
+                                                               * fsdp["forward_all_gather"])
+    for gpu, t in t1["gpus"].items():
+        assert t["compute"] == pytest.approx(t["update"] + t["recompute"])
+        assert t2["gpus"][gpu]["compute"] - t["compute"] == pytest.approx(
+            t2["gpus"][gpu]["old_logprobs"])
+    assert plan.bytes_moved(shape, one, 64)["old_logprobs"] == 0 < plan.bytes_moved(
+        shape, two, 64)["old_logprobs"]
 
 
 def test_fsdp_what_ifs_and_the_link_split():
@@ -323,7 +342,7 @@ def test_training_flops_formula_against_torch_flop_counter():
                 tie_word_embeddings=False)
     shape = plan.ModelShape(hidden=96, intermediate=320, layers=3, heads=6, kv_heads=2, head_dim=32,
                             vocab=512, tied=False)
-    cfg, _, a = stage1()
+    cfg, _, a = stage1("mini_batches=2")  # with a separate old-log-prob pass, counted here
     cfg = dataclasses.replace(cfg, micro_batch_tokens=16,
                               rollout=dataclasses.replace(cfg.rollout, max_prompt_tokens=4,
                                                           max_response_tokens=12))
