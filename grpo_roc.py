@@ -384,7 +384,8 @@ def _rollout_metrics(weights, weighted_ratio, log_rho, mask, mode, threshold, nu
     masked = mode.endswith("mis") & (weights == 0)
     return {
         "rollout_corr/log_ratio_mean": token_sum(log_rho),
-        "rollout_corr/k3_kl": token_sum(rho - 1 - log_rho),
+        # rho - 1 - log rho as expm1: for a gap of 1e-6 the plain form is all rounding; >= 0
+        "rollout_corr/k3_kl": token_sum((torch.expm1(log_rho) - log_rho).clamp(min=0)),
         "rollout_corr/ratio_max": torch.where(mask, rho, 0.0).max(),
         "rollout_corr/weight_mean": token_sum(weights),
         "rollout_corr/weight_max": torch.where(mask, weights, 0.0).max(),
