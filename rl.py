@@ -449,7 +449,10 @@ def update_policy(model, optimizer, blocks, cfg, step, pad_id, device):
 
 def gather_metrics(local, learner, step, cfg, rank, world_size):
     """Step 8: the step's metrics on rank 0 ({} elsewhere) from every rank's `local` numbers and
-    the `learner`'s (the same on every rank); a loud warning when the sync guard's gap is large."""
+    the `learner`'s (the same on every rank); a loud warning when the sync guard's gap is large.
+    time/PHASE is the slowest rank's seconds in each phase; rl_step adds time/metrics (this call)
+    and time/step, which the phases add up to. time/tool_busy overlaps time/rollout (the tool's
+    load, not a phase); time/checkpoint and time/eval come after the step, outside time/step."""
     gathered = [None] * world_size if rank == 0 else None
     dist.gather_object(local, gathered, dst=0)
     if rank != 0:
@@ -481,8 +484,8 @@ def evaluate_held_out(run):
     """Held-out accuracy (eval/ metrics and time/eval) through the training engine, as eval.py
     measures it: eval_samples trajectories per problem at eval_temperature, the reward of Eq. 3."""
     cfg, rows = run.cfg, run.eval_rows
-    sync_weights(run.engine, run.model, run.weight_dtype)  # the engine has the sampled-with weights
     started = time.perf_counter()
+    sync_weights(run.engine, run.model, run.weight_dtype)  # the engine has the sampled-with weights
     # generate() sends the temperature with every request: the engine's own config never sets it
     rollout_cfg = dataclasses.replace(cfg.rollout, temperature=cfg.eval_temperature)
     records = {}
@@ -555,6 +558,7 @@ def start_run(cfg):
 def rl_step(run, step):
     """One RL step, the module docstring's phases 1-8; the step's metrics (on rank 0)."""
     cfg, times, traffic = run.cfg, {}, {}  # this rank's seconds per phase, bytes it moved
+    started = time.perf_counter()
     # 1, also before a fresh run's first step: one code path, guarded from step 1 on
     with timed(times, "weight_update"):
         sync_weights(run.engine, run.model, run.weight_dtype, traffic)
@@ -564,8 +568,10 @@ def rl_step(run, step):
     groups = roll_out(run, rows, step, times)
     with timed(times, "reward"):
         rewards = score_groups(groups, rows)
-    samples, probes, records = select_samples(groups, rewards, cfg, step, position)
-    blocks = balance_blocks(samples, cfg, traffic)
+    with timed(times, "selection"):
+        samples, probes, records = select_samples(groups, rewards, cfg, step, position)
+    with timed(times, "balance"):
+        blocks = balance_blocks(samples, cfg, traffic)
     mine = [s for block in blocks for s in block]
     threads = cpu_threads(cfg.train_threads, run.device)  # 6-7 on train_threads, then vLLM's
     # 6. A pass of its own for the old log-probs only with several optimizer steps; with one,
@@ -592,7 +598,11 @@ def rl_step(run, step):
                  trained_tokens=sum(map(len, mine)))
     learner = {**train_metrics, **gap, "skipped_updates": skipped,
                "data_position": run.state["data_position"]}
+    gathering = time.perf_counter()
     metrics = gather_metrics(local, learner, step, cfg, run.rank, run.world_size)
+    if run.rank == 0:  # the phases' time/ keys add up to time/step; checkpoint and eval are apart
+        ended = time.perf_counter()
+        metrics.update({"time/metrics": ended - gathering, "time/step": ended - started})
     # Saved before the evaluation, so a run killed while evaluating loses no training.
     if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
         with timed(metrics, "time/checkpoint"):

@@ -325,7 +325,7 @@ def sft_step(model, optimizer, examples, lengths, step, total_steps, cfg, pad_id
     return {"loss": totals[0].item() / num_loss_tokens, "lr": lr, "grad_norm": grad_norm.item(),
             "epoch": step / (len(examples) // cfg.global_batch_size),
             "loss_tokens": num_loss_tokens, "tokens": int(totals[1]),
-            "tokens_per_s": totals[1].item() / elapsed, "step_time_s": elapsed}
+            "tokens_per_s": totals[1].item() / elapsed, "time/step": elapsed}
 
 
 def train(cfg):

@@ -38,17 +38,20 @@ class MetricsLogger:
             self.tb = SummaryWriter(str(Path(run_dir) / "tb"))
 
     def log(self, step, metrics):
+        """One row: the step, `timestamp` (unix seconds at logging, as W&B's _timestamp and
+        TensorBoard's wall_time, which record their own and so are not sent it) and the metrics."""
         if not self.enabled:
             return
-        row = {"step": step,
+        row = {"step": step, "timestamp": time.time(),
                **{k: (float(v) if hasattr(v, "__float__") and not isinstance(v, (int, str)) else v)
                   for k, v in metrics.items()}}
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
+        mirrored = {k: v for k, v in row.items() if k != "timestamp"}
         if self.wandb:
-            self.wandb.log(row, step=step)
+            self.wandb.log(mirrored, step=step)
         if self.tb:
-            for k, v in row.items():
+            for k, v in mirrored.items():
                 if isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, step)
 

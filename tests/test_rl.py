@@ -638,8 +638,30 @@ def rl_command(policy, data, out_dir):
 
 def deterministic(metrics):
     """Everything but wall-clock times and rates."""
-    return [{k: v for k, v in m.items() if not k.startswith("time/") and not k.endswith("_per_s")}
+    return [{k: v for k, v in m.items()
+             if not k.startswith("time/") and not k.endswith("_per_s") and k != "timestamp"}
             for m in metrics]
+
+
+# the phases of rl_step, one time/ key each; time/tool_busy overlaps the rollout and
+# time/checkpoint, time/eval come after the step
+STEP_PHASES = ("weight_update", "rollout", "reward", "selection", "balance", "old_logprobs",
+               "train", "metrics")
+
+
+@pytest.mark.slow
+def test_a_logged_step_has_a_timestamp_and_a_step_time_its_phases_add_up_to(sft_policy,
+                                                                             tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in MEMO_PROBLEMS))
+    before = time.time()
+    run(rl_command(sft_policy, data, tmp_path / "run") + ["steps=1"], timeout=900)
+    (row,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
+              .splitlines()]
+    assert before < row["timestamp"] < time.time()
+    phases = sum(row[f"time/{phase}"] for phase in STEP_PHASES)
+    assert phases == pytest.approx(row["time/step"], rel=0.05)
+    assert row["time/checkpoint"] > 0  # logged apart: saved after time/step ends
 
 
 @pytest.mark.slow
