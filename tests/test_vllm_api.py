@@ -402,7 +402,8 @@ def check(use, src, platform):
     found = src.resolve(head[0], head[1])
     if found is None:
         return [f"{use.where}: {head[0]}.{head[1]} does not exist"], ""
-    candidates = [found]
+    # a module-level instance (vllm.platforms.current_platform: Platform): members of its type
+    candidates = src.types_of(found) if isinstance(found[1], ast.AnnAssign) else [found]
     for i, member in enumerate(head[2:], start=2):
         # an element of the container attribute before it: its annotation names the element type
         if member == "[]":
