@@ -91,7 +91,9 @@ def save_hf_model(model, tokenizer, model_path, out, save_dtype, rank, prompt_fo
     """Gather the full weights on rank 0 and write a Hugging Face directory atomically (by a
     rename), so a crash never leaves a half-written model where rl.py or vLLM would load it.
     prompt_format, the (chat template text, tool schema) the model was trained in, goes beside
-    config.json (machinery.prompts.write_format): eval.py evaluates the model in it."""
+    config.json (machinery.prompts.write_format): eval.py evaluates the model in it. The template
+    is also the saved tokenizer's own chat template, so transformers, vLLM and TRL render the
+    prompts the model was trained on, not the base model's."""
     full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                       cpu_offload=True))
     if rank == 0:
@@ -100,7 +102,12 @@ def save_hf_model(model, tokenizer, model_path, out, save_dtype, rank, prompt_fo
         shutil.rmtree(tmp, ignore_errors=True)
         model.config.dtype = save_dtype
         model.save_pretrained(tmp, state_dict={k: v.to(save_dtype) for k, v in full_state.items()})
-        tokenizer.save_pretrained(tmp)
+        base_template = tokenizer.chat_template
+        tokenizer.chat_template = prompt_format[0] or base_template
+        try:
+            tokenizer.save_pretrained(tmp)
+        finally:  # the caller's tokenizer stays as it was
+            tokenizer.chat_template = base_template
         write_format(tmp, *prompt_format, written_by=written_by)
         try:  # keep the base model's sampling defaults (eos ids etc.)
             GenerationConfig.from_pretrained(model_path).save_pretrained(tmp)

@@ -36,6 +36,15 @@ FORMAT_TEMPLATE_FILE = "rstar2_chat_template.jinja"
 FORMAT_SCHEMA_FILE = "rstar2_tool_schema.json"
 
 
+# How to prompt the model outside this repo, in the model directory (a Hub model card's name).
+USAGE_FILE = "README.md"
+
+
+# What vLLM's OpenAI-compatible server keeps of a function tool in a request (FunctionDefinition in
+# vllm/entrypoints/generate/base/protocol.py, 0.32 and 0.33): other fields never reach the template.
+VLLM_FUNCTION_FIELDS = ("name", "description", "parameters", "strict", "defer_loading")
+
+
 def format_paths(cfg):
     if cfg.prompt_variant == AUTO_VARIANT:
         raise ValueError("rollout.prompt_variant=auto is read from the model directory: call "
@@ -89,6 +98,43 @@ def write_format(directory, template, schema, written_by):
         (directory / FORMAT_SCHEMA_FILE).write_text(json.dumps(schema, indent=2) + "\n")
         record["tool_schema"] = FORMAT_SCHEMA_FILE
     (directory / FORMAT_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    (directory / USAGE_FILE).write_text(usage_text(record, schema))
+
+
+def usage_text(record, schema):
+    """The model directory's README: which template its tokenizer carries and how to pass the tool.
+    transformers and vLLM read the chat template from the directory (chat_template.jinja) but no
+    tool: a tool schema always comes with the call (apply_chat_template(tools=...), or a request's
+    tools)."""
+    variant = record["prompt_variant"]
+    text = (f"# Prompt format\n\nWritten by rstar2-nano's {record['written_by']}. The tokenizer's "
+            "chat template (chat_template.jinja) is the one this model was trained with ("
+            + (f"the rStar2 `{variant}` prompt" if variant else "a custom template") + "): "
+            "`apply_chat_template`, transformers pipelines, TRL and `vllm serve` use it by "
+            "default.\n")
+    if schema is None:
+        return text
+    text += (f"\nNone of them reads a tool from this directory. Pass the tool the model was "
+             f"trained to call, {FORMAT_SCHEMA_FILE}, with every prompt, as training did:\n\n"
+             "```python\nimport json\nfrom transformers import AutoTokenizer\n\n"
+             "tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)\n"
+             f"tool = json.load(open(f\"{{MODEL_DIR}}/{FORMAT_SCHEMA_FILE}\"))\n"
+             "# the bare problem: the template adds the answer-format instructions\n"
+             "messages = [{\"role\": \"user\", \"content\": problem}]\n"
+             "ids = tokenizer.apply_chat_template(messages, tools=[tool], "
+             "add_generation_prompt=True, return_dict=False)\n```\n\n")
+    if variant:
+        text += ("The model calls the tool as `<tool_call>{\"name\": ..., \"arguments\": {...}}"
+                 "</tool_call>` and ends its turn; the tool's output goes back as a "
+                 "`{\"role\": \"tool\", \"content\": ...}` message. ")
+    text += "Through vLLM's OpenAI-compatible server, send the schema as the request's `tools`.\n"
+    dropped = sorted(set(schema.get("function", {})) - set(VLLM_FUNCTION_FIELDS))
+    if dropped:
+        text += (f"\nvLLM's server keeps only a tool's {', '.join(VLLM_FUNCTION_FIELDS)}: this "
+                 f"schema's {', '.join(dropped)} would not reach the template, and the prompt "
+                 "would differ from training's. Render it with transformers as above and send "
+                 "the token ids.\n")
+    return text
 
 
 def read_format(model_dir):

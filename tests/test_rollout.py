@@ -32,7 +32,8 @@ from rollout import parse_tool_call, RolloutConfig, ToolCallError
 from machinery.distributed import init_distributed, split_by_tokens
 from machinery.engine import (HARMLESS_VLLM_WARNINGS, configure_vllm_logging, cpu_kv_cache_bytes,
                               Engine, model_kv_bytes_per_token, no_gpu_problem)
-from machinery.prompts import (FORMAT_SCHEMA_FILE, FORMAT_TEMPLATE_FILE, _render,
+from machinery.model import save_hf_model
+from machinery.prompts import (FORMAT_SCHEMA_FILE, FORMAT_TEMPLATE_FILE, USAGE_FILE, _render,
                                apply_model_format, load_format, read_format, render_prompt,
                                render_tool_turn, variant_of, write_format)
 from machinery.sandbox import truncate_middle
@@ -224,6 +225,37 @@ def test_auto_evaluates_a_custom_format_from_the_files_in_the_model_directory(tm
     cfg.validate()
     with pytest.raises(ValueError, match="prompt_variant=auto is read from the model directory"):
         render_prompt(tokenizer, "1+1?", RolloutConfig(prompt_variant="auto"))
+
+
+@pytest.mark.parametrize("variant", ["code", "paper"])
+def test_the_exported_tokenizer_renders_the_training_prompt_through_plain_transformers(
+        tmp_path, tiny_model_dir, variant):
+    """sft.py and rl.py export through save_hf_model: whoever loads the directory with plain
+    transformers (or vllm serve, or TRL) and passes the saved tool gets the tokens rollout.py
+    trained on."""
+    init_distributed()  # save_hf_model gathers and waits on the ranks: a gloo world of one
+    cfg = RolloutConfig(prompt_variant=variant)
+    template, schema, _ = load_format(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)  # the base model's ChatML template
+    base_template = tokenizer.chat_template
+    save_hf_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tokenizer, tiny_model_dir,
+                  tmp_path / "out", torch.float32, 0, (template, schema), "test")
+    assert tokenizer.chat_template == base_template != template  # the caller's is left alone
+
+    plain = AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert plain.chat_template == template and (tmp_path / "out" / "chat_template.jinja").is_file()
+    tool = json.loads((tmp_path / "out" / FORMAT_SCHEMA_FILE).read_text())
+    problem = [{"role": "user", "content": "Compute 12 * 34 + 5."}]
+    assert (plain.apply_chat_template(problem, tools=[tool], add_generation_prompt=True,
+                                      return_dict=False)
+            == render_prompt(tokenizer, problem[0]["content"], cfg))
+    assert (plain.apply_chat_template(problem, add_generation_prompt=True, return_dict=False)
+            == render_prompt(tokenizer, problem[0]["content"],
+                             dataclasses.replace(cfg, use_tool=False)))
+    # the README says how to pass the tool, and where vLLM's server would change the prompt
+    usage = (tmp_path / "out" / USAGE_FILE).read_text()
+    assert "tools=[tool]" in usage and FORMAT_SCHEMA_FILE in usage
+    assert ("this schema's return would not reach the template" in usage) == (variant == "paper")
 
 
 # -----------------------------------------------------------------------------
