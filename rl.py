@@ -588,7 +588,8 @@ def rl_step(run, step):
         with timed(times, "old_logprobs"):
             recompute_logprobs(run.model, probes, cfg, run.pad_id, run.device,
                                cfg.rollout.temperature)
-    gap = logprob_gap(mine + probes)
+    with timed(times, "logprob_gap"):  # the sync guard: two all-reduces, a sync point
+        gap = logprob_gap(mine + probes)
     cpu_threads(threads, run.device)
     # 8. A resume needs, besides weights and optimizer, the data position (whole steps); a rerun of
     # a step draws the same tokens (seeds from (seed, step, problem, sample): rollout.request_seed)

@@ -646,7 +646,7 @@ def deterministic(metrics):
 # the phases of rl_step, one time/ key each; time/tool_busy overlaps the rollout and
 # time/checkpoint, time/eval come after the step
 STEP_PHASES = ("weight_update", "rollout", "reward", "selection", "balance", "old_logprobs",
-               "train", "metrics")
+               "train", "logprob_gap", "metrics")
 
 
 @pytest.mark.slow
