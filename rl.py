@@ -55,7 +55,7 @@ from grpo_roc import (ROLLOUT_CORRECTIONS, filter_groups, group_advantages, poli
 from reward import extract_answer, score_batch
 from rollout import RolloutConfig, generate
 from machinery.checkpoint import check_inputs, epoch_plan, restore, save_checkpoint
-from machinery.config import ConfigError, atomic_write_text, load_config, resolve, save_config
+from machinery.config import ConfigError, atomic_write_text, load_config, resolve
 from machinery.data import drop_long_prompts
 from machinery.distributed import (add_traffic, balance_by_tokens, compute_dtype, cpu_threads,
                                    free_cached_memory, full_weights, init_distributed, own_groups)
@@ -67,7 +67,8 @@ from machinery.plan import print_plan, split_plan_args
 from machinery.prompts import load_format
 from machinery.training import (TrainSample, collate, equalize_micro_batches, micro_batches,
                                 token_logprobs)
-from machinery.results import CHUNK_PROBLEMS
+from machinery.results import CHUNK_PROBLEMS, ROLLOUT_RESOURCE_FIELDS
+from machinery.run_dir import claim_run_dir, finish_run_dir
 
 
 # -----------------------------------------------------------------------------
@@ -120,7 +121,10 @@ class RLConfig:
     # checkpoints and logs
     save_every: int = 10
     keep_checkpoints: int = 2
-    resume: str = "auto"          # auto: newest complete checkpoint in out_dir; never; a PATH
+    resume: str = "auto"          # auto: newest intact checkpoint in out_dir; never; a PATH
+    # true: resume this out_dir's run with changed settings (config_history.yaml records them);
+    # false: a change of a key outside KEYS_A_RESUME_MAY_CHANGE is refused
+    continue_with_changes: bool = False
     # with resume=auto and no checkpoint in out_dir yet, start from this checkpoint of another run
     init_from: str = ""
     # false: init_from's (fp32 master) weights only, a fresh AdamW from step 0: stage 3 (§4.3)
@@ -191,6 +195,17 @@ class RLConfig:
             self.rollout.validate()
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+
+# Keys that do not change what is trained: a rerun into the same out_dir may change them (steps to
+# train further, the cadence of saves and logs, how fast and in how much memory). Any other key
+# changed is another run (machinery/run_dir.py).
+KEYS_A_RESUME_MAY_CHANGE = {
+    "out_dir", "mode", "plan_model_config", "world_size", "steps", "save_every", "keep_checkpoints",
+    "resume", "continue_with_changes", "eval_every", "eval_at_start", "wandb_project",
+    "tensorboard", "verbose", "filter_source", "filter_samples", "micro_batch_tokens",
+    "micro_batch_size", "activation_checkpointing", "logprob_chunk_tokens", "train_threads",
+    "logprob_gap_warn", *(f"rollout.{name}" for name in ROLLOUT_RESOURCE_FIELDS)}
 
 
 # -----------------------------------------------------------------------------
@@ -526,21 +541,24 @@ def start_executor(rollout_cfg):
 
 
 def start_run(cfg):
-    """What an RL run holds across its steps: inputs, policy and optimizer, engine, tool, log."""
+    """What an RL run holds across its steps: inputs, policy and optimizer, engine, tool, log;
+    None when out_dir's run is already at `steps`."""
     model_path, problems, eval_rows = check_inputs(cfg)
     rank, world_size, _, device = init_distributed()
     run = SimpleNamespace(cfg=cfg, model_path=model_path, rank=rank, world_size=world_size,
                           device=device, out_dir=resolve(cfg.out_dir))
     run.ckpt_root = run.out_dir / "checkpoints"
-    if rank == 0:
-        save_config(cfg, run.out_dir)
+    run.dir = claim_run_dir(cfg, run.out_dir, KEYS_A_RESUME_MAY_CHANGE, cfg.steps,
+                            "hf_step_{step}", rank)
+    if run.dir is None:
+        return None
     tokenizer = run.tokenizer = AutoTokenizer.from_pretrained(model_path)
     run.pad_id = (tokenizer.eos_token_id if tokenizer.pad_token_id is None
                   else tokenizer.pad_token_id)
     run.problems = drop_long_prompts(problems, tokenizer, cfg.rollout, cfg.train_data)
     run.eval_rows = (drop_long_prompts(eval_rows, tokenizer, cfg.rollout, cfg.eval_data)
                      if eval_rows else [])
-    run.model, run.optimizer, run.state = restore(cfg, run.ckpt_root, device, rank)
+    run.model, run.optimizer, run.state = restore(cfg, run.dir.checkpoint, device, rank)
     if rank == 0:
         print(epoch_plan(cfg, len(run.problems), run.state["step"])[1], flush=True)
     run.logger = MetricsLogger(run.out_dir, enabled=rank == 0, wandb_project=cfg.wandb_project,
@@ -608,13 +626,15 @@ def rl_step(run, step):
     if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
         with timed(metrics, "time/checkpoint"):
             save_checkpoint(run.ckpt_root, step + 1, run.model, run.optimizer, run.state,
-                            keep=cfg.keep_checkpoints)
+                            keep=cfg.keep_checkpoints, keep_through=run.dir.keep_through)
     return metrics
 
 
 def train(cfg):
     """The RL run; returns the last step's metrics (rank 0; {} elsewhere)."""
     run = start_run(cfg)
+    if run is None:
+        return {}
     metrics = {}
     if run.state["step"] == 0 and run.eval_rows and cfg.eval_at_start:  # the demo's "before" row
         metrics = evaluate_held_out(run)
@@ -644,6 +664,7 @@ def train(cfg):
     if run.executor:
         run.executor.close()
     run.engine.close()
+    finish_run_dir(run.dir, run.state["step"])
     return metrics
 
 

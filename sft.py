@@ -55,7 +55,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from machinery.checkpoint import resume_run, save_checkpoint
-from machinery.config import ConfigError, load_config, resolve, save_config
+from machinery.config import ConfigError, load_config, resolve
 from machinery.conversations import (IGNORE, chat_text, check_context, check_conversation,
                                      check_turn, collate_conversations, collate_shared_prefix,
                                      end_of_turn_ids, prompt_format, read_template, read_tools,
@@ -65,6 +65,7 @@ from machinery.distributed import cpu_threads, init_distributed, seed_everything
 from machinery.metrics import MetricsLogger
 from machinery.model import build_model, check_model_dir, save_hf_model
 from machinery.prompts import DATA_PLACEHOLDER, encode_rendered
+from machinery.run_dir import claim_run_dir, finish_run_dir
 
 
 # -----------------------------------------------------------------------------
@@ -100,7 +101,10 @@ class SFTConfig:
     # checkpoints and logs
     save_every: int = 0           # DCP checkpoint every N steps and at the end; 0 = final/ only
     keep_checkpoints: int = 2
-    resume: str = "auto"          # auto: newest complete one in out_dir/checkpoints; never; PATH
+    resume: str = "auto"          # auto: newest intact one in out_dir/checkpoints; never; PATH
+    # true: resume this out_dir's run with changed settings (config_history.yaml records them);
+    # false: a change of a key outside KEYS_A_RESUME_MAY_CHANGE is refused
+    continue_with_changes: bool = False
     log_every: int = 1
     wandb_project: str = ""
     tensorboard: bool = False
@@ -140,6 +144,15 @@ class SFTConfig:
         if self.resume not in ("auto", "never") and not resolve(self.resume).is_dir():
             raise ConfigError(f"resume={self.resume!r}: expected auto, never or a checkpoint "
                               "directory")
+
+
+# Keys that do not change what is trained: a rerun into the same out_dir may change them. Any other
+# key changed is another run (machinery/run_dir.py); epochs and max_steps count, as they set the lr
+# schedule.
+KEYS_A_RESUME_MAY_CHANGE = {
+    "out_dir", "save_every", "keep_checkpoints", "resume", "continue_with_changes", "log_every",
+    "wandb_project", "tensorboard", "train_threads", "micro_batch_size", "activation_checkpointing",
+    "share_prefix"}
 
 
 def check_world(cfg, world_size):
@@ -336,8 +349,6 @@ def train(cfg):
     cpu_threads(cfg.train_threads, device)
     seed_everything(cfg.seed)
     out_dir = resolve(cfg.out_dir)
-    if rank == 0:
-        save_config(cfg, out_dir)
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     # padding is never attended to nor trained on; any id works if the tokenizer names no pad token
@@ -347,6 +358,9 @@ def train(cfg):
     total_steps = cfg.epochs * (len(examples) // cfg.global_batch_size)
     if cfg.max_steps:
         total_steps = min(total_steps, cfg.max_steps)
+    run_dir = claim_run_dir(cfg, out_dir, KEYS_A_RESUME_MAY_CHANGE, total_steps, "final", rank)
+    if run_dir is None:
+        return None, tokenizer
     if rank == 0:
         trained = sum(sum(mask) for _, mask in examples)
         print(f"data: {len(examples)} conversations ({dropped} longer than {cfg.max_seq_len} "
@@ -360,7 +374,7 @@ def train(cfg):
     run_state = {"num_examples": len(examples), "global_batch_size": cfg.global_batch_size,
                  "seed": cfg.seed, "total_steps": total_steps}
     ckpt_root = out_dir / "checkpoints"
-    start_step = resume_run(cfg, ckpt_root, model, optimizer, run_state, rank)
+    start_step = resume_run(run_dir.checkpoint, model, optimizer, run_state, rank)
     logger = MetricsLogger(out_dir, enabled=rank == 0, wandb_project=cfg.wandb_project,
                            tensorboard=cfg.tensorboard, config=dataclasses.asdict(cfg),
                            resume_step=start_step)
@@ -377,16 +391,18 @@ def train(cfg):
                              tok_s=f"{metrics['tokens_per_s']:.0f}")
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < total_steps:
             save_checkpoint(ckpt_root, step + 1, model, optimizer, {**run_state, "step": step + 1},
-                            keep=cfg.keep_checkpoints)
+                            keep=cfg.keep_checkpoints, keep_through=run_dir.keep_through)
     progress.close()
     logger.close()
     if cfg.save_every and start_step < total_steps:  # so a finished run's rerun resumes at its end
         save_checkpoint(ckpt_root, total_steps, model, optimizer,
-                        {**run_state, "step": total_steps}, keep=cfg.keep_checkpoints)
+                        {**run_state, "step": total_steps}, keep=cfg.keep_checkpoints,
+                        keep_through=run_dir.keep_through)
     save_hf_model(model, tokenizer, model_path, out_dir / "final", save_dtype, rank,
                   prompt_format(cfg, tokenizer), "sft.py")
     if rank == 0:
         print(f"saved {out_dir / 'final'}", flush=True)
+    finish_run_dir(run_dir, total_steps)
     return model, tokenizer
 
 

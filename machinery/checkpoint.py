@@ -10,6 +10,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -38,10 +39,59 @@ def latest_checkpoint(ckpt_root):
     return done[-1] if done else None
 
 
-def save_checkpoint(ckpt_root, step, model, optimizer, trainer_state, keep=2):
+def checkpoint_step(checkpoint):
+    return int(Path(checkpoint).name[len(CHECKPOINT_PREFIX):])
+
+
+def checkpoint_damage(checkpoint):
+    """Why a complete checkpoint cannot be loaded, naming the file, or "" if it can: DCP's
+    .metadata lists every shard file and the bytes read from it, so a missing or truncated shard
+    shows without loading anything (a flipped byte would not: DCP stores no checksums)."""
+    checkpoint = Path(checkpoint)
+    try:
+        storage = FileSystemReader(str(checkpoint)).read_metadata().storage_data
+    except Exception as e:  # missing, or cut off mid-pickle: whatever the unpickler raises
+        return f"{checkpoint / '.metadata'}: unreadable ({type(e).__name__}: {e})"
+    needed = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0),
+                                         info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        path = checkpoint / name
+        if not path.is_file():
+            return f"{path}: missing"
+        if path.stat().st_size < size:
+            return f"{path}: truncated ({path.stat().st_size:,} of {size:,} bytes)"
+    if not (checkpoint / "trainer_state_rank0.pt").is_file():
+        return f"{checkpoint / 'trainer_state_rank0.pt'}: missing"
+    return ""
+
+
+def intact_checkpoint(ckpt_root, before=None):
+    """The newest complete checkpoint under ckpt_root that is not damaged (and older than step
+    `before`, if given), with a warning for each damaged one passed over."""
+    ckpt_root = Path(ckpt_root)
+    done = sorted(p for p in ckpt_root.iterdir()
+                  if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)
+                  and (p / "COMPLETE").exists()) if ckpt_root.is_dir() else []
+    for checkpoint in reversed(done):
+        if before is not None and checkpoint_step(checkpoint) >= before:
+            continue
+        damage = checkpoint_damage(checkpoint)
+        if not damage:
+            return checkpoint
+        print(f"WARNING: checkpoint {checkpoint.name} is damaged: {damage}. Passed over for an "
+              "older one; its steps are trained again (deterministically: the same data and "
+              "seeds), and the damaged one is replaced when that step is saved.", flush=True)
+    return None
+
+
+def save_checkpoint(ckpt_root, step, model, optimizer, trainer_state, keep=2, keep_through=0):
     """Save model + optimizer (sharded, via DCP) and `trainer_state` (step, data position, per-rank
     RNG) into step_N.tmp/ on all ranks; rank 0 renames it to step_N/ after a barrier, the commit
-    point. Needs a filesystem every rank sees (multi-node: a shared one)."""
+    point, then keeps the newest `keep` of the checkpoints after step `keep_through` (those at or
+    before it were saved under earlier settings: machinery/run_dir.py). Needs a filesystem every
+    rank sees (multi-node: a shared one)."""
     rank = dist.get_rank()
     final = Path(ckpt_root) / f"{CHECKPOINT_PREFIX}{step:08d}"
     tmp = final.with_name(final.name + ".tmp")
@@ -63,7 +113,7 @@ def save_checkpoint(ckpt_root, step, model, optimizer, trainer_state, keep=2):
         os.replace(tmp, final)
         old = sorted(p for p in Path(ckpt_root).iterdir()
                      if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)
-                     and not p.name.endswith(".tmp"))[:-keep]
+                     and not p.name.endswith(".tmp") and checkpoint_step(p) > keep_through)[:-keep]
         for p in old:
             shutil.rmtree(p, ignore_errors=True)
     dist.barrier()
@@ -76,7 +126,13 @@ def load_checkpoint(path, model, optimizer):
     path = Path(path)
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(path))
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except CheckpointException as e:  # every rank raises it: DCP gathers each rank's failure
+        older = intact_checkpoint(path.parent, before=checkpoint_step(path))
+        raise ConfigError(f"{path}: failed to load ({str(e).splitlines()[0][:300]}); "
+                          + (f"the newest intact one before it: resume={older}" if older
+                             else "no intact checkpoint before it")) from None
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
     rank = dist.get_rank()
@@ -92,18 +148,31 @@ def load_checkpoint(path, model, optimizer):
 
 
 def requested_checkpoint(resume, ckpt_root):
-    """The checkpoint `resume` names: None (never), the newest complete one under ckpt_root
-    (auto), or the path given."""
+    """The checkpoint `resume` names: None (never), the newest intact one under ckpt_root (auto;
+    a damaged newer one is passed over with a warning), or the path given, which must be intact:
+    asked for by name, it is not swapped for another."""
     if resume == "never":
         return None
-    return latest_checkpoint(ckpt_root) if resume == "auto" else resolve(resume)
+    if resume == "auto":
+        return intact_checkpoint(ckpt_root)
+    checkpoint = resolve(resume)
+    if not (checkpoint / "COMPLETE").is_file():
+        raise ConfigError(f"{checkpoint}: not a complete checkpoint (no COMPLETE marker); "
+                          "expected a step_N directory written by rl.py, or a run directory's "
+                          "checkpoints/ folder")
+    damage = checkpoint_damage(checkpoint)
+    if damage:
+        older = intact_checkpoint(checkpoint.parent, before=checkpoint_step(checkpoint))
+        raise ConfigError(f"resume={resume}: the checkpoint is damaged: {damage}; "
+                          + (f"the newest intact one before it: resume={older}" if older
+                             else "no intact one before it"))
+    return checkpoint
 
 
-def start_checkpoint(cfg, ckpt_root):
-    """(the checkpoint this run starts from or None, whether only its weights are taken). init_from
-    counts only while this run has no checkpoint of its own, so a restart resumes the run rather
-    than starting it over."""
-    checkpoint = requested_checkpoint(cfg.resume, ckpt_root)
+def start_checkpoint(cfg, checkpoint):
+    """(the checkpoint this run starts from or None, whether only its weights are taken), given
+    the one its own run directory offers (claim_run_dir). init_from counts only while this run
+    has no checkpoint of its own, so a restart resumes the run rather than starting it over."""
     initial = checkpoint is None and cfg.resume == "auto" and bool(cfg.init_from)
     if initial:
         source = resolve(cfg.init_from)
@@ -126,19 +195,17 @@ def load_weights(checkpoint, model):
     set_model_state_dict(model, state["model"])
 
 
-def resume_run(cfg, ckpt_root, model, optimizer, run_state, rank):
-    """The step sft.py's run starts at: 0, or a checkpoint's, with its model, optimizer and RNG
-    loaded. The step alone fixes the data position and the lr, so the checkpoint must come from
-    this very run (run_state)."""
-    checkpoint = requested_checkpoint(cfg.resume, ckpt_root)
+def resume_run(checkpoint, model, optimizer, run_state, rank):
+    """The step sft.py's run starts at: 0, or `checkpoint`'s (claim_run_dir's choice), with its
+    model, optimizer and RNG loaded. The step alone fixes the data position and the lr, so the
+    checkpoint must come from this very run (run_state)."""
     if checkpoint is None:
         return 0
     saved = load_checkpoint(checkpoint, model, optimizer)
     mismatch = {k: (saved.get(k), v) for k, v in run_state.items() if saved.get(k) != v}
     if mismatch:
         raise ConfigError(f"resume from {checkpoint}: the run changed since it was saved (saved, "
-                          f"now): {mismatch}; the data order would differ. Use a new out_dir or "
-                          "resume=never")
+                          f"now): {mismatch}; the data order would differ. Use a new out_dir")
     if rank == 0:
         print(f"resumed from {checkpoint} at step {saved['step']}", flush=True)
     return saved["step"]
@@ -151,11 +218,12 @@ def load_policy(cfg, device, rank):
     return model, optimizer
 
 
-def restore(cfg, ckpt_root, device, rank):
-    """(policy, optimizer, run state) this run starts from: fresh, init_from's weights alone, or a
-    checkpoint restored whole (model, optimizer, RNG, step, data position). Checkpoints are atomic
-    by rename: a run killed mid-save resumes from the previous complete one."""
-    checkpoint, weights_only = start_checkpoint(cfg, ckpt_root)
+def restore(cfg, checkpoint, device, rank):
+    """(policy, optimizer, run state) this run starts from: fresh, init_from's weights alone, or
+    `checkpoint` (claim_run_dir's choice) restored whole (model, optimizer, RNG, step, data
+    position). Checkpoints are atomic by rename: a run killed mid-save resumes from the previous
+    complete one."""
+    checkpoint, weights_only = start_checkpoint(cfg, checkpoint)
     state = {"step": 0, "data_position": 0}
     model, optimizer = load_policy(cfg, device, rank)
     if weights_only:

@@ -30,7 +30,8 @@ import tiny
 from executor import Executor
 from grpo_roc import policy_loss
 from machinery.checkpoint import (check_inputs, epoch_plan, latest_checkpoint, load_policy,
-                                  load_weights, save_checkpoint, start_checkpoint)
+                                  load_weights, requested_checkpoint, save_checkpoint,
+                                  start_checkpoint)
 from machinery.config import ConfigError, load_config
 from machinery.data import load_problems
 from machinery.distributed import compute_dtype, init_distributed
@@ -487,7 +488,8 @@ def test_stage_3_starts_from_the_stage_2_master_weights_with_a_fresh_optimizer(t
     optimizer.step()  # stage 2's weights and AdamW moments: not the HF directory's any more
     save_checkpoint(stage2, 385, model, optimizer, {"step": 385, "data_position": 385 * 512})
 
-    checkpoint, weights_only = start_checkpoint(cfg, tmp_path / "stage3" / "checkpoints")
+    # stage 3's own run directory has no checkpoint yet
+    checkpoint, weights_only = start_checkpoint(cfg, None)
     assert checkpoint == latest_checkpoint(stage2) and weights_only
     fresh, fresh_optimizer = load_policy(cfg, torch.device("cpu"), 0)
     trained = {name: p.full_tensor() for name, p in model.named_parameters()}
@@ -501,10 +503,11 @@ def test_stage_3_starts_from_the_stage_2_master_weights_with_a_fresh_optimizer(t
     # checkpoint wins
     assert start_checkpoint(
         load_config(rl.RLConfig, [f"model={tiny_model_dir}", f"init_from={stage2}"]),
-        tmp_path / "none") == (checkpoint, False)
+        None) == (checkpoint, False)
     save_checkpoint(tmp_path / "stage3" / "checkpoints", 10, fresh, fresh_optimizer,
                     {"step": 10, "data_position": 5120})
-    assert start_checkpoint(cfg, tmp_path / "stage3" / "checkpoints")[1] is False
+    own = requested_checkpoint(cfg.resume, tmp_path / "stage3" / "checkpoints")
+    assert start_checkpoint(cfg, own) == (own, False)
 
 
 def test_bf16_training_is_fsdp2_mixed_precision_on_gloo_as_on_a_gpu(tiny_model_dir):

@@ -1,0 +1,246 @@
+"""A run directory holds one run (machinery/run_dir.py), through the real scripts. Each test is what
+a user did to a finished run's directory, and what happens now:
+
+    rerun with other settings                refused, naming each key (saved -> now); no writes
+    rerun with steps at or below its step    "already at step N", exit 0; nothing written
+    continue_with_changes=true               continues; config.yaml is the new settings, the history
+                                             has the change and its step; rotation keeps the
+                                             checkpoints saved under the old settings
+    resume=never into it                     refused; nothing deleted
+    a second run while one runs              stopped: "in use by pid N on HOST since T"
+    a run SIGKILLed, then a rerun            its lock is taken over, with a message
+    newest checkpoint damaged                resume=auto falls back to the newest intact one with a
+                                             warning naming the file; resume=THAT_ONE stops and
+                                             names the intact one
+
+Run: .venv/bin/python -m pytest tests/test_run_dir.py -q    (-m "not slow": the sft.py half, ~20 s)
+"""
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import rl
+import sft
+import tiny
+from machinery.checkpoint import checkpoint_damage
+from machinery.config import ConfigError, load_config
+from machinery.distributed import init_distributed
+from machinery.run_dir import LOCK_NAME, read_history
+from test_sft import chat_rows  # tests/ is on sys.path (pytest's rootdir-relative import)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def snapshot(run_dir):
+    """Every file under run_dir with its bytes and modification time: equal snapshots mean
+    nothing was written, not even the same bytes again. The lock is left out: a refused run
+    takes it before it reads the directory, and leaves it empty again."""
+    return {str(p.relative_to(run_dir)): (hashlib.sha1(p.read_bytes()).hexdigest(),
+                                          p.stat().st_mtime_ns)
+            for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name != LOCK_NAME}
+
+
+def steps_of(ckpt_root):
+    return sorted(int(p.name.split("_")[1]) for p in ckpt_root.iterdir() if p.is_dir())
+
+
+# -----------------------------------------------------------------------------
+# sft.py, in process (a run of 2 steps is ~2 s)
+
+@pytest.fixture(scope="module")
+def sft_data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("run-dir-sft") / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(16)))
+    return path
+
+
+def run_sft(tiny_model_dir, data, out_dir, **overrides):
+    settings = dict(model=str(tiny_model_dir), data=str(data), out_dir=str(out_dir),
+                    global_batch_size=8, micro_batch_size=4, lr=3e-3, max_steps=2, save_every=1,
+                    keep_checkpoints=1, train_threads=1)
+    cfg = sft.SFTConfig(**{**settings, **overrides})
+    cfg.validate()
+    threads = torch.get_num_threads()
+    try:
+        return sft.train(cfg)
+    finally:
+        torch.set_num_threads(threads)  # leave the session's other tests as they were
+
+
+def test_sft_rerun_with_other_settings_is_refused_and_a_finished_one_writes_nothing(
+        tmp_path, tiny_model_dir, sft_data, capsys):
+    run_sft(tiny_model_dir, sft_data, tmp_path)
+    before = snapshot(tmp_path)
+    with pytest.raises(ConfigError) as refused:
+        run_sft(tiny_model_dir, sft_data, tmp_path, lr=1e-3, seed=1)
+    assert "lr: 0.003 -> 0.001" in str(refused.value) and "seed: 0 -> 1" in str(refused.value)
+    assert "continue_with_changes=true" in str(refused.value)
+    assert snapshot(tmp_path) == before
+    # the same settings: the run is at its last step, so nothing to do
+    capsys.readouterr()
+    assert run_sft(tiny_model_dir, sft_data, tmp_path, save_every=2)[0] is None
+    assert "already at step 2" in capsys.readouterr().out
+    assert snapshot(tmp_path) == before
+    with pytest.raises(ConfigError, match="resume=never starts a new run"):
+        run_sft(tiny_model_dir, sft_data, tmp_path, resume="never")
+    assert snapshot(tmp_path) == before
+
+
+def test_sft_continue_with_changes_is_recorded_and_rotation_keeps_the_earlier_checkpoints(
+        tmp_path, tiny_model_dir, sft_data):
+    run_sft(tiny_model_dir, sft_data, tmp_path, max_steps=4, save_every=2, keep_checkpoints=2)
+    shutil.rmtree(tmp_path / "final")  # as if killed after step 2's checkpoint: 2 and 4 are left
+    shutil.rmtree(tmp_path / "checkpoints" / "step_00000004")
+    run_sft(tiny_model_dir, sft_data, tmp_path, max_steps=4, save_every=1, keep_checkpoints=1,
+            grad_clip=0.5, continue_with_changes=True)
+    # keep_checkpoints=1 keeps one of this run's (4), and step 2, saved under the old settings
+    assert steps_of(tmp_path / "checkpoints") == [2, 4]
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["grad_clip"] == 0.5
+    events = read_history(tmp_path)
+    assert [(e["event"], e["at_step"]) for e in events] == [
+        ("new", 0), ("finished", 4), ("continued_with_changes", 2), ("finished", 4)]
+    assert events[2]["changes"]["grad_clip"] == [1.0, 0.5]
+    assert events[2]["config"]["grad_clip"] == 0.5
+
+
+# -----------------------------------------------------------------------------
+# rl.py: one real run (engine, tool, reward) as the fixture; the refusals through rl.train in
+# process (they stop before any model or engine is loaded), the runs as `python rl.py`
+
+RL_ARGS = ["eval_data=", "steps=2", "prompts_per_step=2", "save_every=1", "keep_checkpoints=2",
+           "rollout.max_response_tokens=64", "rollout.max_turns=1", "micro_batch_tokens=1024"]
+
+
+def rl_args(model, data, out_dir, *overrides):
+    return ["configs/tiny.yaml", f"model={model}", f"train_data={data}", f"out_dir={out_dir}",
+            *RL_ARGS, *overrides]
+
+
+def rl_process(args, **kw):
+    return subprocess.run([sys.executable, "rl.py", *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600, **kw)
+
+
+@pytest.fixture(scope="module")
+def finished_rl(tiny_model_dir, tmp_path_factory):
+    """(model, data, a finished 2-step run directory with checkpoints 1 and 2): the demo's state."""
+    work = tmp_path_factory.mktemp("run-dir-rl")
+    data = work / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n"
+                            for r in tiny.make_arithmetic_problems(8, 0, split="train")))
+    proc = rl_process(rl_args(tiny_model_dir, data, work / "run"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tiny_model_dir, data, work / "run"
+
+
+def copy_run(finished_rl, tmp_path):
+    model, data, run = finished_rl
+    shutil.copytree(run, tmp_path / "run", copy_function=shutil.copy2)
+    return model, data, tmp_path / "run"
+
+
+def train_in_process(model, data, out_dir, *overrides):
+    init_distributed()  # a gloo world of one, as `python rl.py` makes
+    return rl.train(load_config(rl.RLConfig, rl_args(model, data, out_dir, *overrides)))
+
+
+@pytest.mark.slow
+def test_rl_rerun_with_other_settings_or_fewer_steps_or_resume_never_writes_nothing(
+        finished_rl, tmp_path, capsys):
+    model, data, run = copy_run(finished_rl, tmp_path)
+    before = snapshot(run)
+    # the issue's first rows: another experiment into the demo's out_dir
+    for steps in ("steps=1", "steps=3"):
+        with pytest.raises(ConfigError) as refused:
+            train_in_process(model, data, run, steps, "positive_rule=topk", "lr=1e-4")
+        message = str(refused.value)
+        assert "positive_rule: 'sample' -> 'topk'" in message and "lr: 0.0002 -> 0.0001" in message
+        assert "  steps:" not in message  # a resume may change steps
+        assert "out_dir=NEW_DIR" in message and "continue_with_changes=true" in message
+        assert snapshot(run) == before
+    capsys.readouterr()
+    assert train_in_process(model, data, run, "steps=1") == {}
+    assert "already at step 2 (steps=1)" in capsys.readouterr().out
+    assert snapshot(run) == before
+    with pytest.raises(ConfigError, match="resume=never starts a new run") as refused:
+        train_in_process(model, data, run, "resume=never")
+    assert "checkpoints, hf_step_2, metrics.jsonl" in str(refused.value)
+    assert snapshot(run) == before
+
+
+@pytest.mark.slow
+def test_rl_continue_with_changes_is_recorded_and_rotation_keeps_the_old_runs_checkpoints(
+        finished_rl, tmp_path):
+    model, data, run = copy_run(finished_rl, tmp_path)
+    proc = rl_process(rl_args(model, data, run, "steps=3", "positive_rule=topk",
+                              "keep_checkpoints=1", "continue_with_changes=true"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # keep_checkpoints=1 rotates this run's own checkpoints only: 1 and 2 came from the sample rule
+    assert steps_of(run / "checkpoints") == [1, 2, 3]
+    assert yaml.safe_load((run / "config.yaml").read_text())["positive_rule"] == "topk"
+    events = read_history(run)
+    assert [(e["event"], e["at_step"]) for e in events] == [
+        ("new", 0), ("finished", 2), ("continued_with_changes", 2), ("finished", 3)]
+    changes = {k: v for k, v in events[2]["changes"].items() if k != "out_dir"}  # copied here
+    assert changes == {"keep_checkpoints": [2, 1], "positive_rule": ["sample", "topk"],
+                       "steps": [2, 3], "continue_with_changes": [False, True]}
+    assert events[0]["config"]["positive_rule"] == "sample"
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").open()] == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_rl_a_second_writer_is_stopped_and_a_killed_runs_lock_taken_over(finished_rl, tmp_path,
+                                                                         capsys):
+    model, data, run = copy_run(finished_rl, tmp_path)
+    first = subprocess.Popen([sys.executable, "rl.py",
+                              *map(str, rl_args(model, data, run, "steps=1000"))],
+                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not (run / LOCK_NAME).read_text().strip():  # empty: released by the fixture's run
+            assert first.poll() is None and time.time() < deadline
+            time.sleep(0.2)
+        with pytest.raises(ConfigError) as refused:
+            train_in_process(model, data, run, "steps=1000")
+        assert f"in use by pid {first.pid} on {socket.gethostname()} since" in str(refused.value)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)  # no cleanup: the lock's text stays
+        first.wait()
+    capsys.readouterr()
+    with pytest.raises(ConfigError, match="holds a run with other settings"):
+        train_in_process(model, data, run, "positive_rule=topk")
+    assert f"taking over from pid {first.pid} on {socket.gethostname()}" in capsys.readouterr().out
+    assert (run / LOCK_NAME).read_text() == ""  # and released again by the refusal
+
+
+@pytest.mark.slow
+def test_rl_a_damaged_checkpoint_is_named_and_the_newest_intact_one_used(finished_rl, tmp_path,
+                                                                        capsys):
+    model, data, run = copy_run(finished_rl, tmp_path)
+    shard = run / "checkpoints" / "step_00000002" / "__0_0.distcp"
+    with open(shard, "r+b") as f:  # COMPLETE is there; the shard was cut short
+        f.truncate(shard.stat().st_size // 2)
+    # asked for by name, it is not swapped for another: the exact resume= of the intact one
+    with pytest.raises(ConfigError) as refused:
+        train_in_process(model, data, run, "steps=3", f"resume={shard.parent}")
+    assert f"{shard}: truncated" in str(refused.value)
+    assert f"resume={run / 'checkpoints' / 'step_00000001'}" in str(refused.value)
+    # resume=auto: a warning naming the file, then step 1's checkpoint, steps 2 and 3 trained
+    proc = rl_process(rl_args(model, data, run, "steps=3"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"checkpoint step_00000002 is damaged: {shard}: truncated" in proc.stdout
+    assert "resumed from" in proc.stdout and "step_00000001: step 1" in proc.stdout
+    assert checkpoint_damage(shard.parent) == ""  # step 2 saved again, whole
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").open()] == [1, 2, 3]
