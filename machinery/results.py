@@ -10,6 +10,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from machinery.config import atomic_write_text, ConfigError
+from machinery.run_dir import take_lock
 
 # Problems per generate() of an evaluation (eval.py's chunk_problems default). rl.py's held-out
 # evaluation takes the same chunks, so its sampling seeds (seed, chunk, problem, sample) are
@@ -43,6 +44,9 @@ def open_samples(out_dir, settings, n, resume):
     the usual seeds, never a mix of two runs."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    # One writer: two evaluations appending to one samples.jsonl would interleave their lines.
+    # Held until the process exits (machinery/run_dir.py).
+    take_lock(out_dir)
     samples_path, settings_path = out_dir / "samples.jsonl", out_dir / "generation.json"
     if not resume or not samples_path.exists():
         # generation.json is written first and only here, so it holds for every record after.

@@ -9,6 +9,7 @@ a user did to a finished run's directory, and what happens now:
     resume=never into it                     refused; nothing deleted
     a second run while one runs              stopped: "in use by pid N on HOST since T"
     a run SIGKILLed, then a rerun            its lock is taken over, with a message
+                                             (eval.py's out_dir too: one writer to samples.jsonl)
     newest checkpoint damaged                resume=auto falls back to the newest intact one with a
                                              warning naming the file; resume=THAT_ONE stops and
                                              names the intact one
@@ -36,6 +37,7 @@ import tiny
 from machinery.checkpoint import checkpoint_damage
 from machinery.config import ConfigError, load_config
 from machinery.distributed import init_distributed
+from machinery.results import open_samples
 from machinery.run_dir import LOCK_NAME, read_history
 from test_sft import chat_rows  # tests/ is on sys.path (pytest's rootdir-relative import)
 
@@ -244,3 +246,23 @@ def test_rl_a_damaged_checkpoint_is_named_and_the_newest_intact_one_used(finishe
     assert "resumed from" in proc.stdout and "step_00000001: step 1" in proc.stdout
     assert checkpoint_damage(shard.parent) == ""  # step 2 saved again, whole
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").open()] == [1, 2, 3]
+
+
+def test_eval_a_second_writer_is_stopped_and_a_killed_ones_lock_taken_over(tmp_path, capsys):
+    """eval.py's out_dir has the same one-writer lock (machinery/results.py takes it before it
+    touches samples.jsonl); the first writer here is a process that only holds it."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from machinery.run_dir import take_lock; "
+         "take_lock(sys.argv[1]); print('locked', flush=True); time.sleep(600)", str(tmp_path)],
+        cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        with pytest.raises(ConfigError, match=f"in use by pid {holder.pid} on "):
+            open_samples(tmp_path, {"model": "m"}, 1, resume=True)
+        assert not (tmp_path / "samples.jsonl").exists()
+    finally:
+        holder.kill()  # SIGKILL: its text stays in the lock
+        holder.wait()
+    capsys.readouterr()
+    assert open_samples(tmp_path, {"model": "m"}, 1, resume=True) == {}
+    assert f"taking over from pid {holder.pid}" in capsys.readouterr().out
