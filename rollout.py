@@ -127,7 +127,8 @@ class Trajectory:
     response_ids: list = dataclasses.field(default_factory=list)
     loss_mask: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)
-    tool_calls: list = dataclasses.field(default_factory=list)  # {code, stdin, status}, in order
+    # {code, stdin, status, output}, in order; output: the tool response text the model was shown
+    tool_calls: list = dataclasses.field(default_factory=list)
     num_tool_calls: int = 0
     num_tool_errors: int = 0      # calls with status error/timeout/oom/parse (Eq. 4)
     tool_errors_by_kind: dict = dataclasses.field(
@@ -335,7 +336,7 @@ class _Rollouts:
         future.add_done_callback(self.results.put)
 
     def tool_done(self, traj, call, status, text):
-        traj.tool_calls.append({**call, "status": status})
+        traj.tool_calls.append({**call, "status": status, "output": text})
         if status != "ok":
             traj.num_tool_errors += 1
             traj.tool_errors_by_kind[status] = traj.tool_errors_by_kind.get(status, 0) + 1

@@ -770,7 +770,8 @@ def test_tool_round_trip_token_for_token(scripted, tokenizer):
     assert traj.prompt_ids == render_prompt(tokenizer, "Behaviour: round trip.", cfg)
     assert ("<tool_response>\nTool call success\nstdout: 42\n\n</tool_response>"
             in traj.response_text)
-    assert traj.tool_calls == [{"code": "print(6 * 7)", "stdin": "", "status": "ok"}]
+    assert traj.tool_calls == [{"code": "print(6 * 7)", "stdin": "", "status": "ok",
+                                "output": "Tool call success\nstdout: 42\n"}]
     assert (traj.num_turns, traj.num_tool_calls, traj.num_tool_errors,
             traj.num_answer_tags) == (2, 1, 0, 1)
     assert traj.finished and not traj.truncated and traj.stop_reason == "answer"
@@ -782,6 +783,9 @@ def test_tool_round_trip_token_for_token(scripted, tokenizer):
 def test_tool_errors_are_counted_by_kind_and_returned_to_the_model(scripted):
     traj = scripted["errors"]
     assert [c["status"] for c in traj.tool_calls] == ["error", "timeout", "parse", "parse", "ok"]
+    # each call keeps the response the model read (the saved rollouts show it)
+    assert "ZeroDivisionError" in traj.tool_calls[0]["output"]
+    assert traj.tool_calls[2]["output"].startswith("Failed to decode tool call")
     assert traj.tool_errors_by_kind == {"error": 1, "timeout": 1, "oom": 0, "parse": 2}
     assert (traj.num_tool_calls, traj.num_tool_errors, traj.num_turns) == (5, 4, 6)
     assert ("ZeroDivisionError" in traj.response_text
