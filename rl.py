@@ -53,8 +53,10 @@ from executor import Executor
 from grpo_roc import (ROLLOUT_CORRECTIONS, filter_groups, group_advantages, policy_loss,
                       roc_penalty, rollouts_per_prompt, select_group)
 from reward import extract_answer, score_batch
-from rollout import RolloutConfig, generate
-from machinery.checkpoint import check_inputs, epoch_plan, restore, save_checkpoint
+from rollout import RolloutConfig, Trajectory, generate
+from machinery.checkpoint import (CHECKPOINT_PREFIX, check_inputs, epoch_plan, load_policy,
+                                  load_training_state, load_weights, restore, save_checkpoint,
+                                  start_checkpoint)
 from machinery.config import ConfigError, atomic_write_text, load_config, resolve
 from machinery.data import drop_long_prompts
 from machinery.distributed import (add_traffic, balance_by_tokens, compute_dtype, cpu_threads,
@@ -69,6 +71,9 @@ from machinery.training import (TrainSample, collate, equalize_micro_batches, mi
                                 token_logprobs)
 from machinery.results import CHUNK_PROBLEMS, ROLLOUT_RESOURCE_FIELDS
 from machinery.run_dir import claim_run_dir, finish_run_dir
+from machinery.model import check_model_dir
+from machinery.saved_rollouts import (read_rollouts, rollout_record, sample_table, saved_steps,
+                                      write_rollouts)
 
 
 # -----------------------------------------------------------------------------
@@ -79,7 +84,8 @@ class RLConfig:
     model: str = ""               # HF directory (or hub id) of the SFT policy, with its tokenizer
     train_data: str = "data/train_int_mix.jsonl"
     out_dir: str = "out/rl"
-    mode: Literal["train", "filter", "plan"] = "train"  # plan: memory, bytes, time of a step
+    # plan: memory, bytes, time of a step; replay: a saved step's selection and update, offline
+    mode: Literal["train", "filter", "plan", "replay"] = "train"
     plan_model_config: str = ""   # mode=plan: the model's config.json when `model` is not on disk
     seed: int = 0
     world_size: int = 0           # ranks this config was written for (0 = any), checked at start
@@ -135,7 +141,17 @@ class RLConfig:
     eval_samples: int = 1         # rollouts per eval problem
     eval_temperature: float = 0.6  # the paper's evaluation temperature (§5.1)
     wandb_project: str = ""
+    wandb_samples: int = 8        # trajectories per step in W&B's sample table (rank 0's); 0 = none
     tensorboard: bool = False
+    # saved rollouts (machinery/saved_rollouts.py): what the model wrote, and what mode=replay reads
+    # steps 1, 1+N, 1+2N, ...: each was sampled by the weights of a checkpoint when N is a multiple
+    # of save_every, so it replays exactly (while keep_checkpoints keeps that one); 0 = never
+    save_rollouts_every: int = 10
+    keep_rollouts: int = 0        # the newest this many saved steps stay on disk; 0 = all
+    # mode=replay: rerun a saved step's selection, advantages and update without an engine
+    replay_step: int = 0          # the saved step (as in metrics.jsonl); 0 = the newest
+    replay_weights: str = ""      # "": those that sampled it (exact); or a checkpoint / HF dir
+    replay_update_effect: bool = False  # also the kept tokens' log-prob change the update made
     verbose: bool = False         # all of vLLM's logging; default: its warnings
     # stage-3 filter (§4.3, mode=filter)
     filter_source: str = ""
@@ -163,7 +179,8 @@ class RLConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
         for name in ("warmup_steps", "micro_batch_size", "eval_every", "world_size",
-                     "train_threads", "logprob_chunk_tokens"):
+                     "train_threads", "logprob_chunk_tokens", "wandb_samples",
+                     "save_rollouts_every", "keep_rollouts", "replay_step"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0")
         if not self.lr > 0:
@@ -433,6 +450,33 @@ def score_groups(groups, rows):
     return rewards
 
 
+def save_rollouts(run, step, position, rows, groups, rewards, records, samples, times):
+    """Step 4, kept: this rank's trajectories with their reward, RoC penalty, selection and
+    advantage, as saved rollouts (steps 1, 1 + save_rollouts_every, ...) and, with W&B on, as the
+    step's sample table; times["save_rollouts"]. `records` are select_samples', in group order."""
+    cfg, started = run.cfg, time.perf_counter()
+    # the same on every rank (write_rollouts is collective); the table: rank 0's logger only
+    saving = cfg.save_rollouts_every and step % cfg.save_rollouts_every == 0
+    table = run.logger.wandb is not None and cfg.wandb_samples
+    if saving or table:
+        advantages = {(s.problem_index, s.sample_index): s.advantage for s in samples}
+        flat = [(t, reward) for group, group_rewards in zip(groups, rewards)
+                for t, reward in zip(group, group_rewards)]
+        lines = [rollout_record(t, rows[t.problem_index], reward, record["penalty"],
+                                record["selected"],
+                                advantages.get((t.problem_index, t.sample_index)), step + 1,
+                                position)
+                 for (t, reward), record in zip(flat, records)]
+        if saving:
+            write_rollouts(run.out_dir, step + 1, lines, keep=cfg.keep_rollouts,
+                           meta={"data_position": position,
+                                 "rollouts_per_prompt": cfg.rollouts_per_prompt,
+                                 "config": dataclasses.asdict(cfg)})
+        if table:
+            run.logger.log_table(step + 1, "rollouts", *sample_table(lines, cfg.wandb_samples))
+    times["save_rollouts"] = time.perf_counter() - started
+
+
 def balance_blocks(samples, cfg, traffic):
     """Step 5: the kept trajectories in mini_batches blocks of whole prompt groups (one per
     optimizer step), each dealt across ranks by tokens: the update waits for its slowest rank."""
@@ -460,6 +504,28 @@ def update_policy(model, optimizer, blocks, cfg, step, pad_id, device):
     if updates:
         train_metrics["train_tokens"] = sum(u["train_tokens"] for u in updates)
     return train_metrics, len(blocks) - len(updates)
+
+
+def learn(model, optimizer, blocks, probes, cfg, step, pad_id, device, times):
+    """Steps 6-7 on the balanced blocks, as rl_step and mode=replay both run them: (the update's
+    metrics, blocks skipped, the sync guard's gap); times["old_logprobs"], ["train"],
+    ["logprob_gap"].
+    6. A pass of its own for the old log-probs only with several optimizer steps; with one,
+    step 7's forward gives them, and the dropped groups' probes are read only when nothing was
+    trained (the weights did not move), so that the sync guard never goes blind."""
+    mine = [s for block in blocks for s in block]
+    with timed(times, "old_logprobs"):
+        if cfg.mini_batches > 1:
+            recompute_logprobs(model, mine + probes, cfg, pad_id, device, cfg.rollout.temperature)
+    with timed(times, "train"):
+        train_metrics, skipped = update_policy(model, optimizer, blocks, cfg, step, pad_id,
+                                               device)
+    if skipped == cfg.mini_batches == 1:
+        with timed(times, "old_logprobs"):
+            recompute_logprobs(model, probes, cfg, pad_id, device, cfg.rollout.temperature)
+    with timed(times, "logprob_gap"):  # the sync guard: two all-reduces, a sync point
+        gap = logprob_gap(mine + probes)
+    return train_metrics, skipped, gap
 
 
 def gather_metrics(local, learner, step, cfg, rank, world_size):
@@ -588,26 +654,13 @@ def rl_step(run, step):
         rewards = score_groups(groups, rows)
     with timed(times, "selection"):
         samples, probes, records = select_samples(groups, rewards, cfg, step, position)
+    save_rollouts(run, step, position, rows, groups, rewards, records, samples, times)
     with timed(times, "balance"):
         blocks = balance_blocks(samples, cfg, traffic)
     mine = [s for block in blocks for s in block]
     threads = cpu_threads(cfg.train_threads, run.device)  # 6-7 on train_threads, then vLLM's
-    # 6. A pass of its own for the old log-probs only with several optimizer steps; with one,
-    # step 7's forward gives them, and the dropped groups' probes are read only when nothing was
-    # trained (the weights did not move), so that the sync guard never goes blind.
-    with timed(times, "old_logprobs"):
-        if cfg.mini_batches > 1:
-            recompute_logprobs(run.model, mine + probes, cfg, run.pad_id, run.device,
-                               cfg.rollout.temperature)
-    with timed(times, "train"):
-        train_metrics, skipped = update_policy(run.model, run.optimizer, blocks, cfg, step,
-                                               run.pad_id, run.device)
-    if skipped == cfg.mini_batches == 1:
-        with timed(times, "old_logprobs"):
-            recompute_logprobs(run.model, probes, cfg, run.pad_id, run.device,
-                               cfg.rollout.temperature)
-    with timed(times, "logprob_gap"):  # the sync guard: two all-reduces, a sync point
-        gap = logprob_gap(mine + probes)
+    train_metrics, skipped, gap = learn(run.model, run.optimizer, blocks, probes, cfg, step,
+                                        run.pad_id, run.device, times)
     cpu_threads(threads, run.device)
     # 8. A resume needs, besides weights and optimizer, the data position (whole steps); a rerun of
     # a step draws the same tokens (seeds from (seed, step, problem, sample): rollout.request_seed)
@@ -709,6 +762,160 @@ def filter_solved(cfg):
     return kept
 
 
+# -----------------------------------------------------------------------------
+# mode=replay: a saved step's phases 4-7 again, offline, under this config (docs/design.md, Saved
+# rollouts): two RoC rules, losses or corrections compared on the very same trajectories
+
+def replay(cfg):
+    """Select, compute advantages and update (one optimizer step) on saved step replay_step of
+    out_dir, with the weights that sampled it; no engine, no tool, nothing written. Prints the
+    live step's numbers beside the replay's; returns (on rank 0) the replay's metrics and its kept
+    trajectories {(data stream position, sample_index): advantage}."""
+    started = time.perf_counter()
+    rank, world_size, _, device = init_distributed()
+    run_dir = resolve(cfg.out_dir)
+    number, meta, saved = read_rollouts(run_dir, cfg.replay_step, rank, world_size)
+    step, position = number - 1, meta["data_position"]
+    groups, rewards = saved_groups(saved, meta, cfg)
+    model, optimizer, source = replay_policy(cfg, run_dir, number, device, rank)
+    tokenizer = AutoTokenizer.from_pretrained(check_model_dir(cfg.model))
+    pad_id = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+    # steps 4-7 as rl_step runs them
+    samples, probes, records = select_samples(groups, rewards, cfg, step, position)
+    blocks = balance_blocks(samples, cfg, {})
+    mine = [s for block in blocks for s in block]
+    train_metrics, skipped, gap = learn(model, optimizer, blocks, probes, cfg, step, pad_id,
+                                        device, {})
+    effect = (update_effect(model, mine, cfg, pad_id, device) if cfg.replay_update_effect
+              else {})
+    kept = {(position + s.problem_index, s.sample_index): s.advantage for s in samples}
+    parts = [None] * world_size if rank == 0 else None
+    dist.gather_object((records, kept, len(groups)), parts, dst=0)
+    if rank != 0:
+        return None
+    metrics = step_metrics([r for part in parts for r in part[0]], sum(p[2] for p in parts))
+    metrics.update({**train_metrics, **gap, **effect, "skipped_updates": skipped})
+    kept = {key: a for part in parts for key, a in part[1].items()}
+    live_kept = {(r["position"], r["sample_index"]) for r in read_rollouts(run_dir, number)[2]
+                 if r["selected"]}
+    print_replay(cfg, run_dir, number, meta, source, metrics, train_metrics, kept, live_kept,
+                 time.perf_counter() - started, world_size)
+    return SimpleNamespace(metrics=metrics, kept=kept)
+
+
+def saved_groups(records, meta, cfg):
+    """Saved records -> (groups of rollout.Trajectory, their rewards), as roll_out and
+    score_groups gave them; an error where the saved groups cannot be selected from as cfg asks."""
+    fields = {f.name for f in dataclasses.fields(Trajectory)}
+    groups, rewards = {}, {}
+    for r in records:
+        groups.setdefault(r["problem_index"], []).append(
+            Trajectory(**{k: v for k, v in r.items() if k in fields}))
+        rewards.setdefault(r["problem_index"], []).append(r["reward"])
+    saved, wanted = meta["rollouts_per_prompt"], cfg.rollouts_per_prompt
+    # plain GRPO thins more rollouts uniformly, as if it had sampled G (grpo_roc.select_group)
+    if saved < wanted or (saved > wanted and cfg.algorithm != "grpo"):
+        raise ConfigError(f"the saved step has {saved} rollouts per prompt; algorithm="
+                          f"{cfg.algorithm} with group_size={cfg.group_size} selects from "
+                          f"{wanted}: replay it with the group_size and algorithm it was sampled "
+                          "with, or algorithm=grpo (any G up to the saved count)")
+    return [groups[i] for i in sorted(groups)], [rewards[i] for i in sorted(groups)]
+
+
+def replay_policy(cfg, run_dir, number, device, rank):
+    """(policy, optimizer, where they came from) as they were when step `number` began: the run's
+    start for step 1 (init_from's checkpoint or model), else checkpoints/step_{number - 1}, weights
+    and AdamW moments both; or replay_weights, a checkpoint or HF directory, which is not exact."""
+    model, optimizer = load_policy(cfg, device, rank)
+    if cfg.replay_weights:
+        source = resolve(cfg.replay_weights)
+        if (source / "COMPLETE").is_file():
+            load_training_state(source, model, optimizer)
+        elif (source / "config.json").is_file():
+            model, optimizer = load_policy(dataclasses.replace(cfg, model=str(source)), device,
+                                           rank)
+        else:
+            raise ConfigError(f"replay_weights={cfg.replay_weights!r}: neither a complete rl.py "
+                              "checkpoint (step_N with COMPLETE) nor a Hugging Face model "
+                              "directory")
+        return model, optimizer, f"{source} (replay_weights, not the step's own)"
+    if number == 1:
+        # where a fresh run starts: no checkpoint of its own, resume=auto
+        checkpoint, weights_only = start_checkpoint(dataclasses.replace(cfg, resume="auto"), None)
+        if checkpoint is None:
+            return model, optimizer, f"{cfg.model} (the initial policy)"
+        (load_weights(checkpoint, model) if weights_only
+         else load_training_state(checkpoint, model, optimizer))
+        return model, optimizer, f"{checkpoint} (init_from, the initial policy)"
+    checkpoint = run_dir / "checkpoints" / f"{CHECKPOINT_PREFIX}{number - 1:08d}"
+    if not (checkpoint / "COMPLETE").is_file():
+        have = sorted(int(p.name[len(CHECKPOINT_PREFIX):]) for p in checkpoint.parent.glob(
+            f"{CHECKPOINT_PREFIX}*") if (p / "COMPLETE").is_file())
+        replayable = [n for n in saved_steps(run_dir) if n == 1 or n - 1 in have]
+        raise ConfigError(
+            f"replay of step {number}: its rollouts were sampled by the weights after step "
+            f"{number - 1}, and {checkpoint} does not exist (checkpoints kept: "
+            f"{', '.join(map(str, have)) or 'none'}; save_every and keep_checkpoints decide "
+            f"which). Saved steps that replay exactly: {', '.join(map(str, replayable)) or 'none'}"
+            "; or set replay_weights= to other weights (then the loss is not the live one)")
+    load_training_state(checkpoint, model, optimizer)
+    return model, optimizer, f"{checkpoint} (the weights that sampled it)"
+
+
+@torch.no_grad()
+def update_effect(model, samples, cfg, pad_id, device):
+    """replay_update_effect: how far the one update moved the policy on the step's own trained
+    tokens: the mean log-prob change over the positives' and the negatives' model-written tokens,
+    over all ranks."""
+    sums = torch.zeros(4, dtype=torch.float64)  # change and count, positives then negatives
+    for batch in equalize_micro_batches(micro_batches(samples, cfg)):
+        input_ids, old, mask, advantages, _ = collate(batch, pad_id, device)
+        change = (token_logprobs(model, input_ids, cfg.rollout.temperature,
+                                 cfg.logprob_chunk_tokens) - old).double().cpu() * mask.cpu()
+        for side, rows in enumerate((advantages.cpu() > 0, advantages.cpu() < 0)):
+            sums[2 * side] += change[rows].sum()
+            sums[2 * side + 1] += mask.cpu()[rows].sum()
+    dist.all_reduce(sums)
+    return {"replay/logprob_change_positives": (sums[0] / sums[1].clamp(min=1)).item(),
+            "replay/logprob_change_negatives": (sums[2] / sums[3].clamp(min=1)).item()}
+
+
+def print_replay(cfg, run_dir, number, meta, source, metrics, learner, kept, live_kept, seconds,
+                 world_size):
+    """The replay's numbers beside the live step's (metrics.jsonl), with what the config changed."""
+    live_cfg, now = flat_config(meta["config"]), flat_config(dataclasses.asdict(cfg))
+    ignored = ("mode", "replay_step", "replay_weights", "replay_update_effect")
+    changed = [f"{k}: {live_cfg.get(k)} -> {v}" for k, v in now.items()
+               if live_cfg.get(k) != v and k not in ignored]
+    live_rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                 if line.strip()] if (run_dir / "metrics.jsonl").is_file() else []
+    live = next((m for m in live_rows if m.get("step") == number), {})
+    print(f"replay of step {number}: {run_dir / 'rollouts'} ({metrics['trajectories']} "
+          f"trajectories in {metrics['groups']} groups)\nweights: {source}\nchanged from the "
+          f"live run: {'; '.join(changed) or 'nothing'}")
+    keys = ("selected", "selected_reward_mean", "roc_penalty_kept_positives", *learner,
+            "logprob_gap_mean", *(k for k in metrics if k.startswith("replay/")))
+    print(f"{'':34}{'live':>14}{'replay':>14}")
+    for key in keys:
+        cells = [live.get(key), metrics.get(key)] if not key.startswith("replay/") else [
+            None, metrics[key]]
+        print(f"{key:34}" + "".join(f"{'-' if v is None else f'{v:.6g}':>14}" for v in cells))
+    print(f"kept: {len(kept)} trajectories, {len(set(kept) & live_kept)} of them kept live too "
+          f"(live kept {len(live_kept)})\nreplayed in {seconds:.1f} s on {world_size} rank(s)",
+          flush=True)
+
+
+def flat_config(config, prefix=""):
+    """{"rollout.temperature": 1.0, ...} from a nested config dict."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(flat_config(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 if __name__ == "__main__":
     try:
         argv, plan_args = split_plan_args(sys.argv[1:], RLConfig)  # plan_*=...: the plan's keys
@@ -718,6 +925,6 @@ if __name__ == "__main__":
             print_plan(config, config.world_size or int(os.environ.get("WORLD_SIZE", "1")),
                        plan_args)
         else:
-            (filter_solved if config.mode == "filter" else train)(config)
+            {"filter": filter_solved, "replay": replay}.get(config.mode, train)(config)
     except ConfigError as e:
         sys.exit(f"rl.py: {e}")

@@ -124,6 +124,23 @@ def load_checkpoint(path, model, optimizer):
     """Load a checkpoint written by save_checkpoint into an already FSDP-wrapped model and its
     optimizer. Restores this rank's RNG streams and returns the saved trainer_state."""
     path = Path(path)
+    load_training_state(path, model, optimizer)
+    rank = dist.get_rank()
+    rank_file = path / f"trainer_state_rank{rank}.pt"
+    if not rank_file.exists():
+        raise ConfigError(f"{path}: no {rank_file.name}; was this checkpoint written by a run with "
+                          "a different world size?")
+    saved = torch.load(rank_file, weights_only=False)
+    random.setstate(saved["rng"]["python"])
+    torch.set_rng_state(saved["rng"]["torch"])
+    np.random.set_state(saved["rng"]["numpy"])
+    return saved["trainer_state"]
+
+
+def load_training_state(path, model, optimizer):
+    """A checkpoint's model and optimizer alone, not its RNG or trainer state: DCP reads each rank's
+    shard whatever the world size that wrote it (rl.py's replay runs on any)."""
+    path = Path(path)
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     try:
@@ -135,16 +152,6 @@ def load_checkpoint(path, model, optimizer):
                              else "no intact checkpoint before it")) from None
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
-    rank = dist.get_rank()
-    rank_file = path / f"trainer_state_rank{rank}.pt"
-    if not rank_file.exists():
-        raise ConfigError(f"{path}: no {rank_file.name}; was this checkpoint written by a run with "
-                          "a different world size?")
-    saved = torch.load(rank_file, weights_only=False)
-    random.setstate(saved["rng"]["python"])
-    torch.set_rng_state(saved["rng"]["torch"])
-    np.random.set_state(saved["rng"]["numpy"])
-    return saved["trainer_state"]
 
 
 def requested_checkpoint(resume, ckpt_root):

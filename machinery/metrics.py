@@ -55,6 +55,15 @@ class MetricsLogger:
                 if isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, step)
 
+    def log_table(self, step, key, columns, rows):
+        """A table of text and numbers (rl.py: sampled trajectories) to W&B only: the JSONL log and
+        TensorBoard hold numbers, and the saved rollouts hold every trajectory."""
+        if not (self.enabled and self.wandb):
+            return
+        import wandb  # optional, as in __init__; here only when a W&B run exists
+
+        self.wandb.log({key: wandb.Table(columns=columns, data=rows)}, step=step)
+
     def close(self):
         if self.wandb:
             self.wandb.finish()

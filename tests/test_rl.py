@@ -36,8 +36,9 @@ from machinery.config import ConfigError, load_config
 from machinery.data import load_problems
 from machinery.distributed import compute_dtype, init_distributed
 from machinery.engine import Engine
-from machinery.metrics import step_metrics
+from machinery.metrics import MetricsLogger, step_metrics
 from machinery.prompts import load_format, read_format
+from machinery.saved_rollouts import read_rollouts, saved_steps, step_dir
 from machinery.training import TrainSample, collate, micro_batches, token_logprobs
 from rollout import Trajectory
 
@@ -467,6 +468,58 @@ def test_tool_error_ratio_in_correct_pools_the_calls_of_correct_trajectories_onl
 
 
 # -----------------------------------------------------------------------------
+# saved rollouts: what select_samples saw and chose, written and read back (no engine)
+
+def test_saved_rollouts_hold_what_selection_saw_and_chose_and_keep_the_newest_steps(tmp_path):
+    """rl.save_rollouts writes each trajectory with its reward, penalty, selection and advantage;
+    rl.saved_groups reads back Trajectory objects from which select_samples chooses exactly as it
+    did live. keep_rollouts=2 keeps the newest two saved steps; a step directory without its
+    step.json (a run killed while saving) is not a saved step."""
+    init_distributed()
+    cfg = rl.RLConfig(model="x", group_size=4, save_rollouts_every=2, keep_rollouts=2)
+    rows = [{"id": "p-0", "problem": "Compute 1 + 1.", "answer": "2"},
+            {"id": "p-1", "problem": "Compute 2 + 2.", "answer": "4"}]
+    groups = [[trajectory(0, i, errors=i % 2) for i in range(8)],
+              [trajectory(1, i) for i in range(8)]]
+    groups[0][3].tool_calls = [{"code": "print(1/0)", "stdin": "", "status": "error",
+                                "output": "ZeroDivisionError: division by zero"}]
+    rewards = [[1, 1, 1, 1, 1, 0, 0, 0], [0] * 8]
+    run = SimpleNamespace(cfg=cfg, out_dir=tmp_path, logger=MetricsLogger(tmp_path, enabled=False))
+    for step in range(7):  # saves steps 1, 3, 5, 7 (0-based 0, 2, 4, 6)
+        samples, _, records = rl.select_samples(groups, rewards, cfg, step, position=8 * step)
+        times = {}
+        rl.save_rollouts(run, step, 8 * step, rows, groups, rewards, records, samples, times)
+        assert times["save_rollouts"] >= 0
+    assert saved_steps(tmp_path) == [5, 7]
+    number, meta, saved = read_rollouts(tmp_path)  # the newest
+    assert (number, meta["data_position"], meta["ranks"], len(saved)) == (7, 48, 1, 16)
+    first = saved[3]
+    assert (first["id"], first["position"], first["reward"]) == ("p-0", 48, 1)
+    assert first["tool_calls"][0]["output"].startswith("ZeroDivisionError")
+    assert first["model_tokens"] == 6 and first["logprob_sum"] == pytest.approx(-3.0)
+    # the live choice, in the file
+    samples, _, records = rl.select_samples(groups, rewards, cfg, 6, position=48)
+    assert [r["selected"] for r in saved] == [r["selected"] for r in records]
+    live = {(s.problem_index, s.sample_index): s.advantage for s in samples}
+    assert {(r["problem_index"], r["sample_index"]): r["advantage"] for r in saved
+            if r["selected"]} == live and all(r["advantage"] is None for r in saved
+                                              if not r["selected"])
+    # read back, selection chooses the same
+    replayed_groups, replayed_rewards = rl.saved_groups(saved, meta, cfg)
+    assert replayed_groups == groups and replayed_rewards == rewards
+    again, _, _ = rl.select_samples(replayed_groups, replayed_rewards, cfg, 6, position=48)
+    assert {(s.problem_index, s.sample_index): s.advantage for s in again} == live
+    # plain GRPO may thin the 2G saved; RoC needs the count it was sampled with
+    rl.saved_groups(saved, meta, dataclasses.replace(cfg, algorithm="grpo"))
+    with pytest.raises(ConfigError, match="the saved step has 8 rollouts per prompt"):
+        rl.saved_groups(saved, meta, dataclasses.replace(cfg, group_size=5))
+    (step_dir(tmp_path, 7) / "step.json").unlink()
+    assert saved_steps(tmp_path) == [5]
+    with pytest.raises(ConfigError, match=r"replay_step=7: no complete saved step 7 .*saved: 5"):
+        read_rollouts(tmp_path, 7)
+
+
+# -----------------------------------------------------------------------------
 # stages: stage 3 starts from stage 2's master weights with a fresh optimizer; the data plan is
 # printed
 
@@ -732,6 +785,71 @@ def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_data_and_metrics(
         assert record["prompt_variant"] == "code" and (template, schema) == load_format(
             rollout.RolloutConfig(prompt_variant="code"))[:2]
     assert read_format(killed / "hf_step_2")[0]["written_by"] == "rl.py"
+
+
+@pytest.fixture(scope="module")
+def saved_run(sft_policy, tmp_path_factory):
+    """A real 2-step run (engine, executor, reward pool) that saves the rollouts of both steps and
+    a checkpoint after each."""
+    out = tmp_path_factory.mktemp("saved")
+    data = out / "train.jsonl"
+    data.write_text("".join(json.dumps({**p, "id": f"{p['id']}-{k}"}) + "\n"
+                            for k in range(3) for p in MEMO_PROBLEMS))
+    command = rl_command(sft_policy, data, out / "run") + ["save_rollouts_every=1"]
+    run(command, timeout=900)
+    return SimpleNamespace(dir=out / "run", args=command[2:])
+
+
+@pytest.mark.slow
+def test_a_replayed_step_reproduces_the_live_steps_kept_set_advantages_and_loss(saved_run):
+    """mode=replay reruns selection, advantages and the update on the saved trajectories, with the
+    weights that sampled them: the initial policy for step 1, checkpoints/step_1 for step 2 (a
+    policy one real update away). Both give the live step's kept trajectories, their advantages,
+    its loss and its gradient norm. With one optimizer step per RL step the ratio of Eq. 6 is 1, so
+    the loss's value is minus the token-mean advantage under any weights: the gradient is what the
+    weights decide, and under the wrong ones (the initial policy for step 2) it is another."""
+    live = [json.loads(line) for line in (saved_run.dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["selected"] > 0 for m in live)  # both steps trained: the loss is not trivial
+    for number in (1, 2):
+        cfg = load_config(rl.RLConfig, [*saved_run.args, "mode=replay", f"replay_step={number}"])
+        replayed = rl.replay(cfg)
+        _, _, records = read_rollouts(saved_run.dir, number)
+        assert replayed.kept == {(r["position"], r["sample_index"]): r["advantage"]
+                                 for r in records if r["selected"]}
+        for key in ("selected", "train_tokens", "loss", "grad_norm", "clip_high_fraction",
+                    "logprob_gap_mean"):
+            assert replayed.metrics[key] == pytest.approx(live[number - 1][key], rel=1e-5,
+                                                          abs=1e-7), (number, key)
+    # the negative control: step 2 under the initial policy, not the weights that sampled it
+    wrong = rl.replay(load_config(rl.RLConfig, [*saved_run.args, "mode=replay", "replay_step=2",
+                                                f"replay_weights={cfg.model}"]))
+    assert wrong.kept == replayed.kept
+    assert abs(wrong.metrics["grad_norm"] / live[1]["grad_norm"] - 1) > 1e-3
+    assert wrong.metrics["logprob_gap_mean"] > 100 * live[1]["logprob_gap_mean"]
+
+
+@pytest.mark.slow
+def test_replay_from_the_command_line_compares_and_says_which_weights_are_missing(saved_run,
+                                                                                  tmp_path):
+    """The command a forker types: another RoC rule on the saved step, printed beside the live
+    numbers, nothing written into the run. Without the checkpoint that sampled a step, the error
+    says which one is missing and which saved steps do replay."""
+    before = {p: p.stat().st_mtime_ns for p in saved_run.dir.rglob("*") if p.is_file()}
+    out = run([PYTHON, "rl.py", *saved_run.args, "mode=replay", "positive_rule=topk",
+               "replay_update_effect=true"], timeout=300).stdout
+    assert "replay of step 2" in out
+    assert "changed from the live run: positive_rule: sample -> topk\n" in out
+    assert "checkpoints/step_00000001 (the weights that sampled it)" in out
+    assert "replay/logprob_change_positives" in out and "replayed in" in out
+    assert {p: p.stat().st_mtime_ns for p in saved_run.dir.rglob("*") if p.is_file()} == before
+    # the rollouts alone, without the run's checkpoints
+    shutil.copytree(saved_run.dir / "rollouts", tmp_path / "rollouts")
+    args = [a if not a.startswith("out_dir=") else f"out_dir={tmp_path}" for a in saved_run.args]
+    proc = subprocess.run([PYTHON, "rl.py", *args, "mode=replay"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert ("replay of step 2: its rollouts were sampled by the weights after step 1" in proc.stderr
+            and "Saved steps that replay exactly: 1;" in proc.stderr)
 
 
 @pytest.mark.slow

@@ -1,0 +1,131 @@
+"""Saved rollouts: an RL step's trajectories as gzip-compressed JSONL under the run directory, to
+read what the model wrote and to replay the step's selection and loss offline (rl.py mode=replay).
+The format, field by field: docs/design.md (Saved rollouts).
+
+    RUN/rollouts/step_00000012/rank_00000.jsonl.gz   one JSON object per trajectory, this rank's
+    RUN/rollouts/step_00000012/step.json              written last: the step is complete
+
+    zcat RUN/rollouts/step_00000012/*.jsonl.gz | jq -c '{id, sample_index, reward, selected}'
+
+Step N is the N-th RL step, as in metrics.jsonl and checkpoints/step_N: its rollouts were sampled
+by the weights of checkpoints/step_{N-1} (the initial policy for N = 1). Every rank writes the
+groups it rolled out, so no rank gathers another's; a step directory without step.json (a run
+killed while saving) is never read.
+"""
+import gzip
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+
+from machinery.config import ConfigError, atomic_write_text
+
+ROLLOUTS_DIR = "rollouts"
+STEP_PREFIX = "step_"
+STEP_FILE = "step.json"
+# Level 1: a stage-1 rank writes ~40 MB of JSON per saved step; level 9 would take seconds of the
+# step for a file a few percent smaller (measured in docs/design.md, Saved rollouts).
+GZIP_LEVEL = 1
+# The fields of rollout.Trajectory a record carries under the same names (the token lists last, so
+# `zcat | head -c` shows the text first); replay rebuilds the Trajectory from exactly these.
+TRAJECTORY_FIELDS = ("problem_index", "sample_index", "response_text", "model_text", "tool_calls",
+                     "num_tool_calls", "num_tool_errors", "tool_errors_by_kind", "num_answer_tags",
+                     "num_turns", "finished", "truncated", "stop_reason", "prompt_ids",
+                     "response_ids", "loss_mask", "logprobs")
+
+
+def step_dir(run_dir, step):
+    return Path(run_dir) / ROLLOUTS_DIR / f"{STEP_PREFIX}{step:08d}"
+
+
+def rollout_record(trajectory, row, reward, penalty, selected, advantage, step, data_position):
+    """One line of the file: what a reader wants first (which problem, the outcome, the RoC
+    penalty, kept or not, token counts, the engine's log-prob sum), then the trajectory's own
+    fields. `row` is its train_data row; `advantage` None where it was not kept (Eq. 7 is over the
+    kept only)."""
+    t = trajectory
+    head = {"step": step, "data_position": data_position,
+            "position": data_position + t.problem_index,  # in the run's endless shuffled stream
+            "id": row.get("id"), "problem_text": row["problem"], "answer": row.get("answer"),
+            "reward": reward, "penalty": penalty, "selected": selected, "advantage": advantage,
+            "prompt_tokens": len(t.prompt_ids), "response_tokens": len(t.response_ids),
+            "model_tokens": sum(t.loss_mask),
+            # over the model-written tokens: the engine's log-prob of the whole sampled response
+            "logprob_sum": sum(lp for lp, m in zip(t.logprobs, t.loss_mask) if m)}
+    return {**head, **{name: getattr(t, name) for name in TRAJECTORY_FIELDS}}
+
+
+def write_rollouts(run_dir, step, records, meta, keep=0):
+    """Collective: every rank writes its records as rank_R.jsonl.gz of step `step`; once all have,
+    rank 0 writes step.json (`meta` plus the rank count) and keeps the newest `keep` saved steps
+    (0: all). Each file is written under a temporary name and renamed, as checkpoints are."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    folder = step_dir(run_dir, step)
+    if rank == 0 and folder.exists():  # a rerun of this step after a resume writes it anew
+        shutil.rmtree(folder)
+    dist.barrier()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"rank_{rank:05d}.jsonl.gz"
+    tmp = path.with_name(f".{path.name}.tmp")
+    with gzip.open(tmp, "wt", compresslevel=GZIP_LEVEL) as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+    os.replace(tmp, path)
+    dist.barrier()
+    if rank == 0:
+        atomic_write_text(folder / STEP_FILE,
+                          json.dumps({"step": step, "ranks": world_size, **meta}, indent=1) + "\n")
+        if keep:
+            for old in saved_steps(run_dir)[:-keep]:
+                shutil.rmtree(step_dir(run_dir, old), ignore_errors=True)
+    dist.barrier()
+    return folder
+
+
+def saved_steps(run_dir):
+    """The complete saved steps under run_dir, oldest first."""
+    root = Path(run_dir) / ROLLOUTS_DIR
+    if not root.is_dir():
+        return []
+    return sorted(int(p.name[len(STEP_PREFIX):]) for p in root.iterdir()
+                  if p.name.startswith(STEP_PREFIX) and (p / STEP_FILE).is_file())
+
+
+def read_rollouts(run_dir, step=0, rank=0, world_size=1):
+    """(step, its step.json, records) of saved step `step` (0: the newest), records sorted by
+    (problem_index, sample_index). With world_size > 1 a reader takes the files of the writing
+    ranks r with r % world_size == rank: a group is whole in its writer's file, so the groups are
+    dealt out whole, and each file is read once."""
+    steps = saved_steps(run_dir)
+    if not steps:
+        raise ConfigError(f"{Path(run_dir) / ROLLOUTS_DIR}: no saved rollouts; run rl.py with "
+                          "save_rollouts_every=N (N >= 1) and out_dir= this run")
+    step = step or steps[-1]
+    if step not in steps:
+        raise ConfigError(f"replay_step={step}: no complete saved step {step} under "
+                          f"{Path(run_dir) / ROLLOUTS_DIR} (saved: {', '.join(map(str, steps))})")
+    folder = step_dir(run_dir, step)
+    meta = json.loads((folder / STEP_FILE).read_text())
+    records = []
+    for writer in range(rank, meta["ranks"], world_size):
+        path = folder / f"rank_{writer:05d}.jsonl.gz"
+        if not path.is_file():
+            raise ConfigError(f"{path}: missing, though {STEP_FILE} says {meta['ranks']} ranks "
+                              "wrote this step")
+        with gzip.open(path, "rt") as f:
+            records.extend(json.loads(line) for line in f)
+    records.sort(key=lambda r: (r["problem_index"], r["sample_index"]))
+    return step, meta, records
+
+
+SAMPLE_TABLE_COLUMNS = ("step", "id", "sample_index", "reward", "penalty", "selected", "advantage",
+                        "num_tool_calls", "num_tool_errors", "response_tokens", "response_text")
+
+
+def sample_table(records, count):
+    """(columns, rows) of W&B's sample table: the first `count` records, whole groups first, so a
+    group's outcomes, penalties and RoC's choice read side by side."""
+    return list(SAMPLE_TABLE_COLUMNS), [[r[c] for c in SAMPLE_TABLE_COLUMNS]
+                                        for r in records[:count]]
