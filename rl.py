@@ -780,7 +780,9 @@ def replay(cfg):
     model, optimizer, source = replay_policy(cfg, run_dir, number, device, rank)
     tokenizer = AutoTokenizer.from_pretrained(check_model_dir(cfg.model))
     pad_id = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
-    # steps 4-7 as rl_step runs them
+    loaded = time.perf_counter()
+    # steps 4-7 as rl_step runs them, on its CPU threads: train_threads, else the 1 vLLM sets
+    cpu_threads(cfg.train_threads or 1, device)
     samples, probes, records = select_samples(groups, rewards, cfg, step, position)
     blocks = balance_blocks(samples, cfg, {})
     mine = [s for block in blocks for s in block]
@@ -798,8 +800,9 @@ def replay(cfg):
     kept = {key: a for part in parts for key, a in part[1].items()}
     live_kept = {(r["position"], r["sample_index"]) for r in read_rollouts(run_dir, number)[2]
                  if r["selected"]}
+    seconds = {"load": loaded - started, "steps 4-7": time.perf_counter() - loaded}
     print_replay(cfg, run_dir, number, meta, source, metrics, train_metrics, kept, live_kept,
-                 time.perf_counter() - started, world_size)
+                 seconds, world_size)
     return SimpleNamespace(metrics=metrics, kept=kept)
 
 
@@ -901,8 +904,8 @@ def print_replay(cfg, run_dir, number, meta, source, metrics, learner, kept, liv
             None, metrics[key]]
         print(f"{key:34}" + "".join(f"{'-' if v is None else f'{v:.6g}':>14}" for v in cells))
     print(f"kept: {len(kept)} trajectories, {len(set(kept) & live_kept)} of them kept live too "
-          f"(live kept {len(live_kept)})\nreplayed in {seconds:.1f} s on {world_size} rank(s)",
-          flush=True)
+          f"(live kept {len(live_kept)})\nreplayed on {world_size} rank(s): "
+          + ", ".join(f"{phase} {s:.1f} s" for phase, s in seconds.items()), flush=True)
 
 
 def flat_config(config, prefix=""):

@@ -840,7 +840,7 @@ def test_replay_from_the_command_line_compares_and_says_which_weights_are_missin
     assert "replay of step 2" in out
     assert "changed from the live run: positive_rule: sample -> topk\n" in out
     assert "checkpoints/step_00000001 (the weights that sampled it)" in out
-    assert "replay/logprob_change_positives" in out and "replayed in" in out
+    assert "replay/logprob_change_positives" in out and "replayed on 1 rank(s): load" in out
     assert {p: p.stat().st_mtime_ns for p in saved_run.dir.rglob("*") if p.is_file()} == before
     # the rollouts alone, without the run's checkpoints
     shutil.copytree(saved_run.dir / "rollouts", tmp_path / "rollouts")
