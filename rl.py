@@ -8,6 +8,7 @@ process to 64 GPUs.
         --master_addr=$MASTER_ADDR --master_port=29500 rl.py configs/stage1.yaml   # 64 GPUs
     python rl.py configs/stage3.yaml mode=filter          # stage-3 data: drop problems solved 8/8
     python rl.py configs/stage1.yaml mode=plan            # memory, bytes, time of a step per rank
+    python rl.py configs/tiny.yaml mode=replay positive_rule=topk   # a saved step again, offline
 
 Every rank is a trainer and a rollout worker at once (colocated, as verl's hybrid engine): an
 FSDP2 shard of the policy and its own in-process vLLM engine. One RL step, a function per phase:
@@ -15,7 +16,8 @@ FSDP2 shard of the policy and its own in-process vLLM engine. One RL step, a fun
     1. weight sync  the trainer's weights -> every engine, in memory (never through disk)
     2. rollouts     2G multi-turn trajectories per prompt with the Python tool (rollout.py, §3.2)
     3. rewards      0/1 on the final \\boxed{} answer, 0 if truncated (Eq. 3, §4.3.1; reward.py)
-    4. selection    drop all-equal groups, Resample-on-Correct keeps G of 2G (§2.2.3; grpo_roc.py)
+    4. selection    drop all-equal groups, Resample-on-Correct keeps G of 2G (§2.2.3; grpo_roc.py);
+                    every save_rollouts_every steps the trajectories and the choice go to disk
     5. balance      the kept trajectories spread across ranks by token count
     6. old logp     the trainer's, compared with the engine's (the sync guard); a pass of its own
                     only with mini_batches > 1, else from the update's own forward

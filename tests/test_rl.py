@@ -817,7 +817,7 @@ def test_a_replayed_step_reproduces_the_live_steps_kept_set_advantages_and_loss(
         assert replayed.kept == {(r["position"], r["sample_index"]): r["advantage"]
                                  for r in records if r["selected"]}
         for key in ("selected", "train_tokens", "loss", "grad_norm", "clip_high_fraction",
-                    "logprob_gap_mean"):
+                    "logprob_gap_mean", "entropy", "rollout_corr/log_ratio_mean"):
             assert replayed.metrics[key] == pytest.approx(live[number - 1][key], rel=1e-5,
                                                           abs=1e-7), (number, key)
     # the negative control: step 2 under the initial policy, not the weights that sampled it
@@ -825,6 +825,13 @@ def test_a_replayed_step_reproduces_the_live_steps_kept_set_advantages_and_loss(
                                                 f"replay_weights={cfg.model}"]))
     assert wrong.kept == replayed.kept
     assert abs(wrong.metrics["grad_norm"] / live[1]["grad_norm"] - 1) > 1e-3
+    # another correction setting on the same data: MIS with a bound inside the CPU engine's 1e-6
+    # gap drops some of the very tokens the live step trained on
+    masked = rl.replay(load_config(rl.RLConfig, [*saved_run.args, "mode=replay", "replay_step=2",
+                                                 "rollout_correction=token_mis",
+                                                 "rollout_is_threshold=1.000001"]))
+    assert masked.kept == replayed.kept and 0 < masked.metrics["rollout_corr/masked_fraction"] < 1
+    assert abs(masked.metrics["grad_norm"] / live[1]["grad_norm"] - 1) > 1e-3
     assert wrong.metrics["logprob_gap_mean"] > 100 * live[1]["logprob_gap_mean"]
 
 
