@@ -8,6 +8,8 @@
                                              # (audit_all_pairs=true: the fast path)
     python -m bench.rollout model=PATH       # the rollout loop vs plain LLM.generate, barrier vs
                                              # none, admission
+    python -m bench.rl configs/tiny.yaml     # rl.py's rollout phase inside real RL steps vs
+                                             # plain LLM.generate of the same requests
     python -m bench.sft CONFIG               # SFT with the shared prompt encoded once vs padded
                                              # batches
     python -m bench.scale                    # chunked log-prob peak; the balance's bytes per rank

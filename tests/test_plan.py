@@ -25,7 +25,8 @@ from machinery.distributed import init_distributed
 from machinery.engine import Engine
 from rollout import RolloutConfig
 from machinery.training import token_logprobs
-from tools.gpu_check import verdict
+from tools.gpu_check import GPUCheckConfig, step_bench_args, verdict
+from bench import rl as rl_bench
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -431,3 +432,15 @@ def test_gpu_check_ends_with_a_one_screen_verdict_per_check_and_phase():
     assert lines[4:] == [f"     {p['phase']:44} {1.5:7.1f} s  used {40.0:6.1f} GiB  "
                          f"peak {30.25:6.1f} GiB" for p in phases]
     assert max(map(len, lines)) <= 160
+
+
+def test_gpu_check_runs_the_in_step_rollout_benchmark_on_rl_py_s_1_gpu_config_tools_off(tmp_path):
+    """The GPU runs bench/rl.py; what it is asked to run is a valid rl.py config here too."""
+    args = step_bench_args(GPUCheckConfig(), tmp_path / "model", tmp_path / "train.jsonl")
+    bench_cfg, rl_args = rl_bench.split_args(args)
+    cfg = rl_bench.bench_rl_config(rl_args)
+    cfg.validate()
+    assert bench_cfg.bench_steps == GPUCheckConfig().step_bench_steps
+    assert (cfg.model, cfg.rollout.use_tool, cfg.filter_all_equal, cfg.eval_data, cfg.resume) == (
+        str(tmp_path / "model"), False, False, "", "never")
+    assert cfg.rollout.dtype == "bfloat16" and cfg.out_dir == "runs/bench-rl"

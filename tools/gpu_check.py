@@ -24,6 +24,9 @@ larger than the CPU one so the numbers mean something). It checks and times, in 
      Qwen3-4B-shaped model with random weights and the 151,936 vocabulary; per phase the device's
      used memory and PyTorch's peak, beside machinery/plan.py's numbers for the phase
      (`python -m tools.gpu_check only_cycle=true` runs it alone).
+  7. the RL step's rollout phase against plain LLM.generate of the same requests, same tokens
+     (bench/rl.py: rl.py's own steps, training before each rollout) on a Qwen3-1.7B-shaped model
+     with random weights, rl.py's 1-GPU config, tools off; target >= 0.95x.
 Results: printed as a Markdown block for GPU_CHECK.md and written to out_dir/gpu_check.json, then a
 one-screen verdict (PASS/FAIL per check, a row per RL-cycle phase). Exit code 1 if a check failed.
 Run under coverage (docs/coverage.md), it executes the method lines no CPU test runs: the CUDA
@@ -49,6 +52,7 @@ from machinery import plan
 import rl
 import rollout
 import tiny
+from bench import rl as rl_bench
 from bench import rollout as rollout_bench
 from machinery.config import load_config
 from machinery.distributed import init_distributed
@@ -96,6 +100,8 @@ class GPUCheckConfig:
     cycle_max_tokens: int = 256               # rollout length (random weights: the text is noise,
                                               # the memory is real)
     cycle_rounds: int = 2
+    # 7. the rollout phase inside rl.py's steps (bench/rl.py), Qwen3-1.7B's shape
+    step_bench_steps: int = 2
 
     def validate(self):
         if self.prompts < 1 or self.max_tokens < 1 or self.bench_trajectories < 1:
@@ -115,19 +121,26 @@ def trainer_logprobs(model, prompt_ids, response_ids, temperature=1.0):
         -1, torch.tensor(response_ids, device="cuda")[:, None])[:, 0].cpu()
 
 
-def cycle_model(cfg, out):
+# Qwen3-1.7B's shape (its config.json), for the in-step rollout benchmark
+QWEN3_1P7B_SHAPE = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                        num_attention_heads=16, num_key_value_heads=8)
+
+
+def cycle_model(cfg, out, shape=None, name="cycle-model"):
     """A Qwen3-shaped model with random bf16 weights and the tiny tokenizer (ids past it are never
     needed), saved as a Hugging Face directory: what machinery.checkpoint.load_policy and the engine
-    read."""
-    model_dir = out / "cycle-model"
+    read. shape: hidden_size, intermediate_size, num_hidden_layers, num_attention_heads and
+    num_key_value_heads (default: the cycle_* keys)."""
+    model_dir = out / name
     if (model_dir / "config.json").is_file():
         return model_dir
+    shape = shape or dict(hidden_size=cfg.cycle_hidden_size,
+                          intermediate_size=cfg.cycle_intermediate_size,
+                          num_hidden_layers=cfg.cycle_num_hidden_layers,
+                          num_attention_heads=cfg.cycle_num_attention_heads,
+                          num_key_value_heads=cfg.cycle_num_key_value_heads)
     tokenizer = tiny.build_tokenizer(tiny.TinyConfig())
-    config = Qwen3Config(vocab_size=cfg.cycle_vocab_size, hidden_size=cfg.cycle_hidden_size,
-                         intermediate_size=cfg.cycle_intermediate_size,
-                         num_hidden_layers=cfg.cycle_num_hidden_layers,
-                         num_attention_heads=cfg.cycle_num_attention_heads,
-                         num_key_value_heads=cfg.cycle_num_key_value_heads, head_dim=128,
+    config = Qwen3Config(vocab_size=cfg.cycle_vocab_size, **shape, head_dim=128,
                          tie_word_embeddings=True, max_position_embeddings=32768,
                          eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
                          pad_token_id=tokenizer.pad_token_id)
@@ -213,6 +226,31 @@ def rl_cycle(cfg, out, results):
     engine.close()
 
 
+def step_bench_args(cfg, model_dir, train_data):
+    """bench/rl.py's arguments: rl.py's 1-GPU config on the random model, tools off (random weights
+    never call it), every group trained (all rewards are 0), CUDA graphs as configured."""
+    return ["configs/qwen3_1p7b_1gpu.yaml", f"model={model_dir}", f"train_data={train_data}",
+            "rollout.use_tool=false", "filter_all_equal=false", "rollout.max_response_tokens=1024",
+            f"rollout.enforce_eager={cfg.enforce_eager}", f"bench_steps={cfg.step_bench_steps}"]
+
+
+def step_bench(cfg, out, results):
+    """7: the rollout phase inside rl.py's steps against plain LLM.generate (bench/rl.py)."""
+    init_distributed()
+    model_dir = cycle_model(cfg, out, QWEN3_1P7B_SHAPE, "step-bench-model")
+    train_data = out / "step-bench-train.jsonl"
+    train_data.write_text("".join(json.dumps(row) + "\n"
+                                  for row in tiny.make_arithmetic_problems(512, seed=3)))
+    bench_cfg, rl_args = rl_bench.split_args(step_bench_args(cfg, model_dir, train_data))
+    rows = rl_bench.bench(bench_cfg, rl_bench.bench_rl_config(rl_args))
+    seconds = {mode: sum(r["seconds"] for r in rows if r["mode"] == mode)
+               for mode in ("plain LLM.generate", "rl.py rollout phase")}
+    results["rl_step_rollout"] = {
+        "rollout_phase_over_plain": seconds["plain LLM.generate"] / seconds["rl.py rollout phase"],
+        "plain_s": seconds["plain LLM.generate"], "rollout_phase_s": seconds["rl.py rollout phase"],
+        "rows": rows}
+
+
 def main(cfg):
     if not torch.cuda.is_available():
         sys.exit("gpu_check.py: no CUDA (or ROCm) GPU here; it has not run on this machine. "
@@ -234,6 +272,8 @@ def main(cfg):
     if not cfg.only_cycle:
         checks_1_to_5(cfg, out, results, check)
     check("rl_cycle", lambda: rl_cycle(cfg, out, results))
+    if not cfg.only_cycle:
+        check("rl_step_rollout", lambda: step_bench(cfg, out, results))
     results["failures"] = failures
     (out / "gpu_check.json").write_text(json.dumps(results, indent=1))
     print("\n## gpu_check.py results\n```json\n" + json.dumps(results, indent=1) + "\n```")
