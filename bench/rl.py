@@ -27,6 +27,7 @@ import gc
 import hashlib
 import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -53,10 +54,10 @@ def split_args(argv):
     return load_config(BenchConfig, ours), [a for a in argv if not a.startswith("bench_")]
 
 
-def bench_rl_config(rl_argv):
-    """The RL config, in a run directory of its own, never resumed, without evaluations or
-    checkpoints: only steps and their rollouts are measured."""
-    return load_config(rl.RLConfig, [*rl_argv, "out_dir=runs/bench-rl", "resume=never",
+def bench_rl_config(rl_argv, out_dir):
+    """The RL config in `out_dir`, a fresh run directory (machinery/run_dir.py), never resumed,
+    without evaluations or checkpoints: only steps and their rollouts are measured."""
+    return load_config(rl.RLConfig, [*rl_argv, f"out_dir={out_dir}", "resume=never",
                                      "init_from=", "eval_data=", "steps=1000000",
                                      "save_every=1000000"])
 
@@ -315,10 +316,11 @@ def print_table(rows, cfg):
 
 
 if __name__ == "__main__":
-    try:
-        bench_config, rl_args = split_args(sys.argv[1:])
-        config = bench_rl_config(rl_args)
-    except ConfigError as e:
-        sys.exit(f"bench.rl: {e}")
-    configure_vllm_logging(config.verbose)
-    bench(bench_config, config)
+    with tempfile.TemporaryDirectory(prefix="bench-rl-") as run_dir:
+        try:
+            bench_config, rl_args = split_args(sys.argv[1:])
+            config = bench_rl_config(rl_args, run_dir)
+        except ConfigError as e:
+            sys.exit(f"bench.rl: {e}")
+        configure_vllm_logging(config.verbose)
+        bench(bench_config, config)

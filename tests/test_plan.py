@@ -438,9 +438,9 @@ def test_gpu_check_runs_the_in_step_rollout_benchmark_on_rl_py_s_1_gpu_config_to
     """The GPU runs bench/rl.py; what it is asked to run is a valid rl.py config here too."""
     args = step_bench_args(GPUCheckConfig(), tmp_path / "model", tmp_path / "train.jsonl")
     bench_cfg, rl_args = rl_bench.split_args(args)
-    cfg = rl_bench.bench_rl_config(rl_args)
+    cfg = rl_bench.bench_rl_config(rl_args, tmp_path / "run")
     cfg.validate()
     assert bench_cfg.bench_steps == GPUCheckConfig().step_bench_steps
     assert (cfg.model, cfg.rollout.use_tool, cfg.filter_all_equal, cfg.eval_data, cfg.resume) == (
         str(tmp_path / "model"), False, False, "", "never")
-    assert cfg.rollout.dtype == "bfloat16" and cfg.out_dir == "runs/bench-rl"
+    assert cfg.rollout.dtype == "bfloat16" and cfg.out_dir == str(tmp_path / "run")

@@ -39,6 +39,7 @@ import itertools
 import json
 import os
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -242,7 +243,8 @@ def step_bench(cfg, out, results):
     train_data.write_text("".join(json.dumps(row) + "\n"
                                   for row in tiny.make_arithmetic_problems(512, seed=3)))
     bench_cfg, rl_args = rl_bench.split_args(step_bench_args(cfg, model_dir, train_data))
-    rows = rl_bench.bench(bench_cfg, rl_bench.bench_rl_config(rl_args))
+    run_dir = tempfile.mkdtemp(prefix="step-bench-run-", dir=out)  # resume=never: a fresh one
+    rows = rl_bench.bench(bench_cfg, rl_bench.bench_rl_config(rl_args, run_dir))
     seconds = {mode: sum(r["seconds"] for r in rows if r["mode"] == mode)
                for mode in ("plain LLM.generate", "rl.py rollout phase")}
     results["rl_step_rollout"] = {
