@@ -458,7 +458,7 @@ def plot_ablation(runs, arms, cfg):
 
 if __name__ == "__main__":
     try:
-        config = load_config(DemoConfig, sys.argv[1:])
+        config = load_config(DemoConfig, sys.argv[1:], doc=__doc__)
     except ConfigError as e:
         sys.exit(f"demo.py: {e}")
     ablation(config) if config.ablation else demo(config)

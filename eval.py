@@ -347,7 +347,7 @@ def evaluate(model_path, problems, cfg, engine=None, executor=None, tokenizer=No
 
 def main(argv=None):
     try:  # bad input stops here, before any engine starts, with one line that names the problem
-        cfg = load_config(EvalConfig, argv)
+        cfg = load_config(EvalConfig, argv, doc=__doc__)
         # Relative to the repo, like every path in a config.
         cfg.model = check_model_dir(cfg.model, allow_hub_id=False)
         # Before save_config, so config.yaml says what ran.

@@ -197,6 +197,6 @@ def main(cfg):
 
 if __name__ == "__main__":
     try:
-        main(load_config(PrepareConfig, sys.argv[1:]))
+        main(load_config(PrepareConfig, sys.argv[1:], doc=__doc__))
     except ConfigError as e:
         sys.exit(f"prepare_data.py: {e}")

@@ -41,6 +41,7 @@ import math
 import os
 import statistics
 import sys
+import textwrap
 import time
 from types import SimpleNamespace
 from typing import Literal
@@ -65,6 +66,8 @@ from machinery.distributed import (TORCH_THREADS, add_traffic, balance_by_tokens
                                    cpu_threads, free_cached_memory, full_weights, init_distributed,
                                    own_groups)
 from machinery.engine import Engine, configure_vllm_logging
+from machinery.exits import (close_progress_bars, exit_status, interrupted, is_main_rank,
+                             rerun_command, shown, stop_on_signals, training_interrupted)
 from machinery.metrics import (MetricsLogger, TimedExecutor, pass_at_k, sample_metrics,
                                step_metrics, timed, trajectory_record)
 from machinery.model import save_hf_model
@@ -128,6 +131,7 @@ class RLConfig:
     # thread beat 2: 5x in vLLM decoding (OpenMP spin-waits), 2x in training.
     train_threads: int = 0
     logprob_gap_warn: float = 0.05  # sync guard: warn above this mean |trainer - engine| gap
+    untrained_steps_warn: int = 3  # warn when this many steps in a row train on nothing; 0 = never
     # checkpoints and logs
     save_every: int = 10
     keep_checkpoints: int = 2
@@ -184,7 +188,7 @@ class RLConfig:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
         for name in ("warmup_steps", "micro_batch_size", "eval_every", "world_size",
                      "train_threads", "logprob_chunk_tokens", "wandb_samples",
-                     "save_rollouts_every", "keep_rollouts", "replay_step"):
+                     "save_rollouts_every", "keep_rollouts", "replay_step", "untrained_steps_warn"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0")
         if not self.lr > 0:
@@ -565,6 +569,35 @@ def gather_metrics(local, learner, step, cfg, rank, world_size):
     return metrics
 
 
+def warn_untrained(streak, metrics, cfg):
+    """A loud warning when `streak` steps in a row trained on nothing (every group all-equal and
+    dropped, §2.2.3), at untrained_steps_warn steps and at each doubling after: the console's
+    accuracy alone does not say that no update happens. The reason comes from the last step."""
+    if not cfg.untrained_steps_warn or streak < cfg.untrained_steps_warn:
+        return
+    if streak & (streak - 1) and streak != cfg.untrained_steps_warn:  # not a power of two
+        return
+    groups = metrics["groups"]
+    if metrics["all_equal_group_fraction"] == 1.0:
+        right = round(metrics["accuracy"] * groups)  # all-equal groups: accuracy = all-1 groups
+        why = (f"every group is all-equal: {groups - right} of {groups} groups got reward 0 on "
+               f"every rollout, {right} got reward 1 on every rollout, and filter_all_equal drops "
+               "them (a group with one reward has no advantage, Eq. 7)")
+        if right == 0:
+            why += (". All rewards are 0: too hard a task for this policy, an answer format "
+                    "reward.py cannot read, the tool off (rollout.use_tool=false), or too small a "
+                    f"rollout.max_response_tokens (truncation_ratio "
+                    f"{metrics['truncation_ratio']:.2f})")
+        elif right == groups:
+            why += (". All rewards are 1: too easy problems for this policy (mode=filter drops "
+                    "the ones it always solves)")
+    else:
+        why = "no kept trajectory had a model-written token"
+    text = textwrap.fill(f"WARNING: {streak} steps in a row trained on nothing (skipped_updates in "
+                         f"metrics.jsonl): {why}.", 100)
+    print(f"\n{'!' * 100}\n{text}\n{'!' * 100}", flush=True)
+
+
 def evaluate_held_out(run):
     """Held-out accuracy (eval/ metrics and time/eval) through the training engine, as eval.py
     measures it: eval_samples trajectories per problem at eval_temperature, the reward of Eq. 3."""
@@ -699,8 +732,13 @@ def train(cfg):
         run.logger.log(0, metrics)
     progress = tqdm(total=cfg.steps, initial=run.state["step"], desc="rl", disable=run.rank != 0,
                     dynamic_ncols=True)
+    untrained = streak = 0  # steps that trained on nothing: in all, and in a row up to now
     for step in range(run.state["step"], cfg.steps):
         metrics = rl_step(run, step)
+        if run.rank == 0:
+            nothing = metrics["selected"] == 0
+            untrained, streak = untrained + nothing, (streak + 1) * nothing
+            warn_untrained(streak, metrics, cfg)
         if run.eval_rows and (step + 1 == cfg.steps
                               or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)):
             metrics.update(evaluate_held_out(run))
@@ -716,13 +754,23 @@ def train(cfg):
     run.logger.close()
     # The trained policy as a Hugging Face directory (what eval.py, vLLM and the next stage load)
     # in the engine's dtype (bf16 on GPU); the fp32 master weights stay in the DCP checkpoint.
-    save_hf_model(run.model, run.tokenizer, run.model_path,
-                  run.out_dir / f"hf_step_{run.state['step']}", compute_dtype(run.device),
+    hf_dir = run.out_dir / f"hf_step_{run.state['step']}"
+    save_hf_model(run.model, run.tokenizer, run.model_path, hf_dir, compute_dtype(run.device),
                   run.rank, load_format(cfg.rollout)[:2], "rl.py")
     if run.executor:
         run.executor.close()
     run.engine.close()
     finish_run_dir(run.dir, run.state["step"])
+    if run.rank == 0:
+        if untrained:
+            print(f"WARNING: {untrained} of the run's steps trained on nothing "
+                  "(skipped_updates in metrics.jsonl)", flush=True)
+        # configs/eval_tiny.yaml on CPU: configs/eval.yaml's 30K-token budget is for a GPU
+        eval_config = "configs/eval.yaml" if run.device.type == "cuda" else "configs/eval_tiny.yaml"
+        print(f"rl.py: wrote {shown(hf_dir)} (the trained policy, a Hugging Face directory), "
+              f"{shown(run.out_dir / 'metrics.jsonl')} (a row per step) and "
+              f"{shown(run.ckpt_root)} (resumable)\n"
+              f"next: python eval.py {eval_config} model={shown(hf_dir)}", flush=True)
     return metrics
 
 
@@ -924,10 +972,23 @@ def flat_config(config, prefix=""):
     return out
 
 
+def interrupt_paragraph(cfg):
+    """What rank 0 prints when Ctrl-C or SIGTERM stops rl.py (cfg: None before it is read)."""
+    if cfg is None or cfg.mode in ("plan", "replay"):  # they write nothing
+        return "rl.py: interrupted"
+    if cfg.mode == "filter":
+        return (f"rl.py: interrupted; mode=filter writes {cfg.train_data} only after the whole "
+                f"pass, so it is unchanged. Rerun: {rerun_command('rl.py', sys.argv[1:])}")
+    return training_interrupted("rl.py", sys.argv[1:], resolve(cfg.out_dir), cfg.steps,
+                                cfg.save_every, cfg.resume)
+
+
 if __name__ == "__main__":
+    stop_on_signals()
+    config = None
     try:
         argv, plan_args = split_plan_args(sys.argv[1:], RLConfig)  # plan_*=...: the plan's keys
-        config = load_config(RLConfig, argv)
+        config = load_config(RLConfig, argv, doc=__doc__)
         configure_vllm_logging(config.verbose)
         if config.mode == "plan" or plan_args:  # no process group, no model: the config's world
             print_plan(config, config.world_size or int(os.environ.get("WORLD_SIZE", "1")),
@@ -936,3 +997,12 @@ if __name__ == "__main__":
             {"filter": filter_solved, "replay": replay}.get(config.mode, train)(config)
     except ConfigError as e:
         sys.exit(f"rl.py: {e}")
+    except (KeyboardInterrupt, Exception):
+        if not interrupted():  # a real error: its traceback
+            raise
+        # Ctrl-C or SIGTERM (on another rank too: then a collective here fails): one paragraph
+        # on rank 0, no traceback; the engine, tool and grading workers close at exit
+        if is_main_rank():
+            close_progress_bars()
+            print(interrupt_paragraph(config), flush=True)
+        sys.exit(exit_status())

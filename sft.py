@@ -408,7 +408,7 @@ def train(cfg):
 
 if __name__ == "__main__":
     try:
-        config = load_config(SFTConfig, sys.argv[1:])
+        config = load_config(SFTConfig, sys.argv[1:], doc=__doc__)
         train(config)
     except ConfigError as e:
         sys.exit(f"sft.py: {e}")

@@ -21,7 +21,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
 
-from machinery.config import REPO, atomic_write_text, load_config
+from machinery.config import REPO, ConfigError, atomic_write_text, load_config
 from machinery.data import load_jsonl
 from executor import Executor
 from rollout import format_tool_response, RolloutConfig
@@ -347,7 +347,10 @@ def build_tiny_model(cfg=None):
 
 
 if __name__ == "__main__":
-    config = load_config(TinyConfig, sys.argv[1:])
+    try:
+        config = load_config(TinyConfig, sys.argv[1:], doc=__doc__)
+    except ConfigError as e:
+        sys.exit(f"tiny.py: {e}")
     build_tiny_model(config)
     if config.sft_data:
         write_sft_transcripts(config)

@@ -2,8 +2,12 @@
 the key, the file and the line; the repo root and paths relative to it; atomic file writes."""
 import dataclasses
 import difflib
+import inspect
+import io
 import os
 import sys
+import textwrap
+import tokenize
 import typing
 from pathlib import Path
 import yaml
@@ -103,12 +107,18 @@ def _apply(cfg, updates, source, lines, prefix=""):
             setattr(cfg, key, _coerce(value, tp, where))
 
 
-def load_config(cls, argv=None):
+def load_config(cls, argv=None, doc=None):
     """Build a `cls` dataclass from `[CONFIG.yaml] [key=value ...]` (default: sys.argv[1:]): the
     dataclass's defaults, then the YAML file, then the overrides, parsed as YAML scalars (`lr=1e-6`,
-    `benchmarks=aime24,aime25`)."""
+    `benchmarks=aime24,aime25`). `-h`/`--help` prints config_help (with `doc`, the script's
+    docstring, for its commands) and exits; a bare command line that the defaults cannot run gets
+    the same text after its error."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(config_help(cls, doc), flush=True)
+        sys.exit(0)
     cfg = cls()
+    bare = not argv
     if argv and "=" not in argv[0]:
         path = Path(argv.pop(0))
         if not path.is_file():
@@ -126,7 +136,7 @@ def load_config(cls, argv=None):
     for arg in argv:
         if "=" not in arg:
             raise ConfigError(f"command line: bad override {arg!r}; expected key=value "
-                              "(the config file must come first)")
+                              "(the config file must come first; --help lists the keys)")
         key, raw = arg.split("=", 1)
         if not key:
             raise ConfigError(f"command line: bad override {arg!r}; the key is empty")
@@ -139,17 +149,149 @@ def load_config(cls, argv=None):
             value = {part: value}
         _apply(cfg, value, "command line", {})
     if hasattr(cfg, "validate"):
-        cfg.validate()
+        try:
+            cfg.validate()
+        except ConfigError as e:
+            if bare:  # the script run with nothing: what is missing, then what it takes
+                raise ConfigError(f"{e}\n\n{config_help(cls, doc)}") from None
+            raise
     return cfg
 
 
+# -----------------------------------------------------------------------------
+# --help: the usage and every key with its default and its comment, read from the dataclass's
+# source, so the help is the code's own documentation and cannot drift from it
+
+def _script():
+    name = Path(sys.argv[0]).name if sys.argv else ""
+    return name if name.endswith(".py") else "SCRIPT.py"
+
+
+def usage_line():
+    script = _script()
+    return f"usage: python {script} [CONFIG.yaml] [key=value ...]        (-h, --help: this text)"
+
+
+def _commands(doc):
+    """The docstring's first paragraph and its first indented block: the script's own commands."""
+    if not doc:
+        return ""
+    paragraphs = textwrap.dedent(doc).strip("\n").split("\n\n")
+    commands = next((p for p in paragraphs[1:] if p.startswith(" ")), None)
+    return "\n\n".join(paragraphs[:1] + ([commands] if commands else []))
+
+
+def field_comments(cls):
+    """({field: its comment}, {field: the heading comments above it}) from the class's source: a
+    field's comment is the one on its line plus the comment lines indented past the body below it;
+    a comment line at the body's indent heads the next field. Read with tokenize: a '#' in a string
+    is no comment."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}, {}
+    fields = {f.name for f in dataclasses.fields(cls)}
+    lines = source.splitlines()
+    comments, headings, pending, last, body_indent = {}, {}, [], None, None
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        row, col = token.start
+        code = lines[row - 1][:col].strip() if row <= len(lines) else ""
+        if token.type == tokenize.NAME and not code and token.string in fields:
+            body_indent = col if body_indent is None else body_indent
+            last = token.string
+            if pending:
+                headings[last], pending = pending, []
+        if token.type != tokenize.COMMENT:
+            continue
+        text = token.string.lstrip("#").strip()
+        if code.split(":")[0].strip() == last and code:
+            comments[last] = text
+        elif not code and last in comments and body_indent is not None and col > body_indent:
+            comments[last] += " " + text  # a continuation line
+        elif not code:
+            pending.append(text)
+            last = None
+    return comments, headings
+
+
+def _value_text(value):
+    if isinstance(value, str):
+        return repr(value) if value == "" or ":" in value or " " in value else value
+    return yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix(
+        "\n...").strip()
+
+
+def _keys_help(cls, instance, prefix=""):
+    by_field, headings = field_comments(cls)
+    hints = typing.get_type_hints(cls)
+    lines = []
+    for f in dataclasses.fields(cls):
+        lines += [f"  # {heading}" for heading in headings.get(f.name, [])]
+        value, key = getattr(instance, f.name), prefix + f.name
+        if dataclasses.is_dataclass(value):
+            lines.append(f"  {key}: a section ({type(value).__name__}): {key}.KEY=VALUE, or a "
+                         f"`{f.name}:` mapping in YAML")
+            lines += _keys_help(type(value), value, key + ".")
+            continue
+        comment = by_field.get(f.name, "")
+        if typing.get_origin(hints[f.name]) is typing.Literal:
+            comment = f"[{' | '.join(map(str, typing.get_args(hints[f.name])))}] {comment}".strip()
+        head = f"  {key} = {_value_text(value)}"
+        if not comment:
+            lines.append(head)
+            continue
+        if len(head) >= 40:
+            lines.append(head)
+            head = ""
+        lines += textwrap.wrap(comment, 100, initial_indent=f"{head:<40} ",
+                               subsequent_indent=" " * 41)
+    return lines
+
+
+def config_help(cls, doc=None):
+    """What --help prints: the usage line, the script's commands, and every key of `cls` with its
+    default and its comment, in the order and under the headings of the source."""
+    parts = [usage_line()]
+    commands = _commands(doc)
+    if commands:
+        parts.append(commands)
+    parts.append(f"{cls.__name__} (KEY = default): a YAML file sets them, key=value on the command "
+                 "line overrides it.\n" + "\n".join(_keys_help(cls, cls())))
+    return "\n\n".join(parts)
+
+
+def changed_keys(cfg, defaults=None, prefix=""):
+    """{dotted key: value} of every setting of `cfg` that differs from its dataclass's defaults."""
+    defaults = type(cfg)() if defaults is None else defaults
+    out = {}
+    for f in dataclasses.fields(cfg):
+        value, default = getattr(cfg, f.name), getattr(defaults, f.name)
+        if dataclasses.is_dataclass(value) and dataclasses.is_dataclass(default):
+            out.update(changed_keys(value, default, f"{prefix}{f.name}."))
+        elif value != default:
+            out[prefix + f.name] = value
+    return out
+
+
+def config_summary(cfg, saved_to=None):
+    """A few console lines about the config: the settings that differ from the defaults; the whole
+    of it is in config.yaml (`saved_to`)."""
+    changed = changed_keys(cfg)
+    items = " ".join(f"{key}={_value_text(value)}" for key, value in changed.items())
+    where = f", all of them in {saved_to}" if saved_to else ""
+    head = (f"{type(cfg).__name__}: {len(changed)} settings differ from the defaults "
+            f"(--help{where}):")
+    return "\n".join([head] + textwrap.wrap(items, 100, initial_indent="  ",
+                                            subsequent_indent="  "))
+
+
 def save_config(cfg, run_dir):
-    """Print the resolved config and save it as run_dir/config.yaml, so every run says what it ran
-    with."""
+    """Save the resolved config as run_dir/config.yaml, so every run says what it ran with, and
+    print its summary (config_summary)."""
     text = yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
-    print(f"# {type(cfg).__name__}\n{text}", flush=True)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     atomic_write_text(Path(run_dir) / "config.yaml", text)
+    print(config_summary(cfg, Path(run_dir) / "config.yaml"), flush=True)
 
 
 def atomic_write_text(path, text):
