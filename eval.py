@@ -45,6 +45,8 @@ from machinery.config import ConfigError, load_config, resolve, save_config
 from machinery.data import BENCHMARKS, load_problems
 from machinery.distributed import init_distributed
 from machinery.engine import configure_vllm_logging, Engine
+from machinery.exits import (RECEIVED, close_progress_bars, exit_status, interrupted,
+                             is_main_rank, rerun_command, shown, stop_on_signals)
 from machinery.metrics import pass_at_k, sample_metrics, trajectory_record
 from machinery.model import check_model_dir
 from machinery.prompts import AUTO_VARIANT, apply_model_format, render_prompt
@@ -78,7 +80,7 @@ class EvalConfig:
     n: int = 16                      # samples per problem (paper §5.1: 16)
     ks: list[int] = dataclasses.field(default_factory=list)  # pass@k, maj@k; [] = default_ks
     seed: int = 0                    # request seeds derive from (seed, chunk, problem, sample)
-    out_dir: str = "runs/eval"
+    out_dir: str = ""                # "" = runs/eval/<model's folder>-<model>: one per model
     resume: bool = True              # reuse the finished problems in out_dir/samples.jsonl
     chunk_problems: int = CHUNK_PROBLEMS  # problems per generate(); samples.jsonl grows after each
     require_answer_tag: bool = False  # grade only a \boxed{} inside <answer>...</answer>
@@ -345,11 +347,34 @@ def evaluate(model_path, problems, cfg, engine=None, executor=None, tokenizer=No
 # -----------------------------------------------------------------------------
 # command line
 
+def default_out_dir(model_path):
+    """runs/eval/<parent>-<name> of the model directory (runs/tiny-rl/hf_step_20 ->
+    runs/eval/tiny-rl-hf_step_20): a second model never finds the first one's samples, which a
+    shared directory would refuse to mix (machinery/results.py)."""
+    model_path = Path(model_path)
+    return str(Path("runs/eval") / f"{model_path.parent.name}-{model_path.name}".strip("-"))
+
+
+def interrupt_paragraph(cfg, argv):
+    """What rank 0 prints when Ctrl-C or SIGTERM stops eval.py: samples.jsonl keeps every finished
+    chunk, and the same command generates only the rest."""
+    if cfg is None:
+        return "eval.py: interrupted"
+    samples = Path(resolve(cfg.out_dir)) / "samples.jsonl"
+    lines = sum(1 for line in open(samples) if line.strip()) if samples.is_file() else 0
+    return (f"eval.py: interrupted by {', '.join(RECEIVED) or 'SIGINT'}; {shown(samples)} keeps "
+            f"the {lines // cfg.n} problems finished so far (x {cfg.n} samples), written every "
+            f"chunk_problems={cfg.chunk_problems}.\nTo resume (resume=true generates only the "
+            f"rest): {rerun_command('eval.py', argv, {} if cfg.resume else {'resume': 'true'})}")
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
     try:  # bad input stops here, before any engine starts, with one line that names the problem
         cfg = load_config(EvalConfig, argv, doc=__doc__)
         # Relative to the repo, like every path in a config.
         cfg.model = check_model_dir(cfg.model, allow_hub_id=False)
+        cfg.out_dir = cfg.out_dir or default_out_dir(cfg.model)
         # Before save_config, so config.yaml says what ran.
         cfg.rollout = apply_model_format(cfg.rollout, cfg.model)
         problems = load_benchmarks(cfg)
@@ -365,9 +390,24 @@ def main(argv=None):
         sys.exit(f"eval.py: {e}")  # torchrun then stops the other ranks
     if rank == 0:  # every rank holds the summary; one prints it
         print(f"\n{cfg.model}\n" + markdown_table(summary), flush=True)
-        print(f"[eval] wrote {Path(cfg.out_dir) / 'summary.json'}, summary.md and samples.jsonl",
-              flush=True)
+        out = shown(resolve(cfg.out_dir))
+        print(f"eval.py: wrote {out}/summary.md (this table), {out}/summary.json and "
+              f"{out}/samples.jsonl (every sample, with its transcript)", flush=True)
 
 
 if __name__ == "__main__":  # vLLM's engine may spawn processes that re-import this file
-    main()
+    stop_on_signals()
+    try:
+        main()
+    except (KeyboardInterrupt, Exception):
+        if not interrupted():  # a real error: its traceback
+            raise
+        if is_main_rank():  # one paragraph, no traceback; engine and workers close at exit
+            close_progress_bars()
+            try:
+                config = load_config(EvalConfig, sys.argv[1:])
+                config.out_dir = config.out_dir or default_out_dir(resolve(config.model))
+            except ConfigError:
+                config = None
+            print(interrupt_paragraph(config, sys.argv[1:]), flush=True)
+        sys.exit(exit_status())

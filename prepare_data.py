@@ -193,6 +193,8 @@ def main(cfg):
           f"{len(new_rows)} new from {cfg.source})")
     for reason, count in dropped.most_common():
         print(f"  dropped {count}: {reason}")
+    print(f"next: python rl.py configs/stage1.yaml train_data={cfg.out}   (the paper's stage 1 on "
+          "these problems; add model=... for your SFT policy)")
 
 
 if __name__ == "__main__":

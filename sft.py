@@ -62,6 +62,8 @@ from machinery.conversations import (IGNORE, chat_text, check_context, check_con
                                      shared_prefix_length)
 from machinery.data import load_jsonl
 from machinery.distributed import cpu_threads, init_distributed, seed_everything
+from machinery.exits import (close_progress_bars, exit_status, interrupted, is_main_rank, shown,
+                             stop_on_signals, training_interrupted)
 from machinery.metrics import MetricsLogger
 from machinery.model import build_model, check_model_dir, save_hf_model
 from machinery.prompts import DATA_PLACEHOLDER, encode_rendered
@@ -400,16 +402,33 @@ def train(cfg):
                         keep_through=run_dir.keep_through)
     save_hf_model(model, tokenizer, model_path, out_dir / "final", save_dtype, rank,
                   prompt_format(cfg, tokenizer), "sft.py")
-    if rank == 0:
-        print(f"saved {out_dir / 'final'}", flush=True)
     finish_run_dir(run_dir, total_steps)
+    if rank == 0:
+        # configs/tiny.yaml on CPU (the demo's RL stage), the paper's stage 1 on a GPU
+        rl_config = "configs/stage1.yaml" if device.type == "cuda" else "configs/tiny.yaml"
+        print(f"sft.py: wrote {shown(out_dir / 'final')} (the model, a Hugging Face directory) and "
+              f"{shown(out_dir / 'metrics.jsonl')}\n"
+              f"next: python rl.py {rl_config} model={shown(out_dir / 'final')}", flush=True)
     return model, tokenizer
 
 
 if __name__ == "__main__":
+    stop_on_signals()
+    config = None
     try:
         config = load_config(SFTConfig, sys.argv[1:], doc=__doc__)
         train(config)
     except ConfigError as e:
         sys.exit(f"sft.py: {e}")
+    except (KeyboardInterrupt, Exception):
+        if not interrupted():  # a real error: its traceback
+            raise
+        # Ctrl-C or SIGTERM (on another rank too: then a collective here fails): one paragraph
+        # on rank 0, no traceback
+        if is_main_rank():
+            close_progress_bars()
+            print("sft.py: interrupted" if config is None else training_interrupted(
+                "sft.py", sys.argv[1:], resolve(config.out_dir), None,
+                config.save_every, config.resume), flush=True)
+        sys.exit(exit_status())
     dist.destroy_process_group()

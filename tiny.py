@@ -354,3 +354,5 @@ if __name__ == "__main__":
     build_tiny_model(config)
     if config.sft_data:
         write_sft_transcripts(config)
+        print(f"next: python sft.py configs/sft_tiny.yaml model={config.out_dir} "
+              f"data={config.sft_data}", flush=True)

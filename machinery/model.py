@@ -25,12 +25,20 @@ def check_model_dir(path, allow_hub_id=True):
     is False: eval.py reads the directory itself (its saved prompt format, the resume check)."""
     local = resolve(path)
     if not local.is_dir():
-        if not allow_hub_id:
-            raise ConfigError(f"model directory not found: {local} (eval.py reads a local "
-                              "Hugging Face directory; download a hub model first, e.g. "
-                              "huggingface-cli download NAME --local-dir DIR)")
         hub_id = (len(Path(path).parts) == 2 and not str(path).startswith((".", "/"))
                   and not local.parent.exists())
+        if not allow_hub_id:
+            # a hub id (org/name) gets the download hint; a local path, what its folder holds
+            if hub_id:
+                hint = ("eval.py reads a local Hugging Face directory; download the hub model "
+                        f"first: huggingface-cli download {path} --local-dir DIR")
+            elif local.parent.is_dir():
+                there = sorted(p.name for p in local.parent.iterdir() if not p.name.startswith("."))
+                more = ", ..." if len(there) > 12 else ""
+                hint = f"{local.parent} holds: {', '.join(there[:12]) or 'nothing'}{more}"
+            else:
+                hint = f"{local.parent} does not exist either"
+            raise ConfigError(f"model directory not found: {local} ({hint})")
         if not hub_id:
             raise ConfigError(f"model={path}: no such directory "
                               "(and not a hub id like Qwen/Qwen3-14B-Base)")

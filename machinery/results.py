@@ -56,9 +56,10 @@ def open_samples(out_dir, settings, n, resume):
     saved = json.loads(settings_path.read_text()) if settings_path.exists() else None
     if saved != settings:
         changed = sorted(_diff_keys(saved, settings)) if saved else ["generation.json is missing"]
+        # Not "resume=false": that would delete another experiment's samples to make room.
         raise ConfigError(f"{out_dir} holds samples made with other settings "
-                          f"({', '.join(changed)}); use another out_dir, or resume=false to "
-                          "start over")
+                          f"({', '.join(changed)}); give this evaluation its own out_dir (the "
+                          "default, out_dir='', is one directory per model)")
     lines = samples_path.read_text(encoding="utf-8").split("\n")
     groups = {}
     for lineno, line in enumerate(lines, 1):
