@@ -21,7 +21,11 @@ transcript of how to run the pieces by hand:
     (this file)                             -> out/tiny-rl-train.jsonl, out/tiny-rl-test.jsonl
     python sft.py configs/sft_tiny.yaml     -> runs/tiny-sft/final
     python rl.py configs/tiny.yaml          -> runs/tiny-rl/metrics.jsonl, runs/tiny-rl/hf_step_N
-A stage whose output exists is skipped (fresh=true reruns all). rl_args / sft_args pass key=value
+A stage whose result exists is reused while what made it is unchanged: its script and every repo
+module it imports, the prompt templates, its config file and key=value args, the data it reads, the
+stages before it and the torch/transformers/vllm versions (stage_inputs; recorded in
+runs/demo-stages/). A change reruns that stage and the ones after it, and says which files changed;
+a reused stage says so with its date. fresh=true reruns all. rl_args / sft_args pass key=value
 overrides through, e.g. `python demo.py rl_args=steps=30,lr=1e-4`.
 
 The ablation follows the paper's comparison (Fig. 4 and 9), with the same seeds, prompts and steps
@@ -31,26 +35,28 @@ kept, separates the effect of choosing positives from the effect of sampling mor
 about is Fig. 4's tool-error ratio in correct trajectories: failed calls / calls over the
 trajectories that got the answer right.
 """
+import ast
 import concurrent.futures
 import dataclasses
+import datetime
+import hashlib
+import importlib.metadata
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import matplotlib
 import yaml
 
-import tiny
 from machinery.config import REPO, atomic_write_text, ConfigError, load_config, resolve
-from machinery.data import load_jsonl
-from rollout import RolloutConfig
+from machinery.exits import exit_status, interrupted, shown, stop_on_signals
 
-matplotlib.use("Agg")  # no display on a server; before pyplot is imported
-import matplotlib.pyplot as plt  # noqa: E402
+# tiny.py and rollout.py (torch, transformers: ~4 s) and matplotlib are imported where a stage uses
+# them: demo.py itself runs no model, and --help or a config error should not wait for them.
 
 
 @dataclasses.dataclass
@@ -99,6 +105,9 @@ class DemoConfig:
                 raise ConfigError(f"{name}: file not found: {getattr(self, name)}")
 
 
+RUNNING = set()  # the stages' processes now running, for an interrupt to wait on
+
+
 def run(cmd, log=None):
     """Run one stage as its README command, echoing it; stop the demo if it fails. With `log`, its
     output goes to that file instead of the terminal (runs side by side would interleave their
@@ -108,13 +117,24 @@ def run(cmd, log=None):
     # stage into the next.
     print(f"\n$ {' '.join(cmd)}" + (f" > {log}" if log else ""), flush=True)
     started = time.time()
+    out = None
     if log:
         Path(log).parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "w") as out:
-            proc = subprocess.run([sys.executable, *cmd], cwd=REPO, stdout=out,
-                                  stderr=subprocess.STDOUT)
-    else:
-        proc = subprocess.run([sys.executable, *cmd], cwd=REPO)
+        out = open(log, "w")
+    proc = subprocess.Popen([sys.executable, *cmd], cwd=REPO, stdout=out,
+                            stderr=subprocess.STDOUT if out else None)
+    RUNNING.add(proc)
+    try:
+        proc.wait()
+    except KeyboardInterrupt:  # the stage has the signal too (stop_on_signals): it ends itself
+        proc.wait()
+        raise
+    finally:
+        RUNNING.discard(proc)
+        if out:
+            out.close()
+    if interrupted():
+        sys.exit(exit_status())
     if proc.returncode != 0:
         sys.exit(f"demo.py: `{' '.join(cmd)}` failed with exit code {proc.returncode}" +
                  (f"; its output: {log}" if log else ""))
@@ -126,31 +146,136 @@ def config_value(config_path, key):
 
 
 # -----------------------------------------------------------------------------
+# reuse a stage's result only while what made it is unchanged
+
+STAGES_DIR = "runs/demo-stages"  # one record per stage: what its result was made from, and when
+PACKAGES = ("torch", "transformers", "vllm")
+
+
+def code_files(script):
+    """The repo's Python files `script` runs: it and every repo module it imports, transitively
+    (read with ast, nothing imported). Editing eval.py does not make rl.py's result stale."""
+    todo, seen = [resolve(script)], set()
+    while todo:
+        path = todo.pop()
+        if path in seen or not path.is_file():
+            continue
+        seen.add(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                     if isinstance(node, ast.ImportFrom) and node.module else [])
+            for name in names:
+                parts = name.split(".")
+                todo += [REPO.joinpath(*parts).with_suffix(".py"),
+                         REPO.joinpath(*parts, "__init__.py")]
+    return sorted(seen)
+
+
+def file_digest(path):
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def stage_inputs(script, configs=(), args=(), data=(), upstream=()):
+    """{what: sha256} of everything a stage's result depends on: the script and the repo modules it
+    runs (code_files), the prompt templates, its config files, its key=value args, the data files
+    it reads, the records of the stages before it, and the torch/transformers/vllm versions."""
+    files = [*code_files(script), *sorted(resolve("configs/templates").iterdir()),
+             *map(resolve, configs), *map(resolve, data)]
+    inputs = {str(f.relative_to(REPO)) if f.is_relative_to(REPO) else str(f): file_digest(f)
+              for f in files}
+    inputs["args"] = hashlib.sha256(json.dumps(list(args)).encode()).hexdigest()
+    for name in upstream:
+        inputs[f"stage {name}"] = hashlib.sha256(json.dumps(
+            read_stage(name).get("inputs")).encode()).hexdigest()
+    for package in PACKAGES:
+        try:
+            inputs[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            inputs[package] = None
+    return inputs
+
+
+def stage_record(name):
+    return resolve(STAGES_DIR) / f"{name}.json"
+
+
+def read_stage(name):
+    path = stage_record(name)
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def reuse_stage(name, output, inputs, fresh, complete):
+    """Whether stage `name`'s result at `output` (complete: finished, not cut off) can be reused;
+    says so either way. A changed input reruns the stage into a clean `output` (the demo's own
+    result, replaced); an unchanged one resumes a cut-off run. A result with no record (made by
+    hand, or before the demo kept records) is reused as it is, with its date and how to rerun."""
+    record, output = read_stage(name), resolve(output)
+    when = datetime.datetime.fromtimestamp(record.get("time") or (
+        output.stat().st_mtime if output.exists() else time.time())).strftime("%Y-%m-%d %H:%M")
+    if not fresh and complete and record.get("inputs") == inputs and record.get("done"):
+        print(f"demo.py: reusing {shown(output)} ({name}, made {when}): its code, config and "
+              "inputs are unchanged; fresh=true reruns every stage", flush=True)
+        return True
+    if not fresh and complete and not record:
+        print(f"demo.py: reusing {shown(output)} ({name}) as it is, from {when}: there is no "
+              f"record of what made it ({shown(stage_record(name))}); fresh=true reruns every "
+              "stage", flush=True)
+        return True
+    if fresh or (record and record.get("inputs") != inputs):
+        if record and not fresh:
+            changed = sorted(k for k in {*inputs, *record["inputs"]}
+                             if inputs.get(k) != record["inputs"].get(k))
+            print(f"demo.py: rerunning {name}: {', '.join(changed)} changed since its result of "
+                  f"{when}" + (f" (replacing {shown(output)})" if output.exists() else ""),
+                  flush=True)
+        shutil.rmtree(output, ignore_errors=True)
+        if output.is_file():
+            output.unlink()
+    stage_record(name).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(stage_record(name), json.dumps({"inputs": inputs, "time": time.time(),
+                                                      "done": False}, indent=1))
+    return False
+
+
+def stage_done(name):
+    """The record of a stage that finished: its result may be reused from now on."""
+    atomic_write_text(stage_record(name), json.dumps({**read_stage(name), "done": True}, indent=1))
+
+
+# -----------------------------------------------------------------------------
 # stages 1-3: the tiny model, its SFT transcripts, the RL data, SFT
 
 def prepare(cfg):
     """Everything before RL; returns {stage: seconds} for the stages that ran."""
+    import tiny  # torch and transformers: only here (see the imports)
+
     times = {}
     # The paths are the scripts' own defaults, so `python rl.py configs/tiny.yaml` works afterwards
     # by itself.
     model_dir, sft_data = resolve(tiny.TinyConfig.out_dir), resolve(tiny.TinyConfig.sft_data)
-    if cfg.fresh or not (model_dir / "config.json").is_file() or not sft_data.is_file():
+    if not reuse_stage("tiny", model_dir, stage_inputs("tiny.py"), cfg.fresh,
+                       (model_dir / "config.json").is_file() and sft_data.is_file()):
         times["tiny model + SFT transcripts"] = run(["tiny.py"])
+        stage_done("tiny")
     # The RL prompts and the held-out set, where configs/tiny.yaml expects them. Different splits of
     # the generator (tiny.make_arithmetic_problems): none of them is an SFT transcript's problem.
+    # Generated in well under a second: rewritten whenever they differ from the file.
     for key, split, count in (("train_data", "train", cfg.train_problems),
                               ("eval_data", "test", cfg.test_problems)):
         path = resolve(config_value(cfg.rl_config, key))
-        if cfg.fresh or not path.is_file() or len(load_jsonl(path)) != count:
-            rows = tiny.make_arithmetic_problems(count, cfg.data_seed, split=split)
+        rows = tiny.make_arithmetic_problems(count, cfg.data_seed, split=split)
+        text = "".join(json.dumps(r) + "\n" for r in rows)
+        if not path.is_file() or path.read_text() != text:
             path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+            atomic_write_text(path, text)
             print(f"wrote {count} {split} problems -> {path}", flush=True)
-    sft_final = resolve(config_value(cfg.sft_config, "out_dir")) / "final"
-    if cfg.fresh or not (sft_final / "config.json").is_file():
-        if cfg.fresh:
-            shutil.rmtree(sft_final.parent, ignore_errors=True)
+    sft_dir = resolve(config_value(cfg.sft_config, "out_dir"))
+    inputs = stage_inputs("sft.py", [cfg.sft_config], cfg.sft_args, upstream=["tiny"])
+    if not reuse_stage("sft", sft_dir, inputs, cfg.fresh,
+                       (sft_dir / "final" / "config.json").is_file()):
         times["sft"] = run(["sft.py", cfg.sft_config, *cfg.sft_args])
+        stage_done("sft")
     return times
 
 
@@ -161,13 +286,19 @@ def read_metrics(run_dir):
 
 
 def train_rl(cfg, out_dir, args, log=None):
-    """rl.py into out_dir (resumed if it is there, unless fresh); returns its per-step metrics and
-    its seconds."""
-    if cfg.fresh:
-        shutil.rmtree(resolve(out_dir), ignore_errors=True)
-    verbose = ["verbose=true"] if cfg.verbose else []
-    seconds = run(["rl.py", cfg.rl_config, f"out_dir={out_dir}", *verbose, *cfg.rl_args, *args],
-                  log=log)
+    """rl.py into out_dir, unless its result is there and still current (reuse_stage; a cut-off
+    run resumes); returns its per-step metrics and its seconds (0 when reused)."""
+    name = "rl" if out_dir == config_value(cfg.rl_config, "out_dir") else out_dir.replace("/", "-")
+    overrides = [f"out_dir={out_dir}", *cfg.rl_args, *args]
+    data = [config_value(cfg.rl_config, key) for key in ("train_data", "eval_data")]
+    inputs = stage_inputs("rl.py", [cfg.rl_config], overrides, [d for d in data if d],
+                          upstream=["sft"])
+    if reuse_stage(name, out_dir, inputs, cfg.fresh,
+                   any(resolve(out_dir).glob("hf_step_*/config.json"))):
+        return read_metrics(resolve(out_dir)), 0.0
+    verbose = ["verbose=true"] if cfg.verbose else []  # logging only: not an input
+    seconds = run(["rl.py", cfg.rl_config, *verbose, *overrides], log=log)
+    stage_done(name)
     return read_metrics(resolve(out_dir)), seconds
 
 
@@ -208,6 +339,10 @@ def demo(cfg):
     print("\n" + "\n".join(lines))
     print("\ntime: " + ", ".join(f"{k} {v:.0f} s" for k, v in times.items())
           + f"; total {time.time() - started:.0f} s")
+    model = shown(resolve(out_dir) / f"hf_step_{after_step}")
+    print(f"demo.py: the trained model is {model} (a Hugging Face directory); every step's numbers "
+          f"are in {shown(resolve(out_dir) / 'metrics.jsonl')}\n"
+          f"next: python eval.py configs/eval_tiny.yaml model={model}", flush=True)
     return before, after
 
 
@@ -230,6 +365,8 @@ def ablation_arms(cfg):
 
 
 def ablation(cfg):
+    from rollout import RolloutConfig  # torch: only here (see the imports)
+
     prepare(cfg)
     arms = ablation_arms(cfg)
     temperature = (config_value(cfg.rl_config, "rollout") or {}).get("temperature",
@@ -262,6 +399,9 @@ def ablation(cfg):
                                   for (name, seed), (_, s) in results.items()}}
     summary = summarize_ablation(runs, arms, cfg, timing)
     plot_ablation(runs, arms, cfg)
+    path = shown(resolve(cfg.plot))
+    print(f"demo.py: wrote {path}, its numbers in {path.removesuffix('.png')}.json and .md, and "
+          f"each run in {shown(resolve(cfg.ablation_dir))}/ARM-seedN", flush=True)
     return summary
 
 
@@ -421,6 +561,11 @@ def smooth(values, window):
 
 
 def plot_ablation(runs, arms, cfg):
+    import matplotlib  # only the ablation plots (see the imports)
+
+    matplotlib.use("Agg")  # no display on a server; before pyplot is imported
+    import matplotlib.pyplot as plt
+
     # Left: training accuracy; right: the paper's Fig. 4 quantity, which RoC's choice of positives
     # is meant to push down. Per arm the seed mean and, shaded, the seed min..max, each seed first
     # smoothed over `ablation_smooth` steps (8 prompts a step are noisy; the table's numbers are not
@@ -457,8 +602,18 @@ def plot_ablation(runs, arms, cfg):
 
 
 if __name__ == "__main__":
+    stop_on_signals(forward_to=RUNNING)
     try:
         config = load_config(DemoConfig, sys.argv[1:], doc=__doc__)
     except ConfigError as e:
         sys.exit(f"demo.py: {e}")
-    ablation(config) if config.ablation else demo(config)
+    try:
+        ablation(config) if config.ablation else demo(config)
+    except (KeyboardInterrupt, SystemExit):
+        if not interrupted():
+            raise
+        # The stages got the signal too and ended themselves, each with its own paragraph
+        command = shlex.join(["python", "demo.py", *sys.argv[1:]])
+        print(f"demo.py: interrupted. `{command}` goes on: finished stages are reused, an "
+              "interrupted rl.py resumes from its last checkpoint", flush=True)
+        sys.exit(exit_status())

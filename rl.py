@@ -57,9 +57,9 @@ from grpo_roc import (ROLLOUT_CORRECTIONS, filter_groups, group_advantages, poli
                       roc_penalty, rollouts_per_prompt, select_group)
 from reward import extract_answer, score_batch
 from rollout import RolloutConfig, Trajectory, generate
-from machinery.checkpoint import (CHECKPOINT_PREFIX, check_inputs, epoch_plan, load_policy,
-                                  load_training_state, load_weights, restore, save_checkpoint,
-                                  start_checkpoint)
+from machinery.checkpoint import (CHECKPOINT_PREFIX, check_inputs, epoch_plan, latest_checkpoint,
+                                  load_policy, load_training_state, load_weights, restore,
+                                  save_checkpoint, start_checkpoint)
 from machinery.config import ConfigError, atomic_write_text, load_config, resolve
 from machinery.data import drop_long_prompts
 from machinery.distributed import (TORCH_THREADS, add_traffic, balance_by_tokens, compute_dtype,
@@ -979,7 +979,9 @@ def interrupt_paragraph(cfg):
     if cfg.mode == "filter":
         return (f"rl.py: interrupted; mode=filter writes {cfg.train_data} only after the whole "
                 f"pass, so it is unchanged. Rerun: {rerun_command('rl.py', sys.argv[1:])}")
-    return training_interrupted("rl.py", sys.argv[1:], resolve(cfg.out_dir), cfg.steps,
+    out_dir = resolve(cfg.out_dir)
+    return training_interrupted("rl.py", sys.argv[1:], out_dir,
+                                latest_checkpoint(out_dir / "checkpoints"), cfg.steps,
                                 cfg.save_every, cfg.resume)
 
 

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from machinery.checkpoint import resume_run, save_checkpoint
+from machinery.checkpoint import latest_checkpoint, resume_run, save_checkpoint
 from machinery.config import ConfigError, load_config, resolve
 from machinery.conversations import (IGNORE, chat_text, check_context, check_conversation,
                                      check_turn, collate_conversations, collate_shared_prefix,
@@ -427,8 +427,9 @@ if __name__ == "__main__":
         # on rank 0, no traceback
         if is_main_rank():
             close_progress_bars()
+            out_dir = None if config is None else resolve(config.out_dir)
             print("sft.py: interrupted" if config is None else training_interrupted(
-                "sft.py", sys.argv[1:], resolve(config.out_dir), None,
-                config.save_every, config.resume), flush=True)
+                "sft.py", sys.argv[1:], out_dir, latest_checkpoint(out_dir / "checkpoints"),
+                None, config.save_every, config.resume), flush=True)
         sys.exit(exit_status())
     dist.destroy_process_group()

@@ -9,22 +9,24 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from machinery.checkpoint import latest_checkpoint
-
 # The signals this process received, by name: the handler's only state. After one, an error is the
 # interrupt's echo (a peer rank that left mid-collective), not a bug to show a traceback for.
 RECEIVED = []
 
 
-def stop_on_signals():
+def stop_on_signals(forward_to=()):
     """SIGINT and SIGTERM both raise KeyboardInterrupt in the main thread, so one except clause
     ends a run either way. Later signals are ignored: the cleanup (engine, tool and grading
     workers, a few seconds) runs once, and a wrapper that forwards the signal (demo.py, torchrun)
-    cannot cut it short."""
+    cannot cut it short. `forward_to`: child processes (Popen) that get the signal too, so a
+    signal sent to the parent alone still ends each child its own clean way."""
     def interrupt(signum, frame):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         RECEIVED.append(signal.Signals(signum).name)
+        for child in list(forward_to):
+            if child.poll() is None:
+                child.send_signal(signum)
         raise KeyboardInterrupt(RECEIVED[0])
 
     signal.signal(signal.SIGINT, interrupt)
@@ -87,10 +89,12 @@ def last_logged_step(out_dir):
         return json.loads(rows[-2]).get("step", 0) if len(rows) > 1 else 0
 
 
-def training_interrupted(script, argv, out_dir, total_steps=None, save_every=0, resume="auto"):
+def training_interrupted(script, argv, out_dir, checkpoint, total_steps=None, save_every=0,
+                         resume="auto"):
     """The paragraph a training script (rl.py, sft.py) ends with when interrupted: the step
-    reached, the last checkpoint, the steps a resume redoes, the command that resumes."""
-    checkpoint = latest_checkpoint(Path(out_dir) / "checkpoints")
+    reached, the last checkpoint (what resume=auto takes: machinery.checkpoint.latest_checkpoint,
+    passed in so that demo.py can import this module without torch), the steps a resume redoes,
+    the command that resumes."""
     saved = int(json.loads((checkpoint / "COMPLETE").read_text())["step"]) if checkpoint else 0
     done = max(last_logged_step(out_dir), saved)
     of = f" of {total_steps}" if total_steps else ""
