@@ -155,7 +155,7 @@ PACKAGES = ("torch", "transformers", "vllm")
 def code_files(script):
     """The repo's Python files `script` runs: it and every repo module it imports, transitively
     (read with ast, nothing imported). Editing eval.py does not make rl.py's result stale."""
-    todo, seen = [resolve(script)], set()
+    todo, seen = [resolve(script).resolve()], set()
     while todo:
         path = todo.pop()
         if path in seen or not path.is_file():
@@ -165,10 +165,10 @@ def code_files(script):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                      [node.module] + [f"{node.module}.{a.name}" for a in node.names]
                      if isinstance(node, ast.ImportFrom) and node.module else [])
-            for name in names:
+            for name in names:  # a.b runs a/__init__.py, then a/b.py or a/b/__init__.py
                 parts = name.split(".")
-                todo += [REPO.joinpath(*parts).with_suffix(".py"),
-                         REPO.joinpath(*parts, "__init__.py")]
+                todo += [REPO.joinpath(*parts[:i], "__init__.py") for i in range(1, len(parts) + 1)]
+                todo.append(REPO.joinpath(*parts).with_suffix(".py"))
     return sorted(seen)
 
 
@@ -180,8 +180,8 @@ def stage_inputs(script, configs=(), args=(), data=(), upstream=()):
     """{what: sha256} of everything a stage's result depends on: the script and the repo modules it
     runs (code_files), the prompt templates, its config files, its key=value args, the data files
     it reads, the records of the stages before it, and the torch/transformers/vllm versions."""
-    files = [*code_files(script), *sorted(resolve("configs/templates").iterdir()),
-             *map(resolve, configs), *map(resolve, data)]
+    files = [*code_files(script), *sorted(resolve("configs/templates").resolve().iterdir()),
+             *(resolve(f).resolve() for f in [*configs, *data])]
     inputs = {str(f.relative_to(REPO)) if f.is_relative_to(REPO) else str(f): file_digest(f)
               for f in files}
     inputs["args"] = hashlib.sha256(json.dumps(list(args)).encode()).hexdigest()

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from machinery.data import BENCHMARKS, TRAINING_FILES, load_jsonl, load_problems, normalize_problem
-from machinery.config import REPO, ConfigError, load_config
+from machinery.config import REPO, ConfigError, config_help, config_summary, load_config
 
 
 @dataclasses.dataclass
@@ -93,6 +93,71 @@ def test_a_script_fails_at_once_with_the_message_not_a_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "tiny.py", "hiden_size=3"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "unknown key (did you mean 'hidden_size'?)" in proc.stderr
+
+
+@dataclasses.dataclass
+class Documented:
+    model: str = ""           # the policy to train
+    # the method
+    group_size: int = 16      # G, rollouts per
+                              # prompt
+    lr: float = 1e-6
+    rollout: Section = dataclasses.field(default_factory=Section)
+
+    def validate(self):
+        if not self.model:
+            raise ConfigError("model: set the policy")
+
+
+def test_help_lists_every_key_with_its_default_its_comment_and_its_heading():
+    text = config_help(Documented, "The summary.\n\n    python x.py c.yaml   # run\n\nMore.")
+    lines = text.splitlines()
+    assert lines[0].startswith("usage: python ") and "[key=value ...]" in lines[0]
+    assert "The summary." in text and "python x.py c.yaml   # run" in text and "More." not in text
+    assert re.search(r"^  model = '' +the policy to train$", text, re.M)
+    # a comment continued on the next line is one comment; a comment line of its own heads a field
+    assert re.search(r"^  group_size = 16 +G, rollouts per prompt$", text, re.M)
+    assert lines.index("  # the method") + 1 == lines.index(next(
+        line for line in lines if line.startswith("  group_size")))
+    assert "  lr = 1.0e-06" in lines and "  rollout.max_turns = 10" in lines
+
+
+def test_help_and_a_bare_command_line_print_the_usage(capsys):
+    with pytest.raises(SystemExit) as stop:
+        load_config(Documented, ["c.yaml", "--help"])
+    assert stop.value.code == 0 and "group_size = 16" in capsys.readouterr().out
+    # nothing given and the defaults cannot run: the error, then what the script takes
+    with pytest.raises(ConfigError, match=r"(?s)model: set the policy.*usage: .*group_size = 16"):
+        load_config(Documented, [])
+    with pytest.raises(ConfigError, match=r"^model: set the policy$"):  # given something: the error
+        load_config(Documented, ["lr=1"])
+
+
+def test_the_summary_names_only_what_differs_from_the_defaults():
+    cfg = load_config(Documented, ["model=m", "rollout.temperature=0.6"])
+    summary = config_summary(cfg, "runs/x/config.yaml")
+    assert "2 settings differ" in summary and "runs/x/config.yaml" in summary
+    assert "model=m" in summary and "rollout.temperature=0.6" in summary and "lr=" not in summary
+
+
+@pytest.mark.parametrize("script, flag, key", [
+    ("rl.py", "--help", "  group_size = 16"), ("sft.py", "--help", "  lr = 5.0e-06"),
+    ("eval.py", "--help", "  rollout.temperature = 0.6"), ("demo.py", "--help", "  fresh = false"),
+    ("tiny.py", "--help", "  head_dim = 64"), ("prepare_data.py", "-h", "  source = ")])
+def test_every_script_answers_help_with_its_usage_and_keys(script, flag, key):
+    proc = subprocess.run([sys.executable, script, flag], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith(f"usage: python {script} [CONFIG.yaml] [key=value ...]")
+    assert key in proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_rl_py_alone_says_what_is_missing_and_what_it_takes():
+    proc = subprocess.run([sys.executable, "rl.py"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("rl.py: model: set the policy to train")
+    assert "usage: python rl.py" in proc.stderr and "  rollout.max_turns = 10" in proc.stderr
 
 
 # -- data ------------------------------------------------------------------------------------------

@@ -278,8 +278,10 @@ def test_resume_refuses_samples_made_with_other_settings(tmp_path):
     write_samples(tmp_path / "samples.jsonl", HAND_CHECKED[0])
     hotter = make_cfg(n=4)
     hotter.rollout.temperature = 1.0
-    with pytest.raises(ConfigError, match=r"other settings \(rollout.temperature\)"):
+    with pytest.raises(ConfigError, match=r"other settings \(rollout.temperature\)") as refused:
         open_samples(tmp_path, generation_settings("model-dir", hotter), 4, resume=True)
+    # the way out is another directory, never resume=false (it deletes these samples)
+    assert "its own out_dir" in str(refused.value) and "resume=false" not in str(refused.value)
     # Engine resources do not change what a sample is, so they may differ between a run and its
     # resume.
     roomier = make_cfg(n=4)
@@ -569,3 +571,20 @@ def test_command_line_under_torchrun_splits_the_work_and_rank_0_gathers_it(tiny_
     summary = json.loads((out_dir / "summary.json").read_text())["benchmarks"]
     assert summary == {"arith": evaluation.summarize(groups, ks=[1, 2])}
     assert (out_dir / "config.yaml").exists()
+
+
+def test_the_default_out_dir_is_one_per_model_and_a_missing_local_model_shows_its_folder(
+        tmp_path):
+    assert evaluation.default_out_dir("runs/tiny-rl/hf_step_20") == "runs/eval/tiny-rl-hf_step_20"
+    assert (evaluation.default_out_dir("/models/rStar2-Agent-14B")
+            == "runs/eval/models-rStar2-Agent-14B")
+    assert (evaluation.default_out_dir("runs/tiny-sft/final")
+            != evaluation.default_out_dir("runs/tiny-rl/final"))
+    assert load_config(evaluation.EvalConfig, ["configs/eval_tiny.yaml"]).out_dir == ""
+    (tmp_path / "hf_step_20").mkdir()
+    with pytest.raises(ConfigError) as missing:
+        check_model_dir(tmp_path / "hf_step_2", allow_hub_id=False)
+    assert f"{tmp_path} holds: hf_step_20" in str(missing.value)
+    assert "download" not in str(missing.value)
+    with pytest.raises(ConfigError, match="huggingface-cli download Org/Model --local-dir DIR"):
+        check_model_dir("Org/Model", allow_hub_id=False)  # a hub id: the download hint

@@ -8,6 +8,8 @@ import dataclasses
 import json
 import math
 import os
+import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -913,3 +915,71 @@ def test_the_held_out_numbers_of_a_run_are_eval_pys_numbers(sft_policy, tmp_path
     assert 0 < mine["eval/tool_calls_per_trajectory"] == theirs["tool_calls_per_trajectory"]
     for key in ("tool_error_rate", "tool_error_rate_in_correct", "answer_rate", "response_tokens"):
         assert mine.get(f"eval/{key}") == theirs[key], key
+
+
+# -----------------------------------------------------------------------------
+# how a run ends: Ctrl-C, nothing to train on, the closing lines
+
+def descendants(pid):
+    """Every process below `pid` (the tool's and the grader's workers, in their own sessions)."""
+    found, todo = set(), [pid]
+    while todo:
+        children = subprocess.run(["pgrep", "-P", str(todo.pop())], capture_output=True,
+                                  text=True).stdout.split()
+        found.update(map(int, children))
+        todo += children
+    return found
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_in_one_paragraph_whose_command_resumes_and_untrained_steps_warn(
+        tiny_model_dir, tmp_path):
+    """The untrained tiny model gets every reward 0: each group is all-equal and dropped, so every
+    step trains on nothing, which the run must say, with why. A Ctrl-C in the terminal (SIGINT to
+    the whole process group) mid-run ends in one paragraph, no traceback from inside vLLM, no
+    process left behind, and its command resumes the run to the end."""
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n"
+                            for r in tiny.make_arithmetic_problems(40, 0, split="train")))
+    out = tmp_path / "run"
+    cmd = ["rl.py", "configs/tiny.yaml", f"model={tiny_model_dir}", f"train_data={data}",
+           "eval_data=", f"out_dir={out}", "steps=8", "prompts_per_step=4", "save_every=2",
+           "rollout.max_response_tokens=64", "untrained_steps_warn=2"]
+    proc = subprocess.Popen([PYTHON, *cmd], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.time() + 600
+    while not (out / "checkpoints" / "step_00000002" / "COMPLETE").exists():
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
+        time.sleep(0.1)
+    workers = descendants(proc.pid)
+    os.killpg(proc.pid, signal.SIGINT)
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 128 + signal.SIGINT, output[-3000:]
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
+    paragraph = output[output.index("rl.py: interrupted by SIGINT"):].splitlines()
+    reached = re.fullmatch(r"rl\.py: interrupted by SIGINT during step (\d) of 8 \((\d) done\)\.",
+                           paragraph[0])
+    assert reached and int(reached[1]) == int(reached[2]) + 1 >= 3, paragraph
+    saved = int(reached[2]) // 2 * 2  # save_every=2
+    redo = f"steps {saved + 1}-{reached[1]}" if int(reached[2]) > saved else f"step {saved + 1}"
+    assert paragraph[1] == (f"Last checkpoint: {out / 'checkpoints' / f'step_{saved:08d}'} (step "
+                            f"{saved}); a resume starts there and redoes {redo}.")
+    assert paragraph[2] == f"To resume: python {' '.join(shlex.quote(a) for a in cmd)}"
+    time.sleep(1)
+    assert workers and not any(Path(f"/proc/{pid}").exists() for pid in workers)
+
+    resumed = run([PYTHON, *shlex.split(paragraph[2].removeprefix("To resume: python "))],
+                  timeout=600)
+    assert "resumed from" in resumed.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert all(r["selected"] == 0 and r["skipped_updates"] == 1 for r in rows)
+    # the resumed run's first two steps: 2 in a row, untrained_steps_warn=2
+    warning = " ".join(resumed.stdout[resumed.stdout.index("WARNING: 2 steps in a row"):]
+                       .split("!!!!")[0].split())
+    assert ("every group is all-equal: 4 of 4 groups got reward 0 on every rollout, 0 got reward "
+            "1 on every rollout" in warning and "All rewards are 0" in warning)
+    assert f"WARNING: {8 - saved} of the run's steps trained on nothing" in resumed.stdout
+    assert (f"rl.py: wrote {out / 'hf_step_8'} (the trained policy" in resumed.stdout
+            and f"next: python eval.py configs/eval_tiny.yaml model={out / 'hf_step_8'}"
+            in resumed.stdout)
