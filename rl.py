@@ -594,7 +594,7 @@ def warn_untrained(streak, metrics, cfg):
     else:
         why = "no kept trajectory had a model-written token"
     text = textwrap.fill(f"WARNING: {streak} steps in a row trained on nothing (skipped_updates in "
-                         f"metrics.jsonl): {why}.", 100)
+                         f"metrics.jsonl): {why}.", 100, break_on_hyphens=False)
     print(f"\n{'!' * 100}\n{text}\n{'!' * 100}", flush=True)
 
 
