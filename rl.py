@@ -573,9 +573,9 @@ def warn_untrained(streak, metrics, cfg):
     """A loud warning when `streak` steps in a row trained on nothing (every group all-equal and
     dropped, §2.2.3), at untrained_steps_warn steps and at each doubling after: the console's
     accuracy alone does not say that no update happens. The reason comes from the last step."""
-    if not cfg.untrained_steps_warn or streak < cfg.untrained_steps_warn:
-        return
-    if streak & (streak - 1) and streak != cfg.untrained_steps_warn:  # not a power of two
+    every = cfg.untrained_steps_warn
+    times = streak // every if every else 0
+    if not times or streak % every or times & (times - 1):  # N x a power of two only
         return
     groups = metrics["groups"]
     if metrics["all_equal_group_fraction"] == 1.0:
