@@ -278,9 +278,9 @@ def config_summary(cfg, saved_to=None):
     of it is in config.yaml (`saved_to`)."""
     changed = changed_keys(cfg)
     items = " ".join(f"{key}={_value_text(value)}" for key, value in changed.items())
-    where = f", all of them in {saved_to}" if saved_to else ""
-    head = (f"{type(cfg).__name__}: {len(changed)} settings differ from the defaults "
-            f"(--help{where}):")
+    where = f"the whole config: {saved_to}; " if saved_to else ""
+    head = (f"{type(cfg).__name__}: {len(changed)} settings differ from the defaults ({where}"
+            "every key: --help):")
     return "\n".join([head] + textwrap.wrap(items, 100, initial_indent="  ",
                                             subsequent_indent="  "))
 
