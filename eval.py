@@ -300,6 +300,10 @@ def evaluate(model_path, problems, cfg, engine=None, executor=None, tokenizer=No
     rank, world_size, _, _ = init_distributed()
     ks = cfg.ks or default_ks(cfg.n)
     finished, todo = work_left(model_path, problems, cfg, out_dir, rank, world_size)
+    if out_dir is not None and rank == 0:
+        # Only once out_dir took this evaluation (its samples' settings match, or it was empty):
+        # a refused one leaves another evaluation's config.yaml as it was.
+        save_config(cfg, out_dir)
     owned = []  # what this call builds, it also closes
     # Nothing left (a finished run rerun, e.g. to reprint the table): nothing is started.
     if todo:
@@ -382,8 +386,6 @@ def main(argv=None):
         sys.exit(f"eval.py: {e}")
     configure_vllm_logging(cfg.verbose)
     rank, _, _, _ = init_distributed()
-    if rank == 0:  # the resolved config beside the results: it says what produced summary.json
-        save_config(cfg, cfg.out_dir)
     try:
         summary = evaluate(cfg.model, problems, cfg, out_dir=cfg.out_dir)
     except ConfigError as e:  # e.g. out_dir holds samples of other settings

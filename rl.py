@@ -57,9 +57,8 @@ from grpo_roc import (ROLLOUT_CORRECTIONS, filter_groups, group_advantages, poli
                       roc_penalty, rollouts_per_prompt, select_group)
 from reward import extract_answer, score_batch
 from rollout import RolloutConfig, Trajectory, generate
-from machinery.checkpoint import (CHECKPOINT_PREFIX, check_inputs, epoch_plan, latest_checkpoint,
-                                  load_policy, load_training_state, load_weights, restore,
-                                  save_checkpoint, start_checkpoint)
+from machinery.checkpoint import (check_inputs, epoch_plan, latest_checkpoint, restore,
+                                  save_checkpoint)
 from machinery.config import ConfigError, atomic_write_text, load_config, resolve
 from machinery.data import drop_long_prompts
 from machinery.distributed import (TORCH_THREADS, add_traffic, balance_by_tokens, compute_dtype,
@@ -70,16 +69,15 @@ from machinery.exits import (close_progress_bars, exit_status, interrupted, is_m
                              rerun_command, shown, stop_on_signals, training_interrupted)
 from machinery.metrics import (MetricsLogger, TimedExecutor, pass_at_k, sample_metrics,
                                step_metrics, timed, trajectory_record)
-from machinery.model import save_hf_model
+from machinery.model import check_model_dir, save_hf_model
 from machinery.plan import print_plan, split_plan_args
 from machinery.prompts import load_format
-from machinery.training import (TrainSample, collate, equalize_micro_batches, micro_batches,
-                                token_logprobs)
 from machinery.results import CHUNK_PROBLEMS, ROLLOUT_RESOURCE_FIELDS
 from machinery.run_dir import claim_run_dir, finish_run_dir
-from machinery.model import check_model_dir
-from machinery.saved_rollouts import (read_rollouts, rollout_record, sample_table, saved_steps,
-                                      write_rollouts)
+from machinery.saved_rollouts import (print_replay, read_rollouts, replay_policy, rollout_record,
+                                      sample_table, write_rollouts)
+from machinery.training import (TrainSample, collate, equalize_micro_batches, micro_batches,
+                                token_logprobs)
 
 
 # -----------------------------------------------------------------------------
@@ -878,46 +876,6 @@ def saved_groups(records, meta, cfg):
     return [groups[i] for i in sorted(groups)], [rewards[i] for i in sorted(groups)]
 
 
-def replay_policy(cfg, run_dir, number, device, rank):
-    """(policy, optimizer, where they came from) as they were when step `number` began: the run's
-    start for step 1 (init_from's checkpoint or model), else checkpoints/step_{number - 1}, weights
-    and AdamW moments both; or replay_weights, a checkpoint or HF directory, which is not exact."""
-    model, optimizer = load_policy(cfg, device, rank)
-    if cfg.replay_weights:
-        source = resolve(cfg.replay_weights)
-        if (source / "COMPLETE").is_file():
-            load_training_state(source, model, optimizer)
-        elif (source / "config.json").is_file():
-            model, optimizer = load_policy(dataclasses.replace(cfg, model=str(source)), device,
-                                           rank)
-        else:
-            raise ConfigError(f"replay_weights={cfg.replay_weights!r}: neither a complete rl.py "
-                              "checkpoint (step_N with COMPLETE) nor a Hugging Face model "
-                              "directory")
-        return model, optimizer, f"{source} (replay_weights, not the step's own)"
-    if number == 1:
-        # where a fresh run starts: no checkpoint of its own, resume=auto
-        checkpoint, weights_only = start_checkpoint(dataclasses.replace(cfg, resume="auto"), None)
-        if checkpoint is None:
-            return model, optimizer, f"{cfg.model} (the initial policy)"
-        (load_weights(checkpoint, model) if weights_only
-         else load_training_state(checkpoint, model, optimizer))
-        return model, optimizer, f"{checkpoint} (init_from, the initial policy)"
-    checkpoint = run_dir / "checkpoints" / f"{CHECKPOINT_PREFIX}{number - 1:08d}"
-    if not (checkpoint / "COMPLETE").is_file():
-        have = sorted(int(p.name[len(CHECKPOINT_PREFIX):]) for p in checkpoint.parent.glob(
-            f"{CHECKPOINT_PREFIX}*") if (p / "COMPLETE").is_file())
-        replayable = [n for n in saved_steps(run_dir) if n == 1 or n - 1 in have]
-        raise ConfigError(
-            f"replay of step {number}: its rollouts were sampled by the weights after step "
-            f"{number - 1}, and {checkpoint} does not exist (checkpoints kept: "
-            f"{', '.join(map(str, have)) or 'none'}; save_every and keep_checkpoints decide "
-            f"which). Saved steps that replay exactly: {', '.join(map(str, replayable)) or 'none'}"
-            "; or set replay_weights= to other weights (then the loss is not the live one)")
-    load_training_state(checkpoint, model, optimizer)
-    return model, optimizer, f"{checkpoint} (the weights that sampled it)"
-
-
 @torch.no_grad()
 def update_effect(model, samples, cfg, pad_id, device):
     """replay_update_effect: how far the one update moved the policy on the step's own trained
@@ -934,42 +892,6 @@ def update_effect(model, samples, cfg, pad_id, device):
     dist.all_reduce(sums)
     return {"replay/logprob_change_positives": (sums[0] / sums[1].clamp(min=1)).item(),
             "replay/logprob_change_negatives": (sums[2] / sums[3].clamp(min=1)).item()}
-
-
-def print_replay(cfg, run_dir, number, meta, source, metrics, learner, kept, live_kept, seconds,
-                 world_size):
-    """The replay's numbers beside the live step's (metrics.jsonl), with what the config changed."""
-    live_cfg, now = flat_config(meta["config"]), flat_config(dataclasses.asdict(cfg))
-    ignored = ("mode", "replay_step", "replay_weights", "replay_update_effect")
-    changed = [f"{k}: {live_cfg.get(k)} -> {v}" for k, v in now.items()
-               if live_cfg.get(k) != v and k not in ignored]
-    live_rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-                 if line.strip()] if (run_dir / "metrics.jsonl").is_file() else []
-    live = next((m for m in live_rows if m.get("step") == number), {})
-    print(f"replay of step {number}: {run_dir / 'rollouts'} ({metrics['trajectories']} "
-          f"trajectories in {metrics['groups']} groups)\nweights: {source}\nchanged from the "
-          f"live run: {'; '.join(changed) or 'nothing'}")
-    keys = ("selected", "selected_reward_mean", "roc_penalty_kept_positives", *learner,
-            "logprob_gap_mean", *(k for k in metrics if k.startswith("replay/")))
-    print(f"{'':34}{'live':>14}{'replay':>14}")
-    for key in keys:
-        cells = [live.get(key), metrics.get(key)] if not key.startswith("replay/") else [
-            None, metrics[key]]
-        print(f"{key:34}" + "".join(f"{'-' if v is None else f'{v:.6g}':>14}" for v in cells))
-    print(f"kept: {len(kept)} trajectories, {len(set(kept) & live_kept)} of them kept live too "
-          f"(live kept {len(live_kept)})\nreplayed on {world_size} rank(s): "
-          + ", ".join(f"{phase} {s:.1f} s" for phase, s in seconds.items()), flush=True)
-
-
-def flat_config(config, prefix=""):
-    """{"rollout.temperature": 1.0, ...} from a nested config dict."""
-    out = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            out.update(flat_config(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def interrupt_paragraph(cfg):

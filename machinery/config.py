@@ -310,3 +310,14 @@ def resolve(path):
     """Relative paths are relative to the repo, so scripts work from any working directory."""
     path = Path(path)
     return path if path.is_absolute() or path.exists() else REPO / path
+
+
+def flatten_config(config, prefix=""):
+    """{"rollout.temperature": 1.0, ...} from a nested config dict (dataclasses.asdict's)."""
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(flatten_config(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

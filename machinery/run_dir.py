@@ -22,7 +22,7 @@ import torch.distributed as dist
 import yaml
 
 from machinery.checkpoint import checkpoint_step, requested_checkpoint
-from machinery.config import ConfigError, atomic_write_text, save_config
+from machinery.config import ConfigError, atomic_write_text, flatten_config, save_config
 
 LOCK_NAME = "run.lock"
 HISTORY_NAME = "config_history.yaml"
@@ -135,20 +135,10 @@ def _results(out_dir):
 def changed_settings(old, new):
     """{dotted key: (old value, new value)} over both configs; a key one of them lacks (a key
     added to the code since) counts as changed."""
-    old, new = _flatten(old), _flatten(new)
+    old, new = flatten_config(old), flatten_config(new)
     missing = "(not set)"
     pairs = {key: (old.get(key, missing), new.get(key, missing)) for key in set(old) | set(new)}
     return {key: pair for key, pair in sorted(pairs.items()) if pair[0] != pair[1]}
-
-
-def _flatten(config, prefix=""):
-    flat = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def _refusal(out_dir, method, at_step):

@@ -12,6 +12,7 @@ by the weights of checkpoints/step_{N-1} (the initial policy for N = 1). Every r
 groups it rolled out, so no rank gathers another's; a step directory without step.json (a run
 killed while saving) is never read.
 """
+import dataclasses
 import gzip
 import json
 import os
@@ -20,7 +21,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from machinery.config import ConfigError, atomic_write_text
+from machinery.checkpoint import (CHECKPOINT_PREFIX, load_policy, load_training_state,
+                                  load_weights, start_checkpoint)
+from machinery.config import ConfigError, atomic_write_text, flatten_config, resolve
 
 ROLLOUTS_DIR = "rollouts"
 STEP_PREFIX = "step_"
@@ -129,3 +132,71 @@ def sample_table(records, count):
     group's outcomes, penalties and RoC's choice read side by side."""
     return list(SAMPLE_TABLE_COLUMNS), [[r[c] for c in SAMPLE_TABLE_COLUMNS]
                                         for r in records[:count]]
+
+
+# -----------------------------------------------------------------------------
+# rl.py mode=replay: the weights a saved step was sampled with, and its report
+
+def replay_policy(cfg, run_dir, number, device, rank):
+    """(policy, optimizer, where they came from) as they were when step `number` began: the run's
+    start for step 1 (init_from's checkpoint or model), else checkpoints/step_{number - 1}, weights
+    and AdamW moments both; or replay_weights, a checkpoint or HF directory, which is not exact."""
+    model, optimizer = load_policy(cfg, device, rank)
+    if cfg.replay_weights:
+        source = resolve(cfg.replay_weights)
+        if (source / "COMPLETE").is_file():
+            load_training_state(source, model, optimizer)
+        elif (source / "config.json").is_file():
+            model, optimizer = load_policy(dataclasses.replace(cfg, model=str(source)), device,
+                                           rank)
+        else:
+            raise ConfigError(f"replay_weights={cfg.replay_weights!r}: neither a complete rl.py "
+                              "checkpoint (step_N with COMPLETE) nor a Hugging Face model "
+                              "directory")
+        return model, optimizer, f"{source} (replay_weights, not the step's own)"
+    if number == 1:
+        # where a fresh run starts: no checkpoint of its own, resume=auto
+        checkpoint, weights_only = start_checkpoint(dataclasses.replace(cfg, resume="auto"), None)
+        if checkpoint is None:
+            return model, optimizer, f"{cfg.model} (the initial policy)"
+        (load_weights(checkpoint, model) if weights_only
+         else load_training_state(checkpoint, model, optimizer))
+        return model, optimizer, f"{checkpoint} (init_from, the initial policy)"
+    checkpoint = run_dir / "checkpoints" / f"{CHECKPOINT_PREFIX}{number - 1:08d}"
+    if not (checkpoint / "COMPLETE").is_file():
+        have = sorted(int(p.name[len(CHECKPOINT_PREFIX):]) for p in checkpoint.parent.glob(
+            f"{CHECKPOINT_PREFIX}*") if (p / "COMPLETE").is_file())
+        replayable = [n for n in saved_steps(run_dir) if n == 1 or n - 1 in have]
+        raise ConfigError(
+            f"replay of step {number}: its rollouts were sampled by the weights after step "
+            f"{number - 1}, and {checkpoint} does not exist (checkpoints kept: "
+            f"{', '.join(map(str, have)) or 'none'}; save_every and keep_checkpoints decide "
+            f"which). Saved steps that replay exactly: {', '.join(map(str, replayable)) or 'none'}"
+            "; or set replay_weights= to other weights (then the loss is not the live one)")
+    load_training_state(checkpoint, model, optimizer)
+    return model, optimizer, f"{checkpoint} (the weights that sampled it)"
+
+
+def print_replay(cfg, run_dir, number, meta, source, metrics, learner, kept, live_kept, seconds,
+                 world_size):
+    """The replay's numbers beside the live step's (metrics.jsonl), with what the config changed."""
+    live_cfg, now = flatten_config(meta["config"]), flatten_config(dataclasses.asdict(cfg))
+    ignored = ("mode", "replay_step", "replay_weights", "replay_update_effect")
+    changed = [f"{k}: {live_cfg.get(k)} -> {v}" for k, v in now.items()
+               if live_cfg.get(k) != v and k not in ignored]
+    live_rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                 if line.strip()] if (run_dir / "metrics.jsonl").is_file() else []
+    live = next((m for m in live_rows if m.get("step") == number), {})
+    print(f"replay of step {number}: {run_dir / 'rollouts'} ({metrics['trajectories']} "
+          f"trajectories in {metrics['groups']} groups)\nweights: {source}\nchanged from the "
+          f"live run: {'; '.join(changed) or 'nothing'}")
+    keys = ("selected", "selected_reward_mean", "roc_penalty_kept_positives", *learner,
+            "logprob_gap_mean", *(k for k in metrics if k.startswith("replay/")))
+    print(f"{'':34}{'live':>14}{'replay':>14}")
+    for key in keys:
+        cells = [live.get(key), metrics.get(key)] if not key.startswith("replay/") else [
+            None, metrics[key]]
+        print(f"{key:34}" + "".join(f"{'-' if v is None else f'{v:.6g}':>14}" for v in cells))
+    print(f"kept: {len(kept)} trajectories, {len(set(kept) & live_kept)} of them kept live too "
+          f"(live kept {len(live_kept)})\nreplayed on {world_size} rank(s): "
+          + ", ".join(f"{phase} {s:.1f} s" for phase, s in seconds.items()), flush=True)

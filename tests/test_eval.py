@@ -547,6 +547,12 @@ def test_by_default_a_checkpoint_is_evaluated_in_the_format_it_was_trained_with(
     assert ("python_code_with_standard_io" in prompt
             and "execute_python_code_with_standard_io" not in prompt)
     assert "was trained with another" not in done.stderr
+    # Another evaluation into the same out_dir is refused and leaves this one's config.yaml as is.
+    config = (out_dir / "config.yaml").read_bytes()
+    hotter = subprocess.run(command + ["rollout.temperature=1.0"], cwd=REPO, capture_output=True,
+                            text=True, timeout=600)
+    assert hotter.returncode != 0 and "other settings (rollout.temperature)" in hotter.stderr
+    assert (out_dir / "config.yaml").read_bytes() == config
 
 
 @pytest.mark.slow

@@ -510,7 +510,7 @@ def test_the_answer_key_the_repo_and_home_are_hidden(ex):
 
 @needs_root
 def test_secrets_never_reach_the_snippet(ex):
-    code = f"""
+    code = """
     import os
     # started clean
     print('RSTAR2_TEST_SECRET' in os.environ, 'hunter2' in open('/proc/self/environ').read())
@@ -519,7 +519,7 @@ def test_secrets_never_reach_the_snippet(ex):
     except OSError as e:
         print(type(e).__name__)
     pids = [p for p in os.listdir('/proc') if p.isdigit()]
-    print('pytest' in ' '.join(open(f'/proc/{{p}}/cmdline').read() for p in pids),
+    print('pytest' in ' '.join(open(f'/proc/{p}/cmdline').read() for p in pids),
           os.environ['CUDA_VISIBLE_DEVICES'] == '')
     """
     assert run_hostile(ex, code, "ok").stdout == "False False\nPermissionError\nFalse True\n"
