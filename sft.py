@@ -373,8 +373,10 @@ def train(cfg):
     model, save_dtype = build_model(cfg, model_path, device, rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   betas=(cfg.adam_beta1, cfg.adam_beta2))
+    # What fixes the data order: a checkpoint of another order is refused. The schedule's length
+    # (total_steps) may change with continue_with_changes=true: the lr follows the new one.
     run_state = {"num_examples": len(examples), "global_batch_size": cfg.global_batch_size,
-                 "seed": cfg.seed, "total_steps": total_steps}
+                 "seed": cfg.seed}
     ckpt_root = out_dir / "checkpoints"
     start_step = resume_run(run_dir.checkpoint, model, optimizer, run_state, rank)
     logger = MetricsLogger(out_dir, enabled=rank == 0, wandb_project=cfg.wandb_project,

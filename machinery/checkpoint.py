@@ -103,7 +103,7 @@ def save_checkpoint(ckpt_root, step, model, optimizer, trainer_state, keep=2, ke
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
     rng = {"python": random.getstate(), "torch": torch.get_rng_state(),
-           "numpy": __import__("numpy").random.get_state()}
+           "numpy": np.random.get_state()}
     torch.save({"trainer_state": trainer_state, "rng": rng}, tmp / f"trainer_state_rank{rank}.pt")
     dist.barrier()
     if rank == 0:
@@ -122,14 +122,16 @@ def save_checkpoint(ckpt_root, step, model, optimizer, trainer_state, keep=2, ke
 
 def load_checkpoint(path, model, optimizer):
     """Load a checkpoint written by save_checkpoint into an already FSDP-wrapped model and its
-    optimizer. Restores this rank's RNG streams and returns the saved trainer_state."""
+    optimizer; returns the saved trainer_state. DCP reshards the weights and moments to any world
+    size. A rank the saving run had restores its RNG streams; a rank it did not have (a resume on
+    more ranks) takes rank 0's trainer_state, which is global (step, data position), and keeps the
+    RNG it was seeded with: the sampling seeds come from (seed, step, problem, sample) and RoC's
+    draw from (seed, step, position), never from these streams."""
     path = Path(path)
     load_training_state(path, model, optimizer)
-    rank = dist.get_rank()
-    rank_file = path / f"trainer_state_rank{rank}.pt"
+    rank_file = path / f"trainer_state_rank{dist.get_rank()}.pt"
     if not rank_file.exists():
-        raise ConfigError(f"{path}: no {rank_file.name}; was this checkpoint written by a run with "
-                          "a different world size?")
+        return torch.load(path / "trainer_state_rank0.pt", weights_only=False)["trainer_state"]
     saved = torch.load(rank_file, weights_only=False)
     random.setstate(saved["rng"]["python"])
     torch.set_rng_state(saved["rng"]["torch"])
