@@ -191,6 +191,12 @@ def start_checkpoint(cfg, checkpoint):
         raise ConfigError(f"{checkpoint}: not a complete checkpoint (no COMPLETE marker); "
                           "expected a step_N directory written by rl.py, or a run directory's "
                           "checkpoints/ folder")
+    # Another run's checkpoint is never swapped for an older one (as resume=auto does within a
+    # run): a stage would silently start from the wrong weights.
+    damage = checkpoint_damage(checkpoint) if initial else ""
+    if damage:
+        raise ConfigError(f"init_from={cfg.init_from}: {checkpoint} is damaged: {damage}; name "
+                          "an intact checkpoint (a step_N directory) as init_from")
     return checkpoint, initial and not cfg.init_optimizer
 
 

@@ -239,6 +239,9 @@ def test_rl_a_damaged_checkpoint_is_named_and_the_newest_intact_one_used(finishe
         train_in_process(model, data, run, "steps=3", f"resume={shard.parent}")
     assert f"{shard}: truncated" in str(refused.value)
     assert f"resume={run / 'checkpoints' / 'step_00000001'}" in str(refused.value)
+    # another run's checkpoint as init_from: named, never swapped for an older one
+    with pytest.raises(ConfigError, match=f"init_from=.*is damaged: {shard}: truncated"):
+        train_in_process(model, data, tmp_path / "next", f"init_from={run}")
     # resume=auto: a warning naming the file, then step 1's checkpoint, steps 2 and 3 trained
     proc = rl_process(rl_args(model, data, run, "steps=3"))
     assert proc.returncode == 0, proc.stderr[-3000:]
