@@ -41,7 +41,6 @@ import math
 import os
 import statistics
 import sys
-import textwrap
 import time
 from types import SimpleNamespace
 from typing import Literal
@@ -68,7 +67,7 @@ from machinery.engine import Engine, configure_vllm_logging
 from machinery.exits import (close_progress_bars, exit_status, interrupted, is_main_rank,
                              rerun_command, shown, stop_on_signals, training_interrupted)
 from machinery.metrics import (MetricsLogger, TimedExecutor, pass_at_k, sample_metrics,
-                               step_metrics, timed, trajectory_record)
+                               step_metrics, timed, trajectory_record, warn_untrained)
 from machinery.model import check_model_dir, save_hf_model
 from machinery.plan import print_plan, split_plan_args
 from machinery.prompts import load_format
@@ -567,35 +566,6 @@ def gather_metrics(local, learner, step, cfg, rank, world_size):
     return metrics
 
 
-def warn_untrained(streak, metrics, cfg):
-    """A loud warning when `streak` steps in a row trained on nothing (every group all-equal and
-    dropped, §2.2.3), at untrained_steps_warn steps and at each doubling after: the console's
-    accuracy alone does not say that no update happens. The reason comes from the last step."""
-    every = cfg.untrained_steps_warn
-    times = streak // every if every else 0
-    if not times or streak % every or times & (times - 1):  # N x a power of two only
-        return
-    groups = metrics["groups"]
-    if metrics["all_equal_group_fraction"] == 1.0:
-        right = round(metrics["accuracy"] * groups)  # all-equal groups: accuracy = all-1 groups
-        why = (f"every group is all-equal: {groups - right} of {groups} groups got reward 0 on "
-               f"every rollout, {right} got reward 1 on every rollout, and filter_all_equal drops "
-               "them (a group with one reward has no advantage, Eq. 7)")
-        if right == 0:
-            why += (". All rewards are 0: too hard a task for this policy, an answer format "
-                    "reward.py cannot read, the tool off (rollout.use_tool=false), or too small a "
-                    f"rollout.max_response_tokens (truncation_ratio "
-                    f"{metrics['truncation_ratio']:.2f})")
-        elif right == groups:
-            why += (". All rewards are 1: too easy problems for this policy (mode=filter drops "
-                    "the ones it always solves)")
-    else:
-        why = "no kept trajectory had a model-written token"
-    text = textwrap.fill(f"WARNING: {streak} steps in a row trained on nothing (skipped_updates in "
-                         f"metrics.jsonl): {why}.", 100, break_on_hyphens=False)
-    print(f"\n{'!' * 100}\n{text}\n{'!' * 100}", flush=True)
-
-
 def evaluate_held_out(run):
     """Held-out accuracy (eval/ metrics and time/eval) through the training engine, as eval.py
     measures it: eval_samples trajectories per problem at eval_temperature, the reward of Eq. 3."""
@@ -736,7 +706,7 @@ def train(cfg):
         if run.rank == 0:
             nothing = metrics["selected"] == 0
             untrained, streak = untrained + nothing, (streak + 1) * nothing
-            warn_untrained(streak, metrics, cfg)
+            warn_untrained(streak, metrics, cfg.untrained_steps_warn)
         if run.eval_rows and (step + 1 == cfg.steps
                               or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)):
             metrics.update(evaluate_held_out(run))

@@ -3,6 +3,7 @@ import contextlib
 import json
 import math
 import statistics
+import textwrap
 import time
 from collections import Counter
 from pathlib import Path
@@ -195,3 +196,31 @@ def step_metrics(records, num_groups):
     }
     out.update({f"tool_errors/{kind}": count for kind, count in sorted(by_kind.items())})
     return out
+
+
+def warn_untrained(streak, metrics, every):
+    """A loud warning when `streak` steps in a row trained on nothing (every group all-equal and
+XX
+    accuracy alone does not say that no update happens. The reason comes from the last step."""
+    times = streak // every if every else 0
+    if not times or streak % every or times & (times - 1):  # N x a power of two only
+        return
+    groups = metrics["groups"]
+    if metrics["all_equal_group_fraction"] == 1.0:
+        right = round(metrics["accuracy"] * groups)  # all-equal groups: accuracy = all-1 groups
+        why = (f"every group is all-equal: {groups - right} of {groups} groups got reward 0 on "
+               f"every rollout, {right} got reward 1 on every rollout, and filter_all_equal drops "
+               "them (a group with one reward has no advantage, Eq. 7)")
+        if right == 0:
+            why += (". All rewards are 0: too hard a task for this policy, an answer format "
+                    "reward.py cannot read, the tool off (rollout.use_tool=false), or too small a "
+                    f"rollout.max_response_tokens (truncation_ratio "
+                    f"{metrics['truncation_ratio']:.2f})")
+        elif right == groups:
+            why += (". All rewards are 1: too easy problems for this policy (mode=filter drops "
+                    "the ones it always solves)")
+    else:
+        why = "no kept trajectory had a model-written token"
+    text = textwrap.fill(f"WARNING: {streak} steps in a row trained on nothing (skipped_updates in "
+                         f"metrics.jsonl): {why}.", 100, break_on_hyphens=False)
+    print(f"\n{'!' * 100}\n{text}\n{'!' * 100}", flush=True)

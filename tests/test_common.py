@@ -9,6 +9,7 @@ import pytest
 
 from machinery.data import BENCHMARKS, TRAINING_FILES, load_jsonl, load_problems, normalize_problem
 from machinery.config import REPO, ConfigError, config_help, config_summary, load_config
+from machinery.metrics import warn_untrained
 
 
 @dataclasses.dataclass
@@ -243,3 +244,22 @@ def test_a_child_of_a_single_process_world_starts_its_own_and_torchrun_children_
     assert plain[:2] == ("0", "1") and plain[2] != parent_port
     assert sorted(c[:2] for c in torchrun) == [("0", "2"), ("1", "2")]
     assert {c[2] for c in torchrun} != {parent_port}
+
+
+def test_the_untrained_warning_says_why_and_repeats_at_each_doubling(capsys):
+    solved = dict(groups=4, all_equal_group_fraction=1.0, accuracy=1.0, truncation_ratio=0.0)
+    warned = []
+    for streak in range(1, 26):
+        warn_untrained(streak, solved, 3)
+        if capsys.readouterr().out:
+            warned.append(streak)
+    assert warned == [3, 6, 12, 24]
+    warn_untrained(3, solved, 3)
+    said = " ".join(capsys.readouterr().out.split())
+    assert ("0 of 4 groups got reward 0 on every rollout, 4 got reward 1 on every rollout" in said
+            and "All rewards are 1" in said)
+    warn_untrained(3, {**solved, "accuracy": 0.25}, 3)  # some groups all 0, some all 1
+    said = " ".join(capsys.readouterr().out.split())
+    assert "3 of 4 groups got reward 0" in said and "All rewards" not in said
+    warn_untrained(3, solved, 0)  # untrained_steps_warn=0: never
+    assert capsys.readouterr().out == ""

@@ -983,23 +983,3 @@ def test_ctrl_c_ends_in_one_paragraph_whose_command_resumes_and_untrained_steps_
     assert (f"rl.py: wrote {out / 'hf_step_8'} (the trained policy" in resumed.stdout
             and f"next: python eval.py configs/eval_tiny.yaml model={out / 'hf_step_8'}"
             in resumed.stdout)
-
-
-def test_the_untrained_warning_says_why_and_repeats_at_each_doubling(capsys):
-    cfg = SimpleNamespace(untrained_steps_warn=3)
-    solved = dict(groups=4, all_equal_group_fraction=1.0, accuracy=1.0, truncation_ratio=0.0)
-    warned = []
-    for streak in range(1, 26):
-        rl.warn_untrained(streak, solved, cfg)
-        if capsys.readouterr().out:
-            warned.append(streak)
-    assert warned == [3, 6, 12, 24]
-    rl.warn_untrained(3, solved, cfg)
-    said = " ".join(capsys.readouterr().out.split())
-    assert ("0 of 4 groups got reward 0 on every rollout, 4 got reward 1 on every rollout" in said
-            and "All rewards are 1" in said)
-    rl.warn_untrained(3, {**solved, "accuracy": 0.25}, cfg)  # some groups all 0, some all 1
-    said = " ".join(capsys.readouterr().out.split())
-    assert "3 of 4 groups got reward 0" in said and "All rewards" not in said
-    rl.warn_untrained(3, solved, SimpleNamespace(untrained_steps_warn=0))  # 0 = never
-    assert capsys.readouterr().out == ""
