@@ -278,9 +278,8 @@ def recompute_logprobs(model, samples, cfg, pad_id, device, temperature):
     by the second optimizer step; with one, train_step takes them from its own forward."""
     for batch in equalize_micro_batches(micro_batches(samples, cfg)):
         input_ids, *_ = collate(batch, pad_id, device)
-        logp = token_logprobs(model, input_ids, temperature, cfg.logprob_chunk_tokens).cpu()
-        for row, s in enumerate(batch):
-            s.old_logprobs = logp[row, len(s.prompt_ids) - 1: len(s) - 1].tolist()
+        store_old_logprobs(batch, token_logprobs(model, input_ids, temperature,
+                                                 cfg.logprob_chunk_tokens))
 
 
 def logprob_gap(samples):
@@ -329,8 +328,8 @@ def train_step(model, optimizer, samples, cfg, step, pad_id, device, temperature
         input_ids, old, mask, advantages, engine = collate(batch, pad_id, device)
         logp, entropy = token_logprobs(model, input_ids, temperature, cfg.logprob_chunk_tokens,
                                        with_entropy=True)
-        if all(s.old_logprobs is None for s in batch):
-            old = shared_old_logprobs(batch, logp)
+        if all(s.old_logprobs is None for s in batch):  # from this forward, detached
+            old = store_old_logprobs(batch, logp.detach())
         loss, metrics = policy_loss(logp, old, advantages, mask, clip_low=cfg.clip_low,
                                     clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or None,
                                     num_tokens=num_tokens, engine_logp=engine,
@@ -366,14 +365,13 @@ def train_step(model, optimizer, samples, cfg, step, pad_id, device, temperature
     return out
 
 
-def shared_old_logprobs(batch, logp):
-    """train_step's old log-probs from its own forward (one optimizer step per RL step): logp
-    detached, also written back to the samples for the sync guard."""
-    old = logp.detach()
-    rows = old.cpu()
+def store_old_logprobs(batch, logp):
+    """Set each sample's old_logprobs to its model-written span of the [B, T] `logp` (what
+    collate gives the loss as Eq. 6's old log-probs, and the sync guard reads); returns logp."""
+    rows = logp.cpu()
     for row, s in enumerate(batch):
         s.old_logprobs = rows[row, len(s.prompt_ids) - 1: len(s) - 1].tolist()
-    return old
+    return logp
 
 
 # -----------------------------------------------------------------------------
