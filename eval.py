@@ -41,7 +41,7 @@ from transformers import AutoTokenizer
 
 import tiny  # the demo's task, for the generated `arith` benchmark
 from executor import Executor
-from machinery.config import ConfigError, load_config, resolve, save_config
+from machinery.config import ConfigError, load_config, resolve
 from machinery.data import BENCHMARKS, load_problems
 from machinery.distributed import init_distributed
 from machinery.engine import configure_vllm_logging, Engine
@@ -300,10 +300,6 @@ def evaluate(model_path, problems, cfg, engine=None, executor=None, tokenizer=No
     rank, world_size, _, _ = init_distributed()
     ks = cfg.ks or default_ks(cfg.n)
     finished, todo = work_left(model_path, problems, cfg, out_dir, rank, world_size)
-    if out_dir is not None and rank == 0:
-        # Only once out_dir took this evaluation (its samples' settings match, or it was empty):
-        # a refused one leaves another evaluation's config.yaml as it was.
-        save_config(cfg, out_dir)
     owned = []  # what this call builds, it also closes
     # Nothing left (a finished run rerun, e.g. to reprint the table): nothing is started.
     if todo:
@@ -379,7 +375,7 @@ def main(argv=None):
         # Relative to the repo, like every path in a config.
         cfg.model = check_model_dir(cfg.model, allow_hub_id=False)
         cfg.out_dir = cfg.out_dir or default_out_dir(cfg.model)
-        # Before save_config, so config.yaml says what ran.
+        # Before the evaluation writes config.yaml, so it says what ran.
         cfg.rollout = apply_model_format(cfg.rollout, cfg.model)
         problems = load_benchmarks(cfg)
     except (ConfigError, ValueError) as e:

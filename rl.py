@@ -352,7 +352,16 @@ def train_step(model, optimizer, samples, cfg, step, pad_id, device, temperature
     optimizer.step()
     # Freed now, not next step: the engine needs that memory for the sync and rollout (as verl)
     optimizer.zero_grad(set_to_none=True)
-    # Every summed metric was divided by the per-rank share of tokens: the rank mean is global.
+    out = global_metrics(sums, maxima, world_size)
+    out.update(grad_norm=float(grad_norm), lr=lr_at(step, cfg), num_micro_batches=len(batches),
+               train_tokens=int(global_tokens.item()))
+    return out
+
+
+def global_metrics(sums, maxima, world_size):
+    """This rank's summed and largest loss metrics -> the batch's over all ranks. Every summed
+    metric was divided by the per-rank share of tokens, so the mean over ranks is the global one;
+    *_max combine by max."""
     keys, max_keys = sorted(sums), sorted(maxima)
     packed = torch.stack([torch.as_tensor(sums[k], dtype=torch.float32) for k in keys])
     largest = torch.stack([torch.as_tensor(maxima[k], dtype=torch.float32) for k in max_keys])
@@ -360,8 +369,6 @@ def train_step(model, optimizer, samples, cfg, step, pad_id, device, temperature
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
     out = {k: float(v) / world_size for k, v in zip(keys, packed)}
     out.update({k: float(v) for k, v in zip(max_keys, largest)})
-    out.update(grad_norm=float(grad_norm), lr=lr_at(step, cfg), num_micro_batches=len(batches),
-               train_tokens=int(global_tokens.item()))
     return out
 
 

@@ -364,11 +364,7 @@ def train(cfg):
     if run_dir is None:
         return None, tokenizer
     if rank == 0:
-        trained = sum(sum(mask) for _, mask in examples)
-        print(f"data: {len(examples)} conversations ({dropped} longer than {cfg.max_seq_len} "
-              f"tokens dropped), {sum(lengths)} tokens, {trained} trained | {total_steps} steps of "
-              f"{cfg.global_batch_size} = {world_size} ranks x {accumulation} micro-batches x "
-              f"{cfg.micro_batch_size}", flush=True)
+        print_data(examples, dropped, total_steps, cfg, world_size, accumulation)
 
     model, save_dtype = build_model(cfg, model_path, device, rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
@@ -406,12 +402,26 @@ def train(cfg):
                   prompt_format(cfg, tokenizer), "sft.py")
     finish_run_dir(run_dir, total_steps)
     if rank == 0:
-        # configs/tiny.yaml on CPU (the demo's RL stage), the paper's stage 1 on a GPU
-        rl_config = "configs/stage1.yaml" if device.type == "cuda" else "configs/tiny.yaml"
-        print(f"sft.py: wrote {shown(out_dir / 'final')} (the model, a Hugging Face directory) and "
-              f"{shown(out_dir / 'metrics.jsonl')}\n"
-              f"next: python rl.py {rl_config} model={shown(out_dir / 'final')}", flush=True)
+        print_written(out_dir, device)
     return model, tokenizer
+
+
+def print_data(examples, dropped, total_steps, cfg, world_size, accumulation):
+    tokens, trained = (sum(len(ids) for ids, _ in examples),
+                       sum(sum(mask) for _, mask in examples))
+    print(f"data: {len(examples)} conversations ({dropped} longer than {cfg.max_seq_len} "
+          f"tokens dropped), {tokens} tokens, {trained} trained | {total_steps} steps of "
+          f"{cfg.global_batch_size} = {world_size} ranks x {accumulation} micro-batches x "
+          f"{cfg.micro_batch_size}", flush=True)
+
+
+def print_written(out_dir, device):
+    """What the run wrote, and the next command: configs/tiny.yaml on CPU (the demo's RL stage),
+    the paper's stage 1 on a GPU."""
+    rl_config = "configs/stage1.yaml" if device.type == "cuda" else "configs/tiny.yaml"
+    print(f"sft.py: wrote {shown(out_dir / 'final')} (the model, a Hugging Face directory) and "
+          f"{shown(out_dir / 'metrics.jsonl')}\n"
+          f"next: python rl.py {rl_config} model={shown(out_dir / 'final')}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """eval.py's results directory: samples.jsonl (one line per sample, appended per chunk; the
-resume point), generation.json (the settings its samples were made with), summary.json and
-summary.md."""
+resume point), generation.json (the settings its samples were made with), config.yaml (the
+evaluation's whole config, written once the directory took it), summary.json and summary.md."""
 import dataclasses
 import json
 import os
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from machinery.config import atomic_write_text, ConfigError
+from machinery.config import ConfigError, atomic_write_text, save_config
 from machinery.run_dir import take_lock
 
 # Problems per generate() of an evaluation (eval.py's chunk_problems default). rl.py's held-out
@@ -98,6 +98,9 @@ def work_left(model_path, problems, cfg, out_dir, rank, world_size):
     finished = {}
     if out_dir is not None and rank == 0:
         finished = open_samples(out_dir, generation_settings(model_path, cfg), cfg.n, cfg.resume)
+        # Only once out_dir took this evaluation (its samples' settings match, or it was empty):
+        # a refused one leaves another evaluation's config.yaml as it was.
+        save_config(cfg, out_dir)
     done = [set(finished)]
     if world_size > 1:
         dist.broadcast_object_list(done, src=0)
