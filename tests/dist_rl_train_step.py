@@ -67,22 +67,31 @@ def gradients_before_the_step(model, optimizer):
     return grads
 
 
+def this_ranks_batch(model_dir, overrides, rank, world_size, device):
+    """(cfg, the policy, its optimizer, this rank's share of the fixed batch with old and engine
+    log-probs, the share's size), from seed 0. Log-probs in chunks of 64 tokens: several per
+    micro-batch, so their recomputation in backward is in the check."""
+    torch.manual_seed(0)
+    cfg = load_config(rl.RLConfig, [f"model={model_dir}", "lr=1e-3", "warmup_steps=0",
+                                    "logprob_chunk_tokens=64", *overrides])
+    model, optimizer = load_policy(cfg, device, rank)
+    samples = fixed_batch(model.config.vocab_size)
+    per_rank = len(samples) // world_size
+    mine = samples[rank * per_rank:(rank + 1) * per_rank]
+    rl.recompute_logprobs(model, mine, cfg, pad_id=0, device=device, temperature=1.0)
+    engine_logprobs(mine, rank * per_rank)
+    return cfg, model, optimizer, mine, per_rank
+
+
 def shared_and_recomputed(model_dir, out_file, overrides, rank, world_size, device):
     """old_logprobs=both: the update with a separate old-log-prob pass and with the shared forward,
     from the same weights, under each rollout correction."""
     results = {}
     for correction in ("none", "token_tis"):
         for path in ("recompute", "shared"):
-            torch.manual_seed(0)
-            cfg = load_config(rl.RLConfig, [f"model={model_dir}", "lr=1e-3", "warmup_steps=0",
-                                            "logprob_chunk_tokens=64", "rollout_is_threshold=1.2",
-                                            f"rollout_correction={correction}", *overrides])
-            model, optimizer = load_policy(cfg, device, rank)
-            samples = fixed_batch(model.config.vocab_size)
-            per_rank = len(samples) // world_size
-            mine = samples[rank * per_rank:(rank + 1) * per_rank]
-            rl.recompute_logprobs(model, mine, cfg, pad_id=0, device=device, temperature=1.0)
-            engine_logprobs(mine, rank * per_rank)
+            cfg, model, optimizer, mine, _ = this_ranks_batch(
+                model_dir, ["rollout_is_threshold=1.2", f"rollout_correction={correction}",
+                            *overrides], rank, world_size, device)
             if path == "shared":
                 recomputed = [s.old_logprobs for s in mine]
                 for s in mine:
@@ -106,17 +115,8 @@ def main():
     if "old_logprobs=both" in overrides:
         overrides.remove("old_logprobs=both")
         return shared_and_recomputed(model_dir, out_file, overrides, rank, world_size, device)
-    torch.manual_seed(0)
-    # log-probs in chunks of 64 tokens: several per micro-batch, so their recomputation in backward
-    # is in the check
-    cfg = load_config(rl.RLConfig, [f"model={model_dir}", "lr=1e-3", "warmup_steps=0",
-                                    "logprob_chunk_tokens=64", *overrides])
-    model, optimizer = load_policy(cfg, device, rank)
-    samples = fixed_batch(model.config.vocab_size)
-    per_rank = len(samples) // world_size
-    mine = samples[rank * per_rank:(rank + 1) * per_rank]
-    rl.recompute_logprobs(model, mine, cfg, pad_id=0, device=device, temperature=1.0)
-    engine_logprobs(mine, rank * per_rank)
+    cfg, model, optimizer, mine, per_rank = this_ranks_batch(model_dir, overrides, rank,
+                                                             world_size, device)
     # Old log-probs a little off the current policy, so that ratios differ from 1 and both clips are
     # exercised. The noise belongs to the sample, not to the rank, so every split sees the same
     # global batch.

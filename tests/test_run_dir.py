@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 import rl
@@ -39,7 +38,8 @@ from machinery.config import ConfigError, load_config
 from machinery.distributed import init_distributed
 from machinery.results import open_samples
 from machinery.run_dir import LOCK_NAME, read_history
-from test_sft import chat_rows  # tests/ is on sys.path (pytest's rootdir-relative import)
+import test_sft  # tests/ is on sys.path (pytest's rootdir-relative import)
+from test_sft import chat_rows
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -68,16 +68,10 @@ def sft_data(tmp_path_factory):
 
 
 def run_sft(tiny_model_dir, data, out_dir, **overrides):
-    settings = dict(model=str(tiny_model_dir), data=str(data), out_dir=str(out_dir),
-                    global_batch_size=8, micro_batch_size=4, lr=3e-3, max_steps=2, save_every=1,
-                    keep_checkpoints=1, train_threads=1)
-    cfg = sft.SFTConfig(**{**settings, **overrides})
-    cfg.validate()
-    threads = torch.get_num_threads()
-    try:
-        return sft.train(cfg)
-    finally:
-        torch.set_num_threads(threads)  # leave the session's other tests as they were
+    """test_sft's tiny run, 2 steps with a checkpoint after each (one kept)."""
+    settings = dict(max_steps=2, save_every=1, keep_checkpoints=1,
+                    warmup_ratio=sft.SFTConfig.warmup_ratio)
+    return test_sft.run_sft(tiny_model_dir, data, out_dir, **{**settings, **overrides})
 
 
 def test_sft_rerun_with_other_settings_is_refused_and_a_finished_one_writes_nothing(
