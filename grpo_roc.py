@@ -13,37 +13,31 @@ For each question the policy writes 2G rollouts that may call a Python tool (rl.
   4. Advantage A_i = (r_i - mean r) / std r over the G kept, shared by all tokens of o_i (Eq. 7).
   5. Loss: PPO's clipped surrogate with Clip-Higher (eps_low 0.2, eps_high 0.28), averaged over
      every model-written token of the batch (token-level, Eq. 6). No KL, no entropy term (§2.2.1).
-     Optionally each token is weighted by how much likelier the trainer finds it than the engine
-     that sampled it (rollout_weights; off in the paper).
+     The clip binds only with mini_batches > 1 (several optimizer steps on the same rollouts):
+     with one step per RL step, every shipped config, rho = pi_theta / pi_old is exactly 1 and
+     only a rollout correction's weight departs from 1.
 
 Paper vs released code (microsoft/rStar @ ecbfb94), and what this file does:
-  - positives: the paper samples ~1/p, the release takes the k lowest p. Both: positive_rule.
-  - penalty 0 (common: a clean run) has no rule in the paper; weight = 1/(p + 0.1) here.
-  - p_format's num_turns: the release counts only turns after a tool response, so a clean
-    no-tool answer scores 1; here every assistant turn counts, Eq. 5 as written (it scores 0).
-  - p_err: the release greps tool responses for "error" (missing timeouts, parse failures);
-    here the caller counts the executor's status flags.
-  - negatives: uniform in both (the release dropped penalty-sorting them, rStar PR #50).
+  - positives: the paper samples ~1/p, the release takes the k lowest p: POSITIVE_RULES.
+  - penalty 0 has no rule in the paper; weight 1/(p + 0.1). p_format counts every assistant
+    turn (Eq. 5 as written; the release only those after a tool response); p_err counts the
+    executor's status flags (the release greps tool output for "error").
   - counts per side: positives round(|pos| * G / 2G) (halves to even), negatives the rest,
-    then at least min(2, available) each. The release rounds both sides, which keeps G-1 or
-    G+1 for odd G.
-  - std: unbiased (torch.std in verl); the paper does not say which.
-  - all-equal groups: dropped, as the release's reject_equal_reward; filter_groups(enabled=).
-  - dual-clip (c = 3 on negative advantages) is a verl default the paper never mentions:
-    off here unless policy_loss(dual_clip=3.0).
+    then at least min(2, available) each (the release rounds both: G +- 1 for odd G).
+  - std: unbiased (torch.std in verl). dual-clip (a verl default, not in the paper): off.
   - plain GRPO (the paper's ablation): select_group(mode="grpo"), G rollouts, no RoC.
-  - rollout correction: Eq. 6 treats the engine that sampled (vLLM, its own kernels and dtype)
-    and the trainer as one policy; neither paper nor release corrects the gap. rollout_weights
-    offers the truncated / masked importance weights of Yao et al. 2025 (verl's rollout_corr,
-    TRL's vllm_importance_sampling_*); "none" is the paper's objective.
+The field's other choices, each off by default (rl.py keys; docs/design.md's table): rollout
+correction (Yao et al. 2025), advantage_scaling, loss_aggregation (loss_weights), ratio_level.
 
 Use: imported by rl.py. `python grpo_roc.py` walks one synthetic group through steps 1-4.
 Tests: .venv/bin/python -m pytest tests/test_grpo_roc.py -q
 """
+import dataclasses
 import math
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 # -----------------------------------------------------------------------------
 # Penalties that rank correct rollouts (Eq. 4-5)
@@ -53,13 +47,9 @@ def roc_penalty(num_tool_calls, num_tool_errors, num_answer_tags, num_turns,
                 use_error_ratio=True, use_answer_format=True) -> float:
     """p_total = p_err + p_format of one rollout, in [0, 2]; lower means cleaner.
 
-    num_tool_calls:  tool calls the model made, parsable or not.
-    num_tool_errors: of those, calls that failed: executor status error / timeout / oom, plus
-                     calls that did not parse. Count statuses, not the word "error" in output.
-    num_answer_tags: closed <answer>...</answer> pairs (pass 0 for unbalanced tags, which the
-                     release also scores 1).
-    num_turns:       assistant turns, the first one included.
-    The two switches mirror the release's roc_error_ratio / roc_answer_format, for ablations.
+    num_tool_errors counts failed calls (executor status error / timeout / oom, unparsable);
+    num_answer_tags closed <answer> pairs; num_turns assistant turns. The two switches mirror
+    the release's roc_error_ratio / roc_answer_format.
     """
     counts = dict(num_tool_calls=num_tool_calls, num_tool_errors=num_tool_errors,
                   num_answer_tags=num_answer_tags, num_turns=num_turns)
@@ -70,16 +60,36 @@ def roc_penalty(num_tool_calls, num_tool_errors, num_answer_tags, num_turns,
         raise ValueError(f"roc_penalty: num_tool_errors ({num_tool_errors}) exceeds "
                          f"num_tool_calls ({num_tool_calls})")
     if num_turns < 1:
-        raise ValueError("roc_penalty: num_turns must be >= 1 (every rollout has an assistant "
-                         "turn)")
+        raise ValueError("roc_penalty: num_turns must be >= 1 (the first assistant turn)")
     # Eq. 4: 0.5 with no tool call at all, which nudges the policy to use the tool; a clean
     # tool user scores 0, one whose every call failed scores 1.
     p_err = 0.5 if num_tool_calls == 0 else num_tool_errors / num_tool_calls
     # Eq. 5: no answer is the worst format; otherwise each extra <answer> block costs 1/turns,
     # capped at 1, which targets rollouts that keep reasoning after they have answered.
     p_format = 1.0 if num_answer_tags == 0 else min(1.0, (num_answer_tags - 1) / num_turns)
-    # A switched-off term counts 0, so the sampling then ranks positives by the other alone.
     return float(use_error_ratio * p_err + use_answer_format * p_format)
+
+
+@dataclasses.dataclass
+class Rollout:
+    """What a selection rule may read about one trajectory (rl.select_samples fills it)."""
+    reward: float
+    penalty: float = 0.0        # roc_penalty: p_err + p_format
+    response_tokens: int = 0    # everything after the prompt, tool output included
+    tool_calls: int = 0
+    tool_errors: int = 0        # failed calls, by executor status, unparsable ones included
+    errors_by_kind: dict = dataclasses.field(default_factory=dict)  # {"timeout": 1, ...}
+    answer_tags: int = 0
+    turns: int = 1
+
+
+def as_rollout(t, reward, use_error_ratio=True, use_answer_format=True) -> Rollout:
+    """A rollout.Trajectory (or a saved record's fields) with its reward, as a Rollout."""
+    turns = max(t.num_turns, 1)
+    penalty = roc_penalty(t.num_tool_calls, t.num_tool_errors, t.num_answer_tags, turns,
+                          use_error_ratio, use_answer_format)
+    return Rollout(reward, penalty, len(t.response_ids), t.num_tool_calls, t.num_tool_errors,
+                   dict(t.tool_errors_by_kind), t.num_answer_tags, turns)
 
 
 # -----------------------------------------------------------------------------
@@ -88,12 +98,9 @@ def roc_penalty(num_tool_calls, num_tool_errors, num_answer_tags, num_turns,
 
 def filter_groups(group_rewards, enabled=True):
     """Drop question groups whose rewards are all equal. Returns (kept_indices, all_equal_fraction).
-
-    All-correct or all-wrong groups get zero advantage everywhere (Eq. 7), so they would only
-    dilute the token mean of Eq. 6. The release drops them and does not refill the batch; late
-    in training most groups are all-correct ("over 70%", §4.3), so the fraction is worth logging.
-    The fraction is measured even when the filter is off.
-    """
+    Their advantages are all 0 (Eq. 7): they would only dilute Eq. 6's token mean. The release
+    drops them too; late in training most groups are all-correct ("over 70%", §4.3), so the
+    fraction is logged, even when the filter is off."""
     all_equal = []
     for g, rewards in enumerate(group_rewards):
         if len(rewards) == 0:
@@ -105,60 +112,66 @@ def filter_groups(group_rewards, enabled=True):
     return kept, fraction
 
 
-def _check_group(rewards, penalties, keep, rng, penalties_needed):
+# A clean rollout (penalty 0) needs a finite weight: 0.1 is the smallest non-zero penalty within
+# 10 turns (1 failed call of 10), so a clean rollout is twice as likely as that one.
+PENALTY_OFFSET = 0.1
+
+
+def sample_by_penalty(rollouts, positives, count, rng):
+    """The paper: draw without replacement, each with probability ~ 1 / (penalty + 0.1). numpy
+    draws one at a time and renormalises over those left, so "inversely proportional" holds for
+    each draw, not overall."""
+    weights = 1.0 / (np.asarray([rollouts[i].penalty for i in positives], float) + PENALTY_OFFSET)
+    return rng.choice(positives, size=count, replace=False, p=weights / weights.sum())
+
+
+def lowest_penalty(rollouts, positives, count, rng):
+    """The release: the positives with the lowest penalties, ties in rollout order."""
+    return sorted(positives, key=lambda i: (rollouts[i].penalty, i))[:count]
+
+
+def shortest(rollouts, positives, count, rng):
+    """An example rule: the fewest response tokens among the correct, ties in rollout order."""
+    return sorted(positives, key=lambda i: (rollouts[i].response_tokens, i))[:count]
+
+
+# The positive rules: a new one is a function (rollouts, positive indices, count, rng) -> the
+# `count` kept, and its name here; rl.py's positive_rule takes its values from this mapping.
+POSITIVE_RULES = {"sample": sample_by_penalty, "topk": lowest_penalty, "shortest": shortest}
+
+
+def _check_group(rollouts, keep, rng):
     if not isinstance(rng, np.random.Generator):
         raise TypeError(f"rng must be a numpy.random.Generator (np.random.default_rng(seed)), "
                         f"got {type(rng).__name__}")
     if isinstance(keep, bool) or not isinstance(keep, (int, np.integer)) or keep < 1:
         raise ValueError(f"keep must be a positive int, got {keep!r}")
-    if not all(math.isfinite(r) for r in rewards):
-        raise ValueError(f"rewards must be finite numbers, got {list(rewards)}")
-    if penalties_needed:
-        if penalties is None or len(penalties) != len(rewards):
-            raise ValueError(f"need one penalty per rollout: {len(rewards)} rewards, "
-                             f"{'no' if penalties is None else len(penalties)} penalties")
-        if not all(math.isfinite(p) and p >= 0 for p in penalties):
-            raise ValueError(f"penalties must be finite and >= 0, got {list(penalties)}")
+    if not all(math.isfinite(r.reward) for r in rollouts):
+        raise ValueError(f"rewards must be finite numbers, got {[r.reward for r in rollouts]}")
+    if not all(math.isfinite(r.penalty) and r.penalty >= 0 for r in rollouts):
+        raise ValueError(f"penalties must be finite and >= 0, got {[r.penalty for r in rollouts]}")
 
 
-def resample_on_correct(rewards, penalties, keep, rng, positive_rule="sample",
-                        min_per_side=2, penalty_offset=0.1) -> list[int]:
-    """Choose `keep` (= G) of one question's 2G rollouts; returns their indices in rollout order.
-
-    rewards:   one per rollout; > 0 counts as correct (the release's rule).
-    penalties: one roc_penalty per rollout; only the positives' are used.
-    rng:       a numpy Generator; the same seed and inputs give the same selection.
-    positive_rule: "sample" (paper): draw positives without replacement, one at a time, each
-        with probability proportional to 1 / (penalty + penalty_offset). The offset gives a
-        clean rollout (penalty 0) a finite weight: 0.1 is the smallest non-zero penalty within
-        10 turns (1 failed call of 10), so a clean rollout is twice as likely as that one.
-        "topk" (release): the positives with the lowest penalties, ties in rollout order.
-    A group no larger than `keep` cannot be thinned and comes back whole (the release drops
-    groups smaller than `keep`; here they are trained on as they are).
-    """
-    _check_group(rewards, penalties, keep, rng, penalties_needed=True)
-    if positive_rule not in ("sample", "topk"):
-        raise ValueError(f"positive_rule must be 'sample' or 'topk', got {positive_rule!r}")
-    if penalty_offset <= 0:
-        raise ValueError(f"penalty_offset must be > 0 (a penalty-0 rollout needs a finite weight), "
-                         f"got {penalty_offset}")
+def resample_on_correct(rollouts, keep, rng, positive_rule="sample", min_per_side=2) -> list[int]:
+    """Choose `keep` (= G) of one question's 2G Rollouts; returns their indices in rollout order.
+    Reward > 0 is correct (as the release). Negatives are a uniform subsample, positives chosen
+    by POSITIVE_RULES[positive_rule]; the same rng seed and inputs give the same selection. A
+    group no larger than `keep` comes back whole (the release drops it)."""
+    _check_group(rollouts, keep, rng)
+    if positive_rule not in POSITIVE_RULES:
+        raise ValueError(f"positive_rule must be one of {list(POSITIVE_RULES)}, "
+                         f"got {positive_rule!r}")
     if keep < 2 * min_per_side:
         raise ValueError(f"keep ({keep}) must be at least 2 * min_per_side ({2 * min_per_side})")
-    num_rollouts = len(rewards)
+    num_rollouts = len(rollouts)
     if num_rollouts <= keep:
         return list(range(num_rollouts))
-    positives = [i for i, r in enumerate(rewards) if r > 0]
-    negatives = [i for i, r in enumerate(rewards) if r <= 0]
+    positives = [i for i, r in enumerate(rollouts) if r.reward > 0]
+    negatives = [i for i, r in enumerate(rollouts) if r.reward <= 0]
 
-    # Each side keeps its share of the slots, which preserves the pos/neg ratio (§2.2.3:
-    # both sides are halved). The positives' share is rounded, halves to even as in the
-    # release, and the negatives take the rest, so exactly G are kept. The release rounds
-    # both shares; that adds up to G only for even G: with odd G and an odd split both
-    # shares end in .5 and round the same way (5 of 10, G = 5: round(2.5) + round(2.5) = 4).
-    # Here, with G = 7 of 14, 5 correct keep 2 positives and 5 negatives (shares 2.5 and 4.5),
-    # 7 correct keep 4 and 3 (shares 3.5 and 3.5): the spare slot goes to either side as
-    # halves to even alternate, so neither is favoured, and before the 2-per-side minimum
-    # each side is within half a slot of its exact share.
+    # Each side keeps its share of the slots (§2.2.3: both sides are halved). The positives'
+    # share is rounded, halves to even as in the release, the negatives take the rest, so
+    # exactly G are kept (G = 7 of 14: 5 correct keep 2 + 5, 7 correct keep 4 + 3).
     num_pos = round(len(positives) * keep / num_rollouts)
     # At least min(2, available) of each outcome, so a lone success among 2G (share 0.5,
     # rounded to 0) is still learned from and the group keeps a contrast.
@@ -168,15 +181,7 @@ def resample_on_correct(rewards, penalties, keep, rng, positive_rule="sample",
 
     # Negatives: a uniform subsample, "following their original distribution" (§2.2.3).
     kept_neg = rng.choice(negatives, size=num_neg, replace=False) if num_neg else []
-    if positive_rule == "topk":
-        kept_pos = sorted(positives, key=lambda i: (penalties[i], i))[:num_pos]
-    elif num_pos:
-        # numpy draws one at a time and renormalises over those left (successive sampling),
-        # so "probability inversely proportional to p" holds for each draw, not overall.
-        weights = 1.0 / (np.asarray([penalties[i] for i in positives], float) + penalty_offset)
-        kept_pos = rng.choice(positives, size=num_pos, replace=False, p=weights / weights.sum())
-    else:
-        kept_pos = []
+    kept_pos = POSITIVE_RULES[positive_rule](rollouts, positives, num_pos, rng) if num_pos else []
     # Rollout order, whatever the rule, so rl.py can index its trajectories with it directly.
     return sorted(int(i) for i in [*kept_pos, *kept_neg])
 
@@ -188,48 +193,63 @@ def rollouts_per_prompt(group_size, mode="roc") -> int:
     return 2 * group_size if mode == "roc" else group_size
 
 
-def select_group(rewards, penalties, keep, rng, mode="roc", positive_rule="sample",
-                 **roc_options) -> list[int]:
-    """The one call rl.py makes per group: RoC (mode="roc") or plain GRPO (mode="grpo").
-
-    Plain GRPO is the paper's ablation baseline (§4.3): rl.py samples only G rollouts
-    (rollouts_per_prompt), so this keeps them all. Given more, it thins them uniformly, which
-    is distributed exactly like sampling G. Penalties may be None in this mode.
-    """
+def select_group(rollouts, keep, rng, mode="roc", positive_rule="sample", **roc_options):
+    """The one call rl.py makes per group: RoC (mode="roc") or plain GRPO (mode="grpo"), the
+    paper's baseline (§4.3): rl.py samples G rollouts, all kept; more are thinned uniformly,
+    distributed exactly like sampling G."""
     if mode == "roc":
-        return resample_on_correct(rewards, penalties, keep, rng, positive_rule, **roc_options)
+        return resample_on_correct(rollouts, keep, rng, positive_rule, **roc_options)
     if mode != "grpo":
         raise ValueError(f"mode must be 'roc' or 'grpo', got {mode!r}")
-    _check_group(rewards, penalties, keep, rng, penalties_needed=False)
-    if len(rewards) <= keep:
-        return list(range(len(rewards)))
+    _check_group(rollouts, keep, rng)
+    if len(rollouts) <= keep:
+        return list(range(len(rollouts)))
     # Rewards are ignored on purpose: the baseline must not prefer any outcome.
-    return sorted(int(i) for i in rng.choice(len(rewards), size=keep, replace=False))
+    return sorted(int(i) for i in rng.choice(len(rollouts), size=keep, replace=False))
 
 
 # -----------------------------------------------------------------------------
 # Advantage (Eq. 7) and the clipped token-level loss (Eq. 6)
 
+# group: Eq. 7; batch: one std over the whole step (TRL scale_rewards="batch"); none: Dr. GRPO's
+# mean-centred rewards (Liu et al. 2025; TRL scale_rewards="none", verl norm_adv_by_std_in_grpo)
+ADVANTAGE_SCALINGS = ("group", "batch", "none")
 
-def group_advantages(rewards, eps=1e-6) -> list[float]:
+
+def group_advantages(rewards, scaling="group", batch_std=None, eps=1e-6) -> list[float]:
     """A_i = (r_i - mean(r)) / (std(r) + eps) over the rollouts kept for one question (Eq. 7).
 
-    std is the unbiased (n - 1) one, as torch.std in the release's verl GRPO; eps keeps an
-    all-equal group at exactly 0. A lone rollout has nothing to be compared with: 0.
-    Computed after RoC, on the G kept, not on the 2G sampled.
-    """
+    Unbiased std (torch.std in the release's verl); eps keeps an all-equal group at 0; a lone
+    rollout gets 0. Over the G kept after RoC, not the 2G sampled. scaling="batch" divides by
+    batch_std (batch_reward_std) instead, "none" by nothing."""
     r = np.asarray(rewards, dtype=np.float64)
     if r.ndim != 1 or not np.all(np.isfinite(r)):
         raise ValueError(f"rewards must be a flat list of finite numbers, got {rewards!r}")
+    if scaling not in ADVANTAGE_SCALINGS:
+        raise ValueError(f"advantage scaling must be one of {ADVANTAGE_SCALINGS}, got {scaling!r}")
     if r.size < 2:
         return [0.0] * r.size
-    return ((r - r.mean()) / (r.std(ddof=1) + eps)).tolist()
+    if scaling == "none":
+        return (r - r.mean()).tolist()
+    std = r.std(ddof=1) if scaling == "group" else batch_std
+    return ((r - r.mean()) / (std + eps)).tolist()
+
+
+def batch_reward_std(group_rewards):
+    """advantage_scaling=batch: the unbiased std of every reward the step sampled, over all ranks
+    (a collective when torch.distributed is up: every rank calls it)."""
+    flat = np.asarray([r for rewards in group_rewards for r in rewards], np.float64)
+    sums = torch.tensor([flat.size, flat.sum(), (flat * flat).sum()], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+    n, total, squares = sums.tolist()
+    return math.sqrt(max(squares - total * total / n, 0.0) / (n - 1)) if n > 1 else 0.0
 
 
 # Rollout correction (Yao et al. 2025): "none" is the paper's objective; the others weight each
 # model-written token by the trainer's over the engine's probability, per token or per sequence
 # (geometric mean), truncated at the threshold (tis) or dropped outside [1/threshold, threshold]
-# (mis).
+# (mis). verl: rollout_corr; TRL: vllm_importance_sampling_*.
 ROLLOUT_CORRECTIONS = ("none", "token_tis", "token_mis", "geometric_tis", "geometric_mis")
 
 
@@ -238,17 +258,13 @@ def rollout_weights(old_logp, engine_logp, mask, mode="none", threshold=2.0):
 
     The tokens were drawn from pi_engine (vLLM: other kernels, often bf16), while Eq. 6's ratio
     starts from the trainer's pi_old: an unbiased gradient needs w = pi_old / pi_engine on each
-    token. The raw ratio has unbounded variance, so it is tamed (Yao et al. 2025, "Your Efficient
-    RL Framework Secretly Brings You Off-Policy RL Training"):
+    token, tamed because the raw ratio has unbounded variance:
       token_tis:     w = min(rho, threshold), rho = exp(old - engine) per token (truncated IS);
       token_mis:     w = rho inside [1/threshold, threshold], else 0 (masked IS: the token
                      drops out of the loss but still counts in Eq. 6's denominator);
-      geometric_*:   the same on the sequence's geometric mean exp(mean(old - engine)) over its
-                     model-written tokens, shared by all of them. A plain product over 8K tokens
-                     collapses towards 0 (trl#5814); the mean does not grow with length.
-    old_logp, engine_logp, mask: [B, T], one row per sequence. Returns (w, ratio) as [B, T]:
-    ratio is what w was taken from (per token, or the sequence's geometric mean broadcast to its
-    tokens; per token for "none", where w is 1). With engine_logp == old_logp every w is exactly 1.
+      geometric_*:   the same on the sequence's geometric mean exp(mean(old - engine)): a
+                     product over 8K tokens collapses towards 0 (trl#5814), the mean does not.
+    Returns (w, ratio) as [B, T]: ratio is what w was taken from; w is 1 for "none".
     """
     if mode not in ROLLOUT_CORRECTIONS:
         raise ValueError(f"rollout correction must be one of {ROLLOUT_CORRECTIONS}, got {mode!r}")
@@ -267,74 +283,116 @@ def rollout_weights(old_logp, engine_logp, mask, mode="none", threshold=2.0):
         return torch.where((ratio >= 1 / threshold) & (ratio <= threshold), ratio, 0.0), ratio
 
 
-def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.28,
-                num_tokens=None, dual_clip=None, engine_logp=None, rollout_correction="none",
-                rollout_is_threshold=2.0):
+@torch.no_grad()
+def rollout_correction(old_logp, engine_logp, mask, mode, threshold, num_tokens):
+    """(policy_loss's weights, None for "none"; the gap's metrics whatever the mode, as verl's
+    rollout_corr/: mean log rho, rho = pi_old / pi_engine; k3_kl, the k3 estimate of
+    KL(pi_engine || pi_old); the largest rho; the weights' mean and max; the fractions of tokens
+    truncated (tis) or masked out (mis)), over the model-written tokens / num_tokens, so they
+    sum over micro-batches. engine_logp None: no gap."""
+    engine_logp = old_logp if engine_logp is None else engine_logp
+    mask = mask.bool()
+    weights, ratio = rollout_weights(old_logp, engine_logp, mask, mode, threshold)
+
+    def token_sum(values):
+        return torch.where(mask, values, 0.0).sum() / num_tokens
+
+    log_rho = torch.where(mask, old_logp - engine_logp, 0.0)
+    rho = torch.exp(log_rho)
+    truncated = mode.endswith("tis") & (ratio > threshold)
+    masked = mode.endswith("mis") & (weights == 0)
+    metrics = {
+        "rollout_corr/log_ratio_mean": token_sum(log_rho),
+        # rho - 1 - log rho as expm1: for a gap of 1e-6 the plain form is all rounding; >= 0
+        "rollout_corr/k3_kl": token_sum((torch.expm1(log_rho) - log_rho).clamp(min=0)),
+        "rollout_corr/ratio_max": torch.where(mask, rho, 0.0).max(),
+        "rollout_corr/weight_mean": token_sum(weights),
+        "rollout_corr/weight_max": torch.where(mask, weights, 0.0).max(),
+        "rollout_corr/truncated_fraction": token_sum(truncated.to(rho.dtype)),
+        "rollout_corr/masked_fraction": token_sum(masked.to(rho.dtype)),
+    }
+    return (None if mode == "none" else weights), metrics
+
+
+# token_mean: Eq. 6, every token of the batch weighs the same (verl loss_agg_mode "token-mean",
+# TRL loss_type "dapo"); seq_mean_token_mean: each rollout's token mean, averaged over rollouts
+# (verl "seq-mean-token-mean", TRL "grpo"); seq_mean_token_sum_norm: Dr. GRPO's token sums over
+# a fixed length (verl "seq-mean-token-sum-norm", TRL "dr_grpo").
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+
+
+def loss_weights(mask, aggregation, num_tokens, num_sequences, max_tokens, weights=None):
+    """`weights` (a correction's, or None) times the per-token factors that turn policy_loss's
+    sum / num_tokens into `aggregation`: token_mean none (Eq. 6); seq_mean_token_mean
+    num_tokens / (|o_i| num_sequences); seq_mean_token_sum_norm num_tokens / (max_tokens
+    num_sequences). num_sequences is global as num_tokens is (over micro-batches and ranks,
+    divided by the world size), so the gradient does not depend on the split."""
+    if aggregation not in LOSS_AGGREGATIONS:
+        raise ValueError(f"loss aggregation must be one of {LOSS_AGGREGATIONS}, "
+                         f"got {aggregation!r}")
+    if aggregation == "token_mean":
+        return weights
+    lengths = (mask.sum(-1, keepdim=True).clamp(min=1).double()
+               if aggregation == "seq_mean_token_mean" else float(max_tokens))
+    factor = float(num_tokens) / (lengths * num_sequences)  # float64: a constant's precision
+    return factor if weights is None else weights * factor
+
+
+RATIO_LEVELS = ("token", "sequence")
+
+
+def policy_loss(logp, old_logp, advantages, mask, num_tokens=None, clip_low=0.2, clip_high=0.28,
+                dual_clip=None, weights=None, ratio_level="token"):
     """Clip-Higher PPO surrogate, summed over unmasked tokens and divided by num_tokens (Eq. 6).
 
     logp, old_logp: [B, T] log-probs of the sampled tokens under the current / rollout policy.
     advantages:     [B] (one per rollout, broadcast to its tokens, Eq. 7) or [B, T].
     mask:           [B, T], 1 on tokens the model wrote; 0 on prompt, tool output and padding.
-    num_tokens:     the denominator. Eq. 6 divides by the tokens of the whole batch, so pass the
-        global count over all micro-batches and ranks: then micro-batch losses (and gradients)
-        add up to the full-batch token mean however the batch is split. DDP and FSDP average
-        gradients over W ranks, so there pass global_count / W. None: this batch's own count.
-    dual_clip:      None (paper), or c > 1 to bound the loss of negative-advantage tokens by
-        c * |A| as verl does by default.
-    engine_logp:    [B, T] the engine's log-probs of the same tokens, as it sampled them; None:
-        taken equal to old_logp (no gap). rollout_correction, rollout_is_threshold: how the
-        per-token loss is weighted for the gap (rollout_weights); the gap is measured whatever
-        the setting.
-    Returns (loss, metrics). Metrics are detached 0-dim tensors; all but those named *_max are
-    divided by num_tokens too, so they also sum over micro-batches; *_max combine by max.
+    num_tokens:     the whole batch's tokens (all micro-batches and ranks) / the W ranks FSDP
+        averages gradients over: micro-batch losses and gradients then add up to the full-batch
+        token mean however the batch is split. None: this batch's own count.
+    dual_clip:      None (paper), or c > 1 to bound negative-advantage tokens' loss by c * |A|.
+    weights:        None, or constant factors on each token's loss ([B, T] or [B, 1]):
+        rollout_correction's and loss_weights'.
+    ratio_level:    "token" (paper); "sequence": GSPO's one ratio per rollout, the geometric
+        mean of its tokens' (Zheng et al. 2025; TRL importance_sampling_level="sequence").
+    Returns (loss, metrics): metrics over num_tokens too, to sum over micro-batches (*_max: max).
     """
     advantages = _checked_advantages(logp, old_logp, advantages, mask, clip_low, clip_high,
-                                     dual_clip)
+                                     dual_clip, ratio_level)
     mask = mask.bool()
-    if num_tokens is None:
-        num_tokens = mask.sum()
+    num_tokens = mask.sum() if num_tokens is None else num_tokens
     if num_tokens <= 0:
         raise ValueError(f"num_tokens must be > 0 (is every token masked?), got {num_tokens}")
     # The advantage and the rollout policy's log-probs are constants of the objective (Eq. 6):
     # gradients flow only through pi_theta.
     advantages, old_logp = advantages.detach(), old_logp.detach()
-    engine_logp = old_logp if engine_logp is None else engine_logp.detach()
-    weights, weighted_ratio = rollout_weights(old_logp, engine_logp, mask, rollout_correction,
-                                              rollout_is_threshold)
-
-    # Importance ratio rho = pi_theta / pi_old per token. Padding may hold any value, even
-    # -inf, so masked positions get ratio 1 before exp() can turn them into inf or nan.
+    # rho = pi_theta / pi_old per token. Padding may hold any value, even -inf, so masked
+    # positions get ratio 1 before exp() can turn them into inf or nan.
     log_ratio = torch.where(mask, logp - old_logp, 0.0)
+    if ratio_level == "sequence":
+        per_rollout = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+        log_ratio = torch.where(mask, per_rollout, 0.0)
     ratio = torch.exp(log_ratio)
-    # min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A), negated for a loss. The clip stops
-    # the update once a token moved far enough; the higher upper bound (DAPO's Clip-Higher)
-    # lets unlikely tokens of good rollouts grow more, which delays entropy collapse. With one
-    # optimizer step per RL step (mini_batches: 1, every shipped config) the update is
-    # on-policy: old_logp is the same weights' log-prob, rho is exactly 1, the clip never binds
-    # and a KL-to-old term would have zero gradient; with a rollout correction on, the
-    # engine-vs-trainer weight is what departs from 1. The clip acts from the second optimizer
-    # step on the same rollouts (mini_batches > 1).
+    # min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A), negated for a loss (Clip-Higher above).
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
     per_token = -torch.minimum(unclipped, clipped)
-    if dual_clip is not None:
-        # For A < 0 an exploded ratio would give an unbounded loss; cap it at c * |A|.
+    if dual_clip is not None:  # for A < 0 an exploded ratio would give an unbounded loss
         per_token = torch.where(advantages < 0,
                                 torch.minimum(per_token, -dual_clip * advantages), per_token)
-    if rollout_correction != "none":
-        per_token = per_token * weights  # a constant factor per token, as verl and TRL apply it
+    if weights is not None:
+        per_token = per_token * torch.as_tensor(weights, dtype=per_token.dtype)  # constants
     # Token-level normalisation (Eq. 6): every token of the batch weighs the same, so long
     # rollouts are not down-weighted as a per-sequence mean would do.
     loss = torch.where(mask, per_token, 0.0).sum() / num_tokens
-
     with torch.no_grad():
         metrics = _loss_metrics(ratio, log_ratio, advantages, mask, clip_low, clip_high, num_tokens)
-        metrics.update(_rollout_metrics(weights, weighted_ratio, old_logp - engine_logp, mask,
-                                        rollout_correction, rollout_is_threshold, num_tokens))
     return loss, metrics
 
 
-def _checked_advantages(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip):
+def _checked_advantages(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip,
+                        ratio_level):
     """policy_loss's arguments checked; the advantages as [B, 1] or [B, T]."""
     if logp.dim() != 2 or old_logp.shape != logp.shape or mask.shape != logp.shape:
         raise ValueError(f"logp, old_logp and mask must share one [B, T] shape, got "
@@ -348,6 +406,8 @@ def _checked_advantages(logp, old_logp, advantages, mask, clip_low, clip_high, d
         raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
     if dual_clip is not None and dual_clip <= 1:
         raise ValueError(f"dual_clip must be None or > 1, got {dual_clip}")
+    if ratio_level not in RATIO_LEVELS:
+        raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
     return advantages
 
 
@@ -368,50 +428,23 @@ def _loss_metrics(ratio, log_ratio, advantages, mask, clip_low, clip_high, num_t
     }
 
 
-def _rollout_metrics(weights, weighted_ratio, log_rho, mask, mode, threshold, num_tokens):
-    """The engine-vs-trainer gap and what the correction did, over the model-written tokens,
-    whatever the setting (verl logs the like under rollout_corr/): the mean of
-    log rho = log(pi_old / pi_engine); k3_kl, the k3 estimate of KL(pi_engine || pi_old) from
-    the tokens the engine sampled (non-negative, low variance); the largest token rho; the
-    weights' mean and max (1 with none); the fractions of tokens truncated to the threshold (tis)
-    or masked out (mis)."""
-    def token_sum(values):
-        return torch.where(mask, values, 0.0).sum() / num_tokens
-
-    log_rho = torch.where(mask, log_rho, 0.0)
-    rho = torch.exp(log_rho)
-    truncated = mode.endswith("tis") & (weighted_ratio > threshold)
-    masked = mode.endswith("mis") & (weights == 0)
-    return {
-        "rollout_corr/log_ratio_mean": token_sum(log_rho),
-        # rho - 1 - log rho as expm1: for a gap of 1e-6 the plain form is all rounding; >= 0
-        "rollout_corr/k3_kl": token_sum((torch.expm1(log_rho) - log_rho).clamp(min=0)),
-        "rollout_corr/ratio_max": torch.where(mask, rho, 0.0).max(),
-        "rollout_corr/weight_mean": token_sum(weights),
-        "rollout_corr/weight_max": torch.where(mask, weights, 0.0).max(),
-        "rollout_corr/truncated_fraction": token_sum(truncated.to(rho.dtype)),
-        "rollout_corr/masked_fraction": token_sum(masked.to(rho.dtype)),
-    }
-
-
 # -----------------------------------------------------------------------------
 # A worked example: one synthetic group through steps 1-4
 
 if __name__ == "__main__":
-    group_size = 4
     rng = np.random.default_rng(0)
     # 2G = 8 rollouts: (tool calls, failed calls, <answer> blocks, assistant turns, reward)
-    rollouts = [(3, 0, 1, 4, 1.0), (2, 2, 1, 3, 1.0), (0, 0, 1, 1, 1.0), (4, 1, 3, 5, 1.0),
-                (1, 0, 1, 2, 0.0), (5, 5, 0, 6, 0.0), (2, 1, 1, 3, 0.0), (0, 0, 1, 1, 0.0)]
-    rewards = [r[4] for r in rollouts]
-    penalties = [roc_penalty(*r[:4]) for r in rollouts]
-    kept_groups, all_equal_fraction = filter_groups([rewards])
-    kept = select_group(rewards, penalties, group_size, rng, mode="roc")
-    advantages = group_advantages([rewards[i] for i in kept])
-    topk = select_group(rewards, penalties, group_size, rng, positive_rule="topk")
+    counts = [(3, 0, 1, 4, 1.0), (2, 2, 1, 3, 1.0), (0, 0, 1, 1, 1.0), (4, 1, 3, 5, 1.0),
+              (1, 0, 1, 2, 0.0), (5, 5, 0, 6, 0.0), (2, 1, 1, 3, 0.0), (0, 0, 1, 1, 0.0)]
+    rollouts = [Rollout(r, roc_penalty(*c), 0, c[0], c[1], {}, c[2], c[3]) for *c, r in counts]
+    _, all_equal_fraction = filter_groups([[r.reward for r in rollouts]])
+    kept = select_group(rollouts, 4, rng, mode="roc")
+    advantages = group_advantages([rollouts[i].reward for i in kept])
+    topk = select_group(rollouts, 4, rng, positive_rule="topk")
     print(f"all-equal groups: {all_equal_fraction:.0%}; kept rollouts: {kept} "
           f"(topk would keep {topk})")
-    for i, (calls, errors, tags, turns, reward) in enumerate(rollouts):
+    for i, r in enumerate(rollouts):
         advantage = f"{advantages[kept.index(i)]:+.3f}" if i in kept else "dropped"
-        print(f"rollout {i}: reward {reward:.0f}  calls {calls} failed {errors} answers {tags} "
-              f"turns {turns}  penalty {penalties[i]:.2f}  advantage {advantage}")
+        print(f"rollout {i}: reward {r.reward:.0f}  calls {r.tool_calls} failed {r.tool_errors} "
+              f"answers {r.answer_tags} turns {r.turns}  penalty {r.penalty:.2f}  "
+              f"advantage {advantage}")

@@ -52,8 +52,10 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from executor import Executor
-from grpo_roc import (ROLLOUT_CORRECTIONS, filter_groups, group_advantages, policy_loss,
-                      roc_penalty, rollouts_per_prompt, select_group)
+from grpo_roc import (ADVANTAGE_SCALINGS, LOSS_AGGREGATIONS, POSITIVE_RULES, RATIO_LEVELS,
+                      ROLLOUT_CORRECTIONS, as_rollout, batch_reward_std, filter_groups,
+                      group_advantages, loss_weights, policy_loss, roc_penalty,
+                      rollout_correction, rollouts_per_prompt, select_group)
 from reward import extract_answer, score_batch
 from rollout import RolloutConfig, Trajectory, generate
 from machinery.checkpoint import (check_inputs, epoch_plan, latest_checkpoint, restore,
@@ -95,7 +97,8 @@ class RLConfig:
     # the method (§2.2.3, §4.3)
     algorithm: Literal["roc", "grpo"] = "roc"  # roc: 2G sampled, RoC keeps G; grpo: G, all kept
     group_size: int = 16          # G, rollouts per prompt that are trained on
-    positive_rule: Literal["sample", "topk"] = "sample"  # paper: sample ~1/penalty; release: topk
+    # paper: sample ~1/penalty; release: topk; shortest: fewest tokens (grpo_roc.POSITIVE_RULES)
+    positive_rule: Literal[tuple(POSITIVE_RULES)] = "sample"
     roc_error_ratio: bool = True  # p_err (Eq. 4) in the positives' penalty
     roc_answer_format: bool = True  # p_format (Eq. 5) in the positives' penalty
     filter_all_equal: bool = True  # drop groups whose rewards are all equal (release: same)
@@ -104,6 +107,10 @@ class RLConfig:
     clip_low: float = 0.2
     clip_high: float = 0.28
     dual_clip: float = 0.0        # 0 = off (paper); verl's default would be 3.0
+    # the field's common variants (grpo_roc.py; docs/design.md's table), the paper's by default:
+    advantage_scaling: Literal[ADVANTAGE_SCALINGS] = "group"  # batch: TRL's; none: Dr. GRPO
+    loss_aggregation: Literal[LOSS_AGGREGATIONS] = "token_mean"  # Eq. 6; verl's loss_agg_mode
+    ratio_level: Literal[RATIO_LEVELS] = "token"  # sequence: GSPO
     # the engine samples with its own kernels (and dtype): weight each token for that gap (Yao et
     # al. 2025; grpo_roc.rollout_weights). none = the paper; token_tis / token_mis / geometric_*
     rollout_correction: Literal[ROLLOUT_CORRECTIONS] = "none"
@@ -316,25 +323,29 @@ def train_step(model, optimizer, samples, cfg, step, pad_id, device, temperature
     world_size = dist.get_world_size()
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, cfg)
-    global_tokens = torch.tensor([float(sum(sum(s.loss_mask) for s in samples))])
-    dist.all_reduce(global_tokens)
-    if global_tokens.item() == 0:
+    totals = torch.tensor([float(sum(sum(s.loss_mask) for s in samples)), float(len(samples))])
+    dist.all_reduce(totals)  # tokens and sequences (loss_aggregation) of the global batch
+    global_tokens, global_sequences = totals.tolist()
+    if global_tokens == 0:
         raise RuntimeError("train_step: the batch has no model-written token on any rank "
                            "(every loss mask is 0)")
     batches = equalize_micro_batches(micro_batches(samples, cfg))
     sums, maxima = {}, {}
-    num_tokens = global_tokens.item() / world_size
+    num_tokens = global_tokens / world_size
     for batch in batches:
         input_ids, old, mask, advantages, engine = collate(batch, pad_id, device)
         logp, entropy = token_logprobs(model, input_ids, temperature, cfg.logprob_chunk_tokens,
                                        with_entropy=True)
         if all(s.old_logprobs is None for s in batch):  # from this forward, detached
             old = store_old_logprobs(batch, logp.detach())
-        loss, metrics = policy_loss(logp, old, advantages, mask, clip_low=cfg.clip_low,
-                                    clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or None,
-                                    num_tokens=num_tokens, engine_logp=engine,
-                                    rollout_correction=cfg.rollout_correction,
-                                    rollout_is_threshold=cfg.rollout_is_threshold)
+        weights, correction = rollout_correction(old, engine, mask, cfg.rollout_correction,
+                                                 cfg.rollout_is_threshold, num_tokens)
+        weights = loss_weights(mask, cfg.loss_aggregation, num_tokens,
+                               global_sequences / world_size, cfg.rollout.max_response_tokens,
+                               weights)
+        loss, metrics = policy_loss(logp, old, advantages, mask, num_tokens, cfg.clip_low,
+                                    cfg.clip_high, cfg.dual_clip or None, weights, cfg.ratio_level)
+        metrics.update(correction)
         loss.backward()  # accumulates; FSDP2 reduce-scatters (a mean over ranks) after each
         metrics["loss"] = loss.detach()
         # the policy's token-mean entropy over the trained tokens (logged, never in the loss)
@@ -354,7 +365,7 @@ def train_step(model, optimizer, samples, cfg, step, pad_id, device, temperature
     optimizer.zero_grad(set_to_none=True)
     out = global_metrics(sums, maxima, world_size)
     out.update(grad_norm=float(grad_norm), lr=lr_at(step, cfg), num_micro_batches=len(batches),
-               train_tokens=int(global_tokens.item()))
+               train_tokens=int(global_tokens))
     return out
 
 
@@ -392,19 +403,21 @@ def select_samples(groups, rewards, cfg, step, position):
     still gives one probe, never trained on but checked by the sync guard, which so never goes
     blind, even if all groups are dropped."""
     kept_groups, _ = filter_groups(rewards, enabled=cfg.filter_all_equal)
+    scale = batch_reward_std(rewards) if cfg.advantage_scaling == "batch" else None
     samples, probes, records = [], [], []
     for g, (group, group_rewards) in enumerate(zip(groups, rewards)):
-        # The penalties only rank the positives (§2.2.3); they never enter the reward.
-        penalties = [roc_penalty(t.num_tool_calls, t.num_tool_errors, t.num_answer_tags,
-                                 max(t.num_turns, 1), use_error_ratio=cfg.roc_error_ratio,
-                                 use_answer_format=cfg.roc_answer_format) for t in group]
+        # what a rule may read; the penalties only rank the positives (§2.2.3), never the reward
+        rollouts = [as_rollout(t, r, cfg.roc_error_ratio, cfg.roc_answer_format)
+                    for t, r in zip(group, group_rewards)]
+        penalties = [r.penalty for r in rollouts]
         kept = []
         if g in kept_groups:
             rng = np.random.default_rng([cfg.seed, step, position + group[0].problem_index])
-            kept = select_group(group_rewards, penalties, cfg.group_size, rng, mode=cfg.algorithm,
+            kept = select_group(rollouts, cfg.group_size, rng, mode=cfg.algorithm,
                                 positive_rule=cfg.positive_rule)
             # Eq. 7 over the G kept, not the 2G sampled
-            for i, advantage in zip(kept, group_advantages([group_rewards[i] for i in kept])):
+            for i, advantage in zip(kept, group_advantages([group_rewards[i] for i in kept],
+                                                           cfg.advantage_scaling, scale)):
                 samples.append(train_sample(group[i], advantage))
         else:  # advantage 0 and never trained: only the guard reads it
             probes.append(train_sample(group[0], 0.0))

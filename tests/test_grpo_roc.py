@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from grpo_roc import (ROLLOUT_CORRECTIONS, filter_groups, group_advantages, policy_loss,
-                      resample_on_correct, roc_penalty, rollout_weights, rollouts_per_prompt,
-                      select_group)
+from grpo_roc import (LOSS_AGGREGATIONS, POSITIVE_RULES, ROLLOUT_CORRECTIONS, Rollout,
+                      batch_reward_std, filter_groups, group_advantages, loss_weights,
+                      policy_loss, resample_on_correct, roc_penalty, rollout_correction,
+                      rollout_weights, rollouts_per_prompt, select_group)
 
 # -----------------------------------------------------------------------------
 # roc_penalty: Eq. 4 (p_err) + Eq. 5 (p_format)
@@ -79,11 +80,21 @@ def test_filter_edge_cases():
 # -----------------------------------------------------------------------------
 # resample_on_correct: counts, determinism, and who gets picked
 
+def _rollouts(rewards, penalties=None, lengths=None):
+    """Rollout records with these rewards, penalties (default 0) and response lengths."""
+    return [Rollout(r, 0.0 if penalties is None else penalties[i],
+                    0 if lengths is None else lengths[i]) for i, r in enumerate(rewards)]
+
+
 def _group(num_pos, num_rollouts, penalty_fn=lambda i: 0.1 * (i % 7)):
-    """num_pos correct rollouts spread through the group, with varied penalties."""
+    """num_pos correct rollouts spread through the group, with varied penalties and lengths."""
     correct = set(np.random.default_rng(num_pos).choice(num_rollouts, num_pos, replace=False))
     rewards = [1.0 if i in correct else 0.0 for i in range(num_rollouts)]
-    return rewards, [penalty_fn(i) for i in range(num_rollouts)]
+    return _rollouts(rewards, [penalty_fn(i) for i in range(num_rollouts)],
+                     [50 + 37 * i % 23 for i in range(num_rollouts)])
+
+
+ALL_RULES = list(POSITIVE_RULES)  # every rule in the mapping gets the invariant tests
 
 
 # Kept positives out of 16 for each number of positives among 32, derived by hand from the
@@ -92,13 +103,13 @@ EXPECTED_KEPT_POSITIVES_OF_32 = [0, 1, 2, 2, 2, 2, 3, 4, 4, 4, 5, 6, 6, 6, 7, 8,
                                  8, 9, 10, 10, 10, 11, 12, 12, 12, 13, 14, 14, 14, 14, 15, 16]
 
 
-@pytest.mark.parametrize("rule", ["sample", "topk"])
+@pytest.mark.parametrize("rule", ALL_RULES)
 def test_counts_per_side_for_every_split_of_32(rule):
     for num_pos in range(33):
-        rewards, penalties = _group(num_pos, 32)
-        kept = resample_on_correct(rewards, penalties, 16, np.random.default_rng(0), rule)
+        rollouts = _group(num_pos, 32)
+        kept = resample_on_correct(rollouts, 16, np.random.default_rng(0), rule)
         assert len(kept) == len(set(kept)) == 16 and kept == sorted(kept)
-        assert sum(rewards[i] for i in kept) == EXPECTED_KEPT_POSITIVES_OF_32[num_pos], num_pos
+        assert sum(rollouts[i].reward for i in kept) == EXPECTED_KEPT_POSITIVES_OF_32[num_pos]
 
 
 # The same for an odd G = 7 of 14, where the release's two rounded shares would add up to 6 or 8
@@ -107,21 +118,22 @@ def test_counts_per_side_for_every_split_of_32(rule):
 EXPECTED_KEPT_POSITIVES_OF_14 = [0, 1, 2, 2, 2, 2, 3, 4, 4, 4, 5, 5, 5, 6, 7]
 
 
-@pytest.mark.parametrize("rule", ["sample", "topk"])
+@pytest.mark.parametrize("rule", ALL_RULES)
 def test_odd_g_keeps_exactly_g_with_the_half_slot_split_by_rounding_halves_to_even(rule):
     for num_pos in range(15):
-        rewards, penalties = _group(num_pos, 14)
-        kept = resample_on_correct(rewards, penalties, 7, np.random.default_rng(0), rule)
+        rollouts = _group(num_pos, 14)
+        kept = resample_on_correct(rollouts, 7, np.random.default_rng(0), rule)
         assert len(kept) == len(set(kept)) == 7, num_pos
-        assert sum(rewards[i] for i in kept) == EXPECTED_KEPT_POSITIVES_OF_14[num_pos], num_pos
+        assert sum(rollouts[i].reward for i in kept) == EXPECTED_KEPT_POSITIVES_OF_14[num_pos]
 
 
+@pytest.mark.parametrize("rule", ALL_RULES)
 @pytest.mark.parametrize("keep", [4, 5, 7, 8, 9, 16])
-def test_pos_neg_ratio_preserved_for_every_split_of_2g(keep):
+def test_pos_neg_ratio_preserved_for_every_split_of_2g(keep, rule):
     for num_pos in range(2 * keep + 1):
-        rewards, penalties = _group(num_pos, 2 * keep)
-        kept = resample_on_correct(rewards, penalties, keep, np.random.default_rng(1))
-        kept_pos = sum(rewards[i] for i in kept)
+        rollouts = _group(num_pos, 2 * keep)
+        kept = resample_on_correct(rollouts, keep, np.random.default_rng(1), rule)
+        kept_pos = sum(rollouts[i].reward for i in kept)
         kept_neg = keep - kept_pos
         assert len(kept) == keep
         # Each side is halved to within rounding, or lifted to the 2-per-side minimum.
@@ -130,13 +142,35 @@ def test_pos_neg_ratio_preserved_for_every_split_of_2g(keep):
         assert kept_pos >= min(2, num_pos) and kept_neg >= min(2, 2 * keep - num_pos)
 
 
-def test_same_seed_same_selection_and_different_seeds_differ():
-    rewards, penalties = _group(12, 32)
-    first = resample_on_correct(rewards, penalties, 16, np.random.default_rng(7))
-    assert resample_on_correct(rewards, penalties, 16, np.random.default_rng(7)) == first
-    others = {tuple(resample_on_correct(rewards, penalties, 16, np.random.default_rng(s)))
+@pytest.mark.parametrize("rule", ALL_RULES)
+def test_same_seed_same_selection_and_different_seeds_differ(rule):
+    rollouts = _group(12, 32)
+    first = resample_on_correct(rollouts, 16, np.random.default_rng(7), rule)
+    assert resample_on_correct(rollouts, 16, np.random.default_rng(7), rule) == first
+    others = {tuple(resample_on_correct(rollouts, 16, np.random.default_rng(s), rule))
               for s in range(20)}
     assert len(others) > 10
+
+
+@pytest.mark.parametrize("rule", ALL_RULES)
+def test_a_rule_picks_distinct_positives_only_from_the_correct(rule):
+    for num_pos in (1, 5, 8, 11, 15):
+        rollouts = _group(num_pos, 16)
+        positives = [i for i, r in enumerate(rollouts) if r.reward == 1]
+        count = 3 if num_pos >= 3 else num_pos
+        chosen = [int(i) for i in POSITIVE_RULES[rule](rollouts, positives, count,
+                                                       np.random.default_rng(0))]
+        assert len(chosen) == len(set(chosen)) == count and set(chosen) <= set(positives)
+
+
+def test_shortest_keeps_the_fewest_response_tokens_among_the_correct_ties_in_order():
+    rewards = [1, 1, 1, 1, 1, 0, 0, 0]
+    lengths = [90, 40, 120, 40, 10, 5, 5, 5]  # a short negative is never a positive
+    rollouts = _rollouts(rewards, [0.0] * 8, lengths)
+    kept = resample_on_correct(rollouts, 4, np.random.default_rng(0), "shortest")
+    assert [i for i in kept if rewards[i]] == [1, 4]        # 10 tokens, then the first of 40s
+    assert resample_on_correct(_rollouts(rewards, [0.0] * 8, [40] * 8), 4,
+                               np.random.default_rng(3), "shortest")[:2] == [0, 1]
 
 
 def _exact_inclusion(weights, k):
@@ -159,7 +193,8 @@ def test_lower_penalty_positives_are_kept_more_often_at_the_exact_rate():
     draws = 4000
     counts = np.zeros(8)
     for seed in range(draws):
-        counts[resample_on_correct(rewards, penalties, 4, np.random.default_rng(seed))] += 1
+        counts[resample_on_correct(_rollouts(rewards, penalties), 4,
+                                   np.random.default_rng(seed))] += 1
     freq = counts[positives] / draws
     assert np.all(np.diff(freq) < 0), freq
     exact = _exact_inclusion([1 / (penalties[i] + 0.1) for i in positives], 2)
@@ -172,45 +207,44 @@ def test_lower_penalty_positives_are_kept_more_often_at_the_exact_rate():
 
 def test_penalty_zero_weighs_twice_the_smallest_flaw():
     # One of two positives is kept (min_per_side=1): weights 1/0.1 and 1/0.2, so 2 : 1.
-    rewards, penalties = [1, 1, 0, 0, 0, 0, 0, 0], [0.0, 0.1] + [0.0] * 6
-    picks = [resample_on_correct(rewards, penalties, 4, np.random.default_rng(s),
-                                 min_per_side=1)[0] for s in range(3000)]
+    rollouts = _rollouts([1, 1, 0, 0, 0, 0, 0, 0], [0.0, 0.1] + [0.0] * 6)
+    picks = [resample_on_correct(rollouts, 4, np.random.default_rng(s), min_per_side=1)[0]
+             for s in range(3000)]
     share_clean = picks.count(0) / len(picks)
     assert abs(share_clean - 2 / 3) < 4.5 * math.sqrt((2 / 9) / len(picks)), share_clean
 
 
 def test_topk_keeps_lowest_penalties_with_ties_in_rollout_order():
     rewards = [1, 1, 1, 1, 1, 0, 0, 0]
-    penalties = [0.5, 0.0, 0.5, 1.0, 0.5, 0, 0, 0]
-    kept = resample_on_correct(rewards, penalties, 4, np.random.default_rng(0), "topk")
+    rollouts = _rollouts(rewards, [0.5, 0.0, 0.5, 1.0, 0.5, 0, 0, 0])
+    kept = resample_on_correct(rollouts, 4, np.random.default_rng(0), "topk")
     assert [i for i in kept if rewards[i]] == [0, 1]       # 0.0 first, then the first 0.5
-    assert resample_on_correct(rewards, penalties, 4, np.random.default_rng(5),
-                               "topk")[:2] == [0, 1]
+    assert resample_on_correct(rollouts, 4, np.random.default_rng(5), "topk")[:2] == [0, 1]
 
 
 def test_edge_cases_all_correct_all_wrong_one_correct_and_small_groups():
     rng = np.random.default_rng(3)
-    assert len(resample_on_correct([1] * 32, [0.5] * 32, 16, rng)) == 16
-    assert len(resample_on_correct([0] * 32, [0.5] * 32, 16, rng)) == 16
+    assert len(resample_on_correct(_rollouts([1] * 32, [0.5] * 32), 16, rng)) == 16
+    assert len(resample_on_correct(_rollouts([0] * 32, [0.5] * 32), 16, rng)) == 16
     rewards = [0] * 32
     rewards[9] = 1
-    kept = resample_on_correct(rewards, [0.0] * 32, 16, rng)
+    kept = resample_on_correct(_rollouts(rewards), 16, rng)
     assert 9 in kept and len(kept) == 16                   # the lone success is kept
-    assert resample_on_correct([1, 0, 1], [0, 0, 0], 16, rng) == [0, 1, 2]
-    assert resample_on_correct([1, 0] * 8, [0] * 16, 16, rng) == list(range(16))
+    assert resample_on_correct(_rollouts([1, 0, 1]), 16, rng) == [0, 1, 2]
+    assert resample_on_correct(_rollouts([1, 0] * 8), 16, rng) == list(range(16))
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
-    (dict(positive_rule="best"), ValueError, "positive_rule must be 'sample' or 'topk'"),
-    (dict(penalties=[0.0] * 5), ValueError, "8 rewards, 5 penalties"),
-    (dict(penalties=None), ValueError, "8 rewards, no penalties"),
-    (dict(penalties=[-0.1] + [0.0] * 7), ValueError, "penalties must be finite and >= 0"),
+    (dict(positive_rule="best"), ValueError,
+     "positive_rule must be one of \\['sample', 'topk', 'shortest'\\]"),
+    (dict(rollouts=_rollouts([1, 0] * 4, [-0.1] + [0.0] * 7)), ValueError,
+     "penalties must be finite and >= 0"),
+    (dict(rollouts=_rollouts([1, float("nan")] * 4)), ValueError, "rewards must be finite"),
     (dict(rng=random.Random(0)), TypeError, "rng must be a numpy.random.Generator"),
     (dict(keep=3), ValueError, "keep \\(3\\) must be at least 2 \\* min_per_side \\(4\\)"),
-    (dict(penalty_offset=0.0), ValueError, "penalty_offset must be > 0"),
 ])
 def test_resample_rejects_bad_input(kwargs, error, message):
-    args = dict(rewards=[1, 0] * 4, penalties=[0.0] * 8, keep=4, rng=np.random.default_rng(0))
+    args = dict(rollouts=_rollouts([1, 0] * 4), keep=4, rng=np.random.default_rng(0))
     with pytest.raises(error, match=message):
         resample_on_correct(**{**args, **kwargs})
 
@@ -221,13 +255,13 @@ def test_resample_rejects_bad_input(kwargs, error, message):
 
 def test_plain_grpo_samples_g_and_keeps_them_all_without_penalties():
     assert rollouts_per_prompt(16, "roc") == 32 and rollouts_per_prompt(16, "grpo") == 16
-    rewards = [1, 0, 0, 1, 1, 0, 1, 1]
-    assert select_group(rewards, None, 8, np.random.default_rng(0), mode="grpo") == list(range(8))
+    rollouts = _rollouts([1, 0, 0, 1, 1, 0, 1, 1])
+    assert select_group(rollouts, 8, np.random.default_rng(0), mode="grpo") == list(range(8))
 
 
 def test_plain_grpo_thins_a_larger_group_uniformly_regardless_of_reward():
     rewards = [1] * 2 + [0] * 14
-    kept_correct = [sum(rewards[i] for i in select_group(rewards, None, 8,
+    kept_correct = [sum(rewards[i] for i in select_group(_rollouts(rewards), 8,
                                                          np.random.default_rng(s), mode="grpo"))
                     for s in range(2000)]
     # Hypergeometric mean 2 * 8/16 = 1; RoC would always keep both correct rollouts.
@@ -236,11 +270,11 @@ def test_plain_grpo_thins_a_larger_group_uniformly_regardless_of_reward():
 
 
 def test_roc_mode_is_resample_on_correct():
-    rewards, penalties = _group(11, 32)
-    assert select_group(rewards, penalties, 16, np.random.default_rng(4), positive_rule="topk") \
-        == resample_on_correct(rewards, penalties, 16, np.random.default_rng(4), "topk")
+    rollouts = _group(11, 32)
+    assert select_group(rollouts, 16, np.random.default_rng(4), positive_rule="topk") \
+        == resample_on_correct(rollouts, 16, np.random.default_rng(4), "topk")
     with pytest.raises(ValueError, match="mode must be 'roc' or 'grpo'"):
-        select_group(rewards, penalties, 16, np.random.default_rng(4), mode="ppo")
+        select_group(rollouts, 16, np.random.default_rng(4), mode="ppo")
 
 
 def test_roc_keeps_fewer_positives_with_tool_errors_than_uniform_selection():
@@ -264,7 +298,8 @@ def test_roc_keeps_fewer_positives_with_tool_errors_than_uniform_selection():
             rewards = [reward for _, _, reward in group]
             penalties = [roc_penalty(calls, errors, 1, calls + 1) for calls, errors, _ in group]
             for mode in kept:
-                for i in select_group(rewards, penalties, 4, np.random.default_rng([seed, g]),
+                for i in select_group(_rollouts(rewards, penalties), 4,
+                                      np.random.default_rng([seed, g]),
                                       mode=mode):
                     if rewards[i]:
                         kept[mode][0] += 1
@@ -302,8 +337,37 @@ def test_advantages_of_degenerate_groups_are_zero():
         group_advantages([1.0, float("nan")])
 
 
+def test_advantage_scaling_none_is_dr_grpo_s_mean_centred_reward_and_batch_divides_by_one_std():
+    rewards = [1, 1, 0, 0, 0, 1, 0, 0]
+    # Dr. GRPO (TRL scale_rewards="none"): r - mean(r), no division
+    assert group_advantages(rewards, "none") == pytest.approx([5 / 8] * 2 + [-3 / 8] * 3
+                                                              + [5 / 8] + [-3 / 8] * 2, abs=1e-15)
+    # batch (TRL scale_rewards="batch"): the same centring over one std given for the whole step
+    assert group_advantages(rewards, "batch", batch_std=0.25) == pytest.approx(
+        [(r - 3 / 8) / (0.25 + 1e-6) for r in rewards], abs=1e-12)
+    assert group_advantages([1, 1, 1], "none") == [0.0] * 3
+    with pytest.raises(ValueError, match="advantage scaling must be one of"):
+        group_advantages(rewards, "rank")
+
+
+def test_the_batch_std_is_the_unbiased_std_of_every_reward_the_step_sampled():
+    groups = [[1, 0, 0, 0], [1, 1, 1, 1], [0, 1]]   # 6 of 10 correct, all-equal groups included
+    assert batch_reward_std(groups) == pytest.approx(math.sqrt((6 - 36 / 10) / 9), abs=1e-15)
+    assert batch_reward_std([[1.0]]) == 0.0
+
+
 # -----------------------------------------------------------------------------
 # policy_loss (Eq. 6)
+
+def _corrected(logp, old_logp, advantages, mask, engine_logp, correction, threshold,
+               num_tokens=None):
+    """train_step's composition: the correction's weights and gap metrics, then Eq. 6."""
+    num_tokens = mask.sum() if num_tokens is None else num_tokens
+    weights, gap = rollout_correction(old_logp, engine_logp, mask, correction, threshold,
+                                      num_tokens)
+    loss, metrics = policy_loss(logp, old_logp, advantages, mask, num_tokens, weights=weights)
+    return loss, {**metrics, **gap}
+
 
 def _batch(seed, lengths, width=None, dtype=torch.float64):
     gen = torch.Generator().manual_seed(seed)
@@ -381,10 +445,9 @@ def test_metrics_sum_over_micro_batches_to_the_full_batch_value(correction):
     logp, old_logp, advantages, mask = _batch(2, [8, 3, 6, 5])
     engine_logp = old_logp + 0.5 * torch.randn(old_logp.shape, dtype=old_logp.dtype,
                                                generator=torch.Generator().manual_seed(2))
-    options = dict(rollout_correction=correction, rollout_is_threshold=1.3)
-    _, full = policy_loss(logp, old_logp, advantages, mask, engine_logp=engine_logp, **options)
-    parts = [policy_loss(logp[r], old_logp[r], advantages[r], mask[r], num_tokens=mask.sum(),
-                         engine_logp=engine_logp[r], **options)[1]
+    _, full = _corrected(logp, old_logp, advantages, mask, engine_logp, correction, 1.3)
+    parts = [_corrected(logp[r], old_logp[r], advantages[r], mask[r], engine_logp[r], correction,
+                        1.3, num_tokens=mask.sum())[1]
              for r in ([0], [1, 2], [3])]
     assert full["rollout_corr/weight_mean"] != 1.0  # the correction acted
     for name in full:
@@ -430,6 +493,82 @@ def test_dual_clip_bounds_the_loss_of_exploded_negative_tokens():
 
 
 # -----------------------------------------------------------------------------
+# the field's loss variants: aggregation (loss_weights) and GSPO's sequence-level ratio
+
+def _on_policy(lengths, advantages):
+    """logp = old_logp (every ratio 1): each token's loss is -A_i, its gradient -A_i too."""
+    width = max(lengths)
+    old_logp = torch.full((len(lengths), width), -1.0, dtype=torch.float64)
+    mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+    return (old_logp.clone().requires_grad_(), old_logp,
+            torch.tensor(advantages, dtype=torch.float64), mask)
+
+
+@pytest.mark.parametrize("aggregation, expected", [
+    # Eq. 6: -(2*1 + 4*(-1) + 1*0.5) / 7 tokens
+    ("token_mean", -(2 * 1 - 4 * 1 + 0.5) / 7),
+    # each rollout's token mean (-1, 1, -0.5), averaged over the 3 rollouts
+    ("seq_mean_token_mean", -(1 - 1 + 0.5) / 3),
+    # Dr. GRPO: the token sums (-2, 4, -0.5) over 3 rollouts x a fixed 10 tokens
+    ("seq_mean_token_sum_norm", -(2 - 4 + 0.5) / 30),
+])
+def test_each_loss_aggregation_is_its_hand_computed_average(aggregation, expected):
+    logp, old_logp, advantages, mask = _on_policy([2, 4, 1], [1.0, -1.0, 0.5])
+    weights = loss_weights(mask, aggregation, mask.sum(), 3, 10)
+    loss, _ = policy_loss(logp, old_logp, advantages, mask, mask.sum(), weights=weights)
+    assert loss.item() == pytest.approx(expected, abs=1e-15)
+    # the gradient per token is -A_i times the token's weight in the average
+    per_token = {"token_mean": [1 / 7] * 3, "seq_mean_token_mean": [1 / 6, 1 / 12, 1 / 3],
+                 "seq_mean_token_sum_norm": [1 / 30] * 3}[aggregation]
+    grad, = torch.autograd.grad(loss, logp)
+    for row, (a, w) in enumerate(zip([1.0, -1.0, 0.5], per_token)):
+        assert grad[row][mask[row]].tolist() == pytest.approx([-a * w] * int(mask[row].sum()))
+
+
+@pytest.mark.parametrize("aggregation", LOSS_AGGREGATIONS)
+def test_every_aggregation_adds_up_over_micro_batches_and_ranks_to_the_full_batch(aggregation):
+    lengths = [9, 2, 7, 1, 12, 4, 6]
+    logp, old_logp, advantages, mask = _batch(1, lengths)
+    tokens, sequences, world = int(mask.sum()), len(lengths), 2
+
+    def loss_of(rows, num_tokens, num_sequences):
+        weights = loss_weights(mask[rows], aggregation, num_tokens, num_sequences, 16)
+        return policy_loss(logp[rows], old_logp[rows], advantages[rows], mask[rows], num_tokens,
+                           weights=weights)[0]
+
+    full_grad, = torch.autograd.grad(loss_of(list(range(7)), tokens, sequences), logp)
+    # each rank passes the global counts / world, as rl.train_step does; FSDP averages ranks
+    split = sum(torch.autograd.grad(loss_of(rows, tokens / world, sequences / world), logp)[0]
+                for rows in ([0, 1], [2], [3, 4, 5], [6])) / world
+    torch.testing.assert_close(split, full_grad, atol=1e-14, rtol=0)
+    if aggregation != "token_mean":  # a real change from Eq. 6
+        eq6, = torch.autograd.grad(policy_loss(logp, old_logp, advantages, mask)[0], logp)
+        assert not torch.allclose(full_grad, eq6, atol=1e-6)
+
+
+def test_a_sequence_level_ratio_is_the_geometric_mean_of_the_token_ratios_clipped_as_one():
+    # GSPO: s_i = exp(mean_t log(pi / pi_old)); rollout 0's tokens 1.1 and 1.6 give
+    # s = sqrt(1.76) = 1.327 > 1.28, clipped as a whole for A > 0: no gradient on either token;
+    # rollout 1's 0.9 and 1.0 give s = 0.949, inside the range: both its tokens' loss -s A
+    # depends on each logp_t through ds/dlogp_t = s / 2, so the gradient is 2 * (-A s / 2) / 4
+    old_logp = torch.full((2, 3), -1.0, dtype=torch.float64)
+    token_ratios = torch.tensor([[1.1, 1.6, 1.0], [0.9, 1.0, 1.0]], dtype=torch.float64)
+    logp = (old_logp + token_ratios.log()).requires_grad_()
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]], dtype=torch.bool)
+    advantages = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    loss, metrics = policy_loss(logp, old_logp, advantages, mask, ratio_level="sequence")
+    s0, s1 = math.sqrt(1.1 * 1.6), math.sqrt(0.9)
+    assert loss.item() == pytest.approx((-2 * 1.28 * 1.0 + 2 * s1 * 2.0) / 4, abs=1e-12)
+    grad, = torch.autograd.grad(loss, logp)
+    expected = torch.tensor([[0, 0, 0], [2 * s1 / 4, 2 * s1 / 4, 0]], dtype=torch.float64)
+    torch.testing.assert_close(grad, expected, atol=1e-12, rtol=0)
+    assert metrics["ratio_max"].item() == pytest.approx(s0)
+    assert metrics["clip_high_fraction"].item() == pytest.approx(2 / 4)
+    token_level, _ = policy_loss(logp, old_logp, advantages, mask)
+    assert token_level.item() != pytest.approx(loss.item())
+
+
+# -----------------------------------------------------------------------------
 # rollout correction: the engine sampled, the trainer's pi_old is in the ratio (Yao et al. 2025)
 
 @pytest.mark.parametrize("correction", ROLLOUT_CORRECTIONS)
@@ -437,8 +576,8 @@ def test_with_the_engine_equal_to_the_trainer_every_correction_is_today_s_loss_e
     logp, old_logp, advantages, mask = _batch(7, [6, 2, 5])
     today, today_metrics = policy_loss(logp, old_logp, advantages, mask)
     today_grad, = torch.autograd.grad(today, logp)
-    loss, metrics = policy_loss(logp, old_logp, advantages, mask, engine_logp=old_logp.clone(),
-                                rollout_correction=correction, rollout_is_threshold=1.01)
+    loss, metrics = _corrected(logp, old_logp, advantages, mask, old_logp.clone(), correction,
+                               1.01)
     grad, = torch.autograd.grad(loss, logp)
     assert torch.equal(loss, today) and torch.equal(grad, today_grad)
     assert all(torch.equal(metrics[k], v) for k, v in today_metrics.items())
@@ -462,9 +601,8 @@ def _mismatched(correction, threshold):
     logp = (old_logp + torch.tensor(CLIP_RATIOS, dtype=torch.float64).log()).requires_grad_()
     engine_logp = old_logp - torch.tensor(ENGINE_RHO, dtype=torch.float64).log()
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.bool)
-    loss, metrics = policy_loss(logp, old_logp, torch.tensor([2.0, -1.0], dtype=torch.float64),
-                                mask, engine_logp=engine_logp, rollout_correction=correction,
-                                rollout_is_threshold=threshold)
+    loss, metrics = _corrected(logp, old_logp, torch.tensor([2.0, -1.0], dtype=torch.float64),
+                               mask, engine_logp, correction, threshold)
     loss.backward()
     return loss.item(), logp.grad, metrics
 
@@ -537,6 +675,7 @@ def test_rollout_weights_reject_bad_settings(mode, threshold, message):
     (dict(mask=torch.zeros(2, 3, dtype=torch.bool)), "num_tokens must be > 0"),
     (dict(clip_low=1.0), "need 0 <= clip_low < 1"),
     (dict(dual_clip=1.0), "dual_clip must be None or > 1"),
+    (dict(ratio_level="step"), "ratio_level must be one of"),
 ])
 def test_policy_loss_rejects_bad_input(change, message):
     logp, old_logp, advantages, mask = _batch(6, [3, 2])
