@@ -113,6 +113,42 @@ def test_gradients_and_metrics_do_not_depend_on_the_split(three_splits):
             and reference["metrics"]["clip_high_fraction"] > 0)
 
 
+# The field's loss variants (grpo_roc.loss_weights, ratio_level): sequence-mean aggregation needs the
+# global sequence count as Eq. 6 needs the global token count; one process against two.
+LOSS_VARIANTS = {"seq_mean_token_mean": ["loss_aggregation=seq_mean_token_mean",
+                                         "ratio_level=sequence"],
+                 "seq_mean_token_sum_norm": ["loss_aggregation=seq_mean_token_sum_norm"]}
+
+
+@pytest.fixture(scope="module")
+def variant_splits(tiny_model_dir, tmp_path_factory):
+    out, script = tmp_path_factory.mktemp("variants"), REPO / "tests" / "dist_rl_train_step.py"
+    results = {}
+    for name, overrides in LOSS_VARIANTS.items():
+        for ranks, micro in ((1, 0), (2, 2)):
+            launch = ([PYTHON] if ranks == 1 else
+                      [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"])
+            path = out / f"{name}-{ranks}.pt"
+            run([str(c) for c in [*launch, script, tiny_model_dir, path,
+                                  f"micro_batch_size={micro}", *overrides]], timeout=300)
+            results[name, ranks] = torch.load(path, weights_only=False)
+    return results
+
+
+@pytest.mark.slow
+def test_every_loss_variant_s_gradient_does_not_depend_on_the_split(variant_splits, three_splits):
+    eq6 = next(iter(three_splits.values()))
+    for name in LOSS_VARIANTS:
+        one, two = variant_splits[name, 1], variant_splits[name, 2]
+        assert two["metrics"]["num_micro_batches"] == 2
+        for param, grad in one["grads"].items():
+            torch.testing.assert_close(two["grads"][param], grad, atol=1e-6, rtol=1e-4, msg=param)
+        assert two["metrics"]["loss"] == pytest.approx(one["metrics"]["loss"], rel=1e-5)
+        # a real change of the objective, not Eq. 6 under another name
+        flat = [torch.cat([g.flatten() for g in r["grads"].values()]) for r in (one, eq6)]
+        assert not torch.allclose(*flat, atol=1e-5), name
+
+
 @pytest.mark.slow
 def test_updated_weights_do_not_depend_on_the_split(three_splits, tiny_model_dir):
     # lm_head too: rl.full_weights sends it
