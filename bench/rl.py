@@ -35,6 +35,7 @@ import torch
 import rl
 import rollout
 from machinery.config import ConfigError, load_config
+from machinery.data import prompt_indices
 from machinery.distributed import cpu_threads
 from machinery.engine import configure_vllm_logging
 from machinery.prompts import render_prompt
@@ -174,7 +175,7 @@ def plain_generate(run, rows, step, counters, threads=0):
     engine's), after rl.sync_weights: the weights the step samples with, an empty prefix cache."""
     rl.sync_weights(run.engine, run.model, run.weight_dtype)
     prompts, params = first_turn_requests(run, rows, step)
-    engine_threads = cpu_threads(threads, run.device)
+    engine_threads = cpu_threads(threads or torch.get_num_threads(), run.device)  # 0: as it is
     counters.reset()
     started = time.perf_counter()
     outs = run.engine.llm.generate(prompts, params, use_tqdm=False)
@@ -235,8 +236,8 @@ def bench(bench_cfg, cfg):
     try:
         for step in range(1 + bench_cfg.bench_steps):
             position = run.state["data_position"]
-            rows = [run.problems[i] for i in rl.prompt_indices(len(run.problems), cfg.seed,
-                                                               position, cfg.prompts_per_step)]
+            rows = [run.problems[i] for i in prompt_indices(len(run.problems), cfg.seed,
+                                                            position, cfg.prompts_per_step)]
             # the two plain calls in alternating order, so neither always runs first
             plains = {threads: plain_generate(run, rows, step, counters, threads)
                       for threads in (other, 0)[::1 if step % 2 else -1] if step and threads >= 0}

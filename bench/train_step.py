@@ -78,7 +78,7 @@ def main(cfg):
 
     def separate():
         fresh = [dataclasses.replace(s) for s in samples]
-        rl.recompute_logprobs(model, fresh, rl_cfg, 0, torch.device("cpu"), 1.0)
+        rl.recompute_logprobs(model, fresh, rl_cfg, 0, torch.device("cpu"))
         rl.train_step(model, optimizer, fresh, rl_cfg, 100, 0, torch.device("cpu"))
 
     def shared():

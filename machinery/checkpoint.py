@@ -267,12 +267,12 @@ def check_inputs(cfg, world_size=None):
         raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide the {world_size} "
                           "ranks into engines")
     engines = world_size // tp
-    if cfg.mode == "train" and cfg.prompts_per_step < engines:
+    if cfg.prompts_per_step < engines:
         raise ConfigError(f"prompts_per_step={cfg.prompts_per_step} is fewer than the {engines} "
                           "engines: some would idle")
     model = check_model_dir(cfg.model)
-    problems = load_problems(cfg.filter_source if cfg.mode == "filter" else cfg.train_data)
-    eval_rows = load_problems(cfg.eval_data) if cfg.eval_data and cfg.mode == "train" else []
+    problems = load_problems(cfg.train_data)
+    eval_rows = load_problems(cfg.eval_data) if cfg.eval_data else []
     return model, problems, eval_rows
 
 

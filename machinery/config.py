@@ -107,6 +107,13 @@ def _apply(cfg, updates, source, lines, prefix=""):
             setattr(cfg, key, _coerce(value, tp, where))
 
 
+def require_at_least(cfg, minimum, *names):
+    """A ConfigError naming the first of `names` whose value is below `minimum`."""
+    for name in names:
+        if getattr(cfg, name) < minimum:
+            raise ConfigError(f"{name}={getattr(cfg, name)}: must be >= {minimum}")
+
+
 def load_config(cls, argv=None, doc=None):
     """Build a `cls` dataclass from `[CONFIG.yaml] [key=value ...]` (default: sys.argv[1:]): the
     dataclass's defaults, then the YAML file, then the overrides, parsed as YAML scalars (`lr=1e-6`,
@@ -163,8 +170,10 @@ def load_config(cls, argv=None, doc=None):
 # source, so the help is the code's own documentation and cannot drift from it
 
 def _script():
-    name = Path(sys.argv[0]).name if sys.argv else ""
-    return name if name.endswith(".py") else "SCRIPT.py"
+    path = Path(sys.argv[0]) if sys.argv else Path()
+    if path.parent.name == "tools" and path.suffix == ".py":  # run as python -m tools.NAME
+        return f"-m tools.{path.stem}"
+    return path.name if path.name.endswith(".py") else "SCRIPT.py"
 
 
 def usage_line():

@@ -1,6 +1,9 @@
 """Problem files: JSONL rows with a problem and an answer, the benchmarks and the training sets in
 data/, prompts too long for the budget dropped up front."""
 import json
+
+import numpy as np
+
 from machinery.config import ConfigError, resolve
 from machinery.prompts import render_prompt
 
@@ -80,3 +83,17 @@ def drop_long_prompts(rows, tokenizer, rollout_cfg, name):
         raise ConfigError(f"{name}: no problem fits "
                           f"rollout.max_prompt_tokens={rollout_cfg.max_prompt_tokens}")
     return kept
+
+
+def prompt_indices(num_problems, seed, start, count):
+    """Indices of `count` problems from absolute position `start` of an endless stream, a fresh
+    permutation per epoch from the seed: a resumed run reads what the uninterrupted one would."""
+    out = []
+    position = start
+    while len(out) < count:
+        epoch, offset = divmod(position, num_problems)
+        order = np.random.default_rng([seed, epoch]).permutation(num_problems)
+        take = min(count - len(out), num_problems - offset)
+        out.extend(int(i) for i in order[offset:offset + take])
+        position += take
+    return out

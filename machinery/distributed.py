@@ -84,11 +84,12 @@ TORCH_THREADS = torch.get_num_threads()
 
 
 def cpu_threads(count, device):
-    """On CPU, set torch's threads to `count` (0: leave them); returns the previous count.
+    """On CPU, set torch's threads to `count` (0: torch's own, TORCH_THREADS); returns the
+    previous count.
     vLLM's CPU worker replaces torch.set_num_threads with a no-op, so this calls the builtin."""
     previous = torch.get_num_threads()
-    if count and device.type == "cpu":
-        torch._C.set_num_threads(count)
+    if device.type == "cpu":
+        torch._C.set_num_threads(count or TORCH_THREADS)
     return previous
 
 
@@ -282,6 +283,20 @@ def gather_bucket(named_params, dtype, traffic=None):
         out.append((name, gathered[:, offset:offset + r * w]
                     .reshape(world * r, *p.shape[1:])[:p.shape[0]]))
         offset += r * w
+    return out
+
+
+def global_metrics(sums, maxima, world_size):
+    """This rank's summed and largest loss metrics -> the batch's over all ranks. Every summed
+    metric was divided by the per-rank share of tokens, so the mean over ranks is the global one;
+    *_max combine by max."""
+    keys, max_keys = sorted(sums), sorted(maxima)
+    packed = torch.stack([torch.as_tensor(sums[k], dtype=torch.float32) for k in keys])
+    largest = torch.stack([torch.as_tensor(maxima[k], dtype=torch.float32) for k in max_keys])
+    dist.all_reduce(packed)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    out = {k: float(v) / world_size for k, v in zip(keys, packed)}
+    out.update({k: float(v) for k, v in zip(max_keys, largest)})
     return out
 
 

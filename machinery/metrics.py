@@ -9,6 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 from machinery.config import atomic_write_text
+from machinery.exits import shown
 
 
 class MetricsLogger:
@@ -196,6 +197,60 @@ def step_metrics(records, num_groups):
     }
     out.update({f"tool_errors/{kind}": count for kind, count in sorted(by_kind.items())})
     return out
+
+
+def held_out_metrics(records, num_problems, samples_per_problem):
+    """rl.py's eval/ metrics from {(problem, sample): trajectory_record}: pass@1 as eval.py
+    computes it, and the tool's use and errors."""
+    correct = [sum(records[p, s]["correct"] for s in range(samples_per_problem))
+               for p in range(num_problems)]
+    summary = {"pass@1": statistics.fmean(pass_at_k(samples_per_problem, c, 1) for c in correct),
+               **sample_metrics(list(records.values()))}
+    keys = ("pass@1", "tool_calls_per_trajectory", "tool_error_rate", "tool_error_rate_in_correct",
+            "answer_rate", "response_tokens")
+    return {f"eval/{k}": summary[k] for k in keys if summary.get(k) is not None}
+
+
+def print_held_out(metrics, rank, when):
+    """One console line for a held-out evaluation (rank 0), which metrics.jsonl also keeps."""
+    if rank != 0:
+        return
+    in_correct = metrics.get("eval/tool_error_rate_in_correct")
+    print(f"held-out {when}: pass@1 {metrics['eval/pass@1']:.3f}, tool-error ratio in correct "
+          f"{'-' if in_correct is None else f'{in_correct:.3f}'} ({metrics['time/eval']:.0f} s)",
+          flush=True)
+
+
+def progress_fields(metrics):
+    """rl.py's progress bar: accuracy, tool-error ratio in correct, sync gap, rollout speed."""
+    in_correct = metrics["tool_error_ratio_in_correct"]
+    return {"acc": f"{metrics['accuracy']:.3f}",
+            "err_ok": "-" if in_correct is None else f"{in_correct:.3f}",
+            "gap": f"{metrics['logprob_gap_mean']:.1e}",
+            "tok_s": f"{metrics['rollout_tokens_per_s']:.0f}"}
+
+
+def warn_logprob_gap(metrics, step, threshold):
+    """The sync guard's alarm: the engine is not sampling from the policy being trained."""
+    if metrics["logprob_gap_mean"] <= threshold:
+        return
+    print(f"\n{'!' * 100}\nWARNING step {step}: trainer and engine log-probs of the sampled "
+          f"tokens differ by {metrics['logprob_gap_mean']:.4f} on average (max "
+          f"{metrics['logprob_gap_max']:.3f}), above logprob_gap_warn={threshold}.\n"
+          "The engine is not sampling from the policy being trained: check the weight sync "
+          f"(names, dtype), the temperature, and the chat template.\n{'!' * 100}", flush=True)
+
+
+def print_rl_written(out_dir, hf_dir, ckpt_root, untrained, device):
+    """rl.py's last lines: what it wrote, and the evaluation to run next."""
+    if untrained:
+        print(f"WARNING: {untrained} of the run's steps trained on nothing "
+              "(skipped_updates in metrics.jsonl)", flush=True)
+    # configs/eval_tiny.yaml on CPU: configs/eval.yaml's 30K-token budget is for a GPU
+    eval_config = "configs/eval.yaml" if device.type == "cuda" else "configs/eval_tiny.yaml"
+    print(f"rl.py: wrote {shown(hf_dir)} (the trained policy, a Hugging Face directory), "
+          f"{shown(out_dir / 'metrics.jsonl')} (a row per step) and {shown(ckpt_root)} "
+          f"(resumable)\nnext: python eval.py {eval_config} model={shown(hf_dir)}", flush=True)
 
 
 def warn_untrained(streak, metrics, every):

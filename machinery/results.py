@@ -10,16 +10,12 @@ from pathlib import Path
 import torch.distributed as dist
 
 from machinery.config import ConfigError, atomic_write_text, save_config
-from machinery.run_dir import take_lock
+from machinery.run_dir import ROLLOUT_RESOURCE_FIELDS, take_lock
 
 # Problems per generate() of an evaluation (eval.py's chunk_problems default). rl.py's held-out
 # evaluation takes the same chunks, so its sampling seeds (seed, chunk, problem, sample) are
 # eval.py's.
 CHUNK_PROBLEMS = 64
-# RolloutConfig fields that change speed or memory, never what a sample is.
-ROLLOUT_RESOURCE_FIELDS = ("gpu_memory_utilization", "cpu_kv_cache_gb", "tensor_parallel_size",
-                           "enforce_eager", "enable_prefix_caching", "max_concurrency",
-                           "sleep_level", "tool_workers")
 
 
 def generation_settings(model_path, cfg):

@@ -30,6 +30,10 @@ HISTORY_HEADER = ("# Every start and finish of a run in this directory, oldest f
                   "(machinery/run_dir.py).\n# config.yaml holds the newest settings: the ones a "
                   "rerun continues with.\n")
 _HELD = {}  # run directory -> this process's locked file descriptor
+# RolloutConfig fields that change speed or memory, never what a sample is: free in every script
+ROLLOUT_RESOURCE_FIELDS = ("gpu_memory_utilization", "cpu_kv_cache_gb", "tensor_parallel_size",
+                           "enforce_eager", "enable_prefix_caching", "max_concurrency",
+                           "sleep_level", "tool_workers")
 
 
 @dataclasses.dataclass
@@ -85,6 +89,7 @@ def _claim(cfg, out_dir, free_keys, steps, export):
     history = read_history(out_dir)
     new = dataclasses.asdict(cfg)
     changes = changed_settings(old, new) if old is not None else {}
+    free_keys = {*free_keys, *(f"rollout.{name}" for name in ROLLOUT_RESOURCE_FIELDS)}
     method = {key: change for key, change in changes.items() if key not in free_keys}
     checkpoint = requested_checkpoint(cfg.resume, out_dir / "checkpoints")
     at_step = checkpoint_step(checkpoint) if checkpoint is not None else 0

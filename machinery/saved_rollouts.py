@@ -1,5 +1,5 @@
 """Saved rollouts: an RL step's trajectories as gzip-compressed JSONL under the run directory, to
-read what the model wrote and to replay the step's selection and loss offline (rl.py mode=replay).
+read what the model wrote and to replay the step's selection and loss offline (tools/replay.py).
 The format, field by field: docs/design.md (Saved rollouts).
 
     RUN/rollouts/step_00000012/rank_00000.jsonl.gz   one JSON object per trajectory, this rank's
@@ -58,6 +58,32 @@ def rollout_record(trajectory, row, reward, penalty, selected, advantage, step, 
             # over the model-written tokens: the engine's log-prob of the whole sampled response
             "logprob_sum": sum(lp for lp, m in zip(t.logprobs, t.loss_mask) if m)}
     return {**head, **{name: getattr(t, name) for name in TRAJECTORY_FIELDS}}
+
+
+def save_rollouts(run, step, position, rows, groups, rewards, records, samples):
+    """rl.py's step 4, kept: this rank's trajectories with their reward, RoC penalty, selection
+    and advantage, as saved rollouts (steps 1, 1 + save_rollouts_every, ...) and, with W&B on, as
+    the step's sample table. `run`: rl.start_run's; `records`: select_samples', in group order."""
+    cfg = run.cfg
+    # the same on every rank (write_rollouts is collective); the table: rank 0's logger only
+    saving = cfg.save_rollouts_every and step % cfg.save_rollouts_every == 0
+    table = run.logger.wandb is not None and cfg.wandb_samples
+    if not (saving or table):
+        return
+    advantages = {(s.problem_index, s.sample_index): s.advantage for s in samples}
+    flat = [(t, reward) for group, group_rewards in zip(groups, rewards)
+            for t, reward in zip(group, group_rewards)]
+    lines = [rollout_record(t, rows[t.problem_index], reward, record["penalty"],
+                            record["selected"], advantages.get((t.problem_index, t.sample_index)),
+                            step + 1, position)
+             for (t, reward), record in zip(flat, records)]
+    if saving:
+        write_rollouts(run.out_dir, step + 1, lines, keep=cfg.keep_rollouts,
+                       meta={"data_position": position,
+                             "rollouts_per_prompt": cfg.rollouts_per_prompt,
+                             "config": dataclasses.asdict(cfg)})
+    if table:
+        run.logger.log_table(step + 1, "rollouts", *sample_table(lines, cfg.wandb_samples))
 
 
 def write_rollouts(run_dir, step, records, meta, keep=0):
@@ -135,7 +161,7 @@ def sample_table(records, count):
 
 
 # -----------------------------------------------------------------------------
-# rl.py mode=replay: the weights a saved step was sampled with, and its report
+# tools/replay.py: the weights a saved step was sampled with, and its report
 
 def replay_policy(cfg, run_dir, number, device, rank):
     """(policy, optimizer, where they came from) as they were when step `number` began: the run's

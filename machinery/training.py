@@ -60,6 +60,11 @@ def equalize_micro_batches(batches):
     return batches + [[]] * (int(count) - len(batches))
 
 
+def equal_micro_batches(samples, cfg):
+    """micro_batches, as many on every rank (equalize_micro_batches): what a step iterates."""
+    return equalize_micro_batches(micro_batches(samples, cfg))
+
+
 def collate(batch, pad_id, device):
     """Padded tensors over the *target* positions 0..L-2 (position t predicts token t+1): response
     token j sits at P + j (P prompt tokens) and is predicted at P + j - 1. Right padding needs no

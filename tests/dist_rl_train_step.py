@@ -78,7 +78,7 @@ def this_ranks_batch(model_dir, overrides, rank, world_size, device):
     samples = fixed_batch(model.config.vocab_size)
     per_rank = len(samples) // world_size
     mine = samples[rank * per_rank:(rank + 1) * per_rank]
-    rl.recompute_logprobs(model, mine, cfg, pad_id=0, device=device, temperature=1.0)
+    rl.recompute_logprobs(model, mine, cfg, pad_id=0, device=device)
     engine_logprobs(mine, rank * per_rank)
     return cfg, model, optimizer, mine, per_rank
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 # tests/ is on sys.path (pytest's rootdir-relative import)
 from dist_rl_train_step import fixed_batch
+from rl_runs import MEMO_PROBLEMS, PYTHON, REPO, rl_command, run
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -29,31 +30,22 @@ import eval as evaluation
 import rl
 import rollout
 import tiny
+import tools.replay as replay_tool
 from executor import Executor
 from grpo_roc import policy_loss
 from machinery.checkpoint import (check_inputs, epoch_plan, latest_checkpoint, load_policy,
                                   load_weights, requested_checkpoint, save_checkpoint,
                                   start_checkpoint)
 from machinery.config import ConfigError, load_config
-from machinery.data import load_problems
+from machinery.data import load_problems, prompt_indices
 from machinery.distributed import compute_dtype, init_distributed
 from machinery.engine import Engine
 from machinery.metrics import MetricsLogger, step_metrics
 from machinery.prompts import load_format, read_format
-from machinery.saved_rollouts import read_rollouts, saved_steps, step_dir
+from machinery.saved_rollouts import read_rollouts, save_rollouts, saved_steps, step_dir
 from machinery.training import TrainSample, collate, micro_batches, token_logprobs
 from rollout import Trajectory
 
-REPO = Path(__file__).resolve().parent.parent
-PYTHON = sys.executable
-
-
-def run(cmd, **kw):
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, **kw)
-    assert proc.returncode == 0, (f"{' '.join(map(str, cmd))} failed:\n{proc.stdout[-3000:]}\n"
-                                  f"{proc.stderr[-5000:]}")
-    return proc
 
 
 # -----------------------------------------------------------------------------
@@ -404,14 +396,14 @@ def test_chunked_logprobs_keep_no_vocabulary_wide_tensor_for_backward_and_lower_
 # data order, learning rate, micro-batches
 
 def test_every_epoch_is_a_fresh_permutation_and_a_resumed_position_reads_the_same_prompts():
-    stream = rl.prompt_indices(10, seed=3, start=0, count=30)
+    stream = prompt_indices(10, seed=3, start=0, count=30)
     for epoch in range(3):
         assert sorted(stream[epoch * 10:(epoch + 1) * 10]) == list(range(10))
     assert stream[:10] != stream[10:20]  # reshuffled, not repeated
     # a run resumed at position 14 (step 7 of 2 prompts) continues exactly where the uninterrupted
     # one was
-    assert rl.prompt_indices(10, seed=3, start=14, count=9) == stream[14:23]
-    assert rl.prompt_indices(10, seed=4, start=0, count=10) != stream[:10]
+    assert prompt_indices(10, seed=3, start=14, count=9) == stream[14:23]
+    assert prompt_indices(10, seed=4, start=0, count=10) != stream[:10]
 
 
 def test_lr_ramps_up_over_the_warmup_then_stays_constant():
@@ -509,8 +501,8 @@ def test_tool_error_ratio_in_correct_pools_the_calls_of_correct_trajectories_onl
 # saved rollouts: what select_samples saw and chose, written and read back (no engine)
 
 def test_saved_rollouts_hold_what_selection_saw_and_chose_and_keep_the_newest_steps(tmp_path):
-    """rl.save_rollouts writes each trajectory with its reward, penalty, selection and advantage;
-    rl.saved_groups reads back Trajectory objects from which select_samples chooses exactly as it
+    """save_rollouts writes each trajectory with its reward, penalty, selection and advantage;
+    tools.replay.saved_groups reads back Trajectory objects from which select_samples chooses exactly as it
     did live. keep_rollouts=2 keeps the newest two saved steps; a step directory without its
     step.json (a run killed while saving) is not a saved step."""
     init_distributed()
@@ -525,9 +517,7 @@ def test_saved_rollouts_hold_what_selection_saw_and_chose_and_keep_the_newest_st
     run = SimpleNamespace(cfg=cfg, out_dir=tmp_path, logger=MetricsLogger(tmp_path, enabled=False))
     for step in range(7):  # saves steps 1, 3, 5, 7 (0-based 0, 2, 4, 6)
         samples, _, records = rl.select_samples(groups, rewards, cfg, step, position=8 * step)
-        times = {}
-        rl.save_rollouts(run, step, 8 * step, rows, groups, rewards, records, samples, times)
-        assert times["save_rollouts"] >= 0
+        save_rollouts(run, step, 8 * step, rows, groups, rewards, records, samples)
     assert saved_steps(tmp_path) == [5, 7]
     number, meta, saved = read_rollouts(tmp_path)  # the newest
     assert (number, meta["data_position"], meta["ranks"], len(saved)) == (7, 48, 1, 16)
@@ -543,14 +533,14 @@ def test_saved_rollouts_hold_what_selection_saw_and_chose_and_keep_the_newest_st
             if r["selected"]} == live and all(r["advantage"] is None for r in saved
                                               if not r["selected"])
     # read back, selection chooses the same
-    replayed_groups, replayed_rewards = rl.saved_groups(saved, meta, cfg)
+    replayed_groups, replayed_rewards = replay_tool.saved_groups(saved, meta, cfg)
     assert replayed_groups == groups and replayed_rewards == rewards
     again, _, _ = rl.select_samples(replayed_groups, replayed_rewards, cfg, 6, position=48)
     assert {(s.problem_index, s.sample_index): s.advantage for s in again} == live
     # plain GRPO may thin the 2G saved; RoC needs the count it was sampled with
-    rl.saved_groups(saved, meta, dataclasses.replace(cfg, algorithm="grpo"))
+    replay_tool.saved_groups(saved, meta, dataclasses.replace(cfg, algorithm="grpo"))
     with pytest.raises(ConfigError, match="the saved step has 8 rollouts per prompt"):
-        rl.saved_groups(saved, meta, dataclasses.replace(cfg, group_size=5))
+        replay_tool.saved_groups(saved, meta, dataclasses.replace(cfg, group_size=5))
     (step_dir(tmp_path, 7) / "step.json").unlink()
     assert saved_steps(tmp_path) == [5]
     with pytest.raises(ConfigError, match=r"replay_step=7: no complete saved step 7 .*saved: 5"):
@@ -627,7 +617,7 @@ def test_bf16_training_is_fsdp2_mixed_precision_on_gloo_as_on_a_gpu(tiny_model_d
     # bf16 rounding (4e-3 here) of the same weights, not another model
     assert 1e-4 < gap.max() < 0.05, gap.max()
 
-    rl.recompute_logprobs(model, samples, cfg, 0, cpu, 1.0)
+    rl.recompute_logprobs(model, samples, cfg, 0, cpu)
     grads = {}
     optimizer.register_step_pre_hook(
         lambda *_: grads.update((n, p.grad.dtype) for n, p in model.named_parameters()))
@@ -696,39 +686,6 @@ def test_a_model_directory_without_a_tokenizer_is_rejected_by_the_command_line(t
 # -----------------------------------------------------------------------------
 # a real run (engine, executor, reward pool): SIGKILL after a checkpoint, resume=auto, the same
 # metrics
-
-# Four problems with small numbers: a 0.2M-parameter model memorises their transcripts in 120 SFT
-# steps (~35 s of CPU) and then samples right and wrong answers at temperature 1, so RL groups have
-# mixed rewards and really train.
-MEMO_PROBLEMS = [{"id": f"memo-{i}", "problem": f"Compute {a} * {b} + {c}.",
-                  "answer": str(a * b + c)}
-                 for i, (a, b, c) in enumerate([(3, 4, 5), (6, 7, 8), (2, 9, 1), (5, 5, 5)])]
-
-
-@pytest.fixture(scope="module")
-def sft_policy(tmp_path_factory):
-    """A small policy that calls the tool and answers, sometimes right: tiny.py's architecture at
-    hidden 64 x 2 layers, after sft.py on transcripts of MEMO_PROBLEMS (run through the real
-    executor)."""
-    work = tmp_path_factory.mktemp("sft")
-    model = tiny.build_tiny_model(tiny.TinyConfig(out_dir=str(work / "model"), hidden_size=64,
-                                                  intermediate_size=128, num_hidden_layers=2,
-                                                  num_attention_heads=1, num_key_value_heads=1,
-                                                  pretrain_steps=0))
-    rows = tiny.make_sft_transcripts(MEMO_PROBLEMS * 40, error_fraction=0.0, seed=0)
-    (work / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    run([PYTHON, "sft.py", "configs/sft_tiny.yaml", f"model={model}", f"data={work / 'sft.jsonl'}",
-         f"out_dir={work / 'run'}", "global_batch_size=8", "epochs=6", "lr=1e-2", "save_every=0",
-         "train_threads=1"],
-        timeout=900)
-    return work / "run" / "final"
-
-
-def rl_command(policy, data, out_dir):
-    return [PYTHON, "rl.py", "configs/tiny.yaml", f"model={policy}", f"train_data={data}",
-            "eval_data=", f"out_dir={out_dir}", "steps=2", "prompts_per_step=4", "save_every=1",
-            "rollout.max_response_tokens=200"]
-
 
 def deterministic(metrics):
     """Everything but wall-clock times and rates."""
@@ -825,106 +782,6 @@ def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_data_and_metrics(
     assert read_format(killed / "hf_step_2")[0]["written_by"] == "rl.py"
 
 
-@pytest.fixture(scope="module")
-def saved_run(sft_policy, tmp_path_factory):
-    """A real 2-step run (engine, executor, reward pool) that saves the rollouts of both steps and
-    a checkpoint after each."""
-    out = tmp_path_factory.mktemp("saved")
-    data = out / "train.jsonl"
-    data.write_text("".join(json.dumps({**p, "id": f"{p['id']}-{k}"}) + "\n"
-                            for k in range(3) for p in MEMO_PROBLEMS))
-    command = rl_command(sft_policy, data, out / "run") + ["save_rollouts_every=1"]
-    run(command, timeout=900)
-    return SimpleNamespace(dir=out / "run", args=command[2:])
-
-
-@pytest.mark.slow
-def test_a_replayed_step_reproduces_the_live_steps_kept_set_advantages_and_loss(saved_run):
-    """mode=replay reruns selection, advantages and the update on the saved trajectories, with the
-    weights that sampled them: the initial policy for step 1, checkpoints/step_1 for step 2 (a
-    policy one real update away). Both give the live step's kept trajectories, their advantages,
-    its loss and its gradient norm. With one optimizer step per RL step the ratio of Eq. 6 is 1, so
-    the loss's value is minus the token-mean advantage under any weights: the gradient is what the
-    weights decide, and under the wrong ones (the initial policy for step 2) it is another."""
-    live = [json.loads(line) for line in (saved_run.dir / "metrics.jsonl").read_text().splitlines()]
-    assert all(m["selected"] > 0 for m in live)  # both steps trained: the loss is not trivial
-    for number in (1, 2):
-        cfg = load_config(rl.RLConfig, [*saved_run.args, "mode=replay", f"replay_step={number}"])
-        replayed = rl.replay(cfg)
-        _, _, records = read_rollouts(saved_run.dir, number)
-        assert replayed.kept == {(r["position"], r["sample_index"]): r["advantage"]
-                                 for r in records if r["selected"]}
-        for key in ("selected", "train_tokens", "loss", "grad_norm", "clip_high_fraction",
-                    "logprob_gap_mean", "entropy", "rollout_corr/log_ratio_mean"):
-            assert replayed.metrics[key] == pytest.approx(live[number - 1][key], rel=1e-5,
-                                                          abs=1e-7), (number, key)
-    # the negative control: step 2 under the initial policy, not the weights that sampled it
-    wrong = rl.replay(load_config(rl.RLConfig, [*saved_run.args, "mode=replay", "replay_step=2",
-                                                f"replay_weights={cfg.model}"]))
-    assert wrong.kept == replayed.kept
-    assert abs(wrong.metrics["grad_norm"] / live[1]["grad_norm"] - 1) > 1e-3
-    # another correction setting on the same data: MIS with a bound inside the CPU engine's 1e-6
-    # gap drops some of the very tokens the live step trained on
-    masked = rl.replay(load_config(rl.RLConfig, [*saved_run.args, "mode=replay", "replay_step=2",
-                                                 "rollout_correction=token_mis",
-                                                 "rollout_is_threshold=1.000001"]))
-    assert masked.kept == replayed.kept and 0 < masked.metrics["rollout_corr/masked_fraction"] < 1
-    assert abs(masked.metrics["grad_norm"] / live[1]["grad_norm"] - 1) > 1e-3
-    assert wrong.metrics["logprob_gap_mean"] > 100 * live[1]["logprob_gap_mean"]
-
-
-@pytest.mark.slow
-def test_replay_from_the_command_line_compares_and_says_which_weights_are_missing(saved_run,
-                                                                                  tmp_path):
-    """The command a forker types: another RoC rule on the saved step, printed beside the live
-    numbers, nothing written into the run. Without the checkpoint that sampled a step, the error
-    says which one is missing and which saved steps do replay."""
-    before = {p: p.stat().st_mtime_ns for p in saved_run.dir.rglob("*") if p.is_file()}
-    out = run([PYTHON, "rl.py", *saved_run.args, "mode=replay", "positive_rule=topk",
-               "replay_update_effect=true"], timeout=300).stdout
-    assert "replay of step 2" in out
-    assert "changed from the live run: positive_rule: sample -> topk\n" in out
-    assert "checkpoints/step_00000001 (the weights that sampled it)" in out
-    assert "replay/logprob_change_positives" in out and "replayed on 1 rank(s): load" in out
-    assert {p: p.stat().st_mtime_ns for p in saved_run.dir.rglob("*") if p.is_file()} == before
-    # the rollouts alone, without the run's checkpoints
-    shutil.copytree(saved_run.dir / "rollouts", tmp_path / "rollouts")
-    args = [a if not a.startswith("out_dir=") else f"out_dir={tmp_path}" for a in saved_run.args]
-    proc = subprocess.run([PYTHON, "rl.py", *args, "mode=replay"], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert ("replay of step 2: its rollouts were sampled by the weights after step 1" in proc.stderr
-            and "Saved steps that replay exactly: 1;" in proc.stderr)
-
-
-@pytest.mark.slow
-def test_filter_drops_only_problems_solved_every_time_and_keeps_the_rest_in_order(sft_policy,
-                                                                                  tmp_path):
-    """mode=filter (stage-3 data, §4.3) through the real engine, tool and reward, one sample per
-    problem. The policy memorised MEMO_PROBLEMS but answers right only about one sample in eight.
-    Each problem appears 16 times under different ids with its true answer, and twice with a gold
-    answer no sample can reach (-1): those rows must all be kept, whatever the policy samples, and
-    some solvable row must go (none of 64 at 1 in 8 would be 0.875^64 = 2e-4; the engine's seeds
-    make the outcome the same on every run of one machine)."""
-    solvable = [{**p, "id": f"{p['id']}-{k}"} for k in range(16) for p in MEMO_PROBLEMS]
-    unreachable = [{**p, "id": f"{p['id']}-wrong-gold-{k}", "answer": "-1"}
-                   for k in range(2) for p in MEMO_PROBLEMS]
-    rows = solvable[:32] + unreachable + solvable[32:]  # the kept rows must come back in this order
-    source, kept_path = tmp_path / "source.jsonl", tmp_path / "kept.jsonl"
-    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = run([PYTHON, "rl.py", "configs/tiny.yaml", "mode=filter", f"model={sft_policy}",
-               f"filter_source={source}", f"train_data={kept_path}", "filter_samples=1",
-               "prompts_per_step=24", "eval_data=", "rollout.max_response_tokens=200"], timeout=600)
-    kept = [json.loads(line) for line in kept_path.read_text().splitlines()]
-    kept_ids = [r["id"] for r in kept]
-    # the source's order, no row twice
-    assert kept_ids == [r["id"] for r in rows if r["id"] in set(kept_ids)]
-    assert all(r == next(s for s in rows if s["id"] == r["id"]) for r in kept)  # rows unchanged
-    assert {r["id"] for r in unreachable} <= set(kept_ids)
-    assert len(kept) < len(rows)
-    assert f"kept {len(kept)} of {len(rows)} problems" in out.stdout
-
-
 @pytest.mark.slow
 def test_the_held_out_numbers_of_a_run_are_eval_pys_numbers(sft_policy, tmp_path):
     """rl.py measures its held-out accuracy with the method's own pieces (generate, score_batch),
@@ -939,7 +796,8 @@ def test_the_held_out_numbers_of_a_run_are_eval_pys_numbers(sft_policy, tmp_path
     tokenizer = AutoTokenizer.from_pretrained(sft_policy)
     with Executor(workers=1) as executor:
         run = SimpleNamespace(cfg=cfg, eval_rows=rows, engine=engine, model=model, world_size=1,
-                              weight_dtype=torch.float32, tool=executor, tokenizer=tokenizer)
+                              rank=0, weight_dtype=torch.float32, tool=executor,
+                              tokenizer=tokenizer)
         mine = rl.evaluate_held_out(run)
         eval_cfg = evaluation.EvalConfig(model=str(sft_policy), benchmarks=["held_out"], n=2,
                                          seed=cfg.seed, rollout=dataclasses.replace(

@@ -209,7 +209,7 @@ def rl_cycle(cfg, out, results):
         engine.cfg = rl_cfg.rollout
         measure(f"{round_}: sleep", engine.sleep)
         measure(f"{round_}: old log-probs",
-                lambda: rl.recompute_logprobs(model, samples, rl_cfg, 0, device, 1.0))
+                lambda: rl.recompute_logprobs(model, samples, rl_cfg, 0, device))
         metrics = measure(
             f"{round_}: train step ({cfg.cycle_micro_batch_tokens}-token micro-batches)",
             lambda: rl.train_step(model, optimizer, samples, rl_cfg, round_, 0, device))

@@ -1,0 +1,102 @@
+"""Stage-3 data (rStar2-Agent §4.3): sample filter_samples rollouts per problem of filter_source with
+the current policy and keep the problems it does not solve every time (the paper: 42K -> 17.3K with
+8 samples); writes train_data, which stage 3 trains on.
+
+    python -m tools.filter_solved configs/stage3.yaml         # or under torchrun: much faster
+    torchrun --nproc_per_node=8 -m tools.filter_solved configs/stage3.yaml
+
+The config is rl.py's (the policy in `model`, the rollout settings, prompts_per_step as the chunk
+size) plus the filter_* keys below; rollouts, reward and claiming are rl.py's own.
+"""
+import dataclasses
+import json
+import sys
+
+import torch.distributed as dist
+from transformers import AutoTokenizer
+
+from rl import RLConfig, score_groups, start_executor
+from rollout import generate
+from machinery.checkpoint import check_inputs
+from machinery.config import ConfigError, atomic_write_text, load_config, require_at_least, resolve
+from machinery.data import drop_long_prompts
+from machinery.distributed import init_distributed, own_groups
+from machinery.engine import Engine, configure_vllm_logging
+from machinery.exits import (close_progress_bars, exit_status, interrupted, is_main_rank,
+                             rerun_command, stop_on_signals)
+
+
+@dataclasses.dataclass
+class FilterConfig(RLConfig):
+    """rl.py's config for the policy and its rollouts, and what to filter."""
+    filter_source: str = "data/train_int_mix.jsonl"  # the problems to filter (stages 1-2's);
+                                                     # the kept ones go to train_data
+    filter_samples: int = 8       # rollouts per problem: "8/8 correct are removed" (§4.3)
+
+    def validate(self):
+        super().validate()
+        if not self.filter_source:
+            raise ConfigError("filter_source: set the problems to filter (a JSONL file); the kept "
+                              "ones go to train_data")
+        require_at_least(self, 1, "filter_samples")
+
+
+def filter_solved(cfg):
+    """The filter's one pass; returns the kept rows."""
+    model_path, problems, _ = check_inputs(dataclasses.replace(cfg, train_data=cfg.filter_source,
+                                                               eval_data=""))
+    rank, world_size, _, _ = init_distributed()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    # Too long to roll out means too long to train on: such problems are not written either.
+    problems = drop_long_prompts(problems, tokenizer, cfg.rollout, cfg.filter_source)
+    engine = Engine(model_path, cfg.rollout, seed=cfg.seed)
+    executor = start_executor(cfg.rollout)
+    solved = {}  # one pass in chunks of prompts_per_step, every rank claiming as in training
+    for chunk, start in enumerate(range(0, len(problems), cfg.prompts_per_step)):
+        rows = problems[start:start + cfg.prompts_per_step]
+        groups = generate(engine, executor, tokenizer, [r["problem"] for r in rows],
+                          cfg.filter_samples, cfg.rollout, seed=cfg.seed, step=chunk)
+        groups = own_groups(groups, len(rows), rank)  # a tensor-parallel group counts it once
+        for group, rewards in zip(groups, score_groups(groups, rows)):
+            for t, reward in zip(group, rewards):
+                key = start + t.problem_index
+                solved[key] = solved.get(key, 0) + int(reward > 0)
+        if rank == 0:
+            print(f"[filter] {min(start + len(rows), len(problems))}/{len(problems)} problems",
+                  flush=True)
+    parts = [None] * world_size
+    dist.all_gather_object(parts, solved)
+    solved = {i: c for part in parts for i, c in part.items()}
+    # "Problems with 8/8 correct are removed" (§4.3); the rest keep their order and rows
+    kept = [row for i, row in enumerate(problems) if solved.get(i, 0) < cfg.filter_samples]
+    if rank == 0:
+        out = resolve(cfg.train_data)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out, "".join(json.dumps(row) + "\n" for row in kept))
+        print(f"[filter] kept {len(kept)} of {len(problems)} problems (dropped those solved "
+              f"{cfg.filter_samples}/{cfg.filter_samples}) -> {out}", flush=True)
+    if executor:
+        executor.close()
+    engine.close()
+    return kept
+
+
+if __name__ == "__main__":
+    stop_on_signals()
+    config = None
+    try:
+        config = load_config(FilterConfig, sys.argv[1:], doc=__doc__)
+        configure_vllm_logging(config.verbose)
+        filter_solved(config)
+    except ConfigError as e:
+        sys.exit(f"tools.filter_solved: {e}")
+    except (KeyboardInterrupt, Exception):
+        if not interrupted():  # a real error: its traceback
+            raise
+        if is_main_rank():
+            close_progress_bars()
+            written = config.train_data if config else "train_data"
+            print(f"tools.filter_solved: interrupted; it writes {written} only after the whole "
+                  f"pass, so it is unchanged. Rerun: "
+                  f"{rerun_command('-m tools.filter_solved', sys.argv[1:])}", flush=True)
+        sys.exit(exit_status())
