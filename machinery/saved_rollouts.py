@@ -226,3 +226,78 @@ def print_replay(cfg, run_dir, number, meta, source, metrics, learner, kept, liv
     print(f"kept: {len(kept)} trajectories, {len(set(kept) & live_kept)} of them kept live too "
           f"(live kept {len(live_kept)})\nreplayed on {world_size} rank(s): "
           + ", ".join(f"{phase} {s:.1f} s" for phase, s in seconds.items()), flush=True)
+
+
+# -----------------------------------------------------------------------------
+# what a selection rule did: the kept set's statistics, live vs replay, over one or more steps
+
+def kept_statistics(records):
+    """Per side of the kept set (positives: reward > 0; negatives): the mean response tokens, tool
+    calls and penalty per trajectory, and the tool-error ratio (failed over all calls of the side,
+    pooled as tool_error_ratio_in_correct is); None where there is nothing to measure. `records`:
+    saved ones (num_tool_calls, num_tool_errors) or rl.select_samples' (tool_calls,
+    tool_errors); only the selected count."""
+    out = {}
+    for side, correct in (("positives", True), ("negatives", False)):
+        kept = [r for r in records if r["selected"] and (r["reward"] > 0) == correct]
+        calls = [r.get("tool_calls", r.get("num_tool_calls")) for r in kept]
+        errors = sum(r.get("tool_errors", r.get("num_tool_errors")) for r in kept)
+        out[f"kept/{side}/response_tokens"] = _mean([r["response_tokens"] for r in kept])
+        out[f"kept/{side}/tool_calls"] = _mean(calls)
+        out[f"kept/{side}/tool_error_ratio"] = errors / sum(calls) if sum(calls) else None
+        out[f"kept/{side}/penalty"] = _mean([r["penalty"] for r in kept])
+    return out
+
+
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def replay_steps(value, run_dir):
+    """replay_step -> the saved steps to replay: "0" the newest, "all" every complete one, or
+    "N" / "N,M,...": those (each must be saved)."""
+    if str(value) == "all":
+        saved = saved_steps(run_dir)
+        if not saved:
+            raise ConfigError(f"replay_step=all: no saved rollouts in "
+                              f"{Path(run_dir) / ROLLOUTS_DIR}")
+        return saved
+    try:
+        steps = [int(part) for part in str(value).split(",") if part.strip()]
+    except ValueError:
+        raise ConfigError(f"replay_step={value!r}: expected a step, steps as N,M,... or all "
+                          "(0: the newest)") from None
+    if not steps or any(n < 0 for n in steps):
+        raise ConfigError(f"replay_step={value!r}: steps are >= 0 (0: the newest)")
+    return steps
+
+
+def print_kept_statistics(live, replay):
+    """The kept set's statistics, live beside replay, one row each: what the rule optimises."""
+    print(f"{'kept set (mean per trajectory)':34}{'live':>14}{'replay':>14}")
+    for key in replay:
+        cells = [live.get(key), replay[key]]
+        print(f"{key:34}" + "".join(f"{'-' if v is None else f'{v:.6g}':>14}" for v in cells))
+
+
+def print_steps_table(rows):
+    """Several replayed steps at once (replay_step=N,M or all), a markdown table: per number a row,
+    per step a column of live -> replay, and their mean over the steps (None cells left out)."""
+    columns = [*rows, mean_row(rows)] if len(rows) > 1 else rows
+    print("\n| kept set, live -> replay | " + " | ".join(f"step {c['step']}" for c in columns)
+          + " |\n|---|" + "---|" * len(columns))
+    for key in rows[0]["replay"]:
+        print(f"| {key} | " + " | ".join(f"{_fmt(c['live'].get(key))} -> "
+                                         f"{_fmt(c['replay'].get(key))}" for c in columns) + " |")
+    print(flush=True)
+
+
+def mean_row(rows):
+    """The mean over steps of each live and replay number (cells that are None are skipped)."""
+    return {"step": "mean", **{side: {k: _mean([r[side].get(k) for r in rows])
+                                      for k in rows[0]["replay"]} for side in ("live", "replay")}}
+
+
+def _fmt(value):
+    return "-" if value is None else f"{value:.4g}"

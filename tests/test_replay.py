@@ -9,9 +9,10 @@ import subprocess
 import pytest
 
 from rl_runs import PYTHON, REPO, run
-from machinery.config import load_config
-from machinery.saved_rollouts import read_rollouts
-from tools.replay import ReplayConfig, replay
+from machinery.config import ConfigError, load_config
+from machinery.saved_rollouts import (STEP_FILE, kept_statistics, print_steps_table,
+                                      read_rollouts, replay_steps, step_dir)
+from tools.replay import ReplayConfig, replay, replay_all
 
 
 @pytest.mark.slow
@@ -71,3 +72,63 @@ def test_replay_from_the_command_line_compares_and_says_which_weights_are_missin
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert ("replay of step 2: its rollouts were sampled by the weights after step 1" in proc.stderr
             and "Saved steps that replay exactly: 1;" in proc.stderr)
+
+
+@pytest.mark.slow
+def test_every_saved_step_replayed_under_another_rule_shows_what_the_rule_kept(saved_run, capsys):
+    """replay_step=all positive_rule=shortest: per step the kept set's statistics live and
+    replayed, then a table of both steps and their mean. The live side is the saved records'; the
+    rule keeps as many positives per group as the live one (the split depends on rewards only),
+    the shortest of them, so their mean length cannot be above the live one."""
+    results = replay_all(load_config(ReplayConfig, [*saved_run.args, "replay_step=all",
+                                                    "positive_rule=shortest"]))
+    assert [r.row["step"] for r in results] == [1, 2]
+    for r in results:
+        live_records = read_rollouts(saved_run.dir, r.row["step"])[2]
+        assert r.row["live"] == {**kept_statistics(live_records), "kept/overlap_with_live": 1.0}
+        replayed, live = r.row["replay"], r.row["live"]
+        assert replayed["kept/positives/response_tokens"] <= live["kept/positives/response_tokens"]
+        assert replayed["kept/negatives/response_tokens"] is not None
+        assert 0 < replayed["kept/overlap_with_live"] <= 1
+    out = capsys.readouterr().out
+    assert "kept/positives/response_tokens" in out and "| step 1 | step 2 | step mean |" in out
+
+
+def test_kept_statistics_are_each_side_s_means_and_its_pooled_tool_error_ratio():
+    saved = dict(selected=True, reward=1.0)  # a saved record's names, then select_samples'
+    records = [{**saved, "response_tokens": 10, "num_tool_calls": 3, "num_tool_errors": 1,
+                "penalty": 0.5},
+               {**saved, "response_tokens": 30, "num_tool_calls": 1, "num_tool_errors": 1,
+                "penalty": 1.5},
+               {**saved, "selected": False, "response_tokens": 99, "num_tool_calls": 9,
+                "num_tool_errors": 9, "penalty": 2.0},
+               dict(selected=True, reward=0.0, response_tokens=50, tool_calls=0, tool_errors=0,
+                    penalty=0.0)]
+    assert kept_statistics(records) == {
+        "kept/positives/response_tokens": 20.0, "kept/positives/tool_calls": 2.0,
+        "kept/positives/tool_error_ratio": 2 / 4, "kept/positives/penalty": 1.0,
+        "kept/negatives/response_tokens": 50.0, "kept/negatives/tool_calls": 0.0,
+        "kept/negatives/tool_error_ratio": None, "kept/negatives/penalty": 0.0}
+
+
+def test_replay_step_is_one_step_several_or_every_saved_one(tmp_path):
+    for n in (1, 6, 11):
+        step_dir(tmp_path, n).mkdir(parents=True)
+        (step_dir(tmp_path, n) / STEP_FILE).write_text("{}")
+    step_dir(tmp_path, 16).mkdir()  # no step.json: cut off while saving, never read
+    assert replay_steps("all", tmp_path) == [1, 6, 11]
+    assert replay_steps("0", tmp_path) == [0] and replay_steps("6,11", tmp_path) == [6, 11]
+    with pytest.raises(ConfigError, match="replay_step='last': expected a step, steps as N,M"):
+        replay_steps("last", tmp_path)
+    with pytest.raises(ConfigError, match="replay_step=.* no saved rollouts"):
+        replay_steps("all", tmp_path / "elsewhere")
+
+
+def test_the_steps_table_reads_live_to_replay_per_step_and_their_mean(capsys):
+    rows = [{"step": 1, "live": {"kept/positives/response_tokens": 100.0},
+             "replay": {"kept/positives/response_tokens": 80.0}},
+            {"step": 6, "live": {"kept/positives/response_tokens": 120.0},
+             "replay": {"kept/positives/response_tokens": None}}]
+    print_steps_table(rows)
+    assert ("| kept/positives/response_tokens | 100 -> 80 | 120 -> - | 110 -> 80 |"
+            in capsys.readouterr().out)

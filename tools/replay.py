@@ -3,6 +3,7 @@ the very trajectories the run saved, from the weights that sampled them, under t
 engine, no tool, nothing written. Two RoC rules, losses or corrections compared on the same data.
 
     python -m tools.replay configs/tiny.yaml replay_step=1 positive_rule=topk
+    python -m tools.replay configs/tiny.yaml replay_step=all positive_rule=shortest   # + the mean
     torchrun --nproc_per_node=2 -m tools.replay configs/tiny.yaml    # the newest saved step
 
 The config is the run's (rl.py's keys, out_dir the run directory) plus the replay_* keys below.
@@ -19,26 +20,30 @@ from transformers import AutoTokenizer
 
 from rl import RLConfig, balance_blocks, learn, select_samples
 from rollout import Trajectory
-from machinery.config import ConfigError, load_config, require_at_least, resolve
+from machinery.config import ConfigError, load_config, resolve
 from machinery.distributed import cpu_threads, init_distributed
 from machinery.exits import (close_progress_bars, exit_status, interrupted, is_main_rank,
                              stop_on_signals)
 from machinery.metrics import step_metrics
 from machinery.model import check_model_dir
-from machinery.saved_rollouts import print_replay, read_rollouts, replay_policy
+from machinery.saved_rollouts import (kept_statistics, print_kept_statistics, print_replay,
+                                      print_steps_table, read_rollouts, replay_policy,
+                                      replay_steps)
 from machinery.training import collate, equal_micro_batches, token_logprobs
 
 
 @dataclasses.dataclass
 class ReplayConfig(RLConfig):
     """rl.py's config (the run's own, with what the replay changes) and which step to replay."""
-    replay_step: int = 0          # the saved step (as in metrics.jsonl); 0 = the newest
+    # the saved step (as in metrics.jsonl); 0 = the newest; N,M,... or all: each, then the mean
+    replay_step: str = "0"
     replay_weights: str = ""      # "": those that sampled it (exact); or a checkpoint / HF dir
     replay_update_effect: bool = False  # also the kept tokens' log-prob change the update made
 
     def validate(self):
         super().validate()
-        require_at_least(self, 0, "replay_step")
+        if self.replay_step != "all":  # the form; which steps are saved: when replayed
+            replay_steps(self.replay_step, resolve(self.out_dir))
 
 
 def replay(cfg):
@@ -49,7 +54,7 @@ def replay(cfg):
     started = time.perf_counter()
     rank, world_size, _, device = init_distributed()
     run_dir = resolve(cfg.out_dir)
-    number, meta, saved = read_rollouts(run_dir, cfg.replay_step, rank, world_size)
+    number, meta, saved = read_rollouts(run_dir, int(cfg.replay_step), rank, world_size)
     step, position = number - 1, meta["data_position"]
     groups, rewards = saved_groups(saved, meta, cfg)
     model, optimizer, source = replay_policy(cfg, run_dir, number, device, rank)
@@ -73,12 +78,28 @@ def replay(cfg):
     metrics = step_metrics([r for part in parts for r in part[0]], sum(p[2] for p in parts))
     metrics.update({**train_metrics, **gap, **effect, "skipped_updates": skipped})
     kept = {key: a for part in parts for key, a in part[1].items()}
-    live_kept = {(r["position"], r["sample_index"]) for r in read_rollouts(run_dir, number)[2]
-                 if r["selected"]}
+    live_records = read_rollouts(run_dir, number)[2]
+    live_kept = {(r["position"], r["sample_index"]) for r in live_records if r["selected"]}
     seconds = {"load": loaded - started, "steps 4-7": time.perf_counter() - loaded}
     print_replay(cfg, run_dir, number, meta, source, metrics, train_metrics, kept, live_kept,
                  seconds, world_size)
-    return SimpleNamespace(metrics=metrics, kept=kept)
+    # what the rule chose: the kept set live and replayed, and how much of it is the same
+    row = {"step": number, "live": kept_statistics(live_records),
+           "replay": kept_statistics([r for part in parts for r in part[0]])}
+    row["live"]["kept/overlap_with_live"] = 1.0
+    row["replay"]["kept/overlap_with_live"] = len(set(kept) & live_kept) / max(len(live_kept), 1)
+    print_kept_statistics(row["live"], row["replay"])
+    return SimpleNamespace(metrics=metrics, kept=kept, row=row)
+
+
+def replay_all(cfg):
+    """replay_step=N,M,... or all: each step replayed (and printed) in turn, then one table of the
+    kept sets live -> replay per step and their mean; the replays' results (rank 0)."""
+    steps = replay_steps(cfg.replay_step, resolve(cfg.out_dir))
+    results = [replay(dataclasses.replace(cfg, replay_step=str(n))) for n in steps]
+    if len(steps) > 1 and results[0] is not None:
+        print_steps_table([r.row for r in results])
+    return results
 
 
 def saved_groups(records, meta, cfg):
@@ -122,7 +143,7 @@ def update_effect(model, samples, cfg, pad_id, device):
 if __name__ == "__main__":
     stop_on_signals()
     try:
-        replay(load_config(ReplayConfig, sys.argv[1:], doc=__doc__))
+        replay_all(load_config(ReplayConfig, sys.argv[1:], doc=__doc__))
     except ConfigError as e:
         sys.exit(f"tools.replay: {e}")
     except (KeyboardInterrupt, Exception):
