@@ -54,9 +54,11 @@ import yaml
 
 from machinery.config import REPO, atomic_write_text, ConfigError, load_config, resolve
 from machinery.exits import exit_status, interrupted, shown, stop_on_signals
+from tools.compare import evals, read_metrics, write_comparison
 
-# tiny.py and rollout.py (torch, transformers: ~4 s) and matplotlib are imported where a stage uses
-# them: demo.py itself runs no model, and --help or a config error should not wait for them.
+# tiny.py and rollout.py (torch, transformers: ~4 s) are imported where a stage uses them (and
+# matplotlib where tools.compare plots): demo.py itself runs no model, and --help or a config error
+# should not wait for them.
 
 
 @dataclasses.dataclass
@@ -279,12 +281,6 @@ def prepare(cfg):
     return times
 
 
-def read_metrics(run_dir):
-    path = Path(run_dir) / "metrics.jsonl"
-    return ([json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            if path.is_file() else [])
-
-
 def train_rl(cfg, out_dir, args, log=None):
     """rl.py into out_dir, unless its result is there and still current (reuse_stage; a cut-off
     run resumes); returns its per-step metrics and its seconds (0 when reused)."""
@@ -304,11 +300,6 @@ def train_rl(cfg, out_dir, args, log=None):
 
 # -----------------------------------------------------------------------------
 # the demo: before/after table
-
-def evals(metrics):
-    """(step, eval metrics) for every row of metrics.jsonl that has a held-out evaluation."""
-    return [(m["step"], m) for m in metrics if "eval/pass@1" in m]
-
 
 def demo(cfg):
     started = time.time()
@@ -397,208 +388,16 @@ def ablation(cfg):
               "load_average_before": load_before, "load_average_after": os.getloadavg(),
               "seconds_per_run": {f"{name} seed {seed}": s
                                   for (name, seed), (_, s) in results.items()}}
-    summary = summarize_ablation(runs, arms, cfg, timing)
-    plot_ablation(runs, arms, cfg)
+    # the table and plot of tools/compare.py, which compares any arms' run directories this way
+    lines = write_comparison(
+        runs, cfg.plot, "GRPO-RoC", "`python demo.py ablation=true`",
+        "tiny model: plain GRPO vs GRPO-RoC vs GRPO with 2G kept", cfg.ablation_smooth,
+        final_trajectories=cfg.test_problems * cfg.ablation_final_samples, timing=timing)
+    print("\n" + "\n".join(lines), flush=True)
     path = shown(resolve(cfg.plot))
     print(f"demo.py: wrote {path}, its numbers in {path.removesuffix('.png')}.json and .md, and "
           f"each run in {shown(resolve(cfg.ablation_dir))}/ARM-seedN", flush=True)
-    return summary
-
-
-def mean(values):
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else None
-
-
-def seed_spread(values):
-    """Mean, sample standard deviation, min and max over seeds (None: a seed with nothing to
-    measure)."""
-    values = [v for v in values if v is not None]
-    if not values:
-        return {"mean": None, "std": None, "min": None, "max": None, "seeds": 0}
-    m = sum(values) / len(values)
-    std = (sum((v - m) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
-    return {"mean": m, "std": std, "min": min(values), "max": max(values), "seeds": len(values)}
-
-
-def train_rows(metrics):
-    return [m for m in metrics if "accuracy" in m]
-
-
-def last_third(metrics, key, steps):
-    """The mean of a per-step number over the last third of the steps (the paper's curves are read
-    at the end)."""
-    return mean([m[key] for m in train_rows(metrics) if m["step"] > steps - max(1, steps // 3)])
-
-
-def at_step(metrics, key, step):
-    return next((m[key] for m in train_rows(metrics) if m["step"] == step), None)
-
-
-def summarize_ablation(runs, arms, cfg, timing):
-    """Per arm and step: seed mean and spread of the training accuracy and of Fig. 4's tool-error
-    ratio in correct trajectories (failed calls / calls, over every sampled trajectory with reward
-    1); the last step and the last third per seed; and whether RoC's ratio is below each GRPO arm's
-    by more than the spread across seeds."""
-    steps, seeds = cfg.ablation_steps, cfg.ablation_seeds
-    keys = ("accuracy", "tool_error_ratio_in_correct")
-    summary = {"steps": steps, "seeds": seeds, "timing": timing, "arms": {}, "roc_below": {}}
-    for name in arms:
-        per_seed = [runs[(name, s)] for s in seeds]
-        arm = {"rollouts_per_step": max((m["trajectories"] for metrics in per_seed
-                                         for m in train_rows(metrics)), default=0),
-               "trained_per_step": mean([m["selected"] for metrics in per_seed
-                                         for m in train_rows(metrics)]),
-               "per_step": {key: [seed_spread([at_step(metrics, key, step) for metrics in per_seed])
-                                  for step in range(1, steps + 1)] for key in keys}}
-        for key in keys:
-            arm[f"{key}_first_step"] = seed_spread([at_step(metrics, key, 1)
-                                                    for metrics in per_seed])
-            arm[f"{key}_last_step"] = seed_spread([at_step(metrics, key, steps)
-                                                   for metrics in per_seed])
-            arm[f"{key}_last_third"] = seed_spread([last_third(metrics, key, steps)
-                                                    for metrics in per_seed])
-        # The policy after the last step on the held-out problems (ablation_final_samples each,
-        # training temperature): the same quantity as the training batches', from several times as
-        # many trajectories.
-        finals = [points[-1][1] if (points := evals(metrics)) and points[-1][0] == steps else {}
-                  for metrics in per_seed]
-        arm["final_accuracy"] = seed_spread([m.get("eval/pass@1") for m in finals])
-        arm["final_tool_error_ratio_in_correct"] = seed_spread(
-            [m.get("eval/tool_error_rate_in_correct") for m in finals])
-        arm["final_trajectories"] = (cfg.test_problems * cfg.ablation_final_samples if any(finals)
-                                     else 0)
-        summary["arms"][name] = arm
-    # The issue's bar: RoC's ratio below the baseline's by more than the seed spread (the larger of
-    # the two arms' standard deviations over seeds), at the last step (the final policy's
-    # measurement where there is one) and over the last third of the training steps.
-    roc = summary["arms"]["GRPO-RoC"]
-    last = "final_tool_error_ratio_in_correct" \
-        if roc["final_tool_error_ratio_in_correct"]["mean"] is not None \
-        else "tool_error_ratio_in_correct_last_step"
-    summary["last_step_measure"] = last
-    for name in arms:
-        if name == "GRPO-RoC":
-            continue
-        other = summary["arms"][name]
-        summary["roc_below"][name] = {}
-        for where in ("last_step", "last_third"):
-            key = last if where == "last_step" else "tool_error_ratio_in_correct_last_third"
-            a, b = roc[key], other[key]
-            if a["mean"] is None or b["mean"] is None:
-                summary["roc_below"][name][where] = None
-                continue
-            margin, spread = b["mean"] - a["mean"], max(a["std"], b["std"])
-            summary["roc_below"][name][where] = {"margin": margin, "spread": spread,
-                                                 "holds": margin > spread,
-                                                 "ranges_disjoint": a["max"] < b["min"]}
-    path = resolve(cfg.plot).with_suffix(".json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(summary, indent=1) + "\n")
-    lines = ablation_table(summary)
-    atomic_write_text(path.with_suffix(".md"), "\n".join(lines) + "\n")
-    print("\n" + "\n".join(lines), flush=True)
-    return summary
-
-
-def ablation_table(summary):
-    pct = lambda s: ("n/a" if s["mean"] is None  # noqa: E731
-                     else f"{s['mean']:.1%} ± {s['std']:.1%}")
-    steps, seeds, timing = summary["steps"], summary["seeds"], summary["timing"]
-    lines = [f"Ablation: {steps} steps, seeds {seeds}; mean ± standard deviation over seeds. "
-             "Training numbers over every sampled trajectory at T=1.0; last third = steps "
-             f"{steps - max(1, steps // 3) + 1}-{steps}. `python demo.py ablation=true`: "
-             f"{timing['seconds']:.0f} s for the runs ({timing.get('parallel', 1)} at a time), "
-             f"load average {timing['load_average_before'][0]:.1f} before, "
-             f"{timing['load_average_after'][0]:.1f} after.", "",
-             "| arm | rollouts sampled / trained per step | train accuracy, step 1 "
-             "| train accuracy, last third | tool-error ratio in correct, step 1 "
-             "| at the last step's batch | over the last third |",
-             "|---|---|---|---|---|---|---|"]
-    for name, arm in summary["arms"].items():
-        lines.append(f"| {name} | {arm['rollouts_per_step']} / {arm['trained_per_step']:.0f} "
-                     f"| {pct(arm['accuracy_first_step'])} | {pct(arm['accuracy_last_third'])} "
-                     f"| {pct(arm['tool_error_ratio_in_correct_first_step'])} "
-                     f"| {pct(arm['tool_error_ratio_in_correct_last_step'])} "
-                     f"| {pct(arm['tool_error_ratio_in_correct_last_third'])} |")
-    finals = {name: arm for name, arm in summary["arms"].items()
-              if arm["final_accuracy"]["mean"] is not None}
-    if finals:
-        lines += ["", f"The policy after step {steps}, on the held-out problems at the training "
-                      f"temperature ({max(a['final_trajectories'] for a in finals.values())} "
-                      "trajectories per seed):", "",
-                  "| arm | held-out accuracy | tool-error ratio in correct trajectories |",
-                  "|---|---|---|"]
-        for name, arm in finals.items():
-            lines.append(f"| {name} | {pct(arm['final_accuracy'])} "
-                         f"| {pct(arm['final_tool_error_ratio_in_correct'])} |")
-    lines.append("")
-    at_last = ("at the last step (the final policy, held out)"
-               if summary.get("last_step_measure", "").startswith("final")
-               else "at the last step (its training batch)")
-    for name, result in summary["roc_below"].items():
-        for where, r in result.items():
-            label = at_last if where == "last_step" else "over the last third"
-            if r is None:
-                lines.append(f"- RoC vs {name}, {label}: no correct trajectory with a tool call in "
-                             "some arm")
-                continue
-            verdict = "holds" if r["holds"] else "does NOT hold"
-            lines.append(f"- RoC's tool-error ratio in correct trajectories below {name}'s "
-                         f"{label}: by {r['margin']:+.1%} against a seed spread (larger std) of "
-                         f"{r['spread']:.1%}: {verdict}; "
-                         f"seed ranges {'disjoint' if r['ranges_disjoint'] else 'overlap'}")
     return lines
-
-
-def smooth(values, window):
-    """Trailing moving average over `window` steps, skipping steps with nothing to measure."""
-    out = []
-    for i in range(len(values)):
-        chunk = [v for v in values[max(0, i - window + 1):i + 1] if v is not None]
-        out.append(sum(chunk) / len(chunk) if chunk else None)
-    return out
-
-
-def plot_ablation(runs, arms, cfg):
-    import matplotlib  # only the ablation plots (see the imports)
-
-    matplotlib.use("Agg")  # no display on a server; before pyplot is imported
-    import matplotlib.pyplot as plt
-
-    # Left: training accuracy; right: the paper's Fig. 4 quantity, which RoC's choice of positives
-    # is meant to push down. Per arm the seed mean and, shaded, the seed min..max, each seed first
-    # smoothed over `ablation_smooth` steps (8 prompts a step are noisy; the table's numbers are not
-    # smoothed).
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    colors = {"GRPO": "tab:blue", "GRPO-RoC": "tab:red", "GRPO, 2G kept": "tab:green"}
-    steps = list(range(1, cfg.ablation_steps + 1))
-    for ax, key, title in zip(axes, ("accuracy", "tool_error_ratio_in_correct"),
-                              ("Training accuracy (T=1.0)",
-                               "Tool-error ratio in correct trajectories (Fig. 4)")):
-        for name in arms:
-            curves = [smooth([at_step(runs[(name, s)], key, step) for step in steps],
-                             cfg.ablation_smooth)
-                      for s in cfg.ablation_seeds]
-            stats = [seed_spread([c[i] for c in curves]) for i in range(len(steps))]
-            xs = [x for x, s in zip(steps, stats) if s["mean"] is not None]
-            stats = [s for s in stats if s["mean"] is not None]
-            ax.plot(xs, [s["mean"] for s in stats], color=colors.get(name), lw=2,
-                    label=f"{name} ({len(cfg.ablation_seeds)} seeds, mean)")
-            ax.fill_between(xs, [s["min"] for s in stats], [s["max"] for s in stats],
-                            color=colors.get(name), alpha=0.15)
-        ax.set(xlabel="RL step", title=title,
-               ylabel="reward" if key == "accuracy" else "failed calls / calls")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"tiny model: plain GRPO vs GRPO-RoC vs GRPO with 2G kept, {cfg.ablation_steps} "
-                 f"steps; shaded: seed min..max; {cfg.ablation_smooth}-step trailing mean "
-                 "(python demo.py ablation=true)", fontsize=8)
-    fig.tight_layout()
-    path = resolve(cfg.plot)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,109 @@
+"""Behaviour of tools/compare.py on small synthetic run directories (what rl.py writes:
+metrics.jsonl and config.yaml): the table's numbers are the hand-computed last-third means and
+standard deviations over seeds, the seed ranges' overlap and the reference arm's claims; the PNG is
+drawn for several arms and for one run; arms become rl.py launch lines. demo.py ablation=true
+writes its table and plot with the same write_comparison."""
+import json
+
+import pytest
+import yaml
+
+import demo
+from machinery.config import ConfigError, load_config
+from tools.compare import CompareConfig, arm_jobs, compare, find_runs, summarize, write_comparison
+
+STEPS = 6  # the last third: steps 5 and 6
+
+
+def fake_run(path, seed, accuracy, error_ratio, held_out=None):
+    """A run directory whose steps 1-4 read 0 and steps 5-6 read `accuracy` and `error_ratio`
+    (so a mean over all steps would differ from the last third's), with a held-out row after the
+    last step."""
+    path.mkdir(parents=True)
+    rows = []
+    for step in range(1, STEPS + 1):
+        late = step > 4
+        rows.append({"step": step, "accuracy": accuracy if late else 0.0, "trajectories": 64,
+                     "selected": 32, "tool_error_ratio_in_correct": error_ratio if late else 0.0,
+                     "response_tokens": 100.0 + step, "entropy": 0.5, "grad_norm": 1.0 + seed,
+                     "time/step": 10.0})
+    if held_out is not None:
+        rows[-1].update({"eval/pass@1": held_out, "eval/tool_error_rate_in_correct": error_ratio})
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (path / "config.yaml").write_text(yaml.safe_dump({"seed": seed}))
+    return path
+
+
+@pytest.fixture
+def two_arms(tmp_path):
+    """Arm roc (the reference) and arm grpo, two seeds each."""
+    return [str(fake_run(tmp_path / "roc-seed0", 0, 0.6, 0.1, held_out=0.70)),
+            str(fake_run(tmp_path / "roc-seed1", 1, 0.8, 0.2, held_out=0.80)),
+            str(fake_run(tmp_path / "grpo-seed0", 0, 0.3, 0.3, held_out=0.50)),
+            str(fake_run(tmp_path / "grpo-seed1", 1, 0.4, 0.6, held_out=0.60))]
+
+
+def test_the_table_holds_the_last_third_means_and_std_over_seeds_and_the_range_overlap(two_arms,
+                                                                                         tmp_path):
+    lines = compare(load_config(CompareConfig, [f"runs={','.join(two_arms)}",
+                                                f"plot={tmp_path / 'out' / 'cmp.png'}"]))
+    table = "\n".join(lines)
+    # std over seeds is the sample one: |0.6 - 0.8| / sqrt(2) = 14.1%
+    assert ("| roc | 64 / 32 | 0.0% ± 0.0% | 70.0% ± 14.1% | 0.0% ± 0.0% | 15.0% ± 7.1% "
+            "| 15.0% ± 7.1% |") in table
+    assert "| grpo | 64 / 32 | 0.0% ± 0.0% | 35.0% ± 7.1% |" in table
+    assert "| roc | 75.0% ± 7.1% | 15.0% ± 7.1% |" in table        # held out after step 6
+    # the every-curve table: grpo's ranges against roc's (grad norm 1 and 2 in both: overlap)
+    assert "| grpo | 35.0% ± 7.1% (disjoint) | 55.0% ± 7.1% (disjoint) |" in table
+    assert "| 1.5 ± 0.71 (overlap) |" in table
+    # roc's ratio below grpo's: by 30% against the larger std, 21.2%; ranges 0.1-0.2 vs 0.3-0.6
+    assert ("- roc's tool-error ratio in correct trajectories below grpo's over the last third: "
+            "by +30.0% against a seed spread (larger std) of 21.2%: holds; seed ranges disjoint"
+            ) in table
+    out = tmp_path / "out"
+    assert (out / "cmp.png").stat().st_size > 10_000
+    assert (out / "cmp.md").read_text() == table + "\n"
+    assert json.loads((out / "cmp.json").read_text())["arms"]["roc"]["accuracy_last_third"][
+        "mean"] == pytest.approx(0.7)
+
+
+def test_the_demo_s_ablation_writes_this_very_table(two_arms, tmp_path):
+    """demo.py ablation=true hands its runs to the same write_comparison: for the same run
+    directories its table is the script's, all but the header's command."""
+    assert demo.write_comparison is write_comparison
+    script = compare(load_config(CompareConfig, [f"runs={','.join(two_arms)}",
+                                                 f"plot={tmp_path / 'a.png'}"]))
+    runs = {key: demo.read_metrics(path) for key, path in find_runs(two_arms).items()}
+    lines = write_comparison(runs, tmp_path / "b.png", "roc", "`python demo.py ablation=true`",
+                             "tiny", 3)
+    assert lines[1:] == script[1:] and "`python demo.py ablation=true`" in lines[0]
+
+
+def test_one_run_gets_its_own_curves(tmp_path):
+    run = fake_run(tmp_path / "tiny-rl", 0, 0.7, 0.1)
+    lines = compare(load_config(CompareConfig, [f"runs={run}", f"plot={tmp_path / 'c.png'}"]))
+    assert (tmp_path / "c.png").stat().st_size > 10_000
+    assert any(line.startswith("| tiny-rl | 70.0% ± 0.0% |") for line in lines)
+    assert summarize({("tiny-rl", 0): demo.read_metrics(run)}, "tiny-rl")["below"] == {}
+
+
+def test_arms_become_one_rl_py_run_per_seed_or_their_launch_lines(capsys):
+    cfg = load_config(CompareConfig, ["arms=roc,short positive_rule=shortest", "seeds=0,1",
+                                      "args=steps=3", "out_dir=runs/x", "launch=print"])
+    jobs = arm_jobs(cfg)
+    assert jobs["short", 1] == ("runs/x/short-seed1", ["configs/tiny.yaml", "steps=3",
+                                                       "positive_rule=shortest", "seed=1",
+                                                       "out_dir=runs/x/short-seed1"])
+    assert compare(cfg) is None
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 4 and out[-1].endswith("seed=1 out_dir=runs/x/short-seed1")
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "arms or runs: give the arms to run"),
+    (["runs=nowhere"], "runs: .*nowhere: no metrics.jsonl"),
+    (["arms=roc,bad algorithm"], "arms: 'bad algorithm': expected NAME key=value"),
+])
+def test_bad_input_is_one_line_naming_it(args, message, tmp_path):
+    with pytest.raises(ConfigError, match=message):
+        compare(load_config(CompareConfig, [*args, f"plot={tmp_path / 'x.png'}"]))
