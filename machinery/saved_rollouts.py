@@ -240,8 +240,10 @@ def kept_statistics(records):
     out = {}
     for side, correct in (("positives", True), ("negatives", False)):
         kept = [r for r in records if r["selected"] and (r["reward"] > 0) == correct]
-        calls = [r.get("tool_calls", r.get("num_tool_calls")) for r in kept]
-        errors = sum(r.get("tool_errors", r.get("num_tool_errors")) for r in kept)
+        # a saved record's tool_calls is the list of calls; its count is num_tool_calls
+        calls = [r["num_tool_calls"] if "num_tool_calls" in r else r["tool_calls"] for r in kept]
+        errors = sum(r["num_tool_errors"] if "num_tool_errors" in r else r["tool_errors"]
+                     for r in kept)
         out[f"kept/{side}/response_tokens"] = _mean([r["response_tokens"] for r in kept])
         out[f"kept/{side}/tool_calls"] = _mean(calls)
         out[f"kept/{side}/tool_error_ratio"] = errors / sum(calls) if sum(calls) else None

@@ -97,7 +97,7 @@ def test_every_saved_step_replayed_under_another_rule_shows_what_the_rule_kept(s
 def test_kept_statistics_are_each_side_s_means_and_its_pooled_tool_error_ratio():
     saved = dict(selected=True, reward=1.0)  # a saved record's names, then select_samples'
     records = [{**saved, "response_tokens": 10, "num_tool_calls": 3, "num_tool_errors": 1,
-                "penalty": 0.5},
+                "penalty": 0.5, "tool_calls": [{"code": "print(1)"}] * 3},
                {**saved, "response_tokens": 30, "num_tool_calls": 1, "num_tool_errors": 1,
                 "penalty": 1.5},
                {**saved, "selected": False, "response_tokens": 99, "num_tool_calls": 9,
