@@ -105,8 +105,8 @@ def test_gradients_and_metrics_do_not_depend_on_the_split(three_splits):
             and reference["metrics"]["clip_high_fraction"] > 0)
 
 
-# The field's loss variants (grpo_roc.loss_weights, ratio_level): sequence-mean aggregation needs the
-# global sequence count as Eq. 6 needs the global token count; one process against two.
+# The field's loss variants (grpo_roc.loss_weights, ratio_level): sequence-mean aggregation needs
+# the global sequence count as Eq. 6 needs the global token count; one process against two.
 LOSS_VARIANTS = {"seq_mean_token_mean": ["loss_aggregation=seq_mean_token_mean",
                                          "ratio_level=sequence"],
                  "seq_mean_token_sum_norm": ["loss_aggregation=seq_mean_token_sum_norm"]}
@@ -470,6 +470,20 @@ def test_plain_grpo_trains_on_every_rollout_of_a_mixed_group():
     samples, _, _ = rl.select_samples([[trajectory(0, i) for i in range(4)]], [[1, 0, 0, 1]], cfg,
                                       step=0, position=0)
     assert sorted(s.sample_index for s in samples) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("scaling, expected", [
+    ("group", [0.5 / (1 / 3) ** 0.5] * 2 + [-0.5 / (1 / 3) ** 0.5] * 2),  # Eq. 7, this group's std
+    ("none", [0.5, 0.5, -0.5, -0.5]),                                       # Dr. GRPO
+    # one std over every reward of the step (1, 1, 0, 0 and the all-correct 1, 1, 1, 1): var 3/14
+    ("batch", [0.5 / (3 / 14) ** 0.5] * 2 + [-0.5 / (3 / 14) ** 0.5] * 2),
+])
+def test_advantage_scaling_reaches_the_trained_samples(scaling, expected):
+    cfg = rl.RLConfig(model="x", group_size=4, algorithm="grpo", advantage_scaling=scaling)
+    groups = [[trajectory(0, i) for i in range(4)], [trajectory(1, i) for i in range(4)]]
+    samples, _, _ = rl.select_samples(groups, [[1, 1, 0, 0], [1, 1, 1, 1]], cfg, step=0,
+                                      position=0)
+    assert [s.advantage for s in samples] == pytest.approx(expected, rel=1e-5)
 
 
 def test_roc_draws_are_reproducible_from_seed_step_and_data_position():
