@@ -275,6 +275,14 @@ def replay_steps(value, run_dir):
     return steps
 
 
+def replayable(run_dir, steps):
+    """Those of `steps` whose sampling weights are on disk (step 1: the run's start; step N:
+    checkpoints/step_{N-1}), so that they replay exactly."""
+    checkpoints = Path(run_dir) / "checkpoints"
+    return [n for n in steps if n == 1 or (
+        checkpoints / f"{CHECKPOINT_PREFIX}{n - 1:08d}" / "COMPLETE").is_file()]
+
+
 def print_kept_statistics(live, replay):
     """The kept set's statistics, live beside replay, one row each: what the rule optimises."""
     print(f"{'kept set (mean per trajectory)':34}{'live':>14}{'replay':>14}")

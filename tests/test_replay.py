@@ -11,7 +11,7 @@ import pytest
 from rl_runs import PYTHON, REPO, run
 from machinery.config import ConfigError, load_config
 from machinery.saved_rollouts import (STEP_FILE, kept_statistics, print_steps_table,
-                                      read_rollouts, replay_steps, step_dir)
+                                      read_rollouts, replay_steps, replayable, step_dir)
 from tools.replay import ReplayConfig, replay, replay_all
 
 
@@ -118,6 +118,12 @@ def test_replay_step_is_one_step_several_or_every_saved_one(tmp_path):
     step_dir(tmp_path, 16).mkdir()  # no step.json: cut off while saving, never read
     assert replay_steps("all", tmp_path) == [1, 6, 11]
     assert replay_steps("0", tmp_path) == [0] and replay_steps("6,11", tmp_path) == [6, 11]
+    # the demo's run keeps 2 checkpoints: of steps 1, 6, 11 only 1 (the run's start) and those
+    # whose sampling checkpoint is still there replay exactly
+    (tmp_path / "checkpoints" / "step_00000010").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_00000010" / "COMPLETE").write_text("")
+    (tmp_path / "checkpoints" / "step_00000005").mkdir()  # no COMPLETE: cut off while saving
+    assert replayable(tmp_path, [1, 6, 11]) == [1, 11]
     with pytest.raises(ConfigError, match="replay_step='last': expected a step, steps as N,M"):
         replay_steps("last", tmp_path)
     with pytest.raises(ConfigError, match="replay_step=.* no saved rollouts"):

@@ -294,10 +294,13 @@ def table_lines(summary, source):
                 lines.append(f"- {ref} vs {name}, {label}: no correct trajectory with a tool "
                              "call in some arm")
                 continue
+            verdict = (f"{'holds' if r['holds'] else 'does NOT hold'}; seed ranges "
+                       f"{'disjoint' if r['ranges_disjoint'] else 'overlap'}")
+            if len(summary["seeds"]) < 2:
+                verdict = "one seed: no spread to judge it by"
             lines.append(f"- {ref}'s tool-error ratio in correct trajectories below {name}'s "
                          f"{label}: by {r['margin']:+.1%} against a seed spread (larger std) of "
-                         f"{r['spread']:.1%}: {'holds' if r['holds'] else 'does NOT hold'}; "
-                         f"seed ranges {'disjoint' if r['ranges_disjoint'] else 'overlap'}")
+                         f"{r['spread']:.1%}: {verdict}")
     return lines
 
 

@@ -28,7 +28,7 @@ from machinery.metrics import step_metrics
 from machinery.model import check_model_dir
 from machinery.saved_rollouts import (kept_statistics, print_kept_statistics, print_replay,
                                       print_steps_table, read_rollouts, replay_policy,
-                                      replay_steps)
+                                      replay_steps, replayable)
 from machinery.training import collate, equal_micro_batches, token_logprobs
 
 
@@ -96,6 +96,12 @@ def replay_all(cfg):
     """replay_step=N,M,... or all: each step replayed (and printed) in turn, then one table of the
     kept sets live -> replay per step and their mean; the replays' results (rank 0)."""
     steps = replay_steps(cfg.replay_step, resolve(cfg.out_dir))
+    if cfg.replay_step == "all" and not cfg.replay_weights:
+        exact = replayable(resolve(cfg.out_dir), steps)
+        if len(exact) < len(steps) and is_main_rank():
+            print(f"replay_step=all: saved steps {sorted(set(steps) - set(exact))} left out: the "
+                  "checkpoints that sampled them are gone (keep_checkpoints)", flush=True)
+        steps = exact
     results = [replay(dataclasses.replace(cfg, replay_step=str(n))) for n in steps]
     if len(steps) > 1 and results[0] is not None:
         print_steps_table([r.row for r in results])
