@@ -27,14 +27,10 @@ defined below it in the order it calls them:
     7. sync guard   the trainer's log-probs of the sampled tokens against the engine's
     8. log, checkpoint, evaluate
 
-Paper vs this file:
-  - one optimizer step per RL step (the release's ppo_mini_batch_size covers the whole batch);
-    mini_batches=k splits it into k steps on the same rollouts, for off-policy ablations.
-  - warm-up: linear from lr/warmup_steps, not from 0 as in verl (a wasted step 0), then constant.
-  - weight decay 0.01 and grad clip 1.0 are verl defaults the paper does not state.
-  - rollouts run on vLLM, not SGLang, in every rank's own process (no Ray).
-  - algorithm=grpo is the paper's "GRPO with Tool" baseline (Fig. 9): G rollouts, all kept.
-  - rollout_correction (none in the paper): importance weights for the engine-vs-trainer gap.
+Paper vs this file (docs/design.md has the rest): one optimizer step per RL step (the release's
+ppo_mini_batch_size covers the whole batch; mini_batches=k splits it); the warm-up starts at
+lr/warmup_steps, not 0; weight decay 0.01 and grad clip 1.0 are verl's defaults; vLLM, not SGLang,
+in every rank's own process (no Ray); algorithm=grpo is the "GRPO with Tool" baseline (Fig. 9).
 """
 import dataclasses
 import math
@@ -102,8 +98,7 @@ class RLConfig:
     advantage_scaling: Literal[ADVANTAGE_SCALINGS] = "group"  # batch: TRL's; none: Dr. GRPO
     loss_aggregation: Literal[LOSS_AGGREGATIONS] = "token_mean"  # Eq. 6; verl's loss_agg_mode
     ratio_level: Literal[RATIO_LEVELS] = "token"  # sequence: GSPO
-    # the engine samples with its own kernels (and dtype): weight each token for that gap (Yao et
-    # al. 2025; grpo_roc.rollout_weights). none = the paper; token_tis / token_mis / geometric_*
+    # weights for the engine-vs-trainer gap (Yao et al. 2025; grpo_roc.rollout_weights); none = paper
     rollout_correction: Literal[ROLLOUT_CORRECTIONS] = "none"
     rollout_is_threshold: float = 2.0  # C: tis truncates weights at C; mis drops those off [1/C, C]
     # optimizer: AdamW, constant lr after a linear warm-up (§5.1)
@@ -145,9 +140,8 @@ class RLConfig:
     wandb_project: str = ""
     wandb_samples: int = 8        # trajectories per step in W&B's sample table (rank 0's); 0 = none
     tensorboard: bool = False
-    # saved rollouts (machinery/saved_rollouts.py): what the model wrote, what tools.replay reads;
-    # steps 1, 1+N, 1+2N, ...: each was sampled by the weights of a checkpoint when N is a multiple
-    # of save_every, so it replays exactly (while keep_checkpoints keeps that one); 0 = never
+    # saved rollouts, what tools.replay reads: steps 1, 1+N, 1+2N, ... (0 = never); with N a multiple
+    # of save_every each was sampled by a checkpoint's weights, so it replays exactly
     save_rollouts_every: int = 10
     keep_rollouts: int = 0        # the newest this many saved steps stay on disk; 0 = all
     verbose: bool = False         # all of vLLM's logging; default: its warnings
@@ -159,43 +153,38 @@ class RLConfig:
 
     def validate(self):
         """Errors that can be found before loading anything."""
-        if not self.model:
-            raise ConfigError("model: set the policy to train (an HF directory with its "
-                              "tokenizer), e.g. model=out/sft")
-        if self.group_size < 4 and self.algorithm == "roc":
-            raise ConfigError(f"group_size={self.group_size}: GRPO-RoC keeps at least 2 positives "
-                              "and 2 negatives per group (grpo_roc.resample_on_correct), so G must "
-                              "be >= 4")
-        if self.group_size < 2:
-            raise ConfigError(f"group_size={self.group_size}: a group advantage needs at least 2 "
-                              "rollouts (Eq. 7)")
         require_at_least(self, 1, "prompts_per_step", "steps", "mini_batches",
                          "micro_batch_tokens", "save_every", "keep_checkpoints", "eval_samples")
         require_at_least(self, 0, "warmup_steps", "micro_batch_size", "eval_every", "world_size",
                          "train_threads", "logprob_chunk_tokens", "wandb_samples",
                          "save_rollouts_every", "keep_rollouts", "untrained_steps_warn")
-        if not self.lr > 0:
-            raise ConfigError(f"lr={self.lr}: must be > 0")
-        if self.dual_clip and self.dual_clip <= 1:
-            raise ConfigError(f"dual_clip={self.dual_clip}: must be 0 (off) or > 1")
-        if not self.rollout_is_threshold > 1:
-            raise ConfigError(f"rollout_is_threshold={self.rollout_is_threshold}: must be > 1 "
-                              "(weights are truncated at it, or kept inside [1/C, C])")
-        if not self.init_optimizer and not self.init_from:
-            raise ConfigError("init_optimizer=false takes the weights of init_from, which is not "
-                              "set")
-        if self.resume not in ("auto", "never") and not resolve(self.resume).is_dir():
-            raise ConfigError(f"resume={self.resume!r}: expected auto, never or a checkpoint "
-                              "directory")
-        if self.prompts_per_step % self.mini_batches:
-            raise ConfigError(f"prompts_per_step={self.prompts_per_step} does not divide into "
-                              f"mini_batches={self.mini_batches} optimizer steps of whole prompt "
-                              "groups")
         longest = self.rollout.max_prompt_tokens + self.rollout.max_response_tokens
-        if self.micro_batch_tokens < longest:
-            raise ConfigError(f"micro_batch_tokens={self.micro_batch_tokens} cannot hold one "
-                              "trajectory of rollout.max_prompt_tokens + "
-                              f"rollout.max_response_tokens = {longest} tokens")
+        for wrong, message in [
+            (not self.model, "model: set the policy to train (an HF directory with its tokenizer), "
+                             "e.g. model=out/sft"),
+            (self.group_size < 4 and self.algorithm == "roc",
+             f"group_size={self.group_size}: GRPO-RoC keeps at least 2 positives and 2 negatives "
+             "per group (grpo_roc.resample_on_correct), so G must be >= 4"),
+            (self.group_size < 2, f"group_size={self.group_size}: a group advantage needs at "
+                                  "least 2 rollouts (Eq. 7)"),
+            (not self.lr > 0, f"lr={self.lr}: must be > 0"),
+            (self.dual_clip and self.dual_clip <= 1,
+             f"dual_clip={self.dual_clip}: must be 0 (off) or > 1"),
+            (not self.rollout_is_threshold > 1,
+             f"rollout_is_threshold={self.rollout_is_threshold}: must be > 1 (weights are "
+             "truncated at it, or kept inside [1/C, C])"),
+            (not self.init_optimizer and not self.init_from,
+             "init_optimizer=false takes the weights of init_from, which is not set"),
+            (self.resume not in ("auto", "never") and not resolve(self.resume).is_dir(),
+             f"resume={self.resume!r}: expected auto, never or a checkpoint directory"),
+            (self.prompts_per_step % self.mini_batches,
+             f"prompts_per_step={self.prompts_per_step} does not divide into mini_batches="
+             f"{self.mini_batches} optimizer steps of whole prompt groups"),
+            (self.micro_batch_tokens < longest,
+             f"micro_batch_tokens={self.micro_batch_tokens} cannot hold one trajectory of "
+             f"rollout.max_prompt_tokens + rollout.max_response_tokens = {longest} tokens")]:
+            if wrong:
+                raise ConfigError(message)
         try:
             self.rollout.validate()
         except ValueError as e:
@@ -249,7 +238,7 @@ def rl_step(run, step):
     learner = {**train_metrics, **gap, "skipped_updates": skipped,
                "data_position": run.state["data_position"]}
     gathering = time.perf_counter()
-    row = gather_metrics(local, learner, step, cfg, run.rank, run.world_size)
+    row = metrics.gather_step_metrics(local, learner, step + 1, cfg.logprob_gap_warn)
     if run.rank == 0:  # the phases' time/ keys add up to time/step; checkpoint and eval are apart
         ended = time.perf_counter()
         row.update({"time/metrics": ended - gathering, "time/step": ended - started})
@@ -417,7 +406,7 @@ def train_step(model, optimizer, samples, cfg, step, pad_id, device):
         raise RuntimeError("train_step: the batch has no model-written token on any rank "
                            "(every loss mask is 0)")
     batches = equal_micro_batches(samples, cfg)
-    sums, maxima = {}, {}
+    per_batch = []  # each micro-batch's loss metrics, combined over all of them and all ranks
     num_tokens = global_tokens / world_size
     for batch in batches:
         # the loss mask is 1 on the model's own tokens, 0 on prompt, tool output and padding,
@@ -440,11 +429,7 @@ def train_step(model, optimizer, samples, cfg, step, pad_id, device):
         loss_metrics["loss"] = loss.detach()
         # the policy's token-mean entropy over the trained tokens (logged, never in the loss)
         loss_metrics["entropy"] = torch.where(mask, entropy, 0.0).sum() / num_tokens
-        for key, value in loss_metrics.items():
-            if key.endswith("_max"):
-                maxima[key] = torch.maximum(maxima.get(key, value.cpu()), value.cpu())
-            else:
-                sums[key] = sums.get(key, 0.0) + value.detach().cpu()
+        per_batch.append({k: v.detach().cpu() for k, v in loss_metrics.items()})
     # The global grad norm before clipping: a loss-scaling bug shows here even where AdamW hides it.
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
@@ -453,7 +438,7 @@ def train_step(model, optimizer, samples, cfg, step, pad_id, device):
     optimizer.step()
     # Freed now, not next step: the engine needs that memory for the sync and rollout (as verl)
     optimizer.zero_grad(set_to_none=True)
-    out = global_metrics(sums, maxima, world_size)
+    out = global_metrics(per_batch, world_size)
     out.update(grad_norm=float(grad_norm), lr=lr_at(step, cfg), num_micro_batches=len(batches),
                train_tokens=int(global_tokens))
     return out
@@ -492,31 +477,6 @@ def logprob_gap(samples):
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
     return {"logprob_gap_mean": sums[0].item() / max(sums[1].item(), 1),
             "logprob_gap_max": largest.item()}
-
-
-def gather_metrics(local, learner, step, cfg, rank, world_size):
-    """Step 8: the step's metrics on rank 0 ({} elsewhere) from every rank's `local` numbers and
-    the `learner`'s (the same on every rank). time/PHASE is the slowest rank's seconds in each
-    phase (the others wait for it at the next collective); time/tool_busy overlaps time/rollout."""
-    gathered = [None] * world_size if rank == 0 else None
-    dist.gather_object(local, gathered, dst=0)
-    if rank != 0:
-        return {}
-    row = metrics.step_metrics([r for part in gathered for r in part["records"]],
-                           sum(p["groups"] for p in gathered))
-    row.update(learner)
-    for key in local["times"]:
-        row[f"time/{key}"] = max(part["times"][key] for part in gathered)
-    for key in local["traffic"]:  # the busiest rank's
-        row[f"bytes/{key}"] = max(part["traffic"].get(key, 0) for part in gathered)
-    row["rollout_tokens_per_s"] = (sum(p["rollout_tokens"] for p in gathered)
-                                       / max(row["time/rollout"], 1e-9))
-    # prompt + response tokens through the trainer (the update, and any old log-prob pass)
-    row["train_tokens_per_s"] = (sum(p["trained_tokens"] for p in gathered)
-                                     / max(row["time/train"] + row["time/old_logprobs"],
-                                           1e-9))
-    metrics.warn_logprob_gap(row, step + 1, cfg.logprob_gap_warn)
-    return row
 
 
 def evaluate_held_out(run):

@@ -18,8 +18,7 @@ trajectories keep decoding, and the continuation re-enters the engine as soon as
 back (§3.2). At most K trajectories are in flight per engine, K from the free KV cache; prompts
 are claimed from a counter shared by all ranks, so a rank that finishes early takes more work.
 
-How the turn, the tool turn and tool errors differ from the release: docs/design.md (Rollouts).
-Its baselines, a per-turn barrier and K at the mean length: bench/rollout.py.
+How it differs from the release: docs/design.md (Rollouts); its baselines: bench/rollout.py.
 """
 import dataclasses
 import hashlib
@@ -137,7 +136,7 @@ class Trajectory:
     num_turns: int = 0            # assistant turns, the first one included (Eq. 5)
     finished: bool = False        # the last turn ended with end-of-turn, no tool call
     truncated: bool = False       # stopped by a limit instead (reward 0, §4.3.1)
-    stop_reason: str = ""         # answer | max_response_tokens | max_turns | tool_overflow
+    stop_reason: str = ""         # end_of_turn | max_response_tokens | max_turns | tool_overflow
     response_text: str = ""       # the decoded response, tool turns included
     # The model's turns only (loss_mask 1 tokens, decoded per turn): what the reward, answer tags
     # and metrics read; never cut out of response_text, where a tool can print "</tool_response>".
@@ -295,9 +294,9 @@ class _Rollouts:
                         temperature=self.cfg.temperature, top_p=self.cfg.top_p)
 
     def end(self, traj, reason):
-        # Only an answered trajectory is "finished"; the rest are truncated and score 0 (§4.3.1:
-        # truncated rollouts kept with reward 0; DAPO's overlong filtering made them more frequent).
-        traj.finished = reason == "answer"
+        # Only a trajectory whose last turn ended by itself is "finished" (answered or not); the
+        # rest are truncated and score 0 (§4.3.1: kept with reward 0, as DAPO's overlong filter).
+        traj.finished = reason == "end_of_turn"
         traj.truncated = not traj.finished
         traj.stop_reason = reason
         traj.num_answer_tags = count_answer_tags(traj.model_text)
@@ -314,7 +313,7 @@ class _Rollouts:
         traj.model_text += turn_text
         last = token_ids[-1] if token_ids else None
         if last in self.end_of_turn:
-            return self.end(traj, "answer")
+            return self.end(traj, "end_of_turn")
         if last != self.call_end:  # neither stop token: the request ran out of the shared budget
             return self.end(traj, "max_response_tokens")
         # The turn ends in a tool call. As in the release, the turn limit is checked first.
@@ -340,6 +339,7 @@ class _Rollouts:
         if status != "ok":
             traj.num_tool_errors += 1
             traj.tool_errors_by_kind[status] = traj.tool_errors_by_kind.get(status, 0) + 1
+        # What the model reads back, the module docstring's tool turn (loss_mask 0: never trained)
         tool_ids = self.close_turn + render_tool_turn(self.tokenizer, text, self.cfg)
         # A tool turn that would fill the budget ends the trajectory unappended, so the last turn
         # is always the model's (the release's stop rule).
@@ -355,7 +355,9 @@ class _Rollouts:
         result = future.result()
         self.tool_done(traj, call, result.status, format_tool_response(result, self.cfg))
 
-    def decode(self):
+    def step_engine(self):
+        # One engine step: a token for every running request. It reports only the requests whose
+        # turn ended (a stop token, or the budget), with the turn's tokens and log-probs.
         for request_id, token_ids, logprobs in self.engine.step():
             self.turn_ended(self.running.pop(request_id), token_ids, logprobs)
 
@@ -366,7 +368,7 @@ class _Rollouts:
         self.admit()
         while self.in_flight() or self.waiting or not self.exhausted:
             if self.engine.has_unfinished():
-                self.decode()
+                self.step_engine()
                 # Results that came back while the engine stepped re-enter at once: no barrier.
                 while not self.results.empty():
                     self.collect(self.results.get())

@@ -100,7 +100,7 @@ class BarrierRollouts(_Rollouts):
         self.admit()
         while self.in_flight() or self.waiting or not self.exhausted:
             if self.engine.has_unfinished():
-                self.decode()
+                self.step_engine()
                 continue
             # The turn has ended for every trajectory: run all its calls, wait for the slowest,
             # then start everyone's next turn together.

@@ -8,6 +8,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import torch.distributed as dist
+
 from machinery.config import atomic_write_text
 from machinery.exits import shown
 
@@ -199,6 +201,32 @@ def step_metrics(records, num_groups):
     return out
 
 
+def gather_step_metrics(local, learner, step, logprob_gap_warn):
+    """rl.py's step 8: the step's metrics on rank 0 ({} elsewhere) from every rank's `local`
+    numbers (select_samples' records, phase seconds, bytes moved, tokens) and the `learner`'s (the
+    same on every rank). time/PHASE is the slowest rank's seconds in each phase: the others wait
+    for it at the next collective; time/tool_busy overlaps time/rollout."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    gathered = [None] * world_size if rank == 0 else None
+    dist.gather_object(local, gathered, dst=0)
+    if rank != 0:
+        return {}
+    row = step_metrics([r for part in gathered for r in part["records"]],
+                       sum(p["groups"] for p in gathered))
+    row.update(learner)
+    for key in local["times"]:
+        row[f"time/{key}"] = max(part["times"][key] for part in gathered)
+    for key in local["traffic"]:  # the busiest rank's
+        row[f"bytes/{key}"] = max(part["traffic"].get(key, 0) for part in gathered)
+    row["rollout_tokens_per_s"] = (sum(p["rollout_tokens"] for p in gathered)
+                                   / max(row["time/rollout"], 1e-9))
+    # prompt + response tokens through the trainer (the update, and any old log-prob pass)
+    row["train_tokens_per_s"] = (sum(p["trained_tokens"] for p in gathered)
+                                 / max(row["time/train"] + row["time/old_logprobs"], 1e-9))
+    warn_logprob_gap(row, step, logprob_gap_warn)
+    return row
+
+
 def held_out_metrics(records, num_problems, samples_per_problem):
     """rl.py's eval/ metrics from {(problem, sample): trajectory_record}: pass@1 as eval.py
     computes it, and the tool's use and errors."""
@@ -272,8 +300,8 @@ XX
                     f"rollout.max_response_tokens (truncation_ratio "
                     f"{metrics['truncation_ratio']:.2f})")
         elif right == groups:
-            why += (". All rewards are 1: too easy problems for this policy (mode=filter drops "
-                    "the ones it always solves)")
+            why += (". All rewards are 1: too easy problems for this policy "
+                    "(python -m tools.filter_solved drops the ones it always solves)")
     else:
         why = "no kept trajectory had a model-written token"
     text = textwrap.fill(f"WARNING: {streak} steps in a row trained on nothing (skipped_updates in "

@@ -808,7 +808,7 @@ def test_tool_round_trip_token_for_token(scripted, tokenizer):
                                 "output": "Tool call success\nstdout: 42\n"}]
     assert (traj.num_turns, traj.num_tool_calls, traj.num_tool_errors,
             traj.num_answer_tags) == (2, 1, 0, 1)
-    assert traj.finished and not traj.truncated and traj.stop_reason == "answer"
+    assert traj.finished and not traj.truncated and traj.stop_reason == "end_of_turn"
     assert len(traj.logprobs) == len(traj.response_ids)
     assert all(lp == 0.0 for lp, m in zip(traj.logprobs, traj.loss_mask) if m == 0)
 
