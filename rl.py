@@ -55,7 +55,7 @@ from executor import Executor
 from grpo_roc import (ROLLOUT_CORRECTIONS, filter_groups, group_advantages, policy_loss,
                       roc_penalty, rollouts_per_prompt, select_group)
 from reward import extract_answer, score_batch
-from rollout import RolloutConfig, Trajectory, generate
+from rollout import RolloutConfig, Trajectory, _Rollouts, generate
 from machinery.checkpoint import (check_inputs, epoch_plan, latest_checkpoint, restore,
                                   save_checkpoint)
 from machinery.config import ConfigError, atomic_write_text, load_config, resolve
@@ -63,7 +63,7 @@ from machinery.data import drop_long_prompts
 from machinery.distributed import (TORCH_THREADS, add_traffic, balance_by_tokens, compute_dtype,
                                    cpu_threads, free_cached_memory, full_weights, init_distributed,
                                    own_groups)
-from machinery.engine import Engine, configure_vllm_logging
+from machinery.engine import Engine, configure_vllm_logging, leads_its_engine
 from machinery.exits import (close_progress_bars, exit_status, interrupted, is_main_rank,
                              rerun_command, shown, stop_on_signals, training_interrupted)
 from machinery.metrics import (MetricsLogger, TimedExecutor, pass_at_k, sample_metrics,
@@ -92,6 +92,7 @@ class RLConfig:
     plan_model_config: str = ""   # mode=plan: the model's config.json when `model` is not on disk
     seed: int = 0
     world_size: int = 0           # ranks this config was written for (0 = any), checked at start
+    collective_timeout_min: int = 120  # a rank waits this long at a collective for the slowest
     # the method (§2.2.3, §4.3)
     algorithm: Literal["roc", "grpo"] = "roc"  # roc: 2G sampled, RoC keeps G; grpo: G, all kept
     group_size: int = 16          # G, rollouts per prompt that are trained on
@@ -609,8 +610,8 @@ def evaluate_held_out(run):
 # -----------------------------------------------------------------------------
 # the run: train (one RL step after another), filter_solved (mode=filter)
 
-def start_executor(rollout_cfg):
-    if not rollout_cfg.use_tool:
+def start_executor(rollout_cfg, rank):
+    if not rollout_cfg.use_tool or not leads_its_engine(rank, rollout_cfg.tensor_parallel_size):
         return None
     return Executor(workers=rollout_cfg.tool_workers or None, timeout_s=rollout_cfg.tool_timeout_s,
                     memory_mb=rollout_cfg.tool_memory_mb)
@@ -641,7 +642,7 @@ def start_run(cfg):
                                tensorboard=cfg.tensorboard, config=dataclasses.asdict(cfg),
                                resume_step=run.state["step"])
     run.engine = Engine(model_path, cfg.rollout, seed=cfg.seed)
-    run.executor = start_executor(cfg.rollout)
+    run.executor = start_executor(cfg.rollout, rank)
     run.tool = TimedExecutor(run.executor) if run.executor else None
     dtype = cfg.rollout.dtype  # the engine's: the weights are cast to it before they are gathered
     run.weight_dtype = (getattr(torch, dtype) if dtype in ("float32", "bfloat16", "float16")
@@ -757,7 +758,7 @@ def filter_solved(cfg):
     # Too long to roll out means too long to train on: such problems are not written either.
     problems = drop_long_prompts(problems, tokenizer, cfg.rollout, cfg.filter_source)
     engine = Engine(model_path, cfg.rollout, seed=cfg.seed)
-    executor = start_executor(cfg.rollout)
+    executor = start_executor(cfg.rollout, rank)
     solved = {}  # one pass in chunks of prompts_per_step, every rank claiming as in training
     for chunk, start in enumerate(range(0, len(problems), cfg.prompts_per_step)):
         rows = problems[start:start + cfg.prompts_per_step]
@@ -891,7 +892,7 @@ if __name__ == "__main__":
         configure_vllm_logging(config.verbose)
         if config.mode == "plan" or plan_args:  # no process group, no model: the config's world
             print_plan(config, config.world_size or int(os.environ.get("WORLD_SIZE", "1")),
-                       plan_args)
+                       _Rollouts, plan_args)
         else:
             {"filter": filter_solved, "replay": replay}.get(config.mode, train)(config)
     except ConfigError as e:

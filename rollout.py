@@ -244,8 +244,7 @@ class _Rollouts:
             raise ValueError("the tokenizer has no single </tool_call> token; "
                              "the loop stops a turn on that token id")
         self.stop_ids = sorted(self.end_of_turn | ({self.call_end} if cfg.use_tool else set()))
-        # Closes a tool-call turn, unsampled (loss_mask 0): the turn stopped at </tool_call>
-        # (docs/design.md, Rollouts).
+        # Closes a tool-call turn that stopped at </tool_call>, unsampled (docs/design.md, Rollouts)
         self.close_turn = tokenizer.encode("<|im_end|>", add_special_tokens=False)
         self.waiting = []       # trajectories claimed, not yet in the engine
         self.running = {}       # request id -> trajectory in the engine
@@ -262,28 +261,31 @@ class _Rollouts:
         return min(self.engine.max_concurrency(), self.cfg.max_concurrency or float("inf"))
 
     def admit(self):
-        # A rank claims a problem only when it has room for it, so a slow rank never hoards prompts
-        # it cannot start. A problem's n samples stay together on the claiming rank: GRPO-RoC
-        # selects within the group (§2.2.3).
-        while self.in_flight() < self.capacity():
-            if not self.waiting:
-                if self.exhausted:
-                    return
-                index = self.claim()
-                if index >= len(self.texts):
-                    self.exhausted = True
-                    return
-                prompt = render_prompt(self.tokenizer, self.texts[index], self.cfg)
-                if len(prompt) > self.cfg.max_prompt_tokens:
-                    raise ValueError(f"problem {index}: the prompt is {len(prompt)} tokens, more "
-                                     f"than rollout.max_prompt_tokens={self.cfg.max_prompt_tokens}")
-                self.groups[index] = [Trajectory(index, i, prompt) for i in range(self.n)]
-                self.waiting.extend(self.groups[index])
-            self.next_turn(self.waiting.pop(0))
+        # A rank claims work only when it has room for it, so a slow rank never hoards prompts it
+        # cannot start (machinery/tail.py simulates this rule at scale).
+        while self.in_flight() < self.capacity() and (self.waiting or not self.exhausted):
+            self.waiting = self.waiting or self.claim_group()
+            if self.waiting:
+                self.next_turn(self.waiting.pop(0))
+
+    def claim_group(self):
+        # A problem's n samples stay on the claiming rank: GRPO-RoC selects in a group (§2.2.3).
+        index = self.claim()
+        self.exhausted = index >= len(self.texts)
+        if not self.exhausted:
+            self.groups[index] = self.new_trajectories(index, range(self.n))
+            return list(self.groups[index])
+        return []
+
+    def new_trajectories(self, index, samples):
+        prompt = render_prompt(self.tokenizer, self.texts[index], self.cfg)
+        if len(prompt) > self.cfg.max_prompt_tokens:
+            raise ValueError(f"problem {index}: the prompt is {len(prompt)} tokens, more "
+                             f"than rollout.max_prompt_tokens={self.cfg.max_prompt_tokens}")
+        return [Trajectory(index, i, prompt) for i in samples]
 
     def next_turn(self, traj):
-        # One engine request per assistant turn. Its seed depends on the turn too, so a
-        # continuation does not replay the random draws of the turn before it.
+        # One request per assistant turn, seeded per turn: a continuation draws afresh.
         turn = traj.num_turns
         request_id = f"{self.step}-{traj.problem_index}-{traj.sample_index}-{turn}"
         self.running[request_id] = traj
@@ -295,8 +297,7 @@ class _Rollouts:
                         temperature=self.cfg.temperature, top_p=self.cfg.top_p)
 
     def end(self, traj, reason):
-        # Only an answered trajectory is "finished"; the rest are truncated and score 0 (§4.3.1:
-        # truncated rollouts kept with reward 0; DAPO's overlong filtering made them more frequent).
+        # Only an answered trajectory is "finished"; the rest are truncated, scored 0 (§4.3.1).
         traj.finished = reason == "answer"
         traj.truncated = not traj.finished
         traj.stop_reason = reason
@@ -308,8 +309,7 @@ class _Rollouts:
         traj.loss_mask += [1] * len(token_ids)
         traj.logprobs += logprobs
         traj.num_turns += 1
-        # Special tokens kept: the parser needs to see </tool_call>. Only this text counts for
-        # answer tags (Eq. 5).
+        # Special tokens kept: the parser needs </tool_call>; only this text has answer tags (Eq. 5)
         turn_text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
         traj.model_text += turn_text
         last = token_ids[-1] if token_ids else None
@@ -384,8 +384,6 @@ def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0):
 
     if n < 1:
         raise ValueError(f"generate: n must be >= 1, got {n}")
-    if cfg.use_tool and executor is None:
-        raise ValueError("generate: rollout.use_tool is on but no executor was given")
     texts = [p["problem"] if isinstance(p, dict) else p for p in problems]
     _generate_calls += 1
     claim = _claim_counter(f"rollout/{_generate_calls}/step{step}")
@@ -396,6 +394,8 @@ def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0):
     if not engine.is_leader:  # tensor parallel: this rank replays its group leader's engine calls
         engine.follow()
         return []
+    if cfg.use_tool and executor is None:
+        raise ValueError("generate: rollout.use_tool is on but no executor was given")
     groups = _Rollouts(engine, executor, tokenizer, texts, n, cfg, seed, step, claim).run()
     engine.stop_followers()
     return groups
