@@ -832,8 +832,8 @@ def format_cluster(cfg, m, world, a, rollouts_class, gpus=GPUS):
     for name, t in c["gpus"].items():
         if not t["within_timeout"]:
             lines.append(f"WARNING: {name}: a rollout phase can take {t['longest'] / 60:.0f} "
-                         f"minutes, above collective_timeout_min={timeout}: a rank that ends its "
-                         "rollouts early waits that long at the next collective; set "
+                         f"minutes, above collective_timeout_min={timeout}, the most a rank that "
+                         "ends its rollouts first could wait at the collective after them; set "
                          f"collective_timeout_min={math.ceil(t['longest'] / 60 * 1.5)} or more")
     return "\n".join(lines)
 

@@ -210,9 +210,10 @@ def test_plan_of_stage1_on_64_gpus():
     for field in dataclasses.fields(plan.PlanAssumptions):
         value = 0.7 if field.name == "plan_mfu" else field.default
         assert f"  {field.name}={value} " in time_block, field.name
-    for term in ("rollout decode:", "old log-probs:", "update:", "recompute in backward:",
+    for term in ("rollout decode per engine:", "old log-probs:", "update:", "recompute in backward:",
                  "FSDP all-gathers", "FSDP reduce-scatters", "weight sync", "step:",
-                 "stage: 300 steps", "reduce-scatter in bf16", "micro_batch_tokens=40960"):
+                 "stage: 300 steps", "reduce-scatter in bf16", "micro_batch_tokens=40960",
+                 "what a cluster run needs", "the fastest engine's wait for it (the tail)"):
         assert term in time_block, term
 
 
