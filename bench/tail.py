@@ -45,7 +45,7 @@ class BenchConfig:
 
 def parts_rule(parts_of):
     """A _Rollouts whose counter hands out parts of a group: parts_of(n, K) parts per problem,
-    each of at most ceil(n / parts) samples; claim index i is part i % parts of problem i // parts."""
+    each of at most ceil(n / parts) samples; claim i is part i % parts of problem i // parts."""
     class Parts(_Rollouts):
         def claim_group(self):
             parts = parts_of(self.n, self.capacity())
@@ -74,8 +74,8 @@ def bench(config):
         sys.exit(f"bench.tail: gpus={','.join(unknown)}: not one of {', '.join(plan.GPUS)}")
     tp = config.tensor_parallel_size
     engines, per_node = config.world_size // tp, max(1, config.gpus_per_node // tp)
-    print(f"{config.world_size} ranks, tensor_parallel_size={tp}: {engines} engines, {per_node} per "
-          f"node; {config.decode_tok_s} tokens/s per sequence. Minutes; x = against 'whole'")
+    print(f"{config.world_size} ranks, tensor_parallel_size={tp}: {engines} engines, {per_node} "
+          f"per node; {config.decode_tok_s} tokens/s per sequence. Minutes; x = against 'whole'")
     shape = plan.ModelShape.from_config(REPO / "configs/models/Qwen3-14B-Base.json")
     for stage in STAGES:
         cfg = load_config(RLConfig, [stage, f"rollout.tensor_parallel_size={tp}"])

@@ -210,7 +210,8 @@ def test_plan_of_stage1_on_64_gpus():
     for field in dataclasses.fields(plan.PlanAssumptions):
         value = 0.7 if field.name == "plan_mfu" else field.default
         assert f"  {field.name}={value} " in time_block, field.name
-    for term in ("rollout decode per engine:", "old log-probs:", "update:", "recompute in backward:",
+    for term in ("rollout decode per engine:", "old log-probs:", "update:",
+                 "recompute in backward:",
                  "FSDP all-gathers", "FSDP reduce-scatters", "weight sync", "step:",
                  "stage: 300 steps", "reduce-scatter in bf16", "micro_batch_tokens=40960",
                  "what a cluster run needs", "the fastest engine's wait for it (the tail)"):
@@ -527,8 +528,8 @@ def test_the_tail_simulation_runs_rollout_py_s_admission_rule():
     third engine never starts: whole groups only."""
     finished = tail.simulate(rl._Rollouts, 2, 3, 2, 4, lambda p, s: 1.0)
     assert finished == [2.0, 2.0]
-    # three problems: engine 0 claims the third when its first wave ends, at 1 s (its waiting list is
-    # empty then: the fourth sample took the freed slot), and ends at 3 s; engine 1 waits 1 s
+    # three problems: engine 0 claims the third when its first wave ends, at 1 s (its waiting list
+    # is empty then: the fourth sample took the freed slot), and ends at 3 s; engine 1 waits 1 s
     finished = tail.simulate(rl._Rollouts, 2, 3, 3, 4, lambda p, s: 1.0)
     assert finished == [3.0, 2.0]
     assert tail.tail(finished) == dict(phase=3.0, tail=1.0, idle=pytest.approx(1 / 6))
