@@ -3,16 +3,19 @@ engine decodes, and how long the others wait for it at the collective after roll
 "tail"). rl.py's mode=plan prints it; bench/tail.py compares claiming rules with it.
 
 The rule is driven, not copied: `rollouts_class` is rollout._Rollouts (or a subclass with another
-claiming rule), and each simulated engine is an instance whose admit() and claim_group() run
-unchanged; only what touches a tokenizer or an engine is replaced: new_trajectories makes
-(problem, sample) pairs, capacity() is the plan's K, and next_turn schedules the trajectory's end
-at its length over a per-sequence decode rate. One event queue holds every engine's ends, so the
-shared claim counter sees the claims in the order a cluster would. Not simulated: tool calls
-(a trajectory decodes in one piece), prefill, a rate that changes with the engine's load.
+claiming rule), and each simulated engine is an instance whose admit(), claim_group() and
+capacity() run unchanged; only what touches a tokenizer or an engine is replaced: the engine
+answers max_concurrency() with the plan's K, new_trajectories makes (problem, sample) pairs, and
+next_turn schedules the trajectory's end at its length over a per-sequence decode rate. One event
+queue holds every engine's ends, so the shared claim counter sees the claims in the order a
+cluster would. Not simulated: tool calls (a trajectory decodes in one piece), prefill, a rate that
+changes with the engine's load, and the regrouping of split groups after rollouts (rollout.generate:
+one exchange of pickled trajectories, seconds against minutes).
 """
 import heapq
 import itertools
 import random
+from types import SimpleNamespace
 
 
 def simulate(rollouts_class, engines, k, problems, n, seconds, speed=None):
@@ -22,22 +25,21 @@ def simulate(rollouts_class, engines, k, problems, n, seconds, speed=None):
     counter, events, clock = itertools.count(), [], [0.0]
 
     class Simulated(rollouts_class):
-        def __init__(self, engine):  # only what admit and claim_group read
-            self.engine, self.texts, self.n = engine, range(problems), n
+        def __init__(self, index):  # only what admit, claim_group and capacity read
+            self.index, self.texts, self.n = index, range(problems), n
+            self.engine = SimpleNamespace(max_concurrency=lambda: k)
+            self.cfg = SimpleNamespace(max_concurrency=0)
             self.claim = lambda: next(counter)
             self.waiting, self.running, self.tooling, self.groups = [], {}, {}, {}
             self.exhausted, self.finished = False, 0.0
-
-        def capacity(self):
-            return k
 
         def new_trajectories(self, index, samples):
             return [(index, i) for i in samples]
 
         def next_turn(self, traj):
             self.running[traj] = traj
-            rate = speed(self.engine) if speed else 1.0
-            heapq.heappush(events, (clock[0] + seconds(*traj) / rate, self.engine, traj))
+            rate = speed(self.index) if speed else 1.0
+            heapq.heappush(events, (clock[0] + seconds(*traj) / rate, self.index, traj))
 
     ranks = [Simulated(e) for e in range(engines)]
     for r in ranks:
