@@ -1,70 +1,58 @@
-"""The rollout tail at the paper's scale: rollout.py's whole-group claims against claiming parts of
-a group when 2G > K, simulated by machinery/tail.py with rollout._Rollouts' own admit():
+"""The rollout tail at the paper's scale: whole-group claims against claims of parts of a group
+when 2G > K (rollout.py: single samples), simulated by machinery/tail.py with rollout._Rollouts'
+own admit():
 
-    python -m bench.tail                                  # stages 1-3, H100 and MI300X, TP 1; ~5 s
-    python -m bench.tail gpus=H100-80GB,H200,MI300X tensor_parallel_size=2 world_size=64
+    python -m bench.tail                     # stages 1-3, H100, H200 and MI300X, TP 1; ~10 s
+    python -m bench.tail gpus=H100-80GB tensor_parallel_size=2 world_size=64
 
 For each stage config and GPU: K as mode=plan computes it (machinery.plan.engine_memory), 512
 prompts x 2G = 32 samples over world / TP engines at plan_decode_tok_s per sequence, in three cases
 (every response at the budget; lengths U[0.2, 1] x budget; those lengths with one node at half
 speed). Printed per rule: the slowest engine's rollout phase (the step waits for it), the fastest
 engine's wait for it (the tail), and the share of all engines' time spent waiting; the ratios are
-against today's rule in the same run. A simulation of claiming order and decode time, not a
+against whole-group claims in the same run. A simulation of claiming order and decode time, not a
 timing: it does not depend on the machine's load.
 
-The rules compared (each a claim_group of a rollout._Rollouts subclass; admit() is rollout.py's):
-  whole     rollout.py today: a problem's 2G samples are claimed together and stay on one engine;
-            when 2G > K the last claimer runs them in ceil(2G / K) waves while others idle.
-  parts     the counter hands out parts of a group, ceil(2G / K) parts of at most K samples;
-            2G <= K is one part, today's rule exactly (the tiny demo's path).
-  samples   one sample per claim when 2G > K, whole groups otherwise.
-Either proposal spreads a group over engines: selection (GRPO-RoC's, §2.2.3) then needs the group
-back in one place before it runs, one exchange of the split groups' trajectories after rollouts.
+The rules compared (rollout._Rollouts' own claim_group, with its `parts` per group set):
+  whole     a problem's 2G samples are claimed together and stay on one engine (rollout.py before
+            this benchmark); when 2G > K the last claimer runs them in ceil(2G / K) waves alone.
+  parts     ceil(2G / K) parts of at most K samples: each group on few engines.
+  samples   rollout.py: one sample per claim when 2G > K. Where 2G <= K, both are one part, the
+            whole rule exactly (the tiny demo's path). rollout.generate regroups split groups
+            before selection (machinery.distributed.regroup), so GRPO-RoC selects in whole groups.
 """
 import dataclasses
-import math
 import sys
 
 from machinery import plan
 from machinery.config import REPO, load_config
 from machinery.tail import rollout_tails
 from rl import RLConfig
-from rollout import _Rollouts
+from rollout import _Rollouts, capacity
 
 STAGES = ("configs/stage1.yaml", "configs/stage2.yaml", "configs/stage3.yaml")
 
 
 @dataclasses.dataclass
 class BenchConfig:
-    gpus: str = "H100-80GB,MI300X"  # names of machinery.plan.GPUS
+    gpus: str = "H100-80GB,H200,MI300X"  # names of machinery.plan.GPUS
     world_size: int = 64
     tensor_parallel_size: int = 1
     gpus_per_node: int = 8
     decode_tok_s: float = 40.0      # plan_decode_tok_s: tokens/s of one sequence
 
 
-def parts_rule(parts_of):
-    """A _Rollouts whose counter hands out parts of a group: parts_of(n, K) parts per problem,
-    each of at most ceil(n / parts) samples; claim i is part i % parts of problem i // parts."""
-    class Parts(_Rollouts):
-        def claim_group(self):
-            parts = parts_of(self.n, self.capacity())
-            size = math.ceil(self.n / parts)
-            problem, part = divmod(self.claim(), parts)
-            self.exhausted = problem >= len(self.texts)
-            if self.exhausted:
-                return []
-            claimed = self.new_trajectories(problem, range(part * size,
-                                                           min(self.n, (part + 1) * size)))
-            self.groups.setdefault(problem, []).extend(claimed)
-            return claimed
-
-    return Parts
+class WholeGroups(_Rollouts):
+    parts = 1
 
 
-RULES = {"whole": _Rollouts,
-         "parts": parts_rule(lambda n, k: math.ceil(n / k)),
-         "samples": parts_rule(lambda n, k: n if n > k else 1)}
+class PartsOfK(_Rollouts):
+    @property
+    def parts(self):
+        return -(-self.n // capacity(self.engine, self.cfg))
+
+
+RULES = {"whole": WholeGroups, "parts": PartsOfK, "samples": _Rollouts}
 
 
 def bench(config):

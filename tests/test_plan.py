@@ -27,7 +27,7 @@ from machinery.checkpoint import check_inputs, load_policy, save_checkpoint
 from machinery.config import ConfigError, load_config
 from machinery.distributed import init_distributed
 from machinery.engine import Engine, leads_its_engine
-from rollout import RolloutConfig
+from rollout import RolloutConfig, _Rollouts
 from machinery.training import token_logprobs
 from tools.gpu_check import GPUCheckConfig, step_bench_args, verdict
 from bench import rl as rl_bench
@@ -522,19 +522,27 @@ def test_checkpoint_bytes_match_a_real_checkpoint(tiny_model_dir, tmp_path):
     assert plan.rank0_host_bytes(shape)["start"] == 4 * sum(p.numel() for p in model.parameters())
 
 
+class WholeGroups(_Rollouts):
+    parts = 1  # a problem's n samples claimed together even when n > K
+
+
 def test_the_tail_simulation_runs_rollout_py_s_admission_rule():
-    """Two engines of K = 3, two problems of 4 samples of 1 s each: each engine claims a whole
-    group and runs it in two waves (3, then 1), so both end at 2 s. A problem that comes back to a
-    third engine never starts: whole groups only."""
-    finished = tail.simulate(rl._Rollouts, 2, 3, 2, 4, lambda p, s: 1.0)
-    assert finished == [2.0, 2.0]
-    # three problems: engine 0 claims the third when its first wave ends, at 1 s (its waiting list
-    # is empty then: the fourth sample took the freed slot), and ends at 3 s; engine 1 waits 1 s
-    finished = tail.simulate(rl._Rollouts, 2, 3, 3, 4, lambda p, s: 1.0)
+    """Two engines of K = 3, problems of 4 samples of 1 s each. Two problems in whole groups: each
+    engine claims one and runs it in two waves, so both end at 2 s; one sample at a time, engine 1
+    takes the first problem's last sample and is done after one wave."""
+    assert tail.simulate(WholeGroups, 2, 3, 2, 4, lambda p, s: 1.0) == [2.0, 2.0]
+    assert tail.simulate(_Rollouts, 2, 3, 2, 4, lambda p, s: 1.0) == [2.0, 1.0]
+    # Three, in whole groups: engine 0 claims the third when its first wave ends, at 1 s (its
+    # waiting list is empty then: the fourth sample took the freed slot), and ends at 3 s while
+    # engine 1 waits 1 s.
+    finished = tail.simulate(WholeGroups, 2, 3, 3, 4, lambda p, s: 1.0)
     assert finished == [3.0, 2.0]
     assert tail.tail(finished) == dict(phase=3.0, tail=1.0, idle=pytest.approx(1 / 6))
+    # rollout.py claims the samples of a group larger than K one at a time: engine 1 takes two of
+    # the third problem's, and both end at 2 s
+    assert tail.simulate(_Rollouts, 2, 3, 3, 4, lambda p, s: 1.0) == [2.0, 2.0]
     # a slower engine claims less: the counter is shared
-    slow = tail.simulate(rl._Rollouts, 2, 4, 8, 4, lambda p, s: 1.0, lambda e: 0.5 if e else 1.0)
+    slow = tail.simulate(_Rollouts, 2, 4, 8, 4, lambda p, s: 1.0, lambda e: 0.5 if e else 1.0)
     assert slow[0] < slow[1] and sorted(slow) == [5.0, 6.0]
 
 
