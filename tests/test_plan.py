@@ -462,7 +462,7 @@ def plan_output(argv):
     cfg = load_config(rl.RLConfig, argv)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        plan.print_plan(cfg, cfg.world_size or 1, rl._Rollouts, plan_args)
+        plan.print_plan(cfg, cfg.world_size or 1, _Rollouts, plan_args)
     return out.getvalue()
 
 
