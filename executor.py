@@ -89,7 +89,7 @@ class Executor:
     workers:          concurrent calls; None = one per usable core. A slot is a light and a heavy
                       worker.
     timeout_s:        wall clock per call (the release runs code-judge with MAX_EXECUTION_TIME=4),
-                      not counting the time the call waited for a CPU, up to 3 x timeout_s in all.
+                      less its waits for a CPU, up to 20 x timeout_s; CPU: timeout_s in all.
     memory_mb:        address space a call may add to what its worker already maps (about 25 MB
                       light, 200 MB heavy; isolation["preloaded_mb"]). Past it: MemoryError, "oom".
     max_output_chars: stdout and stderr each keep this many characters, head and tail (code-judge:
