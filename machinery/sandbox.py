@@ -1110,7 +1110,7 @@ def _processes_of_uid(uid):
 # this process's side: the worker handles
 
 
-class _WorkerGone(Exception):
+class WorkerGone(Exception):
     """The worker died, hung or sent garbage; it gets replaced. sent=False: before it had the
     call."""
     sent = True   # set to False by the code that raises it before the request was written
@@ -1144,7 +1144,7 @@ def _worker_env():
             "LD_BIND_NOW": "1"}
 
 
-class _WorkerProcess:
+class WorkerProcess:
     """One warm worker (light or heavy) and its two pipes. One thread at a time uses it, holding
     `lock`."""
 
@@ -1200,23 +1200,23 @@ class _WorkerProcess:
         if not self.ready:
             message = self._receive(time.monotonic() + STARTUP_TIMEOUT_S)
             if message.get("ready") is False and isinstance(message.get("error"), str):
-                # not _WorkerGone: a restart would fail the same way; this is the caller's to see
+                # not WorkerGone: a restart would fail the same way; this is the caller's to see
                 # and fix
                 raise RuntimeError(f"Executor: the {self.kind} worker could not set up its "
                                    f"sandbox: {message['error']}")
             if message.get("ready") is not True or not isinstance(message.get("isolation"), dict):
-                raise _WorkerGone(f"bad first message from the worker: {str(message)[:200]}")
+                raise WorkerGone(f"bad first message from the worker: {str(message)[:200]}")
             self.isolation, self.ready = message["isolation"], True
         return self.isolation
 
     def call(self, code, stdin, timeout_s, result_type):
         try:   # up to the write, a failure leaves the call unsent (see _call)
             if self.proc.poll() is not None:
-                raise _WorkerGone("the worker is gone")
+                raise WorkerGone("the worker is gone")
             self.wait_ready()
             self._write(json.dumps({"code": code, "stdin": stdin}).encode(),
                         time.monotonic() + BACKSTOP_GRACE_S)
-        except _WorkerGone as e:
+        except WorkerGone as e:
             e.sent = False
             raise
         message = self._receive(time.monotonic() + STRETCH_CAP * timeout_s + BACKSTOP_GRACE_S)
@@ -1226,7 +1226,7 @@ class _WorkerProcess:
             assert (result.status in STATUSES and isinstance(result.stdout, str)
                     and isinstance(result.stderr, str))
         except (TypeError, AssertionError):
-            raise _WorkerGone(f"malformed result from the worker: {str(message)[:200]}") from None
+            raise WorkerGone(f"malformed result from the worker: {str(message)[:200]}") from None
         return result
 
     def _write(self, body, deadline):
@@ -1239,17 +1239,17 @@ class _WorkerProcess:
             except BlockingIOError:
                 self._poll(self.req_w, select.POLLOUT, deadline)
             except BrokenPipeError:
-                raise _WorkerGone("the worker is gone") from None
+                raise WorkerGone("the worker is gone") from None
 
     def _receive(self, deadline):
         (length,) = struct.unpack("<I", self._read_exact(4, deadline))
         # a result is a few KB (capped streams); anything huge is a broken worker
         if length > 64 << 20:
-            raise _WorkerGone(f"a {length}-byte message from the worker")
+            raise WorkerGone(f"a {length}-byte message from the worker")
         try:
             return json.loads(self._read_exact(length, deadline))
         except ValueError:
-            raise _WorkerGone("a message from the worker is not JSON") from None
+            raise WorkerGone("a message from the worker is not JSON") from None
 
     def _read_exact(self, n, deadline):
         buf = bytearray()
@@ -1257,7 +1257,7 @@ class _WorkerProcess:
             self._poll(self.resp_r, select.POLLIN, deadline)
             chunk = os.read(self.resp_r, n - len(buf))
             if not chunk:
-                raise _WorkerGone(f"the worker exited (code {self.proc.poll()})")
+                raise WorkerGone(f"the worker exited (code {self.proc.poll()})")
             buf += chunk
         return bytes(buf)
 
@@ -1268,4 +1268,4 @@ class _WorkerProcess:
         poller.register(fd, event)
         while not poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
             if time.monotonic() >= deadline:
-                raise _WorkerGone("the worker did not answer in time")
+                raise WorkerGone("the worker did not answer in time")
