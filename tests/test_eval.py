@@ -441,6 +441,8 @@ def test_whole_path_grades_scripted_samples_and_writes_table_json_and_jsonl(firs
     assert m["tool_error_rate_in_correct"] == pytest.approx(1 / 2)
     assert m["tool_errors_by_kind"] == {"error": 2, "parse": 2}
     assert m["truncated_rate"] == pytest.approx(1 / 5) and m["answer_rate"] == 1.0
+    # every sample got a verdict, and says so
+    assert m["ungraded"] == 0 and {r["ungraded"] for r in records} == {False}
     # The files say the same as the return value.
     assert json.loads((out_dir / "summary.json").read_text())["benchmarks"] == summary
     assert (out_dir / "summary.md").read_text() == markdown_table(summary) + "\n"
