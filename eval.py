@@ -85,7 +85,7 @@ class EvalConfig:
     resume: bool = True              # reuse the finished problems in out_dir/samples.jsonl
     chunk_problems: int = CHUNK_PROBLEMS  # problems per generate(); samples.jsonl grows after each
     require_answer_tag: bool = False  # grade only a \boxed{} inside <answer>...</answer>
-    reward_timeout_s: float = 5.0    # per-answer math-verify deadline
+    reward_timeout_s: float = 5.0    # per-answer math-verify budget, in worker CPU seconds
     arith_problems: int = 100        # size of the `arith` benchmark
     arith_seed: int = 0
     verbose: bool = False            # all of vLLM's logging; default: its warnings
