@@ -14,6 +14,7 @@ reward.py. Per benchmark it reports
   - pass@k: the unbiased estimator 1 - C(n-c, k) / C(n, k) (Chen et al. 2021),
   - maj@k: is the majority answer of the first k samples correct (self-consistency),
   - mean response tokens (Table 4), tool calls per trajectory, the tool-error rate (Fig. 4),
+  - ungraded: samples the verifier reached no verdict on (0 unless the machine starved it),
 as a Markdown table (stdout, out_dir/summary.md), in summary.json, and per sample in
 samples.jsonl: the resume point, so a rerun generates only the problems it lacks.
 
@@ -53,7 +54,7 @@ from machinery.prompts import AUTO_VARIANT, apply_model_format, render_prompt
 from machinery.results import (CHUNK_PROBLEMS, append_samples, gather_records, markdown_table,
                                work_left, write_summary)
 # reward.py imports only the stdlib; math-verify loads in its worker processes
-from reward import extract_answer, fast_equivalent, score_batch
+from reward import extract_answer, fast_equivalent, grade_batch
 from rollout import generate, RolloutConfig
 
 # Not files: `arith` is generated on the fly, so the demo and eval agree on it by seed.
@@ -84,7 +85,7 @@ class EvalConfig:
     resume: bool = True              # reuse the finished problems in out_dir/samples.jsonl
     chunk_problems: int = CHUNK_PROBLEMS  # problems per generate(); samples.jsonl grows after each
     require_answer_tag: bool = False  # grade only a \boxed{} inside <answer>...</answer>
-    reward_timeout_s: float = 5.0    # per-answer math-verify deadline
+    reward_timeout_s: float = 5.0    # per-answer math-verify budget, in worker CPU seconds
     arith_problems: int = 100        # size of the `arith` benchmark
     arith_seed: int = 0
     verbose: bool = False            # all of vLLM's logging; default: its warnings
@@ -164,19 +165,20 @@ def sample_records(chunk, trajectories, tokenizer, cfg, rank=0):
     # the loss mask): a \boxed{} the tool printed earns nothing, and finished=False (a budget or
     # turn limit hit) is 0. The record keeps the whole transcript for reading.
     golds = [chunk[t.problem_index][1]["answer"] for t in trajectories]
-    rewards = score_batch([t.model_text for t in trajectories], golds,
-                          [t.finished for t in trajectories],
-                          require_answer_tag=cfg.require_answer_tag, timeout_s=cfg.reward_timeout_s)
+    rewards, ungraded = grade_batch([t.model_text for t in trajectories], golds,
+                                    [t.finished for t in trajectories],
+                                    require_answer_tag=cfg.require_answer_tag,
+                                    timeout_s=cfg.reward_timeout_s)
     prompts = {}  # one decode per problem, not per sample
     records = []
-    for t, reward in zip(trajectories, rewards):
+    for t, reward, cut in zip(trajectories, rewards, ungraded):
         name, row = chunk[t.problem_index]
         if t.problem_index not in prompts:
             prompts[t.problem_index] = tokenizer.decode(t.prompt_ids)
         # Small fields first and the long texts last, so `head samples.jsonl` is readable.
         answer = extract_answer(t.model_text, require_answer_tag=cfg.require_answer_tag)
         records.append({"benchmark": name, "problem_id": row["id"], "sample_index": t.sample_index,
-                        "gold": row["answer"], **trajectory_record(t, reward == 1.0, answer),
+                        "gold": row["answer"], **trajectory_record(t, reward == 1.0, answer, cut),
                         "rank": rank, "prompt": prompts[t.problem_index],
                         "response": t.response_text})
     return records

@@ -27,7 +27,7 @@ import threading
 import weakref
 from concurrent.futures import Future
 
-from machinery.sandbox import (BACKSTOP_GRACE_S, HEAVY_RE, STRETCH_CAP, _WorkerGone, _WorkerProcess,
+from machinery.sandbox import (BACKSTOP_GRACE_S, HEAVY_RE, STRETCH_CAP, WorkerGone, WorkerProcess,
                                truncate_middle)
 
 MAX_CODE_CHARS = 16 << 20  # bigger code or stdin is a caller's bug, refused by submit()
@@ -89,7 +89,7 @@ class Executor:
     workers:          concurrent calls; None = one per usable core. A slot is a light and a heavy
                       worker.
     timeout_s:        wall clock per call (the release runs code-judge with MAX_EXECUTION_TIME=4),
-                      not counting the time the call waited for a CPU, up to 3 x timeout_s in all.
+                      less its waits for a CPU, up to 20 x timeout_s; CPU: timeout_s in all.
     memory_mb:        address space a call may add to what its worker already maps (about 25 MB
                       light, 200 MB heavy; isolation["preloaded_mb"]). Past it: MemoryError, "oom".
     max_output_chars: stdout and stderr each keep this many characters, head and tail (code-judge:
@@ -124,8 +124,8 @@ class Executor:
         # whose sandbox is every worker's: one that cannot run calls raises here, naming why.
         try:
             for _ in range(workers):
-                self._slots.append((_WorkerProcess("light", settings),
-                                    _WorkerProcess("heavy", settings)))
+                self._slots.append((WorkerProcess("light", settings),
+                                    WorkerProcess("heavy", settings)))
             _ready(self._slots[0][0])
         except BaseException:
             _shutdown(self._slots, [], self._jobs, self._closed)
@@ -221,7 +221,7 @@ def _ready(worker):
         for attempt in range(2):
             try:
                 return worker.wait_ready()
-            except _WorkerGone as gone:
+            except WorkerGone as gone:
                 if attempt:
                     raise RuntimeError(f"Executor: a {worker.kind} worker failed to start twice "
                                        f"({gone})") from None
@@ -261,7 +261,7 @@ def _call(worker, code, stdin, timeout_s, closed):
             raise RuntimeError("Executor: closed while the call was queued")
         try:
             return worker.call(code, stdin, timeout_s, ExecResult)
-        except _WorkerGone as gone:
+        except WorkerGone as gone:
             if closed.is_set():
                 raise RuntimeError("Executor: closed while the call was running") from None
             worker.restart()

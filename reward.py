@@ -21,11 +21,9 @@ A wrong reward silently poisons training and a hung verifier stalls a whole step
      only pairs still open pay for math-verify's verify. Nothing becomes True without math-verify or
      an equal normalised spelling, nothing False without math-verify's verify or parse, or two
      different plain numbers.
-  4. Every check has a hard limit. math-verify's own timeout is signal.alarm, which works only in a
-     main thread, and a big-int power holds the GIL, so no thread can stop it: each worker runs
-     math-verify in its own main thread under its own alarm, and the parent SIGKILLs and replaces a
-     worker that still misses the deadline. Out of time, crashed or killed means False; the caller
-     never hangs or crashes.
+  4. Every check has a hard limit in worker CPU time (machinery/verifier.py), so a verdict never
+     depends on the machine's load. Out of time or crashed means False; a check that a stuck or
+     starved worker never finished is 0, and grade_batch reports it: it is not a wrong answer.
 
 Paper vs released code (microsoft/rStar @ ecbfb94), and what this file does:
   - the release accepts if PRIME's grader OR math-verify accepts; here the fast path OR math-verify.
@@ -37,22 +35,18 @@ Paper vs released code (microsoft/rStar @ ecbfb94), and what this file does:
     equals the list "1,2". Here the last box is the answer: 5 in the first case, 2 in the second (a
     list answer must be given in one box, "\\boxed{1, 2}", as the prompt's "final answer ... by the
     \\boxed{} tag" asks).
-
-score_batch is what rl.py and eval.py call; the worker pool behind the slow path (its size, its
-deadlines, math-verify imported in the workers only) is machinery/verifier.py.
 """
 import functools
 import re
 from fractions import Fraction
 
-from machinery.verifier import COLLECTION, _far_apart, _run_in_pool
+from machinery.verifier import COLLECTION, far_apart, run_in_pool
 
-# Worker time one check may take, all stages together. math-verify's own default is 5 s per stage;
+# Worker CPU seconds per check, all stages together. math-verify's own default is 5 s per stage;
 # MATH answers take 1-50 ms, so 5 s only ever binds on pathological input.
 DEFAULT_TIMEOUT_S = 5.0
 # The longest gold answer in data/*.jsonl is 159 characters (a 3x3 matrix). A "final answer" six
-# times longer is not an answer, and parsing it could cost seconds of sympy, so it scores 0
-# unparsed.
+# times longer is not an answer, and parsing it could cost seconds of sympy: 0, unparsed.
 MAX_ANSWER_CHARS = 1000
 
 # -----------------------------------------------------------------------------
@@ -70,8 +64,7 @@ def _model_prose(text):
     # Both tags are single tokens of the Qwen tokenizer and survive skip_special_tokens
     # (docs/design.md, the released code's tool I/O): they are in the text rollout.py passes.
     closers = {"<tool_call>": "</tool_call>", "<tool_response>": "</tool_response>"}
-    # One left-to-right scan, each tag re-searched only once passed: linear for a megabyte of
-    # unclosed tags.
+    # One scan, each tag re-searched only once passed: linear for a megabyte of unclosed tags.
     next_open = {tag: text.find(tag) for tag in closers}
     kept, pos = [], 0
     while True:
@@ -118,8 +111,7 @@ def _box_content(text, start):
 
 
 def extract_answer(text, require_answer_tag=False):
-    """The content of the last \\boxed{...} (or \\fbox{...}, or \\boxed 5) in the model's prose, or
-    None.
+    """The content of the last \\boxed{...} (\\fbox{...}, \\boxed 5) in the model's prose, or None.
 
     Nested braces are matched. The last box is taken even when an earlier one is complete: a final
     box that is empty, unbalanced or over MAX_ANSWER_CHARS means the final answer is malformed, and
@@ -130,16 +122,14 @@ def extract_answer(text, require_answer_tag=False):
         raise TypeError(f"extract_answer: text must be a str, got {type(text).__name__}")
     prose = _model_prose(text)
     lo, hi = 0, len(prose)
-    # The rollout ends with the turn that makes no tool call (§2.1), so the final answer is the last
-    # one.
+    # The rollout ends with the turn that makes no tool call (§2.1): the final answer is the last.
     if require_answer_tag:
         hi = prose.rfind("</answer>")
         lo = prose.rfind("<answer>", 0, max(hi, 0))
         if hi < 0 or lo < 0:
             return None
         lo += len("<answer>")
-    # rfind from the end: a "\\boxed{}" spam of a megabyte is one backwards scan, not a parse of
-    # each.
+    # rfind: a megabyte of "\\boxed{}" spam is one backwards scan, not a parse of each box.
     at, name = max((prose.rfind(cmd, lo, hi), cmd) for cmd in ("\\boxed", "\\fbox"))
     if at < 0:
         return None
@@ -229,7 +219,7 @@ _FRACTIONS = [
 
 def _as_number(s):
     """(value, exact) for a normalised integer, decimal or integer fraction, else None. exact is
-    False for decimals, which math-verify rounds (_far_apart)."""
+    False for decimals, which math-verify rounds (far_apart)."""
     if re.fullmatch(r"-?\d+", s):
         return Fraction(int(s)), True
     if re.fullmatch(r"-?\d*\.\d+", s):
@@ -275,7 +265,7 @@ def _differ_by_value(pred, gold):
     spelling."""
     p_value, g_value = _value(pred), _value(gold)
     if p_value and g_value:
-        return _far_apart(complex(*p_value), complex(*g_value))
+        return far_apart(complex(*p_value), complex(*g_value))
     return bool((p_value and _VALUES.get(gold) == COLLECTION)
                 or (g_value and _VALUES.get(pred) == COLLECTION))
 
@@ -297,29 +287,30 @@ def fast_equivalent(pred, gold):
     if p_num[0] == g_num[0]:
         return True
     exact = p_num[1] and g_num[1]
-    return False if exact or _far_apart(p_num[0], g_num[0]) else None
+    return False if exact or far_apart(p_num[0], g_num[0]) else None
 
 
 # -----------------------------------------------------------------------------
-# The slow path: math-verify in the worker pool, a hard deadline per check
+# The slow path: math-verify in the worker pool, a CPU-time budget per check
 
 
 def _slow_path(pairs, timeout_s):
-    """Verdicts for the (pred, gold) pairs the fast path left open, in the worker pool. 1. Each
-    distinct answer not known yet is evaluated once (math-verify's parse, then sympy's evalf), with
-    half of timeout_s: parsing is most of what a verify costs. 2. Pairs whose values differ
+    """(verdicts, unfinished) for the (pred, gold) pairs the fast path left open. 1. Each distinct
+    answer not known yet is evaluated once (math-verify's parse, then sympy's evalf), with half of
+    timeout_s: parsing is most of what a verify costs. 2. Pairs whose values differ
     (_differ_by_value) are False. 3. The rest get math-verify's verify with what step 1 left of
-    timeout_s: no pair gets more than timeout_s of worker time in all. Nothing is True without
+    timeout_s: no pair gets more than timeout_s of worker CPU time in all. Nothing is True without
     verify."""
     # Worth evaluating: every answer not known yet, except "%" answers, which have two readings.
     unknown = sorted({s for pair in pairs for s in pair
                       if s not in _VALUES and _value(s) is None and "%" not in s})
-    values, seconds = _run_in_pool([("value", s) for s in unknown], [timeout_s / 2] * len(unknown))
-    spent = dict(zip(unknown, seconds))
+    values, seconds, cut = run_in_pool([("value", s) for s in unknown],
+                                       [timeout_s / 2] * len(unknown))
+    spent, cut = dict(zip(unknown, seconds)), {s for s, c in zip(unknown, cut) if c}
     if len(_VALUES) > 100_000:
         _VALUES.clear()
-    # Only finished evaluations are remembered: under load a fine answer may miss its deadline once.
     _VALUES.update((s, v) for s, v, t in zip(unknown, values, seconds) if t != float("inf"))
+    unfinished = {(pred, gold) for pred, gold in pairs if pred in cut or gold in cut}
     verdicts, to_verify, budgets = {}, [], []
     for pred, gold in pairs:
         budget = timeout_s - spent.get(pred, 0.0) - spent.get(gold, 0.0)
@@ -328,11 +319,10 @@ def _slow_path(pairs, timeout_s):
         else:
             to_verify.append((pred, gold))
             budgets.append(budget)
-    # On the MATH-500 labeled set 145 of the 371 open pairs get this far (bench/reward.py prints
-    # counts).
-    results, _ = _run_in_pool([("verify", *pair) for pair in to_verify], budgets)
+    results, _, cut = run_in_pool([("verify", *pair) for pair in to_verify], budgets)
     verdicts.update(zip(to_verify, map(bool, results)))
-    return [verdicts[pair] for pair in pairs]
+    unfinished.update(pair for pair, c in zip(to_verify, cut) if c)
+    return [verdicts[pair] for pair in pairs], [pair in unfinished for pair in pairs]
 
 
 # -----------------------------------------------------------------------------
@@ -362,7 +352,7 @@ def _check_gold(gold, where):
 def is_equivalent(pred, gold, timeout_s=DEFAULT_TIMEOUT_S):
     """Is the answer `pred` the same as `gold`? Both are answers, not responses ("\\frac12", "0.5").
 
-    Returns within about timeout_s (plus a worker's startup on the first call) whatever pred is.
+    Takes at most about timeout_s of worker CPU (and a worker's startup on the first call).
     None, empty or over-long preds are False. A boxed pred or gold is unboxed first.
     """
     gold = _check_gold(gold, "is_equivalent")
@@ -377,18 +367,21 @@ def is_equivalent(pred, gold, timeout_s=DEFAULT_TIMEOUT_S):
     verdict = fast_equivalent(pred, gold)
     if verdict is not None:
         return verdict
-    return _slow_path([(pred.strip(), gold)], timeout_s)[0]
+    return _slow_path([(pred.strip(), gold)], timeout_s)[0][0]
 
 
 def score_batch(responses, golds, finished=True, require_answer_tag=False,
                 timeout_s=DEFAULT_TIMEOUT_S):
-    """Rewards (0.0 / 1.0) for decoded responses against their gold answers, in order.
+    """grade_batch's rewards: 0.0 / 1.0 per decoded response against its gold, in order."""
+    return grade_batch(responses, golds, finished, require_answer_tag, timeout_s)[0]
 
-    finished: one bool for all, or one per response; False (no end of turn: truncated) scores 0
-              (§4.3.1).
-    The fast path runs here; the rest is deduplicated (a group's 2G rollouts often agree) and
-    verified in parallel by the worker pool, each pair under its own hard timeout_s.
-    """
+
+def grade_batch(responses, golds, finished=True, require_answer_tag=False,
+                timeout_s=DEFAULT_TIMEOUT_S):
+    """(rewards, unfinished). finished: one bool for all, or one per response; False (truncated)
+    scores 0 (§4.3.1). The fast path runs here; the rest is deduplicated (a group's 2G rollouts
+    often agree) and verified by the worker pool. unfinished[i]: no verdict (a worker stuck or
+    starved past its backstop): 0, yet not wrong."""
     responses, golds = list(responses), list(golds)
     if len(responses) != len(golds):
         raise ValueError(f"score_batch: {len(responses)} responses but {len(golds)} golds")
@@ -398,7 +391,7 @@ def score_batch(responses, golds, finished=True, require_answer_tag=False,
     if len(finished) != len(responses):
         raise ValueError(f"score_batch: {len(responses)} responses but {len(finished)} finished "
                          "flags")
-    rewards = [0.0] * len(responses)
+    rewards, unfinished = [0.0] * len(responses), [False] * len(responses)
     undecided = {}  # (pred, gold) -> indices waiting for math-verify
     for i, (response, gold, done) in enumerate(zip(responses, golds, finished)):
         if not isinstance(response, str):
@@ -418,10 +411,10 @@ def score_batch(responses, golds, finished=True, require_answer_tag=False,
         elif verdict:
             rewards[i] = 1.0
     pairs = list(undecided)
-    for pair, verdict in zip(pairs, _slow_path(pairs, timeout_s)):
+    for pair, verdict, cut in zip(pairs, *_slow_path(pairs, timeout_s)):
         for i in undecided[pair]:
-            rewards[i] = float(verdict)
-    return rewards
+            rewards[i], unfinished[i] = float(verdict), cut
+    return rewards, unfinished
 
 
 def compute_reward(response, gold, finished=True, require_answer_tag=False,

@@ -52,14 +52,14 @@ from grpo_roc import (ADVANTAGE_SCALINGS, LOSS_AGGREGATIONS, POSITIVE_RULES, RAT
                       group_advantages, loss_weights, policy_loss, roc_penalty,
                       rollout_correction, rollouts_per_prompt, select_group)
 from reward import extract_answer, score_batch
-from rollout import RolloutConfig, generate
+from rollout import RolloutConfig, Rollouts, generate
 from machinery import checkpoint, metrics, plan, run_dir
 from machinery.config import ConfigError, load_config, require_at_least, resolve
 from machinery.data import drop_long_prompts, prompt_indices
 from machinery.distributed import (balance_by_tokens, compute_dtype, cpu_threads,
                                    free_cached_memory, full_weights, global_metrics,
                                    init_distributed, own_groups)
-from machinery.engine import Engine, configure_vllm_logging
+from machinery.engine import Engine, configure_vllm_logging, leads_its_engine
 from machinery.exits import (close_progress_bars, exit_status, interrupted, is_main_rank,
                              stop_on_signals, training_interrupted)
 from machinery.model import save_hf_model
@@ -81,6 +81,7 @@ class RLConfig:
     plan_model_config: str = ""   # mode=plan: the model's config.json when `model` is not on disk
     seed: int = 0
     world_size: int = 0           # ranks this config was written for (0 = any), checked at start
+    collective_timeout_min: int = 120  # a rank waits this long at a collective for the slowest
     # the method (§2.2.3, §4.3)
     algorithm: Literal["roc", "grpo"] = "roc"  # roc: 2G sampled, RoC keeps G; grpo: G, all kept
     group_size: int = 16          # G, rollouts per prompt that are trained on
@@ -544,8 +545,8 @@ def train(cfg):
     return row
 
 
-def start_executor(rollout_cfg):
-    if not rollout_cfg.use_tool:
+def start_executor(rollout_cfg, rank):
+    if not rollout_cfg.use_tool or not leads_its_engine(rank, rollout_cfg.tensor_parallel_size):
         return None
     return Executor(workers=rollout_cfg.tool_workers or None, timeout_s=rollout_cfg.tool_timeout_s,
                     memory_mb=rollout_cfg.tool_memory_mb)
@@ -573,10 +574,11 @@ def start_run(cfg):
     if rank == 0:
         print(checkpoint.epoch_plan(cfg, len(run.problems), run.state["step"])[1], flush=True)
     run.logger = metrics.MetricsLogger(run.out_dir, enabled=rank == 0,
-                                   wandb_project=cfg.wandb_project, tensorboard=cfg.tensorboard,
-                                   config=dataclasses.asdict(cfg), resume_step=run.state["step"])
+                                       wandb_project=cfg.wandb_project,
+                                       tensorboard=cfg.tensorboard, config=dataclasses.asdict(cfg),
+                                       resume_step=run.state["step"])
     run.engine = Engine(model_path, cfg.rollout, seed=cfg.seed)
-    run.executor = start_executor(cfg.rollout)
+    run.executor = start_executor(cfg.rollout, rank)
     run.tool = metrics.TimedExecutor(run.executor) if run.executor else None
     dtype = cfg.rollout.dtype  # the engine's: the weights are cast to it before they are gathered
     run.weight_dtype = (getattr(torch, dtype) if dtype in ("float32", "bfloat16", "float16")
@@ -618,7 +620,7 @@ if __name__ == "__main__":
         configure_vllm_logging(config.verbose)
         if config.mode == "plan" or plan_args:  # no process group, no model: the config's world
             plan.print_plan(config, config.world_size or int(os.environ.get("WORLD_SIZE", "1")),
-                            plan_args)
+                            Rollouts, plan_args)
         else:
             train(config)
     except ConfigError as e:

@@ -18,7 +18,7 @@ trajectories keep decoding, and the continuation re-enters the engine as soon as
 back (§3.2). At most K trajectories are in flight per engine, K from the free KV cache; prompts
 are claimed from a counter shared by all ranks, so a rank that finishes early takes more work.
 
-How it differs from the release: docs/design.md (Rollouts); its baselines: bench/rollout.py.
+Differences from the release: docs/design.md (Rollouts); baselines: bench/rollout.py, bench/tail.py.
 """
 import dataclasses
 import hashlib
@@ -27,7 +27,7 @@ import queue
 import re
 
 from machinery.config import resolve
-from machinery.distributed import _claim_counter
+from machinery.distributed import _claim_counter, regroup
 from machinery.prompts import (AUTO_VARIANT, format_paths, load_format, PROMPT_VARIANTS,
                                render_prompt, render_tool_turn)
 from machinery.sandbox import truncate_middle
@@ -59,8 +59,7 @@ class RolloutConfig:
     tool_workers: int = 0         # 0 = the executor's default
     tool_memory_mb: int = 1024
     # engine (vLLM, machinery/engine.py)
-    dtype: str = "auto"           # the checkpoint's; float32 on CPU for exact log-probs
-                                  # (docs/design.md, the CPU stack)
+    dtype: str = "auto"           # the checkpoint's; CPU: float32, exact log-probs (docs/design.md)
     gpu_memory_utilization: float = 0.5  # GPU: vLLM's share of GPU memory (colocated training)
     cpu_kv_cache_gb: float = 0.0  # CPU: KV cache GiB; 0 = what K trajectories of context_len need
     tensor_parallel_size: int = 1
@@ -159,13 +158,9 @@ TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
 def parse_tool_call(turn_text, tool_name):
-    """The Hermes-style call in one assistant turn -> {"code", "stdin"}, or None without a call.
-
-    Malformed calls raise ToolCallError in the released code's wording
-    (tests/reference/tool_io_format.txt §2): they go back to the model as its tool response and
-    count as tool errors of kind "parse" (§2.1: "the error message is wrapped in <tool_response>
-    tags and returned to the model"). A turn that reaches </tool_call> made a call, even without
-    the opening tag. Only the first call runs (verl's max_parallel_calls = 1)."""
+    """The Hermes-style call in one assistant turn -> {"code", "stdin"}, or None without a call. A
+    malformed one raises ToolCallError in the release's words (tests/reference/tool_io_format.txt
+    §2), the model's tool response, a "parse" tool error (§2.1). Only the first call runs."""
     match = TOOL_CALL_RE.search(turn_text)
     if match is None:
         if "</tool_call>" in turn_text:
@@ -204,9 +199,8 @@ ANSWER_PAIR_RE = re.compile(r"<answer>.*?</answer>", re.DOTALL)
 
 
 def count_answer_tags(model_text):
-    """Closed <answer>...</answer> pairs in model-written text (a tool's "<answer>" must not
-    count), for p_format (Eq. 5); 0 when the tags do not balance, scored as no answer, as in the
-    release (calc_format_penalty_weights)."""
+    """Closed <answer>...</answer> pairs in model-written text, for p_format (Eq. 5); 0 when the
+    tags do not balance, as in the release (calc_format_penalty_weights)."""
     pairs = len(ANSWER_PAIR_RE.findall(model_text))
     if model_text.count("<answer>") != pairs or model_text.count("</answer>") != pairs:
         return 0
@@ -218,9 +212,8 @@ def count_answer_tags(model_text):
 
 
 def request_seed(seed, step, problem_index, sample_index, turn):
-    """The sampling seed of one engine request: vLLM gives a seeded request its own generator, so a
-    rerun of a step draws the same tokens whichever rank, batch or order it lands in (bit-exact
-    on CPU in fp32)."""
+    """The seed of one engine request (its own generator in vLLM): a rerun of a step draws the same
+    tokens whichever rank, batch or order it lands in (bit-exact on CPU in fp32)."""
     key = f"{seed}/{step}/{problem_index}/{sample_index}/{turn}".encode()
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1  # non-negative int64
 
@@ -228,10 +221,10 @@ def request_seed(seed, step, problem_index, sample_index, turn):
 _generate_calls = 0
 
 
-class _Rollouts:
-    """One generate() call's trajectories. Each is in exactly one of waiting, running and tooling
-    until it ends; running and tooling count towards K: one waiting on its tool holds no KV cache
-    now, but its continuation will need room for its whole context again."""
+class Rollouts:
+    """One generate() call's trajectories, each in one of waiting, running and tooling until it
+    ends; tooling counts towards K too: its continuation needs room for its whole context again."""
+    parts = 0  # the parts a group is claimed in; 0: one per sample if n > K, else 1
 
     def __init__(self, engine, executor, tokenizer, texts, n, cfg, seed, step, claim):
         self.engine, self.executor, self.tokenizer, self.cfg = engine, executor, tokenizer, cfg
@@ -243,8 +236,7 @@ class _Rollouts:
             raise ValueError("the tokenizer has no single </tool_call> token; "
                              "the loop stops a turn on that token id")
         self.stop_ids = sorted(self.end_of_turn | ({self.call_end} if cfg.use_tool else set()))
-        # Closes a tool-call turn, unsampled (loss_mask 0): the turn stopped at </tool_call>
-        # (docs/design.md, Rollouts).
+        # Closes a tool-call turn that stopped at </tool_call>, unsampled (docs/design.md, Rollouts)
         self.close_turn = tokenizer.encode("<|im_end|>", add_special_tokens=False)
         self.waiting = []       # trajectories claimed, not yet in the engine
         self.running = {}       # request id -> trajectory in the engine
@@ -257,32 +249,38 @@ class _Rollouts:
         return len(self.running) + len(self.tooling)
 
     def capacity(self):
-        # K from the KV cache, every trajectory at its full budget: none is ever preempted (§3.2).
-        return min(self.engine.max_concurrency(), self.cfg.max_concurrency or float("inf"))
+        return capacity(self.engine, self.cfg)
 
     def admit(self):
-        # A rank claims a problem only when it has room for it, so a slow rank never hoards prompts
-        # it cannot start. A problem's n samples stay together on the claiming rank: GRPO-RoC
-        # selects within the group (§2.2.3).
-        while self.in_flight() < self.capacity():
-            if not self.waiting:
-                if self.exhausted:
-                    return
-                index = self.claim()
-                if index >= len(self.texts):
-                    self.exhausted = True
-                    return
-                prompt = render_prompt(self.tokenizer, self.texts[index], self.cfg)
-                if len(prompt) > self.cfg.max_prompt_tokens:
-                    raise ValueError(f"problem {index}: the prompt is {len(prompt)} tokens, more "
-                                     f"than rollout.max_prompt_tokens={self.cfg.max_prompt_tokens}")
-                self.groups[index] = [Trajectory(index, i, prompt) for i in range(self.n)]
-                self.waiting.extend(self.groups[index])
-            self.next_turn(self.waiting.pop(0))
+        # A rank claims work only when it has room for it, so a slow rank never hoards prompts it
+        # cannot start (machinery/tail.py simulates this rule at scale).
+        while self.in_flight() < self.capacity() and (self.waiting or not self.exhausted):
+            self.waiting = self.waiting or self.claim_group()
+            if self.waiting:
+                self.next_turn(self.waiting.pop(0))
+
+    def claim_group(self):
+        # n samples stay together (GRPO-RoC selects in a group, §2.2.3); if n > K, each is claimed
+        # alone and generate regroups them: else the last claimer runs ceil(n / K) waves alone
+        parts = self.parts or (self.n if self.n > capacity(self.engine, self.cfg) else 1)
+        size = -(-self.n // parts)
+        index, part = divmod(self.claim(), parts)
+        self.exhausted = index >= len(self.texts)
+        if self.exhausted:
+            return []
+        claimed = self.new_trajectories(index, range(part * size, min(self.n, part * size + size)))
+        self.groups.setdefault(index, []).extend(claimed)
+        return claimed
+
+    def new_trajectories(self, index, samples):
+        prompt = render_prompt(self.tokenizer, self.texts[index], self.cfg)
+        if len(prompt) > self.cfg.max_prompt_tokens:
+            raise ValueError(f"problem {index}: the prompt is {len(prompt)} tokens, more "
+                             f"than rollout.max_prompt_tokens={self.cfg.max_prompt_tokens}")
+        return [Trajectory(index, i, prompt) for i in samples]
 
     def next_turn(self, traj):
-        # One engine request per assistant turn. Its seed depends on the turn too, so a
-        # continuation does not replay the random draws of the turn before it.
+        # One request per assistant turn, seeded per turn: a continuation draws afresh.
         turn = traj.num_turns
         request_id = f"{self.step}-{traj.problem_index}-{traj.sample_index}-{turn}"
         self.running[request_id] = traj
@@ -294,8 +292,8 @@ class _Rollouts:
                         temperature=self.cfg.temperature, top_p=self.cfg.top_p)
 
     def end(self, traj, reason):
-        # Only a trajectory whose last turn ended by itself is "finished" (answered or not); the
-        # rest are truncated and score 0 (§4.3.1: kept with reward 0, as DAPO's overlong filter).
+        # Finished: the last turn ended by itself, answered or not; the rest are truncated and
+        # score 0 (§4.3.1).
         traj.finished = reason == "end_of_turn"
         traj.truncated = not traj.finished
         traj.stop_reason = reason
@@ -307,8 +305,7 @@ class _Rollouts:
         traj.loss_mask += [1] * len(token_ids)
         traj.logprobs += logprobs
         traj.num_turns += 1
-        # Special tokens kept: the parser needs to see </tool_call>. Only this text counts for
-        # answer tags (Eq. 5).
+        # Special tokens kept: the parser needs </tool_call>; only this text has answer tags (Eq. 5)
         turn_text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
         traj.model_text += turn_text
         last = token_ids[-1] if token_ids else None
@@ -362,9 +359,8 @@ class _Rollouts:
             self.turn_ended(self.running.pop(request_id), token_ids, logprobs)
 
     def run(self):
-        """The event loop -> [[n Trajectory] per problem] in problem order. One engine step decodes
-        one token for every running request; a result that arrives meanwhile waits at most one
-        step before its continuation is in the engine. No thread touches vLLM but this one."""
+        """The event loop -> this rank's trajectories per problem, in problem order. A tool result
+        waits at most one engine step for its continuation; no thread touches vLLM but this one."""
         self.admit()
         while self.in_flight() or self.waiting or not self.exhausted:
             if self.engine.has_unfinished():
@@ -379,25 +375,31 @@ class _Rollouts:
 
 
 def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0):
-    """Roll out n trajectories for each problem this rank claims. Collective: every rank passes the
-    same `problems` (texts or rows with a "problem"); each is rolled out by one rank. -> this
-    rank's [[n Trajectory] per problem] in problem order."""
+    """Roll out n trajectories for each problem. Collective: every rank passes the same `problems`
+    (texts or rows with a "problem"), claims them (or parts of their groups) from one counter, and
+    -> its [[n Trajectory] per problem] in problem order: each group whole on one rank."""
     global _generate_calls
 
     if n < 1:
         raise ValueError(f"generate: n must be >= 1, got {n}")
-    if cfg.use_tool and executor is None:
-        raise ValueError("generate: rollout.use_tool is on but no executor was given")
     texts = [p["problem"] if isinstance(p, dict) else p for p in problems]
+    if cfg.use_tool and executor is None and engine.is_leader:
+        raise ValueError("generate: rollout.use_tool is on but no executor was given")
     _generate_calls += 1
     claim = _claim_counter(f"rollout/{_generate_calls}/step{step}")
     budget = cfg.max_prompt_tokens + cfg.max_response_tokens
     if budget > engine.cfg.context_len:
         raise ValueError(f"generate: max_prompt_tokens + max_response_tokens = {budget}"
                          f" exceeds the engine's max_model_len {engine.cfg.context_len}")
-    if not engine.is_leader:  # tensor parallel: this rank replays its group leader's engine calls
+    groups = []
+    if engine.is_leader:
+        groups = Rollouts(engine, executor, tokenizer, texts, n, cfg, seed, step, claim).run()
+        engine.stop_followers()
+    else:  # tensor parallel: this rank replays its group leader's engine calls
         engine.follow()
-        return []
-    groups = _Rollouts(engine, executor, tokenizer, texts, n, cfg, seed, step, claim).run()
-    engine.stop_followers()
-    return groups
+    return regroup(groups) if n > capacity(engine, cfg) else groups
+
+
+def capacity(engine, cfg):
+    # K from the KV cache, every trajectory at its full budget: none is ever preempted (§3.2).
+    return min(engine.max_concurrency(), cfg.max_concurrency or float("inf"))

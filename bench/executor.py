@@ -18,7 +18,7 @@ import threading
 import time
 
 from machinery.config import load_config
-from machinery.sandbox import SANDBOX_UID_BASE, STRETCH_CAP
+from machinery.sandbox import SANDBOX_UID_BASE
 from executor import Executor
 
 
@@ -304,12 +304,12 @@ def bench(cfg):
     # composition)
     scaled = lambda calls, n: (calls * (1 + n // len(calls)))[:max(1, round(n * cfg.scale))]
     def naive(code, stdin):
-        # the same bound as the executor's worst case (its clock stretches while a call waits for a
-        # CPU): on a loaded machine `import sympy` alone passes 4 s, and a tool that fails it is not
-        # faster
+        # 3 x timeout_s, as the executor's clock stretches while a call waits for a CPU (up to
+        # STRETCH_CAP x, which would let the mix's endless loops run 80 s here): on a loaded machine
+        # `import sympy` alone passes 4 s, and a tool that fails it is not faster
         try:
             subprocess.run([sys.executable, "-c", code], input=stdin.encode(), capture_output=True,
-                           timeout=STRETCH_CAP * cfg.timeout_s)
+                           timeout=3 * cfg.timeout_s)
         except subprocess.TimeoutExpired:
             return "timeout"
     def report(label, rate, latencies, finished):

@@ -26,7 +26,7 @@ from machinery.config import load_config
 from machinery.data import load_problems
 from reward import (DEFAULT_TIMEOUT_S, _differ_by_value, _VALUES, extract_answer, fast_equivalent,
                     normalize_answer, score_batch)
-from machinery.verifier import _run_in_pool, default_num_workers, shutdown_pool, start_pool
+from machinery.verifier import default_num_workers, run_in_pool, shutdown_pool, start_pool
 
 
 def math500_labeled_set(path="data/math500.jsonl", negatives_per_problem=2, seed=0):
@@ -92,7 +92,7 @@ def _fresh_pool(workers):
                if not r["answer"].isdigit()][:40]
     tasks = ([("value", a) for a in answers]
              + [("verify", a, b) for a, b in zip(answers, answers[1:])])
-    _run_in_pool(tasks, [10.0] * len(tasks))
+    run_in_pool(tasks, [10.0] * len(tasks))
     _VALUES.clear()
     normalize_answer.cache_clear()
     return pool
@@ -211,12 +211,12 @@ def audit_fast_path(answers, workers=None, timeout_s=10.0):
     """
     answers = sorted(set(answers))
     start_pool(workers)
-    values, _ = _run_in_pool([("value", a) for a in answers], [timeout_s] * len(answers))
+    values, _, _ = run_in_pool([("value", a) for a in answers], [timeout_s] * len(answers))
     _VALUES.update(zip(answers, values))
     decided = [(pred, gold, verdict) for pred in answers for gold in answers if pred != gold
                for verdict in [_decided_without_verify(pred, gold)] if verdict is not None]
-    checks, _ = _run_in_pool([("verify", pred, gold) for pred, gold, _ in decided],
-                             [timeout_s] * len(decided))
+    checks, _, _ = run_in_pool([("verify", pred, gold) for pred, gold, _ in decided],
+                                [timeout_s] * len(decided))
     return len(decided), [(p, g, v) for (p, g, v), check in zip(decided, checks) if v != check]
 
 

@@ -110,7 +110,7 @@ class Counters:
 
 class WaitTimedQueue:
     """The loop's queue of finished tool calls, timing get(): the loop calls it while the queue is
-    empty only when nothing is left to decode (rollout._Rollouts.run)."""
+    empty only when nothing is left to decode (rollout.Rollouts.run)."""
 
     def __init__(self, inner, counters):
         self.inner, self.counters = inner, counters
@@ -129,14 +129,14 @@ class WaitTimedQueue:
 
 
 def time_tool_waits(counters):
-    """rollout._Rollouts with its result queue timed, for as long as the bench runs."""
+    """rollout.Rollouts with its result queue timed, for as long as the bench runs."""
 
-    class TimedRollouts(rollout._Rollouts):
+    class TimedRollouts(rollout.Rollouts):
         def __init__(self, *args):
             super().__init__(*args)
             self.results = WaitTimedQueue(self.results, counters)
 
-    rollout._Rollouts = TimedRollouts
+    rollout.Rollouts = TimedRollouts
 
 
 # -----------------------------------------------------------------------------
@@ -225,7 +225,7 @@ def bench(bench_cfg, cfg):
     mode and step (tools/gpu_check.py writes them out)."""
     run = rl.start_run(cfg)
     counters = Counters(run.engine)
-    loop, roll_out = rollout._Rollouts, rl.roll_out
+    loop, roll_out = rollout.Rollouts, rl.roll_out
     time_tool_waits(counters)
     measured, trained, rows_out = [], [], []
     other = -1
@@ -256,7 +256,7 @@ def bench(bench_cfg, cfg):
                 rows_out.append(dict(mode=f"plain LLM.generate, {other} threads", step=step,
                                      **plains[other]))
     finally:
-        rl.roll_out, rollout._Rollouts = roll_out, loop
+        rl.roll_out, rollout.Rollouts = roll_out, loop
         counters.close()
     print_table(rows_out, cfg)
     if run.executor:

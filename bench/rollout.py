@@ -30,7 +30,7 @@ import torch
 from transformers import AutoTokenizer
 
 from executor import Executor
-from rollout import _Rollouts, generate, RolloutConfig
+from rollout import Rollouts, generate, RolloutConfig
 from machinery.engine import configure_vllm_logging, Engine
 from machinery.prompts import load_format, render_prompt
 from machinery.config import load_config
@@ -74,7 +74,7 @@ class BenchConfig:
 # the baselines: rollout.py's loop with a per-turn barrier, and with K at the mean length
 
 
-class BarrierRollouts(_Rollouts):
+class BarrierRollouts(Rollouts):
     """The loop with a per-turn barrier, as VERL v0.2 rolls out (§3.2): the turn ends for every
     trajectory, then all their tool calls run, the slowest is waited for, and all next turns start
     together."""
@@ -116,7 +116,7 @@ class BarrierRollouts(_Rollouts):
         return [self.groups[i] for i in sorted(self.groups)]
 
 
-class RecordedRollouts(_Rollouts):
+class RecordedRollouts(Rollouts):
     """rollout.py's loop, adding each trajectory it ends to the engine's length history
     (engine.finished_trajectories and finished_trajectory_tokens, started by start_engine)."""
 

@@ -62,17 +62,22 @@ def seconds(run):
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def main(cfg):
-    load = os.getloadavg()
-    torch.set_num_threads(cfg.threads)
-    init_distributed()
+def tiny_model(cfg):
+    """Random weights (seed 0) of configs/tiny.yaml's model shape, fp32, and its AdamW."""
     t = TinyConfig()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(Qwen3Config(
         vocab_size=cfg.vocab, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
         num_hidden_layers=t.num_hidden_layers, num_attention_heads=t.num_attention_heads,
         num_key_value_heads=t.num_key_value_heads, head_dim=t.head_dim), dtype=torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-9)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-9)
+
+
+def main(cfg):
+    load = os.getloadavg()
+    torch.set_num_threads(cfg.threads)
+    init_distributed()
+    model, optimizer = tiny_model(cfg)
     rl_cfg = load_config(rl.RLConfig, ["configs/tiny.yaml"])
     samples = batch(cfg, random.Random(0))
 

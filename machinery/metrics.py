@@ -106,11 +106,13 @@ def pass_at_k(n, c, k):
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def trajectory_record(t, correct, answer):
+def trajectory_record(t, correct, answer, ungraded=False):
     """The numbers of one graded trajectory that eval.py writes per sample and both eval.py and
     rl.py's held-out evaluation average (sample_metrics); small fields only, in the order
-    samples.jsonl shows."""
-    return {"answer": answer, "correct": correct, "finished": t.finished, "truncated": t.truncated,
+    samples.jsonl shows. ungraded: the verifier reached no verdict (reward.grade_batch's
+    unfinished), so correct=False is not a wrong answer."""
+    return {"answer": answer, "correct": correct, "ungraded": ungraded, "finished": t.finished,
+            "truncated": t.truncated,
             "stop_reason": t.stop_reason, "response_tokens": len(t.response_ids),
             "model_tokens": t.num_model_tokens, "num_turns": t.num_turns,
             "num_tool_calls": t.num_tool_calls, "num_tool_errors": t.num_tool_errors,
@@ -144,6 +146,9 @@ def sample_metrics(samples):
     # that it is wrong; the stage-1 "clip ratio" (about 10%, §4.3) is this number during training.
     metrics["answer_rate"] = statistics.fmean(r["answer"] is not None for r in samples)
     metrics["truncated_rate"] = statistics.fmean(bool(r["truncated"]) for r in samples)
+    # A count, not a rate: any at all means the grading, not the model, moved the accuracy. Samples
+    # written before the field existed have none.
+    metrics["ungraded"] = sum(bool(r.get("ungraded")) for r in samples)
     metrics["turns"] = statistics.fmean(r["num_turns"] for r in samples)
     return metrics
 
@@ -196,6 +201,8 @@ def step_metrics(records, num_groups):
         "response_tokens_max": max((r["response_tokens"] for r in records), default=0),
         "model_tokens": mean("model_tokens"), "turns": mean("turns"),
         "truncation_ratio": mean("truncated"),
+        # trajectories the verifier reached no verdict on (reward 0, not wrong): see sample_metrics
+        "ungraded": sum(bool(r.get("ungraded")) for r in records),
     }
     out.update({f"tool_errors/{kind}": count for kind, count in sorted(by_kind.items())})
     return out

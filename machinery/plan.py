@@ -55,6 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from machinery.config import REPO, ConfigError, load_config
 from machinery.engine import kv_bytes_per_token, trajectories_that_fit
+from machinery.tail import rollout_tails
 
 GiB = 2**30
 # Memory as the driver reports it (torch.cuda.mem_get_info's total), not the marketing number.
@@ -485,15 +486,22 @@ def format_plan(cfg, m, world, config_path, gpus=GPUS):
     return "\n".join(lines)
 
 
-def print_plan(cfg, world, plan_args=()):
-    """rl.py mode=plan [plan_mfu=0.3 ...]: a step's memory and bytes, then its time under the stated
-    assumptions."""
+def print_plan(cfg, world, rollouts_class, plan_args=()):
+    """rl.py mode=plan [plan_mfu=0.3 ...]: a step's memory and bytes, its time under the stated
+    assumptions, then checkpoints, host RAM and the rollout tail (rollouts_class: rollout.py's
+    Rollouts, whose admission rule the tail simulates)."""
     assumptions = load_assumptions(cfg, plan_args)
+    tp = cfg.rollout.tensor_parallel_size
+    if world % tp or assumptions.plan_gpus_per_node % tp:
+        raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide the {world} ranks "
+                          f"and the {assumptions.plan_gpus_per_node} GPUs per node "
+                          "(plan_gpus_per_node): an engine would straddle two nodes")
     path = resolve_model_config(cfg)
     shape = ModelShape.from_config(path)
     print(format_plan(cfg, shape, world,
                       path.relative_to(REPO) if path.is_relative_to(REPO) else path))
     print(format_step_time(cfg, shape, world, assumptions))
+    print(format_cluster(cfg, shape, world, assumptions, rollouts_class))
 
 
 # -----------------------------------------------------------------------------
@@ -532,10 +540,12 @@ class PlanAssumptions:
     plan_response_tokens: int = 0
     # the step this run starts from (stage 2 continues stage 1's: 300)
     plan_start_step: int = 0
+    # GB/s the shared filesystem takes from all ranks writing a checkpoint together
+    plan_fs_write_gb_s: float = 5.0
 
     def validate(self):
         for name in ("plan_decode_tok_s", "plan_nvlink_gb_s", "plan_network_gb_s",
-                     "plan_gpus_per_node"):
+                     "plan_gpus_per_node", "plan_fs_write_gb_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be > 0")
         if not 0 < self.plan_mfu <= 1:
@@ -584,9 +594,10 @@ def step_time(cfg, m, world, a, gpus=GPUS):
     """Seconds of each term of one step on each GPU in `gpus` (a name of PEAK_BF16_FLOPS), and what
     they rest on.
 
-    rollout decode  n rollouts per rank of R response tokens, K at once (the KV budget, as
-                    rollout.py sizes it), each at plan_decode_tok_s; never less than the longest
-                    response alone (the last to finish);
+    rollout decode  n rollouts per engine (world / tensor_parallel_size engines) of R response
+                    tokens, K at once (the KV budget, as rollout.py sizes it), each at
+                    plan_decode_tok_s; never less than the longest response alone (the last to
+                    finish);
     training        FLOPs / (GPU peak x plan_mfu): 2 N T for the old log-probs (forward only;
                     only with mini_batches > 1: with one optimizer step the update's forward gives
                     them), 6 N T for the update, 2 N' T for what backward recomputes (the decoder
@@ -601,7 +612,8 @@ def step_time(cfg, m, world, a, gpus=GPUS):
     r = cfg.rollout
     prompt, response = (a.plan_prompt_tokens or r.max_prompt_tokens,
                         a.plan_response_tokens or r.max_response_tokens)
-    rollouts = math.ceil(cfg.prompts_per_step * cfg.rollouts_per_prompt / world)
+    engines = world // r.tensor_parallel_size  # a tensor-parallel group of ranks is one engine
+    rollouts = math.ceil(cfg.prompts_per_step * cfg.rollouts_per_prompt / engines)
     kept = math.ceil(cfg.prompts_per_step * cfg.group_size / world)
     micro_batches = math.ceil(kept / max(1, cfg.micro_batch_tokens // (prompt + response)))
     tokens = kept * (prompt + response)
@@ -622,7 +634,7 @@ def step_time(cfg, m, world, a, gpus=GPUS):
     fsdp_s = dict(all_gather=link_seconds(all_gather, world, a),
                   reduce_scatter=link_seconds(micro_batches * fsdp["reduce_scatter"], world, a))
     sync_bytes = bytes_moved(m, cfg, world)["weight_sync"]
-    out = dict(prompt=prompt, response=response, rollouts=rollouts, kept=kept,
+    out = dict(prompt=prompt, response=response, engines=engines, rollouts=rollouts, kept=kept,
                micro_batches=micro_batches, tokens=tokens, multiply=multiply,
                recomputed=recomputed, flops=flops, all_gather_bytes=all_gather,
                reduce_scatter_bytes=micro_batches * fsdp["reduce_scatter"], fsdp_s=fsdp_s,
@@ -634,7 +646,7 @@ def step_time(cfg, m, world, a, gpus=GPUS):
         kv_read = (running * kv_bytes_per_token(m.layers, m.kv_heads, m.head_dim, 2,
                                                 r.tensor_parallel_size)
                    * (prompt + response / 2))
-        t = dict(K=k, decode_tok_s_gpu=running * a.plan_decode_tok_s,
+        t = dict(K=k, decode_tok_s_engine=running * a.plan_decode_tok_s,
                  roofline_tok_s=HBM_BYTES_PER_S[name] / (engine["weights"] + kv_read),
                  decode=(max(rollouts * response / running, r.max_response_tokens)
                          / a.plan_decode_tok_s if running else math.inf),
@@ -671,25 +683,29 @@ def format_step_time(cfg, m, world, a, gpus=GPUS):
              "plan_response_tokens": f"mean response tokens; 0 = max_response_tokens, the worst "
                                      f"case (now {s['response']})",
              "plan_start_step": "the step this run starts from (continued from init_from: that "
-                                "checkpoint's step)"}
+                                "checkpoint's step)",
+             "plan_fs_write_gb_s": "GB/s the shared filesystem takes from all ranks writing a "
+                                   "checkpoint (assumed; measure it with the cluster's own tools)"}
     fsdp = s["fsdp_s"]
     steps = cfg.steps - a.plan_start_step
     lines = ["seconds per step (estimates from stated assumptions, none measured; override any as "
              "key=value):"]
     lines += [f"  {f.name + '=' + str(getattr(a, f.name)):28s}{notes[f.name]}"
               for f in dataclasses.fields(a)]
-    lines += [f"  per rank: n = {s['rollouts']} rollouts of R = {s['response']} response tokens; "
-              f"T = {s['kept']} kept x {s['prompt'] + s['response']} tokens = "
+    lines += [f"  per engine ({s['engines']} of tensor_parallel_size="
+              f"{cfg.rollout.tensor_parallel_size}): n = {s['rollouts']} rollouts of R = "
+              f"{s['response']} response tokens; per rank: T = {s['kept']} kept x "
+              f"{s['prompt'] + s['response']} tokens = "
               f"{s['tokens'] / 1e6:.2f}M trained in {s['micro_batches']} micro-batches; "
               f"N = {s['multiply'] / 1e9:.2f}B parameters that multiply (all but the input "
               f"embedding), N' = {s['recomputed'] / 1e9:.2f}B of them recomputed in backward",
               f"  {'':58s}" + "".join(f"{name:>12s}" for name in names),
               f"  {'GPU peak, dense bf16 TFLOPs (data sheets)':58s}"
               + "".join(f"{PEAK_BF16_FLOPS[name] / 1e12:12.0f}" for name in names),
-              row("decode tokens/s per GPU: min(K, n) x plan_decode_tok_s",
-                  lambda t: t["decode_tok_s_gpu"]),
+              row("decode tokens/s per engine: min(K, n) x plan_decode_tok_s",
+                  lambda t: t["decode_tok_s_engine"]),
               row("  HBM roofline tokens/s per sequence at that K", lambda t: t["roofline_tok_s"]),
-              row("rollout decode: n R / (min(K, n) x plan_decode_tok_s)", lambda t: t["decode"]),
+              row("rollout decode per engine: n R / (its tokens/s above)", lambda t: t["decode"]),
               row("old log-probs: 2 N T / (GPU peak x plan_mfu), mini_batches > 1 only",
                   lambda t: t["old_logprobs"]),
               row("update: 6 N T / (GPU peak x plan_mfu)", lambda t: t["update"]),
@@ -723,7 +739,102 @@ def format_step_time(cfg, m, world, a, gpus=GPUS):
             for peak, size in zip(peaks, gpus.values())))
     lines.append("Not counted: prefill (a prompt's 2G samples share its prefix cache), the tool "
                  "calls' wall time, engine sleep/wake, the optimizer step, checkpoints, "
-                 "evaluation, waiting for the slowest rank.")
+                 "evaluation, waiting for the slowest engine (below: the rollout tail).")
+    return "\n".join(lines)
+
+
+# -----------------------------------------------------------------------------
+# what a cluster run needs besides memory and step time: checkpoints, host RAM, the rollout tail
+
+def checkpoint_bytes(m, world):
+    """One checkpoint of machinery.checkpoint.save_checkpoint: DCP writes the fp32 master weights
+    and AdamW's two fp32 moments, 12 bytes a parameter, each rank its shard (FSDP2's ceil(dim0 /
+    world) rows: rank 0 holds the most). A tied embedding is written twice (the model's state dict
+    names it as lm_head too), its moments once. DCP adds about 2 KB per tensor, the trainer state
+    (step, RNG) a few KB per rank."""
+    tied = m.vocab * m.hidden if m.tied else 0
+    return dict(total=12 * m.numel() + 4 * tied,
+                per_rank=12 * sum(shard_numel(shape, world) for _, shape in m.tensors())
+                + (4 * shard_numel((m.vocab, m.hidden), world) if m.tied else 0))
+
+
+def rank0_host_bytes(m):
+    """Rank 0's host RAM for the model (machinery.model): at start it alone loads the whole model
+    in fp32 and broadcasts it (4 bytes a parameter); an HF export gathers the fp32 state dict to
+    rank 0's CPU and makes its bf16 copy beside it (4 + 2)."""
+    return dict(start=4 * m.numel(), export=6 * m.numel())
+
+
+def cluster_needs(cfg, m, world, a, rollouts_class, gpus=GPUS):
+    """The figures of format_cluster: checkpoint bytes, seconds and disk, rank 0's host RAM, and
+    per GPU the hours between checkpoints and the rollout phase and tail simulated with
+    `rollouts_class`'s admission rule (machinery.tail; rl.py passes rollout.Rollouts)."""
+    r, s = cfg.rollout, step_time(cfg, m, world, a, gpus)
+    ckpt = checkpoint_bytes(m, world)
+    engines_per_node = max(1, min(a.plan_gpus_per_node, world) // r.tensor_parallel_size)
+    per_gpu = {}
+    for name, t in s["gpus"].items():
+        k = min(t["K"], r.max_concurrency or t["K"])
+        tails = (rollout_tails(rollouts_class, s["engines"], k, cfg.prompts_per_step,
+                               cfg.rollouts_per_prompt, s["response"], a.plan_decode_tok_s,
+                               engines_per_node) if k > 0 else None)
+        longest = max(c["phase"] for c in tails.values()) if tails else math.inf
+        per_gpu[name] = dict(hours_between=cfg.save_every * t["step"] / 3600, tails=tails,
+                             longest=longest,
+                             within_timeout=longest <= 60 * cfg.collective_timeout_min)
+    return dict(step=s, checkpoint=ckpt, write_s=ckpt["total"] / (a.plan_fs_write_gb_s * 1e9),
+                disk=(cfg.keep_checkpoints + 1) * ckpt["total"], export=2 * m.numel(),
+                host=rank0_host_bytes(m), engines_per_node=engines_per_node, gpus=per_gpu)
+
+
+def format_cluster(cfg, m, world, a, rollouts_class, gpus=GPUS):
+    c = cluster_needs(cfg, m, world, a, rollouts_class, gpus)
+    ckpt, cols, r = c["checkpoint"], list(c["gpus"].values()), cfg.rollout
+    nodes = math.ceil(world / a.plan_gpus_per_node)
+
+    def row(label, value, fmt="12.1f"):
+        return f"  {label:58s}" + "".join(f"{value(t):{fmt}}" for t in cols)
+
+    def minutes(case, key):
+        return lambda t: t["tails"][case][key] / 60 if t["tails"] else math.inf
+
+    lines = [f"what a cluster run needs ({world} ranks = {nodes} node(s); {c['step']['engines']} "
+             f"engines of tensor_parallel_size={r.tensor_parallel_size}, "
+             f"{c['engines_per_node']} per node):",
+             f"  checkpoint (fp32 master weights + AdamW's two moments, 12 bytes x "
+             f"{m.numel() / 1e9:.2f}B): {ckpt['total'] / GiB:.2f} GiB in all, "
+             f"{ckpt['per_rank'] / GiB:.2f} GiB per rank",
+             f"  its write at plan_fs_write_gb_s={a.plan_fs_write_gb_s}: {c['write_s']:.0f} s, "
+             f"every save_every={cfg.save_every} steps",
+             f"  disk: keep_checkpoints={cfg.keep_checkpoints} + the one being written = "
+             f"{c['disk'] / GiB:.2f} GiB, plus {c['export'] / GiB:.2f} GiB per hf_step_N export "
+             "(bf16)",
+             f"  rank 0's host RAM: {c['host']['start'] / GiB:.2f} GiB at start (the whole model "
+             f"in fp32), {c['host']['export'] / GiB:.2f} GiB at an HF export (fp32 + its bf16 "
+             "copy)",
+             f"  {'':58s}" + "".join(f"{name:>12s}" for name in c["gpus"]),
+             row("hours of training between checkpoints (save_every x step)",
+                 lambda t: t["hours_between"], "12.2f"),
+             "  rollout phase, simulated with rollout.py's admission rule (machinery/tail.py), "
+             "minutes:"]
+    cases = {"full": f"every response at R = {c['step']['response']}",
+             "spread": "lengths U[0.2, 1] x R",
+             "slow node": "U[0.2, 1] x R, one node at half speed"}
+    for case, label in cases.items():
+        lines.append(row(f"  {label}: the slowest engine", minutes(case, "phase")))
+        lines.append(row("    the fastest engine's wait for it (the tail)", minutes(case, "tail")))
+        lines.append(row("    engines' time spent waiting, %",
+                         lambda t, case=case: 100 * t["tails"][case]["idle"] if t["tails"]
+                         else math.inf))
+    timeout = cfg.collective_timeout_min
+    lines.append(f"  {f'longest rollout phase within collective_timeout_min={timeout}':58s}"
+                 + "".join(f"{'ok' if t['within_timeout'] else 'NO':>12s}" for t in cols))
+    for name, t in c["gpus"].items():
+        if not t["within_timeout"]:
+            lines.append(f"WARNING: {name}: a rollout phase can take {t['longest'] / 60:.0f} "
+                         f"minutes, above collective_timeout_min={timeout}, the most a rank that "
+                         "ends its rollouts first could wait at the collective after them; set "
+                         f"collective_timeout_min={math.ceil(t['longest'] / 60 * 1.5)} or more")
     return "\n".join(lines)
 
 

@@ -156,7 +156,7 @@ def markdown_table(summary):
     maj = max(ks) if ks else 1
     header = (["benchmark", "problems", "n", "avg pass@1"] + [f"pass@{k}" for k in pass_columns]
               + [f"maj@{maj}", "response tokens", "tool calls/traj", "tool-error rate",
-                 "truncated"])
+                 "truncated", "ungraded"])
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for name, m in summary.items():
         row = [name, str(m["problems"]), str(m["n"]),
@@ -164,6 +164,6 @@ def markdown_table(summary):
         row += [percent(m.get(f"pass@{k}")) for k in pass_columns]
         row += [percent(m.get(f"maj@{maj}")), f"{m['response_tokens']:.0f}",
                 f"{m['tool_calls_per_trajectory']:.2f}", percent(m["tool_error_rate"]),
-                percent(m["truncated_rate"])]
+                percent(m["truncated_rate"]), str(m.get("ungraded", 0))]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)

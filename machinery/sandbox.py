@@ -63,8 +63,10 @@ EXIT_SETUP = 202                     # the child could not enter the sandbox: an
 STARTUP_TIMEOUT_S = 120.0
 
 
-# a call's deadline stretches by its CPU waits, to at most 3 x timeout_s
-STRETCH_CAP = 3
+# A call's deadline stretches by its CPU waits, to at most this x timeout_s of wall clock: the
+# backstop for a call starved to under 1/20 of a core (a 2-core node at load 40). Its CPU is bounded
+# apart: all of the call's processes together get timeout_s of CPU (_call_cpu_s).
+STRETCH_CAP = 20
 
 
 # the parent gives up on a worker silent for 3 x timeout_s + this
@@ -730,11 +732,20 @@ def _run_call(code, stdin, cfg, state):
             if runnable and run_ns == ran_ns:
                 stretched = max(stretched, now + 0.05)
             ran_ns = run_ns
-            stretched = min(stretched, start + STRETCH_CAP * cfg["timeout_s"])
-            if stretched > now + 0.001:
-                deadline = stretched
-            else:
+            # A snippet that spins beside children of its own waits on itself: whatever its waits,
+            # the call's processes together get timeout_s of CPU. With n cores they burn up to n
+            # CPU seconds a second, so look again before the rest of the budget can be spent.
+            cpu_left = cfg["timeout_s"] - (_call_cpu_s(state, pid) if own_proc else 0.0)
+            backstop = start + STRETCH_CAP * cfg["timeout_s"]
+            if stretched <= now + 0.001:
                 killed_for = "wall-clock limit"
+            elif cpu_left <= 0:
+                killed_for = "cpu-time limit"
+            elif now >= backstop:
+                killed_for = "wall-clock backstop"  # starved: it had time left
+            else:
+                deadline = min(stretched, backstop, now + max(0.05, cpu_left / state["cores"]))
+            if killed_for:
                 _signal_everything(state, pid)
         if returncode is not None and now >= drain_until:
             # a writer that will not die (uninterruptible I/O) still holds a pipe; stop waiting
@@ -760,6 +771,23 @@ def _cpu_times(pid):
         return run_ns, wait_ns, runnable
     except (OSError, ValueError, IndexError):   # gone, or no CONFIG_SCHED_INFO: plain wall clock
         return 0, 0, False
+
+
+def _call_cpu_s(state, pid):
+    """CPU seconds of the call so far: in a PID namespace, of every process in it but this worker
+    (PID 1), with the children each has reaped; without one, of the main process and its reaped
+    children."""
+    pids = ([p for p in os.listdir("/proc") if p.isdigit() and p != "1"]
+            if state["pid_namespace"] else [str(pid)])
+    ticks = 0
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            ticks += sum(int(x) for x in fields[11:15])  # utime, stime, cutime, cstime
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            pass
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _signal_everything(state, pid):
@@ -876,13 +904,13 @@ def _describe(returncode, killed_for, elapsed, out, err, cfg):
     none."""
     stdout, cut_out = out.text(cfg["max_output_chars"])
     stderr, cut_err = err.text(cfg["max_output_chars"])
-    if killed_for == "wall-clock limit":
+    if killed_for in ("wall-clock limit", "wall-clock backstop"):
         status, note = "timeout", (f"TimeoutError: the code ran longer than {cfg['timeout_s']:g} s "
                                    "and was killed")
     elif killed_for == "output limit":
         status, note = "error", ("OutputLimitError: the code wrote more than "
                                  f"{cfg['output_limit_mb']} MiB and was killed")
-    elif returncode == -signal.SIGXCPU:
+    elif killed_for == "cpu-time limit" or returncode == -signal.SIGXCPU:
         killed_for = "cpu-time limit"
         status, note = "timeout", ("TimeoutError: the code used more than its CPU time limit "
                                    "and was killed")
@@ -1037,7 +1065,8 @@ def _start_worker(cfg):
                (resource.RLIMIT_NOFILE, 256, 256),      # fd exhaustion stays in the child
                (resource.RLIMIT_CORE, 0, 0)]            # a segfault writes no core file
     state = dict(info, max_fd=resource.getrlimit(resource.RLIMIT_NOFILE)[0], rlimits=rlimits,
-                 interpreter=interpreter, single_threaded=len(os.listdir("/proc/self/task")) == 1)
+                 interpreter=interpreter, single_threaded=len(os.listdir("/proc/self/task")) == 1,
+                 cores=len(os.sched_getaffinity(0)))
     info["preloaded_mb"] = vm_bytes >> 20
     # the call's directory is always the same: its environment is set once, here
     if info["private_tmp"]:
@@ -1081,7 +1110,7 @@ def _processes_of_uid(uid):
 # this process's side: the worker handles
 
 
-class _WorkerGone(Exception):
+class WorkerGone(Exception):
     """The worker died, hung or sent garbage; it gets replaced. sent=False: before it had the
     call."""
     sent = True   # set to False by the code that raises it before the request was written
@@ -1115,7 +1144,7 @@ def _worker_env():
             "LD_BIND_NOW": "1"}
 
 
-class _WorkerProcess:
+class WorkerProcess:
     """One warm worker (light or heavy) and its two pipes. One thread at a time uses it, holding
     `lock`."""
 
@@ -1171,23 +1200,23 @@ class _WorkerProcess:
         if not self.ready:
             message = self._receive(time.monotonic() + STARTUP_TIMEOUT_S)
             if message.get("ready") is False and isinstance(message.get("error"), str):
-                # not _WorkerGone: a restart would fail the same way; this is the caller's to see
+                # not WorkerGone: a restart would fail the same way; this is the caller's to see
                 # and fix
                 raise RuntimeError(f"Executor: the {self.kind} worker could not set up its "
                                    f"sandbox: {message['error']}")
             if message.get("ready") is not True or not isinstance(message.get("isolation"), dict):
-                raise _WorkerGone(f"bad first message from the worker: {str(message)[:200]}")
+                raise WorkerGone(f"bad first message from the worker: {str(message)[:200]}")
             self.isolation, self.ready = message["isolation"], True
         return self.isolation
 
     def call(self, code, stdin, timeout_s, result_type):
         try:   # up to the write, a failure leaves the call unsent (see _call)
             if self.proc.poll() is not None:
-                raise _WorkerGone("the worker is gone")
+                raise WorkerGone("the worker is gone")
             self.wait_ready()
             self._write(json.dumps({"code": code, "stdin": stdin}).encode(),
                         time.monotonic() + BACKSTOP_GRACE_S)
-        except _WorkerGone as e:
+        except WorkerGone as e:
             e.sent = False
             raise
         message = self._receive(time.monotonic() + STRETCH_CAP * timeout_s + BACKSTOP_GRACE_S)
@@ -1197,7 +1226,7 @@ class _WorkerProcess:
             assert (result.status in STATUSES and isinstance(result.stdout, str)
                     and isinstance(result.stderr, str))
         except (TypeError, AssertionError):
-            raise _WorkerGone(f"malformed result from the worker: {str(message)[:200]}") from None
+            raise WorkerGone(f"malformed result from the worker: {str(message)[:200]}") from None
         return result
 
     def _write(self, body, deadline):
@@ -1210,17 +1239,17 @@ class _WorkerProcess:
             except BlockingIOError:
                 self._poll(self.req_w, select.POLLOUT, deadline)
             except BrokenPipeError:
-                raise _WorkerGone("the worker is gone") from None
+                raise WorkerGone("the worker is gone") from None
 
     def _receive(self, deadline):
         (length,) = struct.unpack("<I", self._read_exact(4, deadline))
         # a result is a few KB (capped streams); anything huge is a broken worker
         if length > 64 << 20:
-            raise _WorkerGone(f"a {length}-byte message from the worker")
+            raise WorkerGone(f"a {length}-byte message from the worker")
         try:
             return json.loads(self._read_exact(length, deadline))
         except ValueError:
-            raise _WorkerGone("a message from the worker is not JSON") from None
+            raise WorkerGone("a message from the worker is not JSON") from None
 
     def _read_exact(self, n, deadline):
         buf = bytearray()
@@ -1228,7 +1257,7 @@ class _WorkerProcess:
             self._poll(self.resp_r, select.POLLIN, deadline)
             chunk = os.read(self.resp_r, n - len(buf))
             if not chunk:
-                raise _WorkerGone(f"the worker exited (code {self.proc.poll()})")
+                raise WorkerGone(f"the worker exited (code {self.proc.poll()})")
             buf += chunk
         return bytes(buf)
 
@@ -1239,4 +1268,4 @@ class _WorkerProcess:
         poller.register(fd, event)
         while not poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
             if time.monotonic() >= deadline:
-                raise _WorkerGone("the worker did not answer in time")
+                raise WorkerGone("the worker did not answer in time")

@@ -1,10 +1,17 @@
-"""math-verify in a pool of worker processes, each check under a hard deadline: a stuck worker is
-killed and replaced, so grading never hangs. A worker runs this file as a script (--worker)."""
+"""math-verify in a pool of worker processes, each check under a budget of the worker's CPU time,
+so a verdict does not depend on how busy the machine is; a worker past its budget, or stuck or
+starved past a wall-clock backstop, is killed and replaced, so grading never hangs. A worker runs
+this file as a script (--worker).
+
+Processes, not threads: math-verify's own timeout is signal.alarm, which works only in a main
+thread, and a big-int power holds the GIL, so no thread could stop it. Each worker runs math-verify
+in its own main thread under its own CPU timer, and only a kill ends a check stuck in C code."""
 import atexit
 import ctypes
 import json
 import logging
 import os
+import queue
 import resource
 import select
 import signal
@@ -21,6 +28,16 @@ from itertools import combinations
 # the worker (a clean False) instead of swapping the node. A worker with sympy + antlr loaded maps
 # ~100 MB.
 WORKER_MEMORY_BYTES = 2 << 30
+
+# A check's budget is CPU seconds of its worker (ITIMER_PROF: user + system, as /proc counts them),
+# not wall-clock seconds: on a 2-core node at load 20 a check gets a tenth of a core, and a correct
+# answer's reward must not turn 0 for that. The parent kills a worker whose check ran past its
+# budget by CPU_GRACE_S (stuck in C code, where the timer's Python handler cannot run): out of time,
+# a verdict. Only a check still running after WALL_BACKSTOP_FACTOR x (budget + grace) of wall clock
+# is ended without one, as unfinished: a stopped worker, or one starved to under 1/20 of a core
+# (a 2-core node at load 40).
+CPU_GRACE_S = 0.25
+WALL_BACKSTOP_FACTOR = 20
 
 
 class _Deadline(BaseException):
@@ -46,7 +63,7 @@ def _parse_cached(latex):
 
 def _math_verify_equivalent(pred, gold):
     """math-verify's verdict on two extracted answers. No time limit: run it under the worker's
-    alarm.
+    timer.
 
     Both sides are wrapped in \\boxed{} so math-verify parses exactly that answer (the release does
     the same for the gold); verify is not symmetric, and gold goes first as its docs require.
@@ -63,7 +80,7 @@ def _math_verify_value(answer):
     """[re, im] of an answer that math-verify parses to one closed-form number ("-\\sqrt{3}",
     "\\frac{20000}{\\pi}"); COLLECTION for several values ("(6,31,-1)", "[2, 7)"; not "5, 5", the
     set {5}); None for anything else (variables, relations, text). No time limit: run it under the
-    worker's alarm.
+    worker's timer.
     """
     import sympy
 
@@ -79,7 +96,7 @@ def _math_verify_value(answer):
         if isinstance(expr, sympy.FiniteSet) and all(isinstance(e, sympy.Expr) and e.is_number
                                                      for e in expr.args):
             values = [complex(e.evalf(30)) for e in expr.args]
-            return len(values) >= 2 and all(_far_apart(a, b) for a, b in combinations(values, 2))
+            return len(values) >= 2 and all(far_apart(a, b) for a, b in combinations(values, 2))
         return False
 
     parsed = _parse_cached("\\boxed{" + answer + "}")
@@ -120,7 +137,7 @@ def _worker_main():
 
         # Its only warning here is "Timeout is disabled", which is the point.
         logging.getLogger("math_verify").setLevel(logging.CRITICAL)
-        signal.signal(signal.SIGALRM, _raise_deadline)
+        signal.signal(signal.SIGPROF, _raise_deadline)
         # sympy loads code paths on first use (~1.5 s): pay that before "ready", not inside a
         # deadline.
         for pred, gold in _WARMUP_PAIRS:
@@ -134,19 +151,18 @@ def _worker_main():
     out.write(json.dumps(["ready", os.getpid()]) + "\n")
     out.flush()
     for line in sys.stdin:
-        task_id, kind, *strings, deadline_s = json.loads(line)
+        task_id, kind, *strings, deadline_s = json.loads(line)  # CPU seconds
         function, result = _TASKS[kind]
         timed_out = False
         cpu_started = time.process_time()
-        # Stop a little before the parent's kill, so the worker survives and a respawn is saved. The
-        # inner finally disarms the timer before the outer handler runs, so a late alarm cannot
+        # The inner finally disarms the timer before the outer handler runs, so a late signal cannot
         # escape.
-        signal.setitimer(signal.ITIMER_REAL, max(0.01, 0.9 * deadline_s))
+        signal.setitimer(signal.ITIMER_PROF, max(0.01, deadline_s))
         try:
             try:
                 result = function(*strings)
             finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.setitimer(signal.ITIMER_PROF, 0)
         except _Deadline:
             timed_out = True
         except BaseException:  # noqa: BLE001
@@ -155,6 +171,20 @@ def _worker_main():
         out.write(json.dumps([task_id, result, time.process_time() - cpu_started, timed_out])
                   + "\n")
         out.flush()
+
+
+_CLOCK_TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid):
+    """User + system CPU seconds of process `pid` so far (what ITIMER_PROF counts); 0.0 if it is
+    gone (its EOF then tells the pool)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) * _CLOCK_TICK_S  # utime, stime: fields 14, 15
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def default_num_workers():
@@ -167,6 +197,38 @@ def default_num_workers():
             else (os.cpu_count() or 1))
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(1, min(8, cpus // max(1, ranks_here)))
+
+
+_SPAWNERS = {}  # pid -> the request queue of that process's spawner thread
+
+
+def popen_from_lasting_thread(args, **kwargs):
+    """subprocess.Popen, run by one daemon thread that lives as long as this process.
+
+    PR_SET_PDEATHSIG fires when the *thread* that forked a worker ends, not its process: a worker
+    started inside a grading thread that then returns would die in the middle of another thread's
+    check, and that check would come back False."""
+    with _POOL_LOCK:
+        requests = _SPAWNERS.get(os.getpid())  # threads do not survive a fork: one per process
+        if requests is None:
+            requests = _SPAWNERS[os.getpid()] = queue.SimpleQueue()
+            threading.Thread(target=_spawn_loop, args=(requests,), name="verifier-spawner",
+                             daemon=True).start()
+    reply = queue.SimpleQueue()
+    requests.put((args, kwargs, reply))
+    proc = reply.get()
+    if isinstance(proc, BaseException):
+        raise proc
+    return proc
+
+
+def _spawn_loop(requests):
+    while True:
+        args, kwargs, reply = requests.get()
+        try:
+            reply.put(subprocess.Popen(args, **kwargs))
+        except BaseException as e:  # noqa: BLE001  (the caller raises it)
+            reply.put(e)
 
 
 class VerifierPool:
@@ -186,8 +248,8 @@ class VerifierPool:
                              f"got {num_workers!r}")
         self.owner_pid = os.getpid()
         self.workers = []
-        self.kills = 0  # workers SIGKILLed (a check past its deadline); rl.py can log it
-        self.worker_cpu_s = 0.0  # CPU seconds the workers spent on checks, for bench/reward.py
+        self.kills = 0  # workers SIGKILLed (past the budget or the backstop); rl.py can log it
+        self.worker_cpu_s = 0.0  # CPU seconds the workers spent on checks, killed ones included
         self.tasks_run = {"value": 0, "verify": 0}
         self.startup_failures = 0
         for _ in range(self.num_workers):
@@ -196,11 +258,12 @@ class VerifierPool:
     def _spawn(self):
         # stderr is dropped: antlr and sympy write there, and the startup error comes back on
         # stdout.
-        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker"],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, bufsize=0)
+        proc = popen_from_lasting_thread([sys.executable, os.path.abspath(__file__), "--worker"],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=subprocess.DEVNULL, bufsize=0)
         self.workers.append({"proc": proc, "buffer": b"", "ready": False, "task": None,
-                             "started": 0.0, "born": time.monotonic(), "error": None})
+                             "started": 0.0, "born": time.monotonic(), "error": None,
+                             "cpu_at_start": 0.0, "check_at": 0.0})
 
     def _replace(self, worker, kill):
         """Retire `worker` (SIGKILL first if `kill`: it may be stuck in C code) and start a fresh
@@ -218,22 +281,25 @@ class VerifierPool:
         self._spawn()
 
     def run(self, tasks, timeouts):
-        """Run [("verify", pred, gold) or ("value", answer), ...] with per-task deadlines in
-        seconds.
+        """Run [("verify", pred, gold) or ("value", answer), ...], each under its budget of worker
+        CPU seconds.
 
-        Returns (results, seconds): each task's result and the worker time it took. A task that hits
-        its deadline (the worker's alarm, or the kill) gets the safe result, False for verify and
-        None for value, and infinite seconds: whatever used that answer is out of time.
+        Returns (results, seconds, unfinished), one entry per task. A task out of its budget (the
+        worker's timer, or the kill of a worker past it) gets the safe result, False for verify and
+        None for value, and infinite seconds: whatever used that answer is out of time. A task the
+        wall-clock backstop ended gets the same, and unfinished=True: no verdict was reached.
+        seconds: the CPU seconds a finished task took.
         """
         if not self.workers:
             raise RuntimeError("VerifierPool.run: the pool is closed")
         results = [False if task[0] == "verify" else None for task in tasks]
         seconds = [float("inf")] * len(tasks)
+        unfinished = [False] * len(tasks)
         pending = deque(range(len(tasks)))
-        unfinished = len(tasks)
+        running = len(tasks)
         try:
-            while unfinished:
-                # One task per worker at a time, so a deadline is one task's and a kill loses one
+            while running:
+                # One task per worker at a time, so a budget is one task's and a kill loses one
                 # check.
                 for worker in list(self.workers):
                     if not (worker["ready"] and worker["task"] is None and pending):
@@ -252,17 +318,19 @@ class VerifierPool:
                         pending.appendleft(index)
                         continue
                     worker["task"], worker["started"] = index, time.monotonic()
-                # Sleep until a reply, or until the earliest deadline of a busy worker.
+                    # the CPU clock starts here; the wall clock is first looked at after the budget
+                    worker["cpu_at_start"] = cpu_seconds(worker["proc"].pid)
+                    worker["check_at"] = worker["started"] + timeouts[index]
+                # Sleep until a reply, or until a busy worker's next look at its clocks.
                 now = time.monotonic()
-                busy = [w["started"] + timeouts[w["task"]] - now
-                        for w in self.workers if w["task"] is not None]
+                busy = [w["check_at"] - now for w in self.workers if w["task"] is not None]
                 wait_s = max(0.0, min(busy)) if busy else 0.5
                 readable, _, _ = select.select([w["proc"].stdout for w in self.workers], [], [],
                                                wait_s)
                 for worker in [w for w in self.workers if w["proc"].stdout in readable]:
                     data = os.read(worker["proc"].stdout.fileno(), 1 << 16)
                     if not data:  # it died (segfault, OOM kill): its check stays False; replace it
-                        unfinished -= worker["task"] is not None
+                        running -= worker["task"] is not None
                         self._replace(worker, kill=False)
                         if not worker["ready"]:
                             self._startup_failed(worker["error"]
@@ -280,17 +348,26 @@ class VerifierPool:
                         elif message[0] == worker["task"]:
                             results[message[0]] = message[1]
                             if not message[3]:
-                                seconds[message[0]] = time.monotonic() - worker["started"]
+                                seconds[message[0]] = message[2]
                             self.worker_cpu_s += message[2]
                             self.tasks_run[tasks[message[0]][0]] += 1
                             worker["task"] = None
-                            unfinished -= 1
+                            running -= 1
                 now = time.monotonic()
                 for worker in list(self.workers):
-                    if (worker["task"] is not None
-                            and now - worker["started"] >= timeouts[worker["task"]]):
-                        unfinished -= 1  # the hard deadline: its check stays False
-                        self._replace(worker, kill=True)
+                    if worker["task"] is not None and now >= worker["check_at"]:
+                        budget = timeouts[worker["task"]]
+                        used = cpu_seconds(worker["proc"].pid) - worker["cpu_at_start"]
+                        backstop = (worker["started"]
+                                    + WALL_BACKSTOP_FACTOR * (budget + CPU_GRACE_S))
+                        if used > budget + CPU_GRACE_S or now >= backstop:
+                            unfinished[worker["task"]] = used <= budget + CPU_GRACE_S
+                            self.worker_cpu_s += used
+                            running -= 1  # its check stays False
+                            self._replace(worker, kill=True)
+                        else:  # starved, or close to its budget: look again when it could be over
+                            worker["check_at"] = min(backstop,
+                                                     now + max(0.05, budget + CPU_GRACE_S - used))
                     elif not worker["ready"] and now - worker["born"] > 120:
                         self._replace(worker, kill=True)
                         self._startup_failed("no 'ready' within 120 s")
@@ -300,7 +377,7 @@ class VerifierPool:
             for worker in [w for w in self.workers if w["task"] is not None]:
                 self._replace(worker, kill=True)
             raise
-        return results, seconds
+        return results, seconds, unfinished
 
     def _startup_failed(self, reason):
         self.startup_failures += 1
@@ -337,7 +414,7 @@ class VerifierPool:
 _POOL = None
 
 
-_POOL_LOCK = threading.RLock()  # re-entered by _run_in_pool -> start_pool
+_POOL_LOCK = threading.RLock()  # re-entered by run_in_pool -> start_pool
 
 
 def start_pool(num_workers=None):
@@ -365,19 +442,19 @@ def shutdown_pool():
 atexit.register(shutdown_pool)
 
 
-def _run_in_pool(tasks, timeouts):
+def run_in_pool(tasks, timeouts):
+    """VerifierPool.run on the shared pool: (results, CPU seconds, unfinished flags)."""
     if not tasks:
-        return [], []
+        return [], [], []
     with _POOL_LOCK:  # one batch at a time: the workers are shared by every thread of this process
         return start_pool().run(tasks, timeouts)
-
 
 
 # several values, which verify never finds equal to one number (is_collection)
 COLLECTION = "collection"
 
 
-def _far_apart(a, b):
+def far_apart(a, b):
     """Two values too far apart for any rounding math-verify allows (6 decimal places): 1/3 =
     0.333333 stays open."""
     # Two Fractions are compared as Fractions: a 400-digit integer does not fit in a float.

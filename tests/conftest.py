@@ -1,8 +1,10 @@
 """Shared fixtures. The tiny model is built once per test session (about 5 s) and reused by every
 test that needs a real Hugging Face model directory: rollout, sft, rl and eval tests all load it the
 way they load Qwen3-14B."""
+import contextlib
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -41,3 +43,25 @@ def saved_run(sft_policy, tmp_path_factory):
     command = rl_runs.rl_command(sft_policy, data, out / "run") + ["save_rollouts_every=1"]
     rl_runs.run(command, timeout=900)
     return SimpleNamespace(dir=out / "run", args=command[2:])
+
+
+@contextlib.contextmanager
+def busy_processes(count):
+    """`count` busy-looping processes for the block's duration, each in a session of its own: with
+    the kernel's autogroup scheduling (on by default in most distributions) the CPU is shared
+    between sessions first, so loops in the test's own session would only compete with the test."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+             for _ in range(count)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
+
+
+@pytest.fixture
+def busy_machine():
+    """busy_processes: `with busy_machine(8): ...` grades or runs code on a busy node."""
+    return busy_processes

@@ -10,8 +10,9 @@ Each rank: shards the tiny model with FSDP2 (per decoder layer, then the model; 
 an optimizer step so the weights really change, pushes the full state dict into its own engine with
 update_weights, and checks that the engine's log-probs equal the trainer's, both on fixed tokens
 (score) and on the tokens the engine samples in rollouts. The rollouts also check the shared prompt
-counter: every problem is claimed by exactly one rank, and balance_by_tokens hands every trajectory
-to exactly one rank. Both modes first check where each rank's engine sits (check_colocation: its own
+counter: every problem is claimed by exactly one rank, with more samples than K (one) each sample
+is claimed alone and the groups come back whole on one rank (regroup), and balance_by_tokens hands
+every trajectory to exactly one rank. Both modes first check where each rank's engine sits (check_colocation: its own
 rank and device, torchrun's world group). Exits non-zero on any failure; prints one summary line per
 rank. Run by tests/test_rollout.py::test_torchrun_weight_sync_and_prompt_claiming.
 
@@ -20,6 +21,7 @@ The tp mode runs one engine with tensor_parallel_size=2 over both ranks: the lea
 its engine calls; the leader gets every trajectory, the follower none, and both score the same
 tokens identically.
 """
+import dataclasses
 import json
 import os
 import sys
@@ -35,7 +37,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import rollout
 from bench.rollout import scripted_policy
 from executor import Executor
-from machinery.distributed import balance_by_tokens, init_distributed
+from machinery.distributed import balance_by_tokens, init_distributed, regroup
 from machinery.engine import Engine
 from machinery.prompts import render_prompt
 
@@ -175,6 +177,27 @@ def main(model_dir):
                 - torch.tensor(traj.logprobs))[mask]
         gap = max(gap, diff.abs().max().item())
     assert gap < TOLERANCE, f"rank {rank}: sampled log-probs vs trainer: max |diff| {gap}"
+
+    # 4b. more samples than K (one here): each is claimed alone, wherever there is room, and
+    # generate regroups them: every problem's group whole on one rank, the same tokens (request
+    # seeds do not depend on the rank)
+    held = regroup([[rollout.Trajectory(p, rank, [])] for p in range(3)])  # sample r of each
+    assert [[(t.problem_index, t.sample_index) for t in g] for g in held] == (
+        [[(p, 0), (p, 1)] for p in range(3)] if rank == 0 else []), f"rank {rank}: {held}"
+    one_slot = dataclasses.replace(cfg, max_concurrency=1)
+    with Executor(workers=1, timeout_s=2.0) as executor:
+        split = rollout.generate(engine, executor, tokenizer, problems, 2, one_slot, seed=0, step=0)
+    regrouped = [None] * world_size
+    dist.all_gather_object(regrouped, [[(t.problem_index, t.sample_index, t.response_ids)
+                                        for t in g] for g in split])
+    whole = sorted((g[0][0], g) for part in regrouped for g in part)
+    assert [p for p, _ in whole] == list(range(len(problems))), \
+        f"rank {rank}: regrouped problems {[p for p, _ in whole]}"
+    sampled = {(t.problem_index, t.sample_index): t.response_ids
+               for part in everyone for t in part}
+    for p, g in whole:
+        assert [s for _, s, _ in g] == [0, 1], f"rank {rank}: problem {p} has samples {g}"
+        assert all(ids == sampled[p, s] for _, s, ids in g), f"rank {rank}: problem {p} tokens"
 
     # 5. the training split: every trajectory lands on exactly one rank
     share, _ = balance_by_tokens([t for g in groups for t in g])

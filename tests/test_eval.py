@@ -154,7 +154,19 @@ def test_markdown_table_shows_percentages_like_the_paper():
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[:6] == ["hand", "2", "4", "37.5 ± 41.5", "66.7", "100.0"]
     assert cells[6] == "50.0"          # maj@4
-    assert cells[-2:] == ["33.3", "25.0"]  # tool-error rate, truncated
+    assert cells[-3:] == ["33.3", "25.0", "0"]  # tool-error rate, truncated, ungraded
+
+
+def test_samples_the_verifier_left_ungraded_are_counted_not_hidden():
+    """A check the verifier's wall-clock backstop ended has no verdict: its sample scores 0 but is
+    counted apart, in summary.json and the table, so a starved grader cannot pass as a weak model.
+    Samples written before the field existed count as graded."""
+    ungraded = dict(record("B", 3, "5", False), ungraded=True)
+    groups = [HAND_CHECKED[0], HAND_CHECKED[1][:3] + [ungraded]]
+    m = evaluation.summarize(groups, ks=[1])
+    assert m["ungraded"] == 1 and evaluation.summarize(HAND_CHECKED, ks=[1])["ungraded"] == 0
+    row = markdown_table({"hand": m}).splitlines()[2]
+    assert row.strip("|").split("|")[-1].strip() == "1"
 
 
 # -----------------------------------------------------------------------------
@@ -429,6 +441,8 @@ def test_whole_path_grades_scripted_samples_and_writes_table_json_and_jsonl(firs
     assert m["tool_error_rate_in_correct"] == pytest.approx(1 / 2)
     assert m["tool_errors_by_kind"] == {"error": 2, "parse": 2}
     assert m["truncated_rate"] == pytest.approx(1 / 5) and m["answer_rate"] == 1.0
+    # every sample got a verdict, and says so
+    assert m["ungraded"] == 0 and {r["ungraded"] for r in records} == {False}
     # The files say the same as the return value.
     assert json.loads((out_dir / "summary.json").read_text())["benchmarks"] == summary
     assert (out_dir / "summary.md").read_text() == markdown_table(summary) + "\n"

@@ -230,12 +230,26 @@ def test_time_hostile_snippets_time_out(ex, code):
     assert TIMEOUT <= result.elapsed_s < TIMEOUT + SLACK
 
 
-def test_time_spent_waiting_for_a_cpu_does_not_count():
+def test_time_spent_waiting_for_a_cpu_does_not_count(busy_machine):
     """On a busy node a call is not killed for the node's load: its deadline moves out by the time
-    it waited for a CPU, up to 3 x timeout_s. This snippet starves itself: it shares one CPU with a
-    busy child of its own, at nice 10 (a ~10% share), so most of its wall time is waiting and it
-    runs to the cap. A sleep is not waiting for a CPU, so the sleep cases above are cut at
-    timeout_s."""
+    it waited for a CPU (up to 20 x timeout_s). A benign call of ~0.25 s of CPU, at timeout_s=1,
+    while 24 busy processes hold the 2 cores, takes about 3 s of wall time and comes back "ok" (the
+    earlier cap of 3 x timeout_s turned every one into "timeout"). A sleep is not waiting for a
+    CPU, so the sleep cases above are cut at timeout_s."""
+    benign = "s = 0\nfor i in range(3_000_000):\n    s += i * i\nprint(s % 7)"
+    with Executor(workers=2, timeout_s=1.0) as e:
+        e.wait_ready()
+        assert e.run(benign).status == "ok"
+        with busy_machine(24):
+            results = e.map([benign] * 2)
+        assert [(r.status, r.stdout) for r in results] == [("ok", "5\n")] * 2, results
+
+
+def test_a_call_that_makes_its_own_waits_is_cut_at_its_cpu_time():
+    """What waiting for a CPU buys is bounded by the CPU all the call's processes use. This snippet
+    starves itself: it shares one CPU with a busy child of its own, at nice 10 (a ~10% share), so
+    most of its wall time is waiting; the two together reach timeout_s of CPU about when the wall
+    clock does, and the call ends there, not at the backstop."""
     starve = """
     import os
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
@@ -248,8 +262,8 @@ def test_time_spent_waiting_for_a_cpu_does_not_count():
     """
     with Executor(workers=1, timeout_s=0.5) as e:
         result = e.run(textwrap.dedent(starve))
-        # the cap is 1.5 s; unstretched: 0.5 s
-        assert result.status == "timeout" and result.elapsed_s >= 1.0
+        assert result.status == "timeout" and result.reason == "cpu-time limit", result
+        assert result.elapsed_s < 10 * 0.5  # the backstop: 20 x 0.5 s
         assert_contained(e)
 
 
@@ -751,8 +765,8 @@ def test_soak_1000_mixed_calls_leaks_nothing():
     with Executor(workers=2, timeout_s=TIMEOUT) as e:
         stats = soak(e, 1000)
     assert stats["wrong"] == [] and stats["benign_after"]
-    # A benign call can still time out when the machine starves it past 3 x timeout_s (seen at load
-    # 25 on 2 cores): allowed, but rare. Everything else must have exactly its status.
+    # A benign call can still time out when the machine starves it past 20 x timeout_s: allowed,
+    # but rare. Everything else must have exactly its status.
     assert stats["benign_timeouts"] <= stats["calls"] // 100, stats
     assert stats["zombies"] == 0 and stats["strays"] == 0
     assert stats["fds_after"] <= stats["fds_before"]

@@ -6,9 +6,12 @@ from the process's RSS.
 
 Run: .venv/bin/python -m pytest tests/test_plan.py -q
 """
+import contextlib
 import dataclasses
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,12 +21,13 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from machinery import plan
+from machinery import plan, tail
 import rl
+from machinery.checkpoint import check_inputs, load_policy, save_checkpoint
 from machinery.config import ConfigError, load_config
 from machinery.distributed import init_distributed
-from machinery.engine import Engine
-from rollout import RolloutConfig
+from machinery.engine import Engine, leads_its_engine
+from rollout import RolloutConfig, Rollouts
 from machinery.training import token_logprobs
 from tools.gpu_check import GPUCheckConfig, step_bench_args, verdict
 from bench import rl as rl_bench
@@ -206,9 +210,11 @@ def test_plan_of_stage1_on_64_gpus():
     for field in dataclasses.fields(plan.PlanAssumptions):
         value = 0.7 if field.name == "plan_mfu" else field.default
         assert f"  {field.name}={value} " in time_block, field.name
-    for term in ("rollout decode:", "old log-probs:", "update:", "recompute in backward:",
+    for term in ("rollout decode per engine:", "old log-probs:", "update:",
+                 "recompute in backward:",
                  "FSDP all-gathers", "FSDP reduce-scatters", "weight sync", "step:",
-                 "stage: 300 steps", "reduce-scatter in bf16", "micro_batch_tokens=40960"):
+                 "stage: 300 steps", "reduce-scatter in bf16", "micro_batch_tokens=40960",
+                 "what a cluster run needs", "the fastest engine's wait for it (the tail)"):
         assert term in time_block, term
 
 
@@ -244,7 +250,7 @@ def test_step_time_terms_follow_their_formulas():
         # one-response floor)
         assert faster_decode["gpus"][gpu]["decode"] == pytest.approx(t["decode"] / 2)
         assert t["decode"] == pytest.approx(
-            base["rollouts"] * base["response"] / t["decode_tok_s_gpu"])
+            base["rollouts"] * base["response"] / t["decode_tok_s_engine"])
         assert t["step"] == pytest.approx(
             t["decode"] + max(t["compute"], sum(base["fsdp_s"].values())) + base["sync_s"])
     # bytes / bandwidth: double both links, half the sync and FSDP seconds
@@ -444,3 +450,127 @@ def test_gpu_check_runs_the_in_step_rollout_benchmark_on_rl_py_s_1_gpu_config_to
     assert (cfg.model, cfg.rollout.use_tool, cfg.filter_all_equal, cfg.eval_data, cfg.resume) == (
         str(tmp_path / "model"), False, False, "", "never")
     assert cfg.rollout.dtype == "bfloat16" and cfg.out_dir == str(tmp_path / "run")
+
+
+# -----------------------------------------------------------------------------
+# what a cluster run needs: TP engines, checkpoints, host RAM, the rollout tail, the docs' tables
+
+def plan_output(argv):
+    """What `python rl.py ARGV` prints for mode=plan, run in this process as rl.py's __main__
+    runs it."""
+    argv, plan_args = plan.split_plan_args(argv, rl.RLConfig)
+    cfg = load_config(rl.RLConfig, argv)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        plan.print_plan(cfg, cfg.world_size or 1, Rollouts, plan_args)
+    return out.getvalue()
+
+
+def test_tensor_parallel_divides_the_rollouts_by_engines():
+    """At TP=2 there are world / 2 engines, each with twice the rollouts (and K of two GPUs' KV
+    cache): the decode term is per engine, not per rank."""
+    one, shape, a = stage1()
+    two = dataclasses.replace(one, rollout=dataclasses.replace(one.rollout,
+                                                               tensor_parallel_size=2))
+    t1, t2 = plan.step_time(one, shape, 64, a), plan.step_time(two, shape, 64, a)
+    assert (t1["engines"], t2["engines"]) == (64, 32)
+    assert t2["rollouts"] == 2 * t1["rollouts"] == 512
+    assert t2["kept"] == t1["kept"]  # training stays per rank
+    h100 = t2["gpus"]["H100-80GB"]
+    assert h100["decode"] == pytest.approx(512 * 8192 / (h100["K"] * a.plan_decode_tok_s))
+    assert 40 < h100["step"] / 60 < 45  # the per-engine arithmetic of issue 33, not 24.5 minutes
+    text = plan.format_step_time(two, shape, 64, a)
+    assert "per engine (32 of tensor_parallel_size=2): n = 512 rollouts" in text
+    assert "decode tokens/s per engine" in text
+
+
+def test_a_tensor_parallel_size_that_straddles_nodes_is_refused():
+    with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size=16 does not divide the 64 "
+                                          r"ranks and the 8 GPUs per node \(plan_gpus_per_node\)"):
+        plan_output(["configs/stage1.yaml", "mode=plan", "rollout.tensor_parallel_size=16"])
+    cfg = load_config(rl.RLConfig, ["configs/stage1.yaml", "rollout.tensor_parallel_size=16"])
+    with pytest.raises(ConfigError, match="tensor_parallel_size=16 does not divide the 8 GPUs per "
+                                          "node .*--nproc_per_node"):
+        check_inputs(cfg, world_size=64, gpus_per_node=8)
+
+
+def test_only_the_first_rank_of_a_tensor_parallel_group_leads_its_engine():
+    """rl.start_executor starts tool workers on leaders only; Engine's groups are consecutive
+    ranks, the first leading (tests/dist_rollout.py runs TP=2)."""
+    assert [leads_its_engine(rank, 2) for rank in range(6)] == [True, False] * 3
+    assert all(leads_its_engine(rank, 1) for rank in range(4))
+    follower = RolloutConfig(tensor_parallel_size=2)
+    assert rl.start_executor(follower, 1) is None
+
+
+def test_checkpoint_bytes_match_a_real_checkpoint(tiny_model_dir, tmp_path):
+    init_distributed()  # a gloo world of one, as rl.py's own
+    cfg = load_config(rl.RLConfig, ["configs/tiny.yaml", f"model={tiny_model_dir}"])
+    model, optimizer = load_policy(cfg, torch.device("cpu"), 0)
+    input_ids = torch.randint(0, model.config.vocab_size, (1, 16),
+                              generator=torch.Generator().manual_seed(0))
+    (-token_logprobs(model, input_ids, 1.0, 0).mean()).backward()
+    optimizer.step()  # AdamW's moments exist from the first step
+    saved = save_checkpoint(tmp_path, 1, model, optimizer, {"step": 1})
+    shape = plan.ModelShape.from_config(Path(tiny_model_dir) / "config.json")
+    planned = plan.checkpoint_bytes(shape, 1)
+    assert planned["per_rank"] == planned["total"]
+    written = sum(p.stat().st_size for p in saved.glob("*.distcp"))
+    print(f"checkpoint shard bytes: planned {planned['total']:,}, written {written:,}")
+    # DCP's ~2 KB per tensor besides the data: 2% of the tiny model's, 0.002% of Qwen3-14B's
+    assert 0 <= written - planned["total"] <= 0.03 * written
+    assert plan.rank0_host_bytes(shape)["start"] == 4 * sum(p.numel() for p in model.parameters())
+
+
+class WholeGroups(Rollouts):
+    parts = 1  # a problem's n samples claimed together even when n > K
+
+
+def test_the_tail_simulation_runs_rollout_py_s_admission_rule():
+    """Two engines of K = 3, problems of 4 samples of 1 s each. Two problems in whole groups: each
+    engine claims one and runs it in two waves, so both end at 2 s; one sample at a time, engine 1
+    takes the first problem's last sample and is done after one wave."""
+    assert tail.simulate(WholeGroups, 2, 3, 2, 4, lambda p, s: 1.0) == [2.0, 2.0]
+    assert tail.simulate(Rollouts, 2, 3, 2, 4, lambda p, s: 1.0) == [2.0, 1.0]
+    # Three, in whole groups: engine 0 claims the third when its first wave ends, at 1 s (its
+    # waiting list is empty then: the fourth sample took the freed slot), and ends at 3 s while
+    # engine 1 waits 1 s.
+    finished = tail.simulate(WholeGroups, 2, 3, 3, 4, lambda p, s: 1.0)
+    assert finished == [3.0, 2.0]
+    assert tail.tail(finished) == dict(phase=3.0, tail=1.0, idle=pytest.approx(1 / 6))
+    # rollout.py claims the samples of a group larger than K one at a time: engine 1 takes two of
+    # the third problem's, and both end at 2 s
+    assert tail.simulate(Rollouts, 2, 3, 3, 4, lambda p, s: 1.0) == [2.0, 2.0]
+    # a slower engine claims less: the counter is shared
+    slow = tail.simulate(Rollouts, 2, 4, 8, 4, lambda p, s: 1.0, lambda e: 0.5 if e else 1.0)
+    assert slow[0] < slow[1] and sorted(slow) == [5.0, 6.0]
+
+
+def test_the_cluster_block_names_checkpoints_ram_and_the_tail(tmp_path):
+    out = plan_output(["configs/stage2.yaml", "mode=plan", "collective_timeout_min=60"])
+    block = out[out.index("what a cluster run needs"):]
+    shape = plan.ModelShape.from_config(REPO / "configs/models/Qwen3-14B-Base.json")
+    assert f"{12 * shape.numel() / 2**30:.2f} GiB in all" in block
+    assert f"{3 * 12 * shape.numel() / 2**30:.2f} GiB, plus" in block  # keep_checkpoints 2 + 1
+    assert f"{4 * shape.numel() / 2**30:.2f} GiB at start" in block
+    # an H100's stage-2 rollout phase (K = 10 at 12K tokens) is over an hour at full length
+    assert "WARNING: H100-80GB: a rollout phase can take" in block
+    assert "above collective_timeout_min=60" in block
+    assert "WARNING: MI300X" not in block
+
+
+def test_the_printed_plans_in_docs_gpu_md_are_the_code_s_output():
+    """Every block of docs/gpu.md that starts with `$ python rl.py ... mode=plan` must be lines the
+    command prints today, in order: a change of the plan's code or of a config fails here until the
+    docs are regenerated."""
+    blocks = re.findall(r"```\n\$ (python rl\.py [^\n]*mode=plan[^\n]*)\n(.*?)```",
+                        (REPO / "docs" / "gpu.md").read_text(), re.DOTALL)
+    assert len(blocks) >= 6, "docs/gpu.md lost its printed plans"
+    outputs = {}
+    for command, text in blocks:
+        if command not in outputs:
+            outputs[command] = plan_output(command.split()[2:]).splitlines()
+        printed, lines = outputs[command], text.rstrip("\n").splitlines()
+        assert any(printed[i:i + len(lines)] == lines for i in range(len(printed))), (
+            f"docs/gpu.md: the block of `{command}` is not what it prints now; regenerate it:\n"
+            + "\n".join(printed))

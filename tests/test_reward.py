@@ -3,6 +3,7 @@
 Everything here runs the real thing: real math-verify in real worker processes, real data files.
 Run: .venv/bin/python -m pytest tests/test_reward.py -q
 """
+import contextlib
 import glob
 import json
 import os
@@ -16,10 +17,11 @@ import time
 import pytest
 from math_verify import parse, verify
 
+import machinery.verifier
 import reward
 from bench.reward import (NOTATION_SHAPES, _decided_without_verify, audit_fast_path,
                           math500_labeled_set)
-from machinery.verifier import _run_in_pool, shutdown_pool, start_pool
+from machinery.verifier import run_in_pool, shutdown_pool, start_pool
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -340,7 +342,7 @@ def test_math_verify_itself_accepts_every_benchmark_gold_against_itself():
     golds = sorted({json.loads(line)["answer"] for p in paths
                     for line in open(os.path.join(REPO, f"data/{p}.jsonl"), encoding="utf-8")})
     golds = [g for g in golds if not g.lstrip("-").isdigit()]
-    results, _ = _run_in_pool([("verify", g, g) for g in golds], [10.0] * len(golds))
+    results, _, _ = run_in_pool([("verify", g, g) for g in golds], [10.0] * len(golds))
     # Misses, with the reason (math-verify 0.9.0): none.
     assert [g for g, ok in zip(golds, results) if not ok] == []
 
@@ -381,7 +383,7 @@ def test_what_skips_verify_agrees_with_verify_on_the_labeled_set():
         if verdict is not None:
             decided[pred, gold] = verdict
     assert len(decided) > 400
-    checks, _ = _run_in_pool([("verify", p, g) for p, g in decided], [10.0] * len(decided))
+    checks, _, _ = run_in_pool([("verify", p, g) for p, g in decided], [10.0] * len(decided))
     assert [pair for pair, check in zip(decided, checks) if decided[pair] != check] == []
 
 
@@ -405,28 +407,85 @@ HOSTILE = {
 
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_hostile_input_scores_zero_within_the_time_limit(name):
+    # The bound is the workers' CPU time, whatever the load: a big-int power stuck in C code, where
+    # the worker's timer cannot stop it, is killed by the parent once past its budget. Out of time
+    # is a verdict (0), not "unfinished"; on wall time only the backstop bounds it.
     timeout_s = 3.0
-    started = time.monotonic()
-    rewards = reward.score_batch([HOSTILE[name]], ["\\sqrt{2}"], timeout_s=timeout_s)
-    elapsed = time.monotonic() - started
-    assert rewards == [0.0]
-    assert elapsed < timeout_s + 1.0, f"{name} took {elapsed:.1f} s"
-
-
-def test_a_stuck_worker_is_killed_at_the_deadline_and_replaced():
-    # A worker inside one C call (a huge big-int power) cannot run its alarm handler; SIGSTOP makes
-    # every worker just as unresponsive, so only the parent's kill can end the check.
     pool = start_pool()
-    reward.is_equivalent("\\sqrt{8}", "2\\sqrt{2}")  # the pool is up
+    reward.is_equivalent("\\sqrt{8}", "2\\sqrt{2}")  # the workers' start is not the check's time
+    cpu_before, started = pool.worker_cpu_s, time.monotonic()
+    rewards, unfinished = reward.grade_batch([HOSTILE[name]], ["\\sqrt{2}"], timeout_s=timeout_s)
+    elapsed = time.monotonic() - started
+    assert rewards == [0.0] and unfinished == [False]
+    cpu = pool.worker_cpu_s - cpu_before
+    assert cpu < timeout_s + 2 * machinery.verifier.CPU_GRACE_S, f"{name} took {cpu:.1f} s of CPU"
+    assert elapsed < machinery.verifier.WALL_BACKSTOP_FACTOR * timeout_s, f"{name}: {elapsed:.1f} s"
+
+
+# Correct answers that cost math-verify up to a few tenths of a second of CPU in a fresh worker.
+# With a wall-clock deadline, each of these kinds came back False on a 2-core machine at load 15-21.
+EXPENSIVE_CORRECT = [
+    ("\\begin{pmatrix} \\frac{1}{2} & -\\frac{3}{4} \\\\ \\frac{5}{6} & \\frac{7}{8} "
+     "\\end{pmatrix}",
+     "\\begin{pmatrix} \\frac{2}{4} & -0.75 \\\\ \\frac{10}{12} & \\frac{14}{16} \\end{pmatrix}"),
+    ("\\begin{pmatrix} \\frac{1}{3} & \\frac{2}{5} & -\\frac{1}{7} \\\\ \\frac{4}{9} & 0 & "
+     "\\frac{3}{11} \\\\ -\\frac{5}{13} & \\frac{6}{17} & 1 \\end{pmatrix}",
+     "\\begin{pmatrix} \\frac{2}{6} & \\frac{4}{10} & -\\frac{2}{14} \\\\ \\frac{8}{18} & 0 & "
+     "\\frac{6}{22} \\\\ -\\frac{10}{26} & \\frac{12}{34} & \\frac{3}{3} \\end{pmatrix}"),
+    ("F_n = \\sum_{k=0}^{n-1} F_k F_{n-k-1}", "F_n = \\sum_{k=0}^{n-1} F_{n-k-1} F_k"),
+    ("\\frac{1}{1+\\frac{1}{1+\\frac{1}{1+\\frac{1}{2}}}}", "\\frac{5}{8}"),
+    ("\\frac{1}{\\frac{1}{x}+\\frac{1}{y}}", "\\frac{xy}{x+y}"),
+    ("\\frac{\\frac{\\sqrt{3}}{2}}{1+\\frac{1}{2}}", "\\frac{\\sqrt{3}}{3}"),
+]
+
+
+def grade_with_a_fresh_worker(responses, golds, timeout_s, busy=None):
+    """grade_batch on a new worker (no parse cached, in it or here), started idle; graded while
+    `busy` (a context manager) holds. Returns (rewards, unfinished, the worker's CPU seconds)."""
+    shutdown_pool()
+    reward._VALUES.clear()
+    pool = start_pool(1)
+    while not all(w["ready"] for w in pool.workers):  # each run reads the "ready" of every worker
+        run_in_pool([("value", "1")], [5.0])
+    cpu_before = pool.worker_cpu_s
+    with busy or contextlib.nullcontext():
+        rewards, unfinished = reward.grade_batch(responses, golds, timeout_s=timeout_s)
+    return rewards, unfinished, pool.worker_cpu_s - cpu_before
+
+
+def test_a_verdict_does_not_depend_on_the_load(busy_machine):
+    # The budget is CPU time: graded while eight busy processes hold the 2-core machine (the worker
+    # then gets a ninth of a core or less, so a 0.2 s check takes 2 s or more of wall time, past
+    # the 0.45 s a wall-clock deadline gave it), every answer keeps its idle verdict. The
+    # pathological answers stay bounded by the same budget (test_hostile_input_...).
+    responses = [f"\\boxed{{{pred}}}" for pred, _ in EXPENSIVE_CORRECT]
+    golds = [gold for _, gold in EXPENSIVE_CORRECT]
+    timeout_s = 1.0
+    idle = grade_with_a_fresh_worker(responses, golds, timeout_s)
+    busy = grade_with_a_fresh_worker(responses, golds, timeout_s, busy=busy_machine(8))
+    for rewards, unfinished, cpu in (idle, busy):
+        assert rewards == [1.0] * len(responses) and unfinished == [False] * len(responses)
+        assert cpu < timeout_s  # all of them together, less than one pair's budget
+
+
+def test_a_stopped_worker_is_reaped_by_the_backstop_and_its_check_reported_unfinished(monkeypatch):
+    # A stopped worker uses no CPU, so no CPU budget ever ends its check: only the wall-clock
+    # backstop does, and the check has no verdict. Its reward is 0 and grade_batch says why.
+    monkeypatch.setattr(machinery.verifier, "WALL_BACKSTOP_FACTOR", 2)  # 2 x (0.5 + 0.25) s
+    pool = start_pool()
+    # the pool is up, and both answers' values are known: only the verify runs below
+    assert reward.is_equivalent("(x+1)^2", "x^2+2x+1") is True
     kills = pool.kills
     stopped = [w["proc"].pid for w in pool.workers]
     for pid in stopped:
         os.kill(pid, signal.SIGSTOP)
     try:
         started = time.monotonic()
-        # true, but out of time
-        assert reward.is_equivalent("(x+1)^2", "x^2+2x+1", timeout_s=1.0) is False
-        assert time.monotonic() - started < 1.5
+        # true, but never graded
+        rewards, unfinished = reward.grade_batch(["\\boxed{(x+1)^2}", "\\boxed{7}"],
+                                                 ["x^2+2x+1", "7"], timeout_s=0.5)
+        assert rewards == [0.0, 1.0] and unfinished == [True, False]
+        assert 1.4 < time.monotonic() - started < 3.0
         assert pool.kills == kills + 1
     finally:
         for pid in stopped:

@@ -509,6 +509,10 @@ def test_tool_error_ratio_in_correct_pools_the_calls_of_correct_trajectories_onl
     assert metrics["parse_failure_rate"] == pytest.approx(2 / 10)
     assert metrics["tool_call_rate"] == pytest.approx(3 / 4)
     assert metrics["accuracy"] == pytest.approx(0.5)
+    # records without the verifier's flag count as graded; flagged ones are counted
+    assert metrics["ungraded"] == 0
+    records[3]["ungraded"] = True
+    assert step_metrics(records, num_groups=1)["ungraded"] == 1
 
 
 # -----------------------------------------------------------------------------

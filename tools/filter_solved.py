@@ -50,7 +50,7 @@ def filter_solved(cfg):
     # Too long to roll out means too long to train on: such problems are not written either.
     problems = drop_long_prompts(problems, tokenizer, cfg.rollout, cfg.filter_source)
     engine = Engine(model_path, cfg.rollout, seed=cfg.seed)
-    executor = start_executor(cfg.rollout)
+    executor = start_executor(cfg.rollout, rank)
     solved = {}  # one pass in chunks of prompts_per_step, every rank claiming as in training
     for chunk, start in enumerate(range(0, len(problems), cfg.prompts_per_step)):
         rows = problems[start:start + cfg.prompts_per_step]
