@@ -51,7 +51,7 @@ from grpo_roc import (ADVANTAGE_SCALINGS, LOSS_AGGREGATIONS, POSITIVE_RULES, RAT
                       ROLLOUT_CORRECTIONS, as_rollout, batch_reward_std, filter_groups,
                       group_advantages, loss_weights, policy_loss, roc_penalty,
                       rollout_correction, rollouts_per_prompt, select_group)
-from reward import extract_answer, score_batch
+from reward import extract_answer, grade_batch
 from rollout import RolloutConfig, Rollouts, generate
 from machinery import checkpoint, metrics, plan, run_dir
 from machinery.config import ConfigError, load_config, require_at_least, resolve
@@ -99,7 +99,7 @@ class RLConfig:
     advantage_scaling: Literal[ADVANTAGE_SCALINGS] = "group"  # batch: TRL's; none: Dr. GRPO
     loss_aggregation: Literal[LOSS_AGGREGATIONS] = "token_mean"  # Eq. 6; verl's loss_agg_mode
     ratio_level: Literal[RATIO_LEVELS] = "token"  # sequence: GSPO
-    # weights for the engine-vs-trainer gap (Yao et al. 2025; grpo_roc.rollout_weights); none = paper
+    # weights for the engine-vs-trainer gap (Yao et al. 2025; grpo_roc.rollout_correction)
     rollout_correction: Literal[ROLLOUT_CORRECTIONS] = "none"
     rollout_is_threshold: float = 2.0  # C: tis truncates weights at C; mis drops those off [1/C, C]
     # optimizer: AdamW, constant lr after a linear warm-up (§5.1)
@@ -141,8 +141,8 @@ class RLConfig:
     wandb_project: str = ""
     wandb_samples: int = 8        # trajectories per step in W&B's sample table (rank 0's); 0 = none
     tensorboard: bool = False
-    # saved rollouts, what tools.replay reads: steps 1, 1+N, 1+2N, ... (0 = never); with N a multiple
-    # of save_every each was sampled by a checkpoint's weights, so it replays exactly
+    # saved rollouts, what tools.replay reads: steps 1, 1+N, 1+2N, ... (0 = never); with N a
+    # multiple of save_every each was sampled by a checkpoint's weights, so it replays exactly
     save_rollouts_every: int = 10
     keep_rollouts: int = 0        # the newest this many saved steps stay on disk; 0 = all
     verbose: bool = False         # all of vLLM's logging; default: its warnings
@@ -219,9 +219,10 @@ def rl_step(run, step):
     groups = roll_out(run, rows, step, times)  # 2
     run.engine.sleep()  # frees the KV cache and weights for the update (on CPU vLLM frees nothing)
     with metrics.timed(times, "reward"):
-        rewards = score_groups(groups, rows)  # 3
+        rewards, ungraded = score_groups(groups, rows)  # 3
     with metrics.timed(times, "selection"):
-        samples, probes, records = select_samples(groups, rewards, cfg, step, position)  # 4
+        samples, probes, records = select_samples(groups, rewards, cfg, step, position,
+                                                  ungraded)  # 4
     with metrics.timed(times, "save_rollouts"):
         save_rollouts(run, step, position, rows, groups, rewards, records, samples)
     with metrics.timed(times, "balance"):
@@ -278,20 +279,22 @@ def roll_out(run, rows, step, times):
 
 
 def score_groups(groups, rows):
-    """Step 3: the rewards, per group. Each rank grades its own trajectories in its own verifier
+    """Step 3: the rewards per group, and per group whether the verifier reached no verdict (0, yet
+    not wrong: logged as `ungraded`). Each rank grades its own trajectories in its own verifier
     pool, so grading scales with the ranks (the paper offloads it to the tool service, §3.1)."""
     flat = [t for g in groups for t in g]
-    flat_rewards = score_batch([t.model_text for t in flat],
-                               [rows[t.problem_index]["answer"] for t in flat],
-                               [t.finished for t in flat])
-    rewards, at = [], 0
+    flat_rewards, flat_ungraded = grade_batch([t.model_text for t in flat],
+                                              [rows[t.problem_index]["answer"] for t in flat],
+                                              [t.finished for t in flat])
+    rewards, ungraded, at = [], [], 0
     for g in groups:
         rewards.append(flat_rewards[at:at + len(g)])
+        ungraded.append(flat_ungraded[at:at + len(g)])
         at += len(g)
-    return rewards
+    return rewards, ungraded
 
 
-def select_samples(groups, rewards, cfg, step, position):
+def select_samples(groups, rewards, cfg, step, position, ungraded=None):
     """Step 4: this rank's groups -> (samples to train on, probes, a record per sampled trajectory).
     Groups are complete on the rank that generated them, so selection needs no communication. Each
     group's RoC draw is seeded from (seed, step, the problem's position in the stream): the same on
@@ -328,7 +331,8 @@ def select_samples(groups, rewards, cfg, step, position):
                 parse_errors=t.tool_errors_by_kind.get("parse", 0),
                 errors_by_kind=dict(t.tool_errors_by_kind), response_tokens=len(t.response_ids),
                 model_tokens=t.num_model_tokens, truncated=t.truncated, turns=t.num_turns,
-                problem=position + t.problem_index))
+                problem=position + t.problem_index,
+                ungraded=bool(ungraded and ungraded[g][i])))
     return samples, probes, records
 
 
@@ -496,10 +500,11 @@ def evaluate_held_out(run):
         groups = generate(run.engine, run.tool, run.tokenizer, [r["problem"] for r in chunk],
                           cfg.eval_samples, rollout_cfg, seed=cfg.seed, step=step)
         flat = [t for group in groups for t in group]
-        for t, reward in zip(flat, score_groups([flat], chunk)[0]):
+        rewards, ungraded = score_groups([flat], chunk)
+        for t, reward, cut in zip(flat, rewards[0], ungraded[0]):
             # the tensor-parallel ranks of one engine may all report its samples: each counts once
             records[start + t.problem_index, t.sample_index] = metrics.trajectory_record(
-                t, reward == 1.0, extract_answer(t.model_text))
+                t, reward == 1.0, extract_answer(t.model_text), cut)
         progress.update(len(chunk))
     progress.close()
     parts = [None] * run.world_size

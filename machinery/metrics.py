@@ -242,7 +242,7 @@ def held_out_metrics(records, num_problems, samples_per_problem):
     summary = {"pass@1": statistics.fmean(pass_at_k(samples_per_problem, c, 1) for c in correct),
                **sample_metrics(list(records.values()))}
     keys = ("pass@1", "tool_calls_per_trajectory", "tool_error_rate", "tool_error_rate_in_correct",
-            "answer_rate", "response_tokens")
+            "answer_rate", "response_tokens", "ungraded")
     return {f"eval/{k}": summary[k] for k in keys if summary.get(k) is not None}
 
 
@@ -251,8 +251,10 @@ def print_held_out(metrics, rank, when):
     if rank != 0:
         return
     in_correct = metrics.get("eval/tool_error_rate_in_correct")
+    ungraded = metrics.get("eval/ungraded")  # no verdict: scored 0, yet not wrong
     print(f"held-out {when}: pass@1 {metrics['eval/pass@1']:.3f}, tool-error ratio in correct "
-          f"{'-' if in_correct is None else f'{in_correct:.3f}'} ({metrics['time/eval']:.0f} s)",
+          f"{'-' if in_correct is None else f'{in_correct:.3f}'}"
+          + (f", {ungraded} ungraded" if ungraded else "") + f" ({metrics['time/eval']:.0f} s)",
           flush=True)
 
 

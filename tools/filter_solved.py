@@ -57,7 +57,7 @@ def filter_solved(cfg):
         groups = generate(engine, executor, tokenizer, [r["problem"] for r in rows],
                           cfg.filter_samples, cfg.rollout, seed=cfg.seed, step=chunk)
         groups = own_groups(groups, len(rows), rank)  # a tensor-parallel group counts it once
-        for group, rewards in zip(groups, score_groups(groups, rows)):
+        for group, rewards in zip(groups, score_groups(groups, rows)[0]):
             for t, reward in zip(group, rewards):
                 key = start + t.problem_index
                 solved[key] = solved.get(key, 0) + int(reward > 0)
