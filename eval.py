@@ -381,8 +381,8 @@ def main(argv=None):
     except (ConfigError, ValueError) as e:
         sys.exit(f"eval.py: {e}")
     configure_vllm_logging(cfg.verbose)
-    rank, _, _, _ = init_distributed(cfg.collective_timeout_min)
     try:
+        rank, _, _, _ = init_distributed(cfg.collective_timeout_min)  # its preflight may refuse
         summary = evaluate(cfg.model, problems, cfg, out_dir=cfg.out_dir)
     except ConfigError as e:  # e.g. out_dir holds samples of other settings
         sys.exit(f"eval.py: {e}")  # torchrun then stops the other ranks
