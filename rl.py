@@ -438,11 +438,13 @@ def train_sample(t, advantage):
 # one RL step, phase by phase (the module docstring's steps; 1, 4, 6 and 7 are above)
 
 def roll_out(run, rows, step, times):
-    """Step 2: this rank's groups of 2G (or G) trajectories; times["rollout"], ["tool_busy"]."""
+    """Step 2: this rank's groups of 2G (or G) trajectories; times["rollout"], ["tool_busy"],
+    ["generate"] (its own rollouts, before it waits for the other ranks' at own_groups)."""
     started, busy_before = time.perf_counter(), run.tool.busy_s if run.tool else 0.0
     groups = generate(run.engine, run.tool, run.tokenizer, [r["problem"] for r in rows],
                       run.cfg.rollouts_per_prompt, run.cfg.rollout, seed=run.cfg.seed, step=step)
     run.engine.sleep()  # free the KV cache and weights for training (on CPU vLLM frees nothing)
+    times["generate"] = time.perf_counter() - started
     groups = own_groups(groups, len(rows), run.rank)
     times["rollout"] = time.perf_counter() - started
     times["tool_busy"] = (run.tool.busy_s if run.tool else 0.0) - busy_before
@@ -545,8 +547,9 @@ def gather_metrics(local, learner, step, cfg, rank, world_size):
     """Step 8: the step's metrics on rank 0 ({} elsewhere) from every rank's `local` numbers and
     the `learner`'s (the same on every rank); a loud warning when the sync guard's gap is large.
     time/PHASE is the slowest rank's seconds in each phase; rl_step adds time/metrics (this call)
-    and time/step, which the phases add up to. time/tool_busy overlaps time/rollout (the tool's
-    load, not a phase); time/checkpoint and time/eval come after the step, outside time/step."""
+    and time/step, which the phases add up to. time/tool_busy and time/generate overlap
+    time/rollout (the tool's load; the rollouts before the wait for the slowest rank);
+    time/checkpoint and time/eval come after the step, outside time/step."""
     gathered = [None] * world_size if rank == 0 else None
     dist.gather_object(local, gathered, dst=0)
     if rank != 0:
@@ -556,8 +559,9 @@ def gather_metrics(local, learner, step, cfg, rank, world_size):
     metrics.update(learner)
     for key in local["times"]:  # the slowest rank's: the others wait for it at the next collective
         metrics[f"time/{key}"] = max(part["times"][key] for part in gathered)
-    metrics["time/rollout_idle"] = metrics["time/rollout"] - min(p["times"]["rollout"]
-                                                                 for p in gathered)
+    # the fastest rank's wait at own_groups for the slowest (the collective timeout must exceed it)
+    metrics["time/rollout_idle"] = metrics["time/generate"] - min(p["times"]["generate"]
+                                                                  for p in gathered)
     for key in local["traffic"]:  # the busiest rank's
         metrics[f"bytes/{key}"] = max(part["traffic"].get(key, 0) for part in gathered)
     metrics["rollout_tokens_per_s"] = (sum(p["rollout_tokens"] for p in gathered)
