@@ -85,20 +85,25 @@ def ranks_text(ranks):
 
 def intact_checkpoint(ckpt_root, before=None):
     """The newest complete checkpoint under ckpt_root that is not damaged (and older than step
-    `before`, if given), with a warning for each damaged one passed over."""
+    `before`, if given), with a warning for each damaged one passed over; None, and no warning,
+    when none is intact (the caller says so)."""
     ckpt_root = Path(ckpt_root)
     done = sorted(p for p in ckpt_root.iterdir()
                   if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)
                   and (p / "COMPLETE").exists()) if ckpt_root.is_dir() else []
+    passed = []
     for checkpoint in reversed(done):
         if before is not None and checkpoint_step(checkpoint) >= before:
             continue
         damage = checkpoint_damage(checkpoint)
         if not damage:
+            for name, damage in passed:
+                print(f"WARNING: checkpoint {name} is damaged: {damage}. Passed over for an older "
+                      "one; its steps are trained again (deterministically: the same data and "
+                      "seeds), and the damaged one is replaced when that step is saved.",
+                      flush=True)
             return checkpoint
-        print(f"WARNING: checkpoint {checkpoint.name} is damaged: {damage}. Passed over for an "
-              "older one; its steps are trained again (deterministically: the same data and "
-              "seeds), and the damaged one is replaced when that step is saved.", flush=True)
+        passed.append((checkpoint.name, damage))
     return None
 
 
