@@ -180,7 +180,7 @@ def test_a_node_that_does_not_see_rank_0s_out_dir_is_stopped_before_anything_is_
 
 @pytest.mark.slow
 def test_an_unreachable_store_or_interface_fails_the_preflight_in_seconds(runs):
-    env = {"RSTAR2_PREFLIGHT_TIMEOUT_S": "10"}
+    env = {"RSTAR2_PREFLIGHT_TIMEOUT_S": "5"}  # both cases fail whatever the bound: keep it short
     # a rank whose rendezvous store does not answer (a closed port, a firewall): torchrun's
     # variables for rank 1 of 2, without its launcher
     port = free_port()
@@ -199,7 +199,7 @@ def test_an_unreachable_store_or_interface_fails_the_preflight_in_seconds(runs):
     assert all(returncode != 0 for returncode, _ in results)
     assert time.time() - started < 120
     assert "GLOO_SOCKET_IFNAME=nosuch0" in results[1][1] and "NCCL_SOCKET_IFNAME" in results[1][1]
-    assert "could not reach the other ranks within 10 s" in results[0][1]  # node 0 waited for it
+    assert "could not reach the other ranks within 5 s" in results[0][1]  # node 0 waited for it
 
 
 def test_each_rank_takes_its_share_of_the_nodes_cores_whatever_vllm_sets_later(monkeypatch):
