@@ -31,7 +31,6 @@ paper (docs/design.md, the paper's evaluation protocol).
 """
 import dataclasses
 import difflib
-import os
 import statistics
 import sys
 import time
@@ -44,7 +43,7 @@ import tiny  # the demo's task, for the generated `arith` benchmark
 from executor import Executor
 from machinery.config import ConfigError, load_config, resolve
 from machinery.data import BENCHMARKS, load_problems
-from machinery.distributed import init_distributed
+from machinery.distributed import cores_per_rank, init_distributed
 from machinery.engine import configure_vllm_logging, Engine
 from machinery.exits import (RECEIVED, close_progress_bars, exit_status, interrupted,
                              is_main_rank, rerun_command, shown, stop_on_signals)
@@ -81,6 +80,7 @@ class EvalConfig:
     n: int = 16                      # samples per problem (paper §5.1: 16)
     ks: list[int] = dataclasses.field(default_factory=list)  # pass@k, maj@k; [] = default_ks
     seed: int = 0                    # request seeds derive from (seed, chunk, problem, sample)
+    collective_timeout_min: int = 120  # torchrun: how long a rank waits for the slowest
     out_dir: str = ""                # "" = runs/eval/<model's folder>-<model>: one per model
     resume: bool = True              # reuse the finished problems in out_dir/samples.jsonl
     chunk_problems: int = CHUNK_PROBLEMS  # problems per generate(); samples.jsonl grows after each
@@ -105,6 +105,9 @@ class EvalConfig:
             raise ConfigError(f"limit must be >= 0 (0 = every problem), got {self.limit}")
         if self.arith_problems < 1:
             raise ConfigError(f"arith_problems must be >= 1, got {self.arith_problems}")
+        if self.collective_timeout_min < 1:
+            raise ConfigError("collective_timeout_min must be >= 1, got "
+                              f"{self.collective_timeout_min}")
         if self.chunk_problems < 1:
             raise ConfigError(f"chunk_problems must be >= 1, got {self.chunk_problems}")
         self.rollout.validate()
@@ -218,10 +221,7 @@ def start_rollout(model_path, todo, cfg, engine, executor, tokenizer, owned):
         owned.append(engine)
     check_engine(engine, cfg.rollout)
     if executor is None and cfg.rollout.use_tool:
-        # The node's cores are shared by its ranks: each rank's executor takes its share.
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        per_rank = max(1, len(os.sched_getaffinity(0)) // local_ranks)
-        executor = Executor(workers=cfg.rollout.tool_workers or per_rank,
+        executor = Executor(workers=cfg.rollout.tool_workers or cores_per_rank(),
                             timeout_s=cfg.rollout.tool_timeout_s,
                             memory_mb=cfg.rollout.tool_memory_mb)
         owned.append(executor)
@@ -299,7 +299,7 @@ def evaluate(model_path, problems, cfg, engine=None, executor=None, tokenizer=No
     if cfg.rollout.prompt_variant == AUTO_VARIANT:  # main() resolved it; a caller may not have
         cfg = dataclasses.replace(cfg, rollout=apply_model_format(cfg.rollout, model_path))
     # A world of one outside torchrun, so the collectives below are the only path.
-    rank, world_size, _, _ = init_distributed()
+    rank, world_size, _, _ = init_distributed(cfg.collective_timeout_min)
     ks = cfg.ks or default_ks(cfg.n)
     finished, todo = work_left(model_path, problems, cfg, out_dir, rank, world_size)
     owned = []  # what this call builds, it also closes
@@ -383,8 +383,8 @@ def main(argv=None):
     except (ConfigError, ValueError) as e:
         sys.exit(f"eval.py: {e}")
     configure_vllm_logging(cfg.verbose)
-    rank, _, _, _ = init_distributed()
     try:
+        rank, _, _, _ = init_distributed(cfg.collective_timeout_min)  # its preflight may refuse
         summary = evaluate(cfg.model, problems, cfg, out_dir=cfg.out_dir)
     except ConfigError as e:  # e.g. out_dir holds samples of other settings
         sys.exit(f"eval.py: {e}")  # torchrun then stops the other ranks

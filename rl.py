@@ -56,9 +56,9 @@ from rollout import RolloutConfig, Rollouts, generate
 from machinery import checkpoint, metrics, plan, run_dir
 from machinery.config import ConfigError, load_config, require_at_least, resolve
 from machinery.data import drop_long_prompts, prompt_indices
-from machinery.distributed import (balance_by_tokens, compute_dtype, cpu_threads,
-                                   free_cached_memory, full_weights, global_metrics,
-                                   init_distributed, own_groups)
+from machinery.distributed import (balance_by_tokens, check_shared_paths, compute_dtype,
+                                   cores_per_rank, cpu_threads, free_cached_memory, full_weights,
+                                   global_metrics, init_distributed, own_groups)
 from machinery.engine import Engine, configure_vllm_logging, leads_its_engine
 from machinery.exits import (close_progress_bars, exit_status, interrupted, is_main_rank,
                              stop_on_signals, training_interrupted)
@@ -155,7 +155,8 @@ class RLConfig:
     def validate(self):
         """Errors that can be found before loading anything."""
         require_at_least(self, 1, "prompts_per_step", "steps", "mini_batches",
-                         "micro_batch_tokens", "save_every", "keep_checkpoints", "eval_samples")
+                         "micro_batch_tokens", "save_every", "keep_checkpoints", "eval_samples",
+                         "collective_timeout_min")
         require_at_least(self, 0, "warmup_steps", "micro_batch_size", "eval_every", "world_size",
                          "train_threads", "logprob_chunk_tokens", "wandb_samples",
                          "save_rollouts_every", "keep_rollouts", "untrained_steps_warn")
@@ -196,10 +197,12 @@ class RLConfig:
 # train further, the cadence of saves and logs, how fast and in how much memory; the rollout's
 # engine and tool sizes too). Any other key changed is another run (machinery/run_dir.py).
 KEYS_A_RESUME_MAY_CHANGE = {
-    "out_dir", "mode", "plan_model_config", "world_size", "steps", "save_every", "keep_checkpoints",
+    "out_dir", "mode", "plan_model_config", "world_size", "collective_timeout_min", "steps",
+    "save_every", "keep_checkpoints",
     "resume", "continue_with_changes", "eval_every", "eval_at_start", "wandb_project",
     "tensorboard", "verbose", "micro_batch_tokens", "micro_batch_size",
-    "activation_checkpointing", "logprob_chunk_tokens", "train_threads", "logprob_gap_warn"}
+    "activation_checkpointing", "logprob_chunk_tokens", "train_threads", "logprob_gap_warn",
+    "collective_timeout_min"}
 
 
 # -----------------------------------------------------------------------------
@@ -267,11 +270,13 @@ def sync_weights(engine, model, dtype, traffic=None):
 
 
 def roll_out(run, rows, step, times):
-    """Step 2: this rank's groups of 2G (or G) trajectories; times["rollout"], ["tool_busy"].
+    """Step 2: this rank's groups of 2G (or G) trajectories; times["rollout"], ["tool_busy"],
+    ["generate"] (this rank's own rollout seconds, before it waits for the others at own_groups).
     Every rank claims whole prompts from a shared counter as its engine has room (§3.2)."""
     started, busy_before = time.perf_counter(), run.tool.busy_s if run.tool else 0.0
     groups = generate(run.engine, run.tool, run.tokenizer, [r["problem"] for r in rows],
                       run.cfg.rollouts_per_prompt, run.cfg.rollout, seed=run.cfg.seed, step=step)
+    times["generate"] = time.perf_counter() - started
     groups = own_groups(groups, len(rows), run.rank)
     times["rollout"] = time.perf_counter() - started
     times["tool_busy"] = (run.tool.busy_s if run.tool else 0.0) - busy_before
@@ -553,7 +558,8 @@ def train(cfg):
 def start_executor(rollout_cfg, rank):
     if not rollout_cfg.use_tool or not leads_its_engine(rank, rollout_cfg.tensor_parallel_size):
         return None
-    return Executor(workers=rollout_cfg.tool_workers or None, timeout_s=rollout_cfg.tool_timeout_s,
+    return Executor(workers=rollout_cfg.tool_workers or cores_per_rank(),
+                    timeout_s=rollout_cfg.tool_timeout_s,
                     memory_mb=rollout_cfg.tool_memory_mb)
 
 
@@ -561,7 +567,9 @@ def start_run(cfg):
     """What an RL run holds across its steps: inputs, policy and optimizer, engine, tool, log;
     None when out_dir's run is already at `steps`."""
     model_path, problems, eval_rows = checkpoint.check_inputs(cfg)
-    rank, world_size, _, device = init_distributed()
+    rank, world_size, _, device = init_distributed(cfg.collective_timeout_min)
+    check_shared_paths(cfg.out_dir, [model_path, cfg.train_data, cfg.eval_data, cfg.init_from],
+                       rank, world_size)  # every node must see the run where rank 0 does
     run = SimpleNamespace(cfg=cfg, model_path=model_path, rank=rank, world_size=world_size,
                           device=device, out_dir=resolve(cfg.out_dir))
     run.ckpt_root = run.out_dir / "checkpoints"

@@ -27,7 +27,7 @@ import queue
 import re
 
 from machinery.config import resolve
-from machinery.distributed import _claim_counter, regroup
+from machinery.distributed import claim_counter, regroup
 from machinery.prompts import (AUTO_VARIANT, format_paths, load_format, PROMPT_VARIANTS,
                                render_prompt, render_tool_turn)
 from machinery.sandbox import truncate_middle
@@ -386,7 +386,7 @@ def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0):
     if cfg.use_tool and executor is None and engine.is_leader:
         raise ValueError("generate: rollout.use_tool is on but no executor was given")
     _generate_calls += 1
-    claim = _claim_counter(f"rollout/{_generate_calls}/step{step}")
+    claim = claim_counter(f"rollout/{_generate_calls}/step{step}")
     budget = cfg.max_prompt_tokens + cfg.max_response_tokens
     if budget > engine.cfg.context_len:
         raise ValueError(f"generate: max_prompt_tokens + max_response_tokens = {budget}"

@@ -61,7 +61,8 @@ from machinery.conversations import (IGNORE, chat_text, check_context, check_con
                                      end_of_turn_ids, prompt_format, read_template, read_tools,
                                      shared_prefix_length)
 from machinery.data import load_jsonl
-from machinery.distributed import cpu_threads, init_distributed, seed_everything
+from machinery.distributed import (check_shared_paths, cpu_threads, init_distributed,
+                                   seed_everything)
 from machinery.exits import (close_progress_bars, exit_status, interrupted, is_main_rank, shown,
                              stop_on_signals, training_interrupted)
 from machinery.metrics import MetricsLogger
@@ -82,6 +83,7 @@ class SFTConfig:
     tool_schema: str = ""         # JSON file with one tool schema (or a list); "": no tools
     max_seq_len: int = 4096       # longer conversations are dropped (counted), not truncated
     seed: int = 0
+    collective_timeout_min: int = 120  # torchrun: how long a rank waits for the slowest
     # optimisation (§4.1: 3 epochs, lr 5e-6, 4% warm-up, cosine, batch 128)
     epochs: int = 3
     max_steps: int = 0            # stop after this many steps; 0 = all epochs. The lr spans the run
@@ -120,7 +122,7 @@ class SFTConfig:
             raise ConfigError("data: set the chat JSONL to train on, e.g. data=out/tiny-sft.jsonl "
                               "(python tiny.py writes it)")
         for name in ("max_seq_len", "epochs", "global_batch_size", "micro_batch_size",
-                     "keep_checkpoints", "log_every"):
+                     "keep_checkpoints", "log_every", "collective_timeout_min"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
         for name in ("max_steps", "save_every", "train_threads"):
@@ -152,7 +154,8 @@ class SFTConfig:
 # key changed is another run (machinery/run_dir.py); epochs and max_steps count, as they set the lr
 # schedule.
 KEYS_A_RESUME_MAY_CHANGE = {
-    "out_dir", "save_every", "keep_checkpoints", "resume", "continue_with_changes", "log_every",
+    "out_dir", "collective_timeout_min", "save_every", "keep_checkpoints", "resume",
+    "continue_with_changes", "log_every",
     "wandb_project", "tensorboard", "train_threads", "micro_batch_size", "activation_checkpointing",
     "share_prefix"}
 
@@ -345,7 +348,9 @@ def sft_step(model, optimizer, examples, lengths, step, total_steps, cfg, pad_id
 
 def train(cfg):
     """Run SFT as configured; returns (model, tokenizer): the trained FSDP model, for the tests."""
-    rank, world_size, _, device = init_distributed()
+    rank, world_size, _, device = init_distributed(cfg.collective_timeout_min)
+    check_shared_paths(cfg.out_dir, [cfg.model, cfg.data, cfg.chat_template, cfg.tool_schema],
+                       rank, world_size)
     accumulation = check_world(cfg, world_size)
     model_path = check_model_dir(cfg.model)
     cpu_threads(cfg.train_threads, device)

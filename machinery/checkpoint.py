@@ -56,10 +56,15 @@ def checkpoint_damage(checkpoint):
     for info in storage.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0),
                                          info.offset + info.length)
+    missing = sorted(name for name in needed if not (checkpoint / name).is_file())
+    if missing:
+        # DCP names rank r's shard __{r}_0.distcp: which ranks' writes went elsewhere
+        ranks = sorted({int(name.split("_")[2]) for name in missing if name.startswith("__")})
+        return (f"{checkpoint / missing[0]}: missing" + (
+            f" (the shards of ranks {ranks_text(ranks)}: {len(missing)} of {len(needed)} files)"
+            if ranks else ""))
     for name, size in sorted(needed.items()):
         path = checkpoint / name
-        if not path.is_file():
-            return f"{path}: missing"
         if path.stat().st_size < size:
             return f"{path}: truncated ({path.stat().st_size:,} of {size:,} bytes)"
     if not (checkpoint / "trainer_state_rank0.pt").is_file():
@@ -67,22 +72,38 @@ def checkpoint_damage(checkpoint):
     return ""
 
 
+def ranks_text(ranks):
+    """[1, 2, 3, 7] -> "1-3, 7"."""
+    runs = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def intact_checkpoint(ckpt_root, before=None):
     """The newest complete checkpoint under ckpt_root that is not damaged (and older than step
-    `before`, if given), with a warning for each damaged one passed over."""
+    `before`, if given), with a warning for each damaged one passed over; None, and no warning,
+    when none is intact (the caller says so)."""
     ckpt_root = Path(ckpt_root)
     done = sorted(p for p in ckpt_root.iterdir()
                   if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)
                   and (p / "COMPLETE").exists()) if ckpt_root.is_dir() else []
+    passed = []
     for checkpoint in reversed(done):
         if before is not None and checkpoint_step(checkpoint) >= before:
             continue
         damage = checkpoint_damage(checkpoint)
         if not damage:
+            for name, damage in passed:
+                print(f"WARNING: checkpoint {name} is damaged: {damage}. Passed over for an older "
+                      "one; its steps are trained again (deterministically: the same data and "
+                      "seeds), and the damaged one is replaced when that step is saved.",
+                      flush=True)
             return checkpoint
-        print(f"WARNING: checkpoint {checkpoint.name} is damaged: {damage}. Passed over for an "
-              "older one; its steps are trained again (deterministically: the same data and "
-              "seeds), and the damaged one is replaced when that step is saved.", flush=True)
+        passed.append((checkpoint.name, damage))
     return None
 
 
@@ -163,7 +184,16 @@ def requested_checkpoint(resume, ckpt_root):
     if resume == "never":
         return None
     if resume == "auto":
-        return intact_checkpoint(ckpt_root)
+        checkpoint = intact_checkpoint(ckpt_root)
+        newest = latest_checkpoint(ckpt_root)
+        if checkpoint is None and newest is not None:  # never a silent restart from step 0
+            raise ConfigError(
+                f"{ckpt_root}: no intact checkpoint to resume from; the newest: "
+                f"{checkpoint_damage(newest)}. Every rank writes its own shards into out_dir: on "
+                "several nodes, a node-local out_dir keeps each node's shards on that node (a run "
+                "on several nodes needs a filesystem every node sees at the same path). Copy the "
+                f"missing shards into {newest}, or start a new run: a new out_dir")
+        return checkpoint
     checkpoint = resolve(resume)
     if not (checkpoint / "COMPLETE").is_file():
         raise ConfigError(f"{checkpoint}: not a complete checkpoint (no COMPLETE marker); "

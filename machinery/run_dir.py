@@ -186,7 +186,10 @@ def _now():
 
 def take_lock(run_dir):
     """Lock run_dir for this process, or raise ConfigError naming the holder. A lock whose holder
-    died without letting go (SIGKILL, a lost node) is taken over, with a message."""
+    on this host died without letting go (SIGKILL) is taken over, with a message. One whose holder
+    ran on another host is refused: where flock is node-local (Lustre's localflock, NFS with
+    local_lock=flock, BeeGFS without global locks), a free flock says nothing about a run on
+    another node, which may still be writing here."""
     path = Path(run_dir) / LOCK_NAME
     release_lock(run_dir)  # a process never waits for itself (an in-process rerun after an error)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -200,7 +203,15 @@ def take_lock(run_dir):
     except OSError as e:  # a filesystem without flock (some Lustre mounts): run, but say so
         print(f"WARNING: {path}: no lock on this filesystem ({e}); nothing stops a second run "
               "from writing into this directory at the same time", flush=True)
-    if holder:  # flock is free, so its holder is gone; its text was never cleared
+    if _holder_host(holder) not in (None, socket.gethostname()):
+        os.close(fd)
+        raise ConfigError(
+            f"{run_dir} is held by {_describe(holder)} ({path}), another host, yet this host "
+            "could lock it: either that run ended without releasing it (a lost node), or this "
+            "filesystem's flock is node-local (Lustre localflock, NFS local_lock=flock) and it "
+            "still runs. Check on that host; once no run uses this out_dir, empty the file "
+            f"(: > {path}) and rerun, or use another out_dir")
+    if holder:  # flock is free, so its holder on this host is gone; its text was never cleared
         print(f"{path}: taking over from {_describe(holder)}, which ended without releasing it "
               "(killed?)", flush=True)
     me = {"pid": os.getpid(), "host": socket.gethostname(), "since": _now()}
@@ -222,6 +233,13 @@ def release_lock(run_dir):
 def _release_all():
     for run_dir in list(_HELD):
         release_lock(run_dir)
+
+
+def _holder_host(holder):
+    try:
+        return json.loads(holder)["host"]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _describe(holder):

