@@ -375,7 +375,7 @@ def ablation(cfg):
     load_before, started = os.getloadavg(), time.time()
     # Runs are independent processes (own engine, tool workers, process group on its own port); on
     # CPU each decodes on one torch thread (machinery.engine.set_cpu_engine_threads) and trains on
-    # torch's own count (train_threads=0). Every number they produce is fixed by its seed; only the
+    # one (train_threads=1). Every number they produce is fixed by its seed; only the
     # seconds depend on what runs beside them.
     log = ((lambda out_dir: f"{resolve(out_dir)}.log") if cfg.ablation_parallel > 1
            else (lambda out_dir: None))

@@ -54,12 +54,12 @@ from grpo_roc import (ADVANTAGE_SCALINGS, LOSS_AGGREGATIONS, POSITIVE_RULES, RAT
 from reward import extract_answer, grade_batch
 from rollout import RolloutConfig, Rollouts, generate
 from machinery import checkpoint, metrics, plan, run_dir
-from machinery.config import ConfigError, load_config, require_at_least, resolve
+from machinery.config import ConfigError, load_config, resolve
 from machinery.data import drop_long_prompts, prompt_indices
 from machinery.distributed import (balance_by_tokens, check_shared_paths, compute_dtype,
                                    cores_per_rank, cpu_threads, free_cached_memory, full_weights,
-                                   global_metrics, init_distributed, own_groups)
-from machinery.engine import Engine, configure_vllm_logging, leads_its_engine
+                                   init_distributed, own_groups)
+from machinery.engine import Engine, configure_vllm_logging
 from machinery.exits import (close_progress_bars, exit_status, interrupted, is_main_rank,
                              stop_on_signals, training_interrupted)
 from machinery.model import save_hf_model
@@ -117,9 +117,9 @@ class RLConfig:
     activation_checkpointing: bool = False
     logprob_chunk_tokens: int = 1024  # output projection this many tokens at a time; 0 = off
     attn_implementation: str = "sdpa"  # trainer attention (flash_attention_2 on GPU, if installed)
-    # CPU only: torch threads for the update; 0 = torch's own (OMP_NUM_THREADS, else all cores).
-    # The engine decodes on 1 (machinery.engine.set_cpu_engine_threads).
-    train_threads: int = 0
+    # CPU only: torch threads for the update, 0 = torch's own (one per core); 1 does not slow down
+    # when another process takes a core (bench/threads.py). The engine decodes on 1.
+    train_threads: int = 1
     logprob_gap_warn: float = 0.05  # sync guard: warn above this mean |trainer - engine| gap
     untrained_steps_warn: int = 3  # warn when this many steps in a row train on nothing; 0 = never
     # checkpoints and logs
@@ -153,44 +153,7 @@ class RLConfig:
         return rollouts_per_prompt(self.group_size, self.algorithm)  # 2G for RoC, G for GRPO
 
     def validate(self):
-        """Errors that can be found before loading anything."""
-        require_at_least(self, 1, "prompts_per_step", "steps", "mini_batches",
-                         "micro_batch_tokens", "save_every", "keep_checkpoints", "eval_samples",
-                         "collective_timeout_min")
-        require_at_least(self, 0, "warmup_steps", "micro_batch_size", "eval_every", "world_size",
-                         "train_threads", "logprob_chunk_tokens", "wandb_samples",
-                         "save_rollouts_every", "keep_rollouts", "untrained_steps_warn")
-        longest = self.rollout.max_prompt_tokens + self.rollout.max_response_tokens
-        for wrong, message in [
-            (not self.model, "model: set the policy to train (an HF directory with its tokenizer), "
-                             "e.g. model=out/sft"),
-            (self.group_size < 4 and self.algorithm == "roc",
-             f"group_size={self.group_size}: GRPO-RoC keeps at least 2 positives and 2 negatives "
-             "per group (grpo_roc.resample_on_correct), so G must be >= 4"),
-            (self.group_size < 2, f"group_size={self.group_size}: a group advantage needs at "
-                                  "least 2 rollouts (Eq. 7)"),
-            (not self.lr > 0, f"lr={self.lr}: must be > 0"),
-            (self.dual_clip and self.dual_clip <= 1,
-             f"dual_clip={self.dual_clip}: must be 0 (off) or > 1"),
-            (not self.rollout_is_threshold > 1,
-             f"rollout_is_threshold={self.rollout_is_threshold}: must be > 1 (weights are "
-             "truncated at it, or kept inside [1/C, C])"),
-            (not self.init_optimizer and not self.init_from,
-             "init_optimizer=false takes the weights of init_from, which is not set"),
-            (self.resume not in ("auto", "never") and not resolve(self.resume).is_dir(),
-             f"resume={self.resume!r}: expected auto, never or a checkpoint directory"),
-            (self.prompts_per_step % self.mini_batches,
-             f"prompts_per_step={self.prompts_per_step} does not divide into mini_batches="
-             f"{self.mini_batches} optimizer steps of whole prompt groups"),
-            (self.micro_batch_tokens < longest,
-             f"micro_batch_tokens={self.micro_batch_tokens} cannot hold one trajectory of "
-             f"rollout.max_prompt_tokens + rollout.max_response_tokens = {longest} tokens")]:
-            if wrong:
-                raise ConfigError(message)
-        try:
-            self.rollout.validate()
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        checkpoint.check_config(self)  # what can be wrong before loading anything, one line each
 
 
 # Keys that do not change what is trained: a rerun into the same out_dir may change them (steps to
@@ -271,12 +234,12 @@ def sync_weights(engine, model, dtype, traffic=None):
 
 def roll_out(run, rows, step, times):
     """Step 2: this rank's groups of 2G (or G) trajectories; times["rollout"], ["tool_busy"],
-    ["generate"] (this rank's own rollout seconds, before it waits for the others at own_groups).
-    Every rank claims whole prompts from a shared counter as its engine has room (§3.2)."""
+    ["generate"] (its own seconds, before it waits for the others). Every rank claims prompts from
+    a shared counter as its engine has room (§3.2)."""
     started, busy_before = time.perf_counter(), run.tool.busy_s if run.tool else 0.0
     groups = generate(run.engine, run.tool, run.tokenizer, [r["problem"] for r in rows],
-                      run.cfg.rollouts_per_prompt, run.cfg.rollout, seed=run.cfg.seed, step=step)
-    times["generate"] = time.perf_counter() - started
+                      run.cfg.rollouts_per_prompt, run.cfg.rollout, seed=run.cfg.seed, step=step,
+                      times=times)
     groups = own_groups(groups, len(rows), run.rank)
     times["rollout"] = time.perf_counter() - started
     times["tool_busy"] = (run.tool.busy_s if run.tool else 0.0) - busy_before
@@ -448,7 +411,7 @@ def train_step(model, optimizer, samples, cfg, step, pad_id, device):
     optimizer.step()
     # Freed now, not next step: the engine needs that memory for the sync and rollout (as verl)
     optimizer.zero_grad(set_to_none=True)
-    out = global_metrics(per_batch, world_size)
+    out = metrics.global_metrics(per_batch, world_size)
     out.update(grad_norm=float(grad_norm), lr=lr_at(step, cfg), num_micro_batches=len(batches),
                train_tokens=int(global_tokens))
     return out
@@ -555,8 +518,10 @@ def train(cfg):
     return row
 
 
-def start_executor(rollout_cfg, rank):
-    if not rollout_cfg.use_tool or not leads_its_engine(rank, rollout_cfg.tensor_parallel_size):
+def start_executor(rollout_cfg, engine):
+    """The tool's workers, this node's cores shared out among its ranks; none on a
+    tensor-parallel follower, which replays its leader's engine calls and never runs a tool."""
+    if not rollout_cfg.use_tool or not engine.is_leader:
         return None
     return Executor(workers=rollout_cfg.tool_workers or cores_per_rank(),
                     timeout_s=rollout_cfg.tool_timeout_s,
@@ -591,7 +556,7 @@ def start_run(cfg):
                                        tensorboard=cfg.tensorboard, config=dataclasses.asdict(cfg),
                                        resume_step=run.state["step"])
     run.engine = Engine(model_path, cfg.rollout, seed=cfg.seed)
-    run.executor = start_executor(cfg.rollout, rank)
+    run.executor = start_executor(cfg.rollout, run.engine)
     run.tool = metrics.TimedExecutor(run.executor) if run.executor else None
     dtype = cfg.rollout.dtype  # the engine's: the weights are cast to it before they are gathered
     run.weight_dtype = (getattr(torch, dtype) if dtype in ("float32", "bfloat16", "float16")

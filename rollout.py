@@ -25,6 +25,7 @@ import hashlib
 import json
 import queue
 import re
+import time
 
 from machinery.config import resolve
 from machinery.distributed import claim_counter, regroup
@@ -374,10 +375,11 @@ class Rollouts:
         return [self.groups[i] for i in sorted(self.groups)]
 
 
-def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0):
+def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0, times=None):
     """Roll out n trajectories for each problem. Collective: every rank passes the same `problems`
     (texts or rows with a "problem"), claims them (or parts of their groups) from one counter, and
-    -> its [[n Trajectory] per problem] in problem order: each group whole on one rank."""
+    -> its [[n Trajectory] per problem] in problem order: each group whole on one rank.
+    times["generate"]: this rank's own seconds, before it waits for the others to regroup."""
     global _generate_calls
 
     if n < 1:
@@ -391,12 +393,14 @@ def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0):
     if budget > engine.cfg.context_len:
         raise ValueError(f"generate: max_prompt_tokens + max_response_tokens = {budget}"
                          f" exceeds the engine's max_model_len {engine.cfg.context_len}")
-    groups = []
+    groups, started = [], time.perf_counter()
     if engine.is_leader:
         groups = Rollouts(engine, executor, tokenizer, texts, n, cfg, seed, step, claim).run()
         engine.stop_followers()
     else:  # tensor parallel: this rank replays its group leader's engine calls
         engine.follow()
+    if times is not None:
+        times["generate"] = time.perf_counter() - started
     return regroup(groups) if n > capacity(engine, cfg) else groups
 
 

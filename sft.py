@@ -101,7 +101,7 @@ class SFTConfig:
     activation_checkpointing: bool = False
     share_prefix: bool = True     # a micro-batch's common prompt once (exact; ~2x on the tiny demo)
     attn_implementation: str = "sdpa"  # or flash_attention_2 on GPU, if installed
-    train_threads: int = 0        # CPU only: torch threads; 0 = torch's default (all cores)
+    train_threads: int = 1        # CPU only: torch threads, 0 = torch's own; 1: bench/threads.py
     # checkpoints and logs
     save_every: int = 0           # DCP checkpoint every N steps and at the end; 0 = final/ only
     keep_checkpoints: int = 2

@@ -406,23 +406,6 @@ def gather_bucket(named_params, dtype, traffic=None):
     return out
 
 
-def global_metrics(per_batch, world_size):
-    """Every micro-batch's loss metrics on this rank -> the batch's over all ranks. A summed metric
-    was divided by the per-rank share of tokens, so its sum over micro-batches and mean over ranks
-    is the global one; *_max combine by max."""
-    keys = sorted(k for k in per_batch[0] if not k.endswith("_max"))
-    max_keys = sorted(k for k in per_batch[0] if k.endswith("_max"))
-    packed = torch.stack([sum(torch.as_tensor(m[k], dtype=torch.float32) for m in per_batch)
-                          for k in keys])
-    largest = torch.stack([max(torch.as_tensor(m[k], dtype=torch.float32) for m in per_batch)
-                           for k in max_keys])
-    dist.all_reduce(packed)
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-    out = {k: float(v) / world_size for k, v in zip(keys, packed)}
-    out.update({k: float(v) for k, v in zip(max_keys, largest)})
-    return out
-
-
 def add_traffic(traffic, key, count):
     if traffic is not None:
         traffic[key] = traffic.get(key, 0) + count

@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -499,8 +500,8 @@ def test_only_the_first_rank_of_a_tensor_parallel_group_leads_its_engine():
     ranks, the first leading (tests/dist_rollout.py runs TP=2)."""
     assert [leads_its_engine(rank, 2) for rank in range(6)] == [True, False] * 3
     assert all(leads_its_engine(rank, 1) for rank in range(4))
-    follower = RolloutConfig(tensor_parallel_size=2)
-    assert rl.start_executor(follower, 1) is None
+    follower = SimpleNamespace(is_leader=leads_its_engine(1, 2))  # what Engine sets at rank 1
+    assert rl.start_executor(RolloutConfig(tensor_parallel_size=2), follower) is None
 
 
 def test_checkpoint_bytes_match_a_real_checkpoint(tiny_model_dir, tmp_path):

@@ -18,7 +18,8 @@ from transformers import AutoTokenizer
 from rl import RLConfig, score_groups, start_executor
 from rollout import generate
 from machinery.checkpoint import check_inputs
-from machinery.config import ConfigError, atomic_write_text, load_config, require_at_least, resolve
+from machinery.config import (ConfigError, atomic_write_text, load_config, require_at_least,
+                              resolve)
 from machinery.data import drop_long_prompts
 from machinery.distributed import init_distributed, own_groups
 from machinery.engine import Engine, configure_vllm_logging
@@ -50,7 +51,7 @@ def filter_solved(cfg):
     # Too long to roll out means too long to train on: such problems are not written either.
     problems = drop_long_prompts(problems, tokenizer, cfg.rollout, cfg.filter_source)
     engine = Engine(model_path, cfg.rollout, seed=cfg.seed)
-    executor = start_executor(cfg.rollout, rank)
+    executor = start_executor(cfg.rollout, engine)
     solved = {}  # one pass in chunks of prompts_per_step, every rank claiming as in training
     for chunk, start in enumerate(range(0, len(problems), cfg.prompts_per_step)):
         rows = problems[start:start + cfg.prompts_per_step]
