@@ -27,10 +27,9 @@ import queue
 import re
 import time
 
-from machinery.config import resolve
 from machinery.distributed import claim_counter, regroup
-from machinery.prompts import (AUTO_VARIANT, format_paths, load_format, PROMPT_VARIANTS,
-                               render_prompt, render_tool_turn)
+from machinery.prompts import (check_rollout_config, load_format, render_prompt,
+                               render_tool_turn)
 from machinery.sandbox import truncate_middle
 
 TOOL_ERROR_KINDS = ("error", "timeout", "oom", "parse")
@@ -73,42 +72,7 @@ class RolloutConfig:
                                   # 1 keeps them in host RAM
 
     def validate(self):
-        if self.prompt_variant not in (*PROMPT_VARIANTS, AUTO_VARIANT):
-            raise ValueError(f"rollout.prompt_variant: {self.prompt_variant!r} is not one of "
-                             f"{sorted(PROMPT_VARIANTS) + [AUTO_VARIANT]}")
-        for name in ("max_prompt_tokens", "max_response_tokens", "max_turns",
-                     "tensor_parallel_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_model_len", "max_concurrency", "tool_workers", "max_tool_response_chars"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"rollout.{name} must be >= 0, got {getattr(self, name)}")
-        budget = self.max_prompt_tokens + self.max_response_tokens
-        if self.max_model_len and self.max_model_len < budget:
-            raise ValueError(f"rollout.max_model_len={self.max_model_len} cannot hold "
-                             f"max_prompt_tokens + max_response_tokens = {budget}")
-        if self.temperature < 0:
-            raise ValueError(f"rollout.temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
-        if self.tool_timeout_s <= 0:
-            raise ValueError(f"rollout.tool_timeout_s must be > 0, got {self.tool_timeout_s}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError("rollout.gpu_memory_utilization must be in (0, 1], "
-                             f"got {self.gpu_memory_utilization}")
-        if self.cpu_kv_cache_gb < 0:
-            raise ValueError("rollout.cpu_kv_cache_gb must be >= 0 (0 = sized from the config), "
-                             f"got {self.cpu_kv_cache_gb}")
-        if self.sleep_level not in (1, 2):
-            raise ValueError(f"rollout.sleep_level must be 1 or 2, got {self.sleep_level}")
-        names = ("chat_template", "tool_schema")
-        if self.prompt_variant == AUTO_VARIANT:  # only what is set; the rest comes from the model
-            paths = [(name, resolve(getattr(self, name))) for name in names if getattr(self, name)]
-        else:
-            paths = zip(names, format_paths(self))
-        for name, path in paths:
-            if not path.is_file():
-                raise ValueError(f"rollout.{name}: file not found: {path}")
+        check_rollout_config(self)  # a ValueError naming the rollout.* key
 
     @property
     def context_len(self):
