@@ -743,7 +743,8 @@ def train(cfg):
         print(f"rl.py: wrote {shown(hf_dir)} (the trained policy, a Hugging Face directory), "
               f"{shown(run.out_dir / 'metrics.jsonl')} (a row per step) and "
               f"{shown(run.ckpt_root)} (resumable)\n"
-              f"next: python eval.py {eval_config} model={shown(hf_dir)}", flush=True)
+              f"next: {rerun_command('eval.py', [eval_config, f'model={shown(hf_dir)}'])}",
+              flush=True)
     return metrics
 
 

@@ -1,14 +1,27 @@
 """The metrics log (JSONL, optionally W&B and TensorBoard) and the tool's busy time."""
 import contextlib
+import importlib.util
 import json
 import math
 import statistics
+import sys
 import textwrap
 import time
 from collections import Counter
 from pathlib import Path
 
-from machinery.config import atomic_write_text
+from machinery.config import ConfigError, atomic_write_text
+from machinery.exits import typed
+
+
+def check_logger_packages(wandb_project, tensorboard):
+    """Refuse a logger whose package is not installed (both are optional: README), before
+    anything loads, with the command that installs it into this interpreter's environment."""
+    for key, wanted, package in (("wandb_project", wandb_project, "wandb"),
+                                 ("tensorboard", tensorboard, "tensorboard")):
+        if wanted and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"{key}={wanted}: the {package} package is not installed; "
+                              f"{typed(sys.executable)} -m pip install {package}")
 
 
 class MetricsLogger:
