@@ -20,6 +20,7 @@ def check_logger_packages(wandb_project, tensorboard):
     for key, wanted, package in (("wandb_project", wandb_project, "wandb"),
                                  ("tensorboard", tensorboard, "tensorboard")):
         if wanted and importlib.util.find_spec(package) is None:
+            wanted = "true" if wanted is True else wanted
             raise ConfigError(f"{key}={wanted}: the {package} package is not installed; "
                               f"{typed(sys.executable)} -m pip install {package}")
 
