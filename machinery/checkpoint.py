@@ -223,6 +223,8 @@ def start_checkpoint(cfg, checkpoint):
     if damage:
         raise ConfigError(f"init_from={cfg.init_from}: {checkpoint} is damaged: {damage}; name "
                           "an intact checkpoint (a step_N directory) as init_from")
+    if initial:
+        check_fits(checkpoint, cfg.model)
     return checkpoint, initial and not cfg.init_optimizer
 
 

@@ -64,6 +64,9 @@ def _coerce(value, tp, where, typed=None):
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)  # model=123 or a numeric run name
+        if isinstance(value, bool) and typed:
+            raise ConfigError(f"{where}: YAML reads {typed!r} as {str(value).lower()}; quote it "
+                              f"(\"{typed}\") to mean the text")
         raise ConfigError(f"{where}: expected a string, got {type(value).__name__} {value!r}")
     name = getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
     raise ConfigError(f"{where}: unsupported config type {name}")

@@ -35,7 +35,7 @@ def launch_two_ranks(mode):
 def test_two_ranks_end_cleanly_and_a_refusal_is_printed_once():
     """Without leave(), 3 of 27 launches of this script aborted at exit on a rank (exit -6,
     "terminate called without an active exception": a gloo worker thread freeing its last
-    collective's tensors while the interpreter finalized), a minimal one 7 of 20; with it 0 of 35.
+    collective's tensors while the interpreter finalized), a minimal one 7 of 20; with it 0 of 23.
     Five launches catch a regression with a chance of about half: the rate, not one run, is the
     evidence (docs/design.md, "How a script ends")."""
     for _ in range(5):
