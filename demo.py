@@ -53,7 +53,7 @@ from pathlib import Path
 import yaml
 
 from machinery.config import REPO, atomic_write_text, ConfigError, load_config, resolve
-from machinery.exits import exit_status, interrupted, shown, stop_on_signals
+from machinery.exits import exit_status, interrupted, rerun_command, shown, stop_on_signals
 from tools.compare import evals, read_metrics, write_comparison
 
 # tiny.py and rollout.py (torch, transformers: ~4 s) are imported where a stage uses them (and
@@ -117,7 +117,7 @@ def run(cmd, log=None):
     # A fresh process per stage: each script starts its own torch.distributed world and vLLM engine,
     # exactly as when run by hand, and nothing (threads, engines, process groups) leaks from one
     # stage into the next.
-    print(f"\n$ {' '.join(cmd)}" + (f" > {log}" if log else ""), flush=True)
+    print(f"\n$ {rerun_command(cmd[0], cmd[1:])}" + (f" > {log}" if log else ""), flush=True)
     started = time.time()
     out = None
     if log:
@@ -333,7 +333,8 @@ def demo(cfg):
     model = shown(resolve(out_dir) / f"hf_step_{after_step}")
     print(f"demo.py: the trained model is {model} (a Hugging Face directory); every step's numbers "
           f"are in {shown(resolve(out_dir) / 'metrics.jsonl')}\n"
-          f"next: python eval.py configs/eval_tiny.yaml model={model}", flush=True)
+          f"next: {rerun_command('eval.py', ['configs/eval_tiny.yaml', f'model={model}'])}",
+          flush=True)
     return before, after
 
 

@@ -32,7 +32,6 @@ paper (docs/design.md, the paper's evaluation protocol).
 import dataclasses
 import difflib
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -45,8 +44,7 @@ from machinery.config import ConfigError, load_config, resolve
 from machinery.data import BENCHMARKS, load_problems
 from machinery.distributed import cores_per_rank, init_distributed
 from machinery.engine import configure_vllm_logging, Engine
-from machinery.exits import (RECEIVED, close_progress_bars, exit_status, interrupted,
-                             is_main_rank, rerun_command, shown, stop_on_signals)
+from machinery.exits import RECEIVED, rerun_command, run_script, shown
 from machinery.metrics import pass_at_k, sample_metrics, trajectory_record
 from machinery.model import check_model_dir
 from machinery.prompts import AUTO_VARIANT, apply_model_format, render_prompt
@@ -370,24 +368,30 @@ def interrupt_paragraph(cfg, argv):
             f"rest): {rerun_command('eval.py', argv, {} if cfg.resume else {'resume': 'true'})}")
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    try:  # bad input stops here, before any engine starts, with one line that names the problem
+def parse(argv):
+    """The config, its model's prompt format and its benchmarks' names checked: bad input stops
+    here, before any engine starts, in one line."""
+    try:
         cfg = load_config(EvalConfig, argv, doc=__doc__)
         # Relative to the repo, like every path in a config.
         cfg.model = check_model_dir(cfg.model, allow_hub_id=False)
         cfg.out_dir = cfg.out_dir or default_out_dir(cfg.model)
         # Before the evaluation writes config.yaml, so it says what ran.
         cfg.rollout = apply_model_format(cfg.rollout, cfg.model)
-        problems = load_benchmarks(cfg)
-    except (ConfigError, ValueError) as e:
-        sys.exit(f"eval.py: {e}")
-    configure_vllm_logging(cfg.verbose)
+    except ValueError as e:  # a prompt format or tool schema that does not read
+        raise ConfigError(str(e)) from None
+    return cfg
+
+
+def main(cfg):
     try:
-        rank, _, _, _ = init_distributed(cfg.collective_timeout_min)  # its preflight may refuse
-        summary = evaluate(cfg.model, problems, cfg, out_dir=cfg.out_dir)
-    except ConfigError as e:  # e.g. out_dir holds samples of other settings
-        sys.exit(f"eval.py: {e}")  # torchrun then stops the other ranks
+        problems = load_benchmarks(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    configure_vllm_logging(cfg.verbose)
+    rank, _, _, _ = init_distributed(cfg.collective_timeout_min)
+    # a ConfigError here (out_dir holds samples of other settings) comes before any engine starts
+    summary = evaluate(cfg.model, problems, cfg, out_dir=cfg.out_dir)
     if rank == 0:  # every rank holds the summary; one prints it
         print(f"\n{cfg.model}\n" + markdown_table(summary), flush=True)
         out = shown(resolve(cfg.out_dir))
@@ -396,18 +400,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":  # vLLM's engine may spawn processes that re-import this file
-    stop_on_signals()
-    try:
-        main()
-    except (KeyboardInterrupt, Exception):
-        if not interrupted():  # a real error: its traceback
-            raise
-        if is_main_rank():  # one paragraph, no traceback; engine and workers close at exit
-            close_progress_bars()
-            try:
-                config = load_config(EvalConfig, sys.argv[1:])
-                config.out_dir = config.out_dir or default_out_dir(resolve(config.model))
-            except ConfigError:
-                config = None
-            print(interrupt_paragraph(config, sys.argv[1:]), flush=True)
-        sys.exit(exit_status())
+    run_script("eval.py", parse, main, interrupt_paragraph)

@@ -54,14 +54,13 @@ from grpo_roc import (ADVANTAGE_SCALINGS, LOSS_AGGREGATIONS, POSITIVE_RULES, RAT
 from reward import extract_answer, grade_batch
 from rollout import RolloutConfig, Rollouts, generate
 from machinery import checkpoint, metrics, plan, run_dir
-from machinery.config import ConfigError, load_config, resolve
+from machinery.config import load_config, resolve
 from machinery.data import drop_long_prompts, prompt_indices
 from machinery.distributed import (balance_by_tokens, check_shared_paths, compute_dtype,
                                    cores_per_rank, cpu_threads, free_cached_memory, full_weights,
                                    init_distributed, own_groups)
 from machinery.engine import Engine, configure_vllm_logging
-from machinery.exits import (close_progress_bars, exit_status, interrupted, is_main_rank,
-                             stop_on_signals, training_interrupted)
+from machinery.exits import run_script, training_interrupted
 from machinery.model import save_hf_model
 from machinery.prompts import load_format
 from machinery.results import CHUNK_PROBLEMS
@@ -579,36 +578,26 @@ def finish(run, untrained):
         metrics.print_rl_written(run.out_dir, hf_dir, run.ckpt_root, untrained, run.device)
 
 
-def interrupt_paragraph(cfg):
+def interrupt_paragraph(cfg, argv):
     """What rank 0 prints when Ctrl-C or SIGTERM stops rl.py (cfg: None before it is read)."""
     if cfg is None or cfg.mode == "plan":  # it writes nothing
         return "rl.py: interrupted"
     out_dir = resolve(cfg.out_dir)
-    return training_interrupted("rl.py", sys.argv[1:], out_dir,
+    return training_interrupted("rl.py", argv, out_dir,
                                 checkpoint.latest_checkpoint(out_dir / "checkpoints"), cfg.steps,
                                 cfg.save_every, cfg.resume)
 
 
+def main(cfg):
+    configure_vllm_logging(cfg.verbose)
+    plan_args = plan.split_plan_args(sys.argv[1:], RLConfig)[1]  # plan_*=...: the plan's own keys
+    if cfg.mode == "plan" or plan_args:  # no process group, no model: the config's world
+        plan.print_plan(cfg, cfg.world_size or int(os.environ.get("WORLD_SIZE", "1")), Rollouts,
+                        plan_args)
+    else:
+        train(cfg)
+
+
 if __name__ == "__main__":
-    stop_on_signals()
-    config = None
-    try:
-        argv, plan_args = plan.split_plan_args(sys.argv[1:], RLConfig)  # plan_*=...: its own keys
-        config = load_config(RLConfig, argv, doc=__doc__)
-        configure_vllm_logging(config.verbose)
-        if config.mode == "plan" or plan_args:  # no process group, no model: the config's world
-            plan.print_plan(config, config.world_size or int(os.environ.get("WORLD_SIZE", "1")),
-                            Rollouts, plan_args)
-        else:
-            train(config)
-    except ConfigError as e:
-        sys.exit(f"rl.py: {e}")
-    except (KeyboardInterrupt, Exception):
-        if not interrupted():  # a real error: its traceback
-            raise
-        # Ctrl-C or SIGTERM (on another rank too: then a collective here fails): one paragraph
-        # on rank 0, no traceback; the engine, tool and grading workers close at exit
-        if is_main_rank():
-            close_progress_bars()
-            print(interrupt_paragraph(config), flush=True)
-        sys.exit(exit_status())
+    run_script("rl.py", lambda argv: load_config(RLConfig, plan.split_plan_args(argv, RLConfig)[0],
+                                                 doc=__doc__), main, interrupt_paragraph)

@@ -44,7 +44,6 @@ Tests: .venv/bin/python -m pytest tests/test_sft.py -q
 import dataclasses
 import math
 import random
-import sys
 import time
 from typing import Literal
 
@@ -63,8 +62,7 @@ from machinery.conversations import (IGNORE, chat_text, check_context, check_con
 from machinery.data import load_jsonl
 from machinery.distributed import (check_shared_paths, cpu_threads, init_distributed,
                                    seed_everything)
-from machinery.exits import (close_progress_bars, exit_status, interrupted, is_main_rank, shown,
-                             stop_on_signals, training_interrupted)
+from machinery.exits import rerun_command, run_script, shown, training_interrupted
 from machinery.metrics import MetricsLogger
 from machinery.model import build_model, check_model_dir, save_hf_model
 from machinery.prompts import DATA_PLACEHOLDER, encode_rendered
@@ -424,29 +422,21 @@ def print_written(out_dir, device):
     """What the run wrote, and the next command: configs/tiny.yaml on CPU (the demo's RL stage),
     the paper's stage 1 on a GPU."""
     rl_config = "configs/stage1.yaml" if device.type == "cuda" else "configs/tiny.yaml"
+    model = f"model={shown(out_dir / 'final')}"
     print(f"sft.py: wrote {shown(out_dir / 'final')} (the model, a Hugging Face directory) and "
           f"{shown(out_dir / 'metrics.jsonl')}\n"
-          f"next: python rl.py {rl_config} model={shown(out_dir / 'final')}", flush=True)
+          f"next: {rerun_command('rl.py', [rl_config, model])}", flush=True)
+
+
+def interrupt_paragraph(cfg, argv):
+    """What rank 0 prints when Ctrl-C or SIGTERM stops sft.py (cfg: None before it is read)."""
+    if cfg is None:
+        return "sft.py: interrupted"
+    out_dir = resolve(cfg.out_dir)
+    return training_interrupted("sft.py", argv, out_dir, latest_checkpoint(out_dir / "checkpoints"),
+                                None, cfg.save_every, cfg.resume)
 
 
 if __name__ == "__main__":
-    stop_on_signals()
-    config = None
-    try:
-        config = load_config(SFTConfig, sys.argv[1:], doc=__doc__)
-        train(config)
-    except ConfigError as e:
-        sys.exit(f"sft.py: {e}")
-    except (KeyboardInterrupt, Exception):
-        if not interrupted():  # a real error: its traceback
-            raise
-        # Ctrl-C or SIGTERM (on another rank too: then a collective here fails): one paragraph
-        # on rank 0, no traceback
-        if is_main_rank():
-            close_progress_bars()
-            out_dir = None if config is None else resolve(config.out_dir)
-            print("sft.py: interrupted" if config is None else training_interrupted(
-                "sft.py", sys.argv[1:], out_dir, latest_checkpoint(out_dir / "checkpoints"),
-                None, config.save_every, config.resume), flush=True)
-        sys.exit(exit_status())
-    dist.destroy_process_group()
+    run_script("sft.py", lambda argv: load_config(SFTConfig, argv, doc=__doc__), train,
+               interrupt_paragraph)

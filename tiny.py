@@ -12,7 +12,6 @@ real one.
 import dataclasses
 import json
 import random
-import sys
 from pathlib import Path
 
 import torch
@@ -21,8 +20,9 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
 
-from machinery.config import REPO, ConfigError, atomic_write_text, load_config
+from machinery.config import REPO, atomic_write_text, load_config
 from machinery.data import load_jsonl
+from machinery.exits import rerun_command, run_script
 from executor import Executor
 from rollout import format_tool_response, RolloutConfig
 
@@ -346,13 +346,15 @@ def build_tiny_model(cfg=None):
     return out
 
 
-if __name__ == "__main__":
-    try:
-        config = load_config(TinyConfig, sys.argv[1:], doc=__doc__)
-    except ConfigError as e:
-        sys.exit(f"tiny.py: {e}")
+def main(config):
     build_tiny_model(config)
     if config.sft_data:
         write_sft_transcripts(config)
-        print(f"next: python sft.py configs/sft_tiny.yaml model={config.out_dir} "
-              f"data={config.sft_data}", flush=True)
+        sft = ["configs/sft_tiny.yaml", f"model={config.out_dir}", f"data={config.sft_data}"]
+        print(f"next: {rerun_command('sft.py', sft)}", flush=True)
+
+
+if __name__ == "__main__":
+    run_script("tiny.py", lambda argv: load_config(TinyConfig, argv, doc=__doc__), main,
+               lambda config, argv: f"tiny.py: interrupted. Rerun: "
+                                    f"{rerun_command('tiny.py', argv)}")

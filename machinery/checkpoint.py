@@ -18,10 +18,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from transformers import AutoConfig, AutoModelForCausalLM
+
 from machinery.config import ConfigError, require_at_least, resolve
-from machinery.model import build_model
 from machinery.data import load_problems
-from machinery.model import check_model_dir
+from machinery.model import build_model, check_model_dir
 
 CHECKPOINT_PREFIX = "step_"
 
@@ -81,6 +82,31 @@ def ranks_text(ranks):
         else:
             runs.append([r, r])
     return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def check_fits(checkpoint, model):
+    """Refuse a checkpoint of another model before anything loads: DCP's .metadata holds every
+    saved tensor's shape, and the model's config.json gives its own (the module built on the meta
+    device, no memory). Names the first parameter that differs. A model that is no local
+    directory (a hub id) is checked when the checkpoint loads."""
+    config_file = resolve(model) / "config.json"
+    if checkpoint is None or not config_file.is_file():
+        return
+    saved = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    with torch.device("meta"):
+        expected = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_file.parent))
+    shapes = {name: tuple(t.shape) for name, t in expected.state_dict().items()}
+    found = {name: tuple(saved[f"model.{name}"].size) for name in shapes
+             if hasattr(saved.get(f"model.{name}"), "size")}
+    differs = [name for name in shapes if name in found and found[name] != shapes[name]]
+    if found and not differs:
+        return
+    what = (f"its {differs[0]} is {list(found[differs[0]])}, where {model} has "
+            f"{list(shapes[differs[0]])}" if differs
+            else f"it holds none of {model}'s {len(shapes)} parameters")
+    raise ConfigError(f"{checkpoint}: a checkpoint of another model ({what}); it is not damaged. "
+                      f"Resume it with the model it was trained from, or train {model} in "
+                      "another out_dir")
 
 
 def intact_checkpoint(ckpt_root, before=None):
@@ -227,6 +253,8 @@ def start_checkpoint(cfg, checkpoint):
     if damage:
         raise ConfigError(f"init_from={cfg.init_from}: {checkpoint} is damaged: {damage}; name "
                           "an intact checkpoint (a step_N directory) as init_from")
+    if initial:
+        check_fits(checkpoint, cfg.model)
     return checkpoint, initial and not cfg.init_optimizer
 
 

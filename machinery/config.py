@@ -20,13 +20,18 @@ class ConfigError(ValueError):
     """A bad config file, key, value or data row. The message says which."""
 
 
-def _coerce(value, tp, where):
+def _coerce(value, tp, where, typed=None):
     """Check `value` against the annotation `tp`; convert the few lossless cases (int -> float,
-    "1e-6" -> float)."""
+    "1e-6" -> float). `typed`: the text the value was read from, for the message."""
     origin = typing.get_origin(tp)
     if origin is typing.Literal:
-        if value not in typing.get_args(tp):
-            raise ConfigError(f"{where}: {value!r} is not one of {list(typing.get_args(tp))}")
+        choices = list(typing.get_args(tp))
+        if isinstance(value, bool) and value not in choices:  # YAML 1.1: off, no, n, false ...
+            instead = "none, or one of" if "none" in choices else "one of"
+            raise ConfigError(f"{where}: YAML reads {typed or value!r} as {str(value).lower()}; "
+                              f"write {instead} {choices}")
+        if value not in choices:
+            raise ConfigError(f"{where}: {typed or value!r} is not one of {choices}")
         return value
     if origin is list:
         (item_tp,) = typing.get_args(tp) or (typing.Any,)
@@ -59,20 +64,25 @@ def _coerce(value, tp, where):
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)  # model=123 or a numeric run name
+        if isinstance(value, bool) and typed:
+            raise ConfigError(f"{where}: YAML reads {typed!r} as {str(value).lower()}; quote it "
+                              f"(\"{typed}\") to mean the text")
         raise ConfigError(f"{where}: expected a string, got {type(value).__name__} {value!r}")
     name = getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
     raise ConfigError(f"{where}: unsupported config type {name}")
 
 
 def _line_numbers(text):
-    """Map dotted key -> line number in a YAML document, so errors can say file:line."""
+    """Map dotted key -> (line number, the value's text) in a YAML document, so errors can say
+    file:line and quote what was written."""
     lines = {}
 
     def walk(node, prefix):
         if isinstance(node, yaml.MappingNode):
             for key_node, value_node in node.value:
                 key = f"{prefix}{key_node.value}"
-                lines[key] = key_node.start_mark.line + 1
+                lines[key] = (key_node.start_mark.line + 1,
+                              value_node.value if isinstance(value_node, yaml.ScalarNode) else None)
                 walk(value_node, key + ".")
 
     try:
@@ -89,7 +99,7 @@ def _apply(cfg, updates, source, lines, prefix=""):
     hints = typing.get_type_hints(type(cfg))
     for key, value in updates.items():
         dotted = f"{prefix}{key}"
-        line = lines.get(dotted)
+        line, typed = lines.get(dotted, (None, None))
         where = f"{source}:{line}: '{dotted}'" if line else f"{source}: '{dotted}'"
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
@@ -104,7 +114,7 @@ def _apply(cfg, updates, source, lines, prefix=""):
                                   f"expected a mapping, got {value!r}")
             _apply(current, value, source, lines, dotted + ".")
         else:
-            setattr(cfg, key, _coerce(value, tp, where))
+            setattr(cfg, key, _coerce(value, tp, where, typed))
 
 
 def require_at_least(cfg, minimum, *names):
@@ -154,7 +164,7 @@ def load_config(cls, argv=None, doc=None):
         # rollout.max_turns=15 -> {"rollout": {"max_turns": 15}}
         for part in reversed(key.split(".")):
             value = {part: value}
-        _apply(cfg, value, "command line", {})
+        _apply(cfg, value, "command line", {key: (None, raw)})
     if hasattr(cfg, "validate"):
         try:
             cfg.validate()

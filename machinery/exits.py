@@ -1,13 +1,19 @@
-"""How a script ends. An interrupt (Ctrl-C, or SIGTERM from a scheduler or torchrun's agent) ends
-in one paragraph that says where the run stands and the command that resumes it, never in a
-traceback from inside vLLM; a finished script names what it wrote and the command to run next."""
+"""How a script ends. run_script is every script's `__main__`: bad input ends in one line, an
+interrupt (Ctrl-C, or SIGTERM from a scheduler or torchrun's agent) in one paragraph that says where
+the run stands and the command that resumes it, never in a traceback from inside vLLM; a finished
+script names what it wrote and the command to run next. Under torchrun, rank 0 alone prints."""
+import atexit
 import json
 import os
 import shlex
 import signal
+import sys
+import traceback
 from pathlib import Path
 
 from tqdm import tqdm
+
+from machinery.config import ConfigError
 
 # The signals this process received, by name: the handler's only state. After one, an error is the
 # interrupt's echo (a peer rank that left mid-collective), not a bug to show a traceback for.
@@ -20,6 +26,63 @@ LAUNCH_VARIABLES = ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "MA
                     "MASTER_PORT")
 
 
+def run_script(script, parse, run, interrupt_paragraph):
+    """A script's whole `__main__`: config = parse(argv), then run(config), and every way that ends:
+      finished       the process group destroyed (end_process_group), exit 0;
+      ConfigError    "script: message" on stderr, exit 1: bad input or a refusal;
+      Ctrl-C/SIGTERM interrupt_paragraph(config, argv) (config None before parse returned),
+                     exit 128 + the signal; also when the error is its echo (a peer rank that
+                     left mid-collective);
+      anything else  its traceback, exit 1.
+    Rank 0 alone prints the line and the paragraph: every check runs on every rank alike or is
+    rank 0's decision broadcast (machinery/run_dir.py), so the others would print it again. No
+    error path destroys the process group: a rank still inside a collective would hang that on
+    NCCL (torchtitan stopped destroying after exceptions for this reason)."""
+    stop_on_signals()
+    argv, config = sys.argv[1:], None
+    try:
+        config = parse(argv)
+        run(config)
+    except (KeyboardInterrupt, Exception) as error:
+        if interrupted() or isinstance(error, KeyboardInterrupt):
+            if is_main_rank():
+                close_progress_bars()
+                print(interrupt_paragraph(config, argv), flush=True)
+            leave(exit_status())
+        if isinstance(error, ConfigError):
+            if is_main_rank():
+                close_progress_bars()
+                print(f"{script}: {error}", file=sys.stderr, flush=True)
+            leave(1)
+        traceback.print_exc()
+        leave(1)
+    end_process_group()
+    leave(0)
+
+
+def end_process_group():
+    """Destroy torch.distributed's groups where a script succeeded, on every rank: the documented
+    shutdown (PyTorch's "Shutdown" section); vLLM's engine.close() may have done it already.
+    torch.distributed is looked up, not imported: a script without torch (demo.py) has no group."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def leave(code):
+    """Exit with `code` after the atexit handlers (the run lock, vLLM's, multiprocessing's), but
+    without the interpreter's teardown. A gloo worker thread drops its last collective's tensors
+    after the caller has returned; one that does so while the interpreter finalizes cannot take the
+    GIL and aborts the process ("terminate called without an active exception", exit -6). FSDP2's
+    DeviceMesh keeps the group and its threads alive past destroy_process_group, so the destroy
+    alone does not prevent it: 7 of 20 two-rank launches aborted with a mesh and the destroy, 0 of
+    20 through this (docs/design.md, "How a script ends")."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def stop_on_signals(forward_to=()):
     """SIGINT and SIGTERM both raise KeyboardInterrupt in the main thread, so one except clause
     ends a run either way. Later signals are ignored: the cleanup (engine, tool and grading
@@ -27,6 +90,8 @@ def stop_on_signals(forward_to=()):
     cannot cut it short. `forward_to`: child processes (Popen) that get the signal too, so a
     signal sent to the parent alone still ends each child its own clean way."""
     LAUNCH.update({key: os.environ[key] for key in LAUNCH_VARIABLES if key in os.environ})
+    spec = getattr(sys.modules["__main__"], "__spec__", None)  # python -m tools.replay: a module
+    LAUNCH["words"] = launcher_words(f"-m {spec.name}" if spec and spec.name else sys.argv[0])
 
     def interrupt(signum, frame):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -69,22 +134,53 @@ def shown(path):
         return str(path)
 
 
+def typed(path):
+    """An absolute path as the user would type it: relative to the working directory when under
+    it. Links are kept as they are (.venv may link to a shared environment), unlike shown."""
+    cwd = os.getcwd().rstrip("/") + "/"
+    return path[len(cwd):] if path.startswith(cwd) else path
+
+
+def launcher_words(script):
+    """The words before `script` (a file, or "-m MODULE") in the command the user ran: the
+    interpreter as typed (.venv/bin/python, relative to the working directory when inside it), or
+    under torchrun its own command line with its flags, read from torchrun's agent (this process's
+    parent). [] when the parent cannot be read."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # torchrun sets it; a world of one does not
+        return [typed(sys.executable)]
+    try:
+        words = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")[:-1]
+        at = words.index(script.split()[-1])
+        words = words[:at - 1] if script.startswith("-m ") and words[at - 1] == "-m" else words[:at]
+    except (OSError, ValueError):
+        return []
+    if len(words) > 1 and Path(words[1]).name == "torchrun":  # its entry script runs itself
+        words = words[1:]
+    words[:1] = [typed(w) for w in words[:1]]
+    # every node runs it with its own rank
+    return [("--node_rank=$NODE_RANK" if w.split("=")[0] in ("--node_rank", "--node-rank") else w)
+            for w in words]
+
+
 def rerun_command(script, argv, set_keys=None):
     """The command line that runs `script` with `argv` again, each key of `set_keys` set to its
-    value (replacing that key's override); under torchrun, torchrun with this launch's shape."""
+    value (replacing that key's override), with the interpreter or the torchrun line this process
+    was started with (launcher_words, read at stop_on_signals)."""
     set_keys = set_keys or {}
     args = [a for a in argv if a.split("=", 1)[0] not in set_keys]
     args += [f"{key}={value}" for key, value in set_keys.items()]
-    env = LAUNCH or os.environ
-    if "TORCHELASTIC_RUN_ID" not in env:  # torchrun sets it; a world of one does not
-        return shlex.join(["python", script, *args])
+    words = LAUNCH.get("words") or launcher_words(script)
+    if words:
+        return " ".join(w if w.startswith("--node_rank=$") else shlex.quote(w) for w in words) \
+            + " " + shlex.join([*script.split(), *args])
+    env = LAUNCH or os.environ  # torchrun's agent unreadable: its flags from the launch's shape
     local, world = int(env.get("LOCAL_WORLD_SIZE", "1")), int(env.get("WORLD_SIZE", "1"))
     launch = ["torchrun", f"--nproc_per_node={local}"]
     if world > local:
         launch += [f"--nnodes={world // local}", "--node_rank=$NODE_RANK",
                    f"--master_addr={env.get('MASTER_ADDR', '$MASTER_ADDR')}",
                    f"--master_port={env.get('MASTER_PORT', '29500')}"]
-    return " ".join(launch) + " " + shlex.join([script, *args])
+    return " ".join(launch) + " " + shlex.join([*script.split(), *args])
 
 
 def last_logged_step(out_dir):

@@ -1,8 +1,10 @@
 """The metrics log (JSONL, optionally W&B and TensorBoard) and the tool's busy time."""
 import contextlib
+import importlib.util
 import json
 import math
 import statistics
+import sys
 import textwrap
 import time
 from collections import Counter
@@ -11,8 +13,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from machinery.config import atomic_write_text
-from machinery.exits import shown
+from machinery.config import ConfigError, atomic_write_text
+from machinery.exits import rerun_command, shown, typed
+
+
+def check_logger_packages(wandb_project, tensorboard):
+    """Refuse a logger whose package is not installed (both are optional: README), before
+    anything loads, with the command that installs it into this interpreter's environment."""
+    for key, wanted, package in (("wandb_project", wandb_project, "wandb"),
+                                 ("tensorboard", tensorboard, "tensorboard")):
+        if wanted and importlib.util.find_spec(package) is None:
+            wanted = "true" if wanted is True else wanted
+            raise ConfigError(f"{key}={wanted}: the {package} package is not installed; "
+                              f"{typed(sys.executable)} -m pip install {package}")
 
 
 class MetricsLogger:
@@ -308,7 +321,8 @@ def print_rl_written(out_dir, hf_dir, ckpt_root, untrained, device):
     eval_config = "configs/eval.yaml" if device.type == "cuda" else "configs/eval_tiny.yaml"
     print(f"rl.py: wrote {shown(hf_dir)} (the trained policy, a Hugging Face directory), "
           f"{shown(out_dir / 'metrics.jsonl')} (a row per step) and {shown(ckpt_root)} "
-          f"(resumable)\nnext: python eval.py {eval_config} model={shown(hf_dir)}", flush=True)
+          f"(resumable)\nnext: {rerun_command('eval.py', [eval_config, f'model={shown(hf_dir)}'])}",
+          flush=True)
 
 
 def warn_untrained(streak, metrics, every):

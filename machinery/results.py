@@ -91,15 +91,24 @@ def work_left(model_path, problems, cfg, out_dir, rank, world_size):
     """(the finished problems, on rank 0: {(benchmark, id): records}, the (benchmark, row) pairs
     still to generate, the same on every rank). Rank 0 alone reads out_dir (no shared filesystem
     is assumed); every rank needs only the finished keys, to agree on the work that is left."""
-    finished = {}
+    finished, refusal = {}, None
     if out_dir is not None and rank == 0:
-        finished = open_samples(out_dir, generation_settings(model_path, cfg), cfg.n, cfg.resume)
-        # Only once out_dir took this evaluation (its samples' settings match, or it was empty):
-        # a refused one leaves another evaluation's config.yaml as it was.
-        save_config(cfg, out_dir)
-    done = [set(finished)]
+        try:
+            finished = open_samples(out_dir, generation_settings(model_path, cfg), cfg.n,
+                                    cfg.resume)
+            # Only once out_dir took this evaluation (its samples' settings match, or it was
+            # empty): a refused one leaves another evaluation's config.yaml as it was.
+            save_config(cfg, out_dir)
+        except ConfigError as e:  # every rank raises it: all stop at once, rank 0 prints it
+            refusal = str(e)
+        except OSError as e:  # a read-only filesystem, a directory of another user
+            refusal = (f"out_dir={out_dir}: cannot write there ({e.strerror}: {e.filename}); "
+                       "choose a writable out_dir")
+    done = [set(finished), refusal]
     if world_size > 1:
         dist.broadcast_object_list(done, src=0)
+    if done[1]:
+        raise ConfigError(done[1])
     todo = [(name, row) for name, rows in problems.items() for row in rows
             if (name, row["id"]) not in done[0]]
     if rank == 0:

@@ -11,6 +11,7 @@ change what is trained (a script's KEYS_A_RESUME_MAY_CHANGE: steps, logging, wor
 differ. Every other key counts, a key added later included. docs/design.md, "The run directory"."""
 import atexit
 import dataclasses
+import errno
 import fcntl
 import json
 import os
@@ -21,8 +22,9 @@ from pathlib import Path
 import torch.distributed as dist
 import yaml
 
-from machinery.checkpoint import checkpoint_step, requested_checkpoint
+from machinery.checkpoint import check_fits, checkpoint_step, requested_checkpoint
 from machinery.config import ConfigError, atomic_write_text, flatten_config, save_config
+from machinery.metrics import check_logger_packages
 
 LOCK_NAME = "run.lock"
 HISTORY_NAME = "config_history.yaml"
@@ -54,10 +56,12 @@ def claim_run_dir(cfg, out_dir, free_keys, steps, export, rank):
     once the run will run."""
     decision = None
     if rank == 0:
+        made = _missing_ancestor(Path(out_dir))
         try:
             decision = _claim(cfg, Path(out_dir), free_keys, steps, export)
         except ConfigError as e:
             release_lock(out_dir)
+            _unmake(Path(out_dir), made)  # a refused start leaves no new directory behind
             decision = {"error": str(e)}
     if dist.is_initialized() and dist.get_world_size() > 1:
         box = [decision]
@@ -79,8 +83,14 @@ def finish_run_dir(run_dir, step):
 
 
 def _claim(cfg, out_dir, free_keys, steps, export):
-    out_dir.mkdir(parents=True, exist_ok=True)
-    take_lock(out_dir)
+    check_logger_packages(cfg.wandb_project, cfg.tensorboard)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        take_lock(out_dir)
+    except OSError as e:  # a read-only filesystem, a directory of another user
+        reason = "a read-only filesystem" if e.errno == errno.EROFS else e.strerror
+        raise ConfigError(f"out_dir={out_dir}: cannot write there ({reason}: {e.filename}); "
+                          "choose a writable out_dir") from None
     config_path = out_dir / "config.yaml"
     old = yaml.safe_load(config_path.read_text()) if config_path.is_file() else None
     _check_owner(out_dir, old, cfg.resume)
@@ -92,6 +102,7 @@ def _claim(cfg, out_dir, free_keys, steps, export):
     free_keys = {*free_keys, *(f"rollout.{name}" for name in ROLLOUT_RESOURCE_FIELDS)}
     method = {key: change for key, change in changes.items() if key not in free_keys}
     checkpoint = requested_checkpoint(cfg.resume, out_dir / "checkpoints")
+    check_fits(checkpoint, cfg.model)
     at_step = checkpoint_step(checkpoint) if checkpoint is not None else 0
     if method and not cfg.continue_with_changes:
         raise ConfigError(_refusal(out_dir, method, at_step))
@@ -113,6 +124,30 @@ def _claim(cfg, out_dir, free_keys, steps, export):
         record["config"] = new
     append_history(out_dir, record)
     return {"done": False, "checkpoint": checkpoint, "keep_through": keep_through}
+
+
+def _missing_ancestor(out_dir):
+    """The outermost directory of out_dir's path that does not exist yet (None: it exists)."""
+    missing = None
+    for path in (out_dir, *out_dir.parents):
+        if path.exists():
+            return missing
+        missing = path
+
+
+def _unmake(out_dir, made):
+    """Remove the directories _claim made, from out_dir up to `made`, if they hold nothing but
+    the lock it took."""
+    if made is None:
+        return
+    (out_dir / LOCK_NAME).unlink(missing_ok=True)
+    for path in (out_dir, *out_dir.parents):
+        try:
+            path.rmdir()
+        except OSError:
+            return
+        if path == made:
+            return
 
 
 def _check_owner(out_dir, old, resume):

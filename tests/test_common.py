@@ -4,6 +4,7 @@ import json
 import re
 import subprocess
 import sys
+import typing
 
 import pytest
 
@@ -68,6 +69,30 @@ def test_wrong_type_names_the_key(tmp_path):
         load_config(Demo, ["use_tool=maybe"])
     with pytest.raises(ConfigError, match="'rollout': is a section"):
         load_config(Demo, ["rollout=3"])
+
+
+@dataclasses.dataclass
+class Choices:
+    correction: typing.Literal["none", "tis"] = "none"
+    dtype: typing.Literal["auto", "float32"] = "auto"
+    name: str = ""
+
+
+def test_a_word_that_yaml_reads_as_a_boolean_is_quoted_as_typed(tmp_path):
+    """YAML 1.1 reads off/no/false (and on/yes/true) as booleans: the message says so, quoting what
+    was written, and names the word to write instead."""
+    path = write(tmp_path, "correction: off\n")
+    with pytest.raises(ConfigError, match=re.escape(
+            "c.yaml:1: 'correction': YAML reads 'off' as false; write none, or one of "
+            "['none', 'tis']")):
+        load_config(Choices, [path])
+    with pytest.raises(ConfigError, match=re.escape(
+            "command line: 'dtype': YAML reads 'no' as false; write one of ['auto', 'float32']")):
+        load_config(Choices, ["dtype=no"])
+    with pytest.raises(ConfigError, match=re.escape(
+            "'name': YAML reads 'yes' as true; quote it (\"yes\") to mean the text")):
+        load_config(Choices, ["name=yes"])
+    assert load_config(Choices, ['name="yes"', "correction=tis"]) == Choices("tis", "auto", "yes")
 
 
 def test_bad_override_and_missing_file():

@@ -591,6 +591,18 @@ def test_command_line_under_torchrun_splits_the_work_and_rank_0_gathers_it(tiny_
     summary = json.loads((out_dir / "summary.json").read_text())["benchmarks"]
     assert summary == {"arith": evaluation.summarize(groups, ks=[1, 2])}
     assert (out_dir / "config.yaml").exists()
+    # The finished evaluation again: nothing left, no engine; each rank ends cleanly (exit 0).
+    again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "0 to generate on 2 rank(s)" in again.stdout, again.stderr
+    assert "terminate called" not in again.stderr
+    # Other settings into it: rank 0 decides, every rank stops, the refusal is printed once (the
+    # traceback after it is torchrun's own report of the exit).
+    refused = subprocess.run(command + ["n=3"], cwd=REPO, capture_output=True, text=True,
+                             timeout=600)
+    assert refused.returncode != 0
+    assert refused.stderr.count(f"eval.py: {out_dir} holds samples made with other settings") == 1
+    tracebacks = refused.stderr.split("Traceback (most recent call last):")[1:]
+    assert all("bin/torchrun" in t.splitlines()[1] for t in tracebacks), refused.stderr[-3000:]
 
 
 def test_the_default_out_dir_is_one_per_model_and_a_missing_local_model_shows_its_folder(

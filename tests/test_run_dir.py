@@ -176,6 +176,28 @@ def test_rl_rerun_with_other_settings_or_fewer_steps_or_resume_never_writes_noth
 
 
 @pytest.mark.slow
+def test_rl_a_checkpoint_of_another_model_is_refused_in_one_line_before_any_model_loads(
+        finished_rl, tmp_path):
+    """The run's checkpoint resumed into a wider, deeper model: named as another model's, with
+    the first parameter that differs; never called damaged; nothing created or changed."""
+    _, data, run = copy_run(finished_rl, tmp_path)
+    wide = tiny.build_tiny_model(tiny.TinyConfig(out_dir=str(tmp_path / "wide"), pretrain_steps=0,
+                                                 hidden_size=192, num_hidden_layers=3))
+    before = snapshot(run)
+    checkpoint = run / "checkpoints" / "step_00000002"
+    for out_dir, overrides in ((tmp_path / "new" / "run", [f"resume={checkpoint}"]),
+                               (run, ["continue_with_changes=true"])):
+        proc = rl_process(rl_args(wide, data, out_dir, *overrides))
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert proc.stderr == (
+            f"rl.py: {checkpoint}: a checkpoint of another model (its model.embed_tokens.weight is "
+            f"[2112, 128], where {wide} has [2112, 192]); it is not damaged. Resume it with the "
+            f"model it was trained from, or train {wide} in another out_dir\n")
+        assert "Loading weights" not in proc.stdout
+    assert not (tmp_path / "new").exists() and snapshot(run) == before
+
+
+@pytest.mark.slow
 def test_rl_continue_with_changes_is_recorded_and_rotation_keeps_the_old_runs_checkpoints(
         finished_rl, tmp_path):
     model, data, run = copy_run(finished_rl, tmp_path)

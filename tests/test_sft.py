@@ -2,12 +2,15 @@
 mean over the whole global batch however it is split, a run resumes where it stopped, and the result
 loads as a HF directory."""
 import dataclasses
+import importlib.util
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -472,7 +475,7 @@ def test_torchrun_two_ranks_match_one_process(tmp_path, tiny_model_dir, chat_dat
     steps."""
     common = [f"model={tiny_model_dir}", f"data={chat_data}", "global_batch_size=8",
               "micro_batch_size=4", "lr=3e-3", "warmup_ratio=0.1", "max_steps=2",
-              "train_dtype=float32"]
+              "train_dtype=float32", "save_every=2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for name, launcher in (("one", [sys.executable]),
                            ("two", [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -491,3 +494,101 @@ def test_torchrun_two_ranks_match_one_process(tmp_path, tiny_model_dir, chat_dat
     for name in one:
         # atol: see the test above
         torch.testing.assert_close(one[name], two[name], rtol=0, atol=0.05 * 3e-3, msg=name)
+    # The one-process run's checkpoint goes on under two ranks (DCP reshards; the second rank,
+    # which the saving run did not have, takes rank 0's step and data position). Each rank's exit
+    # is clean (machinery.exits.leave), and the next command is the launch as it was typed.
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    more = subprocess.run([*launch, "sft.py",
+                           *(c for c in common if not c.startswith("max_steps")), "max_steps=3",
+                           f"out_dir={tmp_path / 'one'}", "continue_with_changes=true"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert "resumed from" in more.stdout and "at step 2" in more.stdout
+    assert "terminate called" not in more.stderr
+    assert [m["step"] for m in metrics(tmp_path / "one")] == [1, 2, 3]
+    python = sys.executable.removeprefix(f"{REPO}/")
+    assert (f"next: {python} -m torch.distributed.run --standalone --nproc_per_node=2 rl.py "
+            f"configs/tiny.yaml model={tmp_path / 'one' / 'final'}") in more.stdout
+
+
+@pytest.mark.slow
+def test_under_torchrun_an_interrupt_and_a_refusal_end_every_rank_in_one_message(
+        tmp_path, tiny_model_dir, chat_data):
+    """Ctrl-C in the terminal (SIGINT to torchrun and both ranks): every rank stops within
+    seconds, rank 0 alone prints the paragraph, no rank's traceback (torchrun's own report of the
+    signal is torchrun's). A refusal after the process group started (the batch does not split
+    over 2 ranks): its line once, no traceback."""
+    args = [f"model={tiny_model_dir}", f"data={chat_data}", "global_batch_size=8",
+            "micro_batch_size=4", "train_threads=1", "epochs=500", f"out_dir={tmp_path / 'run'}"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([*launch, "sft.py", *args], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    deadline = time.time() + 300
+    while not (tmp_path / "run" / "metrics.jsonl").is_file():  # training, every rank in it
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)
+    signalled = time.time()
+    output = proc.communicate(timeout=120)[0]
+    # torchrun sends its ranks SIGKILL 30 s after its own signal, were one still running
+    assert time.time() - signalled < 20, output[-3000:]
+    assert output.count("sft.py: interrupted by SIGINT") == 1, output[-3000:]
+    assert "terminate called" not in output and "KeyboardInterrupt" not in output
+    assert output.count("Traceback") <= 1 and "SignalException" in output  # torchrun's own
+    refused = subprocess.run([*launch, "sft.py", *args[:-2], "global_batch_size=12",
+                              f"out_dir={tmp_path / 'refused'}"],
+                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    line = ("sft.py: global_batch_size=12 is not a multiple of world_size (2) x micro_batch_size "
+            "(4) = 8; change one of them")
+    assert refused.returncode != 0 and refused.stderr.count(line) == 1, refused.stderr[-3000:]
+    assert refused.stderr.count("Traceback") <= 1  # torchrun's ChildFailedError report alone
+
+
+@pytest.mark.slow
+def test_refusals_before_the_model_loads_are_one_line_and_leave_no_run_directory(
+        tmp_path, tiny_model_dir, chat_data):
+    """A checkpoint of another model (into a new out_dir, and as its own run directory's), a
+    logger whose package is missing, an out_dir on a read-only filesystem: one line each, no
+    traceback, no model loaded, nothing created or changed."""
+    wide = tiny.build_tiny_model(tiny.TinyConfig(out_dir=str(tmp_path / "wide-model"),
+                                                 pretrain_steps=0, hidden_size=192,
+                                                 num_hidden_layers=3))
+    run_sft(wide, chat_data, tmp_path / "wide", max_steps=1, save_every=1)
+    checkpoint = tmp_path / "wide" / "checkpoints" / "step_00000001"
+    before = {p: p.read_bytes() for p in (tmp_path / "wide").rglob("*") if p.is_file()}
+
+    def refused(*overrides, wrap=()):
+        args = [f"model={tiny_model_dir}", f"data={chat_data}", "global_batch_size=8",
+                "micro_batch_size=4", *overrides]
+        result = subprocess.run([*wrap, sys.executable, "sft.py", *args], cwd=REPO,
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 1 and "Loading weights" not in result.stdout + result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr[-3000:]
+        return result.stderr.strip()
+
+    other = (f"sft.py: {checkpoint}: a checkpoint of another model (its "
+             f"model.embed_tokens.weight is [2112, 192], where {tiny_model_dir} has [2112, 128]); "
+             "it is not damaged.")
+    assert refused(f"resume={checkpoint}", f"out_dir={tmp_path / 'new' / 'run'}").startswith(other)
+    assert not (tmp_path / "new").exists()
+    assert refused(f"out_dir={tmp_path / 'wide'}", "continue_with_changes=true").startswith(other)
+    assert {p: p.read_bytes() for p in (tmp_path / "wide").rglob("*") if p.is_file()} == before
+
+    if importlib.util.find_spec("tensorboard") is None:  # an optional package (README)
+        assert refused("tensorboard=true", f"out_dir={tmp_path / 'tb'}") == (
+            "sft.py: tensorboard=true: the tensorboard package is not installed; "
+            f"{sys.executable.removeprefix(f'{REPO}/')} -m pip install tensorboard")
+        assert not (tmp_path / "tb").exists()
+
+    # A read-only filesystem: a tmpfs mounted read-only in a namespace of the test's own
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode:
+        pytest.skip("unshare -rm (a mount namespace) is not allowed here")
+    mount = ["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o ro tmpfs {read_only} && "
+             'exec "$@"', "sh"]
+    assert refused(f"out_dir={read_only / 'run'}", wrap=mount) == (
+        f"sft.py: out_dir={read_only / 'run'}: cannot write there (a read-only filesystem: "
+        f"{read_only / 'run'}); choose a writable out_dir")

@@ -10,7 +10,6 @@ size) plus the filter_* keys below; rollouts, reward and claiming are rl.py's ow
 """
 import dataclasses
 import json
-import sys
 
 import torch.distributed as dist
 from transformers import AutoTokenizer
@@ -23,8 +22,7 @@ from machinery.config import (ConfigError, atomic_write_text, load_config, requi
 from machinery.data import drop_long_prompts
 from machinery.distributed import init_distributed, own_groups
 from machinery.engine import Engine, configure_vllm_logging
-from machinery.exits import (close_progress_bars, exit_status, interrupted, is_main_rank,
-                             rerun_command, stop_on_signals)
+from machinery.exits import rerun_command, run_script
 
 
 @dataclasses.dataclass
@@ -82,22 +80,17 @@ def filter_solved(cfg):
     return kept
 
 
+def interrupt_paragraph(cfg, argv):
+    written = cfg.train_data if cfg else "train_data"
+    return (f"tools.filter_solved: interrupted; it writes {written} only after the whole pass, "
+            f"so it is unchanged. Rerun: {rerun_command('-m tools.filter_solved', argv)}")
+
+
+def main(cfg):
+    configure_vllm_logging(cfg.verbose)
+    filter_solved(cfg)
+
+
 if __name__ == "__main__":
-    stop_on_signals()
-    config = None
-    try:
-        config = load_config(FilterConfig, sys.argv[1:], doc=__doc__)
-        configure_vllm_logging(config.verbose)
-        filter_solved(config)
-    except ConfigError as e:
-        sys.exit(f"tools.filter_solved: {e}")
-    except (KeyboardInterrupt, Exception):
-        if not interrupted():  # a real error: its traceback
-            raise
-        if is_main_rank():
-            close_progress_bars()
-            written = config.train_data if config else "train_data"
-            print(f"tools.filter_solved: interrupted; it writes {written} only after the whole "
-                  f"pass, so it is unchanged. Rerun: "
-                  f"{rerun_command('-m tools.filter_solved', sys.argv[1:])}", flush=True)
-        sys.exit(exit_status())
+    run_script("tools.filter_solved", lambda argv: load_config(FilterConfig, argv, doc=__doc__),
+               main, interrupt_paragraph)

@@ -10,7 +10,6 @@ The config is the run's (rl.py's keys, out_dir the run directory) plus the repla
 Unchanged, a replay reproduces the live step exactly (docs/design.md, Saved rollouts).
 """
 import dataclasses
-import sys
 import time
 from types import SimpleNamespace
 
@@ -22,8 +21,7 @@ from rl import RLConfig, balance_blocks, learn, select_samples
 from rollout import Trajectory
 from machinery.config import ConfigError, load_config, resolve
 from machinery.distributed import cpu_threads, init_distributed
-from machinery.exits import (close_progress_bars, exit_status, interrupted, is_main_rank,
-                             stop_on_signals)
+from machinery.exits import is_main_rank, run_script
 from machinery.metrics import step_metrics
 from machinery.model import check_model_dir
 from machinery.saved_rollouts import (kept_statistics, print_kept_statistics, print_replay,
@@ -147,15 +145,5 @@ def update_effect(model, samples, cfg, pad_id, device):
 
 
 if __name__ == "__main__":
-    stop_on_signals()
-    try:
-        replay_all(load_config(ReplayConfig, sys.argv[1:], doc=__doc__))
-    except ConfigError as e:
-        sys.exit(f"tools.replay: {e}")
-    except (KeyboardInterrupt, Exception):
-        if not interrupted():  # a real error: its traceback
-            raise
-        if is_main_rank():  # it writes nothing
-            close_progress_bars()
-            print("tools.replay: interrupted", flush=True)
-        sys.exit(exit_status())
+    run_script("tools.replay", lambda argv: load_config(ReplayConfig, argv, doc=__doc__),
+               replay_all, lambda cfg, argv: "tools.replay: interrupted")  # it writes nothing
