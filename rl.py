@@ -460,8 +460,7 @@ def evaluate_held_out(run):
     # generate() sends the temperature with every request: the engine's own config never sets it
     rollout_cfg = dataclasses.replace(cfg.rollout, temperature=cfg.eval_temperature)
     records = {}
-    progress = tqdm(total=len(rows), desc="held-out", disable=run.rank != 0, leave=False,
-                    dynamic_ncols=True)
+    progress = tqdm(total=len(rows), desc="held-out", disable=run.rank != 0, leave=False)
     for step, start in enumerate(range(0, len(rows), CHUNK_PROBLEMS)):
         chunk = rows[start:start + CHUNK_PROBLEMS]
         groups = generate(run.engine, run.tool, run.tokenizer, [r["problem"] for r in chunk],
@@ -469,7 +468,6 @@ def evaluate_held_out(run):
         flat = [t for group in groups for t in group]
         rewards, ungraded = score_groups([flat], chunk)
         for t, reward, cut in zip(flat, rewards[0], ungraded[0]):
-            # the tensor-parallel ranks of one engine may all report its samples: each counts once
             records[start + t.problem_index, t.sample_index] = metrics.trajectory_record(
                 t, reward == 1.0, extract_answer(t.model_text), cut)
         progress.update(len(chunk))
@@ -495,8 +493,7 @@ def train(cfg):
         row = evaluate_held_out(run)
         metrics.print_held_out(row, run.rank, "before step 1")
         run.logger.log(0, row)
-    progress = tqdm(total=cfg.steps, initial=run.state["step"], desc="rl", disable=run.rank != 0,
-                    dynamic_ncols=True)
+    progress = tqdm(total=cfg.steps, initial=run.state["step"], desc="rl", disable=run.rank != 0)
     untrained = streak = 0  # steps that trained on nothing: in all, and in a row up to now
     for step in range(run.state["step"], cfg.steps):
         row = rl_step(run, step)

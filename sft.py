@@ -354,7 +354,6 @@ def train(cfg):
     cpu_threads(cfg.train_threads, device)
     seed_everything(cfg.seed)
     out_dir = resolve(cfg.out_dir)
-
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     # padding is never attended to nor trained on; any id works if the tokenizer names no pad token
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -368,7 +367,6 @@ def train(cfg):
         return None, tokenizer
     if rank == 0:
         print_data(examples, dropped, total_steps, cfg, world_size, accumulation)
-
     model, save_dtype = build_model(cfg, model_path, device, rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   betas=(cfg.adam_beta1, cfg.adam_beta2))
@@ -381,7 +379,6 @@ def train(cfg):
     logger = MetricsLogger(out_dir, enabled=rank == 0, wandb_project=cfg.wandb_project,
                            tensorboard=cfg.tensorboard, config=dataclasses.asdict(cfg),
                            resume_step=start_step)
-
     progress = tqdm(total=total_steps, initial=start_step, desc="sft", disable=rank != 0,
                     dynamic_ncols=True)
     for step in range(start_step, total_steps):
