@@ -1,8 +1,9 @@
 """The reward of rStar2-Agent (arXiv 2508.20722, Eq. 3): 1 if the final \\boxed{} answer equals the
 reference, else 0.
 
-  r = 1 if is_equivalent(extract_answer(response), gold) and the rollout finished, else 0.
-  No format reward, no tool reward (§2.2.1); a truncated rollout scores 0 (§4.3.1).
+  r = 1 if the rollout finished and extract_answer(response) equals gold, else 0: grade_batch for
+  a step's batch (the fast path here, the rest deduplicated to math-verify's workers), is_equivalent
+  for one pair. No format or tool reward (§2.2.1); a truncated rollout scores 0 (§4.3.1).
 
 A wrong reward silently poisons training and a hung verifier stalls a whole step, so:
   1. extract_answer takes the last \\boxed{...} / \\fbox{...} / \\boxed 5 of the *model's prose*:

@@ -40,7 +40,7 @@ from machinery.config import ConfigError, load_config
 from machinery.data import load_problems, prompt_indices
 from machinery.distributed import compute_dtype, init_distributed
 from machinery.engine import Engine
-from machinery.metrics import MetricsLogger, step_metrics
+from machinery.metrics import MetricsLogger, print_held_out, step_metrics
 from machinery.prompts import load_format, read_format
 from machinery.saved_rollouts import read_rollouts, save_rollouts, saved_steps, step_dir
 from machinery.training import TrainSample, collate, micro_batches, token_logprobs
@@ -896,3 +896,17 @@ def test_ctrl_c_ends_in_one_paragraph_whose_command_resumes_and_untrained_steps_
     assert (f"rl.py: wrote {out / 'hf_step_8'} (the trained policy" in resumed.stdout
             and f"next: {python} eval.py configs/eval_tiny.yaml model={out / 'hf_step_8'}"
             in resumed.stdout)
+
+
+def test_a_held_out_evaluation_is_printed_once_when_it_ends(capsys):
+    """rl.py's before/after evaluation reaches the console, not only metrics.jsonl: one line on
+    rank 0 with pass@1 and the tool-error ratio in correct trajectories, and the samples the
+    verifier left ungraded when there are any."""
+    row = {"eval/pass@1": 0.61, "eval/tool_error_rate_in_correct": 0.292, "time/eval": 57.4}
+    print_held_out(row, 1, "before step 1")  # another rank: nothing
+    print_held_out(row, 0, "before step 1")
+    print_held_out({**row, "eval/ungraded": 2}, 0, "after step 20")
+    assert capsys.readouterr().out == (
+        "held-out before step 1: pass@1 0.610, tool-error ratio in correct 0.292 (57 s)\n"
+        "held-out after step 20: pass@1 0.610, tool-error ratio in correct 0.292, 2 ungraded "
+        "(57 s)\n")
