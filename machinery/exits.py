@@ -35,7 +35,8 @@ def run_script(script, parse, run, interrupt_paragraph):
                      left mid-collective);
       anything else  its traceback, exit 1.
     Rank 0 alone prints the line and the paragraph: every check runs on every rank alike or is
-    rank 0's decision broadcast (machinery/run_dir.py), so the others would print it again. No
+    rank 0's decision broadcast (machinery/run_dir.py), so the others would print it again; a rank
+    that could not reach the others at the start prints its own (this_rank_only). No
     error path destroys the process group: a rank still inside a collective would hang that on
     NCCL (torchtitan stopped destroying after exceptions for this reason)."""
     stop_on_signals()
@@ -50,7 +51,8 @@ def run_script(script, parse, run, interrupt_paragraph):
                 print(interrupt_paragraph(config, argv), flush=True)
             leave(exit_status())
         if isinstance(error, ConfigError):
-            if is_main_rank():
+            # a rank that cannot reach the others (preflight) is the only one that knows it
+            if is_main_rank() or getattr(error, "this_rank_only", False):
                 close_progress_bars()
                 print(f"{script}: {error}", file=sys.stderr, flush=True)
             leave(1)
