@@ -301,25 +301,11 @@ def balance_by_tokens(trajectories):
     # from the keys
     outgoing = [[t for i, t in enumerate(trajectories) if destination[rank, i] == r]
                 for r in range(world_size)]
-    payloads = [pickle.dumps(batch) if r != rank and batch else b""
-                for r, batch in enumerate(outgoing)]
-    send_sizes = torch.tensor([len(b) for b in payloads])
-    receive_sizes = torch.zeros_like(send_sizes)
-    dist.all_to_all_single(receive_sizes, send_sizes)
-    buffer = bytearray(b"".join(payloads))
-    send = (torch.frombuffer(buffer, dtype=torch.uint8) if buffer
-            else torch.zeros(0, dtype=torch.uint8))
-    received = torch.zeros(int(receive_sizes.sum()), dtype=torch.uint8)
-    dist.all_to_all_single(received, send, receive_sizes.tolist(), send_sizes.tolist())
-    arrived, offset = {}, 0
-    for source, size in enumerate(receive_sizes.tolist()):
-        if source == rank:
-            batch = outgoing[rank]
-        else:
-            batch = pickle.loads(received[offset:offset + size].numpy().tobytes()) if size else []
-            offset += size
+    batches, sent_bytes, received_bytes = exchange(outgoing)
+    arrived = {}
+    for source, batch in enumerate(batches):
         arrived.update(((source, i), t) for i, t in zip(incoming[source], batch))
-    traffic.update(sent_bytes=int(send_sizes.sum()), received_bytes=int(receive_sizes.sum()),
+    traffic.update(sent_bytes=sent_bytes, received_bytes=received_bytes,
                    sent=sum(len(b) for r, b in enumerate(outgoing) if r != rank),
                    received=len(shares[rank]) - len(outgoing[rank]))
     return [arrived[owners[g]] for g in shares[rank]], traffic
@@ -446,15 +432,16 @@ def regroup(groups):
             owner.setdefault(p, r)
     merged = {}
     for part in exchange([[g for g in groups if owner[g[0].problem_index] == r]
-                          for r in range(world_size)]):
+                          for r in range(world_size)])[0]:
         for g in part:
             merged.setdefault(g[0].problem_index, []).extend(g)
     return [sorted(merged[p], key=lambda t: t.sample_index) for p in sorted(merged)]
 
 
 def exchange(outgoing):
-    """outgoing[r]: a list of objects for rank r -> the lists every rank sent this one, by source
-    rank (its own unpickled). Collective: one all_to_all of the sizes, one of the pickled bytes."""
+    """outgoing[r]: a list of objects for rank r -> (the lists every rank sent this one, by source
+    rank (its own unpickled), bytes sent, bytes received). Collective: one all_to_all of the sizes,
+    one of the pickled bytes."""
     rank = dist.get_rank()
     payloads = [pickle.dumps(batch) if r != rank and batch else b""
                 for r, batch in enumerate(outgoing)]
@@ -473,4 +460,4 @@ def exchange(outgoing):
             continue
         out.append(pickle.loads(received[offset:offset + size].numpy().tobytes()) if size else [])
         offset += size
-    return out
+    return out, int(send_sizes.sum()), int(receive_sizes.sum())
