@@ -92,7 +92,7 @@ class RLConfig:
     prompts_per_step: int = 512
     steps: int = 300              # total RL steps of this run (a resume continues up to it)
     clip_low: float = 0.2
-    clip_high: float = 0.28       # Clip-Higher; binds only once the ratio moves off 1 (Eq. 6)
+    clip_high: float = 0.28       # Clip-Higher; binds only with mini_batches > 1 (else ratio = 1)
     dual_clip: float = 0.0        # 0 = off (paper); verl's default would be 3.0
     # the field's common variants (grpo_roc.py; docs/design.md's table), the paper's by default:
     advantage_scaling: Literal[ADVANTAGE_SCALINGS] = "group"  # batch: TRL's; none: Dr. GRPO
@@ -160,11 +160,10 @@ class RLConfig:
 # engine and tool sizes too). Any other key changed is another run (machinery/run_dir.py).
 KEYS_A_RESUME_MAY_CHANGE = {
     "out_dir", "mode", "plan_model_config", "world_size", "collective_timeout_min", "steps",
-    "save_every", "keep_checkpoints",
-    "resume", "continue_with_changes", "eval_every", "eval_at_start", "wandb_project",
-    "tensorboard", "verbose", "micro_batch_tokens", "micro_batch_size",
-    "activation_checkpointing", "logprob_chunk_tokens", "train_threads", "logprob_gap_warn",
-    "collective_timeout_min"}
+    "save_every", "keep_checkpoints", "resume", "continue_with_changes", "eval_every",
+    "eval_at_start", "wandb_project", "tensorboard", "verbose", "micro_batch_tokens",
+    "micro_batch_size", "activation_checkpointing", "logprob_chunk_tokens", "train_threads",
+    "logprob_gap_warn"}
 
 
 # -----------------------------------------------------------------------------
