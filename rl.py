@@ -534,7 +534,7 @@ def start_run(cfg):
                           device=device, out_dir=resolve(cfg.out_dir))
     run.ckpt_root = run.out_dir / "checkpoints"
     run.dir = run_dir.claim_run_dir(cfg, run.out_dir, KEYS_A_RESUME_MAY_CHANGE, cfg.steps,
-                            "hf_step_{step}", rank)
+                                    "hf_step_{step}", rank)
     if run.dir is None:
         return None
     tokenizer = run.tokenizer = AutoTokenizer.from_pretrained(model_path)
