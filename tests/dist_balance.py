@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import rollout
 from machinery.distributed import balance_by_tokens, init_distributed, split_by_tokens
+from machinery.exits import end_process_group, leave
 
 
 def trajectories_of(rank, count):
@@ -81,3 +82,7 @@ def main():
 
 if __name__ == "__main__":
     main()
+    # as the scripts end (machinery/exits.py): past the interpreter's teardown, where gloo's
+    # worker threads can abort a rank after its work is done
+    end_process_group()
+    leave(0)

@@ -31,6 +31,7 @@ from machinery.distributed import full_weights
 from machinery.training import last_hidden_states, token_logprobs
 from machinery.checkpoint import load_policy
 from machinery.training import TrainSample
+from machinery.exits import end_process_group, leave
 
 
 def full_sample(tokens, vocab, seed):
@@ -137,3 +138,7 @@ def main():
 
 if __name__ == "__main__":
     main()
+    # as the scripts end (machinery/exits.py): past the interpreter's teardown, where gloo's
+    # worker threads can abort a rank after its work is done
+    end_process_group()
+    leave(0)

@@ -29,6 +29,7 @@ from machinery.config import load_config
 from machinery.distributed import full_weights
 from machinery.checkpoint import load_policy
 from machinery.training import TrainSample
+from machinery.exits import end_process_group, leave
 
 # Eight trajectories of very different lengths and tool-token masks: a per-micro-batch token mean
 # would weigh them differently depending on the split, so a scaling bug moves the gradient far past
@@ -158,3 +159,7 @@ def main():
 
 if __name__ == "__main__":
     main()
+    # as the scripts end (machinery/exits.py): past the interpreter's teardown, where gloo's
+    # worker threads can abort a rank after its work is done
+    end_process_group()
+    leave(0)

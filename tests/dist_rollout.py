@@ -40,6 +40,7 @@ from executor import Executor
 from machinery.distributed import balance_by_tokens, init_distributed, regroup
 from machinery.engine import Engine
 from machinery.prompts import render_prompt
+from machinery.exits import end_process_group, leave
 
 
 def say(line):
@@ -260,3 +261,7 @@ def main_tensor_parallel(model_dir):
 
 if __name__ == "__main__":
     main_tensor_parallel(sys.argv[1]) if sys.argv[2:] == ["tp"] else main(sys.argv[1])
+    # as the scripts end (machinery/exits.py): past the interpreter's teardown, where gloo's
+    # worker threads can abort a rank after its work is done
+    end_process_group()
+    leave(0)
