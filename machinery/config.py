@@ -17,7 +17,13 @@ REPO = Path(__file__).resolve().parent.parent  # the repo root, above this packa
 
 
 class ConfigError(ValueError):
-    """A bad config file, key, value or data row. The message says which."""
+    """A bad config file, key, value or data row, or a refusal. The message says which.
+    this_rank_only: a problem of this rank's machine (its node's memory, a rank that cannot reach
+    the others), printed by whichever rank has it; else rank 0 alone prints (machinery/exits.py)."""
+
+    def __init__(self, message, this_rank_only=False):
+        super().__init__(message)
+        self.this_rank_only = this_rank_only
 
 
 def _coerce(value, tp, where, typed=None):

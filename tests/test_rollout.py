@@ -29,10 +29,11 @@ from bench.rollout import scripted_policy, uses_v2_model_runner
 from executor import Executor
 from gpu_wheel import gpu_vllm_source
 from rollout import parse_tool_call, RolloutConfig, ToolCallError
+from machinery.config import ConfigError
 from machinery.distributed import init_distributed, split_by_tokens
 from machinery.engine import (HARMLESS_VLLM_WARNINGS, configure_vllm_logging, cpu_kv_cache_bytes,
                               Engine, model_kv_bytes_per_token, no_gpu_problem,
-                              set_cpu_engine_threads)
+                              set_cpu_engine_threads, SHM_DIR)
 from machinery.model import save_hf_model
 from machinery.prompts import (FORMAT_SCHEMA_FILE, FORMAT_TEMPLATE_FILE, USAGE_FILE, _render,
                                apply_model_format, load_format, read_format, render_prompt,
@@ -462,6 +463,15 @@ def test_a_kv_cache_the_machine_cannot_hold_names_the_settings_before_the_model_
                              r"memory node \d+ has .* lower rollout.max_concurrency .* set "
                              r"rollout.cpu_kv_cache_gb"):
         Engine(tiny_model_dir, cfg)
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_heads_is_refused_before_vllm_starts(
+        tiny_model_dir):
+    """vLLM splits the attention heads across the group; it would refuse inside its own config
+    validation, in a traceback (the tiny model has 4 heads)."""
+    with pytest.raises(ConfigError, match="rollout.tensor_parallel_size=3 does not divide the 4 "
+                                          f"attention heads of model {tiny_model_dir}"):
+        Engine(tiny_model_dir, RolloutConfig(tensor_parallel_size=3))
 
 
 def test_where_vllm_sees_no_gpu_the_engine_says_so_with_what_it_checked():
@@ -1170,8 +1180,11 @@ def test_torchrun_balance_moves_only_the_trajectories_that_change_rank():
 def test_torchrun_tensor_parallel_engine_runs_the_loop_in_lockstep(tiny_model_dir):
     """tensor_parallel_size=2 over two ranks: one engine, the leader runs the loop (tools included)
     and the follower replays its engine calls, so the two never desync; the leader holds all
-    trajectories."""
+    trajectories. The engine's shared memory (/dev/shm) is gone when the ranks have left: vLLM
+    names it the same on every launch, so a segment left behind fails the next TP engine."""
+    segments_before = set(SHM_DIR.glob("*cpushm_*"))
     torchrun("tests/dist_rollout.py", str(tiny_model_dir), "tp")
+    assert set(SHM_DIR.glob("*cpushm_*")) <= segments_before
 
 
 def torchrun(*args):
