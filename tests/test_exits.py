@@ -47,6 +47,29 @@ def test_two_ranks_end_cleanly_and_a_refusal_is_printed_once():
     assert err0 == "dist_exits.py: out_dir=/x: refused on every rank\n" and err1 == ""
 
 
+def test_a_signal_that_comes_while_leave_runs_the_exit_handlers_cuts_none_short():
+    """torchrun's agent sends SIGTERM to the other ranks as soon as one exits non-zero, which can
+    be while a rank is already leaving: raised inside an atexit handler, the interrupt printed an
+    "Exception ignored in atexit callback" traceback and skipped the handlers after it."""
+    script = """if True:
+        import atexit, os, signal, time
+        from machinery import exits
+        exits.stop_on_signals()
+        atexit.register(print, "the handler registered first ran too")
+        def signalled():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)  # the signal is delivered now, inside this handler
+            print("the handler that got the signal finished")
+        atexit.register(signalled)
+        exits.leave(3)
+    """
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert (proc.returncode, proc.stderr) == (3, ""), proc.stderr
+    assert proc.stdout == ("the handler that got the signal finished\n"
+                           "the handler registered first ran too\n")
+
+
 def test_a_printed_command_names_the_interpreter_as_it_was_run(monkeypatch, tmp_path):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.setattr(exits, "LAUNCH", {})
