@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from machinery.config import ConfigError, require_at_least, resolve
 from machinery.data import load_problems
+from machinery.engine import check_heads_split
 from machinery.model import build_model, check_model_dir
 
 CHECKPOINT_PREFIX = "step_"
@@ -379,6 +380,8 @@ def check_inputs(cfg, world_size=None, gpus_per_node=None):
         raise ConfigError(f"prompts_per_step={cfg.prompts_per_step} is fewer than the {engines} "
                           "engines: some would idle")
     model = check_model_dir(cfg.model)
+    if resolve(model).is_dir():  # a hub id's config is read as the engine starts
+        check_heads_split(model, tp)
     problems = load_problems(cfg.train_data)
     eval_rows = load_problems(cfg.eval_data) if cfg.eval_data else []
     return model, problems, eval_rows

@@ -145,6 +145,15 @@ def model_text_config(model_path):
     return hf.get("text_config", hf)
 
 
+def check_heads_split(model_path, tensor_parallel_size):
+    """vLLM splits the attention heads across a tensor-parallel group; it refuses a size that does
+    not divide them inside its own config validation, in a traceback."""
+    heads = model_text_config(model_path).get("num_attention_heads", tensor_parallel_size)
+    if heads % tensor_parallel_size:
+        raise ConfigError(f"rollout.tensor_parallel_size={tensor_parallel_size} does not divide "
+                          f"the {heads} attention heads of model {model_path}")
+
+
 def model_kv_bytes_per_token(model_path, dtype, tensor_parallel_size=1):
     """kv_bytes_per_token of a model directory's config.json at the engine's dtype."""
     hf = model_text_config(model_path)
@@ -294,10 +303,7 @@ class Engine:
                                  type(current_platform).__name__, current_platform.device_type)
         if problem:
             raise ConfigError(problem, this_rank_only=True)
-        heads = model_text_config(model_path).get("num_attention_heads", cfg.tensor_parallel_size)
-        if heads % cfg.tensor_parallel_size:  # vLLM splits the heads across the group
-            raise ConfigError(f"rollout.tensor_parallel_size={cfg.tensor_parallel_size} does not "
-                              f"divide the {heads} attention heads of model {model_path}")
+        check_heads_split(model_path, cfg.tensor_parallel_size)
         self.cfg = cfg
         self.on_gpu = torch.cuda.is_available()
         distributed = dist.is_available() and dist.is_initialized()

@@ -687,6 +687,11 @@ def test_a_config_for_n_ranks_launched_on_m_is_rejected_before_loading_anything(
                                     "rollout.tensor_parallel_size=4"])
     with pytest.raises(ConfigError, match="tensor_parallel_size=4 does not divide the 6 ranks"):
         check_inputs(cfg, world_size=6)
+    cfg = load_config(rl.RLConfig, ["configs/tiny.yaml", f"model={tiny_model_dir}",
+                                    "rollout.tensor_parallel_size=8"])
+    with pytest.raises(ConfigError, match="tensor_parallel_size=8 does not divide the 4 attention "
+                                          "heads of model"):
+        check_inputs(cfg, world_size=8)
 
 
 def test_a_model_directory_without_a_tokenizer_is_rejected_by_the_command_line(tiny_model_dir,
