@@ -25,7 +25,7 @@ defined below it in the order it calls them:
                     token count; its forward also gives the old log-probs (a no-grad pass of its
                     own only with mini_batches > 1, when the weights move between steps)
     7. sync guard   the trainer's log-probs of the sampled tokens against the engine's
-    8. log, checkpoint, evaluate
+    8. evaluate, log, checkpoint (train: the row is logged before the checkpoint commits)
 
 Paper vs this file (docs/design.md has the rest): one optimizer step per RL step (the release's
 ppo_mini_batch_size covers the whole batch; mini_batches=k splits it); the warm-up starts at
@@ -60,7 +60,7 @@ from machinery.distributed import (balance_by_tokens, check_shared_paths, comput
                                    cores_per_rank, cpu_threads, free_cached_memory, full_weights,
                                    init_distributed, own_groups)
 from machinery.engine import Engine, configure_vllm_logging
-from machinery.exits import run_script, training_interrupted
+from machinery.exits import WHERE, reached, run_script, training_interrupted
 from machinery.model import save_hf_model
 from machinery.prompts import load_format
 from machinery.results import CHUNK_PROBLEMS
@@ -173,6 +173,7 @@ def rl_step(run, step):
     """One RL step, the module docstring's phases 1-8; the step's metrics (on rank 0)."""
     cfg, times, traffic = run.cfg, {}, {}  # this rank's seconds per phase, bytes it moved
     started = time.perf_counter()
+    WHERE["step"] = step + 1  # what a rank's last line names, should it lose a peer
     # 1, also before a fresh run's first step: one code path, guarded from step 1 on
     with metrics.timed(times, "weight_update"):
         sync_weights(run.engine, run.model, run.weight_dtype, traffic)  # wakes the engine
@@ -208,12 +209,6 @@ def rl_step(run, step):
     if run.rank == 0:  # the phases' time/ keys add up to time/step; checkpoint and eval are apart
         ended = time.perf_counter()
         row.update({"time/metrics": ended - gathering, "time/step": ended - started})
-    # Saved before the evaluation, so a run killed while evaluating loses no training.
-    if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-        with metrics.timed(row, "time/checkpoint"):
-            checkpoint.save_checkpoint(run.ckpt_root, step + 1, run.model, run.optimizer,
-                                       run.state, keep=cfg.keep_checkpoints,
-                                       keep_through=run.dir.keep_through)
     return row
 
 
@@ -234,12 +229,12 @@ def roll_out(run, rows, step, times):
     """Step 2: this rank's groups of 2G (or G) trajectories; times["rollout"], ["tool_busy"],
     ["generate"] (its own seconds, before it waits for the others). Every rank claims prompts from
     a shared counter as its engine has room (§3.2)."""
-    started, busy_before = time.perf_counter(), run.tool.busy_s if run.tool else 0.0
-    groups = generate(run.engine, run.tool, run.tokenizer, [r["problem"] for r in rows],
-                      run.cfg.rollouts_per_prompt, run.cfg.rollout, seed=run.cfg.seed, step=step,
-                      times=times)
-    groups = own_groups(groups, len(rows), run.rank)
-    times["rollout"] = time.perf_counter() - started
+    busy_before = run.tool.busy_s if run.tool else 0.0
+    with metrics.timed(times, "rollout"):
+        groups = generate(run.engine, run.tool, run.tokenizer, [r["problem"] for r in rows],
+                          run.cfg.rollouts_per_prompt, run.cfg.rollout, seed=run.cfg.seed,
+                          step=step, times=times)
+        groups = own_groups(groups, len(rows), run.rank)
     times["tool_busy"] = (run.tool.busy_s if run.tool else 0.0) - busy_before
     return groups
 
@@ -455,6 +450,7 @@ def evaluate_held_out(run):
     measures it: eval_samples trajectories per problem at eval_temperature, the reward of Eq. 3."""
     cfg, rows = run.cfg, run.eval_rows
     started = time.perf_counter()
+    reached("eval")
     sync_weights(run.engine, run.model, run.weight_dtype)  # the engine has the sampled-with weights
     # generate() sends the temperature with every request: the engine's own config never sets it
     rollout_cfg = dataclasses.replace(cfg.rollout, temperature=cfg.eval_temperature)
@@ -504,13 +500,31 @@ def train(cfg):
                               or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)):
             row.update(evaluate_held_out(run))
             metrics.print_held_out(row, run.rank, f"after step {step + 1}")
+        log_and_save(run, step + 1, row)
         if run.rank == 0:
-            run.logger.log(step + 1, row)
             progress.update(1)
             progress.set_postfix(metrics.progress_fields(row))
     progress.close()
     finish(run, untrained)
     return row
+
+
+def log_and_save(run, step, row):
+    """The step's row into metrics.jsonl and, every save_every steps and at the last, its
+    checkpoint, committed only after the row is logged: a checkpoint of step N means row N is
+    there, and a resume drops the rows after its checkpoint, so metrics.jsonl holds every step
+    exactly once wherever a run is cut. (A kill during a held-out evaluation redoes the steps since
+    the last checkpoint: the same numbers, as the data order and seeds are fixed.)"""
+    cfg, written = run.cfg, None
+    if step % cfg.save_every == 0 or step == cfg.steps:
+        with metrics.timed(row, "time/checkpoint"):  # writing it; the commit is a rename
+            written = checkpoint.write_checkpoint(run.ckpt_root, step, run.model, run.optimizer,
+                                                  run.state)
+    if run.rank == 0:
+        run.logger.log(step, row)
+    if written:
+        checkpoint.commit_checkpoint(written, keep=cfg.keep_checkpoints,
+                                     keep_through=run.dir.keep_through)
 
 
 def start_executor(rollout_cfg, engine):

@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from machinery.config import ConfigError, require_at_least, resolve
 from machinery.data import load_problems
 from machinery.engine import check_heads_split
+from machinery.exits import fault_point
 from machinery.model import build_model, check_model_dir
 
 CHECKPOINT_PREFIX = "step_"
@@ -135,14 +136,19 @@ def intact_checkpoint(ckpt_root, before=None):
 
 
 def save_checkpoint(ckpt_root, step, model, optimizer, trainer_state, keep=2, keep_through=0):
+    """write_checkpoint, then commit_checkpoint: the checkpoint of `step`, atomic by rename.
+    Collective."""
+    written = write_checkpoint(ckpt_root, step, model, optimizer, trainer_state)
+    return commit_checkpoint(written, keep=keep, keep_through=keep_through)
+
+
+def write_checkpoint(ckpt_root, step, model, optimizer, trainer_state):
     """Save model + optimizer (sharded, via DCP) and `trainer_state` (step, data position, per-rank
-    RNG) into step_N.tmp/ on all ranks; rank 0 renames it to step_N/ after a barrier, the commit
-    point, then keeps the newest `keep` of the checkpoints after step `keep_through` (those at or
-    before it were saved under earlier settings: machinery/run_dir.py). Needs a filesystem every
-    rank sees (multi-node: a shared one)."""
+    RNG) into step_N.tmp/ on all ranks; -> that directory, which no resume reads until
+    commit_checkpoint names it. Collective. Needs a filesystem every rank sees (multi-node: a
+    shared one)."""
     rank = dist.get_rank()
-    final = Path(ckpt_root) / f"{CHECKPOINT_PREFIX}{step:08d}"
-    tmp = final.with_name(final.name + ".tmp")
+    tmp = Path(ckpt_root) / f"{CHECKPOINT_PREFIX}{step:08d}.tmp"
     if rank == 0:
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -154,18 +160,37 @@ def save_checkpoint(ckpt_root, step, model, optimizer, trainer_state, keep=2, ke
            "numpy": np.random.get_state()}
     torch.save({"trainer_state": trainer_state, "rng": rng}, tmp / f"trainer_state_rank{rank}.pt")
     dist.barrier()
-    if rank == 0:
-        (tmp / "COMPLETE").write_text(json.dumps({"step": step, "time": time.time()}))
+    return tmp
+
+
+def commit_checkpoint(tmp, keep=2, keep_through=0):
+    """The commit point of write_checkpoint's step_N.tmp/: rank 0 marks it COMPLETE and renames it
+    step_N/, then keeps the newest `keep` of the checkpoints after step `keep_through` (those at or
+    before it were saved under earlier settings: machinery/run_dir.py). Collective."""
+    final = tmp.with_name(tmp.name[:-len(".tmp")])
+    fault_point("checkpoint_commit")  # a test's SIGKILL mid-save: every shard written, no commit
+    if dist.get_rank() == 0:
+        (tmp / "COMPLETE").write_text(json.dumps({"step": checkpoint_step(final),
+                                                  "time": time.time()}))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        old = sorted(p for p in Path(ckpt_root).iterdir()
+        old = sorted(p for p in final.parent.iterdir()
                      if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)
                      and not p.name.endswith(".tmp") and checkpoint_step(p) > keep_through)[:-keep]
         for p in old:
             shutil.rmtree(p, ignore_errors=True)
     dist.barrier()
     return final
+
+
+def remove_unfinished(ckpt_root):
+    """Delete the step_N.tmp/ directories an attempt that died mid-save left (rank 0, at start):
+    never read, and a step not saved again would keep its (at 14B, 165 GiB) forever. Names each."""
+    ckpt_root = Path(ckpt_root)
+    for tmp in sorted(ckpt_root.glob(f"{CHECKPOINT_PREFIX}*.tmp")) if ckpt_root.is_dir() else []:
+        shutil.rmtree(tmp, ignore_errors=True)
+        print(f"removed {tmp}: a checkpoint whose save did not finish", flush=True)
 
 
 def load_checkpoint(path, model, optimizer):
@@ -298,6 +323,8 @@ def restore(cfg, checkpoint, device, rank):
     position). Checkpoints are atomic by rename: a run killed mid-save resumes from the previous
     complete one."""
     checkpoint, weights_only = start_checkpoint(cfg, checkpoint)
+    if rank == 0:
+        remove_unfinished(resolve(cfg.out_dir) / "checkpoints")  # no save runs: the run is ours
     state = {"step": 0, "data_position": 0}
     model, optimizer = load_policy(cfg, device, rank)
     if weights_only:

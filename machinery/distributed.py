@@ -20,6 +20,7 @@ from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeo
 from torch.distributed.tensor import DTensor, Shard
 
 from machinery.config import ConfigError, resolve
+from machinery.exits import fault_point
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                       "MASTER_PORT")
@@ -90,7 +91,9 @@ def preflight(backend, world_size, timeout):
     is one line that names what was tried and the variables that choose the network."""
     short = timedelta(seconds=min(PREFLIGHT_TIMEOUT_S, timeout.total_seconds()))
     try:
-        dist.init_process_group(backend=backend, timeout=short)
+        store, rank, _ = next(dist.rendezvous("env://", timeout=short))
+        dist.init_process_group(backend=backend, store=attempt_store(store), rank=rank,
+                                world_size=world_size, timeout=short)
         arrivals = claim_store()
         arrivals.add("preflight", 1)
         everyone = torch.ones(1)
@@ -103,6 +106,19 @@ def preflight(backend, world_size, timeout):
         raise ConfigError(unreachable(e, short), this_rank_only=True) from None
     _set_pg_timeout(timeout)  # both halves of "cpu:gloo,cuda:nccl"
     _get_default_store().set_timeout(timeout)  # vLLM's groups and the claims wait on it too
+
+
+def attempt_store(store):
+    """The part of the rendezvous store that belongs to this attempt of the job. torchrun's agent
+    keeps one store for the whole job and its workers reach it with no per-attempt prefix (torch's
+    elastic/agent and rendezvous.py), so after a `--max-restarts` restart the keys of the dead
+    attempt are still there: gloo's rank addresses (the new ranks dial the dead ones), the
+    preflight's arrivals, the claim counters. Everything this job keeps in the store, the process
+    group's own keys included, goes under TORCHELASTIC_RESTART_COUNT (0 outside torchrun), so
+    each attempt starts fresh. (A restart for a node joining an elastic --nnodes=MIN:MAX job does
+    not count as one: this repo's launch lines fix --nnodes.)"""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"rstar2/attempt_{attempt}/default_pg", store)
 
 
 def unreachable(error, timeout):
@@ -238,7 +254,12 @@ def claim_counter(name):
         counter = itertools.count()
         return lambda: next(counter)
     store = claim_store()
-    return lambda: store.add(name, 1) - 1
+
+    def claim():
+        index = store.add(name, 1) - 1
+        fault_point("claim")  # a test's SIGKILL mid-rollout: a prompt claimed, never finished
+        return index
+    return claim
 
 
 def assign_by_tokens(keys, world_size):

@@ -3,11 +3,14 @@ interrupt (Ctrl-C, or SIGTERM from a scheduler or torchrun's agent) in one parag
 the run stands and the command that resumes it, never in a traceback from inside vLLM; a finished
 script names what it wrote and the command to run next. Under torchrun, rank 0 alone prints."""
 import atexit
+import faulthandler
 import json
 import os
+import re
 import shlex
 import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 
@@ -25,26 +28,66 @@ LAUNCH = {}
 LAUNCH_VARIABLES = ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "MASTER_ADDR",
                     "MASTER_PORT")
 
+# Where this process is in its run: the step (rl.py sets it) and the phase (metrics.timed), named by
+# the line a rank ends with when it loses a peer, and where a test's injected fault strikes.
+WHERE = {"step": None, "phase": None}
+
+# The most an error's or an interrupt's exit waits for the atexit handlers before it leaves
+# without them. vLLM's engine finalizer destroys the process group on every path, the call that can
+# hang on NCCL while a peer is gone; a rank that never exits keeps torchrun from restarting the job.
+LEAVE_TIMEOUT_S = float(os.environ.get("RSTAR2_LEAVE_TIMEOUT_S", "20"))
+
+# Test-only fault injection (tests/test_distributed.py): "ATTEMPT:RANK:STEP:POINT:ACTION,...". The
+# rank RANK of attempt ATTEMPT of a torchrun job (TORCHELASTIC_RESTART_COUNT; 0 outside torchrun)
+# that reaches POINT of step STEP is SIGKILLed (ACTION kill: a lost GPU or node) or raises (raise:
+# a bug, a CUDA OOM). POINT: a phase (metrics.timed's keys), "claim" (a prompt claimed), or
+# "checkpoint_commit" (every rank's shards written, rl.py's row logged, the commit not yet made).
+FAULTS = {tuple(fault.split(":")) for fault in os.environ.get("RSTAR2_FAULTS", "").split(",")
+          if fault}
+
 
 def run_script(script, parse, run, interrupt_paragraph):
     """A script's whole `__main__`: config = parse(argv), then run(config), and every way that ends:
       finished       the process group destroyed (end_process_group), exit 0;
       ConfigError    "script: message" on stderr, exit 1: bad input or a refusal;
+      a peer lost    a collective or the store found another rank gone (killed, its node
+                     lost): one line on each rank that saw it, naming the rank, step and phase
+                     and what comes next: torchrun's restart while --max-restarts allows, else
+                     the command that resumes; exit 1;
       Ctrl-C/SIGTERM interrupt_paragraph(config, argv) (config None before parse returned),
                      exit 128 + the signal; also when the error is its echo (a peer rank that
-                     left mid-collective);
+                     left mid-collective). Under torchrun with restarts left, a SIGTERM (how its
+                     agent stops the ranks once one failed) is one line per rank as above;
       anything else  its traceback, exit 1.
     Rank 0 alone prints the line and the paragraph: every check runs on every rank alike or is
     rank 0's decision broadcast (machinery/run_dir.py), so the others would print it again; a rank
     that could not reach the others at the start prints its own (this_rank_only). No
     error path destroys the process group: a rank still inside a collective would hang that on
-    NCCL (torchtitan stopped destroying after exceptions for this reason)."""
+    NCCL (torchtitan stopped destroying after exceptions for this reason), and leave() bounds the
+    atexit handlers' time on every exit but success (vLLM's finalizer destroys it regardless)."""
     stop_on_signals()
     argv, config = sys.argv[1:], None
     try:
         config = parse(argv)
         run(config)
     except (KeyboardInterrupt, Exception) as error:
+        # a signal from now on (torchrun's agent stopping the ranks) must not cut this path short
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        rank = os.environ.get("RANK", "0")
+        if peer_lost(error) and not interrupted():
+            # each rank that saw it says so: the dead one says nothing, rank 0 may be the dead one
+            close_progress_bars()
+            print(f"{script}: rank {rank} lost another rank{where()} ({peer_lost(error)}): "
+                  f"{restart_or_resume(script, argv)}", file=sys.stderr, flush=True)
+            leave(1)
+        if RECEIVED[:1] == ["SIGTERM"] and restarts_left() > 0:
+            # torchrun's agent stops every rank so once one has failed (a scheduler may too)
+            close_progress_bars()
+            print(f"{script}: rank {rank} stopped by SIGTERM{where()}. If a rank failed, "
+                  f"{restart_or_resume(script, argv)}; if the launch itself was stopped, resume "
+                  f"with: {rerun_command(script, argv)}", file=sys.stderr, flush=True)
+            leave(exit_status())
         if interrupted() or isinstance(error, KeyboardInterrupt):
             if is_main_rank():
                 close_progress_bars()
@@ -60,6 +103,68 @@ def run_script(script, parse, run, interrupt_paragraph):
         leave(1)
     end_process_group()
     leave(0)
+
+
+# What a collective or the rendezvous store raises on a rank whose peer is gone (killed, its node
+# lost): gloo's and the TCPStore's socket errors. After one, the cause is on the other rank.
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+             "Connection refused", "Socket closed")
+
+
+def peer_lost(error):
+    """"gloo: Connection closed by peer [10.0.0.7]:41234" when `error` says a peer is gone, else
+    "" (the address is the lost rank's, or the store's)."""
+    found = next((text for text in PEER_LOST if text in str(error)), None)
+    if not isinstance(error, RuntimeError) or found is None:
+        return ""
+    what = re.search(re.escape(found) + r"( \[[^\]]*\]:\d+)?", str(error)).group(0)
+    return f"{'gloo' if 'gloo' in str(error) else type(error).__name__}: {what}"
+
+
+def where():
+    """" in step 5 (rollout)": what WHERE knows, for a rank's last line."""
+    step, phase = WHERE["step"], WHERE["phase"]
+    return ((f" in step {step}" if step is not None else "")
+            + (f" ({phase})" if phase else ""))
+
+
+def restarts_left():
+    """The restarts torchrun's --max-restarts still allows this job (0 outside torchrun)."""
+    return (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+            - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+
+
+def restart_or_resume(script, argv):
+    """What comes after a lost rank: torchrun's restart of the whole job (every rank resumes from
+    the newest intact checkpoint, machinery/checkpoint.py) while --max-restarts allows, else the
+    command that resumes."""
+    allowed = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    if restarts_left() > 0:
+        return (f"torchrun restarts the job from the newest checkpoint ({restarts_left()} of "
+                f"--max-restarts={allowed} restarts left)")
+    return f"no restart left (--max-restarts={allowed}); to resume: {rerun_command(script, argv)}"
+
+
+def reached(phase, step=None):
+    """This process enters `phase` (of `step`, when given) of its run (WHERE); a test's fault may
+    strike there."""
+    WHERE["phase"] = phase
+    if step is not None:
+        WHERE["step"] = step
+    fault_point(phase)
+
+
+def fault_point(point):
+    """Where FAULTS (tests only) may end this process: SIGKILL, or an exception."""
+    if not FAULTS:
+        return
+    here = (os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), os.environ.get("RANK", "0"),
+            str(WHERE["step"]), point)
+    if (*here, "kill") in FAULTS:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if (*here, "raise") in FAULTS:
+        raise RuntimeError(f"RSTAR2_FAULTS: a fault injected at rank {here[1]}, step {here[2]}, "
+                           f"{point}")
 
 
 def end_process_group():
@@ -83,10 +188,31 @@ def leave(code):
     KeyboardInterrupt would print a traceback and skip the rest of the handlers."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if code:
+        bound_exit(code)
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def bound_exit(code, timeout_s=None):
+    """End this process with `code` after timeout_s (LEAVE_TIMEOUT_S) whatever is running: a
+    thread that names the wait in one line, and faulthandler's watchdog as long again (at most 5 s)
+    later, a C thread that needs no GIL (a hang inside a C call that holds it; it exits 1 and shows
+    where each thread was)."""
+    timeout_s = LEAVE_TIMEOUT_S if timeout_s is None else timeout_s
+
+    def give_up():
+        print(f"rank {os.environ.get('RANK', '0')}: the exit handlers (vLLM's engine shutdown, "
+              f"the workers') were still running after {timeout_s:.0f} s: left without them",
+              file=sys.stderr, flush=True)
+        os._exit(code)
+
+    timer = threading.Timer(timeout_s, give_up)
+    timer.daemon = True
+    timer.start()
+    faulthandler.dump_traceback_later(timeout_s + min(timeout_s, 5), exit=True)
 
 
 def stop_on_signals(forward_to=()):

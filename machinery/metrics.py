@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from machinery.config import ConfigError, atomic_write_text
-from machinery.exits import rerun_command, shown, typed
+from machinery.exits import reached, rerun_command, shown, typed
 
 
 def check_logger_packages(wandb_project, tensorboard):
@@ -30,8 +30,9 @@ def check_logger_packages(wandb_project, tensorboard):
 
 class MetricsLogger:
     """Appends one JSON object per step to run_dir/metrics.jsonl (rank 0 only); mirrors to
-    wandb/tensorboard when asked. On resume, lines past the resumed step are dropped so the file
-    stays one line per step."""
+    wandb/tensorboard when asked. On resume, the rows past the resumed step are dropped, as is the
+    whole log of a run that starts over (its step 0, the evaluation before training, is redone),
+    so the file stays one line per step (rl.py logs a step before its checkpoint commits)."""
 
     def __init__(self, run_dir, enabled=True, wandb_project="", tensorboard=False, config=None,
                  resume_step=0):
@@ -43,7 +44,7 @@ class MetricsLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
             kept = [l for l in self.path.read_text().splitlines()
-                    if l.strip() and json.loads(l).get("step", 0) <= resume_step]
+                    if resume_step and l.strip() and json.loads(l).get("step", 0) <= resume_step]
             atomic_write_text(self.path, "".join(l + "\n" for l in kept))
         if wandb_project:
             import wandb  # optional: pip install wandb
@@ -169,7 +170,9 @@ def sample_metrics(samples):
 
 @contextlib.contextmanager
 def timed(times, key):
-    """times[key] = the seconds the `with` block took."""
+    """times[key] = the seconds the `with` block took; the block is the phase `key` names
+    (machinery.exits.reached)."""
+    reached(key.removeprefix("time/"))
     started = time.perf_counter()
     yield
     times[key] = time.perf_counter() - started

@@ -1,8 +1,10 @@
 """machinery/exits.py: how every script ends (run_script, leave) and the commands it prints."""
 import os
+import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,12 +20,13 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch_two_ranks(mode):
+def launch_two_ranks(mode, extra_env=None):
     """tests/dist_exits.py as 2 ranks, their (returncode, stdout, stderr) by rank."""
     port, procs = free_port(), []
     for rank in (0, 1):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               **(extra_env or {})}
         procs.append(subprocess.Popen([sys.executable, "tests/dist_exits.py", mode], cwd=REPO,
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
@@ -45,6 +48,87 @@ def test_two_ranks_end_cleanly_and_a_refusal_is_printed_once():
     (code0, out0, err0), (code1, out1, err1) = launch_two_ranks("refuse")
     assert (code0, code1) == (1, 1) and out0 == out1 == ""
     assert err0 == "dist_exits.py: out_dir=/x: refused on every rank\n" and err1 == ""
+
+
+@pytest.mark.slow
+def test_a_rank_that_raises_ends_every_rank_in_seconds_though_an_exit_handler_hangs():
+    """Rank 1 raises mid-step (an injected fault) while rank 0 waits for it in an all-reduce, and
+    on both an exit handler never returns (vLLM's engine finalizer calls destroy_process_group on
+    error paths too, which can hang on NCCL): leave() gives the handlers RSTAR2_LEAVE_TIMEOUT_S,
+    then exits, so rank 0's all-reduce fails at once and torchrun would see both ranks end."""
+    started = time.time()
+    (code0, out0, err0), (code1, out1, err1) = launch_two_ranks(
+        "raise", {"RSTAR2_FAULTS": "0:1:1:update:raise", "RSTAR2_LEAVE_TIMEOUT_S": "2"})
+    seconds = time.time() - started
+    assert (code0, code1) == (1, 1) and seconds < 40, (seconds, err0, err1)
+    # the raising rank: its traceback (a bug is shown), then the bound
+    assert "RuntimeError: RSTAR2_FAULTS: a fault injected at rank 1, step 1, update" in err1
+    assert err1.endswith("rank 1: the exit handlers (vLLM's engine shutdown, the workers') were "
+                         "still running after 2 s: left without them\n"), err1
+    # the rank that lost it: one line naming its rank, step and phase and what comes next
+    line, bound = err0.splitlines()
+    assert re.fullmatch(r"dist_exits\.py: rank 0 lost another rank in step 1 \(update\) \(gloo: "
+                        r"Connection (closed|reset) by peer \[127\.0\.0\.1\]:\d+\): no restart "
+                        r"left \(--max-restarts=0\); to resume: \S+python dist_exits\.py raise", line)
+    assert bound.startswith("rank 0: the exit handlers") and out0 == ""
+    print(f"both ranks ended {seconds:.1f} s after the launch")
+
+
+def test_leave_bounds_the_exit_handlers_even_when_one_holds_the_interpreter():
+    """A hang in Python (time.sleep) is ended by leave()'s timer with the exit code and one line; a
+    hang inside a C call that holds the GIL (ctypes.PyDLL) by faulthandler's watchdog, which needs
+    no GIL, as long again later (exit 1, where each thread was)."""
+    for hang, code, says in (("time.sleep(3600)", 3, "were still running after 1 s"),
+                             ("ctypes.PyDLL(None).sleep(3600)", 1, "Timeout (0:00:02)!")):
+        script = f"""if True:
+            import atexit, ctypes, time
+            from machinery import exits
+            exits.LEAVE_TIMEOUT_S = 1
+            atexit.register(lambda: {hang})
+            exits.leave(3)
+        """
+        started = time.time()
+        proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == code and says in proc.stderr, proc.stderr
+        assert time.time() - started < 30
+
+
+def test_the_fault_injection_strikes_only_its_attempt_rank_step_and_point():
+    script = """if True:
+        from machinery import exits
+        exits.reached("train", step=2)
+        exits.reached("rollout", step=3)
+        print("not killed")
+    """
+    for faults, rank, attempt, killed in (("0:1:3:rollout:kill", "1", "0", True),
+                                          ("0:1:3:rollout:kill", "0", "0", False),
+                                          ("0:1:3:rollout:kill", "1", "1", False),
+                                          ("0:1:2:rollout:kill", "1", "0", False)):
+        env = {**os.environ, "RSTAR2_FAULTS": faults, "RANK": rank,
+               "TORCHELASTIC_RESTART_COUNT": attempt}
+        proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                              text=True, env=env, timeout=60)
+        assert (proc.returncode, proc.stdout) == ((-9, "") if killed else (0, "not killed\n"))
+
+
+def test_a_lost_peer_is_named_from_gloo_s_error_and_the_restart_counted(monkeypatch):
+    error = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] "
+                         "Connection closed by peer [10.0.0.7]:41234. This is typically caused by "
+                         "a remote worker crashing.")
+    assert exits.peer_lost(error) == "gloo: Connection closed by peer [10.0.0.7]:41234"
+    assert exits.peer_lost(RuntimeError("CUDA out of memory")) == ""
+    assert exits.peer_lost(ValueError("Connection reset by peer")) == ""  # not a collective's
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert exits.restart_or_resume("rl.py", []) == (
+        "torchrun restarts the job from the newest checkpoint (2 of --max-restarts=3 restarts "
+        "left)")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+    monkeypatch.setattr(exits, "LAUNCH", {"words": ["torchrun", "--nproc_per_node=8"]})
+    assert exits.restart_or_resume("rl.py", ["configs/stage1.yaml"]) == (
+        "no restart left (--max-restarts=3); to resume: torchrun --nproc_per_node=8 rl.py "
+        "configs/stage1.yaml")
 
 
 def test_a_signal_that_comes_while_leave_runs_the_exit_handlers_cuts_none_short():
