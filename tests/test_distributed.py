@@ -1,6 +1,8 @@
 """rl.py across ranks and nodes (machinery/distributed.py): the same run under torchrun on 2 ranks
 of one node and on 2 nodes of 1 rank (two launchers on 127.0.0.1, as on two machines) gives the
-same metrics; a rerun of the finished run and a replay of a saved step exit cleanly; a node that
+same metrics; torchrun --max-restarts carries a run whose ranks are killed mid-rollout and
+mid-save to its end with the same metrics; a rerun of the finished run and a replay of a saved step
+exit cleanly; a node that
 does not see rank 0's out_dir, a rank that cannot reach the rendezvous store, an interface gloo
 cannot use and shared memory a killed tensor-parallel engine left stop at start, in seconds, with a
 message that names what to fix.
@@ -84,6 +86,17 @@ def same_run(m):
             and k != "timestamp"}
 
 
+def assert_same_numbers(rows, others):
+    for a, b in zip(rows, others, strict=True):
+        a, b = same_run(a), same_run(b)
+        assert a.keys() == b.keys()
+        for key in a:  # the update's sums run in another order on other ranks: fp32 noise
+            if isinstance(a[key], float):
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
+            else:
+                assert b[key] == a[key], (a["step"], key)
+
+
 @pytest.fixture(scope="module")
 def runs(sft_policy, tmp_path_factory):
     """rl.py on 2 ranks of one node (train, a rerun of the finished run, a replay of its step 1),
@@ -136,14 +149,40 @@ def test_two_nodes_of_one_rank_compute_what_one_node_of_two_does(runs):
     assert_clean(runs.nodes)
     one, two = metrics(runs.work / "one"), metrics(runs.work / "two")
     assert [m["step"] for m in two] == [1, 2]
-    for a, b in zip(one, two):
-        a, b = same_run(a), same_run(b)
-        assert a.keys() == b.keys()
-        for key in a:  # the update's sums run in another order on other ranks: fp32 noise
-            if isinstance(a[key], float):
-                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
-            else:
-                assert b[key] == a[key], (a["step"], key)
+    assert_same_numbers(one, two)
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_a_job_whose_rank_died_mid_rollout_then_mid_save_to_the_same_numbers(
+        runs):
+    """torchrun --max-restarts=2 on the runs' config, every step saved: RSTAR2_FAULTS SIGKILLs
+    (no handler, no atexit: a GPU off the bus) rank 1 as it claims its first prompt of step 2, then
+    in the restarted job rank 0 after step 2's row is logged and every shard written, before the
+    commit. Each attempt forms its group afresh (the store's keys are the attempt's), resumes from
+    step 1's checkpoint, and the third finishes: exit 0, no person involved, every step logged
+    once, the numbers of the uninterrupted run (bytes/balance_* aside: which rank claims which
+    prompt is a race by design, §3.2), and no .tmp left."""
+    out_dir = runs.work / "faults"
+    started = time.time()
+    (returncode, output), = launch(
+        [TORCHRUN + ["--standalone", "--nproc_per_node=2", "--max-restarts=2", "rl.py",
+                     *runs.args(out_dir), "save_every=1"]],
+        [{"RSTAR2_FAULTS": "0:1:2:claim:kill,1:0:2:checkpoint_commit:kill"}])
+    print(f"three attempts in {time.time() - started:.0f} s")
+    assert returncode == 0 and ABORT not in output, output[-5000:]
+    assert not re.search(f'File "{REPO}/(?!\\.venv)', output), output[-5000:]
+    # the survivors' one line each (a gloo error, or torchrun's SIGTERM if that came first)
+    for rank, phase, left in ((0, "rollout", 2), (1, "checkpoint", 1)):
+        assert re.search(f"rl.py: rank {rank} (lost another rank|stopped by SIGTERM) in step 2 "
+                         rf"\({phase}\).*torchrun restarts the job from the newest checkpoint "
+                         rf"\({left} of --max-restarts=2 restarts left\)", output), output[-5000:]
+    assert output.count(f"resumed from {out_dir / 'checkpoints' / 'step_00000001'}") == 2
+    assert (f"removed {out_dir / 'checkpoints' / 'step_00000002.tmp'}: a checkpoint whose save "
+            "did not finish") in output
+    assert not list((out_dir / "checkpoints").glob("*.tmp"))
+    rows = metrics(out_dir)
+    assert [m["step"] for m in rows] == [1, 2]
+    assert_same_numbers(metrics(runs.work / "one"), rows)
 
 
 @pytest.mark.slow

@@ -69,7 +69,8 @@ def test_a_rank_that_raises_ends_every_rank_in_seconds_though_an_exit_handler_ha
     line, bound = err0.splitlines()
     assert re.fullmatch(r"dist_exits\.py: rank 0 lost another rank in step 1 \(update\) \(gloo: "
                         r"Connection (closed|reset) by peer \[127\.0\.0\.1\]:\d+\): no restart "
-                        r"left \(--max-restarts=0\); to resume: \S+python dist_exits\.py raise", line)
+                        r"left \(--max-restarts=0\); to resume: \S+python dist_exits\.py raise",
+                        line)
     assert bound.startswith("rank 0: the exit handlers") and out0 == ""
     print(f"both ranks ended {seconds:.1f} s after the launch")
 

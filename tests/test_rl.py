@@ -515,6 +515,24 @@ def test_tool_error_ratio_in_correct_pools_the_calls_of_correct_trajectories_onl
     assert step_metrics(records, num_groups=1)["ungraded"] == 1
 
 
+def test_a_run_that_starts_over_or_resumes_logs_every_step_once(tmp_path):
+    """An interrupt before the first checkpoint (Ctrl-C at step 4) leaves rows 0-3, row 0 the
+    held-out evaluation before training: the rerun starts over and evaluates again, so the old
+    rows go, else step 0 would be there twice. A resume from step 2 keeps rows 0-2 and logs from 3
+    (rl.py logs a step before its checkpoint commits: a row past the checkpoint is redone)."""
+    path = tmp_path / "metrics.jsonl"
+    for resume_step, kept in ((0, []), (2, [0, 1, 2])):
+        path.write_text("".join(json.dumps({"step": step, "accuracy": 0.1}) + "\n"
+                                for step in range(4)))
+        logger = MetricsLogger(tmp_path, resume_step=resume_step)
+        assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == kept
+        for step in range(resume_step + bool(resume_step), 4):
+            logger.log(step, {"accuracy": 0.2})
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        assert [row["step"] for row in rows] == [0, 1, 2, 3]
+        assert [row["accuracy"] for row in rows] == [0.1] * len(kept) + [0.2] * (4 - len(kept))
+
+
 # -----------------------------------------------------------------------------
 # saved rollouts: what select_samples saw and chose, written and read back (no engine)
 
