@@ -53,7 +53,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from machinery.checkpoint import latest_checkpoint, resume_run, save_checkpoint
+from machinery.checkpoint import (latest_checkpoint, remove_unfinished, resume_run,
+                                  save_checkpoint)
 from machinery.config import ConfigError, load_config, resolve
 from machinery.conversations import (IGNORE, chat_text, check_context, check_conversation,
                                      check_turn, collate_conversations, collate_shared_prefix,
@@ -375,6 +376,7 @@ def train(cfg):
     run_state = {"num_examples": len(examples), "global_batch_size": cfg.global_batch_size,
                  "seed": cfg.seed}
     ckpt_root = out_dir / "checkpoints"
+    remove_unfinished(ckpt_root, rank)
     start_step = resume_run(run_dir.checkpoint, model, optimizer, run_state, rank)
     logger = MetricsLogger(out_dir, enabled=rank == 0, wandb_project=cfg.wandb_project,
                            tensorboard=cfg.tensorboard, config=dataclasses.asdict(cfg),

@@ -8,9 +8,10 @@ several times during one run, the run repeated; against one uninterrupted run of
 A kill is SIGKILL (no handler, no atexit: as a GPU falling off the bus or a lost node would end the
 rank), sent from outside to one of torchrun's workers chosen at random, at a moment drawn uniformly
 between 0 and chaos_window_s seconds after that attempt's workers started (engine start, rollouts,
-updates and saves alike). torchrun must restart the job each time (--max-restarts=chaos_kills) and
-the run must end by itself. Per run: the launcher's exit code, the kills, the steps each kill made
-the run redo (the steps logged past the newest checkpoint when it struck: at most save_every), the
+updates and saves alike; by default 80% of the uninterrupted run's time). torchrun must restart the
+job each time (--max-restarts=chaos_kills) and the run must end by itself. Per run: the launcher's
+exit code, the kills (a kill drawn after the run ended is none), the steps each kill made the run
+redo (the steps logged past the newest checkpoint when it struck: at most save_every), the
 attempts, whether metrics.jsonl holds every step exactly once, whether every row equals the
 uninterrupted run's in every key but the times, rates and bytes/balance_* (which rank claims which
 prompt is a race by design, paper §3.2), and whether a .tmp checkpoint was left. Needs an SFT'd
@@ -39,7 +40,9 @@ class ChaosConfig:
     chaos_runs: int = 3           # runs, each killed chaos_kills times
     chaos_kills: int = 3          # kills per run (and torchrun's --max-restarts)
     chaos_ranks: int = 2          # torchrun --nproc_per_node
-    chaos_window_s: float = 60.0  # a kill comes this many seconds at most after its attempt starts
+    # a kill comes this many seconds at most after its attempt's ranks start; 0: 80% of the
+    # uninterrupted run's seconds (start-up, steps and saves alike)
+    chaos_window_s: float = 0.0
     chaos_seed: int = 0
 
 
@@ -63,6 +66,15 @@ def workers(launcher):
         except OSError:
             pass
     return sorted(out)
+
+
+def rank_of(pid):
+    """A worker's RANK, from the environment torchrun started it with."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return next((int(v[5:]) for v in env if v.startswith(b"RANK=")), None)
 
 
 def logged_steps(out_dir):
@@ -95,6 +107,7 @@ def kill_randomly(launcher, out_dir, chaos, rng, kills):
         if launcher.poll() is not None:
             return
         victim = rng.choice(pids)
+        rank = rank_of(victim)
         saved = latest_checkpoint(out_dir / "checkpoints")
         saved = checkpoint_step(saved) if saved else 0
         done = max(logged_steps(out_dir), default=0)
@@ -102,7 +115,7 @@ def kill_randomly(launcher, out_dir, chaos, rng, kills):
             os.kill(victim, signal.SIGKILL)
         except ProcessLookupError:  # it ended by itself (a step's end, the run's end)
             continue
-        kills.append({"rank": pids.index(victim), "after_s": round(delay, 1),
+        kills.append({"rank": rank, "after_s": round(delay, 1),
                       "redone": max(0, done - saved)})
 
 
@@ -141,6 +154,8 @@ def main(argv):
     if reference.returncode != 0:
         sys.exit(f"bench.chaos: the uninterrupted run failed:\n{output[-3000:]}")
     print(f"uninterrupted run: {time.time() - started:.0f} s", flush=True)
+    if not chaos.chaos_window_s:
+        chaos.chaos_window_s = 0.8 * (time.time() - started)
     reference_rows = read_rows(work / "reference")
     summary = []
     for run in range(chaos.chaos_runs):
@@ -155,7 +170,7 @@ def main(argv):
         steps = logged_steps(out_dir)
         rows = read_rows(out_dir) if (out_dir / "metrics.jsonl").is_file() else []
         result = {"run": run, "exit": launcher.returncode, "seconds": round(time.time() - started),
-                  "kills": kills, "attempts": output.count("RLConfig: ") or None,
+                  "kills": kills, "attempts": 1 + output.count("failed (exitcode"),
                   "steps_once": steps == list(range(1, len(reference_rows) + 1)),
                   "differ": compared(reference_rows, rows),
                   "tmp_left": [p.name for p in (out_dir / "checkpoints").glob("*.tmp")]}

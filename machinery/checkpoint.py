@@ -184,10 +184,13 @@ def commit_checkpoint(tmp, keep=2, keep_through=0):
     return final
 
 
-def remove_unfinished(ckpt_root):
-    """Delete the step_N.tmp/ directories an attempt that died mid-save left (rank 0, at start):
-    never read, and a step not saved again would keep its (at 14B, 165 GiB) forever. Names each."""
+def remove_unfinished(ckpt_root, rank):
+    """Delete the step_N.tmp/ directories an attempt that died mid-save left (on rank 0, at start,
+    the run directory claimed): never read, and a step not saved again would keep its (at 14B,
+    165 GiB) forever. Names each."""
     ckpt_root = Path(ckpt_root)
+    if rank != 0:
+        return
     for tmp in sorted(ckpt_root.glob(f"{CHECKPOINT_PREFIX}*.tmp")) if ckpt_root.is_dir() else []:
         shutil.rmtree(tmp, ignore_errors=True)
         print(f"removed {tmp}: a checkpoint whose save did not finish", flush=True)
@@ -323,8 +326,7 @@ def restore(cfg, checkpoint, device, rank):
     position). Checkpoints are atomic by rename: a run killed mid-save resumes from the previous
     complete one."""
     checkpoint, weights_only = start_checkpoint(cfg, checkpoint)
-    if rank == 0:
-        remove_unfinished(resolve(cfg.out_dir) / "checkpoints")  # no save runs: the run is ours
+    remove_unfinished(resolve(cfg.out_dir) / "checkpoints", rank)
     state = {"step": 0, "data_position": 0}
     model, optimizer = load_policy(cfg, device, rank)
     if weights_only:

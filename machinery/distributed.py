@@ -103,6 +103,8 @@ def preflight(backend, world_size, timeout):
             raise RuntimeError(f"{int(everyone)} ranks answered the all-reduce and {stored} the "
                                f"store, of {world_size}")
     except RuntimeError as e:  # DistStoreError, DistNetworkError, gloo's own: all RuntimeErrors
+        if "by peer" in str(e):  # it was reached, then died: exits.run_script names a lost peer
+            raise
         raise ConfigError(unreachable(e, short), this_rank_only=True) from None
     _set_pg_timeout(timeout)  # both halves of "cpu:gloo,cuda:nccl"
     _get_default_store().set_timeout(timeout)  # vLLM's groups and the claims wait on it too

@@ -1,7 +1,9 @@
 """How a script ends. run_script is every script's `__main__`: bad input ends in one line, an
 interrupt (Ctrl-C, or SIGTERM from a scheduler or torchrun's agent) in one paragraph that says where
 the run stands and the command that resumes it, never in a traceback from inside vLLM; a finished
-script names what it wrote and the command to run next. Under torchrun, rank 0 alone prints."""
+script names what it wrote and the command to run next. Under torchrun, rank 0 alone prints, but
+for a rank that lost a peer: it says so in one line, and what torchrun's --max-restarts does next.
+An exit other than success never waits on the exit handlers longer than LEAVE_TIMEOUT_S."""
 import atexit
 import faulthandler
 import json
@@ -196,12 +198,12 @@ def leave(code):
     os._exit(code)
 
 
-def bound_exit(code, timeout_s=None):
-    """End this process with `code` after timeout_s (LEAVE_TIMEOUT_S) whatever is running: a
-    thread that names the wait in one line, and faulthandler's watchdog as long again (at most 5 s)
-    later, a C thread that needs no GIL (a hang inside a C call that holds it; it exits 1 and shows
-    where each thread was)."""
-    timeout_s = LEAVE_TIMEOUT_S if timeout_s is None else timeout_s
+def bound_exit(code):
+    """End this process with `code` after LEAVE_TIMEOUT_S whatever is running: a thread that names
+    the wait in one line, and faulthandler's watchdog as long again (at most 5 s) later, a C thread
+    that needs no GIL (a hang inside a C call that holds it; it exits 1 and shows where each thread
+    was)."""
+    timeout_s = LEAVE_TIMEOUT_S
 
     def give_up():
         print(f"rank {os.environ.get('RANK', '0')}: the exit handlers (vLLM's engine shutdown, "
