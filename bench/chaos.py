@@ -167,6 +167,7 @@ def main(argv):
         killer.start()
         output = launcher.communicate()[0]
         killer.join()
+        (work / f"run-{run}.log").write_text(output)  # the ranks' last lines, torchrun's report
         steps = logged_steps(out_dir)
         rows = read_rows(out_dir) if (out_dir / "metrics.jsonl").is_file() else []
         result = {"run": run, "exit": launcher.returncode, "seconds": round(time.time() - started),
