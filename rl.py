@@ -153,6 +153,7 @@ class RLConfig:
         is loaded; machinery.checkpoint.check_config then checks the paths, sizes and resume."""
         require_at_least(self, 1, "prompts_per_step", "steps", "mini_batches")
         require_at_least(self, 0, "warmup_steps")
+
         if self.group_size < 4 and self.algorithm == "roc":
             raise ConfigError(f"group_size={self.group_size}: GRPO-RoC keeps at least 2 positives "
                               "and 2 negatives per group (grpo_roc.resample_on_correct), so G must "
@@ -160,6 +161,7 @@ class RLConfig:
         if self.group_size < 2:
             raise ConfigError(f"group_size={self.group_size}: a group advantage needs at least 2 "
                               "rollouts (Eq. 7)")
+
         if not self.lr > 0:
             raise ConfigError(f"lr={self.lr}: must be > 0")
         if self.dual_clip and self.dual_clip <= 1:
@@ -167,10 +169,12 @@ class RLConfig:
         if not self.rollout_is_threshold > 1:
             raise ConfigError(f"rollout_is_threshold={self.rollout_is_threshold}: must be > 1 "
                               "(weights are truncated at it, or kept inside [1/C, C])")
+
         if self.prompts_per_step % self.mini_batches:
             raise ConfigError(f"prompts_per_step={self.prompts_per_step} does not divide into "
                               f"mini_batches={self.mini_batches} optimizer steps of whole prompt "
                               "groups")
+
         checkpoint.check_config(self)
 
 
