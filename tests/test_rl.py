@@ -827,7 +827,7 @@ def test_the_held_out_numbers_of_a_run_are_eval_pys_numbers(sft_policy, tmp_path
     tokenizer = AutoTokenizer.from_pretrained(sft_policy)
     with Executor(workers=1) as executor:
         run = SimpleNamespace(cfg=cfg, eval_rows=rows, engine=engine, model=model, world_size=1,
-                              rank=0, weight_dtype=torch.float32, tool=executor,
+                              rank=0, weight_dtype=torch.float32, executor=executor,
                               tokenizer=tokenizer)
         mine = rl.evaluate_held_out(run)
         eval_cfg = evaluation.EvalConfig(model=str(sft_policy), benchmarks=["held_out"], n=2,
