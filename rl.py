@@ -79,8 +79,8 @@ class RLConfig:
     mode: Literal["train", "plan"] = "train"  # plan: memory, bytes, time of a step; no training
     plan_model_config: str = ""   # mode=plan: the model's config.json when `model` is not on disk
     seed: int = 0
-    world_size: int = 0           # ranks this config was written for (0 = any), checked at start
-    collective_timeout_min: int = 120  # a rank waits this long at a collective for the slowest
+    world_size: int = 0           # ranks mode=plan assumes (0: the launch's); any launch runs
+    collective_timeout_min: int = 30  # the most a rank waits at one collective (mode=plan checks)
     # the method (§2.2.3, §4.3)
     algorithm: Literal["roc", "grpo"] = "roc"  # roc: 2G sampled, RoC keeps G; grpo: G, all kept
     group_size: int = 16          # G, rollouts per prompt that are trained on
@@ -528,6 +528,8 @@ def start_run(cfg):
     None when out_dir's run is already at `steps`."""
     model_path, problems, eval_rows = checkpoint.check_inputs(cfg)
     rank, world_size, _, device = init_distributed(cfg.collective_timeout_min)
+    if rank == 0 and (note := plan.launch_note(cfg, world_size)):  # not the plan's size: it runs
+        print(note, flush=True)
     check_shared_paths(cfg.out_dir, [model_path, cfg.train_data, cfg.eval_data, cfg.init_from],
                        rank, world_size)  # every node must see the run where rank 0 does
     run = SimpleNamespace(cfg=cfg, model_path=model_path, rank=rank, world_size=world_size,

@@ -41,9 +41,9 @@ def init_distributed(collective_timeout_min=120):
     `python x.py` becomes a world of one with torchrun's env variables set, so FSDP2, the claim
     counter and vLLM's external_launcher take exactly the path they take on 64 GPUs. Under torchrun
     the ranks first prove they reach each other (preflight); after it a collective waits up to
-    collective_timeout_min for the slowest rank. The fastest waits out the others' rollouts at
-    own_groups: torch's default, 30 min for "cpu:gloo,cuda:nccl", is shorter than a slow node's
-    rollout tail at 64 ranks (AReaL sets 2 h: "generation may consume more than 3600s")."""
+    collective_timeout_min for the slowest rank: the longest single wait is the rollout tail (the
+    fastest rank waits out the others' rollouts at own_groups), which rl.py's mode=plan checks
+    the timeout against. The timeout is also how long a hung rank holds the job."""
     store = None
     # A child process (demo.py's stages, a test's subprocess) inherits the variables a
     # single-process parent set below; taken for torchrun's, they would send it to bind the parent's
