@@ -3,9 +3,9 @@ process to 64 GPUs.
 
     python rl.py configs/tiny.yaml                        # 1 CPU process (the tiny demo's RL stage)
     python rl.py configs/qwen3_1p7b_1gpu.yaml             # 1 GPU, a small real model
-    torchrun --nproc_per_node=8 rl.py configs/stage1.yaml world_size=8      # 1 node of 8 GPUs
-    torchrun --nnodes=8 --node_rank=$NODE_RANK --nproc_per_node=8 \\
-        --master_addr=$MASTER_ADDR --master_port=29500 rl.py configs/stage1.yaml   # 64 GPUs
+    torchrun --standalone --nproc_per_node=8 --max-restarts=3 rl.py configs/stage1.yaml  # 8 GPUs
+    torchrun --nnodes=8 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:29500 \\
+        --rdzv-id=stage1 --max-restarts=3 rl.py configs/stage1.yaml   # 64 GPUs: on every node
     python rl.py configs/stage1.yaml mode=plan            # memory, bytes, time of a step per rank
     python -m tools.replay configs/tiny.yaml positive_rule=topk   # a saved step again, offline
     python -m tools.filter_solved configs/stage3.yaml     # stage-3 data: drop problems solved 8/8
