@@ -468,7 +468,7 @@ def launch_note(cfg, world, gpus=GPUS):
     if not cfg.world_size or cfg.world_size == world:
         return ""
     line = (f"world_size={cfg.world_size} is the plan's assumption (mode=plan), not a "
-            f"requirement: this launch has {world} ranks")
+            f"requirement: this launch has {world} rank{'s' if world > 1 else ''}")
     try:
         m = ModelShape.from_config(resolve_model_config(cfg))
     except ConfigError:
