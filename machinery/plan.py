@@ -849,8 +849,8 @@ def rank0_host_bytes(m):
 
 
 def restart_seconds(m, world, a):
-    """What a restart costs before its first step (rl.start_run), each part in seconds: rank 0
-    reads the model (bf16, 2 bytes a parameter) and broadcasts it in fp32
+    """What a restart costs before its first step (machinery.rl_run.start_rl_run), each part in
+    seconds: rank 0 reads the model (bf16, 2 bytes a parameter) and broadcasts it in fp32
     (machinery.model.build_model), every rank reads its checkpoint shard
     (machinery.checkpoint.restore), and the engine starts."""
     model = 2 * m.numel() / (a.plan_fs_read_gb_s * 1e9) + link_seconds(4 * m.numel(), world, a)
