@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 import eval as evaluation
 import rollout
 from bench.rollout import scripted_policy
+from machinery.choices import load_choices
 from machinery.data import BENCHMARKS
 from machinery.config import ConfigError, load_config
 from executor import Executor
@@ -185,8 +186,41 @@ def test_unknown_benchmark_lists_the_available_ones():
         evaluation.load_benchmarks(make_cfg(benchmarks=["aime2024"]))
     message = str(error.value)
     assert "unknown benchmark 'aime2024'" in message and "did you mean 'aime24'" in message
-    for name in list(BENCHMARKS) + ["arith"]:
+    for name in list(BENCHMARKS) + ["arith", "mmlu_science", "gpqa_diamond.csv"]:
         assert name in message
+
+
+def test_science_by_name_by_choices_jsonl_and_by_gpqa_csv_beside_math(tmp_path):
+    mine = tmp_path / "physics.jsonl"
+    mine.write_text(json.dumps({"id": "p1", "question": "Unit of force?",
+                                "choices": ["joule", "newton"], "answer": "B"}) + "\n")
+    gpqa = tmp_path / "gpqa_diamond.csv"
+    gpqa.write_text("Question,Correct Answer,Incorrect Answer 1,Incorrect Answer 2,"
+                    "Incorrect Answer 3,Record ID\nWhich?,right,w1,w2,w3,rec1\n")
+    cfg = make_cfg(benchmarks=["aime24", "mmlu_science", str(mine), str(gpqa)], limit=2, seed=5)
+    selected = evaluation.load_benchmarks(cfg)
+    assert list(selected) == ["aime24", "mmlu_science", "physics", "gpqa_diamond"]
+    assert [r["id"] for r in selected["mmlu_science"]] == ["mmlu-college_physics-0",
+                                                            "mmlu-college_physics-1"]
+    p1, rec1 = selected["physics"][0], selected["gpqa_diamond"][0]
+    assert p1["options"][ord(p1["answer"]) - ord("A")] == "newton" and p1["shuffle_seed"] == 5
+    assert rec1["id"] == "rec1" and rec1["options"][ord(rec1["answer"]) - ord("A")] == "right"
+    # The shuffle is the seed's: another seed, another order for some question.
+    other = evaluation.load_benchmarks(make_cfg(benchmarks=["mmlu_science"], limit=20, seed=6))
+    assert ([r["option_order"] for r in other["mmlu_science"]]
+            != [r["option_order"] for r in evaluation.load_benchmarks(
+                make_cfg(benchmarks=["mmlu_science"], limit=20, seed=5))["mmlu_science"]])
+
+
+def test_gpqa_by_name_says_where_to_get_it_and_a_wrong_csv_is_refused_in_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="GPQA-Diamond is gated.*benchmarks=PATH/gpqa_diamond.csv"):
+        evaluation.load_benchmarks(make_cfg(benchmarks=["gpqa_diamond"]))
+    wrong = tmp_path / "gpqa_diamond.csv"
+    wrong.write_text("id,problem,answer\nq1,1+1?,2\n")
+    with pytest.raises(ConfigError) as refused:
+        evaluation.load_benchmarks(make_cfg(benchmarks=[str(wrong)]))
+    assert "\n" not in str(refused.value)
+    assert f"{wrong}: not GPQA's CSV, no column 'Question', 'Correct Answer'" in str(refused.value)
 
 
 def test_benchmarks_by_name_generated_and_by_path_with_limit(tmp_path):
@@ -516,6 +550,61 @@ def test_a_box_the_tool_printed_is_neither_the_answer_nor_correct(scripted, toke
     assert [(r["answer"], r["correct"], r["num_answer_tags"])
             for r in records] == [(None, False, 0)] * 2
     assert summary["problems"]["pass@1"] == 0.0
+
+
+SCIENCE = [  # (question, options with the correct one first, the assistant's turns given gold)
+    ("Unit of force?", ["newton", "joule", "watt", "volt"],
+     lambda gold: [f" </reason><answer> \\boxed{{{gold}}} </answer><|im_end|>"]),
+    ("Unit of energy?", ["joule", "newton", "watt", "volt"],       # the option's text
+     lambda gold: [" The unit is the joule. Answer: joule<|im_end|>"]),
+    ("Unit of power?", ["watt", "joule", "newton", "volt"],        # a tool call, then the letter
+     lambda gold: [CALL % "print(2 + 3)", f" So the answer is ({gold}).<|im_end|>"]),
+    ("Unit of charge?", ["coulomb", "volt", "watt", "joule"],      # a wrong letter
+     lambda gold: [f" \\boxed{{{'A' if gold != 'A' else 'B'}}}<|im_end|>"]),
+    ("Unit of voltage?", ["volt", "coulomb", "watt", "joule"],     # two letters: no answer
+     lambda gold: [f" \\boxed{{{gold} or {'A' if gold != 'A' else 'B'}}}<|im_end|>"]),
+]
+
+
+@pytest.mark.slow
+def test_science_multiple_choice_runs_the_agent_loop_and_is_summarised_beside_math(
+        scripted, tokenizer, tiny_model_dir, tmp_path):
+    """Questions with shuffled options through the loop math uses (the tool included), graded by
+    the letter the final answer names; one summary holds both domains."""
+    engine, executor = scripted
+    cfg = eval_cfg()
+    path = tmp_path / "science.jsonl"
+    path.write_text("".join(json.dumps({"id": f"s{i}", "question": q, "answer": "A",
+                                        "choices": options}) + "\n"
+                            for i, (q, options, _) in enumerate(SCIENCE)))
+    science = load_choices(path, seed=0)
+    for row, (_, _, turns) in zip(science, SCIENCE):
+        SCRIPTS[tuple(render_prompt(tokenizer, row["problem"], cfg.rollout))] = [
+            tokenizer.encode(t, add_special_tokens=False) for t in turns(row["answer"])]
+    summary = evaluation.evaluate(tiny_model_dir, {"math": [PROBLEMS[2][0]], "science": science},
+                                  cfg, engine=engine, executor=executor, tokenizer=tokenizer,
+                                  out_dir=tmp_path / "run")
+    records = [json.loads(line)
+               for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    first = {r["problem_id"]: r for r in records if r["benchmark"] == "science"
+             and r["sample_index"] == 0}
+    gold = {row["id"]: row["answer"] for row in science}
+    assert {pid: (r["answer"], r["correct"]) for pid, r in first.items()} == {
+        "s0": (gold["s0"], True), "s1": (gold["s1"], True), "s2": (gold["s2"], True),
+        "s3": ("A" if gold["s3"] != "A" else "B", False), "s4": (None, False)}
+    assert first["s2"]["num_tool_calls"] == 1 and "stdout: 5" in first["s2"]["response"]
+    # The order each sample saw is in its record, and its prompt shows it.
+    for row in science:
+        r = first[row["id"]]
+        assert (r["gold"], r["options"], r["option_order"], r["shuffle_seed"]) == (
+            row["answer"], row["options"], row["option_order"], 0)
+        assert f"({row['answer']}) {SCIENCE[int(row['id'][1:])][1][0]}\n" in r["prompt"]
+    assert summary["science"]["domain"] == "science" and summary["math"]["domain"] == "math"
+    assert summary["science"]["pass@1"] == summary["science"]["maj@2"] == pytest.approx(3 / 5)
+    assert summary["science"]["answer_rate"] == pytest.approx(4 / 5)
+    assert summary["math"]["pass@1"] == 1.0
+    table = (tmp_path / "run" / "summary.md").read_text()
+    assert "| math | 1 | 2 |" in table and "| science | 5 | 2 |" in table
 
 
 @pytest.mark.slow
