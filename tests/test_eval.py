@@ -2,16 +2,19 @@
 benchmark and model-directory errors, and the whole path on the tiny model through the real engine,
 tool and grader."""
 import contextlib
+import importlib.util
 import itertools
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import eval as evaluation
 import rollout
@@ -21,9 +24,9 @@ from machinery.data import BENCHMARKS
 from machinery.config import ConfigError, load_config
 from executor import Executor
 from rollout import RolloutConfig
-from machinery.distributed import init_distributed
+from machinery.distributed import SINGLE_PROCESS_MARKER, TORCHRUN_VARIABLES, init_distributed
 from machinery.engine import Engine
-from machinery.model import check_model_dir
+from machinery.model import check_model_dir, save_hf_model
 from machinery.prompts import load_format, render_prompt, write_format
 from machinery.results import generation_settings, markdown_table, open_samples
 from machinery.metrics import pass_at_k
@@ -640,7 +643,8 @@ def test_by_default_a_checkpoint_is_evaluated_in_the_format_it_was_trained_with(
     write_format(model, template, schema, written_by="rl.py")
     out_dir = tmp_path / "run"
     command = [sys.executable, "eval.py", "configs/eval.yaml", f"model={model}",
-               f"out_dir={out_dir}", "benchmarks=arith", "arith_problems=1", "n=1", "ks=[1]",
+               f"out_dir={out_dir}", "benchmarks=arith,mmlu_science", "arith_problems=1", "limit=1",
+               "n=1", "ks=[1]",
                "rollout.max_prompt_tokens=1024", "rollout.max_response_tokens=8",
                "rollout.dtype=float32", "rollout.enforce_eager=true"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -650,6 +654,14 @@ def test_by_default_a_checkpoint_is_evaluated_in_the_format_it_was_trained_with(
     assert ("python_code_with_standard_io" in prompt
             and "execute_python_code_with_standard_io" not in prompt)
     assert "was trained with another" not in done.stderr
+    # Science beside math, from the command line: the bundled set's first question, shuffled.
+    science = json.loads((out_dir / "samples.jsonl").read_text().splitlines()[1])
+    assert science["benchmark"] == "mmlu_science" and science["gold"] in "ABCD"
+    assert sorted(science["option_order"]) == [0, 1, 2, 3] and science["shuffle_seed"] == 0
+    summary = json.loads((out_dir / "summary.json").read_text())["benchmarks"]
+    assert [(name, m["domain"]) for name, m in summary.items()] == [("arith", "math"),
+                                                                     ("mmlu_science", "science")]
+    assert "| mmlu_science | 1 | 1 |" in done.stdout
     # Another evaluation into the same out_dir is refused and leaves this one's config.yaml as is.
     config = (out_dir / "config.yaml").read_bytes()
     hotter = subprocess.run(command + ["rollout.temperature=1.0"], cwd=REPO, capture_output=True,
@@ -709,3 +721,71 @@ def test_the_default_out_dir_is_one_per_model_and_a_missing_local_model_shows_it
     assert "download" not in str(missing.value)
     with pytest.raises(ConfigError, match="huggingface-cli download Org/Model --local-dir DIR"):
         check_model_dir("Org/Model", allow_hub_id=False)  # a hub id: the download hint
+
+
+# -----------------------------------------------------------------------------
+# the field's harnesses: the exported model as lm-eval (IFEval, README "Evaluation") loads it
+
+LOCAL_TASK = """task: rstar2_export_check
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {items}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["<|im_end|>"]
+  max_gen_toks: 8
+  do_sample: false
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
+                    reason="lm-eval is optional and not installed: pip install -r "
+                           "requirements-harness.txt (.ci/harnesses installs it and runs this)")
+def test_the_exported_model_runs_in_lm_eval_offline_with_its_training_chat_template(
+        tiny_model_dir, tmp_path):
+    """The tiny model exported as sft.py and rl.py export (save_hf_model: the training template
+    becomes the tokenizer's own) runs through lm-eval's Hugging Face backend on a local task, the
+    Hub and datasets offline: the prompts the harness sent are the training template's."""
+    init_distributed()  # save_hf_model gathers the weights: a world of one
+    export = tmp_path / "export"
+    template, schema, _ = load_format(RolloutConfig(prompt_variant="code"))
+    save_hf_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                  AutoTokenizer.from_pretrained(tiny_model_dir), tiny_model_dir, export,
+                  torch.float32, 0, (template, schema), written_by="sft.py")
+    questions = ["What is 2 + 3?", "What is 4 + 4?"]
+    items = tmp_path / "items.jsonl"
+    items.write_text("".join(json.dumps({"question": q, "answer": "x"}) + "\n" for q in questions))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "rstar2_export_check.yaml").write_text(LOCAL_TASK.format(items=items))
+    command = [sys.executable, "-m", "lm_eval", "--model", "hf",
+               "--model_args", f"pretrained={export},dtype=float32",
+               "--tasks", "rstar2_export_check", "--include_path", str(tmp_path / "tasks"),
+               "--apply_chat_template", "--device", "cpu", "--batch_size", "1",
+               "--output_path", str(tmp_path / "out"), "--log_samples"]
+    # A plain process, not this test's world of one (accelerate would join it), with the Hub and
+    # datasets offline and an empty cache: nothing was downloaded before, nothing can be now.
+    offline = {key: value for key, value in os.environ.items()
+               if key not in (*TORCHRUN_VARIABLES, SINGLE_PROCESS_MARKER)}
+    offline.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=offline)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    samples_file, = (tmp_path / "out").rglob("samples_rstar2_export_check_*.jsonl")
+    samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
+    sent = [s["arguments"]["gen_args_0"]["arg_0"] for s in sorted(samples,
+                                                                key=lambda s: s["doc_id"])]
+    exported = AutoTokenizer.from_pretrained(export)
+    assert sent == [exported.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                 add_generation_prompt=True) for q in questions]
+    assert all("This is the problem:\n" in p and p.endswith("<reason>") for p in sent)
+    results_file, = (tmp_path / "out").rglob("results_*.json")
+    assert "exact_match,none" in json.loads(results_file.read_text())["results"][
+        "rstar2_export_check"]
