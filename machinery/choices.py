@@ -17,6 +17,7 @@ import string
 from pathlib import Path
 
 from machinery.config import ConfigError, resolve
+from machinery.data import load_jsonl
 
 GPQA_COLUMNS = ("Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2",
                 "Incorrect Answer 3")
@@ -78,34 +79,20 @@ def read_gpqa_csv(path):
 
 def read_choices_jsonl(path):
     """[(id, question, [correct option, the others in file order])] from a choices JSONL."""
-    path = resolve(path)
     problems = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            choices = row.get("choices") if isinstance(row, dict) else None
-            if (not isinstance(choices, list) or len(choices) < 2
-                    or not all(isinstance(c, str) and c.strip() for c in choices)):
-                raise ConfigError(f"{path}:{lineno}: 'choices' must be a list of two or more "
-                                  "non-empty strings")
-            for key in ("id", "question", "answer"):
-                if not isinstance(row.get(key), str) or not row[key].strip():
-                    raise ConfigError(f"{path}:{lineno}: '{key}' must be a non-empty string")
-            if row["answer"] not in LETTERS[:len(choices)]:
-                raise ConfigError(f"{path}:{lineno}: 'answer' must be the letter of one of the "
-                                  f"{len(choices)} choices (A-{LETTERS[len(choices) - 1]}), "
-                                  f"got {row['answer']!r}")
-            correct = LETTERS.index(row["answer"])
-            others = [c for i, c in enumerate(choices) if i != correct]
-            problems.append((row["id"], row["question"].strip(),
-                             [choices[correct].strip()] + [c.strip() for c in others]))
-    if not problems:
-        raise ConfigError(f"{path}: no questions")
+    for row in load_jsonl(path, required=("id", "question", "answer")):  # file:line on a bad row
+        choices, where = row.get("choices"), f"{resolve(path)}: question {row['id']!r}"
+        if (not isinstance(choices, list) or len(choices) < 2
+                or not all(isinstance(c, str) and c.strip() for c in choices)):
+            raise ConfigError(f"{where}: 'choices' must be a list of two or more non-empty "
+                              "strings")
+        if row["answer"] not in LETTERS[:len(choices)]:
+            raise ConfigError(f"{where}: 'answer' must be the letter of one of the "
+                              f"{len(choices)} choices (A-{LETTERS[len(choices) - 1]}), "
+                              f"got {row['answer']!r}")
+        correct = LETTERS.index(row["answer"])
+        problems.append((row["id"], row["question"].strip(), [choices[correct].strip()]
+                         + [c.strip() for i, c in enumerate(choices) if i != correct]))
     return problems
 
 
