@@ -9,6 +9,7 @@ Two file formats:
   - JSONL, one question a line: {"id", "question", "choices": [option texts], "answer": the letter
     of the correct option in that list}, as data/mmlu_college_science.jsonl.
 """
+import bisect
 import csv
 import json
 import random
@@ -136,11 +137,15 @@ _TOOL_BLOCKS = re.compile(r"<tool_call>.*?(?:</tool_call>|\Z)|<tool_response>.*?
 # Up to three levels of braces: \boxed{\text{(C) } 2\,\mathrm{eV}}.
 _BRACED = r"\{((?:[^{}]|\{(?:[^{}]|\{[^{}]*\})*\})*)\}"
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*" + _BRACED)
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+# The longest answer read after a cue: a sentence, or an option's text (GPQA's run to ~400 chars).
+MAX_STATEMENT_CHARS = 1000
+# Only the last cues are read: the final answer is among them, and a response looping on "the
+# answer" thousands of times costs milliseconds, not seconds.
+MAX_CUES = 64
 _WRAPPER = re.compile(r"\\(?:text|textbf|textrm|textit|mathrm|mathbf|mbox|emph|boxed)\s*"
                       r"\{([^{}]*)\}")
 # A sentence that states the answer; what follows it is read as an answer.
-_CUE = re.compile(r"(?:(?:final|correct|right|best)\s+)?answer\b"
+_CUE = re.compile(r"(?:(?:final|correct|right|best)\s+)?(?<![</\w])answer\b"
                   r"(?:\s+to\s+(?:this|the)(?:\s+(?:question|problem))?)?[\"']?"
                   r"|(?:correct|right|best)\s+(?:option|choice)\b"
                   r"|\bI\s+(?:would\s+|will\s+|'d\s+|'ll\s+)?(?:choose|pick|select|go\s+with)\b",
@@ -223,11 +228,16 @@ def chosen_letter(text, options):
     statements = []  # (position, letter, or "" for an answer that names no single option)
     for box in _BOX.finditer(prose):
         statements.append((box.start(), _read_choice(box.group(1), options) or ""))
-    for tag in _ANSWER_TAG.finditer(prose):
-        if not _BOX.search(tag.group(1)):
-            statements.append((tag.start(), _read_choice(tag.group(1), options) or ""))
-    for cue in _CUE.finditer(prose):
-        rest = prose[cue.end():]
+    # <answer>...</answer>: each closing tag with the last opening before it; one scan each way,
+    # so a megabyte of unclosed tags costs what reading it does.
+    opens = [tag.end() for tag in re.finditer("<answer>", prose)]
+    for close in re.finditer("</answer>", prose):
+        at = bisect.bisect_right(opens, close.start()) - 1
+        inside = prose[opens[at]:close.start()] if at >= 0 else ""
+        if at >= 0 and not _BOX.search(inside):
+            statements.append((opens[at], _read_choice(inside, options) or ""))
+    for cue in list(_CUE.finditer(prose))[-MAX_CUES:]:
+        rest = prose[cue.end():cue.end() + MAX_STATEMENT_CHARS]
         rest = rest[_CUE_LINK.match(rest).end():]
         sentence = re.split(r"\n|(?<=[.!?])\s", rest, maxsplit=1)[0]
         statements.append((cue.start(), _read_choice(sentence, options, after_cue=True)))

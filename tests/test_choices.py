@@ -249,3 +249,11 @@ def test_duplicate_ids_are_refused_and_a_math_jsonl_is_not_a_choice_file(tmp_pat
     with pytest.raises(ConfigError, match="duplicate id 'same'"):
         load_choices(path, seed=0)
     assert not is_choice_file(REPO / "data/aime24.jsonl")
+
+
+def test_degenerate_responses_are_still_read_to_their_final_answer():
+    # RL samples loop: thousands of unclosed tags, cues or boxes must neither hang nor mislead.
+    assert chosen_letter("<answer>" * 5000 + "Answer: B", OPTIONS) == "B"
+    assert chosen_letter("</answer>" * 5000 + "<answer>(D)</answer>", OPTIONS) == "D"
+    assert chosen_letter("the answer is " * 5000 + r"\boxed{D}", OPTIONS) == "D"
+    assert chosen_letter("\\boxed{" * 5000 + "C", OPTIONS) is None
