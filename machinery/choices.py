@@ -148,14 +148,14 @@ _WRAPPER = re.compile(r"\\(?:text|textbf|textrm|textit|mathrm|mathbf|mbox|emph|b
 _CUE = re.compile(r"(?:(?:final|correct|right|best)\s+)?(?<![</\w])answer\b"
                   r"(?:\s+to\s+(?:this|the)(?:\s+(?:question|problem))?)?[\"']?"
                   r"|(?:correct|right|best)\s+(?:option|choice)\b"
-                  r"|\bI\s+(?:would\s+|will\s+|'d\s+|'ll\s+)?(?:choose|pick|select|go\s+with)\b",
+                  r"|\bI(?:\s+would|\s+will|'d|'ll)?\s+(?:choose|pick|select|say|go\s+with)\b",
                   re.IGNORECASE)
 _CUE_LINK = re.compile(r"\s*(?:is|would\s+be|will\s+be|should\s+be|must\s+be|[:=\-–])?\s*"
                        r"(?:either\s+)?"
-                       r"(?:(?:option|choice|letter)\b)?\s*[:\"'`]*\s*", re.IGNORECASE)
+                       r"(?:(?:option|choice|letter)\b)?\s*[:\"'`}*]*\s*", re.IGNORECASE)
 # "C is correct", "(C) is the right answer", "Option C is the best choice".
 _LETTER_IS_RIGHT = re.compile(r"(?:(?i:option|choice)\s+)?[(\[]?\b([A-Z])\b[)\]]?\s+"
-                              r"(?i:is\s+(?:the\s+)?(?:correct|right|best)\b)")
+                              r"(?i:is\s+(?:the\s+)?(?:correct|right|best|answer)\b)")
 # Several letters joined: "A and C", "A, C", "(B) or (D)": an answer naming no single option.
 _SEVERAL = re.compile(r"[(\[]?[A-Za-z][)\]]?\s*(?:,|/|&|\band\b|\bor\b)\s*[(\[]?[A-Za-z]"
                       r"(?:[)\]]|\b(?![a-z]))")
@@ -174,7 +174,7 @@ def _clean(text):
     for _ in range(3):
         text = _WRAPPER.sub(r"\1", text)
     text = re.sub(r"\\[(\[)\]]|\$|\*\*|__|\\[,;!]", " ", text)
-    return " ".join(text.split())
+    return " ".join(text.split()).lstrip("#> ")  # a Markdown heading or quote: "#### C"
 
 
 def _normalized(text):

@@ -59,6 +59,15 @@ OPTIONS = ["1 N", "2 N", "3 N", "4 N"]
     "Reasoning...\nC) 3 N",
     "Reasoning...\n3 N",
     "Reasoning...\nTherefore, (C).",
+    "Reasoning...\n#### C",
+    "### Final Answer\n\n**C**",
+    r"\textbf{Answer:} C",
+    "Answer:\nC",
+    "Answer: \\(C\\)",
+    "The answer is: 3 N (option C).",
+    "Therefore C is the answer.",
+    "I'd say C.",
+    "Final Answer: The final answer is C. I hope it is correct.",
 ])
 def test_every_common_answer_format_names_its_letter(response):
     assert chosen_letter(response, OPTIONS) == "C"
