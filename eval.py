@@ -181,7 +181,7 @@ def sample_records(chunk, trajectories, tokenizer, cfg, rank=0):
                                     [t.finished for t in math],
                                     require_answer_tag=cfg.require_answer_tag,
                                     timeout_s=cfg.reward_timeout_s)
-    math_verdicts = {id(t): (reward == 1.0, cut) for t, reward, cut in zip(math, rewards, ungraded)}
+    math_verdicts = iter(zip(rewards, ungraded))  # in trajectory order, as `math` is
     prompts = {}  # one decode per problem, not per sample
     records = []
     for t in trajectories:
@@ -193,7 +193,8 @@ def sample_records(chunk, trajectories, tokenizer, cfg, rank=0):
             correct, cut = t.finished and answer == row["answer"], False
         else:
             answer = extract_answer(t.model_text, require_answer_tag=cfg.require_answer_tag)
-            correct, cut = math_verdicts[id(t)]
+            reward, cut = next(math_verdicts)
+            correct = reward == 1.0
         # Small fields first and the long texts last, so `head samples.jsonl` is readable.
         shuffle = {k: row[k] for k in ("shuffle_seed", "option_order", "options") if k in row}
         records.append({"benchmark": name, "problem_id": row["id"], "sample_index": t.sample_index,

@@ -242,7 +242,8 @@ def chosen_letter(text, options):
         sentence = re.split(r"\n|(?<=[.!?])\s", rest, maxsplit=1)[0]
         statements.append((cue.start(), _read_choice(sentence, options, after_cue=True)))
     for right in _LETTER_IS_RIGHT.finditer(prose):
-        statements.append((right.start(), right.group(1) if right.group(1) in valid else ""))
+        if right.group(1) in valid:  # "X is the answer" of a compound X is no option's letter
+            statements.append((right.start(), right.group(1)))
     lines = [line for line in prose.splitlines() if line.strip()]
     if lines:
         last = _read_choice(lines[-1], options)
