@@ -147,10 +147,10 @@ _WRAPPER = re.compile(r"\\(?:text|textbf|textrm|textit|mathrm|mathbf|mbox|emph|b
 # A sentence that states the answer; what follows it is read as an answer.
 _CUE = re.compile(r"(?:(?:final|correct|right|best)\s+)?(?<![</\w])answer\b"
                   r"(?:\s+to\s+(?:this|the)(?:\s+(?:question|problem))?)?[\"']?"
-                  r"|(?:correct|right|best)\s+(?:option|choice)\b"
+                  r"|(?:correct|right|best|final|my)\s+(?:option|choice|letter|pick)\b"
                   r"|\bI(?:\s+would|\s+will|'d|'ll)?\s+(?:choose|pick|select|say|go\s+with)\b",
                   re.IGNORECASE)
-_CUE_LINK = re.compile(r"\s*(?:is|would\s+be|will\s+be|should\s+be|must\s+be|[:=\-–])?\s*"
+_CUE_LINK = re.compile(r"\s*(?:is|would\s+be|will\s+be|should\s+be|must\s+be|[:：=\-–])?\s*"
                        r"(?:either\s+)?"
                        r"(?:(?:option|choice|letter)\b)?\s*[:\"'`}*]*\s*", re.IGNORECASE)
 # "C is correct", "(C) is the right answer", "Option C is the best choice".
@@ -161,8 +161,8 @@ _SEVERAL = re.compile(r"[(\[]?[A-Za-z][)\]]?\s*(?:,|/|&|\band\b|\bor\b)\s*[(\[]?
                       r"(?:[)\]]|\b(?![a-z]))")
 _END = r"(?=$|[\s.,;:!?)\]\"'`*])"
 # The ways an answer names a letter, most explicit first.
-_LETTER_FORMS = [re.compile(r"[(\[]?([A-Za-z])[)\]]?[.:]?$"),              # C, (C), C., [c]
-                 re.compile(r"[(\[]([A-Za-z])[)\]]" + _END),               # (C) 2mc^2
+_LETTER_FORMS = [re.compile(r"[(\[{]?([A-Za-z])[)\]}]?[.:]?$"),            # C, (C), C., [c], {C}
+                 re.compile(r"[(\[{]([A-Za-z])[)\]}]" + _END),             # (C) 2mc^2
                  re.compile(r"([A-Z])[.):]" + _END),                       # C) 2mc^2, C. 2mc^2
                  re.compile(r"(?i:option|choice|letter)\s*[(\[]?([A-Za-z])[)\]]?" + _END)]
 # After "the answer is": "C because ...", "c."; not "a bit", not "I think".

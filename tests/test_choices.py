@@ -68,6 +68,9 @@ OPTIONS = ["1 N", "2 N", "3 N", "4 N"]
     "Therefore C is the answer.",
     "I'd say C.",
     "Final Answer: The final answer is C. I hope it is correct.",
+    "My final choice is C.",
+    "Answer：C",
+    "Answer: {C}",
 ])
 def test_every_common_answer_format_names_its_letter(response):
     assert chosen_letter(response, OPTIONS) == "C"
