@@ -216,7 +216,7 @@ def test_science_by_name_by_choices_jsonl_and_by_gpqa_csv_beside_math(tmp_path):
 
 
 def test_gpqa_by_name_says_where_to_get_it_and_a_wrong_csv_is_refused_in_one_line(tmp_path):
-    with pytest.raises(ConfigError, match="GPQA-Diamond is gated.*benchmarks=PATH/gpqa_diamond.csv"):
+    with pytest.raises(ConfigError, match="GPQA-Diamond is gated.*=PATH/gpqa_diamond.csv"):
         evaluation.load_benchmarks(make_cfg(benchmarks=["gpqa_diamond"]))
     wrong = tmp_path / "gpqa_diamond.csv"
     wrong.write_text("id,problem,answer\nq1,1+1?,2\n")
