@@ -154,6 +154,23 @@ class RLConfig:
     def validate(self):
         checkpoint.check_config(self)  # what can be wrong before loading anything, one line each
 
+    def inert_keys(self):
+        """A line per key set off its default that cannot act at these settings (docs/design.md)."""
+        one_step = self.mini_batches == 1  # the ratio is exactly 1 (grpo_roc.policy_loss)
+        roc_keys = "roc_error_ratio roc_answer_format"  # they only rank RoC's positives
+        inert_at = {  # the setting: (whether it holds, the keys it leaves inert)
+            "mini_batches=1": (one_step, "clip_low clip_high dual_clip"),
+            "mini_batches=1 and no token_* rollout_correction": (
+                one_step and not self.rollout_correction.startswith("token"), "ratio_level"),
+            "positive_rule=shortest": (self.positive_rule == "shortest", roc_keys),
+            "algorithm=grpo": (self.algorithm == "grpo", f"positive_rule {roc_keys}"),
+            "rollout_correction=none": (self.rollout_correction == "none", "rollout_is_threshold")}
+        default = type(self)()
+        return list({key: f"{key}={getattr(self, key)} cannot act at {setting} (docs/design.md)"
+                     for setting, (holds, keys) in inert_at.items() if holds
+                     for key in keys.split() if getattr(self, key) != getattr(default, key)
+                     }.values())  # one line per key, however many settings leave it inert
+
 
 # Keys that do not change what is trained: a rerun into the same out_dir may change them (steps to
 # train further, the cadence of saves and logs, how fast and in how much memory; the rollout's
@@ -546,6 +563,8 @@ def start_run(cfg):
     run.model, run.optimizer, run.state = checkpoint.restore(cfg, run.dir.checkpoint, device, rank)
     if rank == 0:
         print(checkpoint.epoch_plan(cfg, len(run.problems), run.state["step"])[1], flush=True)
+        for line in cfg.inert_keys():  # an ablation arm that would train exactly like the paper's
+            print(f"rl.py: {line}", flush=True)
     run.logger = metrics.MetricsLogger(run.out_dir, enabled=rank == 0,
                                        wandb_project=cfg.wandb_project,
                                        tensorboard=cfg.tensorboard, config=dataclasses.asdict(cfg),
