@@ -6,6 +6,7 @@ Run: .venv/bin/python -m pytest tests/test_grpo_roc.py -q   (pure numpy/torch, a
 import itertools
 import math
 import random
+import re
 
 import numpy as np
 import pytest
@@ -236,7 +237,7 @@ def test_edge_cases_all_correct_all_wrong_one_correct_and_small_groups():
 
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(positive_rule="best"), ValueError,
-     "positive_rule must be one of \\['sample', 'topk', 'shortest'\\]"),
+     re.escape(f"positive_rule must be one of {list(POSITIVE_RULES)}")),
     (dict(rollouts=_rollouts([1, 0] * 4, [-0.1] + [0.0] * 7)), ValueError,
      "penalties must be finite and >= 0"),
     (dict(rollouts=_rollouts([1, float("nan")] * 4)), ValueError, "rewards must be finite"),
