@@ -140,8 +140,9 @@ class RLConfig:
     wandb_project: str = ""
     wandb_samples: int = 8        # trajectories per step in W&B's sample table (rank 0's); 0 = none
     tensorboard: bool = False
-    # saved rollouts, what tools.replay reads: steps 1, 1+N, 1+2N, ... (0 = never); with N a
-    # multiple of save_every each was sampled by a checkpoint's weights, so it replays exactly
+    # saved rollouts, what tools.replay reads: steps 1, 1+N, 1+2N, ... (0 = never); each replays
+    # exactly while the checkpoint that sampled it is kept (N a multiple of save_every; the save
+    # says when keep_checkpoints will remove it)
     save_rollouts_every: int = 10
     keep_rollouts: int = 0        # the newest this many saved steps stay on disk; 0 = all
     verbose: bool = False         # all of vLLM's logging; default: its warnings
