@@ -82,7 +82,7 @@ def save_rollouts(run, step, position, rows, groups, rewards, records, samples):
                        meta={"data_position": position,
                              "rollouts_per_prompt": cfg.rollouts_per_prompt,
                              "config": dataclasses.asdict(cfg)})
-        if run.rank == 0 and (why := not_replayable(cfg, step + 1)):
+        if dist.get_rank() == 0 and (why := not_replayable(cfg, step + 1)):
             print(f"saved rollouts of step {step + 1}: they will not replay exactly: {why}",
                   flush=True)
     if table:
