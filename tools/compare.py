@@ -44,7 +44,7 @@ PERCENT = ("accuracy", "eval/pass@1", "tool_error_ratio_in_correct")
 class CompareConfig:
     rl_config: str = "configs/tiny.yaml"  # every arm's rl.py config
     arms: list[str] = dataclasses.field(default_factory=list)  # "NAME key=value ...", one an arm
-    seeds: list[int] = dataclasses.field(default_factory=lambda: [0])  # seeds=[0] or seeds=0,1
+    seeds: list[int] = dataclasses.field(default_factory=lambda: [0])  # seeds=0 or seeds=0,1
     args: list[str] = dataclasses.field(default_factory=list)  # key=value for every arm
     out_dir: str = "runs/compare"  # arm NAME's seed N runs in OUT_DIR/NAME-seedN
     parallel: int = 2             # rl.py runs at once (on CPU each decodes on one core)
