@@ -780,10 +780,10 @@ def test_bad_configs_are_rejected_when_loaded(overrides, message):
         load_config(rl.RLConfig, ["configs/tiny.yaml", *overrides])
 
 
-def test_a_config_for_n_ranks_launched_on_m_is_rejected_before_loading_anything(tiny_model_dir):
-    cfg = load_config(rl.RLConfig, ["configs/tiny.yaml", f"model={tiny_model_dir}", "world_size=8"])
-    with pytest.raises(ConfigError, match="written for 8 ranks but was launched on 2"):
-        check_inputs(cfg, world_size=2)
+def test_a_tensor_parallel_size_that_does_not_fit_is_rejected_before_loading_anything(
+        tiny_model_dir):
+    """world_size is the plan's assumption, not a refusal (tests/test_plan.py); the engine's split
+    of the ranks and of the model's heads is checked before any weights load."""
     cfg = load_config(rl.RLConfig, ["configs/tiny.yaml", f"model={tiny_model_dir}",
                                     "rollout.tensor_parallel_size=4"])
     with pytest.raises(ConfigError, match="tensor_parallel_size=4 does not divide the 6 ranks"):
