@@ -65,6 +65,7 @@ from machinery.model import save_hf_model
 from machinery.prompts import load_format
 from machinery.results import CHUNK_PROBLEMS
 from machinery.saved_rollouts import save_rollouts
+from machinery.threads import choose_threads, decode_threads
 from machinery.training import TrainSample, collate, equal_micro_batches, token_logprobs
 
 
@@ -116,9 +117,9 @@ class RLConfig:
     activation_checkpointing: bool = False
     logprob_chunk_tokens: int = 1024  # output projection this many tokens at a time; 0 = off
     attn_implementation: str = "sdpa"  # trainer attention (flash_attention_2 on GPU, if installed)
-    # CPU only: torch threads for the update, 0 = torch's own (one per core); 1 does not slow down
-    # when another process takes a core (bench/threads.py). The engine decodes on 1.
-    train_threads: int = 1
+    # CPU only: torch threads for the update; 0 = the cores free at the start (machinery/threads.py;
+    # the engine's decode takes one less with the tool on). config.yaml records the number chosen.
+    train_threads: int = 0
     logprob_gap_warn: float = 0.05  # sync guard: warn above this mean |trainer - engine| gap
     untrained_steps_warn: int = 3  # warn when this many steps in a row train on nothing; 0 = never
     # checkpoints and logs
@@ -530,6 +531,7 @@ def start_run(cfg):
     rank, world_size, _, device = init_distributed(cfg.collective_timeout_min)
     check_shared_paths(cfg.out_dir, [model_path, cfg.train_data, cfg.eval_data, cfg.init_from],
                        rank, world_size)  # every node must see the run where rank 0 does
+    cfg = choose_threads(cfg, device, rank)  # train_threads=0 -> a number: the settings line
     run = SimpleNamespace(cfg=cfg, model_path=model_path, rank=rank, world_size=world_size,
                           device=device, out_dir=resolve(cfg.out_dir))
     run.ckpt_root = run.out_dir / "checkpoints"
@@ -550,7 +552,8 @@ def start_run(cfg):
                                        wandb_project=cfg.wandb_project,
                                        tensorboard=cfg.tensorboard, config=dataclasses.asdict(cfg),
                                        resume_step=run.state["step"])
-    run.engine = Engine(model_path, cfg.rollout, seed=cfg.seed)
+    run.engine = Engine(model_path, cfg.rollout, seed=cfg.seed,
+                        decode_threads=decode_threads(cfg.rollout, cfg.train_threads))
     run.executor = start_executor(cfg.rollout, run.engine)
     run.tool = metrics.TimedExecutor(run.executor) if run.executor else None
     dtype = cfg.rollout.dtype  # the engine's: the weights are cast to it before they are gathered
