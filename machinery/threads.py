@@ -34,6 +34,9 @@ import dataclasses
 import math
 import os
 import time
+from pathlib import Path
+
+import yaml
 
 from machinery.distributed import RANKS_ON_NODE, cores_per_rank, cpu_threads
 
@@ -149,3 +152,10 @@ def decode_threads(rollout_cfg, train_threads=0):
     if not (train_threads or omp_threads()) and cores_per_rank() - rollout_cfg.use_tool <= 1:
         return 1
     return decide(train_threads, rollout_cfg.use_tool).decode
+
+
+def recorded_train_threads(out_dir):
+    """The update's count a run in out_dir chose (its config.yaml), 0 where there is none: what a
+    replay of its steps (tools/replay.py) trains on to sum as the run did."""
+    path = Path(out_dir) / "config.yaml"
+    return int(yaml.safe_load(path.read_text()).get("train_threads") or 0) if path.is_file() else 0

@@ -1,7 +1,7 @@
 """machinery/threads.py: each CPU phase's torch threads when the config leaves them to the run (the
 cores this rank may use, those of them free at the start, one left to the tool beside the decode),
 train_threads and OMP_NUM_THREADS above the rule, the measurement of what is free, and the count a
-run chose kept in its config.yaml.
+run chose kept in its config.yaml (which a replay reads).
 
 The suite's end-to-end runs (tests/rl_runs.py, test_run_dir's rl.py runs, test_sft's run_sft and
 refusals) pin train_threads=1: they compare numbers bit for bit, and the rule's count would follow
@@ -19,7 +19,8 @@ import yaml
 import rl
 import test_sft
 from machinery import threads
-from machinery.threads import choose_threads, decode_threads, idle_cores, threads_for
+from machinery.threads import (choose_threads, decode_threads, idle_cores, recorded_train_threads,
+                               threads_for)
 
 CPU = torch.device("cpu")
 
@@ -98,3 +99,5 @@ def test_the_count_a_run_chose_is_in_its_config_yaml(two_free_cores, monkeypatch
     data.write_text("".join(json.dumps(r) + "\n" for r in test_sft.chat_rows(8)))
     test_sft.run_sft(tiny_model_dir, data, tmp_path / "run", max_steps=1, train_threads=0)
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["train_threads"] == 1
+    assert recorded_train_threads(tmp_path / "run") == 1  # what tools/replay.py trains on
+    assert recorded_train_threads(tmp_path) == 0  # no run there
