@@ -14,16 +14,14 @@ Every measured call is the same step: the weights, the optimizer's state and the
 put back before each, so every setting does the same work on the same prompts and seeds, and the
 settings take turns (the order rotates each repeat) so each sees the same load. Each busy process
 has a session of its own, as other users' work does: the kernel's autogroups share the CPU between
-sessions first (tests/conftest.py's busy_processes). Printed per condition: the rule's choice,
-median seconds of the step, its rollout and its update, and each setting's time as a ratio of 1
-thread's, with the load average; then which metrics differ between thread counts (float sums in
-another order) and whether a count repeats its own numbers bit for bit.
+sessions first (bench.busy_processes). Printed per condition: the rule's choice, median seconds of
+the step, its rollout and its update, and each setting's time as a ratio of 1 thread's, with the
+load average; then which metrics differ between thread counts (float sums in another order) and
+whether a count repeats its own numbers bit for bit.
 """
-import contextlib
 import dataclasses
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +29,7 @@ import time
 import torch
 
 import rl
+from bench import busy_processes
 from bench.rl import bench_rl_config
 from machinery.config import ConfigError, load_config
 from machinery.distributed import TORCH_THREADS, cpu_threads
@@ -45,20 +44,6 @@ STEP = 4
 class ThreadsBenchConfig:
     bench_repeats: int = 3          # measured steps per setting and condition
     bench_busy: list[int] = dataclasses.field(default_factory=lambda: [0, 4, 12])  # 0: as it is
-
-
-@contextlib.contextmanager
-def busy_processes(count):
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
-             for _ in range(count)]
-    try:
-        time.sleep(1.0 if count else 0)  # running before the rule looks
-        yield
-    finally:
-        for proc in procs:
-            proc.kill()
-        for proc in procs:
-            proc.wait()
 
 
 def snapshot(run):
@@ -157,6 +142,7 @@ def main(bench_cfg, cfg):
     ratios, rows_by_threads = {}, {}
     for busy in bench_cfg.bench_busy:
         with busy_processes(busy):
+            time.sleep(1.0 if busy else 0)  # running before the rule looks
             rule = decide(0, cfg.rollout.use_tool)
             load = os.getloadavg()[0]
             conditions = {**settings, "the rule": (rule.update, rule.decode)}
