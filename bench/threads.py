@@ -2,7 +2,7 @@
 tool, rewards, selection, update) under three thread settings, alternated, on the machine as it is
 and beside busy-looping processes that this script starts and stops:
 
-    python -m bench.threads                     # after demo.py (its SFT'd policy): ~6 min idle
+    python -m bench.threads                     # after demo.py (its SFT'd policy): 6-8 min idle
     python -m bench.threads bench_busy=0,12 bench_repeats=5 [any rl.py key=value]
 
     1 thread      train_threads=1, the engine on 1: the default before machinery/threads.py
@@ -76,7 +76,12 @@ def timed_step(run, cfg, saved, update, decode):
     cpu_threads(decode, run.device)  # rl_step puts this count back after its update
     started = time.perf_counter()
     row = rl.rl_step(run, STEP)
-    return time.perf_counter() - started, row
+    seconds = time.perf_counter() - started
+    with torch.no_grad():  # the weights after the update: where another thread count shows first
+        row["weights_after"] = torch.cat([
+            (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten()
+            for p in run.model.parameters()])
+    return seconds, row
 
 
 def measure(run, cfg, saved, settings, repeats):
@@ -109,13 +114,16 @@ def numbers(rows_by_threads):
     """Which metrics differ between thread counts, by how much; whether a count repeats itself."""
     def plain(row):
         return {k: v for k, v in row.items() if not k.startswith("time/")
-                and not k.endswith("_per_s")}
+                and not k.endswith("_per_s") and k != "weights_after"}
 
     print("\nnumbers of the same step (same weights, prompts, seeds) per (update, decode) threads:")
     rows = {threads: [plain(r) for r in group] for threads, group in rows_by_threads.items()}
+    weights = {threads: [r["weights_after"] for r in group]
+               for threads, group in rows_by_threads.items()}
     for threads, group in rows.items():
-        same = all(r == group[0] for r in group)
-        print(f"  {threads}: {len(group)} steps, "
+        same = (all(r == group[0] for r in group)
+                and all(torch.equal(w, weights[threads][0]) for w in weights[threads]))
+        print(f"  {threads}: {len(group)} steps, metrics and weights after "
               f"{'bit-identical' if same else 'NOT bit-identical'} among themselves")
     counts = sorted(rows)
     for other in counts[1:]:
@@ -123,9 +131,10 @@ def numbers(rows_by_threads):
         moved = {k: abs(a[k] - b[k]) / max(abs(a[k]), 1e-30) for k in a
                  if k in b and a[k] != b[k] and isinstance(a[k], (int, float))
                  and isinstance(b[k], (int, float))}
+        gap = (weights[counts[0]][0] - weights[other][0]).abs().max().item()
         print(f"  {counts[0]} against {other}: " + (", ".join(
             f"{k} (relative {d:.1e})" for k, d in sorted(moved.items(), key=lambda x: -x[1]))
-            or "every key equal"))
+            or "every metric equal") + f"; weights after the update: max |difference| {gap:.1e}")
 
 
 def main(bench_cfg, cfg):
@@ -147,17 +156,21 @@ def main(bench_cfg, cfg):
             load = os.getloadavg()[0]
             conditions = {**settings, "the rule": (rule.update, rule.decode)}
             measured = measure(run, cfg, saved, conditions, bench_cfg.bench_repeats)
-            ratios[busy] = report(busy, rule, conditions, measured, (load, os.getloadavg()[0]))
+            ratios[busy] = (report(busy, rule, conditions, measured, (load, os.getloadavg()[0])),
+                            (rule.update, rule.decode) == settings["1 thread"])
         for name, runs in measured.items():
             rows_by_threads.setdefault(conditions[name], []).extend(row for _, row in runs)
     numbers(rows_by_threads)
     print()
-    if 0 in ratios:
-        print(f"as it is: the rule {1 / ratios[0]['the rule']:.2f}x faster than 1 thread "
-              "(target on an idle machine: >= 1.2x)")
-    for busy in (b for b in ratios if b):
-        print(f"beside {busy} busy processes: the rule at {ratios[busy]['the rule']:.2f}x 1 "
-              "thread's time (target beside 12: <= 1.1x)")
+    for busy, (step_ratios, same) in ratios.items():
+        # where the rule chose 1 thread the two rows ran the same setting: their ratio is noise
+        note = " (the rule chose 1 thread here too: the load's noise)" if same else ""
+        if not busy:
+            print(f"as it is: the rule {1 / step_ratios['the rule']:.2f}x faster than 1 thread"
+                  f"{note} (target on an idle machine: >= 1.2x)")
+        else:
+            print(f"beside {busy} busy processes: the rule at {step_ratios['the rule']:.2f}x 1 "
+                  f"thread's time{note} (target beside 12: <= 1.1x)")
     print(f"bench.threads: {time.time() - started:.0f} s")
     if run.executor:
         run.executor.close()
