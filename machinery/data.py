@@ -15,6 +15,11 @@ BENCHMARKS = {"aime24": "data/aime24.jsonl", "aime25": "data/aime25.jsonl",
               "math500": "data/math500.jsonl", "gsm8k": "data/gsm8k_test.jsonl"}
 
 
+# Multiple-choice science sets bundled in data/ (machinery/choices.py reads them). The paper's
+# GPQA-Diamond is gated: eval.py reads the user's own gpqa_diamond.csv, given by its path.
+SCIENCE_BENCHMARKS = {"mmlu_science": "data/mmlu_college_science.jsonl"}
+
+
 TRAINING_FILES = ["data/train_int_mix.jsonl", "data/math_train.jsonl", "data/math_test4500.jsonl",
                   "data/aime_1983_2023.jsonl", "data/gsm8k_train.jsonl"]
 
@@ -97,3 +102,15 @@ def prompt_indices(num_problems, seed, start, count):
         out.extend(int(i) for i in order[offset:offset + take])
         position += take
     return out
+
+
+def check_prompt_lengths(todo, tokenizer, rollout_cfg):
+    """Every prompt must fit rollout.max_prompt_tokens; found out here, not an hour into the run."""
+    limit = rollout_cfg.max_prompt_tokens
+    too_long = [(name, row["id"], n) for name, row in todo
+                if (n := len(render_prompt(tokenizer, row["problem"], rollout_cfg))) > limit]
+    if too_long:
+        listed = ", ".join(f"{name}/{pid} ({n} tokens)" for name, pid, n in too_long[:5])
+        more = ", ..." if len(too_long) > 5 else ""
+        raise ConfigError(f"{len(too_long)} prompt(s) exceed rollout.max_prompt_tokens={limit}: "
+                          f"{listed}{more}; raise it")
