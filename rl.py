@@ -112,9 +112,9 @@ class RLConfig:
     activation_checkpointing: bool = False
     logprob_chunk_tokens: int = 1024  # output projection this many tokens at a time; 0 = off
     attn_implementation: str = "sdpa"  # trainer attention (flash_attention_2 on GPU, if installed)
-    # CPU only: torch threads for the update, 0 = torch's own (one per core); 1 does not slow down
-    # when another process takes a core (bench/threads.py). The engine decodes on 1.
-    train_threads: int = 1
+    # CPU only: torch threads for the update; 0 = the cores free at the start (machinery/threads.py;
+    # the engine's decode takes one less with the tool on). config.yaml records the number chosen.
+    train_threads: int = 0
     logprob_gap_warn: float = 0.05  # sync guard: warn above this mean |trainer - engine| gap
     untrained_steps_warn: int = 3  # warn when this many steps in a row train on nothing; 0 = never
     # checkpoints and logs

@@ -29,6 +29,7 @@ from machinery.model import check_model_dir
 from machinery.saved_rollouts import (kept_statistics, print_kept_statistics, print_replay,
                                       print_steps_table, read_rollouts, replay_policy,
                                       replay_steps, replayable)
+from machinery.threads import recorded_train_threads
 from machinery.training import collate, equal_micro_batches, token_logprobs
 
 
@@ -61,8 +62,8 @@ def replay(cfg):
     tokenizer = AutoTokenizer.from_pretrained(check_model_dir(cfg.model))
     pad_id = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
     loaded = time.perf_counter()
-    # steps 4-7 as rl_step runs them, on its CPU threads: train_threads, else the 1 vLLM sets
-    cpu_threads(cfg.train_threads or 1, device)
+    # steps 4-7 as rl_step runs them, on its CPU threads: train_threads, else the run's own count
+    cpu_threads(cfg.train_threads or recorded_train_threads(run_dir) or 1, device)
     samples, probes, records = select_samples(groups, rewards, cfg, step, position)
     blocks = balance_blocks(samples, cfg, {})
     mine = [s for block in blocks for s in block]
