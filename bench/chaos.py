@@ -146,6 +146,10 @@ def main(argv):
     ours = [a for a in argv if a.startswith("chaos_")]
     chaos = load_config(ChaosConfig, ours)
     rl_argv = [a for a in argv if not a.startswith("chaos_")]
+    if not any(a.startswith("train_threads=") for a in rl_argv):
+        # the machine's choice (train_threads=0) may differ between the runs compared, and the
+        # update's sums with it in the 7th digit
+        rl_argv.append("train_threads=1")
     rng = random.Random(chaos.chaos_seed)
     work = Path(tempfile.mkdtemp(prefix="chaos-"))
     started = time.time()
