@@ -25,7 +25,7 @@ defined below it in the order it calls them:
                     token count; its forward also gives the old log-probs (a no-grad pass of its
                     own only with mini_batches > 1, when the weights move between steps)
     7. sync guard   the trainer's log-probs of the sampled tokens against the engine's
-    8. evaluate, log, checkpoint: the row is logged before the checkpoint commits
+    8. evaluate, log, checkpoint
 
 Paper vs this file (docs/design.md has the rest): one optimizer step per RL step (the release's
 ppo_mini_batch_size covers the whole batch; mini_batches=k splits it); the warm-up starts at
@@ -506,9 +506,9 @@ def logprob_gap(samples):
 
 def log_and_checkpoint(run, step, started, groups, blocks, records, learned, times, traffic):
     """Step 8: the step's metrics, gathered on rank 0 (the phases' time/ keys add up to time/step;
-    the checkpoint's and the evaluation's are apart), the held-out evaluation when one is due, the
-    row logged, and a checkpoint every save_every steps and at the last. A resume needs, besides
-    weights and optimizer, the data position (whole steps): a rerun of a step draws the same tokens
+    the checkpoint's and the evaluation's are apart), the evaluation when due, the row logged, and
+    a checkpoint every save_every steps and at the last. A resume needs, besides weights and
+    optimizer, the data position (whole steps): a rerun of a step draws the same tokens
     (rollout.request_seed seeds each request from seed, step, problem and sample)."""
     cfg = run.cfg
     train_metrics, skipped, gap = learned
@@ -532,10 +532,7 @@ def log_and_checkpoint(run, step, started, groups, blocks, records, learned, tim
         row.update(evaluate_held_out(run))
         metrics.print_held_out(row, run.rank, f"after step {step + 1}")
 
-    # The row is logged before the checkpoint commits: a checkpoint of step N means row N is
-    # there, and a resume drops the rows after its checkpoint, so metrics.jsonl holds every step
-    # once wherever a run is cut (a kill during the evaluation redoes the steps since the last
-    # checkpoint: the same numbers). time/checkpoint is the writing; the commit is a rename.
+    # Logged before the checkpoint commits, so every step is logged once (docs/design.md, Faults)
     written = None
     if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
         with metrics.timed(row, "time/checkpoint"):
