@@ -56,9 +56,9 @@ from rollout import RolloutConfig, Rollouts, generate
 from machinery import checkpoint, metrics, plan, run_dir
 from machinery.config import load_config, resolve
 from machinery.data import drop_long_prompts, prompt_indices
-from machinery.distributed import (balance_by_tokens, check_shared_paths, compute_dtype,
-                                   cores_per_rank, cpu_threads, free_cached_memory, full_weights,
-                                   init_distributed, own_groups)
+from machinery.distributed import (balance_by_tokens, check_same_settings, check_shared_paths,
+                                   compute_dtype, cores_per_rank, cpu_threads, free_cached_memory,
+                                   full_weights, init_distributed, own_groups)
 from machinery.engine import Engine, configure_vllm_logging
 from machinery.exits import run_script, training_interrupted
 from machinery.model import save_hf_model
@@ -528,6 +528,7 @@ def start_run(cfg):
     None when out_dir's run is already at `steps`."""
     model_path, problems, eval_rows = checkpoint.check_inputs(cfg)
     rank, world_size, _, device = init_distributed(cfg.collective_timeout_min)
+    check_same_settings(cfg, rank, world_size)
     check_shared_paths(cfg.out_dir, [model_path, cfg.train_data, cfg.eval_data, cfg.init_from],
                        rank, world_size)  # every node must see the run where rank 0 does
     run = SimpleNamespace(cfg=cfg, model_path=model_path, rank=rank, world_size=world_size,
@@ -544,6 +545,7 @@ def start_run(cfg):
     run.eval_rows = (drop_long_prompts(eval_rows, tokenizer, cfg.rollout, cfg.eval_data)
                      if eval_rows else [])
     run.model, run.optimizer, run.state = checkpoint.restore(cfg, run.dir.checkpoint, device, rank)
+    run_dir.record_start(run.dir, cfg)  # config.yaml once the checkpoint loaded
     if rank == 0:
         print(checkpoint.epoch_plan(cfg, len(run.problems), run.state["step"])[1], flush=True)
     run.logger = metrics.MetricsLogger(run.out_dir, enabled=rank == 0,
