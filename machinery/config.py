@@ -3,7 +3,6 @@ the key, the file and the line; the repo root and paths relative to it; atomic f
 one reader of the files a run appends to (a torn last line dropped with a warning)."""
 import dataclasses
 import difflib
-import gzip
 import inspect
 import io
 import json
@@ -361,16 +360,12 @@ def read_records(path):
     path = Path(path)
     if not path.is_file():
         return []
-    lines, torn = [], False
-    try:
-        with (gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz"
-              else open(path, encoding="utf-8", errors="replace")) as f:
-            for line in f:
-                lines.append(line)
-    except (EOFError, gzip.BadGzipFile, zlib.error):  # compressed data cut short
-        torn = True
+    data, torn = path.read_bytes(), False
+    if path.suffix == ".gz":
+        data, torn = _gunzip(data)
     records = []
-    numbered = [(number, line) for number, line in enumerate(lines, 1) if line.strip()]
+    numbered = [(number, line) for number, line in
+                enumerate(data.decode("utf-8", errors="replace").splitlines(), 1) if line.strip()]
     for number, line in numbered:
         try:
             record = json.loads(line)
@@ -387,6 +382,22 @@ def read_records(path):
     if torn:
         warn_torn(path, f"the {len(records)} records before it are kept")
     return records
+
+
+def _gunzip(data):
+    """(the bytes a gzip file holds, whether it is cut short): all it holds before a tear, which
+    gzip.open would drop with the block it was reading."""
+    out = []
+    while data:  # one member per write; appended files have several
+        member = zlib.decompressobj(wbits=31)
+        try:
+            out.append(member.decompress(data))
+        except zlib.error:
+            return b"".join(out), True
+        if not member.eof:
+            return b"".join(out), True
+        data = member.unused_data
+    return b"".join(out), False
 
 
 def warn_torn(path, kept):

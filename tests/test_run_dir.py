@@ -19,6 +19,7 @@ Run: .venv/bin/python -m pytest tests/test_run_dir.py -q    (-m "not slow": the 
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -37,6 +38,7 @@ import tiny
 from machinery.checkpoint import checkpoint_damage
 from machinery.config import ConfigError, load_config
 from machinery.distributed import init_distributed
+from machinery.metrics import wandb_run_id
 from machinery.results import open_samples
 from machinery import run_dir
 from machinery.run_dir import LOCK_NAME, append_history, read_history, release_lock, take_lock
@@ -172,6 +174,16 @@ def test_sft_an_out_dir_that_cannot_be_a_directory_is_refused_in_one_line(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
+def test_the_w_and_b_run_id_is_kept_in_the_run_directory(tmp_path):
+    """Every start of a run continues one W&B run (wandb.init(id=..., resume="allow")); wandb
+    itself is optional and not installed, so only the id it is given is tested here."""
+    first = wandb_run_id(tmp_path)
+    assert re.fullmatch("[0-9a-f]{8}", first) and wandb_run_id(tmp_path) == first
+    assert (tmp_path / "wandb_run_id").read_text() == first + "\n"
+    (tmp_path / "other").mkdir()
+    assert wandb_run_id(tmp_path / "other") != first  # another run directory, another W&B run
+
+
 def test_a_torn_last_event_of_the_history_is_dropped_with_a_warning(tmp_path, capsys):
     events = [{"event": "new", "at_step": 0}, {"event": "finished", "at_step": 2}]
     for event in events:
@@ -273,6 +285,13 @@ def test_rl_a_checkpoint_of_another_model_is_refused_in_one_line_before_any_mode
             f"model it was trained from, or train {wide} in another out_dir\n")
         assert "Loading weights" not in proc.stdout
     assert not (tmp_path / "new").exists() and snapshot(run) == before
+    # the same widths, one layer fewer: every shape matches, the set of parameters does not
+    shallow = tiny.build_tiny_model(tiny.TinyConfig(out_dir=str(tmp_path / "shallow"),
+                                                    pretrain_steps=0, num_hidden_layers=1))
+    with pytest.raises(ConfigError, match=f"{checkpoint}: a checkpoint of another model .*11 of "
+                       "its 36 are not in .*first: model.layers.1.input_layernorm.weight"):
+        train_in_process(shallow, data, run, "continue_with_changes=true")
+    assert snapshot(run) == before
 
 
 @pytest.mark.slow
