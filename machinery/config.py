@@ -416,7 +416,11 @@ _TORN_WARNED = set()
 def resolve(path):
     """Relative paths are relative to the repo, so scripts work from any working directory."""
     path = Path(path)
-    return path if path.is_absolute() or path.exists() else REPO / path
+    try:
+        here = path.is_absolute() or path.exists()
+    except OSError:  # a name too long: not here; whoever uses it says why
+        here = False
+    return path if here else REPO / path
 
 
 def flatten_config(config, prefix=""):

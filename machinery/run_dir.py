@@ -101,9 +101,9 @@ def finish_run_dir(run_dir, step):
 
 def _claim(cfg, out_dir, free_keys, steps, export):
     check_logger_packages(cfg.wandb_project, cfg.tensorboard)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ConfigError(f"out_dir={out_dir}: is a file, not a directory; choose a directory")
     try:
+        if out_dir.exists() and not out_dir.is_dir():
+            raise ConfigError(f"out_dir={out_dir}: is a file, not a directory; choose a directory")
         out_dir.mkdir(parents=True, exist_ok=True)
         take_lock(out_dir)
     except OSError as e:  # a read-only filesystem, a directory of another user
@@ -147,8 +147,11 @@ def _missing_ancestor(out_dir):
     """The outermost directory of out_dir's path that does not exist yet (None: it exists)."""
     missing = None
     for path in (out_dir, *out_dir.parents):
-        if path.exists():
-            return missing
+        try:
+            if path.exists():
+                return missing
+        except OSError:  # a name too long: no directory there (the claim then says why)
+            pass
         missing = path
 
 
@@ -318,11 +321,11 @@ def take_lock(run_dir):
     renewal.start()
     if not _HELD:
         atexit.register(_release_all)  # an exit by exception or sys.exit leaves no stale text
-    _HELD[str(Path(run_dir).resolve())] = (fd, stop, renewal)
+    _HELD[os.path.realpath(run_dir)] = (fd, stop, renewal)
 
 
 def release_lock(run_dir):
-    held = _HELD.pop(str(Path(run_dir).resolve()), None)
+    held = _HELD.pop(os.path.realpath(run_dir), None)  # (Path.resolve raises on a symlink loop)
     if held is not None:
         fd, stop, renewal = held
         stop.set()

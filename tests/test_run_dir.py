@@ -163,15 +163,19 @@ def test_sft_a_torn_last_line_of_metrics_jsonl_resumes_with_one_warning(
 
 def test_sft_an_out_dir_that_cannot_be_a_directory_is_refused_in_one_line(
         tmp_path, tiny_model_dir, sft_data):
-    """A file where out_dir or one of its parents should be: one line, nothing made."""
+    """A file where out_dir or one of its parents should be, a name too long, a symlink loop:
+    one line each, nothing made."""
     (tmp_path / "file").write_text("x")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
     for out_dir, reason in ((tmp_path / "file", "is a file"),
-                            (tmp_path / "file" / "run", "Not a directory")):
+                            (tmp_path / "file" / "run", "Not a directory"),
+                            (tmp_path / ("x" * 300) / "run", "File name too long"),
+                            (tmp_path / "loop" / "run", "Too many levels of symbolic links")):
         with pytest.raises(ConfigError) as refused:
             run_sft(tiny_model_dir, sft_data, out_dir)
         assert str(refused.value).startswith(f"out_dir={out_dir}: ") and reason in str(
             refused.value) and "\n" not in str(refused.value)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "loop"]
 
 
 def test_the_w_and_b_run_id_is_kept_in_the_run_directory(tmp_path):
@@ -289,7 +293,7 @@ def test_rl_a_checkpoint_of_another_model_is_refused_in_one_line_before_any_mode
     shallow = tiny.build_tiny_model(tiny.TinyConfig(out_dir=str(tmp_path / "shallow"),
                                                     pretrain_steps=0, num_hidden_layers=1))
     with pytest.raises(ConfigError, match=f"{checkpoint}: a checkpoint of another model .*11 of "
-                       "its 36 are not in .*first: model.layers.1.input_layernorm.weight"):
+                       "its 25 are not in .*first: model.layers.1.input_layernorm.weight"):
         train_in_process(shallow, data, run, "continue_with_changes=true")
     assert snapshot(run) == before
 
