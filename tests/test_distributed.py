@@ -175,7 +175,7 @@ def test_a_node_that_does_not_see_rank_0s_out_dir_is_stopped_before_anything_is_
     homes = [runs.work / f"node-{i}" for i in range(2)]
     for home in homes:
         (home / "run").mkdir(parents=True)  # relative paths that exist are the working dir's
-    args = [str(REPO / "rl.py"), *runs.args("run")]
+    args = [str(REPO / "rl.py"), str(REPO / "configs/tiny.yaml"), *runs.args("run")[1:]]
     started = time.time()
     results = launch(nodes([args] * 2, free_port()), cwds=homes)
     seconds = time.time() - started
