@@ -6,12 +6,12 @@ import difflib
 import inspect
 import io
 import json
-import zlib
 import os
 import sys
 import textwrap
 import tokenize
 import typing
+import zlib
 from pathlib import Path
 import yaml
 

@@ -176,7 +176,7 @@ def check_shared_paths(out_dir, inputs, rank, world_size):
     silently stay apart (machinery/checkpoint.py). A failure is a ConfigError on every rank at
     once, naming the rank, host and path. No other rank looks at out_dir (resolve() stats a
     relative one) before rank 0 has made it: an NFS client caches a failed lookup (lookupcache=all,
-    up to acdirmax, 60 s), and would not see rank 0's new directory."""
+    up to acdirmax, 60 s by default), and would not see rank 0's new directory."""
     if world_size == 1:
         return
     box = [None]
@@ -194,7 +194,8 @@ def check_shared_paths(out_dir, inputs, rank, world_size):
     if isinstance(box[0], str):
         raise ConfigError(box[0])
     name, present, host0 = box[0]
-    out_dir = resolve(out_dir)  # only now, on the other ranks
+    if rank != 0:
+        out_dir = resolve(out_dir)  # only now that rank 0 has made it
     try:
         seen = (out_dir / name).read_text() == name
     except OSError:

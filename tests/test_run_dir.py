@@ -10,6 +10,12 @@ a user did to a finished run's directory, and what happens now:
     a second run while one runs              stopped: "in use by pid N on HOST since T"
     a run SIGKILLed, then a rerun            its lock is taken over, with a message
                                              (eval.py's out_dir too: one writer to samples.jsonl)
+    its holder ran on another host           taken over once its lease expired (a start waits
+                                             it out); a lease renewed meanwhile is refused
+    a resume into another model, or one      refused by name, or failing to load: config.yaml
+    whose checkpoint fails to load           and the history byte for byte as they were
+    a torn last line of metrics.jsonl        dropped with one warning naming the file; resumes
+    out_dir a file, under a file, too long   one line each
     newest checkpoint damaged                resume=auto falls back to the newest intact one with a
                                              warning naming the file; resume=THAT_ONE stops and
                                              names the intact one
