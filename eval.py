@@ -41,15 +41,15 @@ from transformers import AutoTokenizer
 import tiny  # the demo's task, for the generated `arith` benchmark
 from executor import Executor
 from machinery.config import ConfigError, load_config, resolve
-from machinery.data import BENCHMARKS, load_problems
+from machinery.data import BENCHMARKS, check_prompt_lengths, load_problems
 from machinery.distributed import cores_per_rank, init_distributed
-from machinery.engine import configure_vllm_logging, Engine
+from machinery.engine import check_engine, configure_vllm_logging, Engine
 from machinery.exits import RECEIVED, rerun_command, run_script, shown
 from machinery.metrics import pass_at_k, sample_metrics, trajectory_record
 from machinery.model import check_model_dir
-from machinery.prompts import AUTO_VARIANT, apply_model_format, render_prompt
-from machinery.results import (CHUNK_PROBLEMS, append_samples, gather_records, markdown_table,
-                               work_left, write_summary)
+from machinery.prompts import AUTO_VARIANT, apply_model_format
+from machinery.results import (CHUNK_PROBLEMS, append_samples, default_out_dir, gather_records,
+                               markdown_table, work_left, write_summary)
 # reward.py imports only the stdlib; math-verify loads in its worker processes
 from reward import extract_answer, fast_equivalent, grade_batch
 from rollout import generate, RolloutConfig
@@ -149,6 +149,7 @@ def load_benchmarks(cfg):
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise ConfigError(f"unknown benchmark '{entry}'{hint}; "
                               f"available: {available_benchmarks()}")
+
         if name in selected:
             raise ConfigError(f"benchmark '{name}' is listed twice in benchmarks={cfg.benchmarks}")
         # The first `limit` problems, not a random subset: a run and its resume see the same.
@@ -183,28 +184,6 @@ def sample_records(chunk, trajectories, tokenizer, cfg, rank=0):
                         "rank": rank, "prompt": prompts[t.problem_index],
                         "response": t.response_text})
     return records
-
-
-def check_prompt_lengths(todo, tokenizer, rollout_cfg):
-    """Every prompt must fit rollout.max_prompt_tokens; found out here, not an hour into the run."""
-    limit = rollout_cfg.max_prompt_tokens
-    too_long = [(name, row["id"], n) for name, row in todo
-                if (n := len(render_prompt(tokenizer, row["problem"], rollout_cfg))) > limit]
-    if too_long:
-        listed = ", ".join(f"{name}/{pid} ({n} tokens)" for name, pid, n in too_long[:5])
-        more = ", ..." if len(too_long) > 5 else ""
-        raise ConfigError(f"{len(too_long)} prompt(s) exceed rollout.max_prompt_tokens={limit}: "
-                          f"{listed}{more}; raise it")
-
-
-def check_engine(engine, rollout_cfg):
-    """An engine passed in was built for its own max_model_len; the eval's sequences must fit it.
-    Sampling settings need no check: generate() sends temperature and top_p with every request."""
-    built = getattr(engine, "cfg", None)
-    if built is not None and built.context_len < rollout_cfg.context_len:
-        raise ConfigError(f"the engine passed to evaluate holds {built.context_len} tokens per "
-                          "sequence, the eval needs max_prompt_tokens + max_response_tokens = "
-                          f"{rollout_cfg.context_len}")
 
 
 def start_rollout(model_path, todo, cfg, engine, executor, tokenizer, owned):
@@ -258,13 +237,16 @@ def summarize(groups, ks):
     if any(len(group) != n for group in groups):
         counts = sorted({len(group) for group in groups})
         raise ValueError(f"summarize: every problem needs the same number of samples, got {counts}")
+
     samples = [record for group in groups for record in group]
     num_correct = [sum(bool(r["correct"]) for r in group) for group in groups]
     metrics = {"problems": len(groups), "n": n}
+
     # Per problem first, then the mean over problems: every problem weighs the same, as in
     # Table 3. pass@1 here is the paper's "average pass@1 over 16 samples" (§5.1).
     for k in ks:
         metrics[f"pass@{k}"] = statistics.fmean(pass_at_k(n, c, k) for c in num_correct)
+
     # The paper's number is a mean over n samples; its spread across the n "runs" (sample j of
     # every problem) says how much one run of AIME (30 problems: one = 3.3 points) can move.
     per_run = [statistics.fmean(bool(group[j]["correct"]) for group in groups) for j in range(n)]
@@ -278,6 +260,7 @@ def summarize(groups, ks):
             winner = majority_vote([r["answer"] if r["finished"] else None for r in group[:k]])
             votes.append(winner is not None and bool(group[winner]["correct"]))
         metrics[f"maj@{k}"] = statistics.fmean(votes)
+
     metrics.update(sample_metrics(samples))
     return metrics
 
@@ -296,6 +279,7 @@ def evaluate(model_path, problems, cfg, engine=None, executor=None, tokenizer=No
     check_model_dir(model_path, allow_hub_id=False)
     if cfg.rollout.prompt_variant == AUTO_VARIANT:  # main() resolved it; a caller may not have
         cfg = dataclasses.replace(cfg, rollout=apply_model_format(cfg.rollout, model_path))
+
     # A world of one outside torchrun, so the collectives below are the only path.
     rank, world_size, _, _ = init_distributed(cfg.collective_timeout_min)
     ks = cfg.ks or default_ks(cfg.n)
@@ -305,6 +289,7 @@ def evaluate(model_path, problems, cfg, engine=None, executor=None, tokenizer=No
     if todo:
         engine, executor, tokenizer = start_rollout(model_path, todo, cfg, engine, executor,
                                                     tokenizer, owned)
+
     try:
         started, generated_tokens = time.time(), 0
         for step, start in enumerate(range(0, len(todo), cfg.chunk_problems)):
@@ -328,6 +313,7 @@ def evaluate(model_path, problems, cfg, engine=None, executor=None, tokenizer=No
                 elapsed = time.time() - started
                 print(f"[eval] {start + len(chunk)}/{len(todo)} problems, {elapsed:.0f} s, "
                       f"{generated_tokens / max(elapsed, 1e-9):.0f} response tokens/s", flush=True)
+
         summary = [None]
         if rank == 0:
             # Over every problem asked for, resumed ones included: interruptions change nothing.
@@ -346,14 +332,6 @@ def evaluate(model_path, problems, cfg, engine=None, executor=None, tokenizer=No
 
 # -----------------------------------------------------------------------------
 # command line
-
-def default_out_dir(model_path):
-    """runs/eval/<parent>-<name> of the model directory (runs/tiny-rl/hf_step_20 ->
-    runs/eval/tiny-rl-hf_step_20): a second model never finds the first one's samples, which a
-    shared directory would refuse to mix (machinery/results.py)."""
-    model_path = Path(model_path)
-    return str(Path("runs/eval") / f"{model_path.parent.name}-{model_path.name}".strip("-"))
-
 
 def interrupt_paragraph(cfg, argv):
     """What rank 0 prints when Ctrl-C or SIGTERM stops eval.py: samples.jsonl keeps every finished

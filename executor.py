@@ -28,7 +28,7 @@ import weakref
 from concurrent.futures import Future
 
 from machinery.sandbox import (BACKSTOP_GRACE_S, HEAVY_RE, STRETCH_CAP, WorkerGone, WorkerProcess,
-                               truncate_middle)
+                               check_executor_arguments, truncate_middle)
 
 MAX_CODE_CHARS = 16 << 20  # bigger code or stdin is a caller's bug, refused by submit()
 
@@ -106,9 +106,10 @@ class Executor:
         # only queues inside the kernel instead of in our queue (and risks timeouts).
         if workers is None:
             workers = len(os.sched_getaffinity(0))  # the cores this process may use
-        _check_arguments(workers, timeout_s, memory_mb, max_output_chars, max_processes,
+        check_executor_arguments(workers, timeout_s, memory_mb, max_output_chars, max_processes,
                          max_file_mb, output_limit_mb, hide_paths)
         self.workers, self.timeout_s = workers, float(timeout_s)
+
         # Hidden by default: the repo (data/ with the answer keys, out/ with checkpoints, the
         # trainer's code), the trainer's cwd (where a run writes) and home (~/.ssh, tokens).
         repo = os.path.dirname(os.path.abspath(__file__))
@@ -120,6 +121,7 @@ class Executor:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._slots = []
+
         # The workers set themselves up in parallel; we wait for the first light one only (~0.1 s),
         # whose sandbox is every worker's: one that cannot run calls raises here, naming why.
         try:
@@ -130,6 +132,7 @@ class Executor:
         except BaseException:
             _shutdown(self._slots, [], self._jobs, self._closed)
             raise
+
         # The threads hold no reference to `self`: an Executor dropped without close() is
         # collected, and its finalizer stops the workers (it also runs at interpreter exit).
         self._threads = [threading.Thread(target=_serve, name=f"executor-slot-{i}", daemon=True,
@@ -195,24 +198,6 @@ class Executor:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _check_arguments(workers, timeout_s, memory_mb, max_output_chars, max_processes, max_file_mb,
-                     output_limit_mb, hide_paths):
-    for name, value, low in (("workers", workers, 1), ("memory_mb", memory_mb, 16),
-                             ("max_output_chars", max_output_chars, 8),
-                             ("max_processes", max_processes, 1), ("max_file_mb", max_file_mb, 1),
-                             ("output_limit_mb", output_limit_mb, 1)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"Executor: {name} must be an int >= {low}, got {value!r}")
-    if (not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool)
-            or not 0 < timeout_s <= 3600):
-        raise ValueError(f"Executor: timeout_s must be a number of seconds in (0, 3600], got "
-                         f"{timeout_s!r}")
-    if isinstance(hide_paths, str) or not all(isinstance(p, str) and os.path.isabs(p)
-                                              for p in hide_paths):
-        raise ValueError(f"Executor: hide_paths must be a list of absolute paths, got "
-                         f"{hide_paths!r}")
 
 
 def _ready(worker):

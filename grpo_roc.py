@@ -61,6 +61,7 @@ def roc_penalty(num_tool_calls, num_tool_errors, num_answer_tags, num_turns,
                          f"num_tool_calls ({num_tool_calls})")
     if num_turns < 1:
         raise ValueError("roc_penalty: num_turns must be >= 1 (the first assistant turn)")
+
     # Eq. 4: 0.5 with no tool call at all, which nudges the policy to use the tool; a clean
     # tool user scores 0, one whose every call failed scores 1.
     p_err = 0.5 if num_tool_calls == 0 else num_tool_errors / num_tool_calls
@@ -186,13 +187,6 @@ def resample_on_correct(rollouts, keep, rng, positive_rule="sample", min_per_sid
     return sorted(int(i) for i in [*kept_pos, *kept_neg])
 
 
-def rollouts_per_prompt(group_size, mode="roc") -> int:
-    """How many rollouts rl.py samples per question: 2G for GRPO-RoC (§2.2.3), G for plain GRPO."""
-    if mode not in ("roc", "grpo"):
-        raise ValueError(f"mode must be 'roc' or 'grpo', got {mode!r}")
-    return 2 * group_size if mode == "roc" else group_size
-
-
 def select_group(rollouts, keep, rng, mode="roc", positive_rule="sample", **roc_options):
     """The one call rl.py makes per group: RoC (mode="roc") or plain GRPO (mode="grpo"), the
     paper's baseline (§4.3): rl.py samples G rollouts, all kept; more are thinned uniformly,
@@ -270,6 +264,7 @@ def rollout_weights(old_logp, engine_logp, mask, mode="none", threshold=2.0):
         raise ValueError(f"rollout correction must be one of {ROLLOUT_CORRECTIONS}, got {mode!r}")
     if not threshold > 1:
         raise ValueError(f"the rollout correction threshold must be > 1, got {threshold}")
+
     with torch.no_grad():
         log_ratio = torch.where(mask, old_logp - engine_logp, 0.0)
         if mode.startswith("geometric"):
@@ -364,9 +359,11 @@ def policy_loss(logp, old_logp, advantages, mask, num_tokens=None, clip_low=0.2,
     num_tokens = mask.sum() if num_tokens is None else num_tokens
     if num_tokens <= 0:
         raise ValueError(f"num_tokens must be > 0 (is every token masked?), got {num_tokens}")
+
     # The advantage and the rollout policy's log-probs are constants of the objective (Eq. 6):
     # gradients flow only through pi_theta.
     advantages, old_logp = advantages.detach(), old_logp.detach()
+
     # rho = pi_theta / pi_old per token. Padding may hold any value, even -inf, so masked
     # positions get ratio 1 before exp() can turn them into inf or nan.
     log_ratio = torch.where(mask, logp - old_logp, 0.0)
@@ -374,6 +371,7 @@ def policy_loss(logp, old_logp, advantages, mask, num_tokens=None, clip_low=0.2,
         per_rollout = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
         log_ratio = torch.where(mask, per_rollout, 0.0)
     ratio = torch.exp(log_ratio)
+
     # min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A), negated for a loss (Clip-Higher above).
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
@@ -383,6 +381,7 @@ def policy_loss(logp, old_logp, advantages, mask, num_tokens=None, clip_low=0.2,
                                 torch.minimum(per_token, -dual_clip * advantages), per_token)
     if weights is not None:
         per_token = per_token * torch.as_tensor(weights, dtype=per_token.dtype)  # constants
+
     # Token-level normalisation (Eq. 6): every token of the batch weighs the same, so long
     # rollouts are not down-weighted as a per-sequence mean would do.
     loss = torch.where(mask, per_token, 0.0).sum() / num_tokens

@@ -51,6 +51,102 @@ DEFAULT_TIMEOUT_S = 5.0
 MAX_ANSWER_CHARS = 1000
 
 # -----------------------------------------------------------------------------
+# The entry point: a batch of decoded responses against their gold answers (rl.py, eval.py)
+
+
+def grade_batch(responses, golds, finished=True, require_answer_tag=False,
+                timeout_s=DEFAULT_TIMEOUT_S):
+    """The reward of Eq. 3 for each decoded response against its gold answer, in order: (rewards,
+    unfinished), rewards 0.0 / 1.0. finished: one bool for all, or one per response; False
+    (truncated) scores 0 (§4.3.1). The fast path runs here; the rest is deduplicated (a group's
+    2G rollouts often agree) and verified by the worker pool. unfinished[i]: no verdict (a worker
+    stuck or starved past its backstop): 0, yet not wrong."""
+    responses, golds = list(responses), list(golds)
+    if len(responses) != len(golds):
+        raise ValueError(f"grade_batch: {len(responses)} responses but {len(golds)} golds")
+    if isinstance(finished, str) or not hasattr(finished, "__len__"):  # one flag for the batch
+        finished = [finished] * len(responses)
+    finished = list(finished)
+    if len(finished) != len(responses):
+        raise ValueError(f"grade_batch: {len(responses)} responses but {len(finished)} finished "
+                         "flags")
+
+    rewards = [0.0] * len(responses)
+    unfinished = [False] * len(responses)
+    undecided = {}  # (pred, gold) -> indices waiting for math-verify
+    for i, (response, gold, done) in enumerate(zip(responses, golds, finished)):
+        if not isinstance(response, str):
+            raise TypeError(f"grade_batch: responses[{i}] must be a str, got "
+                            f"{type(response).__name__}")
+        if isinstance(done, str) or done is None:
+            raise TypeError(f"grade_batch: finished[{i}] must be a bool, got {done!r}")
+        gold = _check_gold(gold, f"grade_batch: golds[{i}]")
+        if not done:  # truncated: kept in the batch with reward 0, not filtered out (§4.3.1)
+            continue
+        pred = extract_answer(response, require_answer_tag=require_answer_tag)
+        if pred is None:  # no final box: 0, like a wrong answer (no format reward, §2.2.1)
+            continue
+        verdict = fast_equivalent(pred, gold)
+        if verdict is None:
+            undecided.setdefault((pred, gold), []).append(i)
+        elif verdict:
+            rewards[i] = 1.0
+
+    # the rest, each distinct (answer, gold) pair once, in math-verify's worker pool
+    pairs = list(undecided)
+    for pair, verdict, cut in zip(pairs, *_slow_path(pairs, timeout_s)):
+        for i in undecided[pair]:
+            rewards[i] = float(verdict)
+            unfinished[i] = cut
+    return rewards, unfinished
+
+
+def _check_gold(gold, where):
+    """The gold answer, unboxed; a clear error for a gold no answer could match (a data error)."""
+    if not isinstance(gold, str):
+        raise TypeError(f"{where}: gold must be a str, got {type(gold).__name__} {gold!r}")
+    depth = 0
+    for token in _BRACE_TOKEN.finditer(gold):
+        depth += {"{": 1, "}": -1}.get(token.group(), 0)
+        if depth < 0:
+            break
+    if depth:
+        raise ValueError(f"{where}: gold answer is malformed, its braces do not balance: "
+                         f"{gold[:200]!r}")
+    if "\\boxed" in gold or "\\fbox" in gold:
+        gold = extract_answer(gold) or ""
+    if not gold.strip():
+        raise ValueError(f"{where}: gold answer is empty; a data row without an answer cannot be "
+                         "scored")
+    return gold.strip()
+
+
+# -----------------------------------------------------------------------------
+# One answer against its gold, the same verdict outside a batch (tests, bench/, a REPL)
+
+
+def is_equivalent(pred, gold, timeout_s=DEFAULT_TIMEOUT_S):
+    """Is the answer `pred` the same as `gold`? Both are answers, not responses ("\\frac12", "0.5").
+
+    Takes at most about timeout_s of worker CPU (and a worker's startup on the first call).
+    None, empty or over-long preds are False. A boxed pred or gold is unboxed first.
+    """
+    gold = _check_gold(gold, "is_equivalent")
+    if pred is None:  # extract_answer found no usable box
+        return False
+    if not isinstance(pred, str):
+        raise TypeError(f"is_equivalent: pred must be a str or None, got {type(pred).__name__}")
+    if "\\boxed" in pred or "\\fbox" in pred:
+        pred = extract_answer(pred)
+    if not pred or not pred.strip() or len(pred) > MAX_ANSWER_CHARS:
+        return False
+    verdict = fast_equivalent(pred, gold)
+    if verdict is not None:
+        return verdict
+    return _slow_path([(pred.strip(), gold)], timeout_s)[0][0]
+
+
+# -----------------------------------------------------------------------------
 # Extraction: the last box of the model's own text
 
 
@@ -65,6 +161,7 @@ def _model_prose(text):
     # Both tags are single tokens of the Qwen tokenizer and survive skip_special_tokens
     # (docs/design.md, the released code's tool I/O): they are in the text rollout.py passes.
     closers = {"<tool_call>": "</tool_call>", "<tool_response>": "</tool_response>"}
+
     # One scan, each tag re-searched only once passed: linear for a megabyte of unclosed tags.
     next_open = {tag: text.find(tag) for tag in closers}
     kept, pos = [], 0
@@ -130,6 +227,7 @@ def extract_answer(text, require_answer_tag=False):
         if hi < 0 or lo < 0:
             return None
         lo += len("<answer>")
+
     # rfind: a megabyte of "\\boxed{}" spam is one backwards scan, not a parse of each box.
     at, name = max((prose.rfind(cmd, lo, hi), cmd) for cmd in ("\\boxed", "\\fbox"))
     if at < 0:
@@ -168,11 +266,13 @@ def normalize_answer(answer):
         if len(s) >= len(left) + len(right) and s.startswith(left) and s.endswith(right):
             s = s[len(left):len(s) - len(right)].strip()
             break
+
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     s = re.sub(r"\\(?:left|right)(?![a-zA-Z])", "", s)  # bracket sizing only; not \rightarrow
     s = _GLUED_SEPARATOR.sub(",", s)  # before TeX spacing turns "10,\\!080" into the list "10, 080"
     s = re.sub(r"\\[,;:! ]|\\q?quad(?![a-zA-Z])|~", " ", s)  # TeX spacing, as in "10,\!080"
     s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|\\degree(?![a-zA-Z])", "", s)  # 90^\circ = 90
+
     # MATH golds write "10\\%" and "\\$32" for the numbers 10 and 32 (math-verify also reads "10\\%"
     # as 0.1).
     s = s.replace("\\%", "").replace("%", "").replace("\\$", "").replace("$", "")
@@ -185,12 +285,14 @@ def normalize_answer(answer):
         s = without_unit
     if _WHOLE_TEXT.fullmatch(s.strip()):
         s = _WHOLE_TEXT.fullmatch(s.strip()).group(1)
+
     # Whitespace carries no meaning in TeX math, except that "1 2" must not become "12", and that a
     # space after a comma makes a list ("32, 349"): that one is kept until the thousands check
     # below.
     s = re.sub(r"(?<=[\d,])\s+(?=\d)", " ", s)
     s = re.sub(r"(?<![\d,])\s+|\s+(?![\d])", "", s).strip()
     s = s.rstrip(".")  # a sentence's full stop inside the box: "\\boxed{5.}"
+
     # "x=5", "x \\approx 11", "\\approx 2.5": MATH accepts the bare value, and math-verify compares
     # the right-hand side of an assignment or an approximation.
     assignment = re.fullmatch(r"(?:[a-zA-Z]=|[a-zA-Z]?\\approx(?![a-zA-Z]))([^=<>]+)", s)
@@ -199,6 +301,7 @@ def normalize_answer(answer):
     choice = re.fullmatch(r"\(([A-Z])\)", s)  # multiple choice "(C)" = "C"
     if choice:
         s = choice.group(1)
+
     # Only groups of exactly three digits: "1,000" and "1,000.99" are numbers, "1,2" and "3,5,7" are
     # lists.
     if _THOUSANDS.fullmatch(s):
@@ -307,12 +410,15 @@ def _slow_path(pairs, timeout_s):
                       if s not in _VALUES and _value(s) is None and "%" not in s})
     values, seconds, cut = run_in_pool([("value", s) for s in unknown],
                                        [timeout_s / 2] * len(unknown))
-    spent, cut = dict(zip(unknown, seconds)), {s for s, c in zip(unknown, cut) if c}
+    spent = dict(zip(unknown, seconds))
+    cut = {s for s, c in zip(unknown, cut) if c}
     if len(_VALUES) > 100_000:
         _VALUES.clear()
     _VALUES.update((s, v) for s, v, t in zip(unknown, values, seconds) if t != float("inf"))
     unfinished = {(pred, gold) for pred, gold in pairs if pred in cut or gold in cut}
-    verdicts, to_verify, budgets = {}, [], []
+
+    verdicts = {}
+    to_verify, budgets = [], []  # the pairs still open, and the worker CPU each has left
     for pred, gold in pairs:
         budget = timeout_s - spent.get(pred, 0.0) - spent.get(gold, 0.0)
         if budget < 0.1 or _differ_by_value(pred, gold):
@@ -320,108 +426,8 @@ def _slow_path(pairs, timeout_s):
         else:
             to_verify.append((pred, gold))
             budgets.append(budget)
+
     results, _, cut = run_in_pool([("verify", *pair) for pair in to_verify], budgets)
     verdicts.update(zip(to_verify, map(bool, results)))
     unfinished.update(pair for pair, c in zip(to_verify, cut) if c)
     return [verdicts[pair] for pair in pairs], [pair in unfinished for pair in pairs]
-
-
-# -----------------------------------------------------------------------------
-# Public API
-
-
-def _check_gold(gold, where):
-    """The gold answer, unboxed; a clear error for a gold no answer could match (a data error)."""
-    if not isinstance(gold, str):
-        raise TypeError(f"{where}: gold must be a str, got {type(gold).__name__} {gold!r}")
-    depth = 0
-    for token in _BRACE_TOKEN.finditer(gold):
-        depth += {"{": 1, "}": -1}.get(token.group(), 0)
-        if depth < 0:
-            break
-    if depth:
-        raise ValueError(f"{where}: gold answer is malformed, its braces do not balance: "
-                         f"{gold[:200]!r}")
-    if "\\boxed" in gold or "\\fbox" in gold:
-        gold = extract_answer(gold) or ""
-    if not gold.strip():
-        raise ValueError(f"{where}: gold answer is empty; a data row without an answer cannot be "
-                         "scored")
-    return gold.strip()
-
-
-def is_equivalent(pred, gold, timeout_s=DEFAULT_TIMEOUT_S):
-    """Is the answer `pred` the same as `gold`? Both are answers, not responses ("\\frac12", "0.5").
-
-    Takes at most about timeout_s of worker CPU (and a worker's startup on the first call).
-    None, empty or over-long preds are False. A boxed pred or gold is unboxed first.
-    """
-    gold = _check_gold(gold, "is_equivalent")
-    if pred is None:  # extract_answer found no usable box
-        return False
-    if not isinstance(pred, str):
-        raise TypeError(f"is_equivalent: pred must be a str or None, got {type(pred).__name__}")
-    if "\\boxed" in pred or "\\fbox" in pred:
-        pred = extract_answer(pred)
-    if not pred or not pred.strip() or len(pred) > MAX_ANSWER_CHARS:
-        return False
-    verdict = fast_equivalent(pred, gold)
-    if verdict is not None:
-        return verdict
-    return _slow_path([(pred.strip(), gold)], timeout_s)[0][0]
-
-
-def score_batch(responses, golds, finished=True, require_answer_tag=False,
-                timeout_s=DEFAULT_TIMEOUT_S):
-    """grade_batch's rewards: 0.0 / 1.0 per decoded response against its gold, in order."""
-    return grade_batch(responses, golds, finished, require_answer_tag, timeout_s)[0]
-
-
-def grade_batch(responses, golds, finished=True, require_answer_tag=False,
-                timeout_s=DEFAULT_TIMEOUT_S):
-    """(rewards, unfinished). finished: one bool for all, or one per response; False (truncated)
-    scores 0 (§4.3.1). The fast path runs here; the rest is deduplicated (a group's 2G rollouts
-    often agree) and verified by the worker pool. unfinished[i]: no verdict (a worker stuck or
-    starved past its backstop): 0, yet not wrong."""
-    responses, golds = list(responses), list(golds)
-    if len(responses) != len(golds):
-        raise ValueError(f"score_batch: {len(responses)} responses but {len(golds)} golds")
-    if isinstance(finished, str) or not hasattr(finished, "__len__"):  # one flag for the batch
-        finished = [finished] * len(responses)
-    finished = list(finished)
-    if len(finished) != len(responses):
-        raise ValueError(f"score_batch: {len(responses)} responses but {len(finished)} finished "
-                         "flags")
-    rewards, unfinished = [0.0] * len(responses), [False] * len(responses)
-    undecided = {}  # (pred, gold) -> indices waiting for math-verify
-    for i, (response, gold, done) in enumerate(zip(responses, golds, finished)):
-        if not isinstance(response, str):
-            raise TypeError(f"score_batch: responses[{i}] must be a str, got "
-                            f"{type(response).__name__}")
-        if isinstance(done, str) or done is None:
-            raise TypeError(f"score_batch: finished[{i}] must be a bool, got {done!r}")
-        gold = _check_gold(gold, f"score_batch: golds[{i}]")
-        if not done:  # truncated: kept in the batch with reward 0, not filtered out (§4.3.1)
-            continue
-        pred = extract_answer(response, require_answer_tag=require_answer_tag)
-        if pred is None:  # no final box: 0, like a wrong answer (no format reward, §2.2.1)
-            continue
-        verdict = fast_equivalent(pred, gold)
-        if verdict is None:
-            undecided.setdefault((pred, gold), []).append(i)
-        elif verdict:
-            rewards[i] = 1.0
-    pairs = list(undecided)
-    for pair, verdict, cut in zip(pairs, *_slow_path(pairs, timeout_s)):
-        for i in undecided[pair]:
-            rewards[i], unfinished[i] = float(verdict), cut
-    return rewards, unfinished
-
-
-def compute_reward(response, gold, finished=True, require_answer_tag=False,
-                   timeout_s=DEFAULT_TIMEOUT_S):
-    """The reward of one decoded response (Eq. 3): 1.0 if its final boxed answer equals gold, else
-    0.0."""
-    return score_batch([response], [gold], [finished], require_answer_tag, timeout_s)[0]
-
-

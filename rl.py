@@ -37,33 +37,29 @@ import math
 import os
 import sys
 import time
-from types import SimpleNamespace
 from typing import Literal
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
-from transformers import AutoTokenizer
 
 from executor import Executor
 from grpo_roc import (ADVANTAGE_SCALINGS, LOSS_AGGREGATIONS, POSITIVE_RULES, RATIO_LEVELS,
                       ROLLOUT_CORRECTIONS, as_rollout, batch_reward_std, filter_groups,
                       group_advantages, loss_weights, policy_loss, roc_penalty,
-                      rollout_correction, rollouts_per_prompt, select_group)
+                      rollout_correction, select_group)
 from reward import extract_answer, grade_batch
 from rollout import RolloutConfig, Rollouts, generate
-from machinery import checkpoint, metrics, plan, run_dir
-from machinery.config import load_config, resolve
-from machinery.data import drop_long_prompts, prompt_indices
-from machinery.distributed import (balance_by_tokens, check_same_settings, check_shared_paths,
-                                   compute_dtype, cores_per_rank, cpu_threads, free_cached_memory,
-                                   full_weights, init_distributed, own_groups)
-from machinery.engine import Engine, configure_vllm_logging
+from machinery import checkpoint, metrics, plan
+from machinery.config import ConfigError, load_config, require_at_least, resolve
+from machinery.data import prompt_indices
+from machinery.distributed import (balance_by_tokens, cores_per_rank, cpu_threads,
+                                   free_cached_memory, full_weights, own_groups)
+from machinery.engine import configure_vllm_logging
 from machinery.exits import run_script, training_interrupted
-from machinery.model import save_hf_model
-from machinery.prompts import load_format
 from machinery.results import CHUNK_PROBLEMS
+from machinery.rl_run import finish_rl_run, start_rl_run
 from machinery.saved_rollouts import save_rollouts
 from machinery.training import TrainSample, collate, equal_micro_batches, token_logprobs
 
@@ -149,10 +145,37 @@ class RLConfig:
 
     @property
     def rollouts_per_prompt(self):
-        return rollouts_per_prompt(self.group_size, self.algorithm)  # 2G for RoC, G for GRPO
+        """Sampled per prompt: 2G for GRPO-RoC, which keeps G of them (§2.2.3); G for GRPO."""
+        return 2 * self.group_size if self.algorithm == "roc" else self.group_size
 
     def validate(self):
-        checkpoint.check_config(self)  # what can be wrong before loading anything, one line each
+        """The method's keys, each wrong value refused in one line that names it, before anything
+        is loaded; machinery.checkpoint.check_config then checks the paths, sizes and resume."""
+        require_at_least(self, 1, "prompts_per_step", "steps", "mini_batches")
+        require_at_least(self, 0, "warmup_steps")
+
+        if self.group_size < 4 and self.algorithm == "roc":
+            raise ConfigError(f"group_size={self.group_size}: GRPO-RoC keeps at least 2 positives "
+                              "and 2 negatives per group (grpo_roc.resample_on_correct), so G must "
+                              "be >= 4")
+        if self.group_size < 2:
+            raise ConfigError(f"group_size={self.group_size}: a group advantage needs at least 2 "
+                              "rollouts (Eq. 7)")
+
+        if not self.lr > 0:
+            raise ConfigError(f"lr={self.lr}: must be > 0")
+        if self.dual_clip and self.dual_clip <= 1:
+            raise ConfigError(f"dual_clip={self.dual_clip}: must be 0 (off) or > 1")
+        if not self.rollout_is_threshold > 1:
+            raise ConfigError(f"rollout_is_threshold={self.rollout_is_threshold}: must be > 1 "
+                              "(weights are truncated at it, or kept inside [1/C, C])")
+
+        if self.prompts_per_step % self.mini_batches:
+            raise ConfigError(f"prompts_per_step={self.prompts_per_step} does not divide into "
+                              f"mini_batches={self.mini_batches} optimizer steps of whole prompt "
+                              "groups")
+
+        checkpoint.check_config(self)
 
 
 # Keys that do not change what is trained: a rerun into the same out_dir may change them (steps to
@@ -171,50 +194,42 @@ KEYS_A_RESUME_MAY_CHANGE = {
 
 def rl_step(run, step):
     """One RL step, the module docstring's phases 1-8; the step's metrics (on rank 0)."""
-    cfg, times, traffic = run.cfg, {}, {}  # this rank's seconds per phase, bytes it moved
+    cfg = run.cfg
+    times, traffic = {}, {}  # this rank's seconds per phase, and the bytes it moved
     started = time.perf_counter()
-    # 1, also before a fresh run's first step: one code path, guarded from step 1 on
+
+    # 1. Before every step, a fresh run's first too: one code path, checked by the sync guard (7)
     with metrics.timed(times, "weight_update"):
         sync_weights(run.engine, run.model, run.weight_dtype, traffic)  # wakes the engine
-    # the same prompts on every rank: the data order is a function of (seed, position) only
+
+    # 2. The same prompts on every rank: the data order is a function of (seed, position) only
     position = run.state["data_position"]
     rows = [run.problems[i] for i in prompt_indices(len(run.problems), cfg.seed, position,
                                                     cfg.prompts_per_step)]
-    groups = roll_out(run, rows, step, times)  # 2
+    groups = roll_out(run, rows, step, times)
     run.engine.sleep()  # frees the KV cache and weights for the update (on CPU vLLM frees nothing)
+
+    # 3-4. Rewards, then selection; every save_rollouts_every steps the step goes to disk
     with metrics.timed(times, "reward"):
-        rewards, ungraded = score_groups(groups, rows)  # 3
+        rewards, ungraded = score_groups(groups, rows)
     with metrics.timed(times, "selection"):
         samples, probes, records = select_samples(groups, rewards, cfg, step, position,
-                                                  ungraded)  # 4
+                                                  ungraded)
     with metrics.timed(times, "save_rollouts"):
         save_rollouts(run, step, position, rows, groups, rewards, records, samples)
+
+    # 5-7. Balance, update, sync guard. The update runs on train_threads torch threads; cpu_threads
+    # returns the count it replaced (the engine's), set back once the update is done.
     with metrics.timed(times, "balance"):
-        blocks = balance_blocks(samples, cfg, traffic)  # 5
-    threads = cpu_threads(cfg.train_threads, run.device)  # then the engine's
-    train_metrics, skipped, gap = learn(run.model, run.optimizer, blocks, probes, cfg, step,
-                                        run.pad_id, run.device, times)  # 6-7
-    cpu_threads(threads, run.device)
-    # 8. A resume needs, besides weights and optimizer, the data position (whole steps); a rerun of
-    # a step draws the same tokens (seeds from (seed, step, problem, sample): rollout.request_seed)
-    run.state = {"step": step + 1, "data_position": position + cfg.prompts_per_step}
-    local = dict(records=records, groups=len(groups), times=times, traffic=traffic,
-                 rollout_tokens=sum(len(t.response_ids) for g in groups for t in g),
-                 trained_tokens=sum(len(s) for block in blocks for s in block))
-    learner = {**train_metrics, **gap, "skipped_updates": skipped,
-               "data_position": run.state["data_position"]}
-    gathering = time.perf_counter()
-    row = metrics.gather_step_metrics(local, learner, step + 1, cfg.logprob_gap_warn)
-    if run.rank == 0:  # the phases' time/ keys add up to time/step; checkpoint and eval are apart
-        ended = time.perf_counter()
-        row.update({"time/metrics": ended - gathering, "time/step": ended - started})
-    # Saved before the evaluation, so a run killed while evaluating loses no training.
-    if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-        with metrics.timed(row, "time/checkpoint"):
-            checkpoint.save_checkpoint(run.ckpt_root, step + 1, run.model, run.optimizer,
-                                       run.state, keep=cfg.keep_checkpoints,
-                                       keep_through=run.dir.keep_through)
-    return row
+        blocks = balance_blocks(samples, cfg, traffic)
+    engine_threads = cpu_threads(cfg.train_threads, run.device)
+    learned = learn(run.model, run.optimizer, blocks, probes, cfg, step, run.pad_id, run.device,
+                    times)
+    cpu_threads(engine_threads, run.device)
+
+    # 8. Log and checkpoint
+    return log_and_checkpoint(run, step, started, groups, blocks, records, learned, times,
+                              traffic)
 
 
 def sync_weights(engine, model, dtype, traffic=None):
@@ -234,13 +249,14 @@ def roll_out(run, rows, step, times):
     """Step 2: this rank's groups of 2G (or G) trajectories; times["rollout"], ["tool_busy"],
     ["generate"] (its own seconds, before it waits for the others). Every rank claims prompts from
     a shared counter as its engine has room (§3.2)."""
-    started, busy_before = time.perf_counter(), run.tool.busy_s if run.tool else 0.0
-    groups = generate(run.engine, run.tool, run.tokenizer, [r["problem"] for r in rows],
+    started = time.perf_counter()
+    busy_before = run.executor.busy_s if run.executor else 0.0
+    groups = generate(run.engine, run.executor, run.tokenizer, [r["problem"] for r in rows],
                       run.cfg.rollouts_per_prompt, run.cfg.rollout, seed=run.cfg.seed, step=step,
                       times=times)
     groups = own_groups(groups, len(rows), run.rank)
     times["rollout"] = time.perf_counter() - started
-    times["tool_busy"] = (run.tool.busy_s if run.tool else 0.0) - busy_before
+    times["tool_busy"] = (run.executor.busy_s if run.executor else 0.0) - busy_before
     return groups
 
 
@@ -252,7 +268,9 @@ def score_groups(groups, rows):
     flat_rewards, flat_ungraded = grade_batch([t.model_text for t in flat],
                                               [rows[t.problem_index]["answer"] for t in flat],
                                               [t.finished for t in flat])
-    rewards, ungraded, at = [], [], 0
+
+    rewards, ungraded = [], []
+    at = 0  # where each group starts in the flat list
     for g in groups:
         rewards.append(flat_rewards[at:at + len(g)])
         ungraded.append(flat_ungraded[at:at + len(g)])
@@ -270,11 +288,13 @@ def select_samples(groups, rewards, cfg, step, position, ungraded=None):
     kept_groups, _ = filter_groups(rewards, enabled=cfg.filter_all_equal)
     scale = batch_reward_std(rewards) if cfg.advantage_scaling == "batch" else None
     samples, probes, records = [], [], []
+
     for g, (group, group_rewards) in enumerate(zip(groups, rewards)):
         # what a rule may read; the penalties only rank the positives (§2.2.3), never the reward
         rollouts = [as_rollout(t, r, cfg.roc_error_ratio, cfg.roc_answer_format)
                     for t, r in zip(group, group_rewards)]
         penalties = [r.penalty for r in rollouts]
+
         kept = []
         if g in kept_groups:
             rng = np.random.default_rng([cfg.seed, step, position + group[0].problem_index])
@@ -286,6 +306,8 @@ def select_samples(groups, rewards, cfg, step, position, ungraded=None):
                 samples.append(train_sample(group[i], advantage))
         else:  # advantage 0 and never trained: only the guard reads it
             probes.append(train_sample(group[0], 0.0))
+
+        # one record per sampled trajectory: the step's metrics and the saved rollouts read them
         all_equal = max(group_rewards) == min(group_rewards)
         for i, (t, reward, penalty) in enumerate(zip(group, group_rewards, penalties)):
             records.append(dict(
@@ -330,6 +352,7 @@ def learn(model, optimizer, blocks, probes, cfg, step, pad_id, device, times):
     with metrics.timed(times, "old_logprobs"):
         if cfg.mini_batches > 1:
             recompute_logprobs(model, mine + probes, cfg, pad_id, device)
+
     with metrics.timed(times, "train"):
         updates = []
         for block in blocks:
@@ -338,11 +361,15 @@ def learn(model, optimizer, blocks, probes, cfg, step, pad_id, device, times):
             if count.item() > 0:  # else every group of the block was all-equal (the release too)
                 updates.append(train_step(model, optimizer, block, cfg, step, pad_id, device))
     skipped = len(blocks) - len(updates)
+
+    # 7. The sync guard, two all-reduces (a sync point). With one optimizer step that trained on
+    # nothing, no forward gave the probes their trainer log-probs: one pass of their own does.
     if skipped == cfg.mini_batches == 1:
         with metrics.timed(times, "old_logprobs"):
             recompute_logprobs(model, probes, cfg, pad_id, device)
-    with metrics.timed(times, "logprob_gap"):  # 7. the sync guard: two all-reduces, a sync point
+    with metrics.timed(times, "logprob_gap"):
         gap = logprob_gap(mine + probes)
+
     train_metrics = {k: sum(u[k] for u in updates) / len(updates)
                      for k in (updates[0] if updates else {})}
     if updates:
@@ -370,12 +397,14 @@ def train_step(model, optimizer, samples, cfg, step, pad_id, device):
     world_size = dist.get_world_size()
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, cfg)
+
     totals = torch.tensor([float(sum(sum(s.loss_mask) for s in samples)), float(len(samples))])
     dist.all_reduce(totals)  # tokens and sequences (loss_aggregation) of the global batch
     global_tokens, global_sequences = totals.tolist()
     if global_tokens == 0:
         raise RuntimeError("train_step: the batch has no model-written token on any rank "
                            "(every loss mask is 0)")
+
     batches = equal_micro_batches(samples, cfg)
     per_batch = []  # each micro-batch's loss metrics, combined over all of them and all ranks
     num_tokens = global_tokens / world_size
@@ -401,6 +430,7 @@ def train_step(model, optimizer, samples, cfg, step, pad_id, device):
         # the policy's token-mean entropy over the trained tokens (logged, never in the loss)
         loss_metrics["entropy"] = torch.where(mask, entropy, 0.0).sum() / num_tokens
         per_batch.append({k: v.detach().cpu() for k, v in loss_metrics.items()})
+
     # The global grad norm before clipping: a loss-scaling bug shows here even where AdamW hides it.
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
@@ -409,6 +439,7 @@ def train_step(model, optimizer, samples, cfg, step, pad_id, device):
     optimizer.step()
     # Freed now, not next step: the engine needs that memory for the sync and rollout (as verl)
     optimizer.zero_grad(set_to_none=True)
+
     out = metrics.global_metrics(per_batch, world_size)
     out.update(grad_norm=float(grad_norm), lr=lr_at(step, cfg), num_micro_batches=len(batches),
                train_tokens=int(global_tokens))
@@ -435,34 +466,76 @@ def logprob_gap(samples):
     model-written tokens. The engine sampled them with the weights just synced, so both agree up
     to kernel noise; a broken sync (wrong names, stale weights, wrong dtype) shows here at step 1,
     not as a slow, silent divergence."""
-    total, count, largest = 0.0, 0, 0.0
+    total = 0.0  # |gap| summed over the tokens
+    count = 0
+    largest = 0.0
     for s in samples:
         if s.engine_logprobs is None or s.old_logprobs is None:  # not sampled, or not forwarded
             continue
         gap = np.abs(np.asarray(s.old_logprobs) - np.asarray(s.engine_logprobs))
         gap = gap[np.asarray(s.loss_mask) > 0]
-        total, count = total + float(gap.sum()), count + gap.size
+        total += float(gap.sum())
+        count += gap.size
         largest = max(largest, float(gap.max(initial=0.0)))
-    sums, largest = torch.tensor([total, count], dtype=torch.float64), torch.tensor([largest])
+
+    sums = torch.tensor([total, count], dtype=torch.float64)
+    largest = torch.tensor([largest])
     dist.all_reduce(sums)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
     return {"logprob_gap_mean": sums[0].item() / max(sums[1].item(), 1),
             "logprob_gap_max": largest.item()}
 
 
+def log_and_checkpoint(run, step, started, groups, blocks, records, learned, times, traffic):
+    """Step 8: the step's metrics, gathered on rank 0 (the phases' time/ keys add up to time/step;
+    the checkpoint's and the evaluation's are apart), and a checkpoint every save_every steps and
+    at the last. A resume needs, besides weights and optimizer, the data position (whole steps):
+    a rerun of a step draws the same tokens (rollout.request_seed seeds each request from seed,
+    step, problem and sample)."""
+    cfg = run.cfg
+    train_metrics, skipped, gap = learned
+    run.state = {"step": step + 1, "data_position": run.state["data_position"]
+                 + cfg.prompts_per_step}
+
+    local = dict(records=records, groups=len(groups), times=times, traffic=traffic,
+                 rollout_tokens=sum(len(t.response_ids) for g in groups for t in g),
+                 trained_tokens=sum(len(s) for block in blocks for s in block))
+    learner = {**train_metrics, **gap, "skipped_updates": skipped,
+               "data_position": run.state["data_position"]}
+    gathering = time.perf_counter()
+    row = metrics.gather_step_metrics(local, learner, step + 1, cfg.logprob_gap_warn)
+    if run.rank == 0:
+        ended = time.perf_counter()
+        row["time/metrics"] = ended - gathering
+        row["time/step"] = ended - started
+
+    # Saved before the evaluation, so a run killed while evaluating loses no training.
+    if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+        with metrics.timed(row, "time/checkpoint"):
+            checkpoint.save_checkpoint(run.ckpt_root, step + 1, run.model, run.optimizer,
+                                       run.state, keep=cfg.keep_checkpoints,
+                                       keep_through=run.dir.keep_through)
+    return row
+
+
 def evaluate_held_out(run):
     """Held-out accuracy (eval/ metrics and time/eval) through the training engine, as eval.py
     measures it: eval_samples trajectories per problem at eval_temperature, the reward of Eq. 3."""
-    cfg, rows = run.cfg, run.eval_rows
+    cfg = run.cfg
+    rows = run.eval_rows
     started = time.perf_counter()
-    sync_weights(run.engine, run.model, run.weight_dtype)  # the engine has the sampled-with weights
+    # The engine still holds the weights that sampled the last step, one update behind: the
+    # evaluation scores the trained ones.
+    sync_weights(run.engine, run.model, run.weight_dtype)
     # generate() sends the temperature with every request: the engine's own config never sets it
     rollout_cfg = dataclasses.replace(cfg.rollout, temperature=cfg.eval_temperature)
+
     records = {}
-    progress = tqdm(total=len(rows), desc="held-out", disable=run.rank != 0, leave=False)
+    progress = tqdm(total=len(rows), desc="held-out", disable=run.rank != 0, leave=False,
+                    dynamic_ncols=True)
     for step, start in enumerate(range(0, len(rows), CHUNK_PROBLEMS)):
         chunk = rows[start:start + CHUNK_PROBLEMS]
-        groups = generate(run.engine, run.tool, run.tokenizer, [r["problem"] for r in chunk],
+        groups = generate(run.engine, run.executor, run.tokenizer, [r["problem"] for r in chunk],
                           cfg.eval_samples, rollout_cfg, seed=cfg.seed, step=step)
         flat = [t for group in groups for t in group]
         rewards, ungraded = score_groups([flat], chunk)
@@ -471,6 +544,8 @@ def evaluate_held_out(run):
                 t, reward == 1.0, extract_answer(t.model_text), cut)
         progress.update(len(chunk))
     progress.close()
+
+    # every rank scored the problems it claimed: rank 0 needs them all
     parts = [None] * run.world_size
     dist.all_gather_object(parts, records)
     records = {key: record for part in parts for key, record in part.items()}
@@ -487,18 +562,25 @@ def train(cfg):
     run = start_run(cfg)
     if run is None:
         return {}
+
     row = {}
     if run.state["step"] == 0 and run.eval_rows and cfg.eval_at_start:  # the demo's "before" row
         row = evaluate_held_out(run)
         metrics.print_held_out(row, run.rank, "before step 1")
         run.logger.log(0, row)
-    progress = tqdm(total=cfg.steps, initial=run.state["step"], desc="rl", disable=run.rank != 0)
-    untrained = streak = 0  # steps that trained on nothing: in all, and in a row up to now
+
+    progress = tqdm(total=cfg.steps, initial=run.state["step"], desc="rl", disable=run.rank != 0,
+                    dynamic_ncols=True)
+    untrained = 0  # steps that trained on nothing, in all
+    streak = 0  # and in a row, up to this one
     for step in range(run.state["step"], cfg.steps):
         row = rl_step(run, step)
         if run.rank == 0:
-            nothing = row["selected"] == 0
-            untrained, streak = untrained + nothing, (streak + 1) * nothing
+            if row["selected"] == 0:
+                untrained += 1
+                streak += 1
+            else:
+                streak = 0
             metrics.warn_untrained(streak, row, cfg.untrained_steps_warn)
         if run.eval_rows and (step + 1 == cfg.steps
                               or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)):
@@ -509,7 +591,9 @@ def train(cfg):
             progress.update(1)
             progress.set_postfix(metrics.progress_fields(row))
     progress.close()
-    finish(run, untrained)
+
+    # the trained policy as a Hugging Face directory, in the engine's dtype (machinery/rl_run.py)
+    finish_rl_run(run, untrained)
     return row
 
 
@@ -524,56 +608,14 @@ def start_executor(rollout_cfg, engine):
 
 
 def start_run(cfg):
-    """What an RL run holds across its steps: inputs, policy and optimizer, engine, tool, log;
-    None when out_dir's run is already at `steps`."""
-    model_path, problems, eval_rows = checkpoint.check_inputs(cfg)
-    rank, world_size, _, device = init_distributed(cfg.collective_timeout_min)
-    check_same_settings(cfg, rank, world_size)
-    check_shared_paths(cfg.out_dir, [model_path, cfg.train_data, cfg.eval_data, cfg.init_from],
-                       rank, world_size)  # every node must see the run where rank 0 does
-    run = SimpleNamespace(cfg=cfg, model_path=model_path, rank=rank, world_size=world_size,
-                          device=device, out_dir=resolve(cfg.out_dir))
-    run.ckpt_root = run.out_dir / "checkpoints"
-    run.dir = run_dir.claim_run_dir(cfg, run.out_dir, KEYS_A_RESUME_MAY_CHANGE, cfg.steps,
-                                    "hf_step_{step}", rank)
-    if run.dir is None:
-        return None
-    tokenizer = run.tokenizer = AutoTokenizer.from_pretrained(model_path)
-    run.pad_id = (tokenizer.eos_token_id if tokenizer.pad_token_id is None
-                  else tokenizer.pad_token_id)
-    run.problems = drop_long_prompts(problems, tokenizer, cfg.rollout, cfg.train_data)
-    run.eval_rows = (drop_long_prompts(eval_rows, tokenizer, cfg.rollout, cfg.eval_data)
-                     if eval_rows else [])
-    run.model, run.optimizer, run.state = checkpoint.restore(cfg, run.dir.checkpoint, device, rank)
-    run_dir.record_start(run.dir, cfg)  # config.yaml once the checkpoint loaded
-    if rank == 0:
-        print(checkpoint.epoch_plan(cfg, len(run.problems), run.state["step"])[1], flush=True)
-    run.logger = metrics.MetricsLogger(run.out_dir, enabled=rank == 0,
-                                       wandb_project=cfg.wandb_project,
-                                       tensorboard=cfg.tensorboard, config=dataclasses.asdict(cfg),
-                                       resume_step=run.state["step"])
-    run.engine = Engine(model_path, cfg.rollout, seed=cfg.seed)
-    run.executor = start_executor(cfg.rollout, run.engine)
-    run.tool = metrics.TimedExecutor(run.executor) if run.executor else None
-    dtype = cfg.rollout.dtype  # the engine's: the weights are cast to it before they are gathered
-    run.weight_dtype = (getattr(torch, dtype) if dtype in ("float32", "bfloat16", "float16")
-                        else torch.float32)
+    """What an RL run holds across its steps (machinery/rl_run.py: inputs, policy and optimizer,
+    log, engine) and the tool's executor, timed (time/tool_busy); None when out_dir's run is
+    already at `steps`."""
+    run = start_rl_run(cfg, KEYS_A_RESUME_MAY_CHANGE)
+    if run is not None:
+        executor = start_executor(cfg.rollout, run.engine)
+        run.executor = metrics.TimedExecutor(executor) if executor else None
     return run
-
-
-def finish(run, untrained):
-    """The trained policy as a Hugging Face directory (what eval.py, vLLM and the next stage load)
-    in the engine's dtype (bf16 on GPU); the fp32 master weights stay in the DCP checkpoint."""
-    run.logger.close()
-    hf_dir = run.out_dir / f"hf_step_{run.state['step']}"
-    save_hf_model(run.model, run.tokenizer, run.model_path, hf_dir, compute_dtype(run.device),
-                  run.rank, load_format(run.cfg.rollout)[:2], "rl.py")
-    if run.executor:
-        run.executor.close()
-    run.engine.close()
-    run_dir.finish_run_dir(run.dir, run.state["step"])
-    if run.rank == 0:
-        metrics.print_rl_written(run.out_dir, hf_dir, run.ckpt_root, untrained, run.device)
 
 
 def interrupt_paragraph(cfg, argv):

@@ -18,11 +18,14 @@ trajectories keep decoding, and the continuation re-enters the engine as soon as
 back (§3.2). At most K trajectories are in flight per engine, K from the free KV cache; prompts
 are claimed from a counter shared by all ranks, so a rank that finishes early takes more work.
 
-Differences from the release: docs/design.md (Rollouts); baselines: bench/rollout.py, bench/tail.py.
+How the turn, the tool turn and tool errors differ from the release: docs/design.md (Rollouts).
+Its baselines, a per-turn barrier and K at the mean length: bench/rollout.py; the rollout tail of a
+group larger than K, claimed whole or a sample at a time: bench/tail.py.
 """
 import dataclasses
 import hashlib
 import json
+import math
 import queue
 import re
 import time
@@ -59,7 +62,8 @@ class RolloutConfig:
     tool_workers: int = 0         # 0 = the executor's default
     tool_memory_mb: int = 1024
     # engine (vLLM, machinery/engine.py)
-    dtype: str = "auto"           # the checkpoint's; CPU: float32, exact log-probs (docs/design.md)
+    dtype: str = "auto"           # the checkpoint's; float32 on CPU for exact log-probs
+                                  # (docs/design.md, the CPU stack)
     gpu_memory_utilization: float = 0.5  # GPU: vLLM's share of GPU memory (colocated training)
     cpu_kv_cache_gb: float = 0.0  # CPU: KV cache GiB; 0 = what K trajectories of context_len need
     tensor_parallel_size: int = 1
@@ -72,7 +76,19 @@ class RolloutConfig:
                                   # 1 keeps them in host RAM
 
     def validate(self):
-        check_rollout_config(self)  # a ValueError naming the rollout.* key
+        """A ValueError naming the rollout.* key that is wrong: the method's keys here, then the
+        files, engine and executor sizes (machinery.prompts.check_rollout_config)."""
+        for name in ("max_prompt_tokens", "max_response_tokens", "max_turns"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_tool_response_chars < 0:
+            raise ValueError("rollout.max_tool_response_chars must be >= 0, got "
+                             f"{self.max_tool_response_chars}")
+        if self.temperature < 0:
+            raise ValueError(f"rollout.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        check_rollout_config(self)
 
     @property
     def context_len(self):
@@ -123,15 +139,20 @@ TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
 def parse_tool_call(turn_text, tool_name):
-    """The Hermes-style call in one assistant turn -> {"code", "stdin"}, or None without a call. A
-    malformed one raises ToolCallError in the release's words (tests/reference/tool_io_format.txt
-    §2), the model's tool response, a "parse" tool error (§2.1). Only the first call runs."""
+    """The Hermes-style call in one assistant turn -> {"code", "stdin"}, or None without a call.
+
+    Malformed calls raise ToolCallError in the released code's wording
+    (tests/reference/tool_io_format.txt §2): they go back to the model as its tool response and
+    count as tool errors of kind "parse" (§2.1: "the error message is wrapped in <tool_response>
+    tags and returned to the model"). A turn that reaches </tool_call> made a call, even without
+    the opening tag. Only the first call runs (verl's max_parallel_calls = 1)."""
     match = TOOL_CALL_RE.search(turn_text)
     if match is None:
         if "</tool_call>" in turn_text:
             raise ToolCallError("Failed to decode tool call: </tool_call> without an opening "
                                 "<tool_call>")
         return None
+
     try:
         call = json.loads(match.group(1))
     except json.JSONDecodeError as e:
@@ -142,6 +163,7 @@ def parse_tool_call(turn_text, tool_name):
     if call["name"] != tool_name:
         raise ToolCallError(f"Error when executing tool: unknown tool {call['name']!r}; "
                             f"the tool is {tool_name!r}")
+
     args = call["arguments"]
     if not isinstance(args, dict) or not isinstance(args.get("code"), str):
         raise ToolCallError('Error when executing tool: arguments must be '
@@ -164,8 +186,9 @@ ANSWER_PAIR_RE = re.compile(r"<answer>.*?</answer>", re.DOTALL)
 
 
 def count_answer_tags(model_text):
-    """Closed <answer>...</answer> pairs in model-written text, for p_format (Eq. 5); 0 when the
-    tags do not balance, as in the release (calc_format_penalty_weights)."""
+    """Closed <answer>...</answer> pairs in model-written text (a tool's "<answer>" must not
+    count), for p_format (Eq. 5); 0 when the tags do not balance, scored as no answer, as in the
+    release (calc_format_penalty_weights)."""
     pairs = len(ANSWER_PAIR_RE.findall(model_text))
     if model_text.count("<answer>") != pairs or model_text.count("</answer>") != pairs:
         return 0
@@ -176,25 +199,61 @@ def count_answer_tags(model_text):
 # the rollout loop: no per-turn barrier, K trajectories in flight (§3.2)
 
 
-def request_seed(seed, step, problem_index, sample_index, turn):
-    """The seed of one engine request (its own generator in vLLM): a rerun of a step draws the same
-    tokens whichever rank, batch or order it lands in (bit-exact on CPU in fp32)."""
-    key = f"{seed}/{step}/{problem_index}/{sample_index}/{turn}".encode()
-    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1  # non-negative int64
+_generate_calls = 0  # each call claims from a counter of its own
 
 
-_generate_calls = 0
+def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0, times=None):
+    """Roll out n trajectories for each problem. Collective: every rank passes the same `problems`
+    (texts or rows with a "problem"), claims them (or parts of their groups) from one counter, and
+    -> its [[n Trajectory] per problem] in problem order: each group whole on one rank.
+    times["generate"]: this rank's own seconds, before it waits for the others to regroup."""
+    global _generate_calls
+
+    if n < 1:
+        raise ValueError(f"generate: n must be >= 1, got {n}")
+    texts = [p["problem"] if isinstance(p, dict) else p for p in problems]
+    if cfg.use_tool and executor is None and engine.is_leader:
+        raise ValueError("generate: rollout.use_tool is on but no executor was given")
+    _generate_calls += 1
+    claim = claim_counter(f"rollout/{_generate_calls}/step{step}")
+    budget = cfg.max_prompt_tokens + cfg.max_response_tokens
+    if budget > engine.cfg.context_len:
+        raise ValueError(f"generate: max_prompt_tokens + max_response_tokens = {budget}"
+                         f" exceeds the engine's max_model_len {engine.cfg.context_len}")
+    groups, started = [], time.perf_counter()
+    if engine.is_leader:
+        groups = Rollouts(engine, executor, tokenizer, texts, n, cfg, seed, step, claim).run()
+        engine.stop_followers()
+    else:  # tensor parallel: this rank replays its group leader's engine calls
+        engine.follow()
+    if times is not None:
+        times["generate"] = time.perf_counter() - started
+    return regroup(groups) if n > capacity(engine, cfg) else groups
+
+
+def capacity(engine, cfg):
+    # K from the KV cache, every trajectory at its full budget: none is ever preempted (§3.2).
+    return min(engine.max_concurrency(), cfg.max_concurrency or float("inf"))
 
 
 class Rollouts:
-    """One generate() call's trajectories, each in one of waiting, running and tooling until it
-    ends; tooling counts towards K too: its continuation needs room for its whole context again."""
+    """One generate() call's trajectories. Each is in exactly one of waiting, running and tooling
+    until it ends; running and tooling count towards K: one waiting on its tool holds no KV cache
+    now, but its continuation will need room for its whole context again."""
     parts = 0  # the parts a group is claimed in; 0: one per sample if n > K, else 1
 
     def __init__(self, engine, executor, tokenizer, texts, n, cfg, seed, step, claim):
-        self.engine, self.executor, self.tokenizer, self.cfg = engine, executor, tokenizer, cfg
-        self.texts, self.n, self.claim, self.seed, self.step = texts, n, claim, seed, step
+        self.engine = engine
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.texts = texts  # the problems, in the order every rank passed them
+        self.n = n  # samples per problem
+        self.claim = claim  # the next index of the counter all ranks share
+        self.seed = seed
+        self.step = step
         _, _, self.tool_name = load_format(cfg)
+
         self.end_of_turn = {tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}
         self.call_end = tokenizer.convert_tokens_to_ids("</tool_call>") if cfg.use_tool else None
         if cfg.use_tool and (self.call_end is None or self.call_end == tokenizer.unk_token_id):
@@ -203,12 +262,30 @@ class Rollouts:
         self.stop_ids = sorted(self.end_of_turn | ({self.call_end} if cfg.use_tool else set()))
         # Closes a tool-call turn that stopped at </tool_call>, unsampled (docs/design.md, Rollouts)
         self.close_turn = tokenizer.encode("<|im_end|>", add_special_tokens=False)
+
         self.waiting = []       # trajectories claimed, not yet in the engine
         self.running = {}       # request id -> trajectory in the engine
         self.tooling = {}       # executor future -> (trajectory, call)
         self.results = queue.SimpleQueue()  # tool futures as they complete: no polling
         self.groups = {}        # problem index -> its n trajectories
         self.exhausted = False  # the shared counter has run past the last problem
+
+    def run(self):
+        """The event loop -> this rank's [[n Trajectory] per problem] in problem order. One engine
+        step decodes one token for every running request; a tool result that arrives meanwhile
+        waits at most one step before its continuation is in the engine. No thread touches vLLM
+        but this one."""
+        self.admit()
+        while self.in_flight() or self.waiting or not self.exhausted:
+            if self.engine.has_unfinished():
+                self.step_engine()
+                # Results that came back while the engine stepped re-enter at once: no barrier.
+                while not self.results.empty():
+                    self.collect(self.results.get())
+            elif self.tooling:  # nothing to decode: block on the next tool result, never spin
+                self.collect(self.results.get())
+            self.admit()
+        return [self.groups[i] for i in sorted(self.groups)]
 
     def in_flight(self):
         return len(self.running) + len(self.tooling)
@@ -228,7 +305,7 @@ class Rollouts:
         # n samples stay together (GRPO-RoC selects in a group, §2.2.3); if n > K, each is claimed
         # alone and generate regroups them: else the last claimer runs ceil(n / K) waves alone
         parts = self.parts or (self.n if self.n > capacity(self.engine, self.cfg) else 1)
-        size = -(-self.n // parts)
+        size = math.ceil(self.n / parts)
         index, part = divmod(self.claim(), parts)
         self.exhausted = index >= len(self.texts)
         if self.exhausted:
@@ -270,6 +347,7 @@ class Rollouts:
         traj.loss_mask += [1] * len(token_ids)
         traj.logprobs += logprobs
         traj.num_turns += 1
+
         # Special tokens kept: the parser needs </tool_call>; only this text has answer tags (Eq. 5)
         turn_text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
         traj.model_text += turn_text
@@ -278,6 +356,7 @@ class Rollouts:
             return self.end(traj, "end_of_turn")
         if last != self.call_end:  # neither stop token: the request ran out of the shared budget
             return self.end(traj, "max_response_tokens")
+
         # The turn ends in a tool call. As in the release, the turn limit is checked first.
         if traj.num_turns >= self.cfg.max_turns:
             return self.end(traj, "max_turns")
@@ -323,51 +402,10 @@ class Rollouts:
         for request_id, token_ids, logprobs in self.engine.step():
             self.turn_ended(self.running.pop(request_id), token_ids, logprobs)
 
-    def run(self):
-        """The event loop -> this rank's trajectories per problem, in problem order. A tool result
-        waits at most one engine step for its continuation; no thread touches vLLM but this one."""
-        self.admit()
-        while self.in_flight() or self.waiting or not self.exhausted:
-            if self.engine.has_unfinished():
-                self.step_engine()
-                # Results that came back while the engine stepped re-enter at once: no barrier.
-                while not self.results.empty():
-                    self.collect(self.results.get())
-            elif self.tooling:  # nothing to decode: block on the next tool result, never spin
-                self.collect(self.results.get())
-            self.admit()
-        return [self.groups[i] for i in sorted(self.groups)]
 
-
-def generate(engine, executor, tokenizer, problems, n, cfg, seed, step=0, times=None):
-    """Roll out n trajectories for each problem. Collective: every rank passes the same `problems`
-    (texts or rows with a "problem"), claims them (or parts of their groups) from one counter, and
-    -> its [[n Trajectory] per problem] in problem order: each group whole on one rank.
-    times["generate"]: this rank's own seconds, before it waits for the others to regroup."""
-    global _generate_calls
-
-    if n < 1:
-        raise ValueError(f"generate: n must be >= 1, got {n}")
-    texts = [p["problem"] if isinstance(p, dict) else p for p in problems]
-    if cfg.use_tool and executor is None and engine.is_leader:
-        raise ValueError("generate: rollout.use_tool is on but no executor was given")
-    _generate_calls += 1
-    claim = claim_counter(f"rollout/{_generate_calls}/step{step}")
-    budget = cfg.max_prompt_tokens + cfg.max_response_tokens
-    if budget > engine.cfg.context_len:
-        raise ValueError(f"generate: max_prompt_tokens + max_response_tokens = {budget}"
-                         f" exceeds the engine's max_model_len {engine.cfg.context_len}")
-    groups, started = [], time.perf_counter()
-    if engine.is_leader:
-        groups = Rollouts(engine, executor, tokenizer, texts, n, cfg, seed, step, claim).run()
-        engine.stop_followers()
-    else:  # tensor parallel: this rank replays its group leader's engine calls
-        engine.follow()
-    if times is not None:
-        times["generate"] = time.perf_counter() - started
-    return regroup(groups) if n > capacity(engine, cfg) else groups
-
-
-def capacity(engine, cfg):
-    # K from the KV cache, every trajectory at its full budget: none is ever preempted (§3.2).
-    return min(engine.max_concurrency(), cfg.max_concurrency or float("inf"))
+def request_seed(seed, step, problem_index, sample_index, turn):
+    """The sampling seed of one engine request: vLLM gives a seeded request its own generator, so a
+    rerun of a step draws the same tokens whichever rank, batch or order it lands in (bit-exact
+    on CPU in fp32)."""
+    key = f"{seed}/{step}/{problem_index}/{sample_index}/{turn}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1  # non-negative int64

@@ -62,8 +62,8 @@ from machinery.conversations import (IGNORE, chat_text, check_context, check_con
 from machinery.data import load_jsonl
 from machinery.distributed import (check_same_settings, check_shared_paths, cpu_threads,
                                    init_distributed, seed_everything)
-from machinery.exits import rerun_command, run_script, shown, training_interrupted
-from machinery.metrics import MetricsLogger
+from machinery.exits import run_script, training_interrupted
+from machinery.metrics import MetricsLogger, print_sft_data, print_sft_written
 from machinery.model import build_model, check_model_dir, save_hf_model
 from machinery.prompts import DATA_PLACEHOLDER, encode_rendered
 from machinery.run_dir import claim_run_dir, finish_run_dir, record_start
@@ -119,6 +119,7 @@ class SFTConfig:
         if not self.data:
             raise ConfigError("data: set the chat JSONL to train on, e.g. data=out/tiny-sft.jsonl "
                               "(python tiny.py writes it)")
+
         for name in ("max_seq_len", "epochs", "global_batch_size", "micro_batch_size",
                      "keep_checkpoints", "log_every", "collective_timeout_min"):
             if getattr(self, name) < 1:
@@ -129,12 +130,14 @@ class SFTConfig:
         if self.global_batch_size % self.micro_batch_size:
             raise ConfigError(f"global_batch_size={self.global_batch_size} is not a multiple of "
                               f"micro_batch_size={self.micro_batch_size}")
+
         if not self.lr > 0:
             raise ConfigError(f"lr={self.lr}: must be > 0")
         if not 0 <= self.warmup_ratio < 1:
             raise ConfigError(f"warmup_ratio={self.warmup_ratio}: must be in [0, 1)")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
+
         for name in ("chat_template", "tool_schema", "data"):
             path = getattr(self, name)
             if path and path != "chatml" and not resolve(path).is_file():
@@ -194,6 +197,7 @@ def render_conversation(tokenizer, messages, tools, chat_template, where="conver
     input_ids, loss_mask = [], []
     covered = ""  # the rendered text (placeholders for tool contents) the segments so far cover
     tools_covered = 0  # tool contents in it
+
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
@@ -225,6 +229,7 @@ def load_conversations(cfg, tokenizer):
         raise ConfigError(f"model {cfg.model}: the tokenizer has no chat template; "
                           "set chat_template=PATH")
     default_tools = read_tools(cfg.tool_schema)
+
     examples, dropped = [], 0
     for row, line in zip(rows, line_numbers):
         where = f"{path}:{line}"
@@ -235,6 +240,7 @@ def load_conversations(cfg, tokenizer):
             dropped += 1
             continue
         examples.append((ids, mask))
+
     if len(examples) < cfg.global_batch_size:
         raise ConfigError(f"{path}: {len(examples)} conversations fit max_seq_len="
                           f"{cfg.max_seq_len} ({dropped} longer ones dropped), fewer than one "
@@ -355,6 +361,7 @@ def train(cfg):
     cpu_threads(cfg.train_threads, device)
     seed_everything(cfg.seed)
     out_dir = resolve(cfg.out_dir)
+
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     # padding is never attended to nor trained on; any id works if the tokenizer names no pad token
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -367,7 +374,8 @@ def train(cfg):
     if run_dir is None:
         return None, tokenizer
     if rank == 0:
-        print_data(examples, dropped, total_steps, cfg, world_size, accumulation)
+        print_sft_data(examples, dropped, total_steps, cfg, world_size, accumulation)
+
     model, save_dtype = build_model(cfg, model_path, device, rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   betas=(cfg.adam_beta1, cfg.adam_beta2))
@@ -381,6 +389,7 @@ def train(cfg):
     logger = MetricsLogger(out_dir, enabled=rank == 0, wandb_project=cfg.wandb_project,
                            tensorboard=cfg.tensorboard, config=dataclasses.asdict(cfg),
                            resume_step=start_step)
+
     progress = tqdm(total=total_steps, initial=start_step, desc="sft", disable=rank != 0,
                     dynamic_ncols=True)
     for step in range(start_step, total_steps):
@@ -394,37 +403,20 @@ def train(cfg):
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < total_steps:
             save_checkpoint(ckpt_root, step + 1, model, optimizer, {**run_state, "step": step + 1},
                             keep=cfg.keep_checkpoints, keep_through=run_dir.keep_through)
+
     progress.close()
     logger.close()
     if cfg.save_every and start_step < total_steps:  # so a finished run's rerun resumes at its end
         save_checkpoint(ckpt_root, total_steps, model, optimizer,
                         {**run_state, "step": total_steps}, keep=cfg.keep_checkpoints,
                         keep_through=run_dir.keep_through)
+
     save_hf_model(model, tokenizer, model_path, out_dir / "final", save_dtype, rank,
                   prompt_format(cfg, tokenizer), "sft.py")
     finish_run_dir(run_dir, total_steps)
     if rank == 0:
-        print_written(out_dir, device)
+        print_sft_written(out_dir, device)
     return model, tokenizer
-
-
-def print_data(examples, dropped, total_steps, cfg, world_size, accumulation):
-    tokens, trained = (sum(len(ids) for ids, _ in examples),
-                       sum(sum(mask) for _, mask in examples))
-    print(f"data: {len(examples)} conversations ({dropped} longer than {cfg.max_seq_len} "
-          f"tokens dropped), {tokens} tokens, {trained} trained | {total_steps} steps of "
-          f"{cfg.global_batch_size} = {world_size} ranks x {accumulation} micro-batches x "
-          f"{cfg.micro_batch_size}", flush=True)
-
-
-def print_written(out_dir, device):
-    """What the run wrote, and the next command: configs/tiny.yaml on CPU (the demo's RL stage),
-    the paper's stage 1 on a GPU."""
-    rl_config = "configs/stage1.yaml" if device.type == "cuda" else "configs/tiny.yaml"
-    model = f"model={shown(out_dir / 'final')}"
-    print(f"sft.py: wrote {shown(out_dir / 'final')} (the model, a Hugging Face directory) and "
-          f"{shown(out_dir / 'metrics.jsonl')}\n"
-          f"next: {rerun_command('rl.py', [rl_config, model])}", flush=True)
 
 
 def interrupt_paragraph(cfg, argv):

@@ -4,7 +4,7 @@
                                              # and the fork floor
     python -m bench.executor mode=soak       # the tool under a hostile mix: zombies, strays, fds,
                                              # memory
-    python -m bench.reward                   # score_batch vs plain math-verify
+    python -m bench.reward                   # grade_batch vs plain math-verify
                                              # (audit_all_pairs=true: the fast path)
     python -m bench.rollout model=PATH       # the rollout loop vs plain LLM.generate, barrier vs
                                              # none, admission

@@ -1,4 +1,4 @@
-"""Benchmark and audit of reward.py: answers/s and agreement, plain math-verify vs score_batch, in
+"""Benchmark and audit of reward.py: answers/s and agreement, plain math-verify vs grade_batch, in
 one run.
 
   python -m bench.reward [workers=2 rounds=3 timeout_s=5 negatives_per_problem=2]
@@ -8,7 +8,7 @@ one run.
 
 Two workloads: the MATH-500 labeled set (reference solutions against their own and other problems'
 answers) and integer answers, the paper's training case (§4.2). Each prints answers/s and CPU ms
-per answer for plain math-verify, the fast path alone and score_batch, the speedups over plain
+per answer for plain math-verify, the fast path alone and grade_batch, the speedups over plain
 math-verify measured in the same run, and how many equal pairs each finds and how many false
 positives it gives.
 Tests: .venv/bin/python -m pytest tests/test_reward.py -q (they use math500_labeled_set,
@@ -25,7 +25,7 @@ from math_verify import parse, verify
 from machinery.config import load_config
 from machinery.data import load_problems
 from reward import (DEFAULT_TIMEOUT_S, _differ_by_value, _VALUES, extract_answer, fast_equivalent,
-                    normalize_answer, score_batch)
+                    grade_batch, normalize_answer)
 from machinery.verifier import default_num_workers, run_in_pool, shutdown_pool, start_pool
 
 
@@ -99,7 +99,7 @@ def _fresh_pool(workers):
 
 
 def bench(cfg):
-    """Answers/s and agreement: plain math-verify vs the fast path alone vs score_batch, in one run.
+    """Answers/s and agreement: plain math-verify vs the fast path alone vs grade_batch, in one run.
 
     Wall time is what a training step waits for. CPU time (this process plus the workers' per-check
     CPU, pool start excluded) is what the machine pays, and the steadier figure on a shared machine.
@@ -121,8 +121,8 @@ def bench(cfg):
             ("fast path alone (undecided scores 0)", None,
              lambda: [fast_equivalent(extract_answer(r) or "", g) is True
                       for r, g in zip(responses, golds)]),
-        ] + [(f"score_batch, {w} worker(s)", w,
-              lambda: score_batch(responses, golds, timeout_s=cfg.timeout_s))
+        ] + [(f"grade_batch, {w} worker(s)", w,
+              lambda: grade_batch(responses, golds, timeout_s=cfg.timeout_s)[0])
              for w in worker_counts]
         for _ in range(cfg.rounds):
             for name, workers, method in methods:
@@ -196,7 +196,7 @@ NOTATION_SHAPES = [
 
 
 def _decided_without_verify(pred, gold):
-    """The verdict score_batch reaches for a pair without math-verify's verify, given the values
+    """The verdict grade_batch reaches for a pair without math-verify's verify, given the values
     known so far: fast_equivalent's, else False for two numbers far apart, else None."""
     verdict = fast_equivalent(pred, gold)
     return False if verdict is None and _differ_by_value(pred, gold) else verdict

@@ -318,36 +318,20 @@ def restore(cfg, checkpoint, device, rank):
 
 
 def check_config(cfg):
-    """rl.py's RLConfig.validate: the errors that can be found before loading anything, each a
-    ConfigError that names the key."""
-    require_at_least(cfg, 1, "prompts_per_step", "steps", "mini_batches", "micro_batch_tokens",
-                     "save_every", "keep_checkpoints", "eval_samples", "collective_timeout_min")
-    require_at_least(cfg, 0, "warmup_steps", "micro_batch_size", "eval_every", "world_size",
-                     "train_threads", "logprob_chunk_tokens", "wandb_samples",
-                     "save_rollouts_every", "keep_rollouts", "untrained_steps_warn")
+    """The rest of rl.py's RLConfig.validate, after the method's own keys (rl.py): paths, sizes,
+    cadences and resume, each a ConfigError that names the key, before anything is loaded."""
+    require_at_least(cfg, 1, "micro_batch_tokens", "save_every", "keep_checkpoints",
+                     "eval_samples", "collective_timeout_min")
+    require_at_least(cfg, 0, "micro_batch_size", "eval_every", "world_size", "train_threads",
+                     "logprob_chunk_tokens", "wandb_samples", "save_rollouts_every",
+                     "keep_rollouts", "untrained_steps_warn")
     if not cfg.model:
         raise ConfigError("model: set the policy to train (an HF directory with its tokenizer), "
                           "e.g. model=out/sft")
-    if cfg.group_size < 4 and cfg.algorithm == "roc":
-        raise ConfigError(f"group_size={cfg.group_size}: GRPO-RoC keeps at least 2 positives and "
-                          "2 negatives per group (grpo_roc.resample_on_correct), so G must be >= 4")
-    if cfg.group_size < 2:
-        raise ConfigError(f"group_size={cfg.group_size}: a group advantage needs at least 2 "
-                          "rollouts (Eq. 7)")
-    if not cfg.lr > 0:
-        raise ConfigError(f"lr={cfg.lr}: must be > 0")
-    if cfg.dual_clip and cfg.dual_clip <= 1:
-        raise ConfigError(f"dual_clip={cfg.dual_clip}: must be 0 (off) or > 1")
-    if not cfg.rollout_is_threshold > 1:
-        raise ConfigError(f"rollout_is_threshold={cfg.rollout_is_threshold}: must be > 1 (weights "
-                          "are truncated at it, or kept inside [1/C, C])")
     if not cfg.init_optimizer and not cfg.init_from:
         raise ConfigError("init_optimizer=false takes the weights of init_from, which is not set")
     if cfg.resume not in ("auto", "never") and not resolve(cfg.resume).is_dir():
         raise ConfigError(f"resume={cfg.resume!r}: expected auto, never or a checkpoint directory")
-    if cfg.prompts_per_step % cfg.mini_batches:
-        raise ConfigError(f"prompts_per_step={cfg.prompts_per_step} does not divide into "
-                          f"mini_batches={cfg.mini_batches} optimizer steps of whole prompt groups")
     longest = cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens
     if cfg.micro_batch_tokens < longest:
         raise ConfigError(f"micro_batch_tokens={cfg.micro_batch_tokens} cannot hold one trajectory "

@@ -97,3 +97,15 @@ def prompt_indices(num_problems, seed, start, count):
         out.extend(int(i) for i in order[offset:offset + take])
         position += take
     return out
+
+
+def check_prompt_lengths(todo, tokenizer, rollout_cfg):
+    """Every prompt must fit rollout.max_prompt_tokens; found out here, not an hour into the run."""
+    limit = rollout_cfg.max_prompt_tokens
+    too_long = [(name, row["id"], n) for name, row in todo
+                if (n := len(render_prompt(tokenizer, row["problem"], rollout_cfg))) > limit]
+    if too_long:
+        listed = ", ".join(f"{name}/{pid} ({n} tokens)" for name, pid, n in too_long[:5])
+        more = ", ..." if len(too_long) > 5 else ""
+        raise ConfigError(f"{len(too_long)} prompt(s) exceed rollout.max_prompt_tokens={limit}: "
+                          f"{listed}{more}; raise it")

@@ -547,3 +547,13 @@ class Engine:
         CPU stack; init_distributed() can start a new one)."""
         self.engine = self.llm = None
         gc.collect()
+
+
+def check_engine(engine, rollout_cfg):
+    """An engine passed in was built for its own max_model_len; the eval's sequences must fit it.
+    Sampling settings need no check: generate() sends temperature and top_p with every request."""
+    built = getattr(engine, "cfg", None)
+    if built is not None and built.context_len < rollout_cfg.context_len:
+        raise ConfigError(f"the engine passed to evaluate holds {built.context_len} tokens per "
+                          "sequence, the eval needs max_prompt_tokens + max_response_tokens = "
+                          f"{rollout_cfg.context_len}")

@@ -122,6 +122,9 @@ class TimedExecutor:
             # float += under the GIL: the callbacks' threads cannot tear it
             self.busy_s += future.result().elapsed_s
 
+    def close(self):
+        self.executor.close()
+
 
 def pass_at_k(n, c, k):
     """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k), the chance
@@ -367,3 +370,23 @@ XX
     text = textwrap.fill(f"WARNING: {streak} steps in a row trained on nothing (skipped_updates in "
                          f"metrics.jsonl): {why}.", 100, break_on_hyphens=False)
     print(f"\n{'!' * 100}\n{text}\n{'!' * 100}", flush=True)
+
+
+def print_sft_data(examples, dropped, total_steps, cfg, world_size, accumulation):
+    """sft.py's data line: conversations kept and dropped, tokens, and the steps' batch split."""
+    tokens, trained = (sum(len(ids) for ids, _ in examples),
+                       sum(sum(mask) for _, mask in examples))
+    print(f"data: {len(examples)} conversations ({dropped} longer than {cfg.max_seq_len} "
+          f"tokens dropped), {tokens} tokens, {trained} trained | {total_steps} steps of "
+          f"{cfg.global_batch_size} = {world_size} ranks x {accumulation} micro-batches x "
+          f"{cfg.micro_batch_size}", flush=True)
+
+
+def print_sft_written(out_dir, device):
+    """What the run wrote, and the next command: configs/tiny.yaml on CPU (the demo's RL stage),
+    the paper's stage 1 on a GPU."""
+    rl_config = "configs/stage1.yaml" if device.type == "cuda" else "configs/tiny.yaml"
+    model = f"model={shown(out_dir / 'final')}"
+    print(f"sft.py: wrote {shown(out_dir / 'final')} (the model, a Hugging Face directory) and "
+          f"{shown(out_dir / 'metrics.jsonl')}\n"
+          f"next: {rerun_command('rl.py', [rl_config, model])}", flush=True)

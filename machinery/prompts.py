@@ -319,26 +319,22 @@ def render_tool_turn(tokenizer, tool_text, cfg):
 
 
 def check_rollout_config(cfg):
-    """rollout.RolloutConfig.validate: a ValueError naming the rollout.* key that is wrong, and
+    """The rest of rollout.RolloutConfig.validate, after the method's own keys (rollout.py): a
+    ValueError naming the rollout.* key that is wrong (format, engine and executor sizes), and
     every template or schema file the variant needs, on disk."""
     if cfg.prompt_variant not in (*PROMPT_VARIANTS, AUTO_VARIANT):
         raise ValueError(f"rollout.prompt_variant: {cfg.prompt_variant!r} is not one of "
                          f"{sorted(PROMPT_VARIANTS) + [AUTO_VARIANT]}")
-    for name in ("max_prompt_tokens", "max_response_tokens", "max_turns",
-                 "tensor_parallel_size"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"rollout.{name} must be >= 1, got {getattr(cfg, name)}")
-    for name in ("max_model_len", "max_concurrency", "tool_workers", "max_tool_response_chars"):
+    if cfg.tensor_parallel_size < 1:
+        raise ValueError(f"rollout.tensor_parallel_size must be >= 1, got "
+                         f"{cfg.tensor_parallel_size}")
+    for name in ("max_model_len", "max_concurrency", "tool_workers"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"rollout.{name} must be >= 0, got {getattr(cfg, name)}")
     budget = cfg.max_prompt_tokens + cfg.max_response_tokens
     if cfg.max_model_len and cfg.max_model_len < budget:
         raise ValueError(f"rollout.max_model_len={cfg.max_model_len} cannot hold "
                          f"max_prompt_tokens + max_response_tokens = {budget}")
-    if cfg.temperature < 0:
-        raise ValueError(f"rollout.temperature must be >= 0, got {cfg.temperature}")
-    if not 0 < cfg.top_p <= 1:
-        raise ValueError(f"rollout.top_p must be in (0, 1], got {cfg.top_p}")
     if cfg.tool_timeout_s <= 0:
         raise ValueError(f"rollout.tool_timeout_s must be > 0, got {cfg.tool_timeout_s}")
     if not 0 < cfg.gpu_memory_utilization <= 1:

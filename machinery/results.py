@@ -168,3 +168,11 @@ def markdown_table(summary):
                 percent(m["truncated_rate"]), str(m.get("ungraded", 0))]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def default_out_dir(model_path):
+    """runs/eval/<parent>-<name> of the model directory (runs/tiny-rl/hf_step_20 ->
+    runs/eval/tiny-rl-hf_step_20): a second model never finds the first one's samples, which a
+    shared directory would refuse to mix (machinery/results.py)."""
+    model_path = Path(model_path)
+    return str(Path("runs/eval") / f"{model_path.parent.name}-{model_path.name}".strip("-"))

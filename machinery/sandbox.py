@@ -1269,3 +1269,22 @@ class WorkerProcess:
         while not poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
             if time.monotonic() >= deadline:
                 raise WorkerGone("the worker did not answer in time")
+
+
+def check_executor_arguments(workers, timeout_s, memory_mb, max_output_chars, max_processes,
+                             max_file_mb, output_limit_mb, hide_paths):
+    """Executor's arguments, each wrong one refused in a ValueError that names it."""
+    for name, value, low in (("workers", workers, 1), ("memory_mb", memory_mb, 16),
+                             ("max_output_chars", max_output_chars, 8),
+                             ("max_processes", max_processes, 1), ("max_file_mb", max_file_mb, 1),
+                             ("output_limit_mb", output_limit_mb, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"Executor: {name} must be an int >= {low}, got {value!r}")
+    if (not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool)
+            or not 0 < timeout_s <= 3600):
+        raise ValueError(f"Executor: timeout_s must be a number of seconds in (0, 3600], got "
+                         f"{timeout_s!r}")
+    if isinstance(hide_paths, str) or not all(isinstance(p, str) and os.path.isabs(p)
+                                              for p in hide_paths):
+        raise ValueError(f"Executor: hide_paths must be a list of absolute paths, got "
+                         f"{hide_paths!r}")

@@ -22,6 +22,7 @@ from executor import Executor
 from rollout import RolloutConfig
 from machinery.distributed import init_distributed
 from machinery.engine import Engine
+from machinery import results
 from machinery.model import check_model_dir
 from machinery.prompts import load_format, render_prompt, write_format
 from machinery.results import generation_settings, markdown_table, open_samples
@@ -607,11 +608,11 @@ def test_command_line_under_torchrun_splits_the_work_and_rank_0_gathers_it(tiny_
 
 def test_the_default_out_dir_is_one_per_model_and_a_missing_local_model_shows_its_folder(
         tmp_path):
-    assert evaluation.default_out_dir("runs/tiny-rl/hf_step_20") == "runs/eval/tiny-rl-hf_step_20"
-    assert (evaluation.default_out_dir("/models/rStar2-Agent-14B")
+    assert results.default_out_dir("runs/tiny-rl/hf_step_20") == "runs/eval/tiny-rl-hf_step_20"
+    assert (results.default_out_dir("/models/rStar2-Agent-14B")
             == "runs/eval/models-rStar2-Agent-14B")
-    assert (evaluation.default_out_dir("runs/tiny-sft/final")
-            != evaluation.default_out_dir("runs/tiny-rl/final"))
+    assert (results.default_out_dir("runs/tiny-sft/final")
+            != results.default_out_dir("runs/tiny-rl/final"))
     assert load_config(evaluation.EvalConfig, ["configs/eval_tiny.yaml"]).out_dir == ""
     (tmp_path / "hf_step_20").mkdir()
     with pytest.raises(ConfigError) as missing:

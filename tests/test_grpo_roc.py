@@ -14,7 +14,7 @@ import torch
 from grpo_roc import (LOSS_AGGREGATIONS, POSITIVE_RULES, ROLLOUT_CORRECTIONS, Rollout,
                       batch_reward_std, filter_groups, group_advantages, loss_weights,
                       policy_loss, resample_on_correct, roc_penalty, rollout_correction,
-                      rollout_weights, rollouts_per_prompt, select_group)
+                      rollout_weights, select_group)
 
 # -----------------------------------------------------------------------------
 # roc_penalty: Eq. 4 (p_err) + Eq. 5 (p_format)
@@ -250,11 +250,10 @@ def test_resample_rejects_bad_input(kwargs, error, message):
 
 
 # -----------------------------------------------------------------------------
-# select_group / rollouts_per_prompt: RoC vs the plain-GRPO ablation
+# select_group: RoC vs the plain-GRPO ablation
 
 
 def test_plain_grpo_samples_g_and_keeps_them_all_without_penalties():
-    assert rollouts_per_prompt(16, "roc") == 32 and rollouts_per_prompt(16, "grpo") == 16
     rollouts = _rollouts([1, 0, 0, 1, 1, 0, 1, 1])
     assert select_group(rollouts, 8, np.random.default_rng(0), mode="grpo") == list(range(8))
 

@@ -195,7 +195,7 @@ def test_project_agrees_with_plain_math_verify(gold, pred, expected):
     # Plain math-verify on the two answers, boxed so that its parser extracts exactly that answer.
     assert verify(parse("\\boxed{" + gold + "}"), parse("\\boxed{" + pred + "}")) is expected
     assert reward.is_equivalent(pred, gold) is expected
-    assert reward.compute_reward(f"<answer>so \\boxed{{{pred}}}</answer>", gold) == float(expected)
+    assert reward_of(f"<answer>so \\boxed{{{pred}}}</answer>", gold) == float(expected)
 
 
 def test_fast_path_says_not_equal_only_for_two_plain_numbers():
@@ -229,7 +229,7 @@ def test_audit_finds_no_disagreement_with_math_verify_on_notation_shapes():
     ("The answers are \\boxed{1, 2}", "1,2", 1.0, True),
 ])
 def test_an_answer_in_several_boxes_is_its_last_box(response, gold, ours, math_verify):
-    assert reward.compute_reward(response, gold) == ours
+    assert reward_of(response, gold) == ours
     assert verify(parse("\\boxed{" + gold + "}"), parse(response)) is math_verify
 
 
@@ -244,7 +244,7 @@ def test_an_empty_gold_is_a_data_error(gold):
     with pytest.raises(ValueError, match="gold answer is empty"):
         reward.is_equivalent("3", gold)
     with pytest.raises(ValueError, match=r"golds\[0\].*empty"):
-        reward.score_batch(["\\boxed{3}"], [gold])
+        reward.grade_batch(["\\boxed{3}"], [gold])[0]
 
 
 @pytest.mark.parametrize("gold", ["\\boxed{3", "\\frac{1}{2", "3}", "\\boxed{\\frac{1}{2}"])
@@ -252,43 +252,48 @@ def test_a_gold_with_unbalanced_braces_is_reported_as_malformed(gold):
     with pytest.raises(ValueError, match="gold answer is malformed, its braces do not balance"):
         reward.is_equivalent("3", gold)
     with pytest.raises(ValueError, match=r"golds\[0\].*malformed"):
-        reward.score_batch(["\\boxed{3}"], [gold])
+        reward.grade_batch(["\\boxed{3}"], [gold])[0]
 
 
 # -----------------------------------------------------------------------------
-# compute_reward / score_batch: the reward rl.py and eval.py use
+# grade_batch: the reward rl.py and eval.py use
 
 
-def test_compute_reward_is_binary_and_zero_for_truncated_rollouts():
+def reward_of(response, gold, finished=True, require_answer_tag=False):
+    """One decoded response's reward, through grade_batch (reward.py's one entry point)."""
+    return reward.grade_batch([response], [gold], [finished], require_answer_tag)[0][0]
+
+
+def test_the_reward_is_binary_and_zero_for_truncated_rollouts():
     response = "<reason>2+2</reason><answer>\\boxed{4}</answer>"
-    assert reward.compute_reward(response, "4") == 1.0
-    assert reward.compute_reward(response, "5") == 0.0
-    assert reward.compute_reward(response, "4", finished=False) == 0.0  # paper §4.3.1
-    assert reward.compute_reward("<reason>it is 4</reason>", "4") == 0.0  # no box, no reward
-    assert reward.compute_reward("\\boxed{4}", "4", require_answer_tag=True) == 0.0
+    assert reward_of(response, "4") == 1.0
+    assert reward_of(response, "5") == 0.0
+    assert reward_of(response, "4", finished=False) == 0.0  # paper §4.3.1
+    assert reward_of("<reason>it is 4</reason>", "4") == 0.0  # no box, no reward
+    assert reward_of("\\boxed{4}", "4", require_answer_tag=True) == 0.0
 
 
-def test_score_batch_keeps_order_and_takes_one_or_many_finished_flags():
+def test_grade_batch_keeps_order_and_takes_one_or_many_finished_flags():
     responses = ["\\boxed{1}", "\\boxed{\\frac{\\sqrt 2}{2}}", "\\boxed{3}", "no box",
                  "\\boxed{x=5}"]
     golds = ["1", "\\sqrt{2}/2", "4", "1", "5"]
-    assert reward.score_batch(responses, golds) == [1.0, 1.0, 0.0, 0.0, 1.0]
-    assert reward.score_batch(responses, golds,
-                              finished=[True, False, True, True, True]) == [1.0, 0.0, 0.0, 0.0, 1.0]
-    assert reward.score_batch(responses, golds, finished=False) == [0.0] * 5
-    assert reward.score_batch([], []) == []
+    assert reward.grade_batch(responses, golds)[0] == [1.0, 1.0, 0.0, 0.0, 1.0]
+    rewards, _ = reward.grade_batch(responses, golds, finished=[True, False, True, True, True])
+    assert rewards == [1.0, 0.0, 0.0, 0.0, 1.0]
+    assert reward.grade_batch(responses, golds, finished=False)[0] == [0.0] * 5
+    assert reward.grade_batch([], [])[0] == []
 
 
-def test_score_batch_verifies_each_distinct_pair_once():
+def test_grade_batch_verifies_each_distinct_pair_once():
     # A group's 2G rollouts often give the same answer; math-verify should see it once.
     pool = start_pool()
     before = pool.tasks_run["verify"]
-    rewards = reward.score_batch(["so \\boxed{(x+1)^2}"] * 32, ["x^2+2x+1"] * 32)
+    rewards = reward.grade_batch(["so \\boxed{(x+1)^2}"] * 32, ["x^2+2x+1"] * 32)[0]
     assert rewards == [1.0] * 32
     assert pool.tasks_run["verify"] - before == 1
 
 
-def test_score_batch_is_safe_to_call_from_several_threads():
+def test_grade_batch_is_safe_to_call_from_several_threads():
     # eval.py or rl.py may grade from a thread pool; batches then take turns on the shared workers.
 
     pairs = [("\\boxed{\\frac{\\sqrt 2}{2}}", "\\sqrt{2}/2", 1.0),
@@ -297,7 +302,7 @@ def test_score_batch_is_safe_to_call_from_several_threads():
     results = {}
 
     def grade(k):
-        results[k] = reward.score_batch([p[0] for p in pairs], [p[1] for p in pairs])
+        results[k] = reward.grade_batch([p[0] for p in pairs], [p[1] for p in pairs])[0]
 
     threads = [threading.Thread(target=grade, args=(k,)) for k in range(4)]
     for t in threads:
@@ -308,12 +313,12 @@ def test_score_batch_is_safe_to_call_from_several_threads():
 
 
 @pytest.mark.parametrize("call, error, message", [
-    (lambda: reward.score_batch(["a", "b"], ["1"]), ValueError, "2 responses but 1 golds"),
-    (lambda: reward.score_batch(["a"], ["1"], finished=[True, True]), ValueError,
+    (lambda: reward.grade_batch(["a", "b"], ["1"]), ValueError, "2 responses but 1 golds"),
+    (lambda: reward.grade_batch(["a"], ["1"], finished=[True, True]), ValueError,
      "1 responses but 2 finished flags"),
-    (lambda: reward.score_batch([None], ["1"]), TypeError, r"responses\[0\] must be a str"),
-    (lambda: reward.score_batch(["a"], [3]), TypeError, "gold must be a str"),
-    (lambda: reward.score_batch(["a"], ["1"], finished=["yes"]), TypeError,
+    (lambda: reward.grade_batch([None], ["1"]), TypeError, r"responses\[0\] must be a str"),
+    (lambda: reward.grade_batch(["a"], [3]), TypeError, "gold must be a str"),
+    (lambda: reward.grade_batch(["a"], ["1"], finished=["yes"]), TypeError,
      r"finished\[0\] must be a bool"),
     (lambda: reward.is_equivalent(3, "3"), TypeError, "pred must be a str or None"),
 ])
@@ -332,7 +337,7 @@ def test_every_gold_answer_in_the_data_boxed_is_equivalent_to_itself():
                     for line in open(path, encoding="utf-8") if line.strip()})
     assert len(golds) > 4000
     responses = [f"<reason>...</reason><answer>\\boxed{{{gold}}}</answer>" for gold in golds]
-    rewards = reward.score_batch(responses, golds, require_answer_tag=True)
+    rewards = reward.grade_batch(responses, golds, require_answer_tag=True)[0]
     assert [g for g, r in zip(golds, rewards) if r != 1.0] == []
 
 
@@ -347,7 +352,7 @@ def test_math_verify_itself_accepts_every_benchmark_gold_against_itself():
     assert [g for g, ok in zip(golds, results) if not ok] == []
 
 
-# Misses of score_batch on the MATH-500 labeled set, with the reason: none. 500/500 positives,
+# Misses of grade_batch on the MATH-500 labeled set, with the reason: none. 500/500 positives,
 # 0/1000 false positives (and 10/10 truly equal cross pairs accepted). Plain math-verify also scores
 # it perfectly (`python -m bench.reward`), so neither side has a miss to list.
 LABELED_SET_MISSES = {}
@@ -357,7 +362,7 @@ def test_math500_labeled_set_is_scored_exactly():
     triples = math500_labeled_set(os.path.join(REPO, "data/math500.jsonl"), negatives_per_problem=2)
     responses, golds, labels = zip(*triples)
     assert len(triples) == 1500 and sum(labels) == 510
-    rewards = reward.score_batch(responses, golds)
+    rewards = reward.grade_batch(responses, golds)[0]
     misses = {(reward.extract_answer(r), g): label
               for r, g, label, got in zip(responses, golds, labels, rewards)
               if bool(got) != label}
@@ -372,7 +377,7 @@ def test_what_skips_verify_agrees_with_verify_on_the_labeled_set():
     triples = math500_labeled_set(os.path.join(REPO, "data/math500.jsonl"), negatives_per_problem=2)
     responses, golds, _ = zip(*triples)
     # fills in the values of the answers it needs
-    reward.score_batch(responses, golds, timeout_s=10)
+    reward.grade_batch(responses, golds, timeout_s=10)
     decided = {}
     for response, gold in zip(responses, golds):
         pred = reward.extract_answer(response)

@@ -466,6 +466,9 @@ def test_roc_keeps_g_of_2g_prefers_clean_positives_and_drops_all_equal_groups():
 
 
 def test_plain_grpo_trains_on_every_rollout_of_a_mixed_group():
+    # RoC samples 2G to keep G (§2.2.3); plain GRPO samples the G it trains on
+    assert rl.RLConfig(group_size=16).rollouts_per_prompt == 32
+    assert rl.RLConfig(group_size=16, algorithm="grpo").rollouts_per_prompt == 16
     cfg = rl.RLConfig(model="x", group_size=4, algorithm="grpo")
     samples, _, _ = rl.select_samples([[trajectory(0, i) for i in range(4)]], [[1, 0, 0, 1]], cfg,
                                       step=0, position=0)
@@ -679,6 +682,11 @@ def test_the_planned_epochs_are_printed_and_many_passes_warn():
     (["micro_batch_tokens=512"], "micro_batch_tokens=512 cannot hold one trajectory"),
     (["group_size=2"], "GRPO-RoC keeps at least 2 positives and 2 negatives"),
     (["rollout.max_turns=0"], "rollout.max_turns must be >= 1"),
+    (["rollout.top_p=0"], r"rollout.top_p must be in \(0, 1\]"),
+    (["rollout.tool_workers=-1"], "rollout.tool_workers must be >= 0"),
+    (["dual_clip=0.5"], "dual_clip=0.5: must be 0 \\(off\\) or > 1"),
+    (["lr=0"], "lr=0.0: must be > 0"),
+    (["save_every=0"], "save_every=0: must be >= 1"),
     (["resume=/no/such/checkpoint"], "expected auto, never or a checkpoint directory"),
     (["init_optimizer=false"],
      "init_optimizer=false takes the weights of init_from, which is not set"),
@@ -820,7 +828,7 @@ def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_data_and_metrics(
 
 @pytest.mark.slow
 def test_the_held_out_numbers_of_a_run_are_eval_pys_numbers(sft_policy, tmp_path):
-    """rl.py measures its held-out accuracy with the method's own pieces (generate, score_batch),
+    """rl.py measures its held-out accuracy with the method's own pieces (generate, grade_batch),
     not by importing eval.py; on the same engine, weights, problems and seeds it must report what
     eval.evaluate reports."""
     rows = [{**p, "id": f"{p['id']}-{k}"} for k in range(3) for p in MEMO_PROBLEMS]
@@ -832,7 +840,7 @@ def test_the_held_out_numbers_of_a_run_are_eval_pys_numbers(sft_policy, tmp_path
     tokenizer = AutoTokenizer.from_pretrained(sft_policy)
     with Executor(workers=1) as executor:
         run = SimpleNamespace(cfg=cfg, eval_rows=rows, engine=engine, model=model, world_size=1,
-                              rank=0, weight_dtype=torch.float32, tool=executor,
+                              rank=0, weight_dtype=torch.float32, executor=executor,
                               tokenizer=tokenizer)
         mine = rl.evaluate_held_out(run)
         eval_cfg = evaluation.EvalConfig(model=str(sft_policy), benchmarks=["held_out"], n=2,

@@ -852,7 +852,8 @@ def test_a_tool_that_prints_an_answer_earns_no_reward(scripted, tokenizer):
     turns = SCRIPTS[tuple(traj.prompt_ids)]
     assert traj.model_text == "".join(tokenizer.decode(t, skip_special_tokens=False) for t in turns)
     assert traj.num_answer_tags == 0 and reward.extract_answer(traj.model_text) is None
-    assert reward.score_batch([traj.model_text], ["7"], [traj.finished]) == [0.0] and traj.finished
+    assert traj.finished
+    assert reward.grade_batch([traj.model_text], ["7"], [traj.finished])[0] == [0.0]
 
 
 @pytest.mark.slow

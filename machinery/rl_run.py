@@ -1,0 +1,75 @@
+"""rl.py's run, set up and put away: what its loop holds across steps (the inputs, checked; the
+process group; the run directory; the policy and optimizer, fresh or restored; the metrics log;
+the engine) and, at its end, the trained policy written as a Hugging Face directory. rl.py adds the
+tool's executor (executor.py: the package never imports a top-level file)."""
+import dataclasses
+from types import SimpleNamespace
+
+import torch
+from transformers import AutoTokenizer
+
+from machinery import checkpoint, metrics, run_dir
+from machinery.config import resolve
+from machinery.data import drop_long_prompts
+from machinery.distributed import (check_same_settings, check_shared_paths, compute_dtype,
+                                   init_distributed)
+from machinery.engine import Engine
+from machinery.model import save_hf_model
+from machinery.prompts import load_format
+
+
+def start_rl_run(cfg, keys_a_resume_may_change):
+    """The run's state as a namespace (cfg, rank, world_size, device, out_dir, ckpt_root, dir,
+    tokenizer, pad_id, problems, eval_rows, model, optimizer, state, logger, engine,
+    weight_dtype); None when out_dir's run is already at `steps`."""
+    model_path, problems, eval_rows = checkpoint.check_inputs(cfg)
+    rank, world_size, _, device = init_distributed(cfg.collective_timeout_min)
+    check_same_settings(cfg, rank, world_size)  # one run: rank 0's settings on every rank
+    check_shared_paths(cfg.out_dir, [model_path, cfg.train_data, cfg.eval_data, cfg.init_from],
+                       rank, world_size)  # every node must see the run where rank 0 does
+    run = SimpleNamespace(cfg=cfg, model_path=model_path, rank=rank, world_size=world_size,
+                          device=device, out_dir=resolve(cfg.out_dir))
+    run.ckpt_root = run.out_dir / "checkpoints"
+    run.dir = run_dir.claim_run_dir(cfg, run.out_dir, keys_a_resume_may_change, cfg.steps,
+                                    "hf_step_{step}", rank)
+    if run.dir is None:
+        return None
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    run.tokenizer = tokenizer
+    run.pad_id = (tokenizer.eos_token_id if tokenizer.pad_token_id is None
+                  else tokenizer.pad_token_id)
+    run.problems = drop_long_prompts(problems, tokenizer, cfg.rollout, cfg.train_data)
+    run.eval_rows = (drop_long_prompts(eval_rows, tokenizer, cfg.rollout, cfg.eval_data)
+                     if eval_rows else [])
+
+    run.model, run.optimizer, run.state = checkpoint.restore(cfg, run.dir.checkpoint, device, rank)
+    run_dir.record_start(run.dir, cfg)  # config.yaml and the history once the checkpoint loaded
+    if rank == 0:
+        print(checkpoint.epoch_plan(cfg, len(run.problems), run.state["step"])[1], flush=True)
+    run.logger = metrics.MetricsLogger(run.out_dir, enabled=rank == 0,
+                                       wandb_project=cfg.wandb_project,
+                                       tensorboard=cfg.tensorboard, config=dataclasses.asdict(cfg),
+                                       resume_step=run.state["step"])
+
+    run.engine = Engine(model_path, cfg.rollout, seed=cfg.seed)
+    dtype = cfg.rollout.dtype  # the engine's: the weights are cast to it before they are gathered
+    run.weight_dtype = (getattr(torch, dtype) if dtype in ("float32", "bfloat16", "float16")
+                        else torch.float32)
+    return run
+
+
+def finish_rl_run(run, untrained):
+    """The trained policy as a Hugging Face directory (what eval.py, vLLM and the next stage load)
+    in the engine's dtype (bf16 on GPU); the fp32 master weights stay in the DCP checkpoint. Then
+    the log, the tool's workers and the engine close, and the run directory is released."""
+    run.logger.close()
+    hf_dir = run.out_dir / f"hf_step_{run.state['step']}"
+    save_hf_model(run.model, run.tokenizer, run.model_path, hf_dir, compute_dtype(run.device),
+                  run.rank, load_format(run.cfg.rollout)[:2], "rl.py")
+    if run.executor:
+        run.executor.close()
+    run.engine.close()
+    run_dir.finish_run_dir(run.dir, run.state["step"])
+    if run.rank == 0:
+        metrics.print_rl_written(run.out_dir, hf_dir, run.ckpt_root, untrained, run.device)
