@@ -19,7 +19,10 @@ as a Markdown table (stdout, out_dir/summary.md), in summary.json, and per sampl
 samples.jsonl: the resume point, so a rerun generates only the problems it lacks.
 
 Benchmarks: machinery/data.py's BENCHMARKS (aime24, aime25, hmmt25, amc23, math500, gsm8k),
-`arith` (the tiny demo's held-out arithmetic), or a path to a problems JSONL. A checkpoint is
+`arith` (the tiny demo's held-out arithmetic), or a path to a problems JSONL. Science multiple
+choice (the paper's GPQA-Diamond, §5.1) runs the same agent loop: `mmlu_science` (bundled), your
+own gpqa_diamond.csv (gated; machinery/choices.py says which columns are read) or a choices JSONL;
+the options are shuffled by `seed` and the letter the final answer names is graded. A checkpoint is
 measured in the format it was trained with (the rstar2_format.json that sft.py and rl.py save;
 rollout.prompt_variant=auto); a directory without one (the released rStar2-Agent-14B) gets the
 paper's prompt. An explicit prompt_variant=code|paper, chat_template or tool_schema wins, with a
@@ -40,8 +43,9 @@ from transformers import AutoTokenizer
 
 import tiny  # the demo's task, for the generated `arith` benchmark
 from executor import Executor
+from machinery.choices import GPQA_HOWTO, chosen_letter, is_choice_file, load_choices
 from machinery.config import ConfigError, load_config, resolve
-from machinery.data import BENCHMARKS, check_prompt_lengths, load_problems
+from machinery.data import BENCHMARKS, SCIENCE_BENCHMARKS, check_prompt_lengths, load_problems
 from machinery.distributed import cores_per_rank, init_distributed
 from machinery.engine import check_engine, configure_vllm_logging, Engine
 from machinery.exits import RECEIVED, rerun_command, run_script, shown
@@ -77,7 +81,7 @@ class EvalConfig:
     limit: int = 0                   # first `limit` problems of each benchmark (0 = all)
     n: int = 16                      # samples per problem (paper §5.1: 16)
     ks: list[int] = dataclasses.field(default_factory=list)  # pass@k, maj@k; [] = default_ks
-    seed: int = 0                    # request seeds derive from (seed, chunk, problem, sample)
+    seed: int = 0                    # request seeds (seed, chunk, problem, sample); option order
     collective_timeout_min: int = 120  # torchrun: how long a rank waits for the slowest
     out_dir: str = ""                # "" = runs/eval/<model's folder>-<model>: one per model
     resume: bool = True              # reuse the finished problems in out_dir/samples.jsonl
@@ -122,8 +126,8 @@ def default_ks(n):
 # benchmarks: names, generated sets and files, with errors that list the choices
 
 def available_benchmarks():
-    names = list(BENCHMARKS) + list(GENERATED_BENCHMARKS)
-    return ", ".join(names) + ", or a path to a problems .jsonl"
+    names = list(BENCHMARKS) + list(GENERATED_BENCHMARKS) + list(SCIENCE_BENCHMARKS)
+    return ", ".join(names) + ", or a path to a problems .jsonl or gpqa_diamond.csv"
 
 
 def load_benchmarks(cfg):
@@ -140,11 +144,17 @@ def load_benchmarks(cfg):
             # on split="train".
             name = entry
             rows = tiny.make_arithmetic_problems(cfg.arith_problems, cfg.arith_seed, split="test")
+        elif entry in SCIENCE_BENCHMARKS or is_choice_file(path):
+            # Multiple choice: the options in an order drawn from (seed, question id).
+            name = entry if entry in SCIENCE_BENCHMARKS else Path(entry).stem
+            rows = load_choices(SCIENCE_BENCHMARKS.get(entry, entry), cfg.seed)
         elif entry.endswith(".jsonl") or path.is_file():
             # Named by the file's stem: the key of its samples and of its row in the table.
             name, rows = Path(entry).stem, load_problems(entry)  # says file:line on a bad row
+        elif entry == "gpqa_diamond":
+            raise ConfigError(GPQA_HOWTO)
         else:
-            known = list(BENCHMARKS) + list(GENERATED_BENCHMARKS)
+            known = list(BENCHMARKS) + list(GENERATED_BENCHMARKS) + list(SCIENCE_BENCHMARKS)
             close = difflib.get_close_matches(entry, known, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise ConfigError(f"unknown benchmark '{entry}'{hint}; "
@@ -166,22 +176,34 @@ def sample_records(chunk, trajectories, tokenizer, cfg, rank=0):
     # The same reward as training (Eq. 3), on the model's own turns (Trajectory.model_text, from
     # the loss mask): a \boxed{} the tool printed earns nothing, and finished=False (a budget or
     # turn limit hit) is 0. The record keeps the whole transcript for reading.
-    golds = [chunk[t.problem_index][1]["answer"] for t in trajectories]
-    rewards, ungraded = grade_batch([t.model_text for t in trajectories], golds,
-                                    [t.finished for t in trajectories],
+    math = [t for t in trajectories if "options" not in chunk[t.problem_index][1]]
+    rewards, ungraded = grade_batch([t.model_text for t in math],
+                                    [chunk[t.problem_index][1]["answer"] for t in math],
+                                    [t.finished for t in math],
                                     require_answer_tag=cfg.require_answer_tag,
                                     timeout_s=cfg.reward_timeout_s)
+    math_verdicts = iter(zip(rewards, ungraded))  # in trajectory order, as `math` is
+
     prompts = {}  # one decode per problem, not per sample
     records = []
-    for t, reward, cut in zip(trajectories, rewards, ungraded):
+    for t in trajectories:
         name, row = chunk[t.problem_index]
         if t.problem_index not in prompts:
             prompts[t.problem_index] = tokenizer.decode(t.prompt_ids)
+
+        if "options" in row:  # multiple choice: right if the final answer names the gold letter
+            answer = chosen_letter(t.model_text, row["options"])
+            correct, cut = t.finished and answer == row["answer"], False
+        else:
+            answer = extract_answer(t.model_text, require_answer_tag=cfg.require_answer_tag)
+            reward, cut = next(math_verdicts)
+            correct = reward == 1.0
+
         # Small fields first and the long texts last, so `head samples.jsonl` is readable.
-        answer = extract_answer(t.model_text, require_answer_tag=cfg.require_answer_tag)
+        shuffle = {k: row[k] for k in ("shuffle_seed", "option_order", "options") if k in row}
         records.append({"benchmark": name, "problem_id": row["id"], "sample_index": t.sample_index,
-                        "gold": row["answer"], **trajectory_record(t, reward == 1.0, answer, cut),
-                        "rank": rank, "prompt": prompts[t.problem_index],
+                        "gold": row["answer"], **trajectory_record(t, correct, answer, cut),
+                        **shuffle, "rank": rank, "prompt": prompts[t.problem_index],
                         "response": t.response_text})
     return records
 
@@ -240,7 +262,8 @@ def summarize(groups, ks):
 
     samples = [record for group in groups for record in group]
     num_correct = [sum(bool(r["correct"]) for r in group) for group in groups]
-    metrics = {"problems": len(groups), "n": n}
+    metrics = {"domain": "science" if "options" in groups[0][0] else "math",
+               "problems": len(groups), "n": n}
 
     # Per problem first, then the mean over problems: every problem weighs the same, as in
     # Table 3. pass@1 here is the paper's "average pass@1 over 16 samples" (§5.1).

@@ -3,9 +3,9 @@ process to 64 GPUs.
 
     python rl.py configs/tiny.yaml                        # 1 CPU process (the tiny demo's RL stage)
     python rl.py configs/qwen3_1p7b_1gpu.yaml             # 1 GPU, a small real model
-    torchrun --nproc_per_node=8 rl.py configs/stage1.yaml world_size=8      # 1 node of 8 GPUs
-    torchrun --nnodes=8 --node_rank=$NODE_RANK --nproc_per_node=8 \\
-        --master_addr=$MASTER_ADDR --master_port=29500 rl.py configs/stage1.yaml   # 64 GPUs
+    torchrun --standalone --nproc_per_node=8 --max-restarts=3 rl.py configs/stage1.yaml  # 8 GPUs
+    torchrun --nnodes=8 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:29500 \\
+        --rdzv-id=stage1 --max-restarts=3 rl.py configs/stage1.yaml   # 64 GPUs: on every node
     python rl.py configs/stage1.yaml mode=plan            # memory, bytes, time of a step per rank
     python -m tools.replay configs/tiny.yaml positive_rule=topk   # a saved step again, offline
     python -m tools.filter_solved configs/stage3.yaml     # stage-3 data: drop problems solved 8/8
@@ -75,8 +75,8 @@ class RLConfig:
     mode: Literal["train", "plan"] = "train"  # plan: memory, bytes, time of a step; no training
     plan_model_config: str = ""   # mode=plan: the model's config.json when `model` is not on disk
     seed: int = 0
-    world_size: int = 0           # ranks this config was written for (0 = any), checked at start
-    collective_timeout_min: int = 120  # a rank waits this long at a collective for the slowest
+    world_size: int = 0           # ranks mode=plan assumes (0: the launch's); any launch runs
+    collective_timeout_min: int = 30  # the most a rank waits at one collective (mode=plan checks)
     # the method (§2.2.3, §4.3)
     algorithm: Literal["roc", "grpo"] = "roc"  # roc: 2G sampled, RoC keeps G; grpo: G, all kept
     group_size: int = 16          # G, rollouts per prompt that are trained on

@@ -351,10 +351,8 @@ def check_inputs(cfg, world_size=None, gpus_per_node=None):
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         gpus_per_node = gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     gpus_per_node = gpus_per_node or world_size
-    if cfg.world_size and cfg.world_size != world_size:
-        raise ConfigError(f"world_size={cfg.world_size}: this config is written for "
-                          f"{cfg.world_size} ranks but was launched on {world_size}; change "
-                          "torchrun's --nnodes/--nproc_per_node, or world_size=0")
+    # cfg.world_size is mode=plan's assumption, not a requirement: a launch of another size runs
+    # (machinery.rl_run.start_rl_run prints the plan at the real size: plan.launch_note)
     tp = cfg.rollout.tensor_parallel_size
     if world_size % tp:
         raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide the {world_size} "

@@ -15,6 +15,11 @@ BENCHMARKS = {"aime24": "data/aime24.jsonl", "aime25": "data/aime25.jsonl",
               "math500": "data/math500.jsonl", "gsm8k": "data/gsm8k_test.jsonl"}
 
 
+# Multiple-choice science sets bundled in data/ (machinery/choices.py reads them). The paper's
+# GPQA-Diamond is gated: eval.py reads the user's own gpqa_diamond.csv, given by its path.
+SCIENCE_BENCHMARKS = {"mmlu_science": "data/mmlu_college_science.jsonl"}
+
+
 TRAINING_FILES = ["data/train_int_mix.jsonl", "data/math_train.jsonl", "data/math_test4500.jsonl",
                   "data/aime_1983_2023.jsonl", "data/gsm8k_train.jsonl"]
 

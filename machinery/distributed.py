@@ -42,9 +42,9 @@ def init_distributed(collective_timeout_min=120):
     `python x.py` becomes a world of one with torchrun's env variables set, so FSDP2, the claim
     counter and vLLM's external_launcher take exactly the path they take on 64 GPUs. Under torchrun
     the ranks first prove they reach each other (preflight); after it a collective waits up to
-    collective_timeout_min for the slowest rank. The fastest waits out the others' rollouts at
-    own_groups: torch's default, 30 min for "cpu:gloo,cuda:nccl", is shorter than a slow node's
-    rollout tail at 64 ranks (AReaL sets 2 h: "generation may consume more than 3600s")."""
+    collective_timeout_min for the slowest rank: the longest single wait is the rollout tail (the
+    fastest rank waits out the others' rollouts at own_groups), which rl.py's mode=plan checks
+    the timeout against. The timeout is also how long a hung rank holds the job."""
     store = None
     # A child process (demo.py's stages, a test's subprocess) inherits the variables a
     # single-process parent set below; taken for torchrun's, they would send it to bind the parent's
@@ -459,23 +459,26 @@ def own_groups(groups, num_problems, rank):
     return [g for g in groups if owner[g[0].problem_index] == rank]
 
 
+def regroup_owner(problem_index, world_size):
+    """The rank a split group is regrouped on: problem_index % world_size, so every rank grades,
+    selects and saves the same number of groups (prompts_per_step / world). The lowest rank holding
+    a part would own most of them: single-sample claims spread a group of 2G over about 24 of 64
+    ranks, and rank 0 holds a part of nearly every one (bench/regroup.py)."""
+    return problem_index % world_size
+
+
 def regroup(groups):
     """Whole groups again after ranks claimed parts of them (rollout.generate, when a group is
-    larger than K): each problem's trajectories go to the lowest rank that holds some, in sample
-    order, so selection (GRPO-RoC, §2.2.3) sees the whole group. Collective: the problem indices
-    each rank holds are all-gathered, and the parts that change rank move, pickled, in one
-    all_to_all."""
+    larger than K): each problem's trajectories go to its regroup_owner, in sample order, so
+    selection (GRPO-RoC, §2.2.3) sees the whole group. Which rank that is changes no number of the
+    step: rewards are per trajectory, the RoC draw is seeded per problem and balance_by_tokens deals
+    the kept trajectories by (tokens, problem, sample) alone. Collective: the parts that change rank
+    move, pickled, in one all_to_all."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return groups  # one rank claimed every part: its groups are whole
     world_size = dist.get_world_size()
-    held = [None] * world_size
-    dist.all_gather_object(held, [g[0].problem_index for g in groups])
-    owner = {}
-    for r, problems in enumerate(held):
-        for p in problems:
-            owner.setdefault(p, r)
     merged = {}
-    for part in exchange([[g for g in groups if owner[g[0].problem_index] == r]
+    for part in exchange([[g for g in groups if regroup_owner(g[0].problem_index, world_size) == r]
                           for r in range(world_size)])[0]:
         for g in part:
             merged.setdefault(g[0].problem_index, []).extend(g)

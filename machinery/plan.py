@@ -79,6 +79,9 @@ SYNC_BUCKET = 64 * 2**20         # distributed.WEIGHT_SYNC_BUCKET_BYTES: full te
                                  # together by the weight sync
 META_BYTES = 24                  # one (length, owner, index) entry of the balance's
                                  # gather: three int64
+# How far the plan's memory terms may be from a measurement (tests/test_plan.py checks each within
+# it): a phase closer than this to the GPU's memory fits on paper only
+TOLERANCE = 0.20
 
 
 # -----------------------------------------------------------------------------
@@ -416,7 +419,72 @@ def plan(cfg, m, world, gpu_bytes):
                       f"{2 * cfg.rollout.tensor_parallel_size} or rollout.gpu_memory_utilization")
     return dict(train=train, engine=engine, phases=phases, advice=advice,
                 bytes=bytes_moved(m, cfg, world),
-                fits={k: v <= gpu_bytes for k, v in phases.items()})
+                fits={k: v <= gpu_bytes for k, v in phases.items()},
+                tight=tight_phases(cfg, m, world, gpu_bytes, phases, engine))
+
+
+def tight_phases(cfg, m, world, gpu_bytes, phases, engine):
+    """{phase: what to change} for the phases that fit only inside the plan's own TOLERANCE: with
+    every estimate in them TOLERANCE higher (all but the engine's budget, which vLLM takes exactly:
+    gpu_memory_utilization x the GPU) they would not fit."""
+    exact = {"engine start": engine["budget"], "rollout": engine["budget"]}
+    tight = {}
+    for name, size in phases.items():
+        estimated = size - exact.get(name, 0)
+        if not size <= gpu_bytes < size + TOLERANCE * estimated:
+            continue
+        if name in exact:
+            room = math.floor(100 * (gpu_bytes - (1 + TOLERANCE) * estimated) / gpu_bytes) / 100
+            k = engine_memory(m, dataclasses.replace(cfg.rollout, gpu_memory_utilization=room),
+                              gpu_bytes)["K"]
+            tight[name] = (f"rollout.gpu_memory_utilization={room:.2f} (K = {k}), or more ranks "
+                           f"(world_size={2 * world})")
+        elif name == "training":
+            smaller = max(cfg.rollout.context_len, cfg.micro_batch_tokens // 2)
+            tight[name] = f"micro_batch_tokens={smaller}, or more ranks (world_size={2 * world})"
+        else:
+            tight[name] = f"more ranks (world_size={2 * world})"
+    return tight
+
+
+def fit_verdict(p, gpu_bytes):
+    """(fits / fits only inside the tolerance / does not fit, what to change) of one plan()."""
+    bad = [phase for phase, ok in p["fits"].items() if not ok]
+    if bad or p["advice"]:
+        return f"does not fit: {', '.join(bad) or 'K'}", p["advice"]
+    if not p["tight"]:
+        return "fits", []
+    return ("fits only inside the plan's own tolerance (its terms are checked within "
+            f"{TOLERANCE:.0%}): " + ", ".join(
+                f"{phase} {p['phases'][phase] / GiB:.2f} of {gpu_bytes / GiB:.2f} GiB "
+                f"({1 - p['phases'][phase] / gpu_bytes:.1%} left)" for phase in p["tight"]),
+            [f"{phase}: {change}" for phase, change in p["tight"].items()])
+
+
+def launch_note(cfg, world, gpus=GPUS):
+    """What rl.py prints at start when torchrun's world is not the config's world_size, the
+    plan's assumption and no requirement: the plan's step time and fit at the real world size
+    ("" when they agree)."""
+    if not cfg.world_size or cfg.world_size == world:
+        return ""
+    line = (f"world_size={cfg.world_size} is the plan's assumption (mode=plan), not a "
+            f"requirement: this launch has {world} rank{'s' if world > 1 else ''}")
+    try:
+        m = ModelShape.from_config(resolve_model_config(cfg))
+    except ConfigError:
+        return line + " (no config.json to plan it by)"
+    a = PlanAssumptions()
+    steps = [step_time(cfg, m, n, a, gpus)["gpus"] for n in (world, cfg.world_size)]
+    minutes = lambda s: " / ".join(f"{s[name]['step'] / 60:.0f}" for name in gpus)  # noqa: E731
+    lines = [f"{line}, where by the plan a step takes {minutes(steps[0])} minutes on "
+             f"{' / '.join(gpus)} ({minutes(steps[1])} at {cfg.world_size})"]
+    for name, size in gpus.items():
+        verdict, advice = fit_verdict(plan(cfg, m, world, size), size)
+        if verdict != "fits":
+            lines.append(f"  {name} at {world} ranks: {verdict}; change "
+                         + "; or ".join(advice))
+    lines.append(f"  the whole plan: python rl.py CONFIG mode=plan world_size={world}")
+    return "\n".join(lines)
 
 
 def format_plan(cfg, m, world, config_path, gpus=GPUS):
@@ -475,11 +543,9 @@ def format_plan(cfg, m, world, config_path, gpus=GPUS):
               f"  balance: trajectories moved, at most                      "
               f"{b['balance_payload_max'] / 2**20:7.2f} MiB   (an all-gather of every "
               f"trajectory instead: {b['balance_all_gather'] / 2**20:.0f} MiB)"]
-    for name, p in plans.items():
-        bad = [phase for phase, ok in p["fits"].items() if not ok]
-        verdict = ("fits" if not bad and not p["advice"]
-                   else f"does not fit: {', '.join(bad) or 'K'}")
-        lines.append(f"{name}: {verdict}" + "".join(f"\n    change {a}" for a in p["advice"]))
+    for name, size in gpus.items():
+        verdict, advice = fit_verdict(plans[name], size)
+        lines.append(f"{name}: {verdict}" + "".join(f"\n    change {a}" for a in advice))
     lines.append("Estimates, not measured: the CUDA context (1 GiB), vLLM's profile activations "
                  "and CUDA graphs (1 GiB); the rest is checked against the CPU run in "
                  "tests/test_plan.py (within 20%).")
@@ -542,16 +608,27 @@ class PlanAssumptions:
     plan_start_step: int = 0
     # GB/s the shared filesystem takes from all ranks writing a checkpoint together
     plan_fs_write_gb_s: float = 5.0
+    # GB/s a restart reads at: every rank its checkpoint shard, rank 0 the model
+    plan_fs_read_gb_s: float = 5.0
+    # seconds from a launch to the engine's first token, the reload apart: imports, vLLM's weight
+    # load, compilation and CUDA-graph capture (tools/gpu_check.py records engine_start_s)
+    plan_engine_start_s: float = 180.0
+    # GPU-hours between a job's unexpected interruptions: Llama 3's pre-training saw 419 in 54 days
+    # on 16,384 H100s ("The Llama 3 Herd of Models", arXiv 2407.21783, §3.3.4), 54 x 24 x 16384 /
+    # 419; a run's mean time between failures is this over its GPUs
+    plan_mtbf_gpu_hours: float = 50677.0
 
     def validate(self):
         for name in ("plan_decode_tok_s", "plan_nvlink_gb_s", "plan_network_gb_s",
-                     "plan_gpus_per_node", "plan_fs_write_gb_s"):
+                     "plan_gpus_per_node", "plan_fs_write_gb_s", "plan_fs_read_gb_s",
+                     "plan_mtbf_gpu_hours"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be > 0")
         if not 0 < self.plan_mfu <= 1:
             raise ConfigError(f"plan_mfu={self.plan_mfu}: must be in (0, 1], a share of the GPU's "
                               "peak")
-        for name in ("plan_prompt_tokens", "plan_response_tokens", "plan_start_step"):
+        for name in ("plan_prompt_tokens", "plan_response_tokens", "plan_start_step",
+                     "plan_engine_start_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0 "
                                   "(0 = the config's own)")
@@ -685,7 +762,13 @@ def format_step_time(cfg, m, world, a, gpus=GPUS):
              "plan_start_step": "the step this run starts from (continued from init_from: that "
                                 "checkpoint's step)",
              "plan_fs_write_gb_s": "GB/s the shared filesystem takes from all ranks writing a "
-                                   "checkpoint (assumed; measure it with the cluster's own tools)"}
+                                   "checkpoint (assumed; measure it with the cluster's own tools)",
+             "plan_fs_read_gb_s": "GB/s a restart reads the checkpoint and the model at (assumed)",
+             "plan_engine_start_s": "seconds from a launch to the engine's first token, the reload "
+                                    "apart (assumed; tools/gpu_check.py records engine_start_s)",
+             "plan_mtbf_gpu_hours": f"GPU-hours between interruptions (Llama 3: 419 in 54 days on "
+                                    f"16,384 GPUs): one every "
+                                    f"{a.plan_mtbf_gpu_hours / world / 24:.1f} days on {world}"}
     fsdp = s["fsdp_s"]
     steps = cfg.steps - a.plan_start_step
     lines = ["seconds per step (estimates from stated assumptions, none measured; override any as "
@@ -765,12 +848,48 @@ def rank0_host_bytes(m):
     return dict(start=4 * m.numel(), export=6 * m.numel())
 
 
+def restart_seconds(m, world, a):
+    """What a restart costs before its first step (machinery.rl_run.start_rl_run), each part in
+    seconds: rank 0 reads the model (bf16, 2 bytes a parameter) and broadcasts it in fp32
+    (machinery.model.build_model), every rank reads its checkpoint shard
+    (machinery.checkpoint.restore), and the engine starts."""
+    model = 2 * m.numel() / (a.plan_fs_read_gb_s * 1e9) + link_seconds(4 * m.numel(), world, a)
+    shards = checkpoint_bytes(m, world)["total"] / (a.plan_fs_read_gb_s * 1e9)
+    return dict(model=model, checkpoint=shards, engine=a.plan_engine_start_s,
+                total=model + shards + a.plan_engine_start_s)
+
+
+def lost_share(save_every, step_s, save_s, restart_s, mtbf_s):
+    """The expected share of a run's time lost to failures and to guarding against them, to first
+    order (Young 1974, Daly 2006): a save every save_every steps, and per failure (one every
+    mtbf_s) the restart plus half an interval of steps redone on average."""
+    interval = save_every * step_s + save_s
+    return save_s / interval + (interval / 2 + restart_s) / mtbf_s
+
+
+def recommended_save_every(step_s, save_s, restart_s, mtbf_s):
+    """Young/Daly's cadence in steps: lost_share is least at an interval of sqrt(2 x save x MTBF)
+    (the save included); the whole number of steps nearest it that loses least."""
+    optimum = (math.sqrt(2 * save_s * mtbf_s) - save_s) / step_s
+    return min({max(1, math.floor(optimum)), max(1, math.ceil(optimum))},
+               key=lambda k: lost_share(k, step_s, save_s, restart_s, mtbf_s))
+
+
+# A single wait the plan simulates or assumes, never measures: the collective timeout should be at
+# least this many times the longest
+TIMEOUT_MARGIN = 2
+
+
 def cluster_needs(cfg, m, world, a, rollouts_class, gpus=GPUS):
-    """The figures of format_cluster: checkpoint bytes, seconds and disk, rank 0's host RAM, and
-    per GPU the hours between checkpoints and the rollout phase and tail simulated with
-    `rollouts_class`'s admission rule (machinery.tail; rl.py passes rollout.Rollouts)."""
+    """The figures of format_cluster: checkpoint bytes, seconds and disk, rank 0's host RAM, the
+    restart, and per GPU the hours between checkpoints, the save cadence and the time it loses,
+    the rollout phase and tail simulated with `rollouts_class`'s admission rule (machinery.tail;
+    rl.py passes rollout.Rollouts), and the longest single wait at a collective."""
     r, s = cfg.rollout, step_time(cfg, m, world, a, gpus)
     ckpt = checkpoint_bytes(m, world)
+    write_s = ckpt["total"] / (a.plan_fs_write_gb_s * 1e9)
+    restart = restart_seconds(m, world, a)
+    mtbf = a.plan_mtbf_gpu_hours * 3600 / world
     engines_per_node = max(1, min(a.plan_gpus_per_node, world) // r.tensor_parallel_size)
     per_gpu = {}
     for name, t in s["gpus"].items():
@@ -778,18 +897,33 @@ def cluster_needs(cfg, m, world, a, rollouts_class, gpus=GPUS):
         tails = (rollout_tails(rollouts_class, s["engines"], k, cfg.prompts_per_step,
                                cfg.rollouts_per_prompt, s["response"], a.plan_decode_tok_s,
                                engines_per_node) if k > 0 else None)
-        longest = max(c["phase"] for c in tails.values()) if tails else math.inf
-        per_gpu[name] = dict(hours_between=cfg.save_every * t["step"] / 3600, tails=tails,
-                             longest=longest,
-                             within_timeout=longest <= 60 * cfg.collective_timeout_min)
-    return dict(step=s, checkpoint=ckpt, write_s=ckpt["total"] / (a.plan_fs_write_gb_s * 1e9),
+        # a rank waits in one collective at a time: what it waits there for, at most
+        waits = dict(tail=max(c["tail"] for c in tails.values()) if tails else math.inf,
+                     trajectory=r.max_response_tokens / a.plan_decode_tok_s, save=write_s,
+                     reload=restart["model"] + restart["checkpoint"], engine=restart["engine"],
+                     export=2 * m.numel() / (a.plan_fs_write_gb_s * 1e9))
+        longest = max(waits.values())
+        every = recommended_save_every(t["step"], write_s, restart["total"], mtbf)
+        per_gpu[name] = dict(
+            hours_between=cfg.save_every * t["step"] / 3600, tails=tails, waits=waits,
+            longest_wait=longest,
+            within_timeout=TIMEOUT_MARGIN * longest <= 60 * cfg.collective_timeout_min,
+            failures=(cfg.steps - a.plan_start_step) * t["step"] / mtbf, save_every=every,
+            lost=lost_share(every, t["step"], write_s, restart["total"], mtbf),
+            lost_config=lost_share(cfg.save_every, t["step"], write_s, restart["total"], mtbf))
+    # one cadence for a config that may run on any of these GPUs: the least worst-case loss
+    worst = {k: max(lost_share(k, t["step"], write_s, restart["total"], mtbf)
+                    for t in s["gpus"].values())
+             for k in range(1, max(g["save_every"] for g in per_gpu.values()) + 1)}
+    return dict(step=s, checkpoint=ckpt, write_s=write_s, restart=restart, mtbf=mtbf,
                 disk=(cfg.keep_checkpoints + 1) * ckpt["total"], export=2 * m.numel(),
-                host=rank0_host_bytes(m), engines_per_node=engines_per_node, gpus=per_gpu)
+                host=rank0_host_bytes(m), engines_per_node=engines_per_node, gpus=per_gpu,
+                save_every=min(worst, key=worst.get))
 
 
 def format_cluster(cfg, m, world, a, rollouts_class, gpus=GPUS):
     c = cluster_needs(cfg, m, world, a, rollouts_class, gpus)
-    ckpt, cols, r = c["checkpoint"], list(c["gpus"].values()), cfg.rollout
+    ckpt, cols, r, restart = c["checkpoint"], list(c["gpus"].values()), cfg.rollout, c["restart"]
     nodes = math.ceil(world / a.plan_gpus_per_node)
 
     def row(label, value, fmt="12.1f"):
@@ -812,9 +946,27 @@ def format_cluster(cfg, m, world, a, rollouts_class, gpus=GPUS):
              f"  rank 0's host RAM: {c['host']['start'] / GiB:.2f} GiB at start (the whole model "
              f"in fp32), {c['host']['export'] / GiB:.2f} GiB at an HF export (fp32 + its bf16 "
              "copy)",
+             f"  a restart: rank 0 reads and broadcasts the model {restart['model']:.0f} s, every "
+             f"rank reads its shard {restart['checkpoint']:.0f} s (plan_fs_read_gb_s="
+             f"{a.plan_fs_read_gb_s}), the engine starts {restart['engine']:.0f} s "
+             f"(plan_engine_start_s): {restart['total'] / 60:.1f} minutes",
+             f"  failures: plan_mtbf_gpu_hours={a.plan_mtbf_gpu_hours:.0f} / {world} GPUs = one "
+             f"every {c['mtbf'] / 86400:.1f} days",
              f"  {'':58s}" + "".join(f"{name:>12s}" for name in c["gpus"]),
              row("hours of training between checkpoints (save_every x step)",
                  lambda t: t["hours_between"], "12.2f"),
+             row(f"failures expected in the stage ({cfg.steps - a.plan_start_step} steps)",
+                 lambda t: t["failures"], "12.2f"),
+             row("save_every by Young/Daly: sqrt(2 x save x MTBF) / step",
+                 lambda t: t["save_every"], "12d"),
+             row("  time lost at it, %: saves, redone steps, restarts", lambda t: 100 * t["lost"],
+                 "12.2f"),
+             row(f"  time lost at save_every={cfg.save_every} (this config), %",
+                 lambda t: 100 * t["lost_config"], "12.2f"),
+             f"  one save_every for every GPU above, the least loss on the worst: "
+             f"{c['save_every']}"
+             + ("" if c["save_every"] == cfg.save_every else
+                f" (this config has {cfg.save_every}: set save_every={c['save_every']})"),
              "  rollout phase, simulated with rollout.py's admission rule (machinery/tail.py), "
              "minutes:"]
     cases = {"full": f"every response at R = {c['step']['response']}",
@@ -826,15 +978,27 @@ def format_cluster(cfg, m, world, a, rollouts_class, gpus=GPUS):
         lines.append(row("    engines' time spent waiting, %",
                          lambda t, case=case: 100 * t["tails"][case]["idle"] if t["tails"]
                          else math.inf))
+    waits = {"tail": "the rollout tail (the longest above)",
+             "trajectory": "one trajectory at R alone (nothing left to claim)",
+             "save": "a checkpoint save",
+             "reload": "a restart's reload (model and shards)",
+             "engine": "an engine's start (plan_engine_start_s)",
+             "export": "an HF export (rank 0 writes the bf16 model)"}
+    lines.append("  the longest single wait at a collective (a rank waits in one at a time), "
+                 "minutes:")
+    for key, label in waits.items():
+        lines.append(row(f"  {label}", lambda t, key=key: t["waits"][key] / 60))
     timeout = cfg.collective_timeout_min
-    lines.append(f"  {f'longest rollout phase within collective_timeout_min={timeout}':58s}"
+    label = f"{TIMEOUT_MARGIN} x the longest within collective_timeout_min={timeout}"
+    lines.append(f"  {label:58s}"
                  + "".join(f"{'ok' if t['within_timeout'] else 'NO':>12s}" for t in cols))
     for name, t in c["gpus"].items():
         if not t["within_timeout"]:
-            lines.append(f"WARNING: {name}: a rollout phase can take {t['longest'] / 60:.0f} "
-                         f"minutes, above collective_timeout_min={timeout}, the most a rank that "
-                         "ends its rollouts first could wait at the collective after them; set "
-                         f"collective_timeout_min={math.ceil(t['longest'] / 60 * 1.5)} or more")
+            lines.append(f"WARNING: {name}: a rank can wait {t['longest_wait'] / 60:.0f} minutes "
+                         f"at one collective, more than collective_timeout_min={timeout} / "
+                         f"{TIMEOUT_MARGIN} (the waits are simulated or assumed, not measured); "
+                         f"set collective_timeout_min="
+                         f"{math.ceil(TIMEOUT_MARGIN * t['longest_wait'] / 60)} or more")
     return "\n".join(lines)
 
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 from transformers import AutoTokenizer
 
-from machinery import checkpoint, metrics, run_dir
+from machinery import checkpoint, metrics, plan, run_dir
 from machinery.config import resolve
 from machinery.data import drop_long_prompts
 from machinery.distributed import (check_same_settings, check_shared_paths, compute_dtype,
@@ -25,6 +25,8 @@ def start_rl_run(cfg, keys_a_resume_may_change):
     model_path, problems, eval_rows = checkpoint.check_inputs(cfg)
     rank, world_size, _, device = init_distributed(cfg.collective_timeout_min)
     check_same_settings(cfg, rank, world_size)  # one run: rank 0's settings on every rank
+    if rank == 0 and (note := plan.launch_note(cfg, world_size)):  # not the plan's size: it runs
+        print(note, flush=True)
     check_shared_paths(cfg.out_dir, [model_path, cfg.train_data, cfg.eval_data, cfg.init_from],
                        rank, world_size)  # every node must see the run where rank 0 does
     run = SimpleNamespace(cfg=cfg, model_path=model_path, rank=rank, world_size=world_size,

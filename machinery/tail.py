@@ -22,6 +22,13 @@ def simulate(rollouts_class, engines, k, problems, n, seconds, speed=None):
     """Finish second of every engine in one rollout phase: `engines` engines of K slots each claim
     `problems` problems of n samples from one counter; seconds(problem, sample) is a trajectory's
     decode time at full speed, speed(engine) a factor (1 = full speed)."""
+    return [finished for finished, _ in claims(rollouts_class, engines, k, problems, n, seconds,
+                                               speed)]
+
+
+def claims(rollouts_class, engines, k, problems, n, seconds, speed=None):
+    """simulate's phase, per engine: (its finish second, {problem: [samples it ran]}), the parts
+    of each group it would hand to rollout.generate's regroup."""
     counter, events, clock = itertools.count(), [], [0.0]
 
     class Simulated(rollouts_class):
@@ -49,7 +56,7 @@ def simulate(rollouts_class, engines, k, problems, n, seconds, speed=None):
         del ranks[e].running[traj]
         ranks[e].finished = clock[0]
         ranks[e].admit()
-    return [r.finished for r in ranks]
+    return [(r.finished, r.groups) for r in ranks]
 
 
 def spread_lengths(problems, n, longest, shortest_share=0.2, seed=0):

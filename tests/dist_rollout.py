@@ -182,9 +182,11 @@ def main(model_dir):
     # 4b. more samples than K (one here): each is claimed alone, wherever there is room, and
     # generate regroups them: every problem's group whole on one rank, the same tokens (request
     # seeds do not depend on the rank)
-    held = regroup([[rollout.Trajectory(p, rank, [])] for p in range(3)])  # sample r of each
-    assert [[(t.problem_index, t.sample_index) for t in g] for g in held] == (
-        [[(p, 0), (p, 1)] for p in range(3)] if rank == 0 else []), f"rank {rank}: {held}"
+    # sample r of each on rank r; problem p's group comes back whole on rank p % 2, not all on the
+    # lowest holder (regroup_owner)
+    held = regroup([[rollout.Trajectory(p, rank, [])] for p in range(3)])
+    assert [[(t.problem_index, t.sample_index) for t in g] for g in held] == [
+        [(p, 0), (p, 1)] for p in range(3) if p % world_size == rank], f"rank {rank}: {held}"
     one_slot = dataclasses.replace(cfg, max_concurrency=1)
     with Executor(workers=1, timeout_s=2.0) as executor:
         split = rollout.generate(engine, executor, tokenizer, problems, 2, one_slot, seed=0, step=0)

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,8 +26,10 @@ from rl_runs import MEMO_PROBLEMS, rl_command
 
 from machinery.checkpoint import checkpoint_damage, requested_checkpoint
 from machinery.config import ConfigError
-from machinery.distributed import cores_per_rank
+from machinery.distributed import cores_per_rank, regroup_owner
 from machinery.engine import SHM_DIR
+from machinery.tail import claims, spread_lengths
+from rollout import Rollouts
 
 REPO = Path(__file__).resolve().parent.parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -263,3 +266,21 @@ def test_each_rank_takes_its_share_of_the_nodes_cores_whatever_vllm_sets_later(m
                               check=True)
         assert int(proc.stdout) == max(1, len(os.sched_getaffinity(0)) // ranks)
     assert cores_per_rank() >= 1
+
+
+def test_split_groups_are_regrouped_evenly_over_the_ranks():
+    """Where 2G > K every sample is claimed alone (rollout.Rollouts, driven by machinery.tail at
+    an H100's stage-1 K = 15 on 64 ranks), so a group's parts lie on about 24 ranks and rank 0
+    holds a part of most groups: the lowest holder would own ~40% of them. regroup_owner gives
+    every rank prompts / world (bench/regroup.py prints the bytes too)."""
+    lengths = spread_lengths(512, 32, 8192)  # U[0.2, 1] x the budget, as mode=plan's tail
+    parts = [groups for _, groups in claims(Rollouts, 64, 15, 512, 32,
+                                            lambda p, s: lengths[p][s] / 40.0)]
+    holders = {}
+    for rank, groups in enumerate(parts):
+        for problem, samples in groups.items():
+            holders.setdefault(problem, []).extend([rank] * len(samples))
+    assert sorted(holders) == list(range(512)) and all(len(h) == 32 for h in holders.values())
+    assert sum(min(h) == 0 for h in holders.values()) > 150   # the old rule: rank 0's share
+    owned = Counter(regroup_owner(problem, 64) for problem in holders)
+    assert sorted(owned) == list(range(64)) and set(owned.values()) == {8}

@@ -2,28 +2,32 @@
 benchmark and model-directory errors, and the whole path on the tiny model through the real engine,
 tool and grader."""
 import contextlib
+import importlib.util
 import itertools
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import eval as evaluation
 import rollout
 from bench.rollout import scripted_policy
+from machinery.choices import load_choices
 from machinery.data import BENCHMARKS
 from machinery.config import ConfigError, load_config
 from executor import Executor
 from rollout import RolloutConfig
-from machinery.distributed import init_distributed
+from machinery.distributed import SINGLE_PROCESS_MARKER, TORCHRUN_VARIABLES, init_distributed
 from machinery.engine import Engine
 from machinery import results
-from machinery.model import check_model_dir
+from machinery.model import check_model_dir, save_hf_model
 from machinery.prompts import load_format, render_prompt, write_format
 from machinery.results import generation_settings, markdown_table, open_samples
 from machinery.metrics import pass_at_k
@@ -186,8 +190,41 @@ def test_unknown_benchmark_lists_the_available_ones():
         evaluation.load_benchmarks(make_cfg(benchmarks=["aime2024"]))
     message = str(error.value)
     assert "unknown benchmark 'aime2024'" in message and "did you mean 'aime24'" in message
-    for name in list(BENCHMARKS) + ["arith"]:
+    for name in list(BENCHMARKS) + ["arith", "mmlu_science", "gpqa_diamond.csv"]:
         assert name in message
+
+
+def test_science_by_name_by_choices_jsonl_and_by_gpqa_csv_beside_math(tmp_path):
+    mine = tmp_path / "physics.jsonl"
+    mine.write_text(json.dumps({"id": "p1", "question": "Unit of force?",
+                                "choices": ["joule", "newton"], "answer": "B"}) + "\n")
+    gpqa = tmp_path / "gpqa_diamond.csv"
+    gpqa.write_text("Question,Correct Answer,Incorrect Answer 1,Incorrect Answer 2,"
+                    "Incorrect Answer 3,Record ID\nWhich?,right,w1,w2,w3,rec1\n")
+    cfg = make_cfg(benchmarks=["aime24", "mmlu_science", str(mine), str(gpqa)], limit=2, seed=5)
+    selected = evaluation.load_benchmarks(cfg)
+    assert list(selected) == ["aime24", "mmlu_science", "physics", "gpqa_diamond"]
+    assert [r["id"] for r in selected["mmlu_science"]] == ["mmlu-college_physics-0",
+                                                            "mmlu-college_physics-1"]
+    p1, rec1 = selected["physics"][0], selected["gpqa_diamond"][0]
+    assert p1["options"][ord(p1["answer"]) - ord("A")] == "newton" and p1["shuffle_seed"] == 5
+    assert rec1["id"] == "rec1" and rec1["options"][ord(rec1["answer"]) - ord("A")] == "right"
+    # The shuffle is the seed's: another seed, another order for some question.
+    other = evaluation.load_benchmarks(make_cfg(benchmarks=["mmlu_science"], limit=20, seed=6))
+    assert ([r["option_order"] for r in other["mmlu_science"]]
+            != [r["option_order"] for r in evaluation.load_benchmarks(
+                make_cfg(benchmarks=["mmlu_science"], limit=20, seed=5))["mmlu_science"]])
+
+
+def test_gpqa_by_name_says_where_to_get_it_and_a_wrong_csv_is_refused_in_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="GPQA-Diamond is gated.*=PATH/gpqa_diamond.csv"):
+        evaluation.load_benchmarks(make_cfg(benchmarks=["gpqa_diamond"]))
+    wrong = tmp_path / "gpqa_diamond.csv"
+    wrong.write_text("id,problem,answer\nq1,1+1?,2\n")
+    with pytest.raises(ConfigError) as refused:
+        evaluation.load_benchmarks(make_cfg(benchmarks=[str(wrong)]))
+    assert "\n" not in str(refused.value)
+    assert f"{wrong}: not GPQA's CSV, no column 'Question', 'Correct Answer'" in str(refused.value)
 
 
 def test_benchmarks_by_name_generated_and_by_path_with_limit(tmp_path):
@@ -519,6 +556,61 @@ def test_a_box_the_tool_printed_is_neither_the_answer_nor_correct(scripted, toke
     assert summary["problems"]["pass@1"] == 0.0
 
 
+SCIENCE = [  # (question, options with the correct one first, the assistant's turns given gold)
+    ("Unit of force?", ["newton", "joule", "watt", "volt"],
+     lambda gold: [f" </reason><answer> \\boxed{{{gold}}} </answer><|im_end|>"]),
+    ("Unit of energy?", ["joule", "newton", "watt", "volt"],       # the option's text
+     lambda gold: [" The unit is the joule. Answer: joule<|im_end|>"]),
+    ("Unit of power?", ["watt", "joule", "newton", "volt"],        # a tool call, then the letter
+     lambda gold: [CALL % "print(2 + 3)", f" So the answer is ({gold}).<|im_end|>"]),
+    ("Unit of charge?", ["coulomb", "volt", "watt", "joule"],      # a wrong letter
+     lambda gold: [f" \\boxed{{{'A' if gold != 'A' else 'B'}}}<|im_end|>"]),
+    ("Unit of voltage?", ["volt", "coulomb", "watt", "joule"],     # two letters: no answer
+     lambda gold: [f" \\boxed{{{gold} or {'A' if gold != 'A' else 'B'}}}<|im_end|>"]),
+]
+
+
+@pytest.mark.slow
+def test_science_multiple_choice_runs_the_agent_loop_and_is_summarised_beside_math(
+        scripted, tokenizer, tiny_model_dir, tmp_path):
+    """Questions with shuffled options through the loop math uses (the tool included), graded by
+    the letter the final answer names; one summary holds both domains."""
+    engine, executor = scripted
+    cfg = eval_cfg()
+    path = tmp_path / "science.jsonl"
+    path.write_text("".join(json.dumps({"id": f"s{i}", "question": q, "answer": "A",
+                                        "choices": options}) + "\n"
+                            for i, (q, options, _) in enumerate(SCIENCE)))
+    science = load_choices(path, seed=0)
+    for row, (_, _, turns) in zip(science, SCIENCE):
+        SCRIPTS[tuple(render_prompt(tokenizer, row["problem"], cfg.rollout))] = [
+            tokenizer.encode(t, add_special_tokens=False) for t in turns(row["answer"])]
+    summary = evaluation.evaluate(tiny_model_dir, {"math": [PROBLEMS[2][0]], "science": science},
+                                  cfg, engine=engine, executor=executor, tokenizer=tokenizer,
+                                  out_dir=tmp_path / "run")
+    records = [json.loads(line)
+               for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    first = {r["problem_id"]: r for r in records if r["benchmark"] == "science"
+             and r["sample_index"] == 0}
+    gold = {row["id"]: row["answer"] for row in science}
+    assert {pid: (r["answer"], r["correct"]) for pid, r in first.items()} == {
+        "s0": (gold["s0"], True), "s1": (gold["s1"], True), "s2": (gold["s2"], True),
+        "s3": ("A" if gold["s3"] != "A" else "B", False), "s4": (None, False)}
+    assert first["s2"]["num_tool_calls"] == 1 and "stdout: 5" in first["s2"]["response"]
+    # The order each sample saw is in its record, and its prompt shows it.
+    for row in science:
+        r = first[row["id"]]
+        assert (r["gold"], r["options"], r["option_order"], r["shuffle_seed"]) == (
+            row["answer"], row["options"], row["option_order"], 0)
+        assert f"({row['answer']}) {SCIENCE[int(row['id'][1:])][1][0]}\n" in r["prompt"]
+    assert summary["science"]["domain"] == "science" and summary["math"]["domain"] == "math"
+    assert summary["science"]["pass@1"] == summary["science"]["maj@2"] == pytest.approx(3 / 5)
+    assert summary["science"]["answer_rate"] == pytest.approx(4 / 5)
+    assert summary["math"]["pass@1"] == 1.0
+    table = (tmp_path / "run" / "summary.md").read_text()
+    assert "| math | 1 | 2 |" in table and "| science | 5 | 2 |" in table
+
+
 @pytest.mark.slow
 def test_prompts_too_long_and_an_engine_too_short_are_refused_before_generating(scripted, tokenizer,
                                                                                 tiny_model_dir):
@@ -552,7 +644,8 @@ def test_by_default_a_checkpoint_is_evaluated_in_the_format_it_was_trained_with(
     write_format(model, template, schema, written_by="rl.py")
     out_dir = tmp_path / "run"
     command = [sys.executable, "eval.py", "configs/eval.yaml", f"model={model}",
-               f"out_dir={out_dir}", "benchmarks=arith", "arith_problems=1", "n=1", "ks=[1]",
+               f"out_dir={out_dir}", "benchmarks=arith,mmlu_science", "arith_problems=1", "limit=1",
+               "n=1", "ks=[1]",
                "rollout.max_prompt_tokens=1024", "rollout.max_response_tokens=8",
                "rollout.dtype=float32", "rollout.enforce_eager=true"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -562,6 +655,14 @@ def test_by_default_a_checkpoint_is_evaluated_in_the_format_it_was_trained_with(
     assert ("python_code_with_standard_io" in prompt
             and "execute_python_code_with_standard_io" not in prompt)
     assert "was trained with another" not in done.stderr
+    # Science beside math, from the command line: the bundled set's first question, shuffled.
+    science = json.loads((out_dir / "samples.jsonl").read_text().splitlines()[1])
+    assert science["benchmark"] == "mmlu_science" and science["gold"] in "ABCD"
+    assert sorted(science["option_order"]) == [0, 1, 2, 3] and science["shuffle_seed"] == 0
+    summary = json.loads((out_dir / "summary.json").read_text())["benchmarks"]
+    assert [(name, m["domain"]) for name, m in summary.items()] == [("arith", "math"),
+                                                                     ("mmlu_science", "science")]
+    assert "| mmlu_science | 1 | 1 |" in done.stdout
     # Another evaluation into the same out_dir is refused and leaves this one's config.yaml as is.
     config = (out_dir / "config.yaml").read_bytes()
     hotter = subprocess.run(command + ["rollout.temperature=1.0"], cwd=REPO, capture_output=True,
@@ -621,3 +722,71 @@ def test_the_default_out_dir_is_one_per_model_and_a_missing_local_model_shows_it
     assert "download" not in str(missing.value)
     with pytest.raises(ConfigError, match="huggingface-cli download Org/Model --local-dir DIR"):
         check_model_dir("Org/Model", allow_hub_id=False)  # a hub id: the download hint
+
+
+# -----------------------------------------------------------------------------
+# the field's harnesses: the exported model as lm-eval (IFEval, README "Evaluation") loads it
+
+LOCAL_TASK = """task: rstar2_export_check
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {items}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["<|im_end|>"]
+  max_gen_toks: 8
+  do_sample: false
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
+                    reason="lm-eval is optional and not installed: pip install -r "
+                           "requirements-harness.txt (.ci/harnesses installs it and runs this)")
+def test_the_exported_model_runs_in_lm_eval_offline_with_its_training_chat_template(
+        tiny_model_dir, tmp_path):
+    """The tiny model exported as sft.py and rl.py export (save_hf_model: the training template
+    becomes the tokenizer's own) runs through lm-eval's Hugging Face backend on a local task, the
+    Hub and datasets offline: the prompts the harness sent are the training template's."""
+    init_distributed()  # save_hf_model gathers the weights: a world of one
+    export = tmp_path / "export"
+    template, schema, _ = load_format(RolloutConfig(prompt_variant="code"))
+    save_hf_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                  AutoTokenizer.from_pretrained(tiny_model_dir), tiny_model_dir, export,
+                  torch.float32, 0, (template, schema), written_by="sft.py")
+    questions = ["What is 2 + 3?", "What is 4 + 4?"]
+    items = tmp_path / "items.jsonl"
+    items.write_text("".join(json.dumps({"question": q, "answer": "x"}) + "\n" for q in questions))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "rstar2_export_check.yaml").write_text(LOCAL_TASK.format(items=items))
+    command = [sys.executable, "-m", "lm_eval", "--model", "hf",
+               "--model_args", f"pretrained={export},dtype=float32",
+               "--tasks", "rstar2_export_check", "--include_path", str(tmp_path / "tasks"),
+               "--apply_chat_template", "--device", "cpu", "--batch_size", "1",
+               "--output_path", str(tmp_path / "out"), "--log_samples"]
+    # A plain process, not this test's world of one (accelerate would join it), with the Hub and
+    # datasets offline and an empty cache: nothing was downloaded before, nothing can be now.
+    offline = {key: value for key, value in os.environ.items()
+               if key not in (*TORCHRUN_VARIABLES, SINGLE_PROCESS_MARKER)}
+    offline.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=offline)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    samples_file, = (tmp_path / "out").rglob("samples_rstar2_export_check_*.jsonl")
+    samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
+    sent = [s["arguments"]["gen_args_0"]["arg_0"] for s in sorted(samples,
+                                                                key=lambda s: s["doc_id"])]
+    exported = AutoTokenizer.from_pretrained(export)
+    assert sent == [exported.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                 add_generation_prompt=True) for q in questions]
+    assert all("This is the problem:\n" in p and p.endswith("<reason>") for p in sent)
+    results_file, = (tmp_path / "out").rglob("results_*.json")
+    assert "exact_match,none" in json.loads(results_file.read_text())["results"][
+        "rstar2_export_check"]
