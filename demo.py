@@ -85,8 +85,8 @@ class DemoConfig:
     # training temperature: one training batch (8 prompts) is too few correct trajectories to read a
     # ratio from (0 = off).
     ablation_final_samples: int = 4
-    ablation_parallel: int = 2               # rl.py runs at once: each uses one core for its engine
-                                             # and training
+    ablation_parallel: int = 2               # rl.py runs at once, each training on its share of
+                                             # the cores (1 thread on 2 cores)
     ablation_smooth: int = 3                 # the plot's trailing mean over steps (the table is not
                                              # smoothed)
     plot: str = "assets/ablation.png"        # the numbers go next to it as .json and .md
@@ -369,15 +369,17 @@ def ablation(cfg):
                  f"eval_samples={cfg.ablation_final_samples}", f"eval_temperature={temperature}"]
     else:
         final = ["eval_data="]
+    # Runs are independent processes (own engine, tool workers, process group on its own port),
+    # ablation_parallel at a time: each trains on its share of the cores, named here rather than
+    # left to machinery/threads.py, which would count the other runs' work at the moment each
+    # starts. So every number a run produces is fixed by its seed and this machine's core count;
+    # only the seconds depend on what runs beside it.
+    threads = f"train_threads={max(1, len(os.sched_getaffinity(0)) // cfg.ablation_parallel)}"
     jobs = {(name, seed): (f"{cfg.ablation_dir}/{slug}-seed{seed}",
                            [*overrides, f"seed={seed}", f"steps={cfg.ablation_steps}", *final,
-                            f"save_every={cfg.ablation_steps}"])
+                            f"save_every={cfg.ablation_steps}", threads])
             for name, (slug, overrides) in arms.items() for seed in cfg.ablation_seeds}
     load_before, started = os.getloadavg(), time.time()
-    # Runs are independent processes (own engine, tool workers, process group on its own port); on
-    # CPU each decodes on one torch thread (machinery.engine.set_cpu_engine_threads) and trains on
-    # one (train_threads=1). Every number they produce is fixed by its seed; only the
-    # seconds depend on what runs beside them.
     log = ((lambda out_dir: f"{resolve(out_dir)}.log") if cfg.ablation_parallel > 1
            else (lambda out_dir: None))
     with concurrent.futures.ThreadPoolExecutor(cfg.ablation_parallel) as pool:

@@ -15,7 +15,8 @@ For each question the policy writes 2G rollouts that may call a Python tool (rl.
      every model-written token of the batch (token-level, Eq. 6). No KL, no entropy term (§2.2.1).
      The clip binds only with mini_batches > 1 (several optimizer steps on the same rollouts):
      with one step per RL step, every shipped config, rho = pi_theta / pi_old is exactly 1 and
-     only a rollout correction's weight departs from 1.
+     only a rollout correction's weight departs from 1. So clip_low, clip_high, dual_clip and
+     ratio_level cannot act there (policy_loss says why; rl.RLConfig.inert_keys says so at start).
 
 Paper vs released code (microsoft/rStar @ ecbfb94), and what this file does:
   - positives: the paper samples ~1/p, the release takes the k lowest p: POSITIVE_RULES.
@@ -132,7 +133,8 @@ def lowest_penalty(rollouts, positives, count, rng):
 
 
 def shortest(rollouts, positives, count, rng):
-    """An example rule: the fewest response tokens among the correct, ties in rollout order."""
+    """An example rule: the fewest response tokens among the correct, ties in rollout order. It
+    reads no penalty, so roc_error_ratio and roc_answer_format cannot act with it."""
     return sorted(positives, key=lambda i: (rollouts[i].response_tokens, i))[:count]
 
 
@@ -190,7 +192,8 @@ def resample_on_correct(rollouts, keep, rng, positive_rule="sample", min_per_sid
 def select_group(rollouts, keep, rng, mode="roc", positive_rule="sample", **roc_options):
     """The one call rl.py makes per group: RoC (mode="roc") or plain GRPO (mode="grpo"), the
     paper's baseline (§4.3): rl.py samples G rollouts, all kept; more are thinned uniformly,
-    distributed exactly like sampling G."""
+    distributed exactly like sampling G. GRPO chooses nothing by outcome: positive_rule and the
+    penalty's switches cannot act there."""
     if mode == "roc":
         return resample_on_correct(rollouts, keep, rng, positive_rule, **roc_options)
     if mode != "grpo":
@@ -351,6 +354,11 @@ def policy_loss(logp, old_logp, advantages, mask, num_tokens=None, clip_low=0.2,
         rollout_correction's and loss_weights'.
     ratio_level:    "token" (paper); "sequence": GSPO's one ratio per rollout, the geometric
         mean of its tokens' (Zheng et al. 2025; TRL importance_sampling_level="sequence").
+    At ratio 1 (old_logp = logp, rl.py's one step per batch) the clip and dual-clip leave the
+    value and gradient alone, and the sequence ratio exp(mean_t log rho_t) gives each of a
+    rollout's |o| tokens (1/|o|) sum_t grad log pi_t: in all, the token ratio's gradient, under
+    any weights constant within a rollout (every aggregation, a geometric_* correction; not a
+    token_* one).
     Returns (loss, metrics): metrics over num_tokens too, to sum over micro-batches (*_max: max).
     """
     advantages = _checked_advantages(logp, old_logp, advantages, mask, clip_low, clip_high,

@@ -112,9 +112,9 @@ class RLConfig:
     activation_checkpointing: bool = False
     logprob_chunk_tokens: int = 1024  # output projection this many tokens at a time; 0 = off
     attn_implementation: str = "sdpa"  # trainer attention (flash_attention_2 on GPU, if installed)
-    # CPU only: torch threads for the update, 0 = torch's own (one per core); 1 does not slow down
-    # when another process takes a core (bench/threads.py). The engine decodes on 1.
-    train_threads: int = 1
+    # CPU only: torch threads for the update; 0 = the cores free at the start (machinery/threads.py;
+    # the engine's decode takes one less with the tool on). config.yaml records the number chosen.
+    train_threads: int = 0
     logprob_gap_warn: float = 0.05  # sync guard: warn above this mean |trainer - engine| gap
     untrained_steps_warn: int = 3  # warn when this many steps in a row train on nothing; 0 = never
     # checkpoints and logs
@@ -136,8 +136,9 @@ class RLConfig:
     wandb_project: str = ""
     wandb_samples: int = 8        # trajectories per step in W&B's sample table (rank 0's); 0 = none
     tensorboard: bool = False
-    # saved rollouts, what tools.replay reads: steps 1, 1+N, 1+2N, ... (0 = never); with N a
-    # multiple of save_every each was sampled by a checkpoint's weights, so it replays exactly
+    # saved rollouts, what tools.replay reads: steps 1, 1+N, 1+2N, ... (0 = never); each replays
+    # exactly while the checkpoint that sampled it is kept (N a multiple of save_every; the save
+    # says when keep_checkpoints will remove it)
     save_rollouts_every: int = 10
     keep_rollouts: int = 0        # the newest this many saved steps stay on disk; 0 = all
     verbose: bool = False         # all of vLLM's logging; default: its warnings
@@ -176,6 +177,23 @@ class RLConfig:
                               "groups")
 
         checkpoint.check_config(self)
+
+    def inert_keys(self):
+        """A line per key set off its default that cannot act at these settings (docs/design.md)."""
+        one_step = self.mini_batches == 1  # the ratio is exactly 1 (grpo_roc.policy_loss)
+        roc_keys = "roc_error_ratio roc_answer_format"  # they only rank RoC's positives
+        inert_at = {  # the setting: (whether it holds, the keys it leaves inert)
+            "mini_batches=1": (one_step, "clip_low clip_high dual_clip"),
+            "mini_batches=1 and no token_* rollout_correction": (
+                one_step and not self.rollout_correction.startswith("token"), "ratio_level"),
+            "positive_rule=shortest": (self.positive_rule == "shortest", roc_keys),
+            "algorithm=grpo": (self.algorithm == "grpo", f"positive_rule {roc_keys}"),
+            "rollout_correction=none": (self.rollout_correction == "none", "rollout_is_threshold")}
+        default = type(self)()
+        return list({key: f"{key}={getattr(self, key)} cannot act at {setting} (docs/design.md)"
+                     for setting, (holds, keys) in inert_at.items() if holds
+                     for key in keys.split() if getattr(self, key) != getattr(default, key)
+                     }.values())  # one line per key, however many settings leave it inert
 
 
 # Keys that do not change what is trained: a rerun into the same out_dir may change them (steps to

@@ -60,13 +60,14 @@ from machinery.conversations import (IGNORE, chat_text, check_context, check_con
                                      end_of_turn_ids, prompt_format, read_template, read_tools,
                                      shared_prefix_length)
 from machinery.data import load_jsonl
-from machinery.distributed import (check_same_settings, check_shared_paths, cpu_threads,
-                                   init_distributed, seed_everything)
+from machinery.distributed import (check_same_settings, check_shared_paths, init_distributed,
+                                   seed_everything)
 from machinery.exits import run_script, training_interrupted
 from machinery.metrics import MetricsLogger, print_sft_data, print_sft_written
 from machinery.model import build_model, check_model_dir, save_hf_model
 from machinery.prompts import DATA_PLACEHOLDER, encode_rendered
 from machinery.run_dir import claim_run_dir, finish_run_dir, record_start
+from machinery.threads import choose_threads
 
 
 # -----------------------------------------------------------------------------
@@ -99,7 +100,7 @@ class SFTConfig:
     activation_checkpointing: bool = False
     share_prefix: bool = True     # a micro-batch's common prompt once (exact; ~2x on the tiny demo)
     attn_implementation: str = "sdpa"  # or flash_attention_2 on GPU, if installed
-    train_threads: int = 1        # CPU only: torch threads, 0 = torch's own; 1: bench/threads.py
+    train_threads: int = 0        # CPU only: torch threads; 0: the free cores, machinery/threads.py
     # checkpoints and logs
     save_every: int = 0           # DCP checkpoint every N steps and at the end; 0 = final/ only
     keep_checkpoints: int = 2
@@ -358,7 +359,7 @@ def train(cfg):
                        rank, world_size)
     accumulation = check_world(cfg, world_size)
     model_path = check_model_dir(cfg.model)
-    cpu_threads(cfg.train_threads, device)
+    cfg = choose_threads(cfg, device, rank)  # train_threads=0 -> a number: the settings line
     seed_everything(cfg.seed)
     out_dir = resolve(cfg.out_dir)
 

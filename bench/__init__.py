@@ -17,5 +17,24 @@
 
 Each prints its ratios against a baseline measured in the same run. The figures are in
 docs/benchmarks.md. The method files never import from here; tests may (the scripted policy, the
-labeled answer sets).
+labeled answer sets, busy_processes).
 """
+import contextlib
+import subprocess
+import sys
+
+
+@contextlib.contextmanager
+def busy_processes(count):
+    """`count` busy-looping processes for the block's duration, each in a session of its own: with
+    the kernel's autogroup scheduling (on by default in most distributions) the CPU is shared
+    between sessions first, so loops in the caller's own session would only compete with it."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+             for _ in range(count)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()

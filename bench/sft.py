@@ -15,10 +15,11 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from machinery.config import ConfigError, load_config
-from machinery.distributed import cpu_threads, init_distributed, seed_everything
+from machinery.distributed import init_distributed, seed_everything
 from sft import (check_world, global_batch, load_conversations, micro_batch_inputs,
                  micro_batch_loss_sum, rank_micro_batches, SFTConfig)
 from machinery.model import build_model, check_model_dir
+from machinery.threads import choose_threads
 
 
 def bench(cfg, repeats=3):
@@ -26,7 +27,7 @@ def bench(cfg, repeats=3):
     rank, world_size, _, device = init_distributed()
     check_world(cfg, world_size)
     model_path = check_model_dir(cfg.model)
-    cpu_threads(cfg.train_threads, device)
+    cfg = choose_threads(cfg, device, rank)  # sft.py's count
     seed_everything(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     examples, _ = load_conversations(cfg, tokenizer)

@@ -1,112 +1,195 @@
-"""Seconds of one CPU training step (rl.py's steps 6-7 on the demo's model shape and batch) with
-torch's own thread count (train_threads=0: one per core), with 1 thread and with cores - 1, side by
-side, first on the machine as it is, then with `busy` busy-looping processes that this script starts
-(and stops) beside it:
+"""Seconds of the demo's RL step (rl.rl_step on configs/tiny.yaml: weight sync, rollout with the
+tool, rewards, selection, update) under three thread settings, alternated, on the machine as it is
+and beside busy-looping processes that this script starts and stops:
 
-    python -m bench.threads                   # about 6 minutes on 2 cores at load 12
-    python -m bench.threads busy=4 repeats=7
+    python -m bench.threads                     # after demo.py (its SFT'd policy): 6-8 min idle
+    python -m bench.threads bench_busy=0,12 bench_repeats=5 [any rl.py key=value]
 
-The settings alternate inside each repeat, so each sees the same load; the medians are printed as
-ratios against torch's own count, in wall and in CPU seconds, with the load average. It also says
-whether the loss and grad norm a few steps in are bit-identical across the thread counts: float
-sums in another order change the demo's numbers. Each busy process has a session of its own, as
-other users' work does: the kernel's autogroups share the CPU between sessions first.
+    1 thread      train_threads=1, the engine on 1: the default before machinery/threads.py
+    torch's own   train_threads=torch's count (one per core), the engine on 1: train_threads=0 once
+    the rule      machinery/threads.py's counts, measured at the start of each condition, as a run
+                  started then would choose them
+
+Every measured call is the same step: the weights, the optimizer's state and the data position are
+put back before each, so every setting does the same work on the same prompts and seeds, and the
+settings take turns (the order rotates each repeat) so each sees the same load. Each busy process
+has a session of its own, as other users' work does: the kernel's autogroups share the CPU between
+sessions first (bench.busy_processes). Printed per condition: the rule's choice, median seconds of
+the step, its rollout and its update, and each setting's time as a ratio of 1 thread's, with the
+load average; then which metrics differ between thread counts (float sums in another order) and
+whether a count repeats its own numbers bit for bit.
 """
 import dataclasses
 import os
-import random
 import statistics
-import subprocess
 import sys
+import tempfile
+import time
 
 import torch
 
 import rl
-from bench.train_step import BenchConfig as StepConfig
-from bench.train_step import batch, seconds, tiny_model
-from machinery.config import load_config
-from machinery.distributed import TORCH_THREADS, init_distributed
+from bench import busy_processes
+from bench.rl import bench_rl_config
+from machinery.config import ConfigError, load_config
+from machinery.distributed import TORCH_THREADS, cpu_threads
+from machinery.engine import configure_vllm_logging
+from machinery.threads import decide, settings_line
+
+# past warmup_steps, saving nothing: every measured call runs this step
+STEP = 4
 
 
 @dataclasses.dataclass
 class ThreadsBenchConfig:
-    repeats: int = 5
-    busy: int = 4               # busy processes for the loaded phase; 0 = only the machine as it is
-    numeric_steps: int = 3      # steps in a row whose last loss and grad norm are compared
+    bench_repeats: int = 3          # measured steps per setting and condition
+    bench_busy: list[int] = dataclasses.field(default_factory=lambda: [0, 4, 12])  # 0: as it is
 
 
-def train_steps(threads, samples, rl_cfg, step_cfg, steps=1):
-    """(wall s, CPU s) of the last of `steps` rl.train_step calls from the same weights on
-    `threads`, and its (loss, grad norm)."""
-    torch.set_num_threads(threads)
-    model, optimizer = tiny_model(step_cfg)
-    out = {}
-    for step in range(steps):
-        fresh = [dataclasses.replace(s) for s in samples]
-        wall, cpu = seconds(lambda: out.update(rl.train_step(model, optimizer, fresh, rl_cfg,
-                                                             step, 0, torch.device("cpu"))))
-    return (wall, cpu), (float(out["loss"]), out["grad_norm"])
+def snapshot(run):
+    """The state rl_step changes: weights, optimizer moments, data position."""
+    with torch.no_grad():
+        weights = [p.detach().clone() for p in run.model.parameters()]
+    moments = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
+               for p, state in run.optimizer.state.items()}
+    return weights, moments, dict(run.state)
 
 
-def measure(settings, samples, rl_cfg, step_cfg, repeats):
-    times = {name: [] for name in settings}
-    for _ in range(repeats):
-        for name, threads in settings.items():
-            times[name].append(train_steps(threads, samples, rl_cfg, step_cfg)[0])
-    return {name: [statistics.median(t[k] for t in values) for k in (0, 1)]
-            for name, values in times.items()}
+def restore(run, saved):
+    weights, moments, state = saved
+    with torch.no_grad():
+        for p, w in zip(run.model.parameters(), weights):
+            p.detach().copy_(w)
+        for p, kept in moments.items():
+            for k, v in kept.items():
+                if torch.is_tensor(v):
+                    run.optimizer.state[p][k].copy_(v)
+                else:
+                    run.optimizer.state[p][k] = v
+    run.state = dict(state)
 
 
-def report(title, medians, load):
-    print(f"{title}; load average before and after: {load[0]}, {load[1]}")
-    print(f"  {'threads':28s}{'wall s':>8s}{'ratio':>8s}{'CPU s':>8s}{'ratio':>8s}")
-    wall0, cpu0 = medians["torch's own"]
-    for name, (wall, cpu) in medians.items():
-        print(f"  {name:28s}{wall:8.2f}{wall / wall0:8.2f}{cpu:8.2f}{cpu / cpu0:8.2f}")
+def timed_step(run, cfg, saved, update, decode):
+    """One rl_step on `update` training threads with the engine on `decode`, from `saved`."""
+    restore(run, saved)
+    run.cfg = dataclasses.replace(cfg, train_threads=update)
+    cpu_threads(decode, run.device)  # rl_step puts this count back after its update
+    started = time.perf_counter()
+    row = rl.rl_step(run, STEP)
+    seconds = time.perf_counter() - started
+    with torch.no_grad():  # the weights after the update: where another thread count shows first
+        row["weights_after"] = torch.cat([
+            (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten()
+            for p in run.model.parameters()])
+    return seconds, row
 
 
-def main(cfg):
-    init_distributed()
-    cores = len(os.sched_getaffinity(0))
-    settings = {"torch's own": TORCH_THREADS, "1": 1}
-    if cores - 1 > 1:
-        settings[f"cores - 1 = {cores - 1}"] = cores - 1
-    else:
-        print(f"{cores} cores: cores - 1 is 1, measured once")
-    step_cfg = StepConfig()
-    rl_cfg = load_config(rl.RLConfig, ["configs/tiny.yaml"])
-    samples = batch(step_cfg, random.Random(0))
-    print(f"torch's own count here: {TORCH_THREADS} thread(s); {step_cfg.samples} trajectories "
-          f"of ~{step_cfg.prompt_tokens + step_cfg.response_tokens} tokens, median of "
-          f"{cfg.repeats}")
-    # Numbers first (also the warm-up: allocator, thread pools): the demo's numbers move with the
-    # thread count only if some step's loss or grad norm does, which a few steps in shows.
-    results = {name: train_steps(threads, samples, rl_cfg, step_cfg, cfg.numeric_steps)[1]
-               for name, threads in settings.items()}
-    load = os.getloadavg()
-    medians = measure(settings, samples, rl_cfg, step_cfg, cfg.repeats)
-    report("the machine as it is", medians, (load, os.getloadavg()))
-    if cfg.busy:
-        procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
-                                  start_new_session=True) for _ in range(cfg.busy)]
-        try:
-            load = os.getloadavg()
-            medians = measure(settings, samples, rl_cfg, step_cfg, cfg.repeats)
-        finally:
-            for proc in procs:
-                proc.kill()
-                proc.wait()
-        report(f"with {cfg.busy} busy processes beside it", medians, (load, os.getloadavg()))
-    print(f"loss, grad norm of step {cfg.numeric_steps} per thread count (the same weights and "
-          "batch):")
-    for name, (loss, grad_norm) in results.items():
-        print(f"  {name:28s}{loss!r:>24s}{grad_norm!r:>24s}")
-    identical = len(set(results.values())) == 1
-    print("bit-identical across thread counts" if identical else
-          "NOT bit-identical: a thread count other than torch's own moves the demo's numbers")
-    torch.distributed.destroy_process_group()
-    return medians, results
+def measure(run, cfg, saved, settings, repeats):
+    """{setting: [(seconds, metrics row)]}, the settings taking turns."""
+    names, out = list(settings), {name: [] for name in settings}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            out[name].append(timed_step(run, cfg, saved, *settings[name]))
+    return out
+
+
+def report(busy, rule, settings, measured, load):
+    print(f"\n{'the machine as it is' if not busy else f'beside {busy} busy processes'}; load "
+          f"average {load[0]:.1f} before, {load[1]:.1f} after; {settings_line(rule, True)}")
+    print(f"  {'setting':14s}{'update':>7s}{'decode':>7s}{'step s':>8s}{'rollout s':>10s}"
+          f"{'train s':>9s}{'/ 1 thread':>11s}")
+    base = statistics.median(s for s, _ in measured["1 thread"])
+    ratios = {}
+    for name, runs in measured.items():
+        step = statistics.median(s for s, _ in runs)
+        rollout = statistics.median(row["time/rollout"] for _, row in runs)
+        train = statistics.median(row["time/train"] for _, row in runs)
+        ratios[name] = step / base
+        print(f"  {name:14s}{settings[name][0]:7d}{settings[name][1]:7d}{step:8.2f}{rollout:10.2f}"
+              f"{train:9.2f}{step / base:10.2f}x")
+    return ratios
+
+
+def numbers(rows_by_threads):
+    """Which metrics differ between thread counts, by how much; whether a count repeats itself."""
+    def plain(row):
+        return {k: v for k, v in row.items() if not k.startswith("time/")
+                and not k.endswith("_per_s") and k != "weights_after"}
+
+    print("\nnumbers of the same step (same weights, prompts, seeds) per (update, decode) threads:")
+    rows = {threads: [plain(r) for r in group] for threads, group in rows_by_threads.items()}
+    weights = {threads: [r["weights_after"] for r in group]
+               for threads, group in rows_by_threads.items()}
+    for threads, group in rows.items():
+        same = (all(r == group[0] for r in group)
+                and all(torch.equal(w, weights[threads][0]) for w in weights[threads]))
+        print(f"  {threads}: {len(group)} steps, metrics and weights after "
+              f"{'bit-identical' if same else 'NOT bit-identical'} among themselves")
+    counts = sorted(rows)
+    for other in counts[1:]:
+        a, b = rows[counts[0]][0], rows[other][0]
+        moved = {k: abs(a[k] - b[k]) / max(abs(a[k]), 1e-30) for k in a
+                 if k in b and a[k] != b[k] and isinstance(a[k], (int, float))
+                 and isinstance(b[k], (int, float))}
+        gap = (weights[counts[0]][0] - weights[other][0]).abs().max().item()
+        print(f"  {counts[0]} against {other}: " + (", ".join(
+            f"{k} (relative {d:.1e})" for k, d in sorted(moved.items(), key=lambda x: -x[1]))
+            or "every metric equal") + f"; weights after the update: max |difference| {gap:.1e}")
+
+
+def main(bench_cfg, cfg):
+    started = time.time()
+    run = rl.start_run(cfg)
+    cfg = run.cfg
+    settings = {"1 thread": (1, 1), "torch's own": (TORCH_THREADS, 1)}
+    print(f"torch's own count here: {TORCH_THREADS}; {bench_cfg.bench_repeats} steps per setting "
+          "and condition, medians")
+    rl.rl_step(run, STEP)  # the engine's and the update's first calls build their kernels
+    saved = snapshot(run)
+    for name, threads in settings.items():  # each thread pool once, unmeasured
+        timed_step(run, cfg, saved, *threads)
+    ratios, rows_by_threads = {}, {}
+    for busy in bench_cfg.bench_busy:
+        with busy_processes(busy):
+            time.sleep(1.0 if busy else 0)  # running before the rule looks
+            rule = decide(0, cfg.rollout.use_tool)
+            load = os.getloadavg()[0]
+            conditions = {**settings, "the rule": (rule.update, rule.decode)}
+            measured = measure(run, cfg, saved, conditions, bench_cfg.bench_repeats)
+            ratios[busy] = (report(busy, rule, conditions, measured, (load, os.getloadavg()[0])),
+                            (rule.update, rule.decode) == settings["1 thread"])
+        for name, runs in measured.items():
+            rows_by_threads.setdefault(conditions[name], []).extend(row for _, row in runs)
+    numbers(rows_by_threads)
+    print()
+    for busy, (step_ratios, same) in ratios.items():
+        # where the rule chose 1 thread the two rows ran the same setting: their ratio is noise
+        note = " (the rule chose 1 thread here too: the load's noise)" if same else ""
+        if not busy:
+            print(f"as it is: the rule {1 / step_ratios['the rule']:.2f}x faster than 1 thread"
+                  f"{note} (target on an idle machine: >= 1.2x)")
+        else:
+            print(f"beside {busy} busy processes: the rule at {step_ratios['the rule']:.2f}x 1 "
+                  f"thread's time{note} (target beside 12: <= 1.1x)")
+    print(f"bench.threads: {time.time() - started:.0f} s")
+    if run.executor:
+        run.executor.close()
+    run.engine.close()
+    return ratios
 
 
 if __name__ == "__main__":
-    main(load_config(ThreadsBenchConfig, sys.argv[1:]))
+    with tempfile.TemporaryDirectory(prefix="bench-threads-") as run_dir:
+        argv = sys.argv[1:]
+        try:
+            bench_config = load_config(ThreadsBenchConfig, [a for a in argv
+                                                            if a.startswith("bench_")])
+            rl_args = [a for a in argv if not a.startswith("bench_")]
+            if not any(a.endswith((".yaml", ".yml")) for a in rl_args):
+                rl_args = ["configs/tiny.yaml", *rl_args]  # the demo's
+            config = bench_rl_config(rl_args, run_dir)
+            config = dataclasses.replace(config, save_rollouts_every=0)
+        except ConfigError as e:
+            sys.exit(f"bench.threads: {e}")
+        configure_vllm_logging(config.verbose)
+        main(bench_config, config)

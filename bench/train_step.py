@@ -10,10 +10,10 @@ shared    rl.train_step alone, the old log-probs from its own forward (mini_batc
 entropy   machinery.training.token_logprobs forward + backward with and without with_entropy: the
           cost of logging the entropy.
 Random weights of configs/tiny.yaml's model shape (tiny.TinyConfig), trajectories of the demo's
-length (a ~430-token system prompt, ~140 response tokens); one thread, as rl.py trains on CPU
-(train_threads). The paths alternate, `repeats` times each, in one process, and the medians are
-compared, in wall and in CPU seconds: load moves the wall seconds (the load average is printed),
-the CPU seconds much less.
+length (a ~430-token system prompt, ~140 response tokens); one thread unless threads= says
+(rl.py's train_threads; python -m bench.threads compares the counts). The paths alternate,
+`repeats` times each, in one process, and the medians are compared, in wall and in CPU seconds:
+load moves the wall seconds (the load average is printed), the CPU seconds much less.
 """
 import dataclasses
 import os
@@ -35,7 +35,7 @@ from tiny import TinyConfig
 @dataclasses.dataclass
 class BenchConfig:
     repeats: int = 5
-    threads: int = 1            # torch threads (rl.py's train_threads; 1 on the CPU demo)
+    threads: int = 1            # torch threads (rl.py's train_threads)
     samples: int = 16           # kept trajectories of one step (the demo: 8 prompts x G = 4, about
                                 # half of the groups all-equal)
     prompt_tokens: int = 430

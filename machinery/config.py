@@ -46,6 +46,8 @@ def _coerce(value, tp, where, typed=None):
         (item_tp,) = typing.get_args(tp) or (typing.Any,)
         if isinstance(value, str):  # benchmarks=aime24,aime25 or ks=1,16 on the command line
             value = [yaml.safe_load(v) for v in value.split(",") if v]
+        elif not isinstance(value, (list, tuple, dict)):  # seeds=0, `ks: 16`: a list of one
+            value = [value]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
         return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]

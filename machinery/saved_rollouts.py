@@ -83,8 +83,24 @@ def save_rollouts(run, step, position, rows, groups, rewards, records, samples):
                        meta={"data_position": position,
                              "rollouts_per_prompt": cfg.rollouts_per_prompt,
                              "config": dataclasses.asdict(cfg)})
+        if dist.get_rank() == 0 and (why := not_replayable(cfg, step + 1)):
+            print(f"saved rollouts of step {step + 1}: they will not replay exactly: {why}",
+                  flush=True)
     if table:
         run.logger.log_table(step + 1, "rollouts", *sample_table(lines, cfg.wandb_samples))
+
+
+def not_replayable(cfg, step):
+    """Why saved step `step` will not replay exactly once this run (cfg: rl.py's) ends, or None:
+    its rollouts were sampled by checkpoints/step_{step - 1} (step 1: the run's start), which must
+    be saved (a multiple of save_every, or the last step) and among the newest keep_checkpoints."""
+    saves = [*range(cfg.save_every, cfg.steps, cfg.save_every), cfg.steps]
+    if step == 1 or step - 1 in saves[-cfg.keep_checkpoints:]:
+        return None
+    if step - 1 not in saves:
+        return f"no checkpoint is saved after step {step - 1} (save_every={cfg.save_every})"
+    return (f"keep_checkpoints={cfg.keep_checkpoints} removes checkpoints/step_{step - 1} before "
+            f"step {cfg.steps} (keep_checkpoints={len(saves) - saves.index(step - 1)} keeps it)")
 
 
 def write_rollouts(run_dir, step, records, meta, keep=0):

@@ -1,10 +1,8 @@
 """Shared fixtures. The tiny model is built once per test session (about 5 s) and reused by every
 test that needs a real Hugging Face model directory: rollout, sft, rl and eval tests all load it the
 way they load Qwen3-14B."""
-import contextlib
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,6 +16,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import rl_runs  # noqa: E402  (after the path above)
 import tiny  # noqa: E402
+from bench import busy_processes  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -45,23 +44,7 @@ def saved_run(sft_policy, tmp_path_factory):
     return SimpleNamespace(dir=out / "run", args=command[2:])
 
 
-@contextlib.contextmanager
-def busy_processes(count):
-    """`count` busy-looping processes for the block's duration, each in a session of its own: with
-    the kernel's autogroup scheduling (on by default in most distributions) the CPU is shared
-    between sessions first, so loops in the test's own session would only compete with the test."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
-             for _ in range(count)]
-    try:
-        yield
-    finally:
-        for proc in procs:
-            proc.kill()
-        for proc in procs:
-            proc.wait()
-
-
 @pytest.fixture
 def busy_machine():
-    """busy_processes: `with busy_machine(8): ...` grades or runs code on a busy node."""
+    """bench.busy_processes: `with busy_machine(8): ...` grades or runs code on a busy node."""
     return busy_processes

@@ -48,4 +48,4 @@ def train_sft_policy(work):
 def rl_command(policy, data, out_dir):
     return [PYTHON, "rl.py", "configs/tiny.yaml", f"model={policy}", f"train_data={data}",
             "eval_data=", f"out_dir={out_dir}", "steps=2", "prompts_per_step=4", "save_every=1",
-            "rollout.max_response_tokens=200"]
+            "rollout.max_response_tokens=200", "train_threads=1"]

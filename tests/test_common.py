@@ -51,6 +51,16 @@ def test_defaults_yaml_then_overrides_in_that_order(tmp_path):
     assert load_config(Demo, []) == Demo()  # no file: the embedded defaults
 
 
+def test_a_single_value_for_a_list_key_is_a_list_of_one(tmp_path):
+    assert load_config(Demo, ["ks=16", "benchmarks=aime25"]).ks == [16]
+    assert load_config(Demo, [write(tmp_path, "ks: 4\nbenchmarks: aime24\n")]).ks == [4]
+    assert load_config(Demo, ["ks=[1, 16]"]).ks == [1, 16] and load_config(Demo, ["ks="]).ks == []
+    with pytest.raises(ConfigError, match=r"'ks'\[0\]: expected an int, got float 1.5"):
+        load_config(Demo, ["ks=1.5"])
+    with pytest.raises(ConfigError, match="'ks': expected a list, got dict"):
+        load_config(Demo, ["ks={a: 1}"])
+
+
 def test_unknown_key_names_the_key_the_file_and_the_line(tmp_path):
     path = write(tmp_path, "lr: 1.0e-6\nrollout:\n  max_turn: 3\n")
     with pytest.raises(ConfigError) as e:

@@ -16,10 +16,10 @@ from tools.compare import (CompareConfig, arm_jobs, compare, find_runs, read_met
 STEPS = 6  # the last third: steps 5 and 6
 
 
-def fake_run(path, seed, accuracy, error_ratio, held_out=None):
+def fake_run(path, seed, accuracy, error_ratio, held_out=None, loss=None):
     """A run directory whose steps 1-4 read 0 and steps 5-6 read `accuracy` and `error_ratio`
     (so a mean over all steps would differ from the last third's), with a held-out row after the
-    last step."""
+    last step; with `loss`, step N's loss is loss + N / 100."""
     path.mkdir(parents=True)
     rows = []
     for step in range(1, STEPS + 1):
@@ -27,7 +27,7 @@ def fake_run(path, seed, accuracy, error_ratio, held_out=None):
         rows.append({"step": step, "accuracy": accuracy if late else 0.0, "trajectories": 64,
                      "selected": 32, "tool_error_ratio_in_correct": error_ratio if late else 0.0,
                      "response_tokens": 100.0 + step, "entropy": 0.5, "grad_norm": 1.0 + seed,
-                     "time/step": 10.0})
+                     "time/step": 10.0, **({} if loss is None else {"loss": loss + step / 100})})
     if held_out is not None:
         rows[-1].update({"eval/pass@1": held_out, "eval/tool_error_rate_in_correct": error_ratio})
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -57,10 +57,12 @@ def test_the_table_holds_the_last_third_means_and_std_over_seeds_and_the_range_o
     # the every-curve table: grpo's ranges against roc's (grad norm 1 and 2 in both: overlap)
     assert "| grpo | 35.0% ± 7.1% (disjoint) | 55.0% ± 7.1% (disjoint) |" in table
     assert "| 1.5 ± 0.71 (overlap) |" in table
-    # roc's ratio below grpo's: by 30% against the larger std, 21.2%; ranges 0.1-0.2 vs 0.3-0.6
-    assert ("- roc's tool-error ratio in correct trajectories below grpo's over the last third: "
-            "by +30.0% against a seed spread (larger std) of 21.2%: holds; seed ranges disjoint"
-            ) in table
+    # roc's ratio below grpo's: by 30 points against the larger std, 21.2; ranges 0.1-0.2 vs
+    # 0.3-0.6
+    assert ("- tool-error ratio in correct trajectories over the last third: roc 15.0%, 30.0 "
+            "points below grpo's 45.0% (seed spread, the larger std: 21.2 points): below by more "
+            "than the spread: yes; seed ranges disjoint") in table
+    assert "no key acted" not in table
     out = tmp_path / "out"
     assert (out / "cmp.png").stat().st_size > 10_000
     assert (out / "cmp.md").read_text() == table + "\n"
@@ -153,6 +155,62 @@ def test_demo_s_ablation_hands_its_nine_runs_to_write_comparison(tmp_path, monke
     assert [line.split(" |")[0] for line in lines[4:7]] == ["| GRPO", "| GRPO-RoC",
                                                             "| GRPO, 2G kept"]
     assert "(400 trajectories per seed)" in "\n".join(lines)
-    assert ("- GRPO-RoC's tool-error ratio in correct trajectories below GRPO's over the last "
-            "third: by +15.0% against a seed spread (larger std) of 1.0%: holds; seed ranges "
-            "disjoint") in lines
+    assert ("- tool-error ratio in correct trajectories over the last third: GRPO-RoC 6.0%, "
+            "15.0 points below GRPO's 21.0% (seed spread, the larger std: 1.0 points): below by "
+            "more than the spread: yes; seed ranges disjoint") in lines
+
+
+def test_the_direction_of_a_difference_is_said_in_words(tmp_path):
+    """An arm whose ratio is below the reference's: "above", never a "below" by a negative
+    number."""
+    runs = [fake_run(tmp_path / "roc-seed0", 0, 0.6, 0.30), fake_run(tmp_path / "low-seed0", 0,
+                                                                      0.6, 0.28)]
+    lines = compare(load_config(CompareConfig, [f"runs={','.join(map(str, runs))}",
+                                                f"plot={tmp_path / 'd.png'}"]))
+    assert ("- tool-error ratio in correct trajectories over the last third: roc 30.0%, 2.0 "
+            "points above low's 28.0% (seed spread, the larger std: 0.0 points): one seed: no "
+            "spread to judge it by") in lines
+    assert not any("by -" in line or "by +" in line for line in lines)
+
+
+def test_an_arm_that_trained_exactly_like_the_reference_is_said_to_and_no_other(tmp_path):
+    """Every step's loss and gradient norm equal the reference's in every seed: no key of the arm
+    acted. A different loss at one seed, or no loss logged at all, is not that."""
+    runs = []
+    for seed in (0, 1):
+        runs += [fake_run(tmp_path / f"roc-seed{seed}", seed, 0.6, 0.1, loss=0.5),
+                 fake_run(tmp_path / f"gspo-seed{seed}", seed, 0.6, 0.1, loss=0.5),
+                 fake_run(tmp_path / f"drgrpo-seed{seed}", seed, 0.6, 0.1, loss=0.5 + seed),
+                 fake_run(tmp_path / f"unlogged-seed{seed}", seed, 0.6, 0.1)]
+    lines = compare(load_config(CompareConfig, [f"runs={','.join(map(str, runs))}",
+                                                f"plot={tmp_path / 'e.png'}"]))
+    said = [line for line in lines if "no key acted" in line]
+    assert said == ["- arm gspo: no key acted at these settings: every step's loss and gradient "
+                    "norm equal roc's, in every seed (it trained exactly like roc)"]
+    assert json.loads((tmp_path / "e.json").read_text())["trained_like_reference"] == ["gspo"]
+
+
+def test_a_typo_in_any_arm_stops_the_comparison_before_anything_runs(tmp_path):
+    out = tmp_path / "arms"
+    with pytest.raises(ConfigError, match=r"arm gspo: command line: 'ratio_levl': unknown key "
+                                          r"\(did you mean 'ratio_level'\?\)"):
+        compare(load_config(CompareConfig, ["arms=roc,gspo ratio_levl=sequence", "seeds=0",
+                                            "args=steps=1", f"out_dir={out}"]))
+    assert not out.exists()  # no arm ran, not even the first
+    with pytest.raises(ConfigError, match="arm big: prompts_per_step=8 does not divide into "
+                                          "mini_batches=3"):
+        compare(load_config(CompareConfig, ["arms=roc,big mini_batches=3", f"out_dir={out}"]))
+
+
+def test_an_arm_key_that_cannot_act_is_said_beside_the_launch_lines(capsys):
+    """ratio_level=sequence alone, at one optimizer step per batch, would train exactly like the
+    reference: said on stderr, once per arm; stdout keeps only the launch lines."""
+    compare(load_config(CompareConfig, ["arms=roc,gspo ratio_level=sequence,gspo4 "
+                                        "ratio_level=sequence mini_batches=4", "seeds=0,1",
+                                        "launch=print"]))
+    out, err = capsys.readouterr()
+    assert len(out.splitlines()) == 6 and all(line.startswith("torchrun") for line in
+                                              out.splitlines())
+    assert err.splitlines() == ["tools.compare: arm gspo: ratio_level=sequence cannot act at "
+                                "mini_batches=1 and no token_* rollout_correction "
+                                "(docs/design.md)"]

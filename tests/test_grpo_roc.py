@@ -6,6 +6,7 @@ Run: .venv/bin/python -m pytest tests/test_grpo_roc.py -q   (pure numpy/torch, a
 import itertools
 import math
 import random
+import re
 
 import numpy as np
 import pytest
@@ -236,7 +237,7 @@ def test_edge_cases_all_correct_all_wrong_one_correct_and_small_groups():
 
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(positive_rule="best"), ValueError,
-     "positive_rule must be one of \\['sample', 'topk', 'shortest'\\]"),
+     re.escape(f"positive_rule must be one of {list(POSITIVE_RULES)}")),
     (dict(rollouts=_rollouts([1, 0] * 4, [-0.1] + [0.0] * 7)), ValueError,
      "penalties must be finite and >= 0"),
     (dict(rollouts=_rollouts([1, float("nan")] * 4)), ValueError, "rewards must be finite"),
@@ -565,6 +566,31 @@ def test_a_sequence_level_ratio_is_the_geometric_mean_of_the_token_ratios_clippe
     assert metrics["clip_high_fraction"].item() == pytest.approx(2 / 4)
     token_level, _ = policy_loss(logp, old_logp, advantages, mask)
     assert token_level.item() != pytest.approx(loss.item())
+
+
+@pytest.mark.parametrize("aggregation", LOSS_AGGREGATIONS)
+def test_at_ratio_1_the_clips_and_the_sequence_ratio_leave_the_gradient_as_it_was(aggregation):
+    """policy_loss's docstring: with old_logp = logp (rl.py's one optimizer step per batch) the
+    clip range, the dual-clip and the sequence-level ratio give the token-level gradient under
+    every aggregation and a per-rollout weight; off ratio 1, or with weights that vary within a
+    rollout, each changes it."""
+    logp, old_logp, advantages, mask = _batch(11, [6, 2, 5, 4])
+    per_rollout = torch.tensor([[0.7], [1.3], [1.0], [0.4]], dtype=torch.float64)
+    per_token = torch.rand(4, 6, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    variants = {"clip_low": dict(clip_low=3e-4), "clip_high": dict(clip_high=4e-4),
+                "dual_clip": dict(dual_clip=1.001), "ratio_level": dict(ratio_level="sequence")}
+
+    def gradient(old, weights, **variant):
+        factors = loss_weights(mask, aggregation, 17.0, 4.0, 6, weights)
+        loss, _ = policy_loss(logp, old, advantages, mask, 17.0, weights=factors, **variant)
+        return torch.autograd.grad(loss, logp)[0]
+
+    for name, variant in variants.items():
+        for old, weights, acts in ((logp.detach(), per_rollout, False),
+                                   (old_logp, per_rollout, True),
+                                   (logp.detach(), per_token, name == "ratio_level")):
+            paper, changed = gradient(old, weights), gradient(old, weights, **variant)
+            assert torch.allclose(changed, paper, rtol=1e-12, atol=1e-15) is not acts, (name, acts)
 
 
 # -----------------------------------------------------------------------------

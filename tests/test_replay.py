@@ -2,16 +2,21 @@
 offline gives the live step's kept set, advantages, loss and gradient norm; under other weights or
 another correction it gives another; from the command line it compares and writes nothing.
 (Reading saved files back into Trajectory objects: tests/test_rl.py's saved-rollouts test.)"""
+import dataclasses
 import json
 import shutil
 import subprocess
 
 import pytest
+import torch
 
 from rl_runs import PYTHON, REPO, run
+from machinery.checkpoint import load_policy, save_checkpoint
 from machinery.config import ConfigError, load_config
-from machinery.saved_rollouts import (STEP_FILE, kept_statistics, print_steps_table,
-                                      read_rollouts, replay_steps, replayable, step_dir)
+from machinery.distributed import init_distributed
+from machinery.saved_rollouts import (STEP_FILE, kept_statistics, not_replayable,
+                                      print_steps_table, read_rollouts, replay_steps, replayable,
+                                      saved_steps, step_dir, write_rollouts)
 from tools.replay import ReplayConfig, replay, replay_all
 
 
@@ -77,7 +82,7 @@ def test_replay_from_the_command_line_compares_and_says_which_weights_are_missin
 @pytest.mark.slow
 def test_every_saved_step_replayed_under_another_rule_shows_what_the_rule_kept(saved_run, capsys):
     """replay_step=all positive_rule=shortest: per step the kept set's statistics live and
-    replayed, then a table of both steps and their mean. The live side is the saved records'; the
+    replayed, after a table of both steps and their mean. The live side is the saved records'; the
     rule keeps as many positives per group as the live one (the split depends on rewards only),
     the shortest of them, so their mean length cannot be above the live one."""
     results = replay_all(load_config(ReplayConfig, [*saved_run.args, "replay_step=all",
@@ -92,6 +97,8 @@ def test_every_saved_step_replayed_under_another_rule_shows_what_the_rule_kept(s
         assert 0 < replayed["kept/overlap_with_live"] <= 1
     out = capsys.readouterr().out
     assert "kept/positives/response_tokens" in out and "| step 1 | step 2 | step mean |" in out
+    # the summary a forker came for first, each step's numbers after it
+    assert out.index("| step 1 | step 2 | step mean |") < out.index("replay of step 1")
 
 
 @pytest.mark.slow
@@ -137,8 +144,8 @@ def test_replay_step_is_one_step_several_or_every_saved_one(tmp_path):
     step_dir(tmp_path, 16).mkdir()  # no step.json: cut off while saving, never read
     assert replay_steps("all", tmp_path) == [1, 6, 11]
     assert replay_steps("0", tmp_path) == [0] and replay_steps("6,11", tmp_path) == [6, 11]
-    # the demo's run keeps 2 checkpoints: of steps 1, 6, 11 only 1 (the run's start) and those
-    # whose sampling checkpoint is still there replay exactly
+    # a run that kept 2 checkpoints: of steps 1, 6, 11 only 1 (the run's start) and those whose
+    # sampling checkpoint is still there replay exactly
     (tmp_path / "checkpoints" / "step_00000010").mkdir(parents=True)
     (tmp_path / "checkpoints" / "step_00000010" / "COMPLETE").write_text("")
     (tmp_path / "checkpoints" / "step_00000005").mkdir()  # no COMPLETE: cut off while saving
@@ -147,6 +154,34 @@ def test_replay_step_is_one_step_several_or_every_saved_one(tmp_path):
         replay_steps("last", tmp_path)
     with pytest.raises(ConfigError, match="replay_step=.* no saved rollouts"):
         replay_steps("all", tmp_path / "elsewhere")
+
+
+@pytest.mark.parametrize("keep", [4, 2])
+def test_the_save_says_which_saved_steps_will_not_replay_as_rotation_then_leaves_them(
+        keep, tiny_model_dir, tmp_path):
+    """configs/tiny.yaml (the demo's run) keeps every checkpoint a saved step needs, so
+    replay_step=all replays all four; with keep_checkpoints=2 the save's line names the steps whose
+    checkpoints rotation then really removes."""
+    init_distributed()
+    cfg = load_config(ReplayConfig, ["configs/tiny.yaml", f"model={tiny_model_dir}",
+                                     f"out_dir={tmp_path}", f"keep_checkpoints={keep}"])
+    model, optimizer = load_policy(cfg, torch.device("cpu"), 0)
+    for step in range(cfg.steps):  # rl_step's saves, in its order
+        if step % cfg.save_rollouts_every == 0:
+            write_rollouts(tmp_path, step + 1, [], {})
+        if (step + 1) % cfg.save_every == 0:
+            save_checkpoint(tmp_path / "checkpoints", step + 1, model, optimizer, {},
+                            keep=cfg.keep_checkpoints)
+    saved = saved_steps(tmp_path)
+    assert saved == [1, 6, 11, 16]
+    said = [n for n in saved if not_replayable(cfg, n)]
+    assert replayable(tmp_path, saved) == [n for n in saved if n not in said]
+    assert said == ([] if keep == 4 else [6, 11])
+    if keep == 2:
+        assert not_replayable(cfg, 6) == ("keep_checkpoints=2 removes checkpoints/step_5 before "
+                                          "step 20 (keep_checkpoints=4 keeps it)")
+    assert not_replayable(dataclasses.replace(cfg, save_rollouts_every=3), 4) == (
+        "no checkpoint is saved after step 3 (save_every=5)")
 
 
 def test_the_steps_table_reads_live_to_replay_per_step_and_their_mean(capsys):

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import os
+import random
 import re
 import shlex
 import shutil
@@ -519,6 +520,98 @@ def test_tool_error_ratio_in_correct_pools_the_calls_of_correct_trajectories_onl
 
 
 # -----------------------------------------------------------------------------
+# keys that cannot act: each claim of RLConfig.inert_keys against the gradients of rl.py's own
+# selection, balance and update (phases 4-6) on two groups of the tiny model's tokens
+
+# per rollout: (tool calls, failed, <answer> blocks, turns, response tokens), then the rewards: the
+# RoC penalties and lengths differ, so the rules keep different positives
+ROLLOUTS = [(2, 2, 1, 3, 30), (1, 0, 3, 2, 12), (1, 0, 1, 2, 40), (2, 1, 1, 3, 9),
+            (0, 0, 1, 1, 25), (1, 1, 2, 2, 18), (1, 0, 1, 2, 33), (3, 0, 1, 4, 7)]
+REWARDS = [[1, 1, 0, 1, 1, 1, 0, 1], [1, 0, 0, 1, 0, 1, 0, 0]]  # the first 4 mixed too (GRPO)
+
+
+@pytest.fixture(scope="module")
+def scored_groups(tiny_model_dir):
+    """Two groups of 8 trajectories, their engine log-probs the tiny model's plus noise (a real
+    engine-vs-trainer gap for the rollout corrections), and their rewards."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    rng, groups = random.Random(7), []
+    for problem in range(2):
+        group = []
+        for index, (calls, errors, answers, turns, length) in enumerate(ROLLOUTS):
+            t = Trajectory(problem, index, [rng.randrange(3, 500) for _ in range(6)],
+                           [rng.randrange(3, 500) for _ in range(length)],
+                           [0 if 4 <= j < 8 else 1 for j in range(length)])  # a tool block
+            with torch.no_grad():
+                logp = token_logprobs(model, torch.tensor([t.prompt_ids + t.response_ids]), 1.0)
+            t.logprobs = [(lp + rng.uniform(-0.3, 0.3)) * m for lp, m in
+                          zip(logp[0, len(t.prompt_ids) - 1:].tolist(), t.loss_mask)]
+            (t.num_tool_calls, t.num_tool_errors, t.num_answer_tags, t.num_turns) = (
+                calls, errors, answers, turns)
+            t.tool_errors_by_kind["error"] = errors
+            group.append(t)
+        groups.append(group)
+    return groups, REWARDS
+
+
+UPDATES = {}
+
+
+def update_gradients(model_dir, scored, overrides):
+    """(cfg, the gradient of each optimizer step) of rl.py's phases 4-6 on `scored` under
+    `overrides`, from the same weights (memoised: several claims share a setting)."""
+    key = tuple(sorted(overrides))
+    if key not in UPDATES:
+        init_distributed()
+        cfg = load_config(rl.RLConfig, [f"model={model_dir}", "group_size=4", "prompts_per_step=2",
+                                        "lr=1e-2", "warmup_steps=0", *overrides])
+        model, optimizer = load_policy(cfg, torch.device("cpu"), 0)
+        size, (groups, rewards) = cfg.rollouts_per_prompt, scored
+        samples, probes, _ = rl.select_samples([g[:size] for g in groups],
+                                               [r[:size] for r in rewards], cfg, 0, 0)
+        grads = []
+        optimizer.register_step_pre_hook(lambda *_: grads.append(torch.cat(
+            [p.grad.full_tensor().flatten() for p in model.parameters()])))
+        rl.learn(model, optimizer, rl.balance_blocks(samples, cfg, {}), probes, cfg, 0, 0,
+                 torch.device("cpu"), {})
+        UPDATES[key] = cfg, grads
+    return UPDATES[key]
+
+
+# (keys set off their defaults, a setting where they cannot act, one where they act)
+INERT_CLAIMS = [
+    (["clip_low=3e-4", "clip_high=4e-4"], [], ["mini_batches=2"]),
+    (["dual_clip=1.001"], [], ["mini_batches=2"]),
+    (["ratio_level=sequence"], [], ["mini_batches=2"]),
+    (["ratio_level=sequence"], ["rollout_correction=geometric_tis"],
+     ["rollout_correction=token_tis"]),  # a weight that varies within a rollout
+    (["rollout_is_threshold=1.2"], [], ["rollout_correction=token_tis"]),
+    (["positive_rule=topk"], ["algorithm=grpo"], []),
+    (["roc_error_ratio=false", "roc_answer_format=false"], ["algorithm=grpo"],
+     ["positive_rule=topk"]),
+    (["roc_error_ratio=false", "roc_answer_format=false"], ["positive_rule=shortest"],
+     ["positive_rule=topk"]),
+]
+
+
+@pytest.mark.parametrize("keys, inert, acting", INERT_CLAIMS,
+                         ids=[" ".join(k + i) for k, i, _ in INERT_CLAIMS])
+def test_a_key_that_cannot_act_says_so_and_leaves_every_gradient_as_it_was(
+        keys, inert, acting, tiny_model_dir, scored_groups):
+    names = {k.split("=")[0] for k in keys}
+    for setting, acts in ((inert, False), (acting, True)):
+        _, before = update_gradients(tiny_model_dir, scored_groups, setting)
+        cfg, after = update_gradients(tiny_model_dir, scored_groups, setting + keys)
+        said = {line.split("=")[0] for line in cfg.inert_keys()}
+        assert len(after) == len(before) and max(g.abs().max() for g in before) > 1e-3
+        gap = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(after, before))
+        if acts:
+            assert not names & said and gap > 1e-3, (setting, gap)
+        else:
+            assert names <= said and gap < 1e-5, (setting, gap)
+
+
+# -----------------------------------------------------------------------------
 # saved rollouts: what select_samples saw and chose, written and read back (no engine)
 
 def test_saved_rollouts_hold_what_selection_saw_and_chose_and_keep_the_newest_steps(tmp_path,
@@ -700,10 +793,10 @@ def test_bad_configs_are_rejected_when_loaded(overrides, message):
         load_config(rl.RLConfig, ["configs/tiny.yaml", *overrides])
 
 
-def test_a_config_for_n_ranks_launched_on_m_is_rejected_before_loading_anything(tiny_model_dir):
-    cfg = load_config(rl.RLConfig, ["configs/tiny.yaml", f"model={tiny_model_dir}", "world_size=8"])
-    with pytest.raises(ConfigError, match="written for 8 ranks but was launched on 2"):
-        check_inputs(cfg, world_size=2)
+def test_a_tensor_parallel_size_that_does_not_fit_is_rejected_before_loading_anything(
+        tiny_model_dir):
+    """world_size is the plan's assumption, not a refusal (tests/test_plan.py); the engine's split
+    of the ranks and of the model's heads is checked before any weights load."""
     cfg = load_config(rl.RLConfig, ["configs/tiny.yaml", f"model={tiny_model_dir}",
                                     "rollout.tensor_parallel_size=4"])
     with pytest.raises(ConfigError, match="tensor_parallel_size=4 does not divide the 6 ranks"):

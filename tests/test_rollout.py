@@ -32,8 +32,7 @@ from rollout import parse_tool_call, RolloutConfig, ToolCallError
 from machinery.config import ConfigError
 from machinery.distributed import init_distributed, split_by_tokens
 from machinery.engine import (HARMLESS_VLLM_WARNINGS, configure_vllm_logging, cpu_kv_cache_bytes,
-                              Engine, model_kv_bytes_per_token, no_gpu_problem,
-                              set_cpu_engine_threads, SHM_DIR)
+                              Engine, model_kv_bytes_per_token, no_gpu_problem, SHM_DIR)
 from machinery.model import save_hf_model
 from machinery.prompts import (FORMAT_SCHEMA_FILE, FORMAT_TEMPLATE_FILE, USAGE_FILE, _render,
                                apply_model_format, load_format, read_format, render_prompt,
@@ -545,21 +544,6 @@ def test_the_demo_engine_starts_in_a_process_that_already_holds_2_gib(tiny_model
 
 # tuple(prompt ids) -> [token ids of assistant turn 1, turn 2, ...]; read by the engine's policy
 SCRIPTS = {}
-def test_an_engine_on_cpu_decodes_on_one_torch_thread_unless_omp_num_threads_says(monkeypatch):
-    """Two OpenMP threads on two shared cores wait at every kernel for the one that was preempted
-    (python -m bench.rl); a user's OMP_NUM_THREADS is theirs."""
-    threads = torch.get_num_threads()
-    try:
-        torch._C.set_num_threads(2)  # the builtin: an engine may have made torch's a no-op
-        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-        set_cpu_engine_threads()
-        assert torch.get_num_threads() == 1
-        torch._C.set_num_threads(2)
-        monkeypatch.setenv("OMP_NUM_THREADS", "2")
-        set_cpu_engine_threads()
-        assert torch.get_num_threads() == 2
-    finally:
-        torch._C.set_num_threads(threads)
 
 
 CALL_END = 2049  # </tool_call> in the tiny tokenizer; checked in the engine fixture

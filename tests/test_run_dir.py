@@ -215,7 +215,8 @@ def test_a_torn_last_event_of_the_history_is_dropped_with_a_warning(tmp_path, ca
 # process (they stop before any model or engine is loaded), the runs as `python rl.py`
 
 RL_ARGS = ["eval_data=", "steps=2", "prompts_per_step=2", "save_every=1", "keep_checkpoints=2",
-           "rollout.max_response_tokens=64", "rollout.max_turns=1", "micro_batch_tokens=1024"]
+           "rollout.max_response_tokens=64", "rollout.max_turns=1", "micro_batch_tokens=1024",
+           "train_threads=1"]
 
 
 def rl_args(model, data, out_dir, *overrides):

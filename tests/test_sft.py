@@ -561,7 +561,7 @@ def test_refusals_before_the_model_loads_are_one_line_and_leave_no_run_directory
 
     def refused(*overrides, wrap=()):
         args = [f"model={tiny_model_dir}", f"data={chat_data}", "global_batch_size=8",
-                "micro_batch_size=4", *overrides]
+                "micro_batch_size=4", "train_threads=1", *overrides]
         result = subprocess.run([*wrap, sys.executable, "sft.py", *args], cwd=REPO,
                                 capture_output=True, text=True, timeout=300)
         assert result.returncode == 1 and "Loading weights" not in result.stdout + result.stderr

@@ -43,7 +43,7 @@ PERCENT = ("accuracy", "eval/pass@1", "tool_error_ratio_in_correct")
 class CompareConfig:
     rl_config: str = "configs/tiny.yaml"  # every arm's rl.py config
     arms: list[str] = dataclasses.field(default_factory=list)  # "NAME key=value ...", one an arm
-    seeds: list[int] = dataclasses.field(default_factory=lambda: [0])  # seeds=[0] or seeds=0,1
+    seeds: list[int] = dataclasses.field(default_factory=lambda: [0])  # seeds=0 or seeds=0,1
     args: list[str] = dataclasses.field(default_factory=list)  # key=value for every arm
     out_dir: str = "runs/compare"  # arm NAME's seed N runs in OUT_DIR/NAME-seedN
     parallel: int = 2             # rl.py runs at once (on CPU each decodes on one core)
@@ -78,6 +78,20 @@ def arm_jobs(cfg):
             jobs[name, seed] = (out_dir, [cfg.rl_config, *cfg.args, *overrides, f"seed={seed}",
                                           f"out_dir={out_dir}"])
     return jobs
+
+
+def check_arms(cfg, jobs):
+    """Every arm's rl.py config loaded and checked as rl.py will (a typo in the last arm stops the
+    comparison before the first trains); an arm's key that cannot act at its settings is said."""
+    from rl import RLConfig  # torch and the engine's adapter, ~4 s: only a comparison of arms
+    for (name, seed), (_, args) in jobs.items():
+        try:  # the config file as rl.py finds it, from the repo root
+            arm = load_config(RLConfig, [str(resolve(args[0])), *args[1:]])
+        except ConfigError as e:
+            raise ConfigError(f"arm {name}: {e}") from None
+        if seed == cfg.seeds[0]:  # on stderr: launch=print's stdout is the launch lines alone
+            for line in arm.inert_keys():
+                print(f"tools.compare: arm {name}: {line}", file=sys.stderr, flush=True)
 
 
 def run_arms(cfg):
@@ -159,17 +173,32 @@ def at_step(metrics, key, step):
     return next((m.get(key) for m in train_rows(metrics) if m["step"] == step), None)
 
 
+def trained_alike(rows, reference_rows):
+    """Whether two runs took the same updates: every step's loss and gradient norm equal, and at
+    least one step trained."""
+    def updates(rows):
+        return [(m["step"], m.get("loss"), m.get("grad_norm")) for m in train_rows(rows)]
+
+    return updates(rows) == updates(reference_rows) and any(
+        loss is not None for _, loss, _ in updates(rows))
+
+
 def summarize(runs, reference, final_trajectories=0, timing=None):
     """runs {(arm, seed): metrics rows} -> per arm: the rollouts sampled / trained per step, the
     training accuracy and Fig. 4's tool-error ratio in correct trajectories (failed calls / calls
     over every sampled trajectory with reward 1) at step 1, the last step and over the last third,
     the held-out numbers after the last step, and every CURVES key's last third; then whether the
-    reference arm's ratio is below each other arm's by more than the spread across seeds."""
+    reference arm's ratio is below each other arm's by more than the spread across seeds, and
+    which arms trained exactly like the reference (no key of theirs acted)."""
     arms = list(dict.fromkeys(arm for arm, _ in runs))
     steps = max((m["step"] for rows in runs.values() for m in train_rows(rows)), default=0)
     seeds = sorted({seed for _, seed in runs})
     summary = {"steps": steps, "seeds": seeds, "reference": reference, "timing": timing,
-               "final_trajectories": final_trajectories, "arms": {}, "below": {}}
+               "final_trajectories": final_trajectories, "arms": {}, "below": {},
+               "trained_like_reference": [
+                   name for name in arms if name != reference and all(
+                       (reference, seed) in runs and trained_alike(rows, runs[reference, seed])
+                       for (arm, seed), rows in runs.items() if arm == name)]}
     for name in arms:
         per_seed = [rows for (arm, _), rows in runs.items() if arm == name]
         arm = {"rollouts_per_step": max((m["trajectories"] for rows in per_seed
@@ -281,6 +310,9 @@ def table_lines(summary, source):
                      for c, (k, _) in zip(cells, CURVES)]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines.append("")
+    for name in summary.get("trained_like_reference", []):
+        lines.append(f"- arm {name}: no key acted at these settings: every step's loss and "
+                     f"gradient norm equal {ref}'s, in every seed (it trained exactly like {ref})")
     at_last = ("at the last step (the final policy, held out)"
                if summary["last_step_measure"].startswith("final")
                else "at the last step (its training batch)")
@@ -291,13 +323,19 @@ def table_lines(summary, source):
                 lines.append(f"- {ref} vs {name}, {label}: no correct trajectory with a tool "
                              "call in some arm")
                 continue
-            verdict = (f"{'holds' if r['holds'] else 'does NOT hold'}; seed ranges "
-                       f"{'disjoint' if r['ranges_disjoint'] else 'overlap'}")
+            key = (summary["last_step_measure"] if where == "last_step"
+                   else "tool_error_ratio_in_correct_last_third")
+            ours, theirs = summary["arms"][ref][key], summary["arms"][name][key]
+            points = f"{abs(r['margin']) * 100:.1f}"  # percentage points, which way they go
+            side = ("equal to" if points == "0.0" else
+                    f"{points} points {'below' if r['margin'] > 0 else 'above'}")
+            verdict = (f"below by more than the spread: {'yes' if r['holds'] else 'NO'}; seed "
+                       f"ranges {'disjoint' if r['ranges_disjoint'] else 'overlap'}")
             if len(summary["seeds"]) < 2:
                 verdict = "one seed: no spread to judge it by"
-            lines.append(f"- {ref}'s tool-error ratio in correct trajectories below {name}'s "
-                         f"{label}: by {r['margin']:+.1%} against a seed spread (larger std) of "
-                         f"{r['spread']:.1%}: {verdict}")
+            lines.append(f"- tool-error ratio in correct trajectories {label}: {ref} "
+                         f"{ours['mean']:.1%}, {side} {name}'s {theirs['mean']:.1%} (seed spread, "
+                         f"the larger std: {r['spread'] * 100:.1f} points): {verdict}")
     return lines
 
 
@@ -310,10 +348,11 @@ def smooth(values, window):
     return out
 
 
-def plot_curves(runs, path, window, title):
+def plot_curves(runs, path, window, title, alike=None):
     """One panel per CURVES key: per arm the seed mean (each seed first smoothed over `window`
     steps: a few prompts a step are noisy) and, shaded, the seed min..max; held-out accuracy at the
-    steps it was measured, unsmoothed."""
+    steps it was measured, unsmoothed. alike: {arm: the reference it trained exactly like}, said
+    in the legend (its curves hide the reference's)."""
     # matplotlib (~1 s) only here: the launch lines and --help do not wait for it
     import matplotlib
     matplotlib.use("Agg")  # no display on a server; before pyplot is imported
@@ -338,7 +377,8 @@ def plot_curves(runs, path, window, title):
             xs, stats = [x for x, _ in points], [s for _, s in points]
             ax.plot(xs, [s["mean"] for s in stats], color=color, lw=2,
                     marker="o" if key == "eval/pass@1" else None,
-                    label=f"{name} ({len(per_seed)} seed{'s' * (len(per_seed) > 1)})")
+                    label=f"{name} ({len(per_seed)} seed{'s' * (len(per_seed) > 1)})"
+                    + (f" = {alike[name]}: no key acted" if name in (alike or {}) else ""))
             ax.fill_between(xs, [s["min"] for s in stats], [s["max"] for s in stats],
                             color=color, alpha=0.15)
         ax.set(xlabel="RL step", title=label)
@@ -361,7 +401,8 @@ def write_comparison(runs, plot, reference, source, title, window, final_traject
                      timing=None):
     """The PNG at `plot`, its summary as .json and table as .md next to it; the table's lines."""
     summary = summarize(runs, reference, final_trajectories, timing)
-    path = plot_curves(runs, plot, window, title)
+    path = plot_curves(runs, plot, window, title,
+                       dict.fromkeys(summary["trained_like_reference"], reference))
     atomic_write_text(path.with_suffix(".json"), json.dumps(summary, indent=1) + "\n")
     lines = table_lines(summary, source)
     atomic_write_text(path.with_suffix(".md"), "\n".join(lines) + "\n")
@@ -372,6 +413,7 @@ def compare(cfg):
     timing = None
     if cfg.arms:
         jobs = arm_jobs(cfg)
+        check_arms(cfg, jobs)
         if cfg.launch == "print":  # one line per run, for the cluster's scheduler
             for out_dir, args in jobs.values():
                 print(f"torchrun --nproc_per_node=8 rl.py {shlex.join(args)}")

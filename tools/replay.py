@@ -9,7 +9,9 @@ engine, no tool, nothing written. Two RoC rules, losses or corrections compared 
 The config is the run's (rl.py's keys, out_dir the run directory) plus the replay_* keys below.
 Unchanged, a replay reproduces the live step exactly (docs/design.md, Saved rollouts).
 """
+import contextlib
 import dataclasses
+import io
 import time
 from types import SimpleNamespace
 
@@ -27,6 +29,7 @@ from machinery.model import check_model_dir
 from machinery.saved_rollouts import (kept_statistics, print_kept_statistics, print_replay,
                                       print_steps_table, read_rollouts, replay_policy,
                                       replay_steps, replayable)
+from machinery.threads import recorded_train_threads
 from machinery.training import collate, equal_micro_batches, token_logprobs
 
 
@@ -59,8 +62,8 @@ def replay(cfg):
     tokenizer = AutoTokenizer.from_pretrained(check_model_dir(cfg.model))
     pad_id = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
     loaded = time.perf_counter()
-    # steps 4-7 as rl_step runs them, on its CPU threads: train_threads, else the 1 vLLM sets
-    cpu_threads(cfg.train_threads or 1, device)
+    # steps 4-7 as rl_step runs them, on its CPU threads: train_threads, else the run's own count
+    cpu_threads(cfg.train_threads or recorded_train_threads(run_dir) or 1, device)
     samples, probes, records = select_samples(groups, rewards, cfg, step, position)
     blocks = balance_blocks(samples, cfg, {})
     mine = [s for block in blocks for s in block]
@@ -91,18 +94,31 @@ def replay(cfg):
 
 
 def replay_all(cfg):
-    """replay_step=N,M,... or all: each step replayed (and printed) in turn, then one table of the
-    kept sets live -> replay per step and their mean; the replays' results (rank 0)."""
+    """replay_step=N,M,... or all: each step replayed in turn, then one table of the kept sets
+    live -> replay per step and their mean, printed first, and each step's own numbers after it;
+    the replays' results (rank 0)."""
     steps = replay_steps(cfg.replay_step, resolve(cfg.out_dir))
+    for line in cfg.inert_keys() if is_main_rank() else []:
+        print(f"tools.replay: {line}", flush=True)
     if cfg.replay_step == "all" and not cfg.replay_weights:
         exact = replayable(resolve(cfg.out_dir), steps)
         if len(exact) < len(steps) and is_main_rank():
             print(f"replay_step=all: saved steps {sorted(set(steps) - set(exact))} left out: the "
                   "checkpoints that sampled them are gone (keep_checkpoints)", flush=True)
         steps = exact
-    results = [replay(dataclasses.replace(cfg, replay_step=str(n))) for n in steps]
-    if len(steps) > 1 and results[0] is not None:
+    if len(steps) == 1:
+        return [replay(dataclasses.replace(cfg, replay_step=str(steps[0])))]
+    if is_main_rank():
+        print(f"replaying saved steps {', '.join(map(str, steps))}: their summary, then each "
+              "step", flush=True)
+    results, dumps = [], []
+    for n in steps:
+        with contextlib.redirect_stdout(io.StringIO()) as dump:  # after the summary
+            results.append(replay(dataclasses.replace(cfg, replay_step=str(n))))
+        dumps.append(dump.getvalue())
+    if results[0] is not None:
         print_steps_table([r.row for r in results])
+    print("".join(dumps), end="", flush=True)
     return results
 
 
