@@ -215,7 +215,7 @@ def rl_step(run, step):
     cfg = run.cfg
     times, traffic = {}, {}  # this rank's seconds per phase, and the bytes it moved
     started = time.perf_counter()
-    WHERE["step"] = step + 1  # what a rank's last line names, should it lose a peer
+    WHERE["step"] = step + 1  # a rank's last line names it
 
     # 1. Before every step, a fresh run's first too: one code path, checked by the sync guard (7)
     with metrics.timed(times, "weight_update"):
@@ -532,7 +532,7 @@ def log_and_checkpoint(run, step, started, groups, blocks, records, learned, tim
         row.update(evaluate_held_out(run))
         metrics.print_held_out(row, run.rank, f"after step {step + 1}")
 
-    # Logged before the checkpoint commits, so every step is logged once (docs/design.md, Faults)
+    # logged before the commit: every step once (docs/design.md, Faults)
     written = None
     if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
         with metrics.timed(row, "time/checkpoint"):

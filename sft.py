@@ -53,20 +53,20 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from machinery.checkpoint import (latest_checkpoint, remove_unfinished, resume_run,
-                                  save_checkpoint)
+from machinery.checkpoint import latest_checkpoint, resume_run, save_checkpoint
 from machinery.config import ConfigError, load_config, resolve
 from machinery.conversations import (IGNORE, chat_text, check_context, check_conversation,
                                      check_turn, collate_conversations, collate_shared_prefix,
                                      end_of_turn_ids, prompt_format, read_template, read_tools,
                                      shared_prefix_length)
 from machinery.data import load_jsonl
-from machinery.distributed import check_shared_paths, init_distributed, seed_everything
+from machinery.distributed import (check_same_settings, check_shared_paths, init_distributed,
+                                   seed_everything)
 from machinery.exits import run_script, training_interrupted
 from machinery.metrics import MetricsLogger, print_sft_data, print_sft_written
 from machinery.model import build_model, check_model_dir, save_hf_model
 from machinery.prompts import DATA_PLACEHOLDER, encode_rendered
-from machinery.run_dir import claim_run_dir, finish_run_dir
+from machinery.run_dir import claim_run_dir, finish_run_dir, record_start
 from machinery.threads import choose_threads
 
 
@@ -354,6 +354,7 @@ def sft_step(model, optimizer, examples, lengths, step, total_steps, cfg, pad_id
 def train(cfg):
     """Run SFT as configured; returns (model, tokenizer): the trained FSDP model, for the tests."""
     rank, world_size, _, device = init_distributed(cfg.collective_timeout_min)
+    check_same_settings(cfg, rank, world_size)
     check_shared_paths(cfg.out_dir, [cfg.model, cfg.data, cfg.chat_template, cfg.tool_schema],
                        rank, world_size)
     accumulation = check_world(cfg, world_size)
@@ -384,8 +385,8 @@ def train(cfg):
     run_state = {"num_examples": len(examples), "global_batch_size": cfg.global_batch_size,
                  "seed": cfg.seed}
     ckpt_root = out_dir / "checkpoints"
-    remove_unfinished(ckpt_root, rank)
-    start_step = resume_run(run_dir.checkpoint, model, optimizer, run_state, rank)
+    start_step = resume_run(run_dir.checkpoint, model, optimizer, run_state, rank, ckpt_root)
+    record_start(run_dir, cfg)  # config.yaml once the checkpoint loaded
     logger = MetricsLogger(out_dir, enabled=rank == 0, wandb_project=cfg.wandb_project,
                            tensorboard=cfg.tensorboard, config=dataclasses.asdict(cfg),
                            resume_step=start_step)

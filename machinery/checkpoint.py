@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from machinery.config import ConfigError, require_at_least, resolve
 from machinery.data import load_problems
+from machinery.distributed import ranks_text
 from machinery.engine import check_heads_split
 from machinery.exits import fault_point
 from machinery.model import build_model, check_model_dir
@@ -75,21 +76,11 @@ def checkpoint_damage(checkpoint):
     return ""
 
 
-def ranks_text(ranks):
-    """[1, 2, 3, 7] -> "1-3, 7"."""
-    runs = []
-    for r in ranks:
-        if runs and r == runs[-1][1] + 1:
-            runs[-1][1] = r
-        else:
-            runs.append([r, r])
-    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
-
-
 def check_fits(checkpoint, model):
     """Refuse a checkpoint of another model before anything loads: DCP's .metadata holds every
-    saved tensor's shape, and the model's config.json gives its own (the module built on the meta
-    device, no memory). Names the first parameter that differs. A model that is no local
+    saved tensor's name and shape, and the model's config.json gives its own (the module built on
+    the meta device, no memory). Names the first parameter whose shape differs, or the ones only
+    one side has (a model of the same widths with more or fewer layers). A model that is no local
     directory (a hub id) is checked when the checkpoint loads."""
     config_file = resolve(model) / "config.json"
     if checkpoint is None or not config_file.is_file():
@@ -98,14 +89,27 @@ def check_fits(checkpoint, model):
     with torch.device("meta"):
         expected = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_file.parent))
     shapes = {name: tuple(t.shape) for name, t in expected.state_dict().items()}
-    found = {name: tuple(saved[f"model.{name}"].size) for name in shapes
-             if hasattr(saved.get(f"model.{name}"), "size")}
+    found = {name[len("model."):]: tuple(item.size) for name, item in saved.items()
+             if name.startswith("model.") and hasattr(item, "size")}
     differs = [name for name in shapes if name in found and found[name] != shapes[name]]
-    if found and not differs:
+    lacks = sorted(set(shapes) - set(found))  # the model's, not in the checkpoint
+    extra = sorted(set(found) - set(shapes))
+    if not differs and not lacks and not extra:
         return
-    what = (f"its {differs[0]} is {list(found[differs[0]])}, where {model} has "
-            f"{list(shapes[differs[0]])}" if differs
-            else f"it holds none of {model}'s {len(shapes)} parameters")
+    if differs:
+        what = (f"its {differs[0]} is {list(found[differs[0]])}, where {model} has "
+                f"{list(shapes[differs[0]])}")
+    elif len(lacks) == len(shapes):
+        what = f"it holds none of {model}'s {len(shapes)} parameters"
+    else:
+        parts = []
+        if lacks:
+            parts.append(f"{len(lacks)} of {model}'s {len(shapes)} parameters are not in it "
+                         f"(first: {lacks[0]})")
+        if extra:
+            parts.append(f"{len(extra)} of its {len(found)} are not in {model} "
+                         f"(first: {extra[0]})")
+        what = "; ".join(parts)
     raise ConfigError(f"{checkpoint}: a checkpoint of another model ({what}); it is not damaged. "
                       f"Resume it with the model it was trained from, or train {model} in "
                       "another out_dir")
@@ -297,10 +301,12 @@ def load_weights(checkpoint, model):
     set_model_state_dict(model, state["model"])
 
 
-def resume_run(checkpoint, model, optimizer, run_state, rank):
+def resume_run(checkpoint, model, optimizer, run_state, rank, ckpt_root):
     """The step sft.py's run starts at: 0, or `checkpoint`'s (claim_run_dir's choice), with its
     model, optimizer and RNG loaded. The step alone fixes the data position and the lr, so the
-    checkpoint must come from this very run (run_state)."""
+    checkpoint must come from this very run (run_state). A dead attempt's .tmp checkpoints under
+    ckpt_root go (remove_unfinished)."""
+    remove_unfinished(ckpt_root, rank)
     if checkpoint is None:
         return 0
     saved = load_checkpoint(checkpoint, model, optimizer)

@@ -1,14 +1,17 @@
 """Config loading: a dataclass per script from YAML plus key=value overrides, with errors that name
-the key, the file and the line; the repo root and paths relative to it; atomic file writes."""
+the key, the file and the line; the repo root and paths relative to it; atomic file writes, and the
+one reader of the files a run appends to (a torn last line dropped with a warning)."""
 import dataclasses
 import difflib
 import inspect
 import io
+import json
 import os
 import sys
 import textwrap
 import tokenize
 import typing
+import zlib
 from pathlib import Path
 import yaml
 
@@ -321,6 +324,23 @@ def save_config(cfg, run_dir):
     print(config_summary(cfg, Path(run_dir) / "config.yaml"), flush=True)
 
 
+def read_saved_config(run_dir):
+    """run_dir/config.yaml (save_config's) as a dict, None where there is none; one that does not
+    parse (edited by hand, or a disk that lost its end) is a ConfigError naming it."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        return None
+    try:
+        saved = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({' '.join(str(e).split())}); fix it, or move "
+                          "the run directory away") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{path}: expected the settings as a mapping, got "
+                          f"{type(saved).__name__}; fix it, or move the run directory away")
+    return saved
+
+
 def atomic_write_text(path, text):
     """Write-then-rename, so a reader never sees half a file (a crash leaves the old file
     intact)."""
@@ -333,10 +353,76 @@ def atomic_write_text(path, text):
     os.replace(tmp, path)
 
 
+def read_records(path):
+    """The JSON objects of a JSONL file a run appends to (metrics.jsonl, eval's samples.jsonl, a
+    saved step's rank_R.jsonl.gz), [] if it does not exist: what every reader of a run uses. A torn
+    last line (a kill or a full disk mid-write; a .gz cut short) is dropped with one warning naming
+    the file; nothing before it is lost. A bad line before the last is no tear: a ConfigError
+    naming the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    data, torn = path.read_bytes(), False
+    if path.suffix == ".gz":
+        data, torn = _gunzip(data)
+    records = []
+    numbered = [(number, line) for number, line in
+                enumerate(data.decode("utf-8", errors="replace").splitlines(), 1) if line.strip()]
+    for number, line in numbered:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if number == numbered[-1][0]:
+                torn = True
+                break
+            raise ConfigError(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno}), "
+                              "and not the last line: fix or move the file") from None
+        if not isinstance(record, dict):
+            raise ConfigError(f"{path}:{number}: expected a JSON object, got "
+                              f"{type(record).__name__}")
+        records.append(record)
+    if torn:
+        warn_torn(path, f"the {len(records)} records before it are kept")
+    return records
+
+
+def _gunzip(data):
+    """(the bytes a gzip file holds, whether it is cut short): all it holds before a tear, which
+    gzip.open would drop with the block it was reading."""
+    out = []
+    while data:  # one member per write; appended files have several
+        member = zlib.decompressobj(wbits=31)
+        try:
+            out.append(member.decompress(data))
+        except zlib.error:
+            return b"".join(out), True
+        if not member.eof:
+            return b"".join(out), True
+        data = member.unused_data
+    return b"".join(out), False
+
+
+def warn_torn(path, kept):
+    """The one warning of a torn file (`kept`: what is left of it), once per file and process
+    however often it is read."""
+    if str(path) in _TORN_WARNED:
+        return
+    _TORN_WARNED.add(str(path))
+    print(f"WARNING: {path}: its end is torn (a kill, a crash or a full disk mid-write) and "
+          f"dropped; {kept}", flush=True)
+
+
+_TORN_WARNED = set()
+
+
 def resolve(path):
     """Relative paths are relative to the repo, so scripts work from any working directory."""
     path = Path(path)
-    return path if path.is_absolute() or path.exists() else REPO / path
+    try:
+        here = path.is_absolute() or path.exists()
+    except OSError:  # a name too long: not here; whoever uses it says why
+        here = False
+    return path if here else REPO / path
 
 
 def flatten_config(config, prefix=""):

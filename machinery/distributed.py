@@ -3,6 +3,7 @@ each other; every node sees rank 0's files), the device and dtype; the weight ga
 engine's reload (FSDP2 shards, bucketed all-gathers); the prompt-claim counter and the token balance
 across ranks (paper §3.2); the cores each rank's worker pools take. What a run on several nodes
 needs: docs/gpu.md, "Several nodes"."""
+import dataclasses
 import gc
 import itertools
 import os
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout
 from torch.distributed.tensor import DTensor, Shard
 
-from machinery.config import ConfigError, resolve
+from machinery.config import ConfigError, flatten_config, resolve
 from machinery.exits import fault_point
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
@@ -144,18 +145,61 @@ def unreachable(error, timeout):
             "PREFLIGHT_TIMEOUT_S (docs/gpu.md, \"Several nodes\")")
 
 
+def check_same_settings(cfg, rank, world_size):
+    """Every rank runs rank 0's settings (its config, resolved from the YAML and the key=value
+    arguments of its node's command): compared at start, before anything is read or written, and
+    refused on every rank in one line naming each key that differs and the ranks of each value.
+    Otherwise two nodes launched with different arguments train one run two ways, silently, and
+    config.yaml records rank 0's settings alone."""
+    if world_size == 1:
+        return
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, flatten_config(dataclasses.asdict(cfg)))
+    missing = "(not set)"
+    keys = sorted({key for settings in everyone for key in settings})
+    differ = [key for key in keys
+              if any(s.get(key, missing) != everyone[0].get(key, missing) for s in everyone)]
+    if not differ:
+        return
+    parts = []
+    for key in differ:
+        ranks = {}
+        for r, settings in enumerate(everyone):
+            ranks.setdefault(repr(settings.get(key, missing)), []).append(r)
+        parts.append(f"{key}: " + ", ".join(f"{value} on rank{'s' * (len(on) > 1)} "
+                                            f"{ranks_text(on)}" for value, on in ranks.items()))
+    what = ("different out_dirs, one run in two places" if "out_dir" in differ
+            else "different settings")
+    raise ConfigError(f"the ranks were started with {what} ({'; '.join(parts)}): one run has one "
+                      "config on every rank; start every node with the same command (config file "
+                      "and key=value arguments)")
+
+
+def ranks_text(ranks):
+    """[1, 2, 3, 7] -> "1-3, 7"."""
+    runs = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def check_shared_paths(out_dir, inputs, rank, world_size):
     """Before anything is written: every rank sees rank 0's out_dir (rank 0 writes a token there,
     each rank reads it back after the broadcast) and the inputs (paths as in a config) that rank 0
     has on disk (a hub id is not a path: each rank downloads it). Every rank writes checkpoints and
     saved rollouts and rank 0 commits them: on a node-local out_dir each node's shards would
     silently stay apart (machinery/checkpoint.py). A failure is a ConfigError on every rank at
-    once, naming the rank, host and path."""
+    once, naming the rank, host and path. No other rank looks at out_dir (resolve() stats a
+    relative one) before rank 0 has made it: an NFS client caches a failed lookup (lookupcache=all,
+    up to acdirmax, 60 s by default), and would not see rank 0's new directory."""
     if world_size == 1:
         return
-    out_dir = resolve(out_dir)
     box = [None]
     if rank == 0:
+        out_dir = resolve(out_dir)
         name = f".shared-check-{secrets.token_hex(8)}"
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -168,6 +212,8 @@ def check_shared_paths(out_dir, inputs, rank, world_size):
     if isinstance(box[0], str):
         raise ConfigError(box[0])
     name, present, host0 = box[0]
+    if rank != 0:
+        out_dir = resolve(out_dir)  # only now that rank 0 has made it
     try:
         seen = (out_dir / name).read_text() == name
     except OSError:

@@ -6,7 +6,6 @@ for a rank that lost a peer: it says so in one line, and what torchrun's --max-r
 An exit other than success never waits on the exit handlers longer than LEAVE_TIMEOUT_S."""
 import atexit
 import faulthandler
-import json
 import os
 import re
 import shlex
@@ -18,7 +17,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from machinery.config import ConfigError
+from machinery.config import ConfigError, read_records
 
 # The signals this process received, by name: the handler's only state. After one, an error is the
 # interrupt's echo (a peer rank that left mid-collective), not a bug to show a traceback for.
@@ -319,13 +318,8 @@ def rerun_command(script, argv, set_keys=None):
 
 def last_logged_step(out_dir):
     """The step of metrics.jsonl's last row (0 when there is none)."""
-    path = Path(out_dir) / "metrics.jsonl"
-    rows = path.read_text().splitlines() if path.is_file() else []
-    rows = [line for line in rows if line.strip()]
-    try:
-        return json.loads(rows[-1]).get("step", 0) if rows else 0
-    except json.JSONDecodeError:  # a line cut off by the interrupt itself
-        return json.loads(rows[-2]).get("step", 0) if len(rows) > 1 else 0
+    rows = read_records(Path(out_dir) / "metrics.jsonl")
+    return rows[-1].get("step", 0) if rows else 0
 
 
 def training_interrupted(script, argv, out_dir, checkpoint, total_steps=None, save_every=0,
@@ -334,7 +328,9 @@ def training_interrupted(script, argv, out_dir, checkpoint, total_steps=None, sa
     reached, the last checkpoint (what resume=auto takes: machinery.checkpoint.latest_checkpoint,
     passed in so that demo.py can import this module without torch), the steps a resume redoes,
     the command that resumes."""
-    saved = int(json.loads((checkpoint / "COMPLETE").read_text())["step"]) if checkpoint else 0
+    # the step from the directory's name (step_N), as checkpoint.checkpoint_step reads it: the
+    # marker's text may be empty after a crash that came before the disk had it
+    saved = int(checkpoint.name.split("_")[-1]) if checkpoint else 0
     done = max(last_logged_step(out_dir), saved)
     of = f" of {total_steps}" if total_steps else ""
     where = (f"after step {done}{of}" if total_steps and done >= total_steps

@@ -3,6 +3,7 @@ import contextlib
 import importlib.util
 import json
 import math
+import secrets
 import statistics
 import sys
 import textwrap
@@ -13,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from machinery.config import ConfigError, atomic_write_text
+from machinery.config import ConfigError, atomic_write_text, read_records
 from machinery.exits import reached, rerun_command, shown, typed
 
 
@@ -30,9 +31,11 @@ def check_logger_packages(wandb_project, tensorboard):
 
 class MetricsLogger:
     """Appends one JSON object per step to run_dir/metrics.jsonl (rank 0 only); mirrors to
-    wandb/tensorboard when asked. On resume, the rows past the resumed step are dropped, as is the
-    whole log of a run that starts over (its step 0, the evaluation before training, is redone),
-    so the file stays one line per step (rl.py logs a step before its checkpoint commits)."""
+    wandb/tensorboard when asked. On resume every log continues the run's own: metrics.jsonl and
+    TensorBoard drop what came after the resumed step (the steps trained again; a run that starts
+    over drops the whole log, its step 0, the evaluation before training, redone), and W&B
+    continues the run of the id kept in run_dir/wandb_run_id. rl.py logs a step before its
+    checkpoint commits, so the file holds every step once."""
 
     def __init__(self, run_dir, enabled=True, wandb_project="", tensorboard=False, config=None,
                  resume_step=0):
@@ -42,19 +45,24 @@ class MetricsLogger:
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.exists():
-            kept = [l for l in self.path.read_text().splitlines()
-                    if resume_step and l.strip() and json.loads(l).get("step", 0) <= resume_step]
-            atomic_write_text(self.path, "".join(l + "\n" for l in kept))
+        if self.path.exists():  # a torn last line (a kill mid-write) is dropped, with a warning
+            kept = [r for r in read_records(self.path)
+                    if resume_step and r.get("step", 0) <= resume_step]
+            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         if wandb_project:
             import wandb  # optional: pip install wandb
 
+            # W&B takes no step below one it has (the steps trained again after a resume keep
+            # their first values there; metrics.jsonl has the redone ones)
             self.wandb = wandb.init(project=wandb_project, config=config, dir=str(run_dir),
-                                    resume="allow")
+                                    id=wandb_run_id(run_dir), resume="allow")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # optional: pip install tensorboard
 
-            self.tb = SummaryWriter(str(Path(run_dir) / "tb"))
+            # purge_step: events at or after the first step trained again are dropped on load (a
+            # run that starts over: all of them, its step 0 too, as metrics.jsonl)
+            self.tb = SummaryWriter(str(Path(run_dir) / "tb"),
+                                    purge_step=resume_step + 1 if resume_step else 0)
 
     def log(self, step, metrics):
         """One row: the step, `timestamp` (unix seconds at logging, as W&B's _timestamp and
@@ -88,6 +96,18 @@ class MetricsLogger:
             self.wandb.finish()
         if self.tb:
             self.tb.close()
+
+
+WANDB_ID_FILE = "wandb_run_id"
+
+
+def wandb_run_id(run_dir):
+    """The W&B run id of this run directory: made at its first start (8 characters of [0-9a-f], as
+    W&B's own), kept in run_dir/wandb_run_id, so every later start continues that W&B run."""
+    path = Path(run_dir) / WANDB_ID_FILE
+    if not path.is_file() or not path.read_text().strip():
+        atomic_write_text(path, secrets.token_hex(4) + "\n")
+    return path.read_text().strip()
 
 
 class TimedExecutor:

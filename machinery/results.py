@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from machinery.config import ConfigError, atomic_write_text, save_config
+from machinery.config import ConfigError, atomic_write_text, read_records, save_config
 from machinery.run_dir import ROLLOUT_RESOURCE_FIELDS, take_lock
 
 # Problems per generate() of an evaluation (eval.py's chunk_problems default). rl.py's held-out
@@ -56,25 +56,17 @@ def open_samples(out_dir, settings, n, resume):
         raise ConfigError(f"{out_dir} holds samples made with other settings "
                           f"({', '.join(changed)}); give this evaluation its own out_dir (the "
                           "default, out_dir='', is one directory per model)")
-    lines = samples_path.read_text(encoding="utf-8").split("\n")
     groups = {}
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if lineno == len(lines):  # the last line, cut off mid-write
-                continue
-            raise ConfigError(f"{samples_path}:{lineno}: not valid JSON; "
-                              "fix or delete the file") from None
+    for record in read_records(samples_path):  # a line cut off mid-write: dropped, with a warning
         key = (record["benchmark"], record["problem_id"])
         groups.setdefault(key, {})[record["sample_index"]] = record
     finished = {key: [by_index[j] for j in range(n)] for key, by_index in groups.items()
                 if sorted(by_index) == list(range(n))}
     # Rewrite only when something was dropped: the common resume leaves the file untouched.
     kept = [json.dumps(r) for records in finished.values() for r in records]
-    if len(kept) != sum(1 for line in lines if line.strip()):
+    text = samples_path.read_text(encoding="utf-8", errors="replace")
+    if len(kept) != sum(1 for line in text.splitlines() if line.strip()) or (
+            text and not text.endswith("\n")):  # the next append would join the last line
         atomic_write_text(samples_path, "".join(line + "\n" for line in kept))
     return finished
 

@@ -11,7 +11,8 @@ from transformers import AutoTokenizer
 from machinery import checkpoint, metrics, plan, run_dir
 from machinery.config import resolve
 from machinery.data import drop_long_prompts
-from machinery.distributed import check_shared_paths, compute_dtype, init_distributed
+from machinery.distributed import (check_same_settings, check_shared_paths, compute_dtype,
+                                   init_distributed)
 from machinery.engine import Engine
 from machinery.model import save_hf_model
 from machinery.prompts import load_format
@@ -24,6 +25,7 @@ def start_rl_run(cfg, keys_a_resume_may_change):
     weight_dtype); None when out_dir's run is already at `steps`."""
     model_path, problems, eval_rows = checkpoint.check_inputs(cfg)
     rank, world_size, _, device = init_distributed(cfg.collective_timeout_min)
+    check_same_settings(cfg, rank, world_size)  # one run: rank 0's settings on every rank
     if rank == 0 and (note := plan.launch_note(cfg, world_size)):  # not the plan's size: it runs
         print(note, flush=True)
     check_shared_paths(cfg.out_dir, [model_path, cfg.train_data, cfg.eval_data, cfg.init_from],
@@ -46,6 +48,7 @@ def start_rl_run(cfg, keys_a_resume_may_change):
                      if eval_rows else [])
 
     run.model, run.optimizer, run.state = checkpoint.restore(cfg, run.dir.checkpoint, device, rank)
+    run_dir.record_start(run.dir, cfg)  # config.yaml and the history once the checkpoint loaded
     if rank == 0:
         print(checkpoint.epoch_plan(cfg, len(run.problems), run.state["step"])[1], flush=True)
         for line in cfg.inert_keys():  # an ablation arm that would train exactly like the paper's

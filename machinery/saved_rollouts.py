@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from machinery.checkpoint import (CHECKPOINT_PREFIX, load_policy, load_training_state,
                                   load_weights, start_checkpoint)
-from machinery.config import ConfigError, atomic_write_text, flatten_config, resolve
+from machinery.config import (ConfigError, atomic_write_text, flatten_config, read_records,
+                              resolve, warn_torn)
 
 ROLLOUTS_DIR = "rollouts"
 STEP_PREFIX = "step_"
@@ -135,7 +136,20 @@ def saved_steps(run_dir):
     if not root.is_dir():
         return []
     return sorted(int(p.name[len(STEP_PREFIX):]) for p in root.iterdir()
-                  if p.name.startswith(STEP_PREFIX) and (p / STEP_FILE).is_file())
+                  if p.name.startswith(STEP_PREFIX) and step_meta(p) is not None)
+
+
+def step_meta(folder):
+    """A saved step's step.json, None where there is none or it is torn (renamed into place, yet
+    cut short by a crash before the disk had it: the step counts as not saved, with a warning)."""
+    path = Path(folder) / STEP_FILE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        warn_torn(path, "the step counts as not saved")
+        return None
 
 
 def read_rollouts(run_dir, step=0, rank=0, world_size=1):
@@ -152,15 +166,14 @@ def read_rollouts(run_dir, step=0, rank=0, world_size=1):
         raise ConfigError(f"replay_step={step}: no complete saved step {step} under "
                           f"{Path(run_dir) / ROLLOUTS_DIR} (saved: {', '.join(map(str, steps))})")
     folder = step_dir(run_dir, step)
-    meta = json.loads((folder / STEP_FILE).read_text())
+    meta = step_meta(folder)
     records = []
     for writer in range(rank, meta["ranks"], world_size):
         path = folder / f"rank_{writer:05d}.jsonl.gz"
         if not path.is_file():
             raise ConfigError(f"{path}: missing, though {STEP_FILE} says {meta['ranks']} ranks "
                               "wrote this step")
-        with gzip.open(path, "rt") as f:
-            records.extend(json.loads(line) for line in f)
+        records.extend(read_records(path))
     records.sort(key=lambda r: (r["problem_index"], r["sample_index"]))
     return step, meta, records
 
@@ -226,9 +239,8 @@ def print_replay(cfg, run_dir, number, meta, source, metrics, learner, kept, liv
     ignored = ("mode", "replay_step", "replay_weights", "replay_update_effect")
     changed = [f"{k}: {live_cfg.get(k)} -> {v}" for k, v in now.items()
                if live_cfg.get(k) != v and k not in ignored]
-    live_rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-                 if line.strip()] if (run_dir / "metrics.jsonl").is_file() else []
-    live = next((m for m in live_rows if m.get("step") == number), {})
+    live = next((m for m in read_records(run_dir / "metrics.jsonl") if m.get("step") == number),
+                {})
     print(f"replay of step {number}: {run_dir / 'rollouts'} ({metrics['trajectories']} "
           f"trajectories in {metrics['groups']} groups)\nweights: {source}\nchanged from the "
           f"live run: {'; '.join(changed) or 'nothing'}")

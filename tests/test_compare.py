@@ -10,7 +10,8 @@ import yaml
 
 import demo
 from machinery.config import ConfigError, load_config
-from tools.compare import CompareConfig, arm_jobs, compare, find_runs, summarize, write_comparison
+from tools.compare import (CompareConfig, arm_jobs, compare, find_runs, read_metrics, summarize,
+                           write_comparison)
 
 STEPS = 6  # the last third: steps 5 and 6
 
@@ -87,6 +88,29 @@ def test_one_run_gets_its_own_curves(tmp_path):
     assert (tmp_path / "c.png").stat().st_size > 10_000
     assert any(line.startswith("| tiny-rl | 70.0% ± 0.0% |") for line in lines)
     assert summarize({("tiny-rl", 0): demo.read_metrics(run)}, "tiny-rl")["below"] == {}
+
+
+def test_a_torn_last_line_is_dropped_with_one_warning_and_a_bad_one_before_it_named(tmp_path,
+                                                                                     capsys):
+    """A run killed (or a disk filled) mid-write leaves half a row in metrics.jsonl: compare
+    reads every row before it, as a resume does (machinery.config.read_records), and says so
+    once; a bad line that is not the last is named by file and line."""
+    run = fake_run(tmp_path / "tiny-rl", 0, 0.7, 0.1)
+    whole = read_metrics(run)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "accuracy": 0.')
+    lines = compare(load_config(CompareConfig, [f"runs={run}", f"plot={tmp_path / 'b.png'}"]))
+    assert any(line.startswith("| tiny-rl | 70.0% ± 0.0% |") for line in lines)
+    assert read_metrics(run) == whole
+    assert capsys.readouterr().out.count(
+        f"WARNING: {run / 'metrics.jsonl'}: its end is torn (a kill, a crash or a full disk "
+        "mid-write) and dropped; the 6 records before it are kept") == 1
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('5}\n{"step": 8}\n')  # row 7 whole, yet row 8 follows a torn one: no tear
+    rows = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("\n".join([rows[0][:10], *rows[1:]]) + "\n")
+    with pytest.raises(ConfigError, match=f"{run / 'metrics.jsonl'}:1: not valid JSON"):
+        compare(load_config(CompareConfig, [f"runs={run}", f"plot={tmp_path / 'c.png'}"]))
 
 
 def test_arms_become_one_rl_py_run_per_seed_or_their_launch_lines(capsys):

@@ -2,10 +2,9 @@
 of one node and on 2 nodes of 1 rank (two launchers on 127.0.0.1, as on two machines) gives the
 same metrics; torchrun --max-restarts carries a run whose ranks are killed mid-rollout and
 mid-save to its end with the same metrics; a rerun of the finished run and a replay of a saved step
-exit cleanly; a node that
-does not see rank 0's out_dir, a rank that cannot reach the rendezvous store, an interface gloo
-cannot use and shared memory a killed tensor-parallel engine left stop at start, in seconds, with a
-message that names what to fix.
+exit cleanly; nodes given different settings, a node that does not see rank 0's out_dir, a rank
+that cannot reach the rendezvous store, an interface gloo cannot use and shared memory a killed
+tensor-parallel engine left stop at start, in seconds, with a message that names what to fix.
 
 Run: .venv/bin/python -m pytest tests/test_distributed.py -q     (-m "not slow": the fast half)
 """
@@ -49,9 +48,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(commands, envs=None, timeout=900):
+def launch(commands, envs=None, timeout=900, cwds=None):
     """Run the commands at once (one launcher each, as one per node); [(returncode, output)]."""
-    procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    procs = [subprocess.Popen(cmd, cwd=(cwds or [REPO] * len(commands))[i],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false",
                                               **((envs or [{}] * len(commands))[i])})
              for i, cmd in enumerate(commands)]
@@ -201,23 +201,50 @@ def test_a_resume_that_finds_shards_missing_names_the_ranks_instead_of_starting_
         requested_checkpoint("auto", root)
 
 
-@pytest.mark.slow
-def test_a_node_that_does_not_see_rank_0s_out_dir_is_stopped_before_anything_is_written(
-        runs):
-    """Each simulated node writes to its own out_dir, as with a node-local disk or a clone of the
-    repo per node."""
-    started = time.time()
-    results = launch(nodes([["rl.py", *runs.args(runs.work / f"local-{i}")] for i in range(2)],
-                           free_port()))
-    seconds = time.time() - started
+def assert_one_line_each(results):
     for returncode, output in results:
         # one line, no traceback of the repo's code (torchrun's own is torchrun's)
         assert returncode != 0 and not re.search(f'File "{REPO}/(?!\\.venv)', output), output
+
+
+@pytest.mark.slow
+def test_a_node_that_does_not_see_rank_0s_out_dir_is_stopped_before_anything_is_written(
+        runs):
+    """The same out_dir on each simulated node, but not the same storage: a relative out_dir
+    that each node's working directory holds (as a node-local disk, or a clone of the repo per
+    node, would give)."""
+    homes = [runs.work / f"node-{i}" for i in range(2)]
+    for home in homes:
+        (home / "run").mkdir(parents=True)  # relative paths that exist are the working dir's
+    args = [str(REPO / "rl.py"), str(REPO / "configs/tiny.yaml"), *runs.args("run")[1:]]
+    started = time.time()
+    results = launch(nodes([args] * 2, free_port()), cwds=homes)
+    seconds = time.time() - started
+    assert_one_line_each(results)
     output = "".join(o for _, o in results)
-    assert (f"rank 1 on {socket.gethostname()} does not see out_dir={runs.work / 'local-1'}"
-            in output)
+    assert f"rank 1 on {socket.gethostname()} does not see out_dir=run (no .shared-check" in output
     assert "a filesystem every node sees at the same path" in output
-    assert not (runs.work / "local-0" / "config.yaml").exists()  # refused before the claim
+    assert not (homes[0] / "run" / "config.yaml").exists()  # refused before the claim
+    print(f"refused in {seconds:.0f} s")
+
+
+@pytest.mark.slow
+def test_nodes_given_different_settings_are_refused_naming_each_key_and_rank(runs):
+    """Node 1's command adds lr=1e-4 and names another out_dir: refused at start, before
+    anything is read or written, in one line that names both keys with each rank's value, and
+    out_dir as what it is (not as node-local storage)."""
+    out_dirs = [runs.work / f"apart-{i}" for i in range(2)]
+    started = time.time()
+    results = launch(nodes([["rl.py", *runs.args(out_dirs[0])],
+                            ["rl.py", *runs.args(out_dirs[1]), "lr=1e-4"]], free_port()))
+    seconds = time.time() - started
+    assert_one_line_each(results)
+    output = "".join(o for _, o in results)
+    assert ("rl.py: the ranks were started with different out_dirs, one run in two places (lr: "
+            "0.0002 on rank 0, 0.0001 on rank 1; out_dir: "
+            f"'{out_dirs[0]}' on rank 0, '{out_dirs[1]}' on rank 1): one run has one config on "
+            "every rank") in output
+    assert "node-local" not in output and not any(d.exists() for d in out_dirs)
     print(f"refused in {seconds:.0f} s")
 
 

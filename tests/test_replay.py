@@ -101,6 +101,25 @@ def test_every_saved_step_replayed_under_another_rule_shows_what_the_rule_kept(s
     assert out.index("| step 1 | step 2 | step mean |") < out.index("replay of step 1")
 
 
+@pytest.mark.slow
+def test_a_torn_last_line_of_metrics_jsonl_is_read_as_a_resume_reads_it(saved_run, tmp_path,
+                                                                        capsys):
+    """The run was killed while writing step 2's row: replaying step 1 prints its live numbers
+    beside the replay's, with one warning naming the torn file (machinery.config.read_records,
+    the reader of every run file), never a traceback."""
+    run = tmp_path / "run"
+    shutil.copytree(saved_run.dir, run)
+    rows = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text(rows[0] + "\n" + rows[1][:30])
+    args = [a if not a.startswith("out_dir=") else f"out_dir={run}" for a in saved_run.args]
+    replay(load_config(ReplayConfig, [*args, "replay_step=1"]))
+    out = capsys.readouterr().out
+    assert out.count("its end is torn") == 1
+    assert f"WARNING: {run / 'metrics.jsonl'}: its end is torn" in out
+    (selected,) = [line.split() for line in out.splitlines() if line.startswith("selected ")]
+    assert float(selected[1]) == json.loads(rows[0])["selected"]  # the live column, read
+
+
 def test_kept_statistics_are_each_side_s_means_and_its_pooled_tool_error_ratio():
     saved = dict(selected=True, reward=1.0)  # a saved record's names, then select_samples'
     records = [{**saved, "response_tokens": 10, "num_tool_calls": 3, "num_tool_errors": 1,

@@ -632,7 +632,8 @@ def test_a_key_that_cannot_act_says_so_and_leaves_every_gradient_as_it_was(
 # -----------------------------------------------------------------------------
 # saved rollouts: what select_samples saw and chose, written and read back (no engine)
 
-def test_saved_rollouts_hold_what_selection_saw_and_chose_and_keep_the_newest_steps(tmp_path):
+def test_saved_rollouts_hold_what_selection_saw_and_chose_and_keep_the_newest_steps(tmp_path,
+                                                                                      capsys):
     """save_rollouts writes each trajectory with its reward, penalty, selection and advantage;
     tools.replay.saved_groups reads back Trajectory objects from which select_samples chooses exactly as it
     did live. keep_rollouts=2 keeps the newest two saved steps; a step directory without its
@@ -677,6 +678,18 @@ def test_saved_rollouts_hold_what_selection_saw_and_chose_and_keep_the_newest_st
     assert saved_steps(tmp_path) == [5]
     with pytest.raises(ConfigError, match=r"replay_step=7: no complete saved step 7 .*saved: 5"):
         read_rollouts(tmp_path, 7)
+    # cut short on disk (renamed into place, yet a crash came before the disk had it all): a torn
+    # .gz keeps the trajectories before the tear, a torn step.json leaves the step unsaved; each
+    # with one warning naming the file
+    capsys.readouterr()
+    shard = step_dir(tmp_path, 5) / "rank_00000.jsonl.gz"
+    shard.write_bytes(shard.read_bytes()[:-40])
+    assert 0 < len(read_rollouts(tmp_path, 5)[2]) < 16
+    (step_dir(tmp_path, 5) / "step.json").write_text('{"step": 5, "ra')
+    assert saved_steps(tmp_path) == []
+    out = capsys.readouterr().out
+    assert f"WARNING: {shard}: its end is torn" in out
+    assert f"WARNING: {step_dir(tmp_path, 5) / 'step.json'}: its end is torn" in out
 
 
 # -----------------------------------------------------------------------------

@@ -10,6 +10,12 @@ a user did to a finished run's directory, and what happens now:
     a second run while one runs              stopped: "in use by pid N on HOST since T"
     a run SIGKILLed, then a rerun            its lock is taken over, with a message
                                              (eval.py's out_dir too: one writer to samples.jsonl)
+    its holder ran on another host           taken over once its lease expired (a start waits
+                                             it out); a lease renewed meanwhile is refused
+    a resume into another model, or one      refused by name, or failing to load: config.yaml
+    whose checkpoint fails to load           and the history byte for byte as they were
+    a torn last line of metrics.jsonl        dropped with one warning naming the file; resumes
+    out_dir a file, under a file, too long   one line each
     newest checkpoint damaged                resume=auto falls back to the newest intact one with a
                                              warning naming the file; resume=THAT_ONE stops and
                                              names the intact one
@@ -19,11 +25,13 @@ Run: .venv/bin/python -m pytest tests/test_run_dir.py -q    (-m "not slow": the 
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -36,8 +44,10 @@ import tiny
 from machinery.checkpoint import checkpoint_damage
 from machinery.config import ConfigError, load_config
 from machinery.distributed import init_distributed
+from machinery.metrics import wandb_run_id
 from machinery.results import open_samples
-from machinery.run_dir import LOCK_NAME, read_history, release_lock, take_lock
+from machinery import run_dir
+from machinery.run_dir import LOCK_NAME, append_history, read_history, release_lock, take_lock
 import test_sft  # tests/ is on sys.path (pytest's rootdir-relative import)
 from test_sft import chat_rows
 
@@ -108,6 +118,96 @@ def test_sft_continue_with_changes_is_recorded_and_rotation_keeps_the_earlier_ch
         ("new", 0), ("finished", 4), ("continued_with_changes", 2), ("finished", 4)]
     assert events[2]["changes"]["grad_clip"] == [1.0, 0.5]
     assert events[2]["config"]["grad_clip"] == 0.5
+
+
+def test_sft_a_refused_or_failed_resume_leaves_the_run_directory_as_it_was(
+        tmp_path, tiny_model_dir, sft_data):
+    """Resumed into a model of the same widths with one more layer: refused by name before
+    anything loads (its shapes all match; its set of parameters does not). Resumed with data that
+    changed the run (continue_with_changes=true lets the claim through): the checkpoint's load
+    refuses it, and config.yaml and the history are byte for byte what they were."""
+    run = tmp_path / "run"
+    run_sft(tiny_model_dir, sft_data, run, keep_checkpoints=2)
+    shutil.rmtree(run / "final")  # as if killed after step 2: a rerun resumes
+    before = snapshot(run)
+    deeper = tiny.build_tiny_model(tiny.TinyConfig(out_dir=str(tmp_path / "deeper"),
+                                                   pretrain_steps=0, num_hidden_layers=3))
+    with pytest.raises(ConfigError) as refused:
+        run_sft(deeper, sft_data, run, keep_checkpoints=2, continue_with_changes=True)
+    checkpoint = run / "checkpoints" / "step_00000002"
+    assert str(refused.value).startswith(
+        f"{checkpoint}: a checkpoint of another model (11 of {deeper}'s 36 parameters are not in "
+        "it (first: model.layers.2.input_layernorm.weight)); it is not damaged.")
+    assert snapshot(run) == before
+    more = tmp_path / "more.jsonl"
+    more.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(24)))
+    with pytest.raises(ConfigError, match="the run changed since it was saved"):
+        run_sft(tiny_model_dir, more, run, keep_checkpoints=2, continue_with_changes=True)
+    assert snapshot(run) == before
+
+
+def test_sft_a_torn_last_line_of_metrics_jsonl_resumes_with_one_warning(
+        tmp_path, tiny_model_dir, sft_data, capsys):
+    """A kill or a full disk mid-write leaves half a row: the resume drops it with one warning
+    naming the file, keeps every row before it, and redoes the steps after its checkpoint."""
+    run_sft(tiny_model_dir, sft_data, tmp_path, keep_checkpoints=2)
+    shutil.rmtree(tmp_path / "final")
+    shutil.rmtree(tmp_path / "checkpoints" / "step_00000002")  # killed while writing step 2's row
+    rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    (tmp_path / "metrics.jsonl").write_text(rows[0] + "\n" + rows[1][:40])
+    capsys.readouterr()
+    run_sft(tiny_model_dir, sft_data, tmp_path, keep_checkpoints=2)
+    out = capsys.readouterr().out
+    assert out.count("its end is torn") == 1 and (
+        f"WARNING: {tmp_path / 'metrics.jsonl'}: its end is torn (a kill, a crash or a full disk "
+        "mid-write) and dropped; the 1 records before it are kept") in out
+    resumed = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in resumed] == [1, 2] and resumed[0] == rows[0]
+    assert [e["event"] for e in read_history(tmp_path)] == ["new", "finished", "resumed",
+                                                            "finished"]
+
+
+def test_sft_an_out_dir_that_cannot_be_a_directory_is_refused_in_one_line(
+        tmp_path, tiny_model_dir, sft_data):
+    """A file where out_dir or one of its parents should be, a name too long, a symlink loop:
+    one line each, nothing made."""
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    for out_dir, reason in ((tmp_path / "file", "is a file"),
+                            (tmp_path / "file" / "run", "Not a directory"),
+                            (tmp_path / ("x" * 300) / "run", "File name too long"),
+                            (tmp_path / "loop" / "run", "Too many levels of symbolic links")):
+        with pytest.raises(ConfigError) as refused:
+            run_sft(tiny_model_dir, sft_data, out_dir)
+        assert str(refused.value).startswith(f"out_dir={out_dir}: ") and reason in str(
+            refused.value) and "\n" not in str(refused.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "loop"]
+
+
+def test_the_w_and_b_run_id_is_kept_in_the_run_directory(tmp_path):
+    """Every start of a run continues one W&B run (wandb.init(id=..., resume="allow")); wandb
+    itself is optional and not installed, so only the id it is given is tested here."""
+    first = wandb_run_id(tmp_path)
+    assert re.fullmatch("[0-9a-f]{8}", first) and wandb_run_id(tmp_path) == first
+    assert (tmp_path / "wandb_run_id").read_text() == first + "\n"
+    (tmp_path / "other").mkdir()
+    assert wandb_run_id(tmp_path / "other") != first  # another run directory, another W&B run
+
+
+def test_a_torn_last_event_of_the_history_is_dropped_with_a_warning(tmp_path, capsys):
+    events = [{"event": "new", "at_step": 0}, {"event": "finished", "at_step": 2}]
+    for event in events:
+        append_history(tmp_path, event)
+    path = tmp_path / "config_history.yaml"
+    whole = path.read_text()
+    path.write_text(whole[:-4])  # "at_step: 2" cut short: no final newline
+    assert read_history(tmp_path) == events[:1]
+    assert f"WARNING: {path}: its end is torn" in capsys.readouterr().out
+    append_history(tmp_path, events[1])  # written whole again, the torn one left out
+    assert path.read_text() == whole and read_history(tmp_path) == events
+    path.write_text(whole.replace("event: new", "event: [new"))  # no tear: bad YAML in the middle
+    with pytest.raises(ConfigError, match=f"{path}:4: not a history event"):
+        read_history(tmp_path)
 
 
 # -----------------------------------------------------------------------------
@@ -196,6 +296,13 @@ def test_rl_a_checkpoint_of_another_model_is_refused_in_one_line_before_any_mode
             f"model it was trained from, or train {wide} in another out_dir\n")
         assert "Loading weights" not in proc.stdout
     assert not (tmp_path / "new").exists() and snapshot(run) == before
+    # the same widths, one layer fewer: every shape matches, the set of parameters does not
+    shallow = tiny.build_tiny_model(tiny.TinyConfig(out_dir=str(tmp_path / "shallow"),
+                                                    pretrain_steps=0, num_hidden_layers=1))
+    with pytest.raises(ConfigError, match=f"{checkpoint}: a checkpoint of another model .*11 of "
+                       "its 25 are not in .*first: model.layers.1.input_layernorm.weight"):
+        train_in_process(shallow, data, run, "continue_with_changes=true")
+    assert snapshot(run) == before
 
 
 @pytest.mark.slow
@@ -288,17 +395,91 @@ def test_eval_a_second_writer_is_stopped_and_a_killed_ones_lock_taken_over(tmp_p
     assert f"taking over from pid {holder.pid}" in capsys.readouterr().out
 
 
-def test_a_lock_whose_holder_ran_on_another_host_is_refused_not_taken_over(tmp_path, capsys):
+def other_host(renewed, pid=4242):
+    """A lock's text as a run on another node writes it (lease renewed at `renewed`)."""
+    return json.dumps({"pid": pid, "host": "other-node", "since": "2026-12-06 23:00:00 UTC",
+                       "renewed": renewed}) + "\n"
+
+
+def test_a_lease_of_another_host_is_taken_over_once_expired_and_a_live_one_refused(
+        tmp_path, capsys, monkeypatch):
     """Where flock is node-local (Lustre localflock, NFS local_lock=flock), this host can lock a
-    file that a run on another node still holds: its host in the lock's text says so."""
-    holder = {"pid": 4242, "host": "other-node", "since": "2026-12-06 23:00:00 UTC"}
-    (tmp_path / LOCK_NAME).write_text(json.dumps(holder) + "\n")
-    with pytest.raises(ConfigError, match="pid 4242 on other-node .* another host, yet this host "
-                       "could lock it: .* flock is node-local"):
-        take_lock(tmp_path)
-    assert json.loads((tmp_path / LOCK_NAME).read_text()) == holder  # left as it was
-    holder["host"] = socket.gethostname()  # a holder on this host that died: taken over
-    (tmp_path / LOCK_NAME).write_text(json.dumps(holder) + "\n")
+    file that a run on another node still holds: the holder's lease in the lock's text says
+    whether it still runs. Lease times of a second here; 5 minutes in a run."""
+    monkeypatch.setattr(run_dir, "LEASE_S", 0.6)
+    monkeypatch.setattr(run_dir, "LEASE_POLL_S", 0.05)
+    lock = tmp_path / LOCK_NAME
+    # expired long ago (a node lost an hour back): taken over at once, in one line naming it
+    lock.write_text(other_host(time.time() - 3600))
+    take_lock(tmp_path)
+    assert capsys.readouterr().out == (
+        f"{lock}: taking over from pid 4242 on other-node since 2026-12-06 23:00:00 UTC, its "
+        "lease last renewed 3600 s ago, which ended without releasing it (killed? a lost "
+        "node?)\n")
+    assert json.loads(lock.read_text())["pid"] == os.getpid()
+    release_lock(tmp_path)
+    # renewed just now, then never again (the node was lost a moment ago): the start waits the
+    # lease out, then takes over
+    lock.write_text(other_host(time.time()))
+    started = time.monotonic()
+    take_lock(tmp_path)
+    assert 0.5 < time.monotonic() - started < 5
+    out = capsys.readouterr().out
+    assert "held by pid 4242 on other-node" in out and "waiting up to 1 s" in out
+    assert "taking over from pid 4242 on other-node" in out
+    release_lock(tmp_path)
+    # a live holder renews its lease while the start waits: refused, its text left as it was
+    stop = threading.Event()
+
+    def renew(fd):  # the other node's renewals (in place, as its holder writes them)
+        while not stop.wait(0.05):
+            run_dir._write_holder(fd, json.loads(other_host(time.time())))
+
+    lock.write_text(other_host(time.time()))
+    fd = os.open(lock, os.O_RDWR)
+    renewer = threading.Thread(target=renew, args=(fd,))
+    renewer.start()
+    try:
+        with pytest.raises(ConfigError, match="in use by pid 4242 on other-node .* renewed its "
+                           "lease while this start waited"):
+            take_lock(tmp_path)
+    finally:
+        stop.set()
+        renewer.join()
+        os.close(fd)
+    assert json.loads(lock.read_text())["host"] == "other-node"
+    # a holder on this host that died (SIGKILL): flock is free, so it is gone; taken over at once
+    lock.write_text(json.dumps({"pid": 4242, "host": socket.gethostname(), "since": "then",
+                                "renewed": time.time()}) + "\n")
     take_lock(tmp_path)
     assert "taking over from pid 4242" in capsys.readouterr().out
     release_lock(tmp_path)
+
+
+def test_the_holder_renews_its_lease_and_stops_if_another_host_took_it_over(
+        tmp_path, capsys, monkeypatch):
+    """The holder's renewal thread (every minute in a run, every 0.05 s here) keeps the lease
+    fresh; a holder that finds another host's text in its lock (it was stopped past its lease, and
+    a start elsewhere took over) sends itself SIGTERM, which a script's handler turns into its
+    interrupted exit (machinery/exits.py), so that one run writes the directory."""
+    monkeypatch.setattr(run_dir, "LEASE_RENEW_S", 0.05)
+    received = []
+    previous = signal.signal(signal.SIGTERM, lambda number, frame: received.append(number))
+    try:
+        take_lock(tmp_path)
+        first = json.loads((tmp_path / LOCK_NAME).read_text())
+        time.sleep(0.3)
+        assert json.loads((tmp_path / LOCK_NAME).read_text())["renewed"] > first["renewed"]
+        assert not received
+        (tmp_path / LOCK_NAME).write_text(other_host(time.time()))
+        deadline = time.monotonic() + 10
+        while not received and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert received == [signal.SIGTERM]
+        assert (f"ERROR: {tmp_path / LOCK_NAME}: taken over by pid 4242 on other-node"
+                in capsys.readouterr().out)
+        release_lock(tmp_path)  # as its exit does: the new holder's text stays
+        assert json.loads((tmp_path / LOCK_NAME).read_text())["host"] == "other-node"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        release_lock(tmp_path)

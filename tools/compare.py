@@ -25,9 +25,8 @@ import time
 from pathlib import Path
 from typing import Literal
 
-import yaml
-
-from machinery.config import REPO, ConfigError, atomic_write_text, load_config, resolve
+from machinery.config import (REPO, ConfigError, atomic_write_text, load_config, read_records,
+                              read_saved_config, resolve)
 
 # The panels of the PNG and the columns of the last-third table: (metrics.jsonl key, title).
 CURVES = (("accuracy", "train reward (accuracy, T=1.0)"),
@@ -126,16 +125,14 @@ def find_runs(paths):
         run_dir = resolve(path)
         if not (run_dir / "metrics.jsonl").is_file():
             raise ConfigError(f"runs: {run_dir}: no metrics.jsonl (not an rl.py run directory)")
-        config = yaml.safe_load((run_dir / "config.yaml").read_text()) \
-            if (run_dir / "config.yaml").is_file() else {}
+        config = read_saved_config(run_dir) or {}
         runs[name or re.sub(r"-seed\d+$", "", run_dir.name), config.get("seed", 0)] = run_dir
     return runs
 
 
 def read_metrics(run_dir):
-    path = Path(run_dir) / "metrics.jsonl"
-    return ([json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            if path.is_file() else [])
+    """metrics.jsonl's rows (a torn last line dropped with a warning: machinery.config)."""
+    return read_records(Path(run_dir) / "metrics.jsonl")
 
 
 # -----------------------------------------------------------------------------
