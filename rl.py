@@ -2,17 +2,15 @@
 process to 64 GPUs.
 
     python rl.py configs/tiny.yaml                        # 1 CPU process (the tiny demo's RL stage)
-    python rl.py configs/qwen3_1p7b_1gpu.yaml             # 1 GPU, a small real model
-    torchrun --standalone --nproc_per_node=8 --max-restarts=3 rl.py configs/stage1.yaml  # 8 GPUs
+    torchrun --standalone --nproc_per_node=8 --max-restarts=3 rl.py configs/stage1.yaml
     torchrun --nnodes=8 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:29500 \\
         --rdzv-id=stage1 --max-restarts=3 rl.py configs/stage1.yaml   # 64 GPUs: on every node
     python rl.py configs/stage1.yaml mode=plan            # memory, bytes, time of a step per rank
 
 Every rank is a trainer and a rollout worker at once (colocated, as verl's hybrid engine): an
-FSDP2 shard of the policy and its own in-process vLLM engine. One RL step (rl_step), the phases
-defined below it in the order it calls them:
+FSDP2 shard of the policy and its own vLLM engine. One RL step (rl_step), its phases below it:
 
-    1. weight sync  the engine wakes and takes the trainer's weights, in memory (never via disk)
+    1. weight sync  the engine wakes and takes the trainer's weights, in memory
     2. rollouts     2G multi-turn trajectories per prompt with the Python tool (rollout.py, §3.2)
     3. rewards      0/1 on the final \\boxed{} answer, 0 if truncated (Eq. 3, §4.3.1; reward.py)
     4. selection    drop all-equal groups, Resample-on-Correct keeps G of 2G (§2.2.3; grpo_roc.py)
@@ -157,9 +155,10 @@ class RLConfig:
             raise ConfigError(f"group_size={self.group_size}: a group advantage needs at least 2 "
                               "rollouts (Eq. 7)")
 
-        if not 0 <= self.heartbeat_min < self.collective_timeout_min:
-            raise ConfigError(f"heartbeat_min={self.heartbeat_min}: must be 0 (off) or under "
-                              f"collective_timeout_min={self.collective_timeout_min}")
+        tool_wait = (20 * self.rollout.tool_timeout_s + 5) / 60  # executor.py: a call's longest
+        if self.heartbeat_min and not tool_wait < self.heartbeat_min < self.collective_timeout_min:
+            raise ConfigError(f"heartbeat_min={self.heartbeat_min}: must be 0 (off), over the "
+                              f"longest tool call ({tool_wait:.2g}), under collective_timeout_min")
         if not self.lr > 0:
             raise ConfigError(f"lr={self.lr}: must be > 0")
         if self.dual_clip and self.dual_clip <= 1:

@@ -182,34 +182,44 @@ def crash_loop(records_dir, skip_prompts):
 def watch_progress(store, rank, world_size, heartbeat_s, script):
     """A daemon thread that exits this rank when no rank has moved for heartbeat_s, naming the
     one that stopped first: a hung rank holds the others in its next collective, and torchrun
-    restarts the job once a rank exits. A rank moves when its main thread's Python frame does
-    (sampled here, published through the store): one frozen in a C call is stuck or waiting; a
-    SIGSTOPped rank, or one stuck holding the GIL, publishes nothing (docs/design.md, "Hangs").
+    restarts the job once a rank exits. A rank moves when its main thread's Python frame does, or
+    it switches (sampled here, published through the store): one frozen in a C call is stuck or
+    waiting; a SIGSTOPped rank, or one stuck holding the GIL, publishes nothing (docs/design.md).
     Returns the Event that ends the watch."""
     main, stop = threading.main_thread().ident, threading.Event()
+    # A loop returns to the same frame and instruction (a poll, a sleep): its sleeps and waits that
+    # end are the main thread's voluntary context switches, which a thread blocked for good (in a
+    # collective, a read, a GPU sync's spin) does not make.
+    status = Path(f"/proc/self/task/{threading.main_thread().native_id}/status")
     keys = [f"rstar2/progress/{r}" for r in range(world_size)]
     period = max(1.0, heartbeat_s / 10)
 
     def watch():
-        moves, frame_seen = 0, None
-        values, changed = [None] * world_size, [time.monotonic()] * world_size
+        beats, moves, frame_seen = 0, 0, None
+        # per rank: its last (beats, moves), and when each of the two last changed
+        values, beat, moved = [None] * world_size, [0.0] * world_size, [0.0] * world_size
         while not stop.wait(period):
             frame = sys._current_frames().get(main)
-            here = frame and (id(frame), frame.f_lasti)
-            moves, frame_seen = moves + (here != frame_seen), here
+            switches = re.search(r"^voluntary_ctxt_switches:\s*(\d+)", status.read_text(), re.M)
+            here = frame and (id(frame), frame.f_lasti, switches.group(1))
+            beats, moves, frame_seen = beats + 1, moves + (here != frame_seen), here
             try:
-                store.set(keys[rank], str(moves))
+                store.set(keys[rank], f"{beats} {moves}")
                 now, everyone = time.monotonic(), store.check(keys)
-                published = store.multi_get(keys) if everyone else values
+                published = [v.decode().split() for v in store.multi_get(keys)] if everyone else []
             except RuntimeError:
                 return  # the store is gone: the main thread's next collective says so
-            if not everyone:  # a rank still starting (its engine): nothing to judge yet
-                changed = [now] * world_size
+            if not everyone or None in values:  # a rank still starting: nothing to judge yet
+                beat, moved = [now] * world_size, [now] * world_size
             for other, value in enumerate(published):
-                if value != values[other]:
-                    values[other], changed[other] = value, now
-            if now - max(changed) > heartbeat_s:
-                first = min(range(world_size), key=changed.__getitem__)
+                seen = values[other] or value
+                beat[other] = now if value[0] != seen[0] else beat[other]
+                moved[other] = now if value[1] != seen[1] else moved[other]
+                values[other] = value
+            if now - max(moved) > heartbeat_s:
+                # one that stopped publishing (SIGSTOP, the GIL held) before one that waits
+                first = min(range(world_size), key=lambda r: (beat[r] > now - 3 * period,
+                                                              moved[r]))
                 print(f"{script}: rank {rank}{where()}: no rank made progress for "
                       f"{heartbeat_s:.0f} s (heartbeat_min), rank {first} stopped first: "
                       f"{restart_or_resume(script, sys.argv[1:])}", file=sys.stderr, flush=True)
@@ -219,7 +229,7 @@ def watch_progress(store, rank, world_size, heartbeat_s, script):
                 atexit._run_exitfuncs()
                 os._exit(1)
 
-    store.set(keys[rank], "0")
+    store.set(keys[rank], "0 0")
     threading.Thread(target=watch, daemon=True, name="watch_progress").start()
     return stop
 

@@ -2,16 +2,12 @@
 
     RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/dist_exits.py MODE
 
-MODE `finish`: collectives on temporaries (all_gather_object) up to the end, with an FSDP2-style
-DeviceMesh holding the default group past destroy_process_group: the exit that aborted
-("terminate called without an active exception") without machinery.exits.leave. MODE `refuse`:
-the same, then a ConfigError on every rank, as a refusal after the process group started. MODE
-`raise`: the same, then rank 1 raises (RSTAR2_FAULTS, at step 1's "update") while rank 0 waits in
-an all-reduce, and an exit handler of rank 1 hangs, as vLLM's engine finalizer can in
-destroy_process_group on NCCL. MODE `steps OUT [skip_prompts=A,B]` under torchrun: five steps of
-two prompts each, resumed from OUT/steps.txt, as rl.py keeps them: its crash-loop check at the
-start, its record of where each rank is, its progress watch (a 6 s heartbeat); CRASHING_PROMPT
-crashes rank 1 (as a prompt that crashes the verifier). Run by tests/test_exits.py.
+MODE `finish`: collectives up to the end, an FSDP2-style DeviceMesh holding the group past its
+destroy (the exit that aborted without machinery.exits.leave); `refuse`: then a ConfigError on every
+rank; `raise`: then rank 1 raises (RSTAR2_FAULTS) while rank 0 waits in an all-reduce, and an exit
+handler hangs. `steps OUT [skip_prompts=A,B]` under torchrun: five steps kept as rl.py keeps them
+(crash_loop at the start, where each rank is, watch_progress at a 6 s heartbeat), resumed from
+OUT/steps.txt; CRASHING_PROMPT crashes rank 1 as a prompt can crash the verifier.
 """
 import atexit
 import os

@@ -1,4 +1,5 @@
 """machinery/exits.py: how every script ends (run_script, leave) and the commands it prints."""
+import json
 import os
 import re
 import socket
@@ -36,11 +37,8 @@ def launch_two_ranks(mode, extra_env=None):
 
 @pytest.mark.slow
 def test_two_ranks_end_cleanly_and_a_refusal_is_printed_once():
-    """Without leave(), 3 of 27 launches of this script aborted at exit on a rank (exit -6,
-    "terminate called without an active exception": a gloo worker thread freeing its last
-    collective's tensors while the interpreter finalized), a minimal one 7 of 20; with it 0 of 23.
-    Five launches catch a regression with a chance of about half: the rate, not one run, is the
-    evidence (docs/design.md, "How a script ends")."""
+    """Without leave(), 3 of 27 launches aborted at exit (-6, "terminate called without an active
+    exception"), with it 0 of 23: five catch a regression about half the time (docs/design.md)."""
     for _ in range(5):
         ends = launch_two_ranks("finish")
         for rank, (code, out, err) in enumerate(ends):
@@ -52,10 +50,8 @@ def test_two_ranks_end_cleanly_and_a_refusal_is_printed_once():
 
 @pytest.mark.slow
 def test_a_rank_that_raises_ends_every_rank_in_seconds_though_an_exit_handler_hangs():
-    """Rank 1 raises mid-step (an injected fault) while rank 0 waits for it in an all-reduce, and
-    on both an exit handler never returns (vLLM's engine finalizer calls destroy_process_group on
-    error paths too, which can hang on NCCL): leave() gives the handlers RSTAR2_LEAVE_TIMEOUT_S,
-    then exits, so rank 0's all-reduce fails at once and torchrun would see both ranks end."""
+    """Rank 1 raises while rank 0 waits for it in an all-reduce, and on both an exit handler never
+    returns (as vLLM's finalizer can on NCCL): leave() bounds it, so both ranks end."""
     started = time.time()
     (code0, out0, err0), (code1, out1, err1) = launch_two_ranks(
         "raise", {"RSTAR2_FAULTS": "0:1:1:update:raise", "RSTAR2_LEAVE_TIMEOUT_S": "2"})
@@ -76,9 +72,7 @@ def test_a_rank_that_raises_ends_every_rank_in_seconds_though_an_exit_handler_ha
 
 
 def test_leave_bounds_the_exit_handlers_even_when_one_holds_the_interpreter():
-    """A hang in Python (time.sleep) is ended by leave()'s timer with the exit code and one line; a
-    hang inside a C call that holds the GIL (ctypes.PyDLL) by faulthandler's watchdog, which needs
-    no GIL, as long again later (exit 1, where each thread was)."""
+    """A hang in Python: leave()'s timer, the exit code; in C holding the GIL: faulthandler, 1."""
     for hang, code, says in (("time.sleep(3600)", 3, "were still running after 1 s"),
                              ("ctypes.PyDLL(None).sleep(3600)", 1, "Timeout (0:00:02)!")):
         script = f"""if True:
@@ -96,18 +90,14 @@ def test_leave_bounds_the_exit_handlers_even_when_one_holds_the_interpreter():
 
 
 def test_the_fault_injection_strikes_only_its_attempt_rank_step_and_point():
-    script = """if True:
-        from machinery import exits
-        exits.reached("train", step=2)
-        exits.reached("rollout", step=3)
-        print("not killed")
-    """
+    script = "from machinery import exits; exits.reached('train', 2); " \
+             "exits.reached('rollout', 3); print('not killed')"
     for faults, rank, attempt, killed in (("0:1:3:rollout:kill", "1", "0", True),
                                           ("0:1:3:rollout:kill", "0", "0", False),
                                           ("0:1:3:rollout:kill", "1", "1", False),
                                           ("0:1:2:rollout:kill", "1", "0", False)):
-        env = {**os.environ, "RSTAR2_FAULTS": faults, "RANK": rank,
-               "TORCHELASTIC_RESTART_COUNT": attempt}
+        env = {**os.environ, "RSTAR2_FAULTS": faults, "RANK": rank, "TORCHELASTIC_RESTART_COUNT":
+               attempt}
         proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
                               text=True, env=env, timeout=60)
         assert (proc.returncode, proc.stdout) == ((-9, "") if killed else (0, "not killed\n"))
@@ -135,9 +125,7 @@ def test_a_lost_peer_is_named_from_gloo_s_error_and_the_restart_counted(monkeypa
 
 
 def test_a_signal_that_comes_while_leave_runs_the_exit_handlers_cuts_none_short():
-    """torchrun's agent sends SIGTERM to the other ranks as soon as one exits non-zero, which can
-    be while a rank is already leaving: raised inside an atexit handler, the interrupt printed an
-    "Exception ignored in atexit callback" traceback and skipped the handlers after it."""
+    """torchrun's SIGTERM while a rank leaves: raised in an atexit handler, it skipped the rest."""
     script = """if True:
         import atexit, os, signal, time
         from machinery import exits
@@ -170,8 +158,7 @@ def test_a_printed_command_names_the_interpreter_as_it_was_run(monkeypatch, tmp_
 
 
 def torchrun_steps(out, restarts, env=None, *args):
-    """tests/dist_exits.py's five steps on 2 ranks under one torchrun agent: (exit status, its
-    output, the steps logged, seconds)."""
+    """dist_exits.py's steps on 2 ranks, one agent: (status, output, steps logged, seconds)."""
     started = time.time()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc_per_node=2", f"--max-restarts={restarts}",
@@ -184,9 +171,8 @@ def torchrun_steps(out, restarts, env=None, *args):
 
 @pytest.mark.slow
 def test_a_stopped_rank_is_found_within_the_heartbeat_and_the_job_restarts_and_finishes(tmp_path):
-    """Rank 1 SIGSTOPped in step 3 (a hung kernel or read runs no Python): rank 0, waiting in its
-    all-reduce, sees no rank move for the 6 s heartbeat and exits; torchrun's agent kills the
-    stopped rank and restarts the job, which resumes at step 3: every step once."""
+    """Rank 1 SIGSTOPped in step 3 (a hung kernel runs no Python): rank 0, waiting in its
+    all-reduce, exits after the 6 s heartbeat; torchrun restarts the job: every step once."""
     code, output, logged, seconds = torchrun_steps(tmp_path, 1,
                                                    {"RSTAR2_FAULTS": "0:1:3:rollout:stop"})
     assert code == 0 and logged == ["1", "2", "3", "4", "5"], output[-3000:]
@@ -197,9 +183,8 @@ def test_a_stopped_rank_is_found_within_the_heartbeat_and_the_job_restarts_and_f
 
 @pytest.mark.slow
 def test_a_crash_that_repeats_at_the_same_step_is_named_once_and_its_prompts_skip(tmp_path):
-    """Prompt 21 crashes rank 1 in step 2 on every attempt: the third attempt refuses at its start
-    in one line naming the step, the phase and the prompts, and spends no rollout; the key it
-    names lets the run through, every other step once."""
+    """Prompt 21 crashes rank 1 in step 2 on every attempt: the third refuses at its start in one
+    line naming step, phase and prompts; the key it names lets the run through."""
     code, output, logged, _ = torchrun_steps(tmp_path, 2, {"CRASHING_PROMPT": "21"})
     assert code != 0 and logged == ["1"], output[-3000:]
     assert output.count("RuntimeError: prompt 21 crashed the verifier") == 2, output[-3000:]
@@ -209,3 +194,30 @@ def test_a_crash_that_repeats_at_the_same_step_is_named_once_and_its_prompts_ski
     code, output, logged, _ = torchrun_steps(tmp_path, 0, {"CRASHING_PROMPT": "21"},
                                              "skip_prompts=20,21")
     assert code == 0 and logged == ["1", "2", "3", "4", "5"], output[-3000:]
+
+
+def test_a_failed_attempt_s_records_become_a_failure_and_two_alike_a_refusal(tmp_path):
+    def fail(step, phase, prompts):  # what an attempt's ranks leave when one crashes
+        for rank in (0, 1):
+            (tmp_path / f"rank{rank}.json").write_text(json.dumps(
+                {"step": step, "phase": phase, "prompts": prompts[rank::2]}))
+    assert exits.crash_loop(tmp_path, []) is None  # a first start
+    fail(2, "rollout", [21, 20])
+    assert exits.crash_loop(tmp_path, []) is None and not list(tmp_path.glob("rank*"))
+    fail(2, "reward", [21, 20])  # the same step, another phase: no loop
+    assert exits.crash_loop(tmp_path, []) is None
+    fail(2, "reward", [21, 20])
+    refusal = exits.crash_loop(tmp_path, [])
+    assert "step 2 failed in its reward" in refusal and "skip_prompts=20,21 " in refusal
+    assert exits.crash_loop(tmp_path, [20, 21, 7]) is None
+
+
+def test_a_main_thread_stuck_in_c_with_the_gil_released_is_found_within_the_heartbeat():
+    script = ("import time, torch.distributed as dist; from machinery import exits; "
+              "exits.watch_progress(dist.TCPStore('127.0.0.1', 0, 1, True), 0, 1, 3, 'x.py'); "
+              "time.sleep(60)")  # sleep: a C call that releases the GIL
+    started = time.time()
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1 and "rank 0 stopped first" in proc.stderr, proc.stderr
+    assert time.time() - started < 50
