@@ -1,4 +1,5 @@
-"""DCP checkpoints: atomic by rename, resumable at any world size; where a run starts from."""
+"""DCP checkpoints, written by every rank into step_N.tmp/ and committed by rank 0's rename to
+step_N/, the only names a run reads; resumable at any world size. Where a run starts from."""
 import json
 import os
 import random
@@ -12,29 +13,23 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
-
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from machinery.config import ConfigError, require_at_least, resolve
 from machinery.data import load_problems
-from machinery.distributed import ranks_text
 from machinery.engine import check_heads_split
 from machinery.exits import fault_point
 from machinery.lock import hold_lease
 from machinery.model import build_model, check_model_dir
 
 CHECKPOINT_PREFIX = "step_"
-COMMITTED = re.compile(r"step_\d{8}")  # step_N.tmp/ (a save not committed) never matches
+COMMITTED = re.compile(r"step_\d{8}")  # never step_N.tmp/: a save not committed, COMPLETE or not
 
 
 def committed_checkpoints(ckpt_root):
-    """The committed checkpoints under ckpt_root, oldest first: the only ones a run reads."""
+    """The committed checkpoints under ckpt_root, oldest first."""
     ckpt_root = Path(ckpt_root)
     return sorted(p for p in ckpt_root.iterdir() if COMMITTED.fullmatch(p.name)
                   and (p / "COMPLETE").is_file()) if ckpt_root.is_dir() else []
@@ -110,7 +105,6 @@ def intact_checkpoint(ckpt_root, before=None):
 
 
 def save_checkpoint(ckpt_root, step, model, optimizer, trainer_state, keep=2, keep_through=0):
-    """write_checkpoint, then commit_checkpoint: the checkpoint of `step`. Collective."""
     written = write_checkpoint(ckpt_root, step, model, optimizer, trainer_state)
     return commit_checkpoint(written, keep=keep, keep_through=keep_through)
 
@@ -139,11 +133,10 @@ def write_checkpoint(ckpt_root, step, model, optimizer, trainer_state):
 
 
 def commit_checkpoint(tmp, keep=2, keep_through=0):
-    """The commit of write_checkpoint's step_N.tmp/, on rank 0 while it holds the run's lease:
-    COMPLETE (with the world size, whose trainer states a resume checks), the rename to step_N/,
-    each fsynced; then, once the new checkpoint reads back intact, the newest `keep` of those
-    after step `keep_through` kept (older ones were saved under earlier settings: run_dir.py).
-    Collective."""
+    """Rank 0 commits write_checkpoint's step_N.tmp/ while it holds the run's lease: COMPLETE
+    (with the world size: whose trainer states a resume checks) and the rename, each fsynced; once
+    step_N/ reads back intact, the newest `keep` after step `keep_through` are kept (older ones
+    were saved under earlier settings: run_dir.py). Collective."""
     final = tmp.with_name(tmp.name[:-len(".tmp")])
     fault_point("checkpoint_commit")  # a test's SIGKILL mid-save: every shard written, no commit
     if dist.get_rank() == 0:
@@ -171,17 +164,14 @@ def commit_checkpoint(tmp, keep=2, keep_through=0):
 
 
 def _fsync_directory(path):
-    """Its entries (a file's name, a rename) on disk, not only the files."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fd = os.open(path, os.O_RDONLY)  # its entries (a file's name, a rename), not only the files
+    os.fsync(fd)
+    os.close(fd)
 
 
 def remove_unfinished(ckpt_root, rank):
-    """Delete the step_N.tmp/ directories an attempt that died mid-save left (rank 0, at start,
-    the run directory claimed): never read, and each is a whole checkpoint's size. Names each."""
+    """Delete the step_N.tmp/ an attempt that died mid-save left (rank 0, the run directory
+    claimed): never read, and each the size of a checkpoint. Names each."""
     ckpt_root = Path(ckpt_root)
     if rank != 0 or not ckpt_root.is_dir():
         return

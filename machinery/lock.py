@@ -1,13 +1,9 @@
-"""One writer per directory (a run's out_dir, eval.py's): run.lock, held with flock(2) on this host
-and as a lease across hosts, renewed by the run's own progress. docs/design.md, "The run directory".
-
-flock is released by the kernel when its holder dies, however it dies; where it is node-local
-(Lustre localflock, NFS local_lock=flock, BeeGFS without global locks) a free flock says nothing
-about a run on another node, so the lock's text names its holder and when it last renewed its
-lease. The holder renews it from its main loop (hold_lease: each step, each commit, each logged
-row), never from a thread: a holder stuck in a hung collective or a dead mount stops renewing and
-loses the lease, and a requeue onto another host takes over. The same call is the fence: a holder
-whose lease was taken over raises there, before it commits, rotates or logs again."""
+"""One writer per directory (a run's out_dir, eval.py's): run.lock, held with flock(2), which the
+kernel releases however its holder dies, and, where flock is node-local (Lustre localflock, NFS
+local_lock=flock), as a lease: the text names the holder and its last renewal. The holder renews
+it from its own progress (hold_lease: each logged row, each commit), never from a thread, so a
+stuck holder loses it to a requeue on another host; the same call fences a holder whose lease was
+taken over before it logs, commits or rotates. docs/design.md, "The run directory"."""
 import atexit
 import fcntl
 import json
@@ -23,8 +19,8 @@ LOCK_NAME = "run.lock"
 # Both sides compare the holder's clock with their own: cluster clocks agree to a second (NTP).
 LEASE_S = 300.0
 LEASE_RENEW_S = 60.0  # hold_lease writes at most this often; a call in between reads a clock
-# The holder counts its lease lost this long before another host may take it: the longest write a
-# fenced call may still finish (a commit's rename and fsyncs; a rotation checks again).
+# Quiet for longer than LEASE_S - LEASE_MARGIN_S, the holder takes its lease again as a start does
+# (_settle): the margin covers the clocks' skew and the write a fenced call then finishes.
 LEASE_MARGIN_S = 30.0
 LEASE_POLL_S = 5.0  # how often a waiting start rereads the lease
 # Taking an expired lease, a start writes its text, waits SETTLE_S and reads it back: a holder that
@@ -35,10 +31,9 @@ _HELD = {}  # directory's real path -> (this process's locked descriptor, the te
 
 
 def take_lock(directory):
-    """Lock `directory` for this process, or raise ConfigError naming the holder. A running holder
-    on this host (flock says so) is refused; a free flock whose text names a holder was left by a
-    process that died (on this host: taken over at once) or by a run on another host (taken over
-    once its lease expired; one renewed while this start waits is refused)."""
+    """Lock `directory` for this process, or raise ConfigError naming the holder. A free flock
+    whose text names a holder was left by a process that died (on this host: taken over at once)
+    or by a run on another host (taken over once its lease expires; renewed meanwhile: refused)."""
     path = Path(directory) / LOCK_NAME
     release_lock(directory)  # a process never waits for itself (an in-process rerun after an error)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -74,11 +69,9 @@ def take_lock(directory):
 
 
 def hold_lease(directory):
-    """The fence and the renewal, called by the holder's progress and before each of its writes:
-    renews the lease when LEASE_RENEW_S have passed, or raises ConfigError if another start took
-    the directory over. A lease this process let expire (a phase longer than LEASE_S, a stall) is
-    taken again as a new start takes one, unless another host took it first. Nothing for a
-    directory this process does not hold (another rank's, a test's log)."""
+    """The renewal and the fence, before each of the holder's writes: a ConfigError if another
+    start took the directory over; a lease this process let expire (a long phase, a stall) is taken
+    again as a start takes one. Nothing for a directory this process does not hold."""
     held = _HELD.get(os.path.realpath(directory))
     if held is None:
         return
@@ -114,8 +107,7 @@ def _release_all():
 
 
 def _wait_out_lease(fd, path, holder):
-    """The holder of another host once its lease has expired (None if it let go meanwhile); a
-    ConfigError if it renews it while this start watches."""
+    """Another host's holder once its lease expired (None: it let go); renewed meanwhile: refused."""
     renewed = holder.get("renewed")
     left = renewed + LEASE_S - time.time() if isinstance(renewed, (int, float)) else 0
     if left <= 0:
@@ -138,8 +130,7 @@ def _wait_out_lease(fd, path, holder):
 
 
 def _settle(fd, path, me):
-    """Take an expired lease: write `me`, wait SETTLE_S, read it back; another's text means a
-    rival wrote after this process did and holds the directory (a ConfigError here)."""
+    """Take an expired lease: write `me`, wait SETTLE_S, read it back: a rival's text won."""
     _write_holder(fd, me)
     time.sleep(SETTLE_S)
     current = _read_holder(fd)
@@ -149,8 +140,7 @@ def _settle(fd, path, me):
 
 
 def _read_holder(fd):
-    """The lock's text as a dict, None if empty; text that is no JSON object: {} (an unknown
-    holder, on this host as far as anyone can tell)."""
+    """The lock's text as a dict, None if empty, {} if no JSON object (an unknown holder)."""
     text = os.pread(fd, 4096, 0).decode(errors="replace").strip()
     if not text:
         return None
@@ -162,8 +152,7 @@ def _read_holder(fd):
 
 
 def _write_holder(fd, holder):
-    """Overwritten in place, then cut to its length: a reader on another host never sees it empty
-    (which would read as a free directory)."""
+    """In place, then cut: a reader on another host never sees it empty (a free directory)."""
     text = (json.dumps(holder).ljust(LOCK_TEXT_BYTES - 1) + "\n").encode()
     os.pwrite(fd, text, 0)
     os.ftruncate(fd, len(text))

@@ -8,8 +8,9 @@ write.
     run.lock       the one writer (machinery/lock.py)
 
 A rerun with other settings is refused unless continue_with_changes=true says so; keys that do not
-change what is trained (a script's KEYS_A_RESUME_MAY_CHANGE: steps, logging, worker counts ...) may
-differ. Every other key counts, a key added later included. docs/design.md, "The run directory"."""
+change what is trained (a script's KEYS_A_RESUME_MAY_CHANGE) may differ. docs/design.md, "The run
+directory"."""
+import contextlib
 import dataclasses
 import errno
 import json
@@ -37,21 +38,16 @@ ROLLOUT_RESOURCE_FIELDS = ("gpu_memory_utilization", "cpu_kv_cache_gb", "tensor_
 class RunDir:
     path: Path
     checkpoint: Path | None  # where this run starts from (rank 0 chose it, every rank has it)
-    # Checkpoints at or before this step were written under earlier settings (a continued run's
-    # take-over point and before): rotation keeps them.
-    keep_through: int
+    keep_through: int  # checkpoints at or before it were saved under earlier settings: kept
     rank: int
-    # The history's record of this start, written with config.yaml once the run's checkpoint
-    # has loaded (record_start): a refused or failed resume leaves both as they were.
-    start_record: dict | None = None
+    start_record: dict | None = None  # the history's record of this start (record_start)
 
 
 def claim_run_dir(cfg, out_dir, free_keys, steps, export, rank):
-    """Take out_dir for this run (rank 0 decides, every rank learns the outcome) and return its
-    RunDir, or None when the run there is already at `steps` (and its `export`, e.g.
-    "hf_step_{step}", exists): nothing to do. Refuses (ConfigError) a directory in use, another
-    run's directory, or resume=never into a non-empty one. Writes nothing but the lock: config.yaml
-    and the history follow once the checkpoint has loaded (record_start)."""
+    """Take out_dir for this run (rank 0 decides, every rank learns it): its RunDir, or None when
+    the run there is already at `steps` and its `export` (e.g. "hf_step_{step}") exists. Refuses
+    a directory in use, another run's, or resume=never into a non-empty one. Writes nothing but
+    the lock: config.yaml and the history follow once the checkpoint has loaded (record_start)."""
     decision = None
     if rank == 0:
         made = _missing_ancestor(Path(out_dir))
@@ -74,16 +70,15 @@ def claim_run_dir(cfg, out_dir, free_keys, steps, export, rank):
 
 
 def record_start(run_dir, cfg):
-    """config.yaml (the settings a rerun continues with) and the history's record of this start,
-    once the run's checkpoint has loaded: a resume that fails to load changes neither."""
+    """config.yaml and the history's record of this start, once the run's checkpoint has loaded:
+    a resume that fails to load changes neither."""
     if run_dir.rank == 0 and run_dir.start_record is not None:
         save_config(cfg, run_dir.path)
         append_history(run_dir.path, {**run_dir.start_record, "time": _now()})
 
 
 def finish_run_dir(run_dir, step):
-    """Record that the run finished at `step` (a rerun then says "already at step N") and let the
-    directory go."""
+    """Record that the run finished at `step` (a rerun says "already at step N"); let go."""
     if run_dir.rank == 0:
         hold_lease(run_dir.path)
         append_history(run_dir.path, {"event": "finished", "at_step": step, "time": _now()})
@@ -135,32 +130,18 @@ def _claim(cfg, out_dir, free_keys, steps, export):
 
 def _missing_ancestor(out_dir):
     """The outermost directory of out_dir's path that does not exist yet (None: it exists)."""
-    missing = None
-    for path in (out_dir, *out_dir.parents):
-        try:
-            if path.exists():
-                return missing
-        except OSError:  # a name too long: no directory there (the claim then says why)
-            pass
-        missing = path
+    return next((p for p in [*reversed(out_dir.parents), out_dir] if not os.path.exists(p)), None)
 
 
 def _unmake(out_dir, made):
-    """Remove the directories _claim made, from out_dir up to `made`, if they hold nothing but
-    the lock it took."""
-    if made is None:
-        return
-    try:
-        (out_dir / LOCK_NAME).unlink(missing_ok=True)
-    except OSError:  # out_dir is no directory (its parent is a file): nothing of it was made
-        return
-    for path in (out_dir, *out_dir.parents):
-        try:
-            path.rmdir()
-        except OSError:
-            return
-        if path == made:
-            return
+    """Remove the directories _claim made (out_dir up to `made`) if they hold nothing but its
+    lock; out_dir under a file, or holding more, stays as it is."""
+    paths = [out_dir, *out_dir.parents]
+    with contextlib.suppress(OSError):
+        if made is not None:
+            (out_dir / LOCK_NAME).unlink(missing_ok=True)
+            for path in paths[:paths.index(made) + 1]:
+                path.rmdir()
 
 
 def _check_owner(out_dir, old, resume):
@@ -176,8 +157,8 @@ def _check_owner(out_dir, old, resume):
 
 
 def _results(out_dir):
-    """What runs wrote into out_dir besides the bookkeeping of this file (an empty metrics.jsonl
-    or checkpoints/ included): what a new run must not mix with nor delete."""
+    """What runs wrote into out_dir besides this file's bookkeeping and empty files or folders:
+    what a new run must not mix with nor delete."""
     bookkeeping = (LOCK_NAME, "config.yaml", HISTORY_NAME)
     return sorted(p.name for p in out_dir.iterdir() if p.name not in bookkeeping
                   and not (p.is_dir() and not any(p.iterdir()))
@@ -205,8 +186,7 @@ def read_history(run_dir):
 
 
 def append_history(run_dir, event):
-    """Rewritten whole through a rename: a crash leaves the old history, and a torn last line
-    (dropped by the read) is not kept inside it."""
+    """Rewritten whole through a rename: a crash leaves the old history, a torn last line goes."""
     events = [*read_history(run_dir), event]
     atomic_write_text(Path(run_dir) / HISTORY_NAME, "".join(json.dumps(e) + "\n" for e in events))
 
