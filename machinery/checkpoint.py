@@ -53,6 +53,7 @@ def checkpoint_damage(checkpoint):
         ranks = json.loads((checkpoint / "COMPLETE").read_text()).get("world_size", 1)
     except Exception as e:  # missing, or cut off mid-write: whatever the parser raises
         return f"{checkpoint}/.metadata or COMPLETE: unreadable ({type(e).__name__})"
+
     needed = {}
     for info in storage.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0),
@@ -151,6 +152,7 @@ def commit_checkpoint(tmp, keep=2, keep_through=0):
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_directory(final.parent)
+
         damage = checkpoint_damage(final)
         if damage:  # nothing older goes: the last good checkpoint stays
             print(f"WARNING: {damage}: the checkpoint just saved; older ones are kept", flush=True)

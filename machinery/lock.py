@@ -47,6 +47,7 @@ def take_lock(directory):
     except OSError as e:  # a filesystem without flock (some Lustre mounts): run, but say so
         print(f"WARNING: {path}: no lock on this filesystem ({e}); nothing stops a second run "
               "from writing here at the same time", flush=True)
+
     try:
         elsewhere = holder and holder.get("host") not in (None, socket.gethostname())
         if elsewhere:

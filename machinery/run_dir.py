@@ -96,6 +96,7 @@ def _claim(cfg, out_dir, free_keys, steps, export):
         reason = "a read-only filesystem" if e.errno == errno.EROFS else e.strerror
         raise ConfigError(f"out_dir={out_dir}: cannot write there ({reason}: {e.filename}); "
                           "choose a writable out_dir") from None
+
     old = read_saved_config(out_dir)
     _check_owner(out_dir, old, cfg.resume)
     if not _results(out_dir):
@@ -110,7 +111,9 @@ def _claim(cfg, out_dir, free_keys, steps, export):
     at_step = checkpoint_step(checkpoint) if checkpoint is not None else 0
     if method and not cfg.continue_with_changes:
         raise ConfigError(_refusal(out_dir, method, at_step))
-    finished = history[-1]["at_step"] if history and history[-1]["event"] == "finished" else None
+
+    last = history[-1] if history else {}
+    finished = last.get("at_step") if last.get("event") == "finished" else None
     if finished is not None and finished >= steps and (out_dir / export.format(
             step=finished)).exists():
         print(f"{out_dir}: already at step {finished} (steps={steps}); nothing written. To train "
@@ -118,7 +121,8 @@ def _claim(cfg, out_dir, free_keys, steps, export):
         release_lock(out_dir)
         return {"done": True}
     event = ("new" if old is None else "continued_with_changes" if method else "resumed")
-    since = [e["at_step"] for e in history if e["event"] in ("new", "continued_with_changes")]
+    since = [e.get("at_step", 0) for e in history
+             if e.get("event") in ("new", "continued_with_changes")]
     keep_through = at_step if method else (since[-1] if since and old is not None else 0)
     record = {"event": event, "at_step": at_step, "time": None, "host": socket.gethostname(),
               "pid": os.getpid(), "changes": {k: list(v) for k, v in changes.items()}}
