@@ -1,7 +1,7 @@
 """One writer per directory (a run's out_dir, eval.py's): run.lock, held with flock(2), which the
 kernel releases however its holder dies, and, where flock is node-local (Lustre localflock, NFS
 local_lock=flock), as a lease: the text names the holder and its last renewal. The holder renews
-it from its own progress (hold_lease: each logged row, each commit), never from a thread, so a
+it from its own progress (hold_lease: each logged row, commit, eval's samples), not a thread, so a
 stuck holder loses it to a requeue on another host; the same call fences a holder whose lease was
 taken over before it logs, commits or rotates. docs/design.md, "The run directory"."""
 import atexit
@@ -108,7 +108,7 @@ def _release_all():
 
 
 def _wait_out_lease(fd, path, holder):
-    """Another host's holder once its lease expired (None: it let go); renewed meanwhile: refused."""
+    """Another host's holder once its lease expired (None: it let go); renewed meanwhile, refused"""
     renewed = holder.get("renewed")
     left = renewed + LEASE_S - time.time() if isinstance(renewed, (int, float)) else 0
     if left <= 0:

@@ -4,11 +4,11 @@ a user did to a finished run's directory, and what happens now:
     rerun with other settings, resume=never  refused in one line naming each key; no writes
     rerun with steps at or below its step    "already at step N", exit 0; nothing written
     continue_with_changes=true               continues, recorded; rotation keeps the old settings'
-    a second run while one runs, or killed   stopped naming the holder; a killed one's lock taken over
+    a second run while one runs, or killed   stopped naming the holder; a killed run's lock taken
     its holder ran on another host, or       taken over once its lease expired; a lease renewed
     stopped making progress                  meanwhile refused; a holder taken over writes no more
     a resume into another model, or failing  refused by name; config.yaml and history as they were
-    a torn row, a kill inside the commit     one warning; the .tmp never read; the last commit resumes
+    a torn row, a kill inside the commit     one warning; the .tmp never read; resumes from the last
     newest checkpoint damaged (a shard, or   resume=auto falls back to the newest intact one, one
     another rank's trainer state)            warning naming the file; resume=THAT_ONE stops
 
