@@ -92,16 +92,15 @@ def check_fits(checkpoint, model):
                           "resume it with its own model, or use another out_dir")
 
 
-def intact_checkpoint(ckpt_root, before=None):
-    """The newest committed checkpoint (before step `before`, if given) that is not damaged, with a
-    warning line for each damaged one passed over; None when none is intact."""
+def intact_checkpoint(ckpt_root):
+    """The newest committed checkpoint that is not damaged, with a warning line for each damaged
+    one passed over; None when none is intact."""
     for checkpoint in reversed(committed_checkpoints(ckpt_root)):
-        if before is None or checkpoint_step(checkpoint) < before:
-            damage = checkpoint_damage(checkpoint)
-            if not damage:
-                return checkpoint
-            print(f"WARNING: {damage}: checkpoint {checkpoint.name} passed over for an older one",
-                  flush=True)
+        damage = checkpoint_damage(checkpoint)
+        if not damage:
+            return checkpoint
+        print(f"WARNING: {damage}: checkpoint {checkpoint.name} passed over for an older one",
+              flush=True)
     return None
 
 
@@ -226,9 +225,9 @@ def requested_checkpoint(resume, ckpt_root):
                               f"{checkpoint_damage(newest)}); repair it, or use a new out_dir")
         return checkpoint
     checkpoint = resolve(resume)
-    if not (checkpoint / "COMPLETE").is_file():
-        raise ConfigError(f"resume={resume}: not a committed checkpoint (no COMPLETE); name a "
-                          "step_N directory")
+    if not (COMMITTED.fullmatch(checkpoint.name) and (checkpoint / "COMPLETE").is_file()):
+        raise ConfigError(f"resume={resume}: not a committed checkpoint (a step_N directory "
+                          "holding COMPLETE); name one")
     damage = checkpoint_damage(checkpoint)
     if damage:
         raise ConfigError(f"resume={resume}: damaged ({damage}); name an intact one as resume=")

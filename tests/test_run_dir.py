@@ -460,3 +460,5 @@ def test_a_commit_cut_short_and_a_truncated_rank_state_fall_back_to_the_last_goo
     warnings = capsys.readouterr().out.splitlines()
     assert len(warnings) == 1 and warnings[0].startswith(f"WARNING: {state}: ")
     assert latest_checkpoint(root) == root / "step_00000002"  # committed names only
+    with pytest.raises(ConfigError, match=f"^resume={root / 'step_00000003.tmp'}: "):
+        requested_checkpoint(str(root / "step_00000003.tmp"), root)
