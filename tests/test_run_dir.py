@@ -369,7 +369,7 @@ def test_a_lease_of_another_host_is_taken_over_once_expired_and_a_live_one_refus
         tmp_path, capsys, monkeypatch):
     """Where flock is node-local (Lustre localflock, NFS local_lock=flock), this host can lock a
     file that a run on another node still holds: the holder's lease in the lock's text says
-    whether it still runs. Lease times of a second here; 5 minutes in a run (~2 s)."""
+    whether it still runs. Lease times of a second here; 5 minutes in a run (~1 s)."""
     for name, seconds in (("LEASE_S", 0.6), ("LEASE_POLL_S", 0.05), ("SETTLE_S", 0.05)):
         monkeypatch.setattr(lock, name, seconds)
     path = tmp_path / LOCK_NAME
@@ -416,7 +416,7 @@ def test_a_holder_that_stops_making_progress_loses_its_lease_and_never_commits_a
     """A real holder process on node-a saves step 1, then its main loop stops (no thread renews
     for it): a start on node-b takes the directory over once the lease (1 s here) expires, and
     when the old holder wakes it neither logs nor commits step 2: it stops, naming the new
-    holder (~10 s)."""
+    holder (one process importing torch: 90-130 s at this machine's load of 25-50)."""
     holder = subprocess.Popen([sys.executable, WORKER, "hold", str(tmp_path)], cwd=REPO, text=True,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE)
@@ -446,7 +446,8 @@ def test_a_commit_cut_short_and_a_truncated_rank_state_fall_back_to_the_last_goo
         tmp_path, capsys):
     """Step 3 as a kill between COMPLETE and the rename leaves it (step_00000003.tmp holding
     COMPLETE), step 2 with rank 1's trainer state cut short (a node lost during write-back):
-    resume=auto takes step 1, with one warning naming the file (~10 s: two processes)."""
+    resume=auto takes step 1, with one warning naming the file; resume= refuses the .tmp (two
+    processes: 95-190 s at load 25-50)."""
     root = tmp_path / "checkpoints"
     writers = [subprocess.Popen([sys.executable, WORKER, "write", str(root), str(rank)], cwd=REPO)
                for rank in (0, 1)]
