@@ -113,7 +113,7 @@ class RLConfig:
     save_every: int = 10
     keep_checkpoints: int = 2
     resume: str = "auto"          # auto: newest intact checkpoint in out_dir; never; a PATH
-    # true: resume this out_dir's run with changed settings (config_history.yaml records them);
+    # true: resume this out_dir's run with changed settings (history.jsonl records them);
     # false: a change of a key outside KEYS_A_RESUME_MAY_CHANGE is refused
     continue_with_changes: bool = False
     # with resume=auto and no checkpoint in out_dir yet, start from this checkpoint of another run

@@ -105,7 +105,7 @@ class SFTConfig:
     save_every: int = 0           # DCP checkpoint every N steps and at the end; 0 = final/ only
     keep_checkpoints: int = 2
     resume: str = "auto"          # auto: newest intact one in out_dir/checkpoints; never; PATH
-    # true: resume this out_dir's run with changed settings (config_history.yaml records them);
+    # true: resume this out_dir's run with changed settings (history.jsonl records them);
     # false: a change of a key outside KEYS_A_RESUME_MAY_CHANGE is refused
     continue_with_changes: bool = False
     log_every: int = 1

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from machinery.config import ConfigError, atomic_write_text, read_records
 from machinery.exits import reached, rerun_command, shown, typed
+from machinery.lock import hold_lease
 
 
 def check_logger_packages(wandb_project, tensorboard):
@@ -69,6 +70,7 @@ class MetricsLogger:
         TensorBoard's wall_time, which record their own and so are not sent it) and the metrics."""
         if not self.enabled:
             return
+        hold_lease(self.path.parent)  # a run whose run.lock was taken over writes no row
         row = {"step": step, "timestamp": time.time(),
                **{k: (float(v) if hasattr(v, "__float__") and not isinstance(v, (int, str)) else v)
                   for k, v in metrics.items()}}

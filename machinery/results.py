@@ -10,7 +10,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from machinery.config import ConfigError, atomic_write_text, read_records, save_config
-from machinery.run_dir import ROLLOUT_RESOURCE_FIELDS, take_lock
+from machinery.run_dir import ROLLOUT_RESOURCE_FIELDS, hold_lease, take_lock
 
 # Problems per generate() of an evaluation (eval.py's chunk_problems default). rl.py's held-out
 # evaluation takes the same chunks, so its sampling seeds (seed, chunk, problem, sample) are
@@ -130,6 +130,7 @@ def gather_records(chunk, records, rank, world_size):
 
 def append_samples(out_dir, records):
     """Append whole problems to samples.jsonl, then fsync: what is on disk survives a kill."""
+    hold_lease(out_dir)  # renewed by the eval's progress; an eval taken over writes no more
     with open(Path(out_dir) / "samples.jsonl", "a", encoding="utf-8") as f:
         # One write: a kill leaves at most one torn last line, which open_samples drops.
         f.write("".join(json.dumps(r) + "\n" for r in records))
@@ -139,6 +140,7 @@ def append_samples(out_dir, records):
 
 def write_summary(out_dir, model_path, summary):
     """summary.json (every metric) and summary.md (the table), each replaced whole."""
+    hold_lease(out_dir)
     atomic_write_text(Path(out_dir) / "summary.json", json.dumps(
         {"model": str(model_path), "benchmarks": summary}, indent=1))
     atomic_write_text(Path(out_dir) / "summary.md", markdown_table(summary) + "\n")

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from machinery.checkpoint import (CHECKPOINT_PREFIX, load_policy, load_training_state,
-                                  load_weights, start_checkpoint)
+from machinery.checkpoint import (CHECKPOINT_PREFIX, checkpoint_step, committed_checkpoints,
+                                  load_policy, load_training_state, load_weights,
+                                  start_checkpoint)
 from machinery.config import (ConfigError, atomic_write_text, flatten_config, read_records,
                               resolve, warn_torn)
 
@@ -219,8 +220,7 @@ def replay_policy(cfg, run_dir, number, device, rank):
         return model, optimizer, f"{checkpoint} (init_from, the initial policy)"
     checkpoint = run_dir / "checkpoints" / f"{CHECKPOINT_PREFIX}{number - 1:08d}"
     if not (checkpoint / "COMPLETE").is_file():
-        have = sorted(int(p.name[len(CHECKPOINT_PREFIX):]) for p in checkpoint.parent.glob(
-            f"{CHECKPOINT_PREFIX}*") if (p / "COMPLETE").is_file())
+        have = [checkpoint_step(p) for p in committed_checkpoints(checkpoint.parent)]
         replayable = [n for n in saved_steps(run_dir) if n == 1 or n - 1 in have]
         raise ConfigError(
             f"replay of step {number}: its rollouts were sampled by the weights after step "

@@ -26,7 +26,7 @@ train_threads=N sets the update's count (the decode's follows it); OMP_NUM_THREA
 Decided once, at the start, not per step: the update's float sums follow its thread count, so a
 count that followed each step's load would put the moment into every step's grad norm. The run
 keeps the count it chose in config.yaml (train_threads: the number), and a resume or rerun with
-that train_threads sums in the same order; a resume that chose another is in config_history.yaml.
+that train_threads sums in the same order; a resume that chose another is in history.jsonl.
 The decode's count follows from it and use_tool, and does not change the sampled tokens
 (python -m bench.rl compares them); what the update's count moves: docs/benchmarks.md.
 """
