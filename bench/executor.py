@@ -209,7 +209,8 @@ def bench(cfg):
         except subprocess.TimeoutExpired:
             return "timeout"
 
-    workloads = {"trivial": ([(TRIVIAL, "")] * 1000, 100), "import": (IMPORT_SNIPPETS * 50, 8),
+    workloads = {"trivial": ([(TRIVIAL, "")] * 1000, 100),
+                 "import": ([(c, "") for c in IMPORT_SNIPPETS] * 50, 8),
                  "mix": (realistic_mix(), 100)}
     load_start = os.getloadavg()[0]
     print(f"{workers} workers, {os.cpu_count()} CPUs, load average {load_start:.1f}", flush=True)

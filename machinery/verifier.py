@@ -155,8 +155,8 @@ def check_in_worker(request):
 
 def default_num_workers():
     """This rank's share of the node's cores, at most 8: the fast path leaves 25% of the MATH-500
-    labeled set open, so more workers would mostly hold memory (~150 MB resident each)."""
-    # imported here: the grader workers import this file, and torch would weigh on every fork
+    labeled set open, so more workers would mostly hold memory (~65 MB resident each)."""
+    # imported here: the grader workers import this file, and torch would add ~1 s to each start
     from machinery.distributed import cores_per_rank
 
     return min(8, cores_per_rank())

@@ -35,7 +35,7 @@ CPU = torch.device("cpu")
     ((0, True, 2, 1, 0.0, None), (1, 1)),    # busy: one thread waits on no one
     ((0, True, 8, 2, 16.0, None), (8, 7)),   # 2 ranks on 16 free cores: 8 each
     ((0, True, 8, 2, 6.0, None), (3, 2)),    # ... on 6 free: 3 each
-    ((0, True, 4, 1, None, None), (1, 1)),   # no /proc/stat: the count that never waits
+    ((0, True, 4, 1, None, None), (1, 1)),   # no CPU counters: the count that never waits
     ((0, False, 1, 2, None, None), (1, 1)),  # a share of 1 core: nothing to measure
     ((3, True, 2, 1, 0.0, None), (3, 1)),    # train_threads: the update's; the decode fits cores
     ((3, False, 2, 1, 0.0, None), (3, 2)),
