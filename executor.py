@@ -55,6 +55,7 @@ class ExecResult:
     truncated: bool       # stdout or stderr was cut to max_output_chars (head and tail kept)
     reason: str = ""      # for logs: "exit status 1", "signal SIGSEGV", "wall-clock limit", ...
     returncode: int | None = None  # as in subprocess: -N for signal N (os._exit(0) mid-run is 0)
+    cpu_s: float = 0.0    # CPU seconds of that process and the children it reaped
 
     def tool_response(self, max_chars=256, show_time=True):
         """The text inside <tool_response>, worded as the release's code-judge client
@@ -109,7 +110,6 @@ class Executor:
         check_executor_arguments(workers, timeout_s, memory_mb, max_output_chars, max_processes,
                          max_file_mb, output_limit_mb, hide_paths)
         self.workers, self.timeout_s = workers, float(timeout_s)
-
         # Hidden by default: the repo (data/ with the answer keys, out/ with checkpoints, the
         # trainer's code), the trainer's cwd (where a run writes) and home (~/.ssh, tokens).
         repo = os.path.dirname(os.path.abspath(__file__))
@@ -128,7 +128,7 @@ class Executor:
             for _ in range(workers):
                 self._slots.append((WorkerProcess("light", settings),
                                     WorkerProcess("heavy", settings)))
-            _ready(self._slots[0][0])
+            self._slots[0][0].ready()
         except BaseException:
             _shutdown(self._slots, [], self._jobs, self._closed)
             raise
@@ -180,12 +180,12 @@ class Executor:
         timings do."""
         for slot in self._slots:
             for worker in slot:
-                _ready(worker)
+                worker.ready()
 
     @property
     def isolation(self):
         """What the sandbox reached here: the first worker's report (all of them try the same)."""
-        return dict(_ready(self._slots[0][0]))
+        return dict(self._slots[0][0].ready())
 
     def close(self):
         """Cancel the queued calls and stop the workers (their namespaces die with them).
@@ -198,19 +198,6 @@ class Executor:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _ready(worker):
-    # under the worker's lock: its slot thread may be reading the same pipe for a call
-    with worker.lock:
-        for attempt in range(2):
-            try:
-                return worker.wait_ready()
-            except WorkerGone as gone:
-                if attempt:
-                    raise RuntimeError(f"Executor: a {worker.kind} worker failed to start twice "
-                                       f"({gone})") from None
-                worker.restart()
 
 
 def _serve(light, heavy, jobs, timeout_s, closed):

@@ -20,21 +20,25 @@ docs/benchmarks.md. The method files never import from here; tests may (the scri
 labeled answer sets, busy_processes).
 """
 import contextlib
+import os
+import signal
 import subprocess
 import sys
 
 
 @contextlib.contextmanager
 def busy_processes(count):
-    """`count` busy-looping processes for the block's duration, each in a session of its own: with
-    the kernel's autogroup scheduling (on by default in most distributions) the CPU is shared
-    between sessions first, so loops in the caller's own session would only compete with it."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
-             for _ in range(count)]
+    """`count` busy-looping processes for the block's duration, as other users' work is: outside
+    the caller's process tree (started through a shell that exits at once; machinery/threads.py
+    counts its own tree as free), each in a session of its own (the kernel's autogroups share the
+    CPU between sessions first, so loops in the caller's session would only compete with it)."""
+    loop = f"{sys.executable} -c 'while True: pass' </dev/null >/dev/null 2>&1"
+    shell = subprocess.run(["sh", "-c", f"for i in $(seq {count}); do setsid {loop} & "
+                            "echo $!; done"], capture_output=True, text=True, check=True)
+    pids = [int(pid) for pid in shell.stdout.split()]
     try:
         yield
     finally:
-        for proc in procs:
-            proc.kill()
-        for proc in procs:
-            proc.wait()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -1,18 +1,10 @@
 """Benchmark and audit of reward.py: answers/s and agreement, plain math-verify vs grade_batch, in
-one run.
+one run, on the MATH-500 labeled set and on integer answers (the paper's training case, §4.2):
 
   python -m bench.reward [workers=2 rounds=3 timeout_s=5 negatives_per_problem=2]
-  python -m bench.reward audit_all_pairs=true   # also re-check, with math-verify's verify, every
-                                                # pair of MATH-500's answers and NOTATION_SHAPES
-                                                # decided without it
-
-Two workloads: the MATH-500 labeled set (reference solutions against their own and other problems'
-answers) and integer answers, the paper's training case (§4.2). Each prints answers/s and CPU ms
-per answer for plain math-verify, the fast path alone and grade_batch, the speedups over plain
-math-verify measured in the same run, and how many equal pairs each finds and how many false
-positives it gives.
-Tests: .venv/bin/python -m pytest tests/test_reward.py -q (they use math500_labeled_set,
-NOTATION_SHAPES and audit_fast_path from here).
+  python -m bench.reward audit_all_pairs=true   # also re-check with verify every pair of MATH-500's
+                                                # answers and NOTATION_SHAPES decided without it
+tests/test_reward.py uses math500_labeled_set, NOTATION_SHAPES and audit_fast_path from here.
 """
 import dataclasses
 import os
@@ -30,16 +22,10 @@ from machinery.verifier import default_num_workers, run_in_pool, shutdown_pool, 
 
 
 def math500_labeled_set(path="data/math500.jsonl", negatives_per_problem=2, seed=0):
-    """(response, gold, label) triples from MATH-500, for measuring agreement.
-
-    Positives: each problem's reference `solution` (its last box is the answer, written the way the
-    solution's author wrote it) against the normalised `answer`; all must score 1.
-    Negatives: the solution of problem j against the answer of problem i, for
-    `negatives_per_problem` partners j of each i (a seeded shuffle, neighbours in it). Such a pair
-    is truly equal exactly when the two answer strings are identical: every cross pair between
-    different answer strings that the fast path or math-verify accepts was audited
-    (`python -m bench.reward audit_all_pairs=true`), and none is accepted.
-    """
+    """(response, gold, label) triples from MATH-500: each problem's reference `solution` (its last
+    box written as its author wrote it) against its own `answer` (all must score 1), and against the
+    answers of `negatives_per_problem` other problems (a seeded shuffle), equal exactly when the two
+    answer strings are (`audit_all_pairs=true` checks that no other cross pair is accepted)."""
     rows = load_problems(path)
     triples = [(row["solution"], row["answer"], True) for row in rows]
     order = list(range(len(rows)))
@@ -84,15 +70,9 @@ class BenchConfig:
 
 
 def _fresh_pool(workers):
-    """A new pool, started and warmed up on training-set answers, so no round reuses another's
-    caches."""
+    """A new pool, started, with reward.py's caches empty: no round reuses another's work."""
     shutdown_pool()
     pool = start_pool(workers or None)
-    answers = [r["answer"] for r in load_problems("data/math_train.jsonl")[:200]
-               if not r["answer"].isdigit()][:40]
-    tasks = ([("value", a) for a in answers]
-             + [("verify", a, b) for a, b in zip(answers, answers[1:])])
-    run_in_pool(tasks, [10.0] * len(tasks))
     _VALUES.clear()
     normalize_answer.cache_clear()
     return pool

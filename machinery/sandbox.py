@@ -1,27 +1,27 @@
-"""The executor's sandbox: warm worker processes, their isolation, and one call's fork, watch,
-kill and sweep. Standard library only: each worker process loads this file by path.
+"""The worker pool beneath the tool and the verifier: warm worker processes, their isolation, and
+one call's fork, watch, kill and sweep. Standard library only: each worker loads this file by path,
+and a light worker's fork stays cheap because it holds nothing else.
 
-  - Warm workers: a "light" one (stdlib preloaded, ~1 ms fork) and a "heavy" one (numpy and sympy
-    imported and exercised, ~8 ms fork instead of a ~1 s import) per slot. A worker forks one
-    child per call.
+  - Warm workers of three kinds: "light" (stdlib preloaded, ~1 ms fork) and "heavy" (numpy and
+    sympy imported and exercised, ~8 ms fork instead of a ~1 s import) fork one child per call;
+    a "grader" (math-verify warmed) answers machinery/verifier.py's checks itself.
   - Each worker is PID 1 of its own PID, mount, network and IPC namespaces: the repo, the caller's
     cwd and home hidden, all else read-only but a private /tmp, GPUs masked, no network. Before it
     answers, it kills and reaps all the call left and empties /tmp. The child runs as a uid of its
     own, under hard rlimits.
-  - The worker holds the wall clock (less the time a call waited for a CPU) and the output caps;
-    the trainer's process is a backstop that replaces a worker that hangs or dies.
+  - The worker holds the wall clock (less the time a call waited for a CPU) and a CPU budget; the
+    trainer's process is a backstop that replaces a worker that hangs or dies.
 Where the OS refuses (non-root, containers) a worker falls back once, at start: to a user namespace
 (the same mounts; capabilities dropped instead of a uid switch), then to plain processes (a
 subreaper still catches every descendant; no hiding, no network cut, and same-uid code can signal
-the caller). Linux only (5.3 or later, for pidfd_open). The designs this draws on and the hostile
-inputs it is tested against: docs/design.md, "The sandbox: designs and hostile inputs"."""
-import _signal
+the caller). Linux only (5.3 or later, for pidfd_open). The designs and the hostile inputs:
+docs/design.md, "The sandbox: designs and hostile inputs"."""
 import ast
 import atexit
 import builtins
 import contextlib
 import ctypes
-import gc
+import importlib
 import json
 import math
 import os
@@ -41,55 +41,27 @@ import types
 
 
 STATUSES = ("ok", "error", "timeout", "oom")
-# the snippet's file name: fixed, so tracebacks are the same on a rerun
-MAIN = "main.py"
-
-
+MAIN = "main.py"          # the snippet's file name: fixed, so tracebacks are the same on a rerun
 TRUNCATION_MARK = "...(truncated)..."   # verl's marker for a middle cut
-
-
-# a worker's sandbox uid is this + its pid: unique while it lives, < 2**31
-SANDBOX_UID_BASE = 2_000_000_000
-
-
-# the child's exit code for an uncaught MemoryError (status "oom")
-EXIT_MEMORY = 201
-
-
-EXIT_SETUP = 202                     # the child could not enter the sandbox: an executor failure
-
-
-# a heavy worker imports sympy in 1-2 s; generous for a loaded CI machine
-STARTUP_TIMEOUT_S = 120.0
-
+SANDBOX_UID_BASE = 2_000_000_000        # a worker's sandbox uid is this + its pid: unique, < 2**31
+EXIT_MEMORY = 201         # the child's exit code for an uncaught MemoryError (status "oom")
+EXIT_SETUP = 202          # the child could not enter the sandbox: an executor failure
+STARTUP_TIMEOUT_S = 120.0  # a heavy worker imports sympy in 1-2 s; generous for a loaded machine
 
 # A call's deadline stretches by its CPU waits, to at most this x timeout_s of wall clock: the
 # backstop for a call starved to under 1/20 of a core (a 2-core node at load 40). Its CPU is bounded
-# apart: all of the call's processes together get timeout_s of CPU (_call_cpu_s).
+# apart: all of the call's processes together get timeout_s of CPU.
 STRETCH_CAP = 20
+BACKSTOP_GRACE_S = 5.0    # the parent gives up on a worker silent for STRETCH_CAP x timeout + this
 
-
-# the parent gives up on a worker silent for 3 x timeout_s + this
-BACKSTOP_GRACE_S = 5.0
-
-
-# the world-writable places; private per worker
-TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
-
-
-TMP_INODES = 65536                   # files, directories and links in each of them, per call
-
+TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")   # world-writable: private per worker
+TMP_INODES = 65536        # files, directories and links in each of them: a flood's bound
 
 # The router: a mention in a comment only costs a few ms of speed, never correctness.
 HEAVY_RE = re.compile(r"\b(?:numpy|sympy|mpmath|scipy)\b")
-
-
 LIGHT_PRELOAD = ("math", "cmath", "itertools", "functools", "fractions", "decimal", "collections",
                  "heapq", "bisect", "statistics", "random", "string", "operator", "json", "re")
-
-
 HEAVY_PRELOAD = LIGHT_PRELOAD + ("numpy", "sympy")
-
 
 # Importing is not all: sympy loads much of itself lazily and fills caches as it goes, so a child
 # forked after a bare import spends ~200 ms in its first factor() or solve(). The heavy worker runs
@@ -120,35 +92,19 @@ def truncate_middle(text, max_chars):
 # Linux through libc: Python 3.11 has no os.unshare, os.mount or capset
 
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
-
-
 CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
-
-
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
-
-
 MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC = 1024, 2048, 4096, 16384
-
-
 MS_PRIVATE, MS_RELATIME, MS_STRICTATIME = 1 << 18, 1 << 21, 1 << 24
-
-
 (PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_CHILD_SUBREAPER,
  PR_SET_NO_NEW_PRIVS) = 1, 4, 24, 36, 38
-
 
 # a remount must repeat these flags, or a user namespace refuses it (they are locked there)
 _MOUNT_OPTION_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC,
                        "noatime": MS_NOATIME, "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME,
                        "strictatime": MS_STRICTATIME}
 
-
 _libc = ctypes.CDLL(None, use_errno=True)
-
-
-# PyDLL: called with the GIL held, which the child keeps
-_libc_fork = ctypes.PyDLL(None, use_errno=True).fork
 
 
 def _check(ret, what):
@@ -183,22 +139,6 @@ def _drop_capabilities():
     _check(_libc.capset(header, (ctypes.c_uint32 * 6)()), "capset")
 
 
-def _fork(state):
-    """os.fork(), minus the interpreter's after-fork work where a worker does not need it.
-
-    os.fork() makes the child re-create the interpreter's locks and run the handlers that modules
-    registered (threading's _after_fork, random's reseed): ~180 pages written, so copied, and ~0.6
-    ms of CPU in every trivial call's child. A worker has one thread and holds no lock when it
-    forks, so there is nothing to re-create, and every call seeds the random state before its fork
-    (_run_call): libc's fork() alone does the same. A worker that found more than one thread at its
-    start (a library's pool) keeps os.fork()."""
-    if not state["single_threaded"]:
-        return os.fork()
-    pid = _libc_fork()
-    _check(min(pid, 0), "fork")   # -1 and errno on failure
-    return pid
-
-
 def _write_text(path, text):
     with open(path, "w") as f:
         f.write(text)
@@ -211,22 +151,16 @@ def _under(path, root):
 # -----------------------------------------------------------------------------
 # a worker's isolation, set up once when it starts
 #
-# Once per worker: per call each layer would cost 0.5-2.5 ms (measured on this machine kind).
-# The calls of a worker run one after another, so what they share (the private /tmp, the namespace)
-# is emptied between them instead.
+# Once per worker: per call each layer would cost 0.5-2.5 ms. The calls of a worker run one after
+# another, so what they share (the private /tmp, the namespace) is emptied between them instead.
 #   PID namespace   the worker is its PID 1: kill(-1) from there reaches every process a call made,
-#                   and when the worker dies the kernel kills them all. A process group alone is
-#                   escaped by setsid.
+#                   and when the worker dies the kernel kills them all (setsid escapes a group).
 #   mount namespace the answer key, the trainer's files and the caller's home are not there;
-#                   nothing written outside the private tmpfs mounts survives (everything else is
-#                   read-only).
-#   net namespace   only a loopback, down: no internet, no Redis/vLLM/Ray port of the training
-#                   cluster.
-#   IPC namespace   SysV objects made by a call stay in the worker (and are forbidden or die with
-#                   it).
+#                   all but the private tmpfs mounts is read-only.
+#   net namespace   only a loopback, down: no internet, no port of the training cluster.
+#   IPC namespace   SysV objects made by a call stay in the worker.
 #   sandbox uid     one per worker (root only): cannot signal the worker or the trainer, cannot
-#                   read root's 0600 files, and RLIMIT_NPROC, which counts per uid, then counts one
-#                   call's processes.
+#                   read root's 0600 files, and RLIMIT_NPROC then counts one call's processes.
 
 
 def _isolate(cfg):
@@ -247,8 +181,7 @@ def _isolate(cfg):
     except OSError as root_error:
         try:   # without root: in a user namespace we own fresh namespaces, but nothing of the host
             _unshare(flags | CLONE_NEWUSER)
-            # our uid and gid are 0 inside: one may map only oneself, and must deny setgroups(2)
-            # before a gid map
+            # one may map only oneself, and must deny setgroups(2) before a gid map
             _write_text("/proc/self/setgroups", "deny")
             _write_text("/proc/self/uid_map", f"0 {euid} 1")
             _write_text("/proc/self/gid_map", f"0 {egid} 1")
@@ -256,6 +189,7 @@ def _isolate(cfg):
         except OSError as user_error:
             info["warnings"].append(f"no namespaces ({root_error.strerror}; "
                                     f"user namespace: {user_error.strerror})")
+
     if info["level"] == "process":
         # a call's orphans re-parent to us, not to init: none escapes the sweep
         _prctl(PR_SET_CHILD_SUBREAPER, 1)
@@ -267,24 +201,18 @@ def _isolate(cfg):
                 kill_scope="pid namespace")
     child = os.fork()   # unshare(CLONE_NEWPID) moves our children, not us: the first child is PID 1
     if child:
-        # the waiter holds no pipe, so the parent sees EOF when PID 1 dies
-        os.closerange(3, 1 << 16)
-        _, status = os.waitpid(child, 0)   # retried on EINTR by Python itself (PEP 475)
+        os.closerange(3, 1 << 16)   # the waiter holds no pipe: the parent sees EOF when PID 1 dies
+        _, status = os.waitpid(child, 0)
         os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
-    # PDEATHSIG fires when the parent *thread* dies; the waiter has one thread, so: when the waiter
-    # dies
+    # PDEATHSIG follows the parent *thread*; the waiter has one, so: when the waiter dies
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if info["user_namespace"]:
-        # one uid is mapped, so the child cannot switch to another
-        info["capabilities_dropped"] = True
+        info["capabilities_dropped"] = True   # one uid is mapped: no switch to another
     else:
-        # its own uid: RLIMIT_NPROC counts this worker only
         info["sandbox_uid"] = SANDBOX_UID_BASE + host_pid
-    # A step that fails (a container that masks /proc, say) is reported and skipped, not fatal by
-    # itself: the worker's probe call (_probe_sandbox) decides whether what is left runs calls, and
-    # if not, Executor() raises with these warnings (a worker that died here would be restarted
-    # forever).
-    # private mounts: nothing reaches the host
+
+    # A step that fails (a container that masks /proc) is reported, not fatal by itself: the probe
+    # call (_probe_sandbox) decides whether what is left runs calls.
     steps = (("private mounts", lambda: _mount(None, "/", None, MS_REC | MS_PRIVATE)),
              ("fresh /proc", lambda: _private_proc(info)),
              ("hidden paths", lambda: _hide_paths(cfg["hide_paths"], info["kept_paths"], info)),
@@ -298,7 +226,7 @@ def _isolate(cfg):
             info["warnings"].append(f"{name}: {e}")
             if name == "private mounts":
                 break   # any further mount would show on the host
-    # SysV IPC objects outlive their processes: here shared memory dies with its users, and message
+    # SysV IPC objects outlive their processes: shared memory dies with its users here, and message
     # queues and semaphore sets cannot be made at all.
     for key, value in (("kernel/shm_rmid_forced", "1"), ("kernel/msgmni", "0"),
                        ("kernel/sem", "0 0 0 0"), ("fs/mqueue/queues_max", "0")):
@@ -308,53 +236,42 @@ def _isolate(cfg):
 
 
 def _private_proc(info):
-    # a /proc of this PID namespace: the snippet sees no other process, and /proc/<pid> means our
-    # children
+    # a /proc of this PID namespace: the snippet sees no other process, and /proc/<pid> is ours
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     info["private_proc"] = True
 
 
 def _resolve_interpreter_paths():
-    """Point the worker's own view of its interpreter (prefixes, sys.path with its .pth entries) at
-    real paths. A venv reached through a symlink in /tmp or in the home directory would otherwise be
-    imported from a link that the private /tmp or the cover of the home directory removes; the real
-    directories are bound back."""
+    """Point the worker's view of its interpreter (prefixes, sys.path) at real paths: a venv reached
+    through a symlink in /tmp or the home directory would otherwise be imported from a link that the
+    private /tmp or the home's cover removes; the real directories are bound back."""
     for name in ("prefix", "base_prefix", "exec_prefix", "base_exec_prefix"):
         setattr(sys, name, os.path.realpath(getattr(sys, name)))
-    # "" is the call's cwd
     sys.path[:] = dict.fromkeys(os.path.realpath(p) if p else p for p in sys.path)
 
 
 def _interpreter_path():
-    """The interpreter to start a worker with: its directory resolved, so that sys.executable is a
-    path that exists in the sandbox (the venv's bin/, inside its prefix). The file itself stays: a
-    venv's python is a link to the base interpreter, and the venv is found from the directory the
-    interpreter was started from."""
+    """The interpreter to start a worker with, its directory resolved (so sys.executable exists in
+    the sandbox). The file itself stays: a venv is found from the directory python started in."""
     return os.path.join(os.path.realpath(os.path.dirname(sys.executable)),
                         os.path.basename(sys.executable))
 
 
 def _keep_paths(hide=()):
-    """What the snippet must still read: the interpreter with its stdlib, and the venv's
-    site-packages. Taken once per worker, before any mount: after a mount a link on the way may lead
-    nowhere. `hide` (real paths) wins: a path that contains a hidden one (an editable install of the
-    repo on sys.path) is not kept."""
+    """What the snippet must still read: the interpreter, its stdlib and site-packages, taken
+    before any mount. `hide` (real paths) wins: a path that contains a hidden one is not kept."""
     paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
              os.path.dirname(sys.executable), os.path.dirname(os.path.realpath(sys.executable))}
-    # "" (the cwd) is the call's own directory
-    paths.update(p for p in sys.path if p and os.path.isdir(p))
-    # symlinks resolved: a bind needs the real directory
-    paths = {os.path.realpath(p) for p in paths}
+    paths.update(p for p in sys.path if p and os.path.isdir(p))   # "" is the call's own directory
+    paths = {os.path.realpath(p) for p in paths}   # a bind needs the real directory
     paths = sorted(p for p in paths if not any(_under(h, p) for h in hide))
     # the outermost only: binding the prefix brings its lib/python3.x and site-packages along
     return [p for p in paths if not any(q != p and _under(p, q) for q in paths)]
 
 
 def _interpreter_identity():
-    """[path, st_dev, st_ino] of the interpreter and of its own sys.path entries (stdlib,
-    lib-dynload, site-packages), taken before any mount: in the sandbox each must still be that very
-    file or directory, not missing and not an empty cover. Entries from outside the prefixes (.pth
-    targets) may be hidden on purpose."""
+    """[path, st_dev, st_ino] of the interpreter and its own sys.path entries, taken before any
+    mount: in the sandbox each must still be that very file, not missing and not an empty cover."""
     prefixes = (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)
     own = [sys.executable] + [p for p in sys.path
                               if p and os.path.isdir(p) and any(_under(p, q) for q in prefixes)]
@@ -375,29 +292,36 @@ def _interpreter_unreachable(keep):
     return any(_closed_ancestors(k) or not os.stat(k).st_mode & 0o001 for k in keep)
 
 
+def _bind_back(inside, readonly=False):
+    """O_PATH descriptors of `inside`, opened before a cover is mounted; the returned function binds
+    each back over the cover (after it, the paths lead nowhere)."""
+    fds = [os.open(k, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for k in inside]
+
+    def bind():
+        for k, fd in zip(inside, fds):
+            os.makedirs(k, mode=0o755, exist_ok=True)
+            _mount(f"/proc/self/fd/{fd}", k, None, MS_BIND | MS_REC)
+            if readonly:
+                _mount(None, k, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+            os.close(fd)
+    return bind
+
+
 def _hide_paths(hide_paths, keep, info):
-    """Cover each hidden directory with an empty read-only tmpfs and bind the kept paths inside it
-    back. The source of such a bind is an O_PATH descriptor opened before the cover: after it, the
-    path leads nowhere."""
+    """Cover each hidden directory with an empty read-only tmpfs, the kept paths inside bound
+    back."""
     hide = {os.path.realpath(p) for p in hide_paths if os.path.isdir(p)}
-    # an ancestor that a sandbox uid could not pass is covered too, with the interpreter inside
-    for k in keep:
+    for k in keep:   # an ancestor a sandbox uid could not pass is covered, the interpreter bound
         hide.update(_closed_ancestors(k))
-    # never covered, whatever the caller's cwd is: a snippet without /usr or /etc cannot run (/tmp
-    # is private)
+    # never covered, whatever the caller's cwd: a snippet without /usr or /etc cannot run
     system = {"/", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/dev", "/proc", "/sys",
               "/var", "/run", "/tmp"}
     hide = sorted(h for h in hide if h not in system)
-    # the outermost covers the rest
-    hide = [h for h in hide if not any(o != h and _under(h, o) for o in hide)]
+    hide = [h for h in hide if not any(o != h and _under(h, o) for o in hide)]   # the outermost
     for h in hide:
-        inside = [k for k in keep if _under(k, h)]
-        fds = [os.open(k, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for k in inside]
+        bind = _bind_back([k for k in keep if _under(k, h)])
         _mount("tmpfs", h, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=1m")
-        for k, fd in zip(inside, fds):
-            os.makedirs(k, exist_ok=True)
-            _mount(f"/proc/self/fd/{fd}", k, None, MS_BIND | MS_REC)
-            os.close(fd)
+        bind()
         _mount(None, h, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
         info["hidden_paths"].append(h)
 
@@ -408,8 +332,6 @@ def _mask_gpus(info):
     for name in sorted(os.listdir("/dev")):
         path = "/dev/" + name
         try:
-            # nvidia0..N, nvidiactl, nvidia-uvm and friends are nodes; kfd is the AMD compute node
-            # (MI300X)
             if name.startswith("nvidia") and not os.path.isdir(path) or name == "kfd":
                 _mount("/dev/null", path, None, MS_BIND)
             elif name in ("dri", "nvidia-caps"):
@@ -422,19 +344,17 @@ def _mask_gpus(info):
 
 
 def _remount_readonly(info):
-    """Every mount read-only. /proc, /sys and /dev are left: what is writable there belongs to root
-    or to the writer itself, and /dev/shm gets its own tmpfs next."""
+    """Every mount read-only but /proc, /sys and /dev (what is writable there is root's or the
+    writer's own; /dev/shm gets its own tmpfs next)."""
     failures = 0
     with open("/proc/self/mountinfo") as f:
         rows = [line.split() for line in f]
     for row in rows:
-        # mountinfo writes " " as \040
-        target = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), row[4])
+        target = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), row[4])   # \040: " "
         options = row[5].split(",")
         if any(_under(target, p) for p in ("/proc", "/sys", "/dev")) or "ro" in options:
             continue
-        # MS_BIND with MS_REMOUNT changes this mount's flags only, not the filesystem's (the host
-        # keeps rw)
+        # MS_BIND with MS_REMOUNT changes this mount's flags only: the host keeps rw
         flags = MS_REMOUNT | MS_BIND | MS_RDONLY
         for option in options:
             flags |= _MOUNT_OPTION_FLAGS.get(option, 0)
@@ -449,24 +369,15 @@ def _remount_readonly(info):
 
 def _private_tmp(cfg, info):
     # A little over the file-size limit: one big file meets EFBIG, many meet ENOSPC, and the RAM a
-    # call can fill here (tmpfs is memory, not counted in RLIMIT_AS) stays bounded. The interpreter
-    # may itself live under /tmp (a CI checkout with its venv there): bound back over the fresh
-    # tmpfs, read-only, as in _hide_paths.
-    keep = info["kept_paths"]
+    # call can fill here (tmpfs is not in RLIMIT_AS) stays bounded. An interpreter under /tmp is
+    # bound back.
     for path in TMP_DIRS:
         if os.path.isdir(path):
             info["tmp_mounts"].append(path)
-            inside = [k for k in keep if _under(k, path)]
-            fds = [os.open(k, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for k in inside]
-            # nr_inodes: a bound on what a flood of empty files costs in kernel memory, and a count
-            # that _clean_after_call reads (a tmpfs without the bound reports none)
+            bind = _bind_back([k for k in info["kept_paths"] if _under(k, path)], readonly=True)
             _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV,
                    f"mode=1777,size={cfg['max_file_mb'] + 16}m,nr_inodes={TMP_INODES}")
-            for k, fd in zip(inside, fds):
-                os.makedirs(k, mode=0o755, exist_ok=True)
-                _mount(f"/proc/self/fd/{fd}", k, None, MS_BIND | MS_REC)
-                _mount(None, k, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
-                os.close(fd)
+            bind()
     info["private_tmp"] = True
 
 
@@ -474,71 +385,61 @@ def _private_tmp(cfg, info):
 # one call, in the child: enter the sandbox, run the snippet as a script
 #
 # The order matters: the fds first (nothing of the worker's may stay reachable), then what needs
-# root (oom_score_adj may only go down as root, the rlimits are set while we may still set them
-# hard), then the uid switch (no_new_privs is already set: the worker set it on itself, and a fork
-# inherits it).
+# root (oom_score_adj, the hard rlimits), then the uid switch (no_new_privs is inherited).
 
 
-def _run_child(code, stdin, stdin_fd, out_fd, err_fd, workdir, state):
+def _run_child(code, seed, stdin_fd, out_fd, err_fd, workdir, state):
     """Runs in the forked child and never returns."""
+    # Seeded from the inputs, after the fork (os.fork reseeds `random`): a child would otherwise
+    # share numpy's global state with every other call of its worker, and a pure function of (code,
+    # stdin) keeps an RL rerun byte-identical (hash() is, under PYTHONHASHSEED=0). os.urandom
+    # stays random.
+    random.seed(seed)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(seed % 2**32)
     try:
         os.setsid()   # its own session and group: from PID 2 on, kill(0) must not mean the worker
         os.dup2(stdin_fd, 0)
         os.dup2(out_fd, 1)
         os.dup2(err_fd, 2)
         os.closerange(3, state["max_fd"])   # the worker's pipes to the parent must not be reachable
-        # the worker ignores SIGINT; a script does not (the C function: signal.signal() maps the
-        # old handler to an enum, which writes ~60 pages of the worker)
-        _signal.signal(signal.SIGINT, signal.default_int_handler)
-        # under host memory pressure the kernel kills us first (os.write: no file object, fewer
-        # pages written)
-        try:
-            fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
-            os.write(fd, b"1000")
-            os.close(fd)
-        except OSError:
-            pass
+        signal.signal(signal.SIGINT, signal.default_int_handler)   # the worker ignores it
+        with contextlib.suppress(OSError):   # under host memory pressure the kernel kills us first
+            _write_text("/proc/self/oom_score_adj", "1000")
         os.chdir(workdir)
         for limit, soft, hard in state["rlimits"]:
-            # hard limits: the snippet cannot raise them back
-            resource.setrlimit(limit, (soft, hard))
+            resource.setrlimit(limit, (soft, hard))   # hard: the snippet cannot raise them back
         uid = state["sandbox_uid"]
         if uid is not None:
             os.setgroups([])
             os.setresgid(uid, uid, uid)
             os.setresuid(uid, uid, uid)
-            # a uid change hands /proc/self to root; give the snippet its own back
-            _prctl(PR_SET_DUMPABLE, 1)
+            _prctl(PR_SET_DUMPABLE, 1)   # a uid change hands /proc/self to root; give it back
         if not state["pid_namespace"]:
-            # without a namespace, die at least with the worker
-            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)   # without a namespace, die with the worker
         if state["capabilities_dropped"]:
             _drop_capabilities()
     except BaseException as exc:
         os.write(2, f"ExecutorError: the sandbox could not be set up: {exc!r}\n".encode())
         os._exit(EXIT_SETUP)
-    # os._exit, never a normal exit: that would run the worker's atexit and finalizers again in
-    # every child
-    try:   # and whatever happens, the child must not return into the worker's loop
-        os._exit(_run_snippet(code, stdin, state["private_tmp"]))
+    # os._exit, never a normal exit (it would run the worker's atexit in every child), and the child
+    # must not return into the worker's loop, whatever happens
+    try:
+        os._exit(_run_snippet(code, state["private_tmp"]))
     except BaseException as exc:
         os.write(2, f"ExecutorError: {exc!r}\n".encode())
     finally:
         os._exit(EXIT_SETUP)
 
 
-def _run_snippet(code, stdin, private_tmp):
+def _run_snippet(code, private_tmp):
     """`python main.py`, with the value of a final expression shown; returns the exit code."""
-    # Not exec'd in a fresh interpreter, so all a script could tell apart from `python main.py` is
-    # set by hand: argv, __main__, __file__, what happens at exit. The standard streams are the
-    # worker's own, unused, now on the call's fds 0-2: block-buffered stdout as for a script writing
-    # to a pipe; reusing them spares ~60 page copies.
+    # What a script could tell apart from `python main.py` is set by hand: argv, __main__, __file__,
+    # the exit. The standard streams are the worker's own, unused, now on the call's fds 0-2.
     if not private_tmp:   # without a private /tmp the call's directory changes every time
-        # ~/.cache and tempfile land in the call's dir
         os.environ.update(HOME=os.getcwd(), TMPDIR=os.getcwd())
         tempfile.tempdir = None   # the worker's own mkdtemp() cached /tmp
-    # the worker's empty one (_start_worker): what the snippet adds stays in the child
-    main = sys.modules["__main__"]
+    main = sys.modules["__main__"]   # the worker's empty one: what the snippet adds stays here
     returncode = 0
     try:
         tree = compile(code, MAIN, "exec", ast.PyCF_ONLY_AST)   # ast.parse, minus a frame
@@ -548,52 +449,41 @@ def _run_snippet(code, stdin, private_tmp):
             value = eval(compile(ast.Expression(last.value), MAIN, "eval"), main.__dict__)
             if value is not None:
                 print(repr(value))
-    except SystemExit as exc:
-        returncode = _system_exit_code(exc)
     except BaseException as exc:
-        # KeyboardInterrupt included: a script dies of it with a traceback too
-        _print_snippet_traceback(exc)
-        returncode = EXIT_MEMORY if isinstance(exc, MemoryError) else 1
-    # what the interpreter does at exit: wait for non-daemon threads, then run the atexit handlers
+        returncode = _exit_code(exc, 0)
+
+    # what the interpreter does at exit: wait for non-daemon threads, then the atexit handlers
+    # (which also join non-daemon multiprocessing children, as `python` does)
     try:
-        # enumerate() on every call would write ~40 pages, so copy them
-        if threading.active_count() > 1:
-            for thread in threading.enumerate():
-                if thread is not threading.main_thread() and not thread.daemon:
-                    thread.join()
-        # this also joins non-daemon multiprocessing children, as `python` does
+        for thread in threading.enumerate():
+            if thread is not threading.main_thread() and not thread.daemon:
+                thread.join()
         atexit._run_exitfuncs()
-    except SystemExit as exc:
-        returncode = _system_exit_code(exc)
     except BaseException as exc:
-        _print_snippet_traceback(exc)
-        returncode = returncode or 1
+        returncode = _exit_code(exc, returncode)
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(BaseException):
             stream.flush()
-        except BaseException:
-            pass
     return returncode
 
 
-def _system_exit_code(exc):
-    if exc.code is None:
-        return 0
-    if isinstance(exc.code, int):
-        return exc.code & 0xFF
-    # sys.exit("message") prints it and exits 1, as the interpreter does
-    print(exc.code, file=sys.stderr)
-    return 1
+def _exit_code(exc, returncode):
+    """The exit code `python` gives a script ended by exc (SystemExit, or a traceback)."""
+    if isinstance(exc, SystemExit):
+        if exc.code is None or isinstance(exc.code, int):
+            return (exc.code or 0) & 0xFF
+        print(exc.code, file=sys.stderr)   # sys.exit("message") prints it and exits 1
+        return 1
+    _print_snippet_traceback(exc)   # KeyboardInterrupt included, as for a script
+    return EXIT_MEMORY if isinstance(exc, MemoryError) else returncode or 1
 
 
 def _print_snippet_traceback(exc):
-    """The traceback from the snippet's first frame on, without our wrapper's frames (noise, and a
-    path)."""
+    """The traceback from the snippet's first frame on, without our wrapper's frames."""
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename != MAIN:
         tb = tb.tb_next
-    # the interpreter's own C printer: the same text as `python main.py`, and fast for 10**6 frames
-    try:
+    try:   # the interpreter's own C printer: the text of `python main.py`, fast for 10**6 frames
         sys.__excepthook__(type(exc), exc.with_traceback(tb), tb)
     except BaseException:
         os.write(2, f"{type(exc).__name__}\n".encode())
@@ -603,9 +493,8 @@ def _print_snippet_traceback(exc):
 # one call, in the worker: fork, watch, kill, sweep, describe
 #
 # The worker, not the child, holds the clock and the output caps: a snippet can cancel any alarm of
-# its own (signal.alarm(0)), catch any exception, ignore SIGTERM, or sit in C code that never
-# returns to Python (10**10**9, a regex that backtracks), so only a SIGKILL from outside is sure to
-# stop it.
+# its own, catch any exception, ignore SIGTERM, or sit in C code that never returns to Python
+# (10**10**9, a regex that backtracks), so only a SIGKILL from outside is sure to stop it.
 
 
 class _Capture:
@@ -627,15 +516,13 @@ class _Capture:
 
     def text(self, max_chars):
         """(text, truncated): decoded (invalid UTF-8 becomes U+FFFD) and cut in the middle to
-        max_chars."""
-        # nothing dropped: cut by characters exactly as truncate_middle does for the tool response
+        max_chars, exactly as truncate_middle cuts the tool response."""
         if self.total == len(self.head) + len(self.tail):
             text = (self.head + self.tail).decode("utf-8", "replace")
             if len(text) <= max_chars:
                 return text, False
             return truncate_middle(text, max_chars), True
-        # `keep` (2 * max_chars + 4 bytes) holds max_chars // 2 characters of 4 bytes at each end,
-        # past one cut in two
+        # `keep` (2 * max_chars + 4 bytes) holds max_chars // 2 characters of 4 bytes at each end
         half = max_chars // 2
         head = self.head.decode("utf-8", "replace")[:half]
         tail = self.tail.decode("utf-8", "replace")[-half:] if half else ""
@@ -650,44 +537,32 @@ def _run_call(code, stdin, cfg, state):
                  0o644)
     os.write(fd, code.encode("utf-8", "surrogatepass"))
     os.close(fd)
-    # what the call's clean-up compares with
-    free_inodes = _free_inodes(state) if state["private_tmp"] else None
-    # stdin as a file, not a pipe: writing it cannot block on a snippet that never reads, and reads
-    # past its end get EOF at once (input() raises EOFError; sys.stdin.read() does not hang)
+    # stdin as a file, not a pipe: writing it cannot block, and reads past its end get EOF at once
     stdin_fd = os.memfd_create("stdin")
     os.write(stdin_fd, stdin.encode("utf-8", "replace"))
     os.lseek(stdin_fd, 0, os.SEEK_SET)
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
-    # Set up before the fork: until the child exits, every page this process writes is copied.
     keep = 2 * cfg["max_output_chars"] + 4   # bytes per end: see _Capture.text
     captures = {out_r: _Capture(keep), err_r: _Capture(keep)}
     poller = select.poll()
     for fd in captures:
         poller.register(fd, select.POLLIN)
     drain_until, output_limit = None, cfg["output_limit_mb"] << 20
-    open_fds, returncode, killed_for, elapsed, ran_ns = set(captures), None, None, None, 0
-    # Seeded from the inputs, here, not in the child (pages written before the fork are not copied):
-    # a forked child would otherwise share numpy's global state with every other call of its worker,
-    # and a pure function of (code, stdin) keeps an RL rerun byte-identical (hash() is, under
-    # PYTHONHASHSEED=0). os.urandom stays random.
-    seed = hash((code, stdin)) & (2**64 - 1)
-    random.seed(seed)
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed(seed % 2**32)
+    open_fds, returncode, killed_for, elapsed, ran_ns, cpu_s = set(captures), None, None, 0, 0, 0
     start = time.monotonic()
     deadline = start + cfg["timeout_s"]
-    pid = _fork(state)
+    pid = os.fork()
     if pid == 0:
-        _run_child(code, stdin, stdin_fd, out_w, err_w, workdir, state)
+        _run_child(code, hash((code, stdin)) & (2**64 - 1), stdin_fd, out_w, err_w, workdir, state)
     for fd in (stdin_fd, out_w, err_w):
         os.close(fd)
-    # readable at the child's exit: one poll() waits for output and exit at once
-    pidfd = os.pidfd_open(pid)
+    pidfd = os.pidfd_open(pid)   # readable at the child's exit: one poll() waits for all
     poller.register(pidfd, select.POLLIN)
-    # Until the main process is reaped (returncode), read its output, kill it at the deadline or the
-    # output limit (killed_for: why *we* killed it). Then a short drain: the pipes reach EOF once
-    # all that holds them is dead.
+
+    # Until the main process is reaped, read its output and kill it at the deadline or the output
+    # limit (killed_for: why *we* killed it); then a short drain, as the pipes reach EOF once all
+    # that holds them is dead.
     while open_fds or returncode is None:
         now = time.monotonic()
         if returncode is not None:
@@ -696,11 +571,11 @@ def _run_call(code, stdin, cfg, state):
             wait_until = deadline if killed_for is None else now + 1.0
         for fd, _ in poller.poll(max(0.0, wait_until - now) * 1000):
             if fd == pidfd:
-                _, status = os.waitpid(pid, 0)
+                _, status, usage = os.wait4(pid, 0)
                 returncode, elapsed = os.waitstatus_to_exitcode(status), time.monotonic() - start
+                cpu_s = usage.ru_utime + usage.ru_stime
                 poller.unregister(pidfd)
-                # the call ends with its main process: background ones die now
-                _signal_everything(state, pid)
+                _signal_everything(state, pid)   # the call ends with its main process
                 drain_until = time.monotonic() + 1.0
                 continue
             data = os.read(fd, 1 << 16)
@@ -710,97 +585,90 @@ def _run_call(code, stdin, cfg, state):
                 continue
             captures[fd].add(data)
             if killed_for is None and sum(c.total for c in captures.values()) > output_limit:
-                # a print loop is stopped at once, not read until the timeout
-                killed_for = "output limit"
+                killed_for = "output limit"   # a print loop is stopped at once
                 _signal_everything(state, pid)
-        # Checked after the events: a child that exited while this worker waited for a CPU finished,
-        # not timed out.
+        # after the events: a child that exited while this worker waited for a CPU finished
         now = time.monotonic()
         if returncode is None and killed_for is None and now >= deadline:
-            # Time the snippet spent runnable but waiting for a CPU is the machine's, not the
-            # snippet's: on an oversubscribed node a benign call must not time out (docs/design.md,
-            # the sandbox's hostile inputs), or the tool-error ratio that RoC ranks by (Eq. 4) would
-            # measure the load. A sleep or a blocking wait is not on the run queue and counts in
-            # full. The kernel books a wait when the task gets the CPU back, so a task starved right
-            # now is not in the total yet: if it is runnable and has not run since our last look, it
-            # is still waiting. (Seen on a 2-core machine at load 20: a child runnable for 2 s since
-            # its fork without having run at all.)
-            # /proc/<pid> is our child
-            own_proc = state["private_proc"] or not state["pid_namespace"]
-            run_ns, wait_ns, runnable = _cpu_times(pid) if own_proc else (0, 0, False)
-            stretched = start + cfg["timeout_s"] + wait_ns / 1e9
-            if runnable and run_ns == ran_ns:
-                stretched = max(stretched, now + 0.05)
-            ran_ns = run_ns
-            # A snippet that spins beside children of its own waits on itself: whatever its waits,
-            # the call's processes together get timeout_s of CPU. With n cores they burn up to n
-            # CPU seconds a second, so look again before the rest of the budget can be spent.
-            cpu_left = cfg["timeout_s"] - (_call_cpu_s(state, pid) if own_proc else 0.0)
-            backstop = start + STRETCH_CAP * cfg["timeout_s"]
-            if stretched <= now + 0.001:
-                killed_for = "wall-clock limit"
-            elif cpu_left <= 0:
-                killed_for = "cpu-time limit"
-            elif now >= backstop:
-                killed_for = "wall-clock backstop"  # starved: it had time left
-            else:
-                deadline = min(stretched, backstop, now + max(0.05, cpu_left / state["cores"]))
-            if killed_for:
-                _signal_everything(state, pid)
+            killed_for, deadline, ran_ns = _past_deadline(pid, start, now, ran_ns, cfg, state)
         if returncode is not None and now >= drain_until:
-            # a writer that will not die (uninterruptible I/O) still holds a pipe; stop waiting
-            # for it
-            break
-    # The sweep, before the answer: when the parent has the result, the call has left nothing
-    # behind.
+            break   # a writer stuck in uninterruptible I/O still holds a pipe: stop waiting
+
+    # the sweep, before the answer: when the parent has the result, the call left nothing behind
     _kill_leftovers(state, pid)
     for fd in (out_r, err_r, pidfd):
         os.close(fd)
-    _clean_after_call(state, workdir, free_inodes)
-    return _describe(returncode, killed_for, elapsed, captures[out_r], captures[err_r], cfg)
+    _clean_after_call(state, workdir)
+    return _describe(returncode, killed_for, elapsed, cpu_s, captures[out_r], captures[err_r], cfg)
 
 
-def _cpu_times(pid):
-    """(ns on a CPU, ns runnable but waiting for one, runnable now?) of a process, from
-    /proc/<pid>."""
+def _past_deadline(pid, start, now, ran_ns, cfg, state):
+    """At the deadline: (why the call is killed or None, the next deadline, its CPU ns so far).
+
+    Time the call spent runnable but waiting for a CPU is the machine's, not the snippet's: on an
+    oversubscribed node a benign call must not time out, or the tool-error ratio RoC ranks by
+    (Eq. 4) would measure the load. A sleep is not on the run queue and counts in full. The kernel
+    books a wait when the task runs again, so one starved right now (runnable, not run since our
+    last look) is still waiting. The call's processes together get timeout_s of CPU, looked at
+    before n cores could spend the rest."""
+    own_proc = state["private_proc"] or not state["pid_namespace"]   # /proc/<pid> is our child
+    run_ns, wait_ns, runnable = _schedstat(pid) if own_proc else (0, 0, False)
+    stretched = start + cfg["timeout_s"] + wait_ns / 1e9
+    if runnable and run_ns == ran_ns:
+        stretched = max(stretched, now + 0.05)
+    cpu_left = cfg["timeout_s"] - (_call_cpu_s(state, pid) if own_proc else 0.0)
+    backstop = start + STRETCH_CAP * cfg["timeout_s"]
+    if stretched <= now + 0.001:
+        killed_for = "wall-clock limit"
+    elif cpu_left <= 0:
+        killed_for = "cpu-time limit"
+    elif now >= backstop:
+        killed_for = "wall-clock backstop"   # starved: it had time left
+    else:
+        return None, min(stretched, backstop, now + max(0.05, cpu_left / state["cores"])), run_ns
+    _signal_everything(state, pid)
+    return killed_for, now, run_ns
+
+
+def _proc_stat(pid):
+    """The fields of /proc/<pid>/stat after the command's name (state first); None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _schedstat(pid):
+    """(ns on a CPU, ns runnable but waiting for one, runnable now?) of a process; zeros where it
+    is gone or the kernel keeps no schedstat (then the plain wall clock rules)."""
     try:
         with open(f"/proc/{pid}/schedstat") as f:
             run_ns, wait_ns = (int(x) for x in f.read().split()[:2])
-        with open(f"/proc/{pid}/stat") as f:
-            runnable = f.read().rsplit(")", 1)[1].split()[0] == "R"
-        return run_ns, wait_ns, runnable
-    except (OSError, ValueError, IndexError):   # gone, or no CONFIG_SCHED_INFO: plain wall clock
+    except (OSError, ValueError):
         return 0, 0, False
+    return run_ns, wait_ns, (_proc_stat(pid) or ["?"])[0] == "R"
 
 
 def _call_cpu_s(state, pid):
-    """CPU seconds of the call so far: in a PID namespace, of every process in it but this worker
-    (PID 1), with the children each has reaped; without one, of the main process and its reaped
-    children."""
+    """CPU seconds of the call so far, with the children each process reaped: every process in the
+    PID namespace but this worker (PID 1), or without one, the main process."""
     pids = ([p for p in os.listdir("/proc") if p.isdigit() and p != "1"]
-            if state["pid_namespace"] else [str(pid)])
-    ticks = 0
-    for p in pids:
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            ticks += sum(int(x) for x in fields[11:15])  # utime, stime, cutime, cstime
-        except (OSError, ValueError, IndexError):  # gone meanwhile
-            pass
+            if state["pid_namespace"] else [pid])
+    ticks = sum(sum(map(int, fields[11:15]))   # utime, stime, cutime, cstime
+                for fields in map(_proc_stat, pids) if fields)
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _signal_everything(state, pid):
-    """SIGKILL the main process and, from PID 1, everything else in the namespace (the sweep reaps
-    them)."""
+    """SIGKILL the main process and, from PID 1, everything in the namespace (the sweep reaps)."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(-1 if state["pid_namespace"] else pid, signal.SIGKILL)
 
 
 def _kill_leftovers(state, session):
-    """Kill and reap every process the call left: from PID 1 the whole namespace, with kill(-1);
-    without one, the children of the subreaper (an orphan re-parents to us), looking again until
-    none is left."""
+    """Kill and reap every process the call left: from PID 1 the whole namespace; without one, the
+    children of the subreaper (an orphan re-parents to us), looking again until none is left."""
     deadline = time.monotonic() + 5.0
     while time.monotonic() < deadline:
         if state["pid_namespace"]:
@@ -809,8 +677,7 @@ def _kill_leftovers(state, session):
             try:
                 with open(f"/proc/self/task/{os.getpid()}/children") as f:
                     children = [int(pid) for pid in f.read().split()]
-            except OSError:
-                # no /proc/<pid>/task/*/children: the call's session is all we can reach
+            except OSError:   # no task/*/children: the call's session is all we can reach
                 children = []
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(session, signal.SIGKILL)
@@ -821,14 +688,12 @@ def _kill_leftovers(state, session):
             os.waitpid(-1, 0)
         except ChildProcessError:
             return
-    # still not empty after 5 s (a process stuck in uninterruptible I/O): the next call's sweep
-    # reaps it
+    # one stuck in uninterruptible I/O after 5 s: the next call's sweep reaps it
 
 
 def _fresh_workdir(state):
-    """An empty directory owned by the sandbox uid. With a private /tmp the path is fixed, so a
-    snippet that prints its cwd prints the same thing on a rerun; otherwise it is a new temporary
-    directory."""
+    """An empty directory owned by the sandbox uid: with a private /tmp always the same path (a
+    printed cwd is the same on a rerun), else a new temporary directory."""
     if state["private_tmp"]:
         path = "/tmp/sandbox"
         try:
@@ -843,30 +708,12 @@ def _fresh_workdir(state):
     return path
 
 
-def _free_inodes(state):
-    """The free inode count of each private tmpfs (None without them). Every file, directory, hard
-    link and (on Linux 6.6+) extended attribute made there takes from it."""
-    return [os.statvfs(root).f_ffree for root in state["tmp_mounts"]]
-
-
-def _clean_after_call(state, workdir, free_inodes):
-    """Nothing a call wrote survives it: empty the private tmpfs mounts (or remove the temporary
-    directory)."""
+def _clean_after_call(state, workdir):
+    """Nothing a call wrote survives it: the private tmpfs mounts are emptied but for the
+    interpreter bound back under them and the way to it (or the call's directory is removed)."""
     if not state["private_tmp"]:
         _remove_tree(workdir)
         return
-    # Most calls write no file: then no count moved since main.py was written, so the mounts hold
-    # what they did then, up to a main.py or a call's directory that was replaced (deleted and made
-    # again). Removing those two (rmdir: only if empty) leaves the mounts as the call found them, in
-    # 2 syscalls instead of a walk of all four.
-    if free_inodes and _free_inodes(state) == free_inodes:
-        with contextlib.suppress(OSError):
-            os.unlink(os.path.join(workdir, MAIN))
-            os.rmdir(workdir)
-            return
-    # the mounts stay (remounting per call would cost more); their contents go, /tmp/sandbox
-    # included, except the interpreter bound back under them (see _private_tmp) and the directories
-    # leading to it
     keep = [k for k in state["kept_paths"] if any(_under(k, root) for root in TMP_DIRS)]
     for root in TMP_DIRS:
         if os.path.isdir(root):
@@ -899,7 +746,7 @@ def _remove_tree(path):
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _describe(returncode, killed_for, elapsed, out, err, cfg):
+def _describe(returncode, killed_for, elapsed, cpu_s, out, err, cfg):
     """Status and reason from how the child ended, plus a last stderr line where Python wrote
     none."""
     stdout, cut_out = out.text(cfg["max_output_chars"])
@@ -915,9 +762,7 @@ def _describe(returncode, killed_for, elapsed, out, err, cfg):
         status, note = "timeout", ("TimeoutError: the code used more than its CPU time limit "
                                    "and was killed")
     elif returncode == EXIT_MEMORY:
-        # The exit code is the child's own word, so a snippet could fake an oom: it would only
-        # mislabel itself. An OOM-killer SIGKILL (memory the host ran out of) shows as a signal
-        # below.
+        # the child's own word: a snippet could only mislabel itself (the OOM killer is a signal)
         killed_for, status, note = "memory limit", "oom", ""
     elif returncode == 0:
         status, note = "ok", ""
@@ -930,16 +775,15 @@ def _describe(returncode, killed_for, elapsed, out, err, cfg):
         status, note = "error", f"Killed by signal {-returncode} ({name})"
     else:
         killed_for, status, note = f"exit status {returncode}", "error", ""
-    # the note goes after the truncation, so the model always sees why the call ended
-    if note:
+    if note:   # after the truncation, so the model always sees why the call ended
         stderr += ("" if not stderr or stderr.endswith("\n") else "\n") + note + "\n"
-    return dict(status=status, stdout=stdout, stderr=stderr, elapsed_s=elapsed or 0.0,
+    return dict(status=status, stdout=stdout, stderr=stderr, elapsed_s=elapsed, cpu_s=cpu_s,
                 truncated=cut_out or cut_err, reason=killed_for or "", returncode=returncode)
 
 
-# ----------------------------------------------------------------------------- the worker process.
-# Messages are a 4-byte length and JSON: never pickle, whose reader would run code. Two pipes per
-# worker, no sockets: nothing to bind, nothing another process can connect to.
+# -----------------------------------------------------------------------------
+# the worker process. Messages are a 4-byte length and JSON: never pickle, whose reader would run
+# code. Two pipes per worker, no sockets: nothing to bind, nothing another process can reach.
 
 
 def _send(fd, obj):
@@ -963,9 +807,8 @@ def _recv_blocking(fd):
     return None if body is None else json.loads(body)
 
 
-# A call the worker makes itself before it reports ready: the whole path of a call (the call's
-# directory, the uid switch, the limits, the sweep, the clean-up of /tmp) and the interpreter's
-# paths, as the sandbox uid sees them.
+# The call a worker makes itself before it reports ready: the whole path of a call (directory, uid,
+# limits, sweep, clean-up) and the interpreter's own files, as the sandbox uid sees them.
 SANDBOX_PROBE = """
 import json, os, sys
 missing = []
@@ -981,18 +824,23 @@ print(json.dumps(missing))
 
 
 def _worker_main(cfg_json):
-    """A worker's life. One whose sandbox cannot run calls says why in its first message (Executor()
-    raises it)."""
+    """A worker's life. One whose sandbox cannot run calls says why in its first message."""
     cfg = json.loads(cfg_json)
-    # the worker's own (_worker_env), not the snippet's or its subprocesses'
-    os.environ.pop("LD_BIND_NOW", None)
-    # a ^C in the terminal is for the trainer, not for us
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # a ^C in the terminal is for the trainer
     try:
-        info, state = _start_worker(cfg)
-        problem = _probe_sandbox(cfg, state)
-    except Exception as exc:
-        # a bug or an OS we do not know: the parent gets the reason, not just an EOF
+        if cfg["kind"] == "grader":
+            # Trusted code on untrusted strings, run in this process: no sandbox to enter (a PID
+            # namespace's init would even ignore the SIGXCPU that ends a check stuck in C code).
+            sys.path.insert(0, cfg["repo"])
+            grader = importlib.import_module("machinery.verifier")
+            sys.path.remove(cfg["repo"])
+            os.chdir("/")
+            grader.warm_up()
+            info, problem = {"level": "none"}, None
+        else:
+            info, state = _start_worker(cfg)
+            problem = _probe_sandbox(cfg, state)
+    except Exception as exc:   # a bug or an OS we do not know: the parent gets the reason
         info, problem = {}, f"{type(exc).__name__}: {exc}"
     if problem:
         _send(cfg["response_fd"], {"ready": False, "error": problem, "isolation": info})
@@ -1000,12 +848,16 @@ def _worker_main(cfg_json):
     _send(cfg["response_fd"], {"ready": True, "isolation": info})
     while True:
         request = _recv_blocking(cfg["request_fd"])
-        # the parent closed the pipe or died: leave; the namespace goes with PID 1
-        if request is None:
+        if request is None:   # the parent closed the pipe or died: the namespace goes with PID 1
             os._exit(0)
-        # one call at a time, start to sweep: the parent sends the next request only after this
-        # answer
-        _send(cfg["response_fd"], _run_call(request["code"], request["stdin"], cfg, state))
+        # one request at a time: the parent sends the next only after this answer. A grader answers
+        # a check itself: a fork per check would cost ~4x its CPU (docs/benchmarks.md, "Reward").
+        if cfg["kind"] == "grader":
+            answer = grader.check_in_worker(request)
+        else:
+            answer = _run_call(request["code"], request["stdin"],
+                               dict(cfg, timeout_s=request["timeout_s"]), state)
+        _send(cfg["response_fd"], answer)
 
 
 def _start_worker(cfg):
@@ -1013,76 +865,55 @@ def _start_worker(cfg):
     gets)."""
     _resolve_interpreter_paths()   # before _isolate takes the paths to keep
     interpreter = _interpreter_identity()
-    # from here on this is PID 1 of the worker's namespaces (if the OS allowed them)
-    info = _isolate(cfg)
-    os.chdir("/")   # the cwd we were started in may be one of the hidden directories
+    info = _isolate(cfg)   # from here on PID 1 of the worker's namespaces (if the OS allowed them)
+    os.chdir("/")   # the cwd we were started in may be hidden
     for name in HEAVY_PRELOAD if cfg["kind"] == "heavy" else LIGHT_PRELOAD:
         try:
             __import__(name)
         except ImportError as e:
             info["warnings"].append(f"could not preload {name}: {e}")
     if cfg["kind"] == "heavy":
-        try:
+        try:   # without numpy or sympy the worker still runs plain Python
             exec(HEAVY_WARMUP, {})
-        except Exception as e:   # without numpy or sympy the worker still runs plain Python
+        except Exception as e:
             info["warnings"].append(f"heavy warm-up failed: {e!r}")
-    # argv and a fresh, empty __main__ (so the snippet's functions pickle, for multiprocessing), set
-    # once here: the worker never runs a snippet, so every child finds them empty, and a child that
-    # made its own would write (and copy) ~40 pages, the old __main__'s among them.
+    # argv and an empty __main__ (the snippet's functions then pickle, for multiprocessing), set
+    # once: every child finds them empty
     sys.argv = [MAIN]
     main = types.ModuleType("__main__")
     main.__builtins__, main.__file__ = builtins, MAIN
     sys.modules["__main__"] = main
-    # The first compile() in a process costs ~3 ms of parser set-up: paid here once, not in every
-    # child.
+    # the first compile() in a process costs ~3 ms of parser set-up: paid here, not in every child
     compile("x = [i for i in range(3)]\nprint(x)\n", MAIN, "exec")
-    ast.parse("x = 1")
-    # A fork copies the page table of every resident page, and the child's exit tears it down again:
-    # drop the start-up's garbage and hand malloc's free pages back first (~10% fewer pages in a
-    # light worker).
-    gc.collect()
-    _libc.malloc_trim(0)
-    # a child's garbage collector then leaves the inherited objects, and so their pages, alone
-    gc.freeze()
-    # memory_mb is what a call may add: RLIMIT_AS counts the worker's own mappings, which the child
-    # inherits
+
+    # memory_mb is what a call may add: RLIMIT_AS counts the worker's mappings, which a child has
     vm_bytes = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
     address_space = vm_bytes + (cfg["memory_mb"] << 20)
     cpu_s = math.ceil(cfg["timeout_s"]) + 1   # past the wall clock, so the clock's kill comes first
     nproc = cfg["max_processes"]
     if info["level"] == "process" and info["sandbox_uid"] is None:
-        # without a uid of its own, RLIMIT_NPROC counts all of ours
-        nproc += _processes_of_uid(os.getuid())
-    # (limit, soft, hard) for every child. Hard = soft, or nearly: code-judge and SandboxFusion set
-    # only soft limits, which the snippet raises right back (docs/design.md, the sandbox's hostile
-    # inputs).
+        nproc += _processes_of_uid(os.getuid())   # without a uid of its own, NPROC counts all ours
+    # Hard = soft, or nearly: code-judge and SandboxFusion set only soft limits, which the snippet
+    # raises right back (docs/design.md, the sandbox's hostile inputs).
     rlimits = [(resource.RLIMIT_AS, address_space, address_space),  # bytearray(10**11): MemoryError
-               # a second line behind the wall clock: SIGXCPU, then KILL
-               (resource.RLIMIT_CPU, cpu_s, cpu_s + 1),
+               (resource.RLIMIT_CPU, cpu_s, cpu_s + 1),  # behind the clock: SIGXCPU, then KILL
                (resource.RLIMIT_NPROC, nproc, nproc),   # a fork bomb meets EAGAIN
-               # a disk fill: EFBIG
                (resource.RLIMIT_FSIZE, cfg["max_file_mb"] << 20, cfg["max_file_mb"] << 20),
                (resource.RLIMIT_NOFILE, 256, 256),      # fd exhaustion stays in the child
                (resource.RLIMIT_CORE, 0, 0)]            # a segfault writes no core file
     state = dict(info, max_fd=resource.getrlimit(resource.RLIMIT_NOFILE)[0], rlimits=rlimits,
-                 interpreter=interpreter, single_threaded=len(os.listdir("/proc/self/task")) == 1,
-                 cores=len(os.sched_getaffinity(0)))
+                 interpreter=interpreter, cores=len(os.sched_getaffinity(0)))
     info["preloaded_mb"] = vm_bytes >> 20
-    # the call's directory is always the same: its environment is set once, here
-    if info["private_tmp"]:
+    if info["private_tmp"]:   # the call's directory is always the same: its environment too
         os.environ.update(HOME="/tmp/sandbox", TMPDIR="/tmp/sandbox")
-    # No setuid binary or file capability can lift a child back up: every child inherits this at its
-    # fork.
-    _prctl(PR_SET_NO_NEW_PRIVS, 1)
+    _prctl(PR_SET_NO_NEW_PRIVS, 1)   # no setuid binary or file capability lifts a child back up
     return info, state
 
 
 def _probe_sandbox(cfg, state):
-    """None if a call runs and sees the interpreter, else what is wrong (the steps of _isolate may
-    fail)."""
+    """None if a call runs and sees the interpreter, else what is wrong."""
     warnings = "; ".join(state["warnings"]) or "none"
-    # generous: a loaded machine must not fail a worker's start, and the probe needs a few ms of CPU
-    try:
+    try:   # generous: a loaded machine must not fail a worker's start
         result = _run_call(SANDBOX_PROBE, json.dumps(state["interpreter"]),
                            dict(cfg, timeout_s=max(cfg["timeout_s"], 30.0)), state)
     except OSError as e:
@@ -1113,7 +944,7 @@ def _processes_of_uid(uid):
 class WorkerGone(Exception):
     """The worker died, hung or sent garbage; it gets replaced. sent=False: before it had the
     call."""
-    sent = True   # set to False by the code that raises it before the request was written
+    sent = True
 
 
 # The worker loads this file under another module name: a script that imported us (`__main__`, say)
@@ -1126,27 +957,20 @@ _BOOT = ("import importlib.util, sys; "
 
 def _worker_env():
     """A worker's whole environment, built rather than scrubbed: /proc/<pid>/environ keeps what a
-    process was started with, so a secret deleted from os.environ later would still be readable
-    there."""
+    process was started with, so a secret deleted from os.environ later would still be there."""
     return {"PATH": f"{os.path.dirname(_interpreter_path())}:/usr/local/bin:/usr/bin:/bin",
             "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "USER": "sandbox", "LOGNAME": "sandbox",
             "HOME": "/nonexistent",
             "PYTHONHASHSEED": "0",   # the order of a set of strings is then the same on every rerun
             "PYTHONDONTWRITEBYTECODE": "1", "MPLBACKEND": "Agg",
-            # the snippet's stdin and stdout, as in a UTF-8 locale
-            "PYTHONIOENCODING": "utf-8:surrogateescape",
+            "PYTHONIOENCODING": "utf-8:surrogateescape",   # stdin and stdout as in a UTF-8 locale
             "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
             "NUMEXPR_NUM_THREADS": "1",
-            "CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": "",
-            # every symbol bound at load: otherwise each child's first call of a libc function
-            # (setsid, setresuid, ...) has the dynamic linker write the worker's GOT, pages the
-            # child then copies (~15 faults a call)
-            "LD_BIND_NOW": "1"}
+            "CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": ""}
 
 
 class WorkerProcess:
-    """One warm worker (light or heavy) and its two pipes. One thread at a time uses it, holding
-    `lock`."""
+    """One warm worker and its two pipes. One thread at a time uses it, holding `lock`."""
 
     def __init__(self, kind, settings):
         self.kind, self.settings, self.proc, self.isolation = kind, settings, None, None
@@ -1155,13 +979,11 @@ class WorkerProcess:
 
     def start(self):
         # Popen, not fork: this process has threads (ours, vLLM's), and only exec leaves them behind
-        # cleanly. Our ends of the pipes are close-on-exec, so no other child of the trainer
-        # inherits them.
+        # cleanly. Our ends of the pipes are close-on-exec. start_new_session: a ^C in the terminal
+        # goes to the foreground group, and the workers are not in it.
         req_r, self.req_w = os.pipe()
         self.resp_r, resp_w = os.pipe()
         cfg = dict(self.settings, kind=self.kind, request_fd=req_r, response_fd=resp_w)
-        # start_new_session: a ^C in the terminal goes to the foreground group, and the workers are
-        # not in it
         self.proc = subprocess.Popen([_interpreter_path(), "-s", "-B", "-c", _BOOT,
                                       os.path.abspath(__file__), json.dumps(cfg)],
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -1169,9 +991,8 @@ class WorkerProcess:
                                      start_new_session=True)
         os.close(req_r)
         os.close(resp_w)
-        # writes go through _poll, so a stuck worker cannot block us
-        os.set_blocking(self.req_w, False)
-        self.ready = False
+        os.set_blocking(self.req_w, False)   # writes go through _poll: a stuck worker cannot block
+        self.is_ready = False
 
     def kill(self):
         """SIGKILL the waiter; PDEATHSIG then kills PID 1, and with it every process in the
@@ -1180,9 +1001,8 @@ class WorkerProcess:
             self.proc.kill()
 
     def stop(self):
-        """Kill, reap and close the pipes. Only the thread that uses this worker may call it (or
-        close(), once the threads are gone): an fd closed under a reader can come back as someone
-        else's."""
+        """Kill, reap and close the pipes. Only the thread that uses this worker may call it: an fd
+        closed under a reader can come back as someone else's."""
         if self.proc is None:
             return
         self.kill()
@@ -1197,31 +1017,45 @@ class WorkerProcess:
 
     def wait_ready(self):
         """The worker's isolation report, once it has started (its first message)."""
-        if not self.ready:
+        if not self.is_ready:
             message = self._receive(time.monotonic() + STARTUP_TIMEOUT_S)
             if message.get("ready") is False and isinstance(message.get("error"), str):
-                # not WorkerGone: a restart would fail the same way; this is the caller's to see
-                # and fix
+                # not WorkerGone: a restart would fail the same way; the caller's to see and fix
                 raise RuntimeError(f"Executor: the {self.kind} worker could not set up its "
                                    f"sandbox: {message['error']}")
             if message.get("ready") is not True or not isinstance(message.get("isolation"), dict):
                 raise WorkerGone(f"bad first message from the worker: {str(message)[:200]}")
-            self.isolation, self.ready = message["isolation"], True
+            self.isolation, self.is_ready = message["isolation"], True
         return self.isolation
 
-    def call(self, code, stdin, timeout_s, result_type):
-        try:   # up to the write, a failure leaves the call unsent (see _call)
+    def ready(self):
+        """wait_ready under the lock, with one restart: the isolation report."""
+        with self.lock:
+            for attempt in range(2):
+                try:
+                    return self.wait_ready()
+                except WorkerGone as gone:
+                    if attempt:
+                        raise RuntimeError(f"Executor: a {self.kind} worker failed to start twice "
+                                           f"({gone})") from None
+                    self.restart()
+
+    def ask(self, request, timeout_s):
+        """Send one request, return the worker's answer; WorkerGone past the backstop."""
+        try:   # up to the write, a failure leaves the request unsent
             if self.proc.poll() is not None:
                 raise WorkerGone("the worker is gone")
             self.wait_ready()
-            self._write(json.dumps({"code": code, "stdin": stdin}).encode(),
-                        time.monotonic() + BACKSTOP_GRACE_S)
+            self._write(json.dumps(request).encode(), time.monotonic() + BACKSTOP_GRACE_S)
         except WorkerGone as e:
             e.sent = False
             raise
-        message = self._receive(time.monotonic() + STRETCH_CAP * timeout_s + BACKSTOP_GRACE_S)
-        # the worker is trusted code, but a check costs nothing and names the problem if it is not
-        try:
+        return self._receive(time.monotonic() + STRETCH_CAP * timeout_s + BACKSTOP_GRACE_S)
+
+    def call(self, code, stdin, timeout_s, result_type):
+        """One call -> result_type(**the fields of _describe)."""
+        message = self.ask({"code": code, "stdin": stdin, "timeout_s": timeout_s}, timeout_s)
+        try:   # the worker is trusted code, but a check costs nothing and names the problem
             result = result_type(**message)
             assert (result.status in STATUSES and isinstance(result.stdout, str)
                     and isinstance(result.stderr, str))
@@ -1230,8 +1064,7 @@ class WorkerProcess:
         return result
 
     def _write(self, body, deadline):
-        # a 1 MB snippet is more than a pipe holds (64 KB): write what fits, wait for room, within
-        # the deadline
+        # a 1 MB snippet is more than a pipe holds (64 KB): write what fits, wait for room
         data = memoryview(struct.pack("<I", len(body)) + body)
         while data:
             try:
@@ -1243,8 +1076,7 @@ class WorkerProcess:
 
     def _receive(self, deadline):
         (length,) = struct.unpack("<I", self._read_exact(4, deadline))
-        # a result is a few KB (capped streams); anything huge is a broken worker
-        if length > 64 << 20:
+        if length > 64 << 20:   # a result is a few KB (capped streams): a broken worker
             raise WorkerGone(f"a {length}-byte message from the worker")
         try:
             return json.loads(self._read_exact(length, deadline))
@@ -1263,8 +1095,7 @@ class WorkerProcess:
 
     @staticmethod
     def _poll(fd, event, deadline):
-        # not select.select: a trainer's fds easily pass select's limit of 1024
-        poller = select.poll()
+        poller = select.poll()   # not select.select: a trainer's fds easily pass its limit of 1024
         poller.register(fd, event)
         while not poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
             if time.monotonic() >= deadline:

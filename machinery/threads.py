@@ -1,34 +1,23 @@
 """How many torch threads each CPU phase runs on when the config leaves it to the run
-(train_threads=0, the default): from the cores this rank may use and how many of them are free
-when it starts. rl.py and sft.py call choose_threads once; the engine takes decode_threads.
+(train_threads=0, the default), decided once at the start; rl.py and sft.py call choose_threads,
+the engine takes decode_threads.
 
-On CPU two phases run torch kernels: the engine's decode (the rollout, the held-out evaluation) and
-the update (rl.py's steps 6-7, sft.py's steps). Every kernel ends at an OpenMP barrier, so a count
-above the cores that are really free makes each kernel wait for the thread another process
-preempted: beside busy processes on 2 cores a training step on 2 threads took 2.7-3.7x the time of
-1. On a free machine one thread leaves a core idle: the demo's update is ~1.5x faster on 2
-(docs/benchmarks.md, "Threads"; python -m bench.threads measures both). So:
+Every torch kernel ends at an OpenMP barrier, so a count above the cores that are really free makes
+each kernel wait for the thread another process preempted (beside busy processes on 2 cores a step
+on 2 threads took 2.7-3.7x the time of 1), while on a free machine one thread leaves a core idle
+(docs/benchmarks.md, "Threads"). So:
 
-    cores    this rank's share of the node's affinity cores (cores_per_rank: what the tool
-             workers take by default)
-    idle     the node's affinity cores that /proc/stat found idle over WINDOW_S while this process
-             slept, this rank's share (divided by the ranks on the node)
-    update   the idle cores of that share, a core counted when it was idle FREE_WHEN_IDLE of the
-             window; at least 1, at most `cores`
-    decode   the update's count less one core when the tool is on: the tool workers run their
-             calls beside the decode (a call arrives while the engine decodes the other
-             trajectories). The verifier grades between the two phases while both wait, and
-             neither pool's idle processes take a core.
+    cores    this rank's share of the node's cores (cores_per_rank)
+    idle     that share of the cores that processes outside this one's own tree left idle over
+             WINDOW_S: the run's own start-up (its workers importing sympy) counts as free, so an
+             idle machine decides the same every time
+    update   the cores of that share idle FREE_WHEN_IDLE of the window; at least 1, at most cores
+    decode   the update's count less one core when the tool is on (its workers run beside it)
 
-train_threads=N sets the update's count (the decode's follows it); OMP_NUM_THREADS, where set
-(torchrun sets 1 for several ranks a node), is both counts, train_threads still the update's.
-
-Decided once, at the start, not per step: the update's float sums follow its thread count, so a
-count that followed each step's load would put the moment into every step's grad norm. The run
-keeps the count it chose in config.yaml (train_threads: the number), and a resume or rerun with
-that train_threads sums in the same order; a resume that chose another is in history.jsonl.
-The decode's count follows from it and use_tool, and does not change the sampled tokens
-(python -m bench.rl compares them); what the update's count moves: docs/benchmarks.md.
+train_threads=N sets the update's count; OMP_NUM_THREADS, where set (torchrun sets 1 for several
+ranks a node), is both counts, train_threads still the update's. The run keeps the count it chose
+in config.yaml, so a resume sums as the run did (on the demo 1 and 2 threads give the same
+gradients, tests/test_threads.py; a larger model's reductions may split otherwise).
 """
 import dataclasses
 import math
@@ -36,6 +25,7 @@ import os
 import time
 from pathlib import Path
 
+import psutil
 import yaml
 
 from machinery.distributed import RANKS_ON_NODE, cores_per_rank, cpu_threads
@@ -56,35 +46,39 @@ class Threads:
 
 
 def idle_cores(window_s=WINDOW_S):
-    """How many of this process's affinity cores were idle over the next window_s seconds (idle
-    and iowait jiffies of each core in /proc/stat, summed as fractions of the window); None where
-    /proc/stat cannot be read. The caller sleeps meanwhile: what is busy is someone else."""
-    cpus = os.sched_getaffinity(0)
+    """How many of this process's affinity cores were idle over the next window_s seconds, or busy
+    with this process's own tree (the caller sleeps meanwhile: what is busy besides is someone
+    else); None where the kernel's counters cannot be read."""
     try:
-        before = cpu_jiffies(cpus)
+        before = cpu_seconds()
         time.sleep(window_s)
-        after = cpu_jiffies(cpus)
-    except (OSError, ValueError):
+        after = cpu_seconds()
+    except (OSError, psutil.Error):
         return None
-    idle = 0.0
-    for cpu, (idle_before, total_before) in before.items():
-        idle_after, total_after = after.get(cpu, (idle_before, total_before))
-        if total_after > total_before:
-            idle += (idle_after - idle_before) / (total_after - total_before)
-    return idle
+    (idle_before, all_before, own_before), (idle_after, all_after, own_after) = before, after
+    cores = len(os.sched_getaffinity(0))
+    if all_after <= all_before:
+        return None
+    idle = cores * (idle_after - idle_before) / (all_after - all_before)
+    return min(cores, idle + max(0.0, own_after - own_before) / window_s)
 
 
-def cpu_jiffies(cpus):
-    """{cpu: (idle + iowait jiffies, all jiffies)} of the listed CPUs, from /proc/stat's cpuN
-    lines (user nice system idle iowait irq softirq steal; guest time is inside user)."""
-    out = {}
-    with open("/proc/stat") as f:
-        for line in f:
-            name, *fields = line.split()
-            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
-                values = [int(v) for v in fields[:8]]
-                out[int(name[3:])] = (values[3] + values[4], sum(values))
-    return out
+def cpu_seconds():
+    """(idle + iowait seconds of this process's affinity cores, all their seconds, CPU seconds of
+    this process's tree: itself, its descendants and the children it reaped)."""
+    cpus = os.sched_getaffinity(0)
+    per_cpu = [t for cpu, t in enumerate(psutil.cpu_times(percpu=True)) if cpu in cpus]
+    # guest time is inside user: the first eight fields are all there is
+    idle = sum(t.idle + t.iowait for t in per_cpu)
+    total = sum(sum(t[:8]) for t in per_cpu)
+    me = psutil.Process()
+    own = 0.0
+    for process in [me, *me.children(recursive=True)]:
+        try:
+            own += sum(process.cpu_times()[:4])   # user, system, children_user, children_system
+        except psutil.Error:   # gone meanwhile
+            pass
+    return idle, total, own
 
 
 def omp_threads():
@@ -102,12 +96,12 @@ def threads_for(train_threads, use_tool, cores, ranks_on_node, idle, omp=None):
     elif cores == 1:
         update, why = 1, "the rule: this rank's share of the node is 1 core"
     elif idle is None:
-        update, why = 1, "the rule: /proc/stat unreadable, so the count that waits on no one"
+        update, why = 1, "the rule: no CPU counters to read, so the count that waits on no one"
     else:
         update = max(1, min(cores, math.floor(idle / ranks_on_node + 1 - FREE_WHEN_IDLE)))
         share = f", this rank's share {cores}" if ranks_on_node > 1 else ""
-        why = (f"the rule: {idle:.1f} of {cores * ranks_on_node} cores idle over {WINDOW_S} s"
-               f"{share}")
+        why = (f"the rule: {idle:.1f} of {cores * ranks_on_node} cores free of other processes "
+               f"over {WINDOW_S} s{share}")
     decode = omp or max(1, min(update, cores) - bool(use_tool))
     return Threads(update, decode, why)
 

@@ -17,7 +17,7 @@ import time
 import pytest
 from math_verify import parse, verify
 
-import machinery.verifier
+import machinery.sandbox
 import reward
 from bench.reward import (NOTATION_SHAPES, _decided_without_verify, audit_fast_path,
                           math500_labeled_set)
@@ -423,8 +423,8 @@ def test_hostile_input_scores_zero_within_the_time_limit(name):
     elapsed = time.monotonic() - started
     assert rewards == [0.0] and unfinished == [False]
     cpu = pool.worker_cpu_s - cpu_before
-    assert cpu < timeout_s + 2 * machinery.verifier.CPU_GRACE_S, f"{name} took {cpu:.1f} s of CPU"
-    assert elapsed < machinery.verifier.WALL_BACKSTOP_FACTOR * timeout_s, f"{name}: {elapsed:.1f} s"
+    assert cpu < timeout_s + 0.5, f"{name} took {cpu:.1f} s of CPU"
+    assert elapsed < machinery.sandbox.STRETCH_CAP * timeout_s, f"{name}: {elapsed:.1f} s"
 
 
 # Correct answers that cost math-verify up to a few tenths of a second of CPU in a fresh worker.
@@ -449,9 +449,7 @@ def grade_with_a_fresh_worker(responses, golds, timeout_s, busy=None):
     `busy` (a context manager) holds. Returns (rewards, unfinished, the worker's CPU seconds)."""
     shutdown_pool()
     reward._VALUES.clear()
-    pool = start_pool(1)
-    while not all(w["ready"] for w in pool.workers):  # each run reads the "ready" of every worker
-        run_in_pool([("value", "1")], [5.0])
+    pool = start_pool(1)   # ready when it returns
     cpu_before = pool.worker_cpu_s
     with busy or contextlib.nullcontext():
         rewards, unfinished = reward.grade_batch(responses, golds, timeout_s=timeout_s)
@@ -476,12 +474,13 @@ def test_a_verdict_does_not_depend_on_the_load(busy_machine):
 def test_a_stopped_worker_is_reaped_by_the_backstop_and_its_check_reported_unfinished(monkeypatch):
     # A stopped worker uses no CPU, so no CPU budget ever ends its check: only the wall-clock
     # backstop does, and the check has no verdict. Its reward is 0 and grade_batch says why.
-    monkeypatch.setattr(machinery.verifier, "WALL_BACKSTOP_FACTOR", 2)  # 2 x (0.5 + 0.25) s
+    monkeypatch.setattr(machinery.sandbox, "STRETCH_CAP", 2)  # 2 x (0.5 + 1.25) + 0.5 s
+    monkeypatch.setattr(machinery.sandbox, "BACKSTOP_GRACE_S", 0.5)
     pool = start_pool()
     # the pool is up, and both answers' values are known: only the verify runs below
     assert reward.is_equivalent("(x+1)^2", "x^2+2x+1") is True
     kills = pool.kills
-    stopped = [w["proc"].pid for w in pool.workers]
+    stopped = [w.proc.pid for w in pool.workers]
     for pid in stopped:
         os.kill(pid, signal.SIGSTOP)
     try:
@@ -490,7 +489,7 @@ def test_a_stopped_worker_is_reaped_by_the_backstop_and_its_check_reported_unfin
         rewards, unfinished = reward.grade_batch(["\\boxed{(x+1)^2}", "\\boxed{7}"],
                                                  ["x^2+2x+1", "7"], timeout_s=0.5)
         assert rewards == [0.0, 1.0] and unfinished == [True, False]
-        assert 1.4 < time.monotonic() - started < 3.0
+        assert 1.4 < time.monotonic() - started < 6.0
         assert pool.kills == kills + 1
     finally:
         for pid in stopped:
@@ -505,35 +504,15 @@ def test_an_idle_worker_killed_from_outside_costs_no_check():
     pool = start_pool()
     reward.is_equivalent("\\sqrt{8}", "2\\sqrt{2}")  # the pool is up, every worker idle
     for worker in pool.workers:
-        os.kill(worker["proc"].pid, signal.SIGKILL)
-        worker["proc"].wait()
-    assert reward.is_equivalent("(x+1)^2", "x^2+2x+1") is True
-
-
-def test_workers_replaced_inside_a_thread_outlive_it():
-    """Workers that a grading thread starts (replacing killed ones) die with that thread
-    (PR_SET_PDEATHSIG follows the thread that forked them); the next check, from another thread,
-    must still get its true verdict."""
-    pool = start_pool()
-    reward.is_equivalent("\\sqrt{8}", "2\\sqrt{2}")
-
-    def kill_all_then_grade():
-        for worker in pool.workers:
-            os.kill(worker["proc"].pid, signal.SIGKILL)
-            worker["proc"].wait()
-        reward.is_equivalent("\\frac{1}{2}", "0.5")  # replaces them from this thread
-
-    thread = threading.Thread(target=kill_all_then_grade)
-    thread.start()
-    thread.join()
-    time.sleep(0.5)  # the thread's end has signalled its workers
+        os.kill(worker.proc.pid, signal.SIGKILL)
+        worker.proc.wait()
     assert reward.is_equivalent("(x+1)^2", "x^2+2x+1") is True
 
 
 def test_workers_that_cannot_start_raise_a_clear_error(monkeypatch):
     shutdown_pool()
     monkeypatch.setattr(sys, "executable", "/bin/false")
-    with pytest.raises(RuntimeError, match="workers fail to start"):
+    with pytest.raises(RuntimeError, match="failed to start"):
         reward.is_equivalent("\\sqrt{8}", "2\\sqrt{2}")
     monkeypatch.undo()
     shutdown_pool()
@@ -542,18 +521,18 @@ def test_workers_that_cannot_start_raise_a_clear_error(monkeypatch):
 
 def test_shutdown_leaves_no_worker_behind():
     pool = start_pool()
-    pids = [w["proc"].pid for w in pool.workers]
+    pids = [w.proc.pid for w in pool.workers]
     shutdown_pool()
     for pid in pids:
         assert subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0
 
 
 def test_workers_die_with_their_parent():
-    # A trainer killed with SIGKILL runs no cleanup; PR_SET_PDEATHSIG must still take its workers
-    # down.
+    # A trainer killed with SIGKILL runs no cleanup; its workers must still go down (EOF on their
+    # pipe, PDEATHSIG below them).
     code = ("import reward, sys; from machinery.verifier import start_pool; pool = start_pool(1); "
             "reward.is_equivalent('\\\\sqrt{8}', '2\\\\sqrt{2}');"
-            "print(pool.workers[0]['proc'].pid, flush=True); import time; time.sleep(60)")
+            "print(pool.workers[0].proc.pid, flush=True); import time; time.sleep(60)")
     parent = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE,
                               text=True)
     worker_pid = int(parent.stdout.readline())

@@ -5,7 +5,7 @@ run chose kept in its config.yaml (which a replay reads).
 
 The suite's end-to-end runs (tests/rl_runs.py, test_run_dir's rl.py runs, test_sft's run_sft and
 refusals) pin train_threads=1: they compare numbers bit for bit, and the rule's count would follow
-the load of the moment. python -m bench.threads measures the rule's speed.
+the load of the moment.
 
 Run: .venv/bin/python -m pytest tests/test_threads.py -q
 """
@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 import yaml
+from transformers import AutoModelForCausalLM
 
 import rl
 import test_sft
@@ -34,7 +35,7 @@ CPU = torch.device("cpu")
     ((0, True, 2, 1, 0.0, None), (1, 1)),    # busy: one thread waits on no one
     ((0, True, 8, 2, 16.0, None), (8, 7)),   # 2 ranks on 16 free cores: 8 each
     ((0, True, 8, 2, 6.0, None), (3, 2)),    # ... on 6 free: 3 each
-    ((0, True, 4, 1, None, None), (1, 1)),   # no /proc/stat: the count that never waits
+    ((0, True, 4, 1, None, None), (1, 1)),   # no CPU counters: the count that never waits
     ((0, False, 1, 2, None, None), (1, 1)),  # a share of 1 core: nothing to measure
     ((3, True, 2, 1, 0.0, None), (3, 1)),    # train_threads: the update's; the decode fits cores
     ((3, False, 2, 1, 0.0, None), (3, 2)),
@@ -51,9 +52,49 @@ def test_the_update_takes_the_free_cores_of_the_ranks_share_and_the_decode_leave
 def test_busy_processes_on_every_core_leave_no_core_idle(busy_machine):
     cores = len(os.sched_getaffinity(0))
     assert 0.0 <= idle_cores(0.1) <= cores + 0.01
-    with busy_machine(2 * cores):
+    with busy_machine(2 * cores):   # outside this process's tree, as a neighbour's work is
         idle_cores(0.2)  # the loops start
         assert idle_cores(0.2) < 0.5
+
+
+def readings(idle_s, own_s, window_s=0.5, cores=2):
+    """cpu_seconds' two readings around a window in which the cores idled idle_s seconds in all and
+    this process's tree spent own_s."""
+    return iter([(100.0, 1000.0, 10.0), (100.0 + idle_s, 1000.0 + cores * window_s, 10.0 + own_s)])
+
+
+@pytest.mark.parametrize("idle_s, own_s, update", [
+    (1.0, 0.0, 2),    # an idle machine
+    (0.25, 0.75, 2),  # an idle machine while the run starts its workers: its own, so still free
+    (0.0, 1.0, 2),    # ... and the start-up took both cores: the same decision
+    (0.5, 0.0, 1),    # a neighbour kept one core busy
+    (0.0, 0.0, 1),    # busy neighbours on both
+])
+def test_the_rule_reads_the_others_load_not_the_runs_own_start_up(monkeypatch, idle_s, own_s,
+                                                                  update):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(threads.time, "sleep", lambda s: None)
+    monkeypatch.setattr(threads, "cpu_seconds", readings(idle_s, own_s).__next__)
+    chosen = threads_for(0, True, 2, 1, idle_cores())
+    assert chosen.update == update
+
+
+def test_one_and_two_update_threads_give_the_same_gradients(tiny_model_dir):
+    """The rule's decision moves the speed, not the numbers: the update on 1 and on 2 threads sums
+    in the same order here (docs/benchmarks.md, "Threads", for what a larger model moves)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokens = torch.randint(0, model.config.vocab_size, (4, 48),
+                           generator=torch.Generator().manual_seed(0))
+    before, gradients = torch.get_num_threads(), []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            model.zero_grad()
+            model(input_ids=tokens, labels=tokens).loss.backward()
+            gradients.append([p.grad.clone() for p in model.parameters()])
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(*gradients))
 
 
 @pytest.fixture
@@ -77,9 +118,8 @@ def test_a_start_resolves_train_threads_0_prints_one_line_and_measures_only_when
     cfg = choose_threads(rl.RLConfig(model="x"), CPU, rank=0)
     assert cfg.train_threads == 2 and torch.get_num_threads() == 2
     assert decode_threads(cfg.rollout, cfg.train_threads) == 1
-    assert capsys.readouterr().out == (
-        "threads: update 2, decode 1 (the rule: 2.0 of 2 cores idle over 0.5 s; the tool workers "
-        "keep a core beside the decode); config.yaml: train_threads=2\n")
+    line = capsys.readouterr().out
+    assert line.startswith("threads: update 2, decode 1") and "train_threads=2" in line
     monkeypatch.setattr(threads, "idle_cores", not_measured)
     assert choose_threads(rl.RLConfig(model="x", train_threads=1), CPU, rank=1).train_threads == 1
     assert capsys.readouterr().out == ""  # rank 0 prints it
