@@ -44,7 +44,7 @@ from transformers import AutoTokenizer
 import tiny  # the demo's task, for the generated `arith` benchmark
 from executor import Executor
 from machinery.choices import GPQA_HOWTO, chosen_letter, is_choice_file, load_choices
-from machinery.config import ConfigError, load_config, resolve
+from machinery.config import ConfigError, NonNegativeInt, PositiveInt, load_config, resolve
 from machinery.data import BENCHMARKS, SCIENCE_BENCHMARKS, check_prompt_lengths, load_problems
 from machinery.distributed import cores_per_rank, init_distributed
 from machinery.engine import check_engine, configure_vllm_logging, Engine
@@ -78,40 +78,31 @@ class EvalConfig:
     model: str = ""                  # a local Hugging Face directory (weights + tokenizer)
     benchmarks: list[str] = dataclasses.field(
         default_factory=lambda: ["aime24", "aime25", "hmmt25", "math500"])
-    limit: int = 0                   # first `limit` problems of each benchmark (0 = all)
-    n: int = 16                      # samples per problem (paper §5.1: 16)
-    ks: list[int] = dataclasses.field(default_factory=list)  # pass@k, maj@k; [] = default_ks
+    limit: NonNegativeInt = 0        # first `limit` problems of each benchmark (0 = all)
+    n: PositiveInt = 16              # samples per problem (paper §5.1: 16)
+    ks: list[PositiveInt] = dataclasses.field(default_factory=list)  # pass@k, maj@k;
+                                     # [] = default_ks
     seed: int = 0                    # request seeds (seed, chunk, problem, sample); option order
-    collective_timeout_min: int = 120  # torchrun: how long a rank waits for the slowest
+    collective_timeout_min: PositiveInt = 120  # torchrun: how long a rank waits for the slowest
     out_dir: str = ""                # "" = runs/eval/<model's folder>-<model>: one per model
     resume: bool = True              # reuse the finished problems in out_dir/samples.jsonl
-    chunk_problems: int = CHUNK_PROBLEMS  # problems per generate(); samples.jsonl grows after each
+    chunk_problems: PositiveInt = CHUNK_PROBLEMS  # problems per generate(); samples.jsonl
+                                     # grows after each
     require_answer_tag: bool = False  # grade only a \boxed{} inside <answer>...</answer>
     reward_timeout_s: float = 5.0    # per-answer math-verify budget, in worker CPU seconds
-    arith_problems: int = 100        # size of the `arith` benchmark
+    arith_problems: PositiveInt = 100  # size of the `arith` benchmark
     arith_seed: int = 0
     verbose: bool = False            # all of vLLM's logging; default: its warnings
     rollout: RolloutConfig = dataclasses.field(default_factory=_paper_rollout)
 
     def validate(self):
+        """What the field types cannot say."""
         if not self.model:
-            raise ConfigError("model is required: python eval.py configs/eval.yaml model=PATH")
+            raise ConfigError("model: not set; python eval.py configs/eval.yaml model=PATH")
         if not self.benchmarks:
-            raise ConfigError(f"benchmarks is empty; choose from {available_benchmarks()}")
-        if self.n < 1:
-            raise ConfigError(f"n must be >= 1, got {self.n}")
-        for k in self.ks:
-            if not 1 <= k <= self.n:
-                raise ConfigError(f"ks: pass@{k} needs 1 <= k <= n = {self.n}")
-        if self.limit < 0:
-            raise ConfigError(f"limit must be >= 0 (0 = every problem), got {self.limit}")
-        if self.arith_problems < 1:
-            raise ConfigError(f"arith_problems must be >= 1, got {self.arith_problems}")
-        if self.collective_timeout_min < 1:
-            raise ConfigError("collective_timeout_min must be >= 1, got "
-                              f"{self.collective_timeout_min}")
-        if self.chunk_problems < 1:
-            raise ConfigError(f"chunk_problems must be >= 1, got {self.chunk_problems}")
+            raise ConfigError(f"benchmarks: empty; choose from {available_benchmarks()}")
+        if any(k > self.n for k in self.ks):
+            raise ConfigError(f"ks={self.ks}: pass@k needs k <= n = {self.n}")
         self.rollout.validate()
 
 

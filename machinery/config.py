@@ -38,6 +38,8 @@ PositiveInt = typing.Annotated[int, Ge(1)]
 NonNegativeInt = typing.Annotated[int, Ge(0)]
 PositiveFloat = typing.Annotated[float, Gt(0)]
 NonNegativeFloat = typing.Annotated[float, Ge(0)]
+Fraction = typing.Annotated[float, Ge(0), Le(1)]
+PositiveFraction = typing.Annotated[float, Gt(0), Le(1)]
 
 
 def _bounds(tp):

@@ -7,7 +7,9 @@ import json
 import re
 import warnings
 from pathlib import Path
-from machinery.config import resolve
+from typing import Literal
+
+from machinery.config import ConfigError, resolve
 
 
 # The two prompt formats (paper vs release differ in four places,
@@ -22,6 +24,7 @@ PROMPT_VARIANTS = {
 
 
 AUTO_VARIANT = "auto"  # the format saved in the model directory (FORMAT_FILE)
+PromptVariant = Literal["code", "paper", "auto"]  # rollout.prompt_variant: a variant, or auto
 
 
 # The format a checkpoint was trained with, written beside config.json by sft.py and rl.py
@@ -318,33 +321,8 @@ def render_tool_turn(tokenizer, tool_text, cfg):
     return encode_rendered(tokenizer, fixed, [tool_text])
 
 
-def check_rollout_config(cfg):
-    """The rest of rollout.RolloutConfig.validate, after the method's own keys (rollout.py): a
-    ValueError naming the rollout.* key that is wrong (format, engine and executor sizes), and
-    every template or schema file the variant needs, on disk."""
-    if cfg.prompt_variant not in (*PROMPT_VARIANTS, AUTO_VARIANT):
-        raise ValueError(f"rollout.prompt_variant: {cfg.prompt_variant!r} is not one of "
-                         f"{sorted(PROMPT_VARIANTS) + [AUTO_VARIANT]}")
-    if cfg.tensor_parallel_size < 1:
-        raise ValueError(f"rollout.tensor_parallel_size must be >= 1, got "
-                         f"{cfg.tensor_parallel_size}")
-    for name in ("max_model_len", "max_concurrency", "tool_workers"):
-        if getattr(cfg, name) < 0:
-            raise ValueError(f"rollout.{name} must be >= 0, got {getattr(cfg, name)}")
-    budget = cfg.max_prompt_tokens + cfg.max_response_tokens
-    if cfg.max_model_len and cfg.max_model_len < budget:
-        raise ValueError(f"rollout.max_model_len={cfg.max_model_len} cannot hold "
-                         f"max_prompt_tokens + max_response_tokens = {budget}")
-    if cfg.tool_timeout_s <= 0:
-        raise ValueError(f"rollout.tool_timeout_s must be > 0, got {cfg.tool_timeout_s}")
-    if not 0 < cfg.gpu_memory_utilization <= 1:
-        raise ValueError("rollout.gpu_memory_utilization must be in (0, 1], "
-                         f"got {cfg.gpu_memory_utilization}")
-    if cfg.cpu_kv_cache_gb < 0:
-        raise ValueError("rollout.cpu_kv_cache_gb must be >= 0 (0 = sized from the config), "
-                         f"got {cfg.cpu_kv_cache_gb}")
-    if cfg.sleep_level not in (1, 2):
-        raise ValueError(f"rollout.sleep_level must be 1 or 2, got {cfg.sleep_level}")
+def check_format_files(cfg):
+    """A ConfigError naming the rollout.* template or schema file the format needs and lacks."""
     names = ("chat_template", "tool_schema")
     if cfg.prompt_variant == AUTO_VARIANT:  # only what is set; the rest comes from the model
         paths = [(name, resolve(getattr(cfg, name))) for name in names if getattr(cfg, name)]
@@ -352,4 +330,4 @@ def check_rollout_config(cfg):
         paths = zip(names, format_paths(cfg))
     for name, path in paths:
         if not path.is_file():
-            raise ValueError(f"rollout.{name}: file not found: {path}")
+            raise ConfigError(f"rollout.{name}: file not found: {path}")

@@ -290,10 +290,21 @@ def test_the_configs_load_and_eval_yaml_is_the_papers_protocol():
                            ["configs/eval_tiny.yaml", "rollout.prompt_variant=paper", "n=2"])
     assert (tiny_cfg.benchmarks, tiny_cfg.n,
             tiny_cfg.rollout.prompt_variant) == (["arith"], 2, "paper")
-    with pytest.raises(ConfigError, match="model is required"):
-        load_config(evaluation.EvalConfig, ["configs/eval.yaml"])
-    with pytest.raises(ConfigError, match=r"pass@32 needs 1 <= k <= n = 16"):
-        load_config(evaluation.EvalConfig, ["configs/eval.yaml", "model=m", "ks=[1, 32]"])
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["model="], "model"), (["benchmarks="], "benchmarks"), (["ks=[1, 32]"], "ks=[1, 32]"),
+    (["ks=0"], "'ks'[0]"), (["n=0"], "'n'"), (["limit=-1"], "'limit'"),
+    (["chunk_problems=0"], "'chunk_problems'"), (["rollout.top_p=0"], "'rollout.top_p'"),
+    (["rollout.max_turns=0"], "'rollout.max_turns'"), (["rollout.sleep_level=3"], "sleep_level"),
+    (["rollout.prompt_variant=fig3"], "'rollout.prompt_variant'"),
+    (["rollout.max_model_len=100"], "rollout.max_model_len=100"),
+    (["rollout.chat_template=nope.jinja"], "rollout.chat_template"),
+])
+def test_a_bad_config_is_refused_in_one_line_naming_the_key(overrides, named):
+    with pytest.raises(ConfigError) as refusal:
+        load_config(evaluation.EvalConfig, ["configs/eval.yaml", "model=m", *overrides])
+    assert named in str(refusal.value) and "\n" not in str(refusal.value)
 
 
 # -----------------------------------------------------------------------------
