@@ -37,11 +37,12 @@ import math
 import os
 import sys
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from annotated_types import Gt, Interval
 from tqdm import tqdm
 
 from executor import Executor
@@ -52,7 +53,8 @@ from grpo_roc import (ADVANTAGE_SCALINGS, LOSS_AGGREGATIONS, POSITIVE_RULES, RAT
 from reward import extract_answer, grade_batch
 from rollout import RolloutConfig, Rollouts, generate
 from machinery import checkpoint, metrics, plan
-from machinery.config import ConfigError, load_config, require_at_least, resolve
+from machinery.config import (ConfigError, NonNegativeFloat, PositiveFloat, load_config,
+                              require_at_least, resolve)
 from machinery.data import prompt_indices
 from machinery.distributed import (balance_by_tokens, cores_per_rank, cpu_threads,
                                    free_cached_memory, full_weights, own_groups)
@@ -87,8 +89,9 @@ class RLConfig:
     filter_all_equal: bool = True  # drop groups whose rewards are all equal (release: same)
     prompts_per_step: int = 512
     steps: int = 300              # total RL steps of this run (a resume continues up to it)
-    clip_low: float = 0.2
-    clip_high: float = 0.28       # Clip-Higher; binds only with mini_batches > 1 (else ratio = 1)
+    clip_low: Annotated[float, Interval(ge=0, lt=1)] = 0.2
+    clip_high: NonNegativeFloat = 0.28  # Clip-Higher; binds only with mini_batches > 1 (else
+                                  # ratio = 1)
     dual_clip: float = 0.0        # 0 = off (paper); verl's default would be 3.0
     # the field's common variants (grpo_roc.py; docs/design.md's table), the paper's by default:
     advantage_scaling: Literal[ADVANTAGE_SCALINGS] = "group"  # batch: TRL's; none: Dr. GRPO
@@ -96,9 +99,10 @@ class RLConfig:
     ratio_level: Literal[RATIO_LEVELS] = "token"  # sequence: GSPO
     # weights for the engine-vs-trainer gap (Yao et al. 2025; grpo_roc.rollout_correction)
     rollout_correction: Literal[ROLLOUT_CORRECTIONS] = "none"
-    rollout_is_threshold: float = 2.0  # C: tis truncates weights at C; mis drops those off [1/C, C]
+    rollout_is_threshold: Annotated[float, Gt(1)] = 2.0  # C: tis truncates weights at C; mis
+                                  # drops those off [1/C, C]
     # optimizer: AdamW, constant lr after a linear warm-up (§5.1)
-    lr: float = 1e-6
+    lr: PositiveFloat = 1e-6
     warmup_steps: int = 20
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
@@ -163,13 +167,8 @@ class RLConfig:
             raise ConfigError(f"group_size={self.group_size}: a group advantage needs at least 2 "
                               "rollouts (Eq. 7)")
 
-        if not self.lr > 0:
-            raise ConfigError(f"lr={self.lr}: must be > 0")
         if self.dual_clip and self.dual_clip <= 1:
             raise ConfigError(f"dual_clip={self.dual_clip}: must be 0 (off) or > 1")
-        if not self.rollout_is_threshold > 1:
-            raise ConfigError(f"rollout_is_threshold={self.rollout_is_threshold}: must be > 1 "
-                              "(weights are truncated at it, or kept inside [1/C, C])")
 
         if self.prompts_per_step % self.mini_batches:
             raise ConfigError(f"prompts_per_step={self.prompts_per_step} does not divide into "

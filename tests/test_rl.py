@@ -796,13 +796,15 @@ def test_the_planned_epochs_are_printed_and_many_passes_warn():
     (["rollout.top_p=0"], "'rollout.top_p': must be > 0 and <= 1"),
     (["rollout.tool_workers=-1"], "'rollout.tool_workers': must be >= 0"),
     (["dual_clip=0.5"], "dual_clip=0.5: must be 0 \\(off\\) or > 1"),
-    (["lr=0"], "lr=0.0: must be > 0"),
+    (["lr=0"], "'lr': must be > 0"),
     (["save_every=0"], "save_every=0: must be >= 1"),
     (["resume=/no/such/checkpoint"], "expected auto, never or a checkpoint directory"),
     (["init_optimizer=false"],
      "init_optimizer=false takes the weights of init_from, which is not set"),
+    (["clip_low=1"], "'clip_low': must be >= 0 and < 1"), (["positive_rule=best"], "'best'"),
+    (["ratio_level=step"], "'step' is not one of"),
     (["rollout_correction=token_tis", "rollout_is_threshold=1.0"],
-     "rollout_is_threshold=1.0: must be > 1"),
+     "'rollout_is_threshold': must be > 1"),
     # YAML reads off as false: the setting without a correction is spelled none
     (["rollout_correction=off"], "YAML reads 'off' as false; write none, or one of \\['none', "),
 ])
