@@ -7,30 +7,16 @@
     python eval.py configs/eval_tiny.yaml model=out/tiny-model                  # CPU, tiny model
     python eval.py configs/eval.yaml model=PATH rollout.use_tool=false          # plain CoT
 
-Every problem gets n samples from the agent loop training uses (rollout.py: reason, call the
-Python tool, read the result, go on, within max_turns and one token budget), graded by
-reward.py. Per benchmark it reports
-  - avg pass@1: the mean over problems of (correct samples / n), the headline number (Table 3),
-  - pass@k: the unbiased estimator 1 - C(n-c, k) / C(n, k) (Chen et al. 2021),
-  - maj@k: is the majority answer of the first k samples correct (self-consistency),
-  - mean response tokens (Table 4), tool calls per trajectory, the tool-error rate (Fig. 4),
-  - ungraded: samples the verifier reached no verdict on (0 unless the machine starved it),
-as a Markdown table (stdout, out_dir/summary.md), in summary.json, and per sample in
-samples.jsonl: the resume point, so a rerun generates only the problems it lacks.
+Every problem gets n samples from the agent loop training uses (rollout.py), graded by reward.py.
+Per benchmark: avg pass@1 (Table 3), unbiased pass@k, maj@k, response tokens, tool calls and
+tool errors, ungraded samples; a Markdown table (stdout, out_dir/summary.md), summary.json, and
+samples.jsonl per sample, the resume point: a rerun generates only the problems it lacks.
 
-Benchmarks: machinery/data.py's BENCHMARKS (aime24, aime25, hmmt25, amc23, math500, gsm8k),
-`arith` (the tiny demo's held-out arithmetic), or a path to a problems JSONL. Science multiple
-choice (the paper's GPQA-Diamond, §5.1) runs the same agent loop: `mmlu_science` (bundled), your
-own gpqa_diamond.csv (gated; machinery/choices.py says which columns are read) or a choices JSONL;
-the options are shuffled by `seed` and the letter the final answer names is graded. A checkpoint is
-measured in the format it was trained with (the rstar2_format.json that sft.py and rl.py save;
-rollout.prompt_variant=auto); a directory without one (the released rStar2-Agent-14B) gets the
-paper's prompt. An explicit prompt_variant=code|paper, chat_template or tool_schema wins, with a
-warning when it differs.
-
-The paper samples at temperature 0.6 with up to 30 turns; the released aime_eval.sh leaves
-temperature unset (verl's default: greedy) and allows 5 turns. configs/eval.yaml follows the
-paper (docs/design.md, the paper's evaluation protocol).
+Benchmarks: machinery/data.py's BENCHMARKS, `arith` (the tiny demo's held-out arithmetic), a
+problems JSONL, or science multiple choice (GPQA-Diamond, §5.1: `mmlu_science` bundled, your own
+gpqa_diamond.csv, or a choices JSONL; machinery/choices.py). A checkpoint is measured in the
+format it was trained with (rollout.prompt_variant=auto), a directory without one in the paper's.
+The paper's protocol and the release's differences: docs/design.md (Evaluation).
 """
 import dataclasses
 import difflib

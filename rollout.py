@@ -18,9 +18,8 @@ trajectories keep decoding, and the continuation re-enters the engine as soon as
 back (§3.2). At most K trajectories are in flight per engine, K from the free KV cache; prompts
 are claimed from a counter shared by all ranks, so a rank that finishes early takes more work.
 
-How the turn, the tool turn and tool errors differ from the release: docs/design.md (Rollouts).
-Its baselines, a per-turn barrier and K at the mean length: bench/rollout.py; the rollout tail of a
-group larger than K, claimed whole or a sample at a time: bench/tail.py.
+How the turn, the tool turn and tool errors differ from the release: docs/design.md (Rollouts);
+its baselines: bench/rollout.py and bench/tail.py.
 """
 import dataclasses
 import hashlib

@@ -146,17 +146,11 @@ def check_world(cfg, world_size):
 
 def render_conversation(tokenizer, messages, tools, chat_template, where="conversation"):
     """(input_ids, loss_mask) of one conversation, segment by segment as a rollout produces it:
-
-        context  the template's text up to and including the generation prompt          loss 0
-        turn     tokenizer(assistant content) + <|im_end|>, what the policy samples      loss 1
-        context  the template's text from after that turn to the next generation prompt  loss 0
-        ...
-
-    Each context is the template's own rendering cut at the previous end (so any chat template
-    works), minus the text the template puts after <|im_end|> (a "\\n"): a rollout stops at
-    <|im_end|> and appends the next turn at once. Segments are tokenized separately, as the engine
-    returns sampled tokens and the loop appends tool turns. Tool messages are data, as in
-    rollout.render_tool_turn: a "<|im_end|>" that a tool printed stays text (loss 0)."""
+    the template's text up to a generation prompt (loss 0), the assistant content + <|im_end|>
+    (loss 1), the template's text from there to the next generation prompt (loss 0), ... Each
+    context is the template's own rendering cut at the previous end, minus what it puts after
+    <|im_end|> (a rollout appends the next turn at once); tool messages are data, as in
+    rollout.render_tool_turn: a "<|im_end|>" a tool printed stays text."""
     tool_texts = [m["content"] for m in messages if m["role"] == "tool"]
     # The template renders placeholders for the tool contents, so its own text can be told from
     # the tool's.

@@ -713,7 +713,7 @@ def test_command_line_under_torchrun_splits_the_work_and_rank_0_gathers_it(tiny_
     refused = subprocess.run(command + ["n=3"], cwd=REPO, capture_output=True, text=True,
                              timeout=600)
     assert refused.returncode != 0
-    assert refused.stderr.count(f"eval.py: {out_dir} holds samples made with other settings") == 1
+    assert refused.stderr.count(f"eval.py: out_dir={out_dir}: ") == 1
     tracebacks = refused.stderr.split("Traceback (most recent call last):")[1:]
     assert all("bin/torchrun" in t.splitlines()[1] for t in tracebacks), refused.stderr[-3000:]
 
