@@ -7,30 +7,16 @@
     python eval.py configs/eval_tiny.yaml model=out/tiny-model                  # CPU, tiny model
     python eval.py configs/eval.yaml model=PATH rollout.use_tool=false          # plain CoT
 
-Every problem gets n samples from the agent loop training uses (rollout.py: reason, call the
-Python tool, read the result, go on, within max_turns and one token budget), graded by
-reward.py. Per benchmark it reports
-  - avg pass@1: the mean over problems of (correct samples / n), the headline number (Table 3),
-  - pass@k: the unbiased estimator 1 - C(n-c, k) / C(n, k) (Chen et al. 2021),
-  - maj@k: is the majority answer of the first k samples correct (self-consistency),
-  - mean response tokens (Table 4), tool calls per trajectory, the tool-error rate (Fig. 4),
-  - ungraded: samples the verifier reached no verdict on (0 unless the machine starved it),
-as a Markdown table (stdout, out_dir/summary.md), in summary.json, and per sample in
-samples.jsonl: the resume point, so a rerun generates only the problems it lacks.
+Every problem gets n samples from the agent loop training uses (rollout.py), graded by reward.py.
+Per benchmark: avg pass@1 (Table 3), unbiased pass@k, maj@k, response tokens, tool calls and
+tool errors, ungraded samples; a Markdown table (stdout, out_dir/summary.md), summary.json, and
+samples.jsonl per sample, the resume point: a rerun generates only the problems it lacks.
 
-Benchmarks: machinery/data.py's BENCHMARKS (aime24, aime25, hmmt25, amc23, math500, gsm8k),
-`arith` (the tiny demo's held-out arithmetic), or a path to a problems JSONL. Science multiple
-choice (the paper's GPQA-Diamond, §5.1) runs the same agent loop: `mmlu_science` (bundled), your
-own gpqa_diamond.csv (gated; machinery/choices.py says which columns are read) or a choices JSONL;
-the options are shuffled by `seed` and the letter the final answer names is graded. A checkpoint is
-measured in the format it was trained with (the rstar2_format.json that sft.py and rl.py save;
-rollout.prompt_variant=auto); a directory without one (the released rStar2-Agent-14B) gets the
-paper's prompt. An explicit prompt_variant=code|paper, chat_template or tool_schema wins, with a
-warning when it differs.
-
-The paper samples at temperature 0.6 with up to 30 turns; the released aime_eval.sh leaves
-temperature unset (verl's default: greedy) and allows 5 turns. configs/eval.yaml follows the
-paper (docs/design.md, the paper's evaluation protocol).
+Benchmarks: machinery/data.py's BENCHMARKS, `arith` (the tiny demo's held-out arithmetic), a
+problems JSONL, or science multiple choice (GPQA-Diamond, §5.1: `mmlu_science` bundled, your own
+gpqa_diamond.csv, or a choices JSONL; machinery/choices.py). A checkpoint is measured in the
+format it was trained with (rollout.prompt_variant=auto), a directory without one in the paper's.
+The paper's protocol and the release's differences: docs/design.md (Evaluation).
 """
 import dataclasses
 import difflib
@@ -44,7 +30,7 @@ from transformers import AutoTokenizer
 import tiny  # the demo's task, for the generated `arith` benchmark
 from executor import Executor
 from machinery.choices import GPQA_HOWTO, chosen_letter, is_choice_file, load_choices
-from machinery.config import ConfigError, load_config, resolve
+from machinery.config import ConfigError, NonNegativeInt, PositiveInt, load_config, resolve
 from machinery.data import BENCHMARKS, SCIENCE_BENCHMARKS, check_prompt_lengths, load_problems
 from machinery.distributed import cores_per_rank, init_distributed
 from machinery.engine import check_engine, configure_vllm_logging, Engine
@@ -78,40 +64,31 @@ class EvalConfig:
     model: str = ""                  # a local Hugging Face directory (weights + tokenizer)
     benchmarks: list[str] = dataclasses.field(
         default_factory=lambda: ["aime24", "aime25", "hmmt25", "math500"])
-    limit: int = 0                   # first `limit` problems of each benchmark (0 = all)
-    n: int = 16                      # samples per problem (paper §5.1: 16)
-    ks: list[int] = dataclasses.field(default_factory=list)  # pass@k, maj@k; [] = default_ks
+    limit: NonNegativeInt = 0        # first `limit` problems of each benchmark (0 = all)
+    n: PositiveInt = 16              # samples per problem (paper §5.1: 16)
+    ks: list[PositiveInt] = dataclasses.field(default_factory=list)  # pass@k, maj@k;
+                                     # [] = default_ks
     seed: int = 0                    # request seeds (seed, chunk, problem, sample); option order
-    collective_timeout_min: int = 120  # torchrun: how long a rank waits for the slowest
+    collective_timeout_min: PositiveInt = 120  # torchrun: how long a rank waits for the slowest
     out_dir: str = ""                # "" = runs/eval/<model's folder>-<model>: one per model
     resume: bool = True              # reuse the finished problems in out_dir/samples.jsonl
-    chunk_problems: int = CHUNK_PROBLEMS  # problems per generate(); samples.jsonl grows after each
+    chunk_problems: PositiveInt = CHUNK_PROBLEMS  # problems per generate(); samples.jsonl
+                                     # grows after each
     require_answer_tag: bool = False  # grade only a \boxed{} inside <answer>...</answer>
     reward_timeout_s: float = 5.0    # per-answer math-verify budget, in worker CPU seconds
-    arith_problems: int = 100        # size of the `arith` benchmark
+    arith_problems: PositiveInt = 100  # size of the `arith` benchmark
     arith_seed: int = 0
     verbose: bool = False            # all of vLLM's logging; default: its warnings
     rollout: RolloutConfig = dataclasses.field(default_factory=_paper_rollout)
 
     def validate(self):
+        """What the field types cannot say."""
         if not self.model:
-            raise ConfigError("model is required: python eval.py configs/eval.yaml model=PATH")
+            raise ConfigError("model: not set; python eval.py configs/eval.yaml model=PATH")
         if not self.benchmarks:
-            raise ConfigError(f"benchmarks is empty; choose from {available_benchmarks()}")
-        if self.n < 1:
-            raise ConfigError(f"n must be >= 1, got {self.n}")
-        for k in self.ks:
-            if not 1 <= k <= self.n:
-                raise ConfigError(f"ks: pass@{k} needs 1 <= k <= n = {self.n}")
-        if self.limit < 0:
-            raise ConfigError(f"limit must be >= 0 (0 = every problem), got {self.limit}")
-        if self.arith_problems < 1:
-            raise ConfigError(f"arith_problems must be >= 1, got {self.arith_problems}")
-        if self.collective_timeout_min < 1:
-            raise ConfigError("collective_timeout_min must be >= 1, got "
-                              f"{self.collective_timeout_min}")
-        if self.chunk_problems < 1:
-            raise ConfigError(f"chunk_problems must be >= 1, got {self.chunk_problems}")
+            raise ConfigError(f"benchmarks: empty; choose from {available_benchmarks()}")
+        if any(k > self.n for k in self.ks):
+            raise ConfigError(f"ks={self.ks}: pass@k needs k <= n = {self.n}")
         self.rollout.validate()
 
 

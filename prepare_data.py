@@ -7,28 +7,13 @@ decontaminated.
     python prepare_data.py source=mine.jsonl question_key=question answer_key=answer name=mine \\
         out=data/mine.jsonl
 
-The paper trains on 42K problems (§4.2: 17K DAPO, AoPS problems from OpenMathReasoning, Project
-Euler); data/ holds 8.1K. This brings a user's set into the same shape, by the rules
-data/SOURCES.md built train_int_mix.jsonl with:
-
-  1. answers: integers only (§4.2: verifiers mis-grade other answers), written canonically
-     ("025" -> "25", "1,080" -> "1080", "27.0" -> "27"); any other answer drops the row.
-  2. duplicates: same normalized text (lower-cased, whitespace and $ removed) as an earlier row or
-     as a problem of merge_with; the first one is kept (DAPO-Math-17k repeats each of its 17,917
-     problems 100 times).
-  3. contamination: same normalized text as a problem of any benchmark in machinery.data.BENCHMARKS,
-     or sharing at least ngram_fraction of its word 8-grams with one (of the shorter one's 8-grams;
-     0 = any shared 8-gram, the paper's literal rule, which also drops problems that merely share a
-     stock phrase).
-
-Input: JSONL, or parquet (needs pyarrow, not in requirements.txt: `pip install pyarrow`). Keys are
-dotted paths into a row (reward_model.ground_truth). A question stored as chat messages (DAPO's
-prompt: [{"role": "user", "content": ...}]) is the last user message, and DAPO's instruction
-wrapper around it ("Solve the following math problem step by step. ..." / "Remember to put your
-answer on its own line after "Answer:".") is removed: machinery/prompts.py's prompt template is
-the only instruction the policy sees. Output: merge_with's rows unchanged, then
-{"id": "NAME-ROW", "problem", "answer", "source": NAME} per new problem; written atomically, with
-the count of every kind of drop.
+The rules (data/SOURCES.md's, which built train_int_mix.jsonl): an answer must be an integer,
+written canonically ("025" -> "25", "1,080" -> "1080"); the first of duplicate problems (the same
+normalized text as an earlier row or a merge_with problem) is kept; a problem that is a benchmark's
+(machinery.data.BENCHMARKS), or shares at least ngram_fraction of its word 8-grams with one, is
+dropped. Keys are dotted paths into a row; a question stored as chat messages is its last user
+message, DAPO's instruction wrapper removed. Parquet input needs pyarrow (not in requirements.txt).
+Why and how to reach the paper's 42K problems: docs/gpu.md.
 
 Tests: .venv/bin/python -m pytest tests/test_prepare_data.py -q
 """
@@ -39,7 +24,7 @@ import sys
 from collections import Counter, defaultdict
 
 from machinery.data import BENCHMARKS, load_jsonl, load_problems
-from machinery.config import atomic_write_text, ConfigError, load_config, resolve
+from machinery.config import atomic_write_text, ConfigError, Fraction, load_config, resolve
 
 NGRAM = 8
 # DAPO-Math-17k's prompt around each problem (BytedTsinghua-SIA/DAPO-Math-17k, the release's
@@ -59,18 +44,16 @@ class PrepareConfig:
     answer_key: str = "answer"           # dotted path to the integer answer
     # data/-format files written first, unchanged
     merge_with: list[str] = dataclasses.field(default_factory=list)
-    ngram_fraction: float = 0.8          # a problem sharing this much of its word 8-grams with a
+    ngram_fraction: Fraction = 0.8       # a problem sharing this much of its word 8-grams with a
                                          # benchmark is dropped
 
     def validate(self):
         if not self.source or not self.out:
-            raise ConfigError("source and out are required: "
-                              "python prepare_data.py source=FILE out=data/NAME.jsonl")
+            raise ConfigError(f"{'out' if self.source else 'source'}: not set; python "
+                              "prepare_data.py source=FILE out=data/NAME.jsonl")
         if not re.fullmatch(r"[\w.-]+", self.name):
             raise ConfigError(f"name={self.name!r}: letters, digits, '.', '-' and '_' only "
                               "(it prefixes every id)")
-        if not 0 <= self.ngram_fraction <= 1:
-            raise ConfigError(f"ngram_fraction={self.ngram_fraction}: must be in [0, 1]")
 
 
 def normalize(text):

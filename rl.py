@@ -27,11 +27,12 @@ import math
 import os
 import sys
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from annotated_types import Gt, Interval
 from tqdm import tqdm
 
 from executor import Executor
@@ -42,7 +43,8 @@ from grpo_roc import (ADVANTAGE_SCALINGS, LOSS_AGGREGATIONS, POSITIVE_RULES, RAT
 from reward import extract_answer, grade_batch
 from rollout import RolloutConfig, Rollouts, generate
 from machinery import checkpoint, metrics, plan
-from machinery.config import ConfigError, load_config, require_at_least, resolve
+from machinery.config import (ConfigError, NonNegativeFloat, NonNegativeInt, PositiveFloat,
+                              PositiveInt, load_config, resolve)
 from machinery.data import prompt_indices
 from machinery.distributed import (balance_by_tokens, cores_per_rank, cpu_threads,
                                    free_cached_memory, full_weights, own_groups)
@@ -77,10 +79,11 @@ class RLConfig:
     roc_error_ratio: bool = True  # p_err (Eq. 4) in the positives' penalty
     roc_answer_format: bool = True  # p_format (Eq. 5) in the positives' penalty
     filter_all_equal: bool = True  # drop groups whose rewards are all equal (release: same)
-    prompts_per_step: int = 512
-    steps: int = 300              # total RL steps of this run (a resume continues up to it)
-    clip_low: float = 0.2
-    clip_high: float = 0.28       # Clip-Higher; binds only with mini_batches > 1 (else ratio = 1)
+    prompts_per_step: PositiveInt = 512
+    steps: PositiveInt = 300      # total RL steps of this run (a resume continues up to it)
+    clip_low: Annotated[float, Interval(ge=0, lt=1)] = 0.2
+    clip_high: NonNegativeFloat = 0.28  # Clip-Higher; binds only with mini_batches > 1 (else
+                                  # ratio = 1)
     dual_clip: float = 0.0        # 0 = off (paper); verl's default would be 3.0
     # the field's common variants (grpo_roc.py; docs/design.md's table), the paper's by default:
     advantage_scaling: Literal[ADVANTAGE_SCALINGS] = "group"  # batch: TRL's; none: Dr. GRPO
@@ -88,15 +91,16 @@ class RLConfig:
     ratio_level: Literal[RATIO_LEVELS] = "token"  # sequence: GSPO
     # weights for the engine-vs-trainer gap (Yao et al. 2025; grpo_roc.rollout_correction)
     rollout_correction: Literal[ROLLOUT_CORRECTIONS] = "none"
-    rollout_is_threshold: float = 2.0  # C: tis truncates weights at C; mis drops those off [1/C, C]
+    rollout_is_threshold: Annotated[float, Gt(1)] = 2.0  # C: tis truncates weights at C; mis
+                                  # drops those off [1/C, C]
     # optimizer: AdamW, constant lr after a linear warm-up (§5.1)
-    lr: float = 1e-6
-    warmup_steps: int = 20
+    lr: PositiveFloat = 1e-6
+    warmup_steps: NonNegativeInt = 20
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     grad_clip: float = 1.0        # max global grad norm; 0 = no clipping (logged either way)
-    mini_batches: int = 1         # optimizer steps per RL step, each on 1/k of the kept rollouts
+    mini_batches: PositiveInt = 1  # optimizer steps per RL step, each on 1/k of the kept rollouts
     # memory and speed; none of them changes the maths (tests/test_rl.py checks that)
     micro_batch_tokens: int = 20480  # padded tokens per forward/backward (release: 20480 per GPU)
     micro_batch_size: int = 0     # trajectories per forward/backward; 0 = no cap
@@ -144,9 +148,6 @@ class RLConfig:
     def validate(self):
         """The method's keys, each wrong value refused in one line that names it, before anything
         is loaded; machinery.checkpoint.check_config then checks the paths, sizes and resume."""
-        require_at_least(self, 1, "prompts_per_step", "steps", "mini_batches")
-        require_at_least(self, 0, "warmup_steps")
-
         if self.group_size < 4 and self.algorithm == "roc":
             raise ConfigError(f"group_size={self.group_size}: GRPO-RoC keeps at least 2 positives "
                               "and 2 negatives per group (grpo_roc.resample_on_correct), so G must "
@@ -159,13 +160,8 @@ class RLConfig:
         if self.heartbeat_min and not tool_wait < self.heartbeat_min < self.collective_timeout_min:
             raise ConfigError(f"heartbeat_min={self.heartbeat_min}: must be 0 (off), over the "
                               f"longest tool call ({tool_wait:.2g}), under collective_timeout_min")
-        if not self.lr > 0:
-            raise ConfigError(f"lr={self.lr}: must be > 0")
         if self.dual_clip and self.dual_clip <= 1:
             raise ConfigError(f"dual_clip={self.dual_clip}: must be 0 (off) or > 1")
-        if not self.rollout_is_threshold > 1:
-            raise ConfigError(f"rollout_is_threshold={self.rollout_is_threshold}: must be > 1 "
-                              "(weights are truncated at it, or kept inside [1/C, C])")
 
         if self.prompts_per_step % self.mini_batches:
             raise ConfigError(f"prompts_per_step={self.prompts_per_step} does not divide into "

@@ -18,9 +18,8 @@ trajectories keep decoding, and the continuation re-enters the engine as soon as
 back (§3.2). At most K trajectories are in flight per engine, K from the free KV cache; prompts
 are claimed from a counter shared by all ranks, so a rank that finishes early takes more work.
 
-How the turn, the tool turn and tool errors differ from the release: docs/design.md (Rollouts).
-Its baselines, a per-turn barrier and K at the mean length: bench/rollout.py; the rollout tail of a
-group larger than K, claimed whole or a sample at a time: bench/tail.py.
+How the turn, the tool turn and tool errors differ from the release: docs/design.md (Rollouts);
+its baselines: bench/rollout.py and bench/tail.py.
 """
 import dataclasses
 import hashlib
@@ -29,9 +28,12 @@ import math
 import queue
 import re
 import time
+from typing import Literal
 
+from machinery.config import (ConfigError, NonNegativeFloat, NonNegativeInt, PositiveFloat,
+                              PositiveFraction, PositiveInt)
 from machinery.distributed import claim_counter, regroup
-from machinery.prompts import (check_rollout_config, load_format, render_prompt,
+from machinery.prompts import (PromptVariant, check_format_files, load_format, render_prompt,
                                render_tool_turn)
 from machinery.sandbox import truncate_middle
 
@@ -42,53 +44,50 @@ TOOL_ERROR_KINDS = ("error", "timeout", "oom", "parse")
 class RolloutConfig:
     """The `rollout:` section of rl.py / eval.py configs. Defaults: paper stage 1 (§5.1)."""
     # format
-    prompt_variant: str = "code"  # "code" (released, <reason>), "paper" (Fig. 3, <think>), or
-                                  # "auto": the model's rstar2_format.json (apply_model_format)
+    prompt_variant: PromptVariant = "code"  # "code" (released, <reason>), "paper" (Fig. 3,
+                                  # <think>), or "auto": the model's rstar2_format.json
     chat_template: str = ""       # path to a Jinja chat template; "" = the variant's
     tool_schema: str = ""         # path to the tool's JSON schema; "" = the variant's
     use_tool: bool = True         # False: no tools section, a call is plain text (eval ablation)
     # budgets: model and tool tokens share one response budget, as in the release
-    max_prompt_tokens: int = 2048
-    max_response_tokens: int = 8192  # stage 1: 8K; stages 2-3: 12K; eval: 30K (§5.1)
-    max_turns: int = 10           # assistant turns; stage 3: 15, eval: 30
+    max_prompt_tokens: PositiveInt = 2048
+    max_response_tokens: PositiveInt = 8192  # stage 1: 8K; stages 2-3: 12K; eval: 30K (§5.1)
+    max_turns: PositiveInt = 10   # assistant turns; stage 3: 15, eval: 30
     # sampling (§5.1: 1.0 in training, 0.6 in eval; top_p is not stated, 1.0 in the release)
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: NonNegativeFloat = 1.0
+    top_p: PositiveFraction = 1.0
     # tool responses (docs/design.md, the released code's tool I/O and prompt formats)
-    max_tool_response_chars: int = 256  # verl's default cut, head + tail kept; the release's too
+    max_tool_response_chars: NonNegativeInt = 256  # verl's default cut, head + tail kept; the
+                                                   # release's too
     show_execution_time: bool = False   # the release shows it; off keeps reruns token-identical
     # executor (executor.py)
-    tool_timeout_s: float = 4.0   # code-judge MAX_EXECUTION_TIME in the release's launch commands
-    tool_workers: int = 0         # 0 = the executor's default
+    tool_timeout_s: PositiveFloat = 4.0  # code-judge MAX_EXECUTION_TIME in the release's launch
+                                         # commands
+    tool_workers: NonNegativeInt = 0  # 0 = the executor's default
     tool_memory_mb: int = 1024
     # engine (vLLM, machinery/engine.py)
     dtype: str = "auto"           # the checkpoint's; float32 on CPU for exact log-probs
                                   # (docs/design.md, the CPU stack)
-    gpu_memory_utilization: float = 0.5  # GPU: vLLM's share of GPU memory (colocated training)
-    cpu_kv_cache_gb: float = 0.0  # CPU: KV cache GiB; 0 = what K trajectories of context_len need
-    tensor_parallel_size: int = 1
+    gpu_memory_utilization: PositiveFraction = 0.5  # GPU: vLLM's share of GPU memory (colocated
+                                                    # training)
+    cpu_kv_cache_gb: NonNegativeFloat = 0.0  # CPU: KV cache GiB; 0 = what K trajectories of
+                                             # context_len need
+    tensor_parallel_size: PositiveInt = 1
     enforce_eager: bool = False   # True on CPU (no CUDA graphs to capture)
-    max_model_len: int = 0        # 0 = max_prompt_tokens + max_response_tokens
+    max_model_len: NonNegativeInt = 0  # 0 = max_prompt_tokens + max_response_tokens
     enable_prefix_caching: bool = True  # a continuation re-sends its context: a cache lookup
-    max_concurrency: int = 0      # K, trajectories in flight per engine; 0 = from the free KV
-                                  # cache, each at its full budget, so none is preempted (§3.2)
-    sleep_level: int = 2          # GPU: 2 discards the weights (update_weights rewrites them),
+    max_concurrency: NonNegativeInt = 0  # K, trajectories in flight per engine; 0 = from the
+                                  # free KV cache, each at its full budget, none preempted (§3.2)
+    sleep_level: Literal[1, 2] = 2  # GPU: 2 discards the weights (update_weights rewrites them),
                                   # 1 keeps them in host RAM
 
     def validate(self):
-        """A ValueError naming the rollout.* key that is wrong: the method's keys here, then the
-        files, engine and executor sizes (machinery.prompts.check_rollout_config)."""
-        for name in ("max_prompt_tokens", "max_response_tokens", "max_turns"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_tool_response_chars < 0:
-            raise ValueError("rollout.max_tool_response_chars must be >= 0, got "
-                             f"{self.max_tool_response_chars}")
-        if self.temperature < 0:
-            raise ValueError(f"rollout.temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
-        check_rollout_config(self)
+        """What the field types cannot say: the context holds the budget, the files exist."""
+        budget = self.max_prompt_tokens + self.max_response_tokens
+        if self.max_model_len and self.max_model_len < budget:
+            raise ConfigError(f"rollout.max_model_len={self.max_model_len} cannot hold "
+                              f"max_prompt_tokens + max_response_tokens = {budget}")
+        check_format_files(self)
 
     @property
     def context_len(self):

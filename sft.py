@@ -16,27 +16,10 @@ template's generation prompt (for the rStar2 template: after `<|im_start|>assist
 tool calls included as text. `tools` (optional) overrides the config's tool schema for that row,
 as function-calling datasets carry their own.
 
-What one step does:
-    1. a global batch of `global_batch_size` conversations (the paper's 128), per-epoch shuffle;
-    2. sorted by length into micro-batches (little padding), dealt round-robin to the ranks,
-       `global_batch_size / (world_size * micro_batch_size)` accumulation steps each; share_prefix
-       packs a micro-batch whose conversations share a long prompt into one row, that prompt once;
-    3. loss = cross-entropy on the tokens the model writes (assistant turns and their <|im_end|>),
-       summed, divided by the number of such tokens in the WHOLE global batch, so every token
-       weighs the same however the batch is split across micro-batches and ranks (the
-       per-micro-batch mean is the classic gradient-accumulation bug);
-    4. AdamW step, lr warm-up then cosine decay (§4.1: 4% warm-up, cosine, lr 5e-6, 3 epochs).
-
-Training is FSDP2 from 1 CPU process to N GPUs, fp32 master weights, bf16 compute on GPU. A killed
-run resumes with `resume=auto` at the same data position. The result is a Hugging Face directory
-`out_dir/final` (safetensors + config + tokenizer + the prompt format it was trained in).
-
-Paper vs this file: the paper's SFT data (ToolACE, APIGen-MT, Glaive, Magicoder as function calls,
-Tulu-3, Nemotron chat; 222K examples) is not released; bring your own JSONL. §4.1 states no
-sequence length, prompt masking or packing: here the loss is on assistant tokens only, and
-conversations longer than `max_seq_len` are dropped (and counted), never truncated, since a cut
-transcript would teach an unfinished answer. AdamW betas/weight decay and grad clip are not stated
-either: HF Trainer's defaults (0.9, 0.999, 0.0) and clip 1.0.
+Training is FSDP2 from 1 CPU process to N GPUs; a killed run resumes with `resume=auto` at the
+same data position; the result is a Hugging Face directory `out_dir/final` (with the prompt format
+it was trained in). A step, the loss's normalisation and where this file departs from §4.1:
+docs/design.md (SFT).
 
 Bench: python -m bench.sft configs/sft_tiny.yaml      (share_prefix vs the padded batch)
 Tests: .venv/bin/python -m pytest tests/test_sft.py -q
@@ -45,16 +28,19 @@ import dataclasses
 import math
 import random
 import time
-from typing import Literal
+from types import SimpleNamespace
+from typing import Annotated, Literal
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from annotated_types import Interval
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from machinery.checkpoint import latest_checkpoint, resume_run, save_checkpoint
-from machinery.config import ConfigError, load_config, resolve
+from machinery.config import (ConfigError, Fraction, NonNegativeInt, PositiveFloat, PositiveInt,
+                              load_config, resolve)
 from machinery.conversations import (IGNORE, chat_text, check_context, check_conversation,
                                      check_turn, collate_conversations, collate_shared_prefix,
                                      end_of_turn_ids, prompt_format, read_template, read_tools,
@@ -80,17 +66,18 @@ class SFTConfig:
     out_dir: str = "runs/sft"     # config.yaml, metrics.jsonl, checkpoints/, final/ (HF directory)
     chat_template: str = ""       # Jinja file; "chatml": ChatML with tools; "": the tokenizer's own
     tool_schema: str = ""         # JSON file with one tool schema (or a list); "": no tools
-    max_seq_len: int = 4096       # longer conversations are dropped (counted), not truncated
+    max_seq_len: PositiveInt = 4096  # longer conversations are dropped (counted), not truncated
     seed: int = 0
-    collective_timeout_min: int = 120  # torchrun: how long a rank waits for the slowest
+    collective_timeout_min: PositiveInt = 120  # torchrun: how long a rank waits for the slowest
     # optimisation (§4.1: 3 epochs, lr 5e-6, 4% warm-up, cosine, batch 128)
-    epochs: int = 3
-    max_steps: int = 0            # stop after this many steps; 0 = all epochs. The lr spans the run
-    global_batch_size: int = 128  # conversations per optimizer step, all ranks together
-    micro_batch_size: int = 4     # conversations per forward/backward on one rank
-    lr: float = 5e-6
-    min_lr_ratio: float = 0.0     # cosine decays to lr * min_lr_ratio
-    warmup_ratio: float = 0.04
+    epochs: PositiveInt = 3
+    max_steps: NonNegativeInt = 0  # stop after this many steps; 0 = all epochs; the lr spans
+                                   # the run
+    global_batch_size: PositiveInt = 128  # conversations per optimizer step, all ranks together
+    micro_batch_size: PositiveInt = 4  # conversations per forward/backward on one rank
+    lr: PositiveFloat = 5e-6
+    min_lr_ratio: Fraction = 0.0  # cosine decays to lr * min_lr_ratio
+    warmup_ratio: Annotated[float, Interval(ge=0, lt=1)] = 0.04
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -100,55 +87,35 @@ class SFTConfig:
     activation_checkpointing: bool = False
     share_prefix: bool = True     # a micro-batch's common prompt once (exact; ~2x on the tiny demo)
     attn_implementation: str = "sdpa"  # or flash_attention_2 on GPU, if installed
-    train_threads: int = 0        # CPU only: torch threads; 0: the free cores, machinery/threads.py
+    train_threads: NonNegativeInt = 0  # CPU only: torch threads; 0: the free cores
+                                       # (machinery/threads.py)
     # checkpoints and logs
-    save_every: int = 0           # DCP checkpoint every N steps and at the end; 0 = final/ only
-    keep_checkpoints: int = 2
+    save_every: NonNegativeInt = 0  # DCP checkpoint every N steps and at the end; 0 = final/ only
+    keep_checkpoints: PositiveInt = 2
     resume: str = "auto"          # auto: newest intact one in out_dir/checkpoints; never; PATH
     # true: resume this out_dir's run with changed settings (history.jsonl records them);
     # false: a change of a key outside KEYS_A_RESUME_MAY_CHANGE is refused
     continue_with_changes: bool = False
-    log_every: int = 1
+    log_every: PositiveInt = 1
     wandb_project: str = ""
     tensorboard: bool = False
 
     def validate(self):
-        """Errors that can be found before loading anything."""
-        if not self.model:
-            raise ConfigError("model: set the base model (an HF directory with its tokenizer), "
-                              "e.g. model=out/tiny-model")
-        if not self.data:
-            raise ConfigError("data: set the chat JSONL to train on, e.g. data=out/tiny-sft.jsonl "
-                              "(python tiny.py writes it)")
-
-        for name in ("max_seq_len", "epochs", "global_batch_size", "micro_batch_size",
-                     "keep_checkpoints", "log_every", "collective_timeout_min"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
-        for name in ("max_steps", "save_every", "train_threads"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0")
-        if self.global_batch_size % self.micro_batch_size:
-            raise ConfigError(f"global_batch_size={self.global_batch_size} is not a multiple of "
-                              f"micro_batch_size={self.micro_batch_size}")
-
-        if not self.lr > 0:
-            raise ConfigError(f"lr={self.lr}: must be > 0")
-        if not 0 <= self.warmup_ratio < 1:
-            raise ConfigError(f"warmup_ratio={self.warmup_ratio}: must be in [0, 1)")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
-
+        """What the field types cannot say, found before anything loads."""
+        if not self.model or not self.data:
+            missing = "model" if not self.model else "data"
+            raise ConfigError(f"{missing}: not set; e.g. model=out/tiny-model "
+                              "data=out/tiny-sft.jsonl (python tiny.py writes both)")
         for name in ("chat_template", "tool_schema", "data"):
             path = getattr(self, name)
             if path and path != "chatml" and not resolve(path).is_file():
-                raise ConfigError(f"{name}: file not found: {path}")
+                raise ConfigError(f"{name}={path}: file not found")
         if self.share_prefix and self.attn_implementation not in ("sdpa", "eager"):
-            raise ConfigError(f"share_prefix=true needs a custom attention mask, which "
-                              f"attn_implementation={self.attn_implementation} does not take; "
-                              "use sdpa or share_prefix=false")
+            raise ConfigError(f"share_prefix=true: attn_implementation="
+                              f"{self.attn_implementation} takes no custom mask; use sdpa or "
+                              "share_prefix=false")
         if self.resume not in ("auto", "never") and not resolve(self.resume).is_dir():
-            raise ConfigError(f"resume={self.resume!r}: expected auto, never or a checkpoint "
+            raise ConfigError(f"resume={self.resume}: expected auto, never or a checkpoint "
                               "directory")
 
 
@@ -179,17 +146,11 @@ def check_world(cfg, world_size):
 
 def render_conversation(tokenizer, messages, tools, chat_template, where="conversation"):
     """(input_ids, loss_mask) of one conversation, segment by segment as a rollout produces it:
-
-        context  the template's text up to and including the generation prompt          loss 0
-        turn     tokenizer(assistant content) + <|im_end|>, what the policy samples      loss 1
-        context  the template's text from after that turn to the next generation prompt  loss 0
-        ...
-
-    Each context is the template's own rendering cut at the previous end (so any chat template
-    works), minus the text the template puts after <|im_end|> (a "\\n"): a rollout stops at
-    <|im_end|> and appends the next turn at once. Segments are tokenized separately, as the engine
-    returns sampled tokens and the loop appends tool turns. Tool messages are data, as in
-    rollout.render_tool_turn: a "<|im_end|>" that a tool printed stays text (loss 0)."""
+    the template's text up to a generation prompt (loss 0), the assistant content + <|im_end|>
+    (loss 1), the template's text from there to the next generation prompt (loss 0), ... Each
+    context is the template's own rendering cut at the previous end, minus what it puts after
+    <|im_end|> (a rollout appends the next turn at once); tool messages are data, as in
+    rollout.render_tool_turn: a "<|im_end|>" a tool printed stays text."""
     tool_texts = [m["content"] for m in messages if m["role"] == "tool"]
     # The template renders placeholders for the tool contents, so its own text can be told from
     # the tool's.
@@ -293,7 +254,7 @@ def micro_batch_loss_sum(model, inputs, labels):
 
 
 def accumulate_gradients(model, examples, lengths, batch, cfg, pad_id, device, rank, world_size):
-    """Steps 2-3 of the docstring: forward and backward over this rank's micro-batches of the global
+    """Forward and backward over this rank's micro-batches of the global
     `batch`. Returns (this rank's summed loss, its conversation tokens, the trained tokens of the
     whole global batch)."""
     # the token mean's denominator; every rank knows it
@@ -329,7 +290,7 @@ def cosine_lr_at(step, total_steps, cfg):
 
 def sft_step(model, optimizer, examples, lengths, step, total_steps, cfg, pad_id, device, rank,
              world_size):
-    """One optimizer step (steps 1-4 of the docstring); returns its metrics, summed over ranks."""
+    """One optimizer step (docs/design.md, SFT); returns its metrics, summed over ranks."""
     started = time.perf_counter()
     lr = cosine_lr_at(step, total_steps, cfg)
     for group in optimizer.param_groups:
@@ -353,6 +314,29 @@ def sft_step(model, optimizer, examples, lengths, step, total_steps, cfg, pad_id
 
 def train(cfg):
     """Run SFT as configured; returns (model, tokenizer): the trained FSDP model, for the tests."""
+    run = start_run(cfg)
+    if run.run_dir is None:  # out_dir's run is already at its last step
+        return None, run.tokenizer
+
+    progress = tqdm(total=run.total_steps, initial=run.start_step, desc="sft",
+                    disable=run.rank != 0, dynamic_ncols=True)
+    for step in range(run.start_step, run.total_steps):
+        metrics = sft_step(run.model, run.optimizer, run.examples, run.lengths, step,
+                           run.total_steps, run.cfg, run.pad_id, run.device, run.rank,
+                           run.world_size)
+        log_and_checkpoint(run, step, metrics)
+        progress.update(1)
+        progress.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}",
+                             tok_s=f"{metrics['tokens_per_s']:.0f}")
+    progress.close()
+
+    finish_run(run)
+    return run.model, run.tokenizer
+
+
+def start_run(cfg):
+    """What the run holds across its steps: the world, the tokenized data, the run directory
+    (None when out_dir's run is done), and the model, optimizer, logger resumed at start_step."""
     rank, world_size, _, device = init_distributed(cfg.collective_timeout_min)
     check_same_settings(cfg, rank, world_size)
     check_shared_paths(cfg.out_dir, [cfg.model, cfg.data, cfg.chat_template, cfg.tool_schema],
@@ -361,63 +345,66 @@ def train(cfg):
     model_path = check_model_dir(cfg.model)
     cfg = choose_threads(cfg, device, rank)  # train_threads=0 -> a number: the settings line
     seed_everything(cfg.seed)
-    out_dir = resolve(cfg.out_dir)
+    run = SimpleNamespace(cfg=cfg, rank=rank, world_size=world_size, device=device,
+                          out_dir=resolve(cfg.out_dir), model_path=model_path)
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    run.tokenizer = AutoTokenizer.from_pretrained(model_path)
     # padding is never attended to nor trained on; any id works if the tokenizer names no pad token
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    examples, dropped = load_conversations(cfg, tokenizer)
-    lengths = [len(ids) for ids, _ in examples]
-    total_steps = cfg.epochs * (len(examples) // cfg.global_batch_size)
+    run.pad_id = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0
+    run.examples, dropped = load_conversations(cfg, run.tokenizer)
+    run.lengths = [len(ids) for ids, _ in run.examples]
+    run.total_steps = cfg.epochs * (len(run.examples) // cfg.global_batch_size)
     if cfg.max_steps:
-        total_steps = min(total_steps, cfg.max_steps)
-    run_dir = claim_run_dir(cfg, out_dir, KEYS_A_RESUME_MAY_CHANGE, total_steps, "final", rank)
-    if run_dir is None:
-        return None, tokenizer
+        run.total_steps = min(run.total_steps, cfg.max_steps)
+    run.run_dir = claim_run_dir(cfg, run.out_dir, KEYS_A_RESUME_MAY_CHANGE, run.total_steps,
+                                "final", rank)
+    if run.run_dir is None:
+        return run
     if rank == 0:
-        print_sft_data(examples, dropped, total_steps, cfg, world_size, accumulation)
+        print_sft_data(run.examples, dropped, run.total_steps, cfg, world_size, accumulation)
 
-    model, save_dtype = build_model(cfg, model_path, device, rank)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                  betas=(cfg.adam_beta1, cfg.adam_beta2))
+    run.model, run.save_dtype = build_model(cfg, model_path, device, rank)
+    run.optimizer = torch.optim.AdamW(run.model.parameters(), lr=cfg.lr,
+                                      weight_decay=cfg.weight_decay,
+                                      betas=(cfg.adam_beta1, cfg.adam_beta2))
     # What fixes the data order: a checkpoint of another order is refused. The schedule's length
     # (total_steps) may change with continue_with_changes=true: the lr follows the new one.
-    run_state = {"num_examples": len(examples), "global_batch_size": cfg.global_batch_size,
+    run.state = {"num_examples": len(run.examples), "global_batch_size": cfg.global_batch_size,
                  "seed": cfg.seed}
-    ckpt_root = out_dir / "checkpoints"
-    start_step = resume_run(run_dir.checkpoint, model, optimizer, run_state, rank, ckpt_root)
-    record_start(run_dir, cfg)  # config.yaml once the checkpoint loaded
-    logger = MetricsLogger(out_dir, enabled=rank == 0, wandb_project=cfg.wandb_project,
-                           tensorboard=cfg.tensorboard, config=dataclasses.asdict(cfg),
-                           resume_step=start_step)
+    run.checkpoints = run.out_dir / "checkpoints"
+    run.start_step = resume_run(run.run_dir.checkpoint, run.model, run.optimizer, run.state, rank,
+                                run.checkpoints)
+    record_start(run.run_dir, cfg)  # config.yaml once the checkpoint loaded
+    run.logger = MetricsLogger(run.out_dir, enabled=rank == 0, wandb_project=cfg.wandb_project,
+                               tensorboard=cfg.tensorboard, config=dataclasses.asdict(cfg),
+                               resume_step=run.start_step)
+    return run
 
-    progress = tqdm(total=total_steps, initial=start_step, desc="sft", disable=rank != 0,
-                    dynamic_ncols=True)
-    for step in range(start_step, total_steps):
-        metrics = sft_step(model, optimizer, examples, lengths, step, total_steps, cfg, pad_id,
-                           device, rank, world_size)
-        if (step + 1) % cfg.log_every == 0 or step + 1 == total_steps:
-            logger.log(step + 1, metrics)
-        progress.update(1)
-        progress.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}",
-                             tok_s=f"{metrics['tokens_per_s']:.0f}")
-        if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < total_steps:
-            save_checkpoint(ckpt_root, step + 1, model, optimizer, {**run_state, "step": step + 1},
-                            keep=cfg.keep_checkpoints, keep_through=run_dir.keep_through)
 
-    progress.close()
-    logger.close()
-    if cfg.save_every and start_step < total_steps:  # so a finished run's rerun resumes at its end
-        save_checkpoint(ckpt_root, total_steps, model, optimizer,
-                        {**run_state, "step": total_steps}, keep=cfg.keep_checkpoints,
-                        keep_through=run_dir.keep_through)
+def log_and_checkpoint(run, step, metrics):
+    """The step's metrics every log_every steps and at the last; a checkpoint every save_every."""
+    cfg, done = run.cfg, step + 1
+    if done % cfg.log_every == 0 or done == run.total_steps:
+        run.logger.log(done, metrics)
+    if cfg.save_every and done % cfg.save_every == 0 and done < run.total_steps:
+        save_checkpoint(run.checkpoints, done, run.model, run.optimizer,
+                        {**run.state, "step": done}, keep=cfg.keep_checkpoints,
+                        keep_through=run.run_dir.keep_through)
 
-    save_hf_model(model, tokenizer, model_path, out_dir / "final", save_dtype, rank,
-                  prompt_format(cfg, tokenizer), "sft.py")
-    finish_run_dir(run_dir, total_steps)
-    if rank == 0:
-        print_sft_written(out_dir, device)
-    return model, tokenizer
+
+def finish_run(run):
+    """The last checkpoint (a finished run's rerun resumes at its end), then out_dir/final."""
+    cfg = run.cfg
+    run.logger.close()
+    if cfg.save_every and run.start_step < run.total_steps:
+        save_checkpoint(run.checkpoints, run.total_steps, run.model, run.optimizer,
+                        {**run.state, "step": run.total_steps}, keep=cfg.keep_checkpoints,
+                        keep_through=run.run_dir.keep_through)
+    save_hf_model(run.model, run.tokenizer, run.model_path, run.out_dir / "final", run.save_dtype,
+                  run.rank, prompt_format(cfg, run.tokenizer), "sft.py")
+    finish_run_dir(run.run_dir, run.total_steps)
+    if run.rank == 0:
+        print_sft_written(run.out_dir, run.device)
 
 
 def interrupt_paragraph(cfg, argv):

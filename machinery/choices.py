@@ -1,14 +1,7 @@
-"""Multiple-choice science benchmarks for eval.py (the paper's GPQA-Diamond, §5.1): the files read,
-the options shuffled by a recorded seed, the question as the model sees it, and the letter read
-from the model's final answer.
-
-Two file formats:
-  - GPQA's own CSV (`gpqa_diamond.csv`: the gated Hugging Face dataset Idavidrein/gpqa, or
-    dataset.zip in github.com/idavidrein/gpqa). Read: `Question`, `Correct Answer`,
-    `Incorrect Answer 1` to `3`, and `Record ID` as the id when present (else the row number).
-  - JSONL, one question a line: {"id", "question", "choices": [option texts], "answer": the letter
-    of the correct option in that list}, as data/mmlu_college_science.jsonl.
-"""
+"""Multiple-choice science benchmarks for eval.py (the paper's GPQA-Diamond, §5.1): GPQA's own CSV
+(GPQA_COLUMNS, `Record ID` as the id when present) or a JSONL of {"id", "question", "choices",
+"answer": the correct option's letter} (data/mmlu_college_science.jsonl); the options shuffled by
+a recorded seed, and the letter read from the model's final answer."""
 import bisect
 import csv
 import json
@@ -53,8 +46,7 @@ def is_choice_file(path):
 
 
 def read_gpqa_csv(path):
-    """[(id, question, [correct answer, incorrect 1, 2, 3])] from GPQA's CSV; a file without its
-    columns or with an empty cell is refused in one line naming the file and what is missing."""
+    """[(id, question, [correct answer, incorrect 1, 2, 3])] from GPQA's CSV."""
     path = resolve(path)
     if not path.is_file():
         raise ConfigError(f"{path}: no such file; {GPQA_HOWTO}")
@@ -101,10 +93,9 @@ def read_choices_jsonl(path):
 # The question as the model sees it: options shuffled by (seed, question id)
 
 def choice_problem(qid, question, options, seed):
-    """A problem row for eval.py: options[0] is the correct one. The order comes from (seed, id)
-    alone, so a resumed or a sliced run (limit=) shows each question as the full run did; all n
-    samples of a question share it (one prompt per problem, as GPQA's and lm-eval's shuffles).
-    option_order[i] is the source position of the option shown as letter i (0 = correct)."""
+    """A problem row for eval.py from options (options[0] correct), shuffled by (seed, id) alone,
+    so a resumed or sliced run shows each question as the full run did. option_order[i]: the
+    source position of the option shown as letter i."""
     order = list(range(len(options)))
     random.Random(f"{seed}:{qid}").shuffle(order)  # str seeds hash with SHA-512: stable anywhere
     shown = [options[i] for i in order]
@@ -215,14 +206,10 @@ def _read_choice(text, options, after_cue=False):
 
 
 def chosen_letter(text, options):
-    """The option letter of the model's final answer, or None (no answer, or one naming no single
-    option). Read from the model's prose, tool calls left out; the statement written last wins:
-      \\boxed{C} (also \\boxed{(C)}, \\boxed{\\text{C}}, \\boxed{C) 2mc^2}, the option's text),
-      <answer>C</answer>, "Answer: C", "The correct answer is (C).", "**Final answer:** C",
-      "I choose C", "C is correct", and a last line that is only "C", "(C)", "C) ..." or an
-      option's text, or holds one "(C)".
-    A final box that names no single valid option ("A or C", "E" of four) gives None: the answer
-    is read, not guessed."""
+    """The option letter of the model's final answer, or None (none, or one naming no single
+    valid option: read, not guessed). From the model's prose, tool calls left out; the statement
+    written last wins: \\boxed{C} (or the option's text), <answer>C</answer>, "Answer: C",
+    "I choose C", "C is correct", or a last line that is only a letter or an option's text."""
     prose = _TOOL_BLOCKS.sub(" ", text)
     valid = LETTERS[:len(options)]
     statements = []  # (position, letter, or "" for an answer that names no single option)

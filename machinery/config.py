@@ -1,11 +1,12 @@
-"""Config loading: a dataclass per script from YAML plus key=value overrides, with errors that name
-the key, the file and the line; the repo root and paths relative to it; atomic file writes, and the
-one reader of the files a run appends to (a torn last line dropped with a warning)."""
+"""Config loading: a dataclass per script from YAML plus key=value overrides, each wrong key or
+value refused in one line naming the file, the line and the key; paths relative to the repo;
+atomic writes, and the one reader of the files a run appends to."""
 import dataclasses
 import difflib
 import inspect
 import io
 import json
+import operator
 import os
 import sys
 import textwrap
@@ -13,26 +14,55 @@ import tokenize
 import typing
 import zlib
 from pathlib import Path
-import yaml
 
+import yaml
+from annotated_types import Ge, GroupedMetadata, Gt, Le, Lt
 
 REPO = Path(__file__).resolve().parent.parent  # the repo root, above this package
 
 
 class ConfigError(ValueError):
-    """A bad config file, key, value or data row, or a refusal. The message says which.
-    this_rank_only: a problem of this rank's machine (its node's memory, a rank that cannot reach
-    the others), printed by whichever rank has it; else rank 0 alone prints (machinery/exits.py)."""
+    """A bad config file, key, value or data row, or a refusal. this_rank_only: a problem of this
+    rank's machine, printed by whichever rank has it; else rank 0 alone prints (exits.py)."""
 
     def __init__(self, message, this_rank_only=False):
         super().__init__(message)
         self.this_rank_only = this_rank_only
 
 
+# A key's bounds are declared beside it, `epochs: Annotated[int, Ge(1)] = 3` (annotated_types, the
+# constraints pydantic reads), and checked as the value is read, so the refusal names file:line.
+BOUNDS = {Gt: (operator.gt, ">"), Ge: (operator.ge, ">="), Lt: (operator.lt, "<"),
+          Le: (operator.le, "<=")}
+PositiveInt = typing.Annotated[int, Ge(1)]
+NonNegativeInt = typing.Annotated[int, Ge(0)]
+PositiveFloat = typing.Annotated[float, Gt(0)]
+NonNegativeFloat = typing.Annotated[float, Ge(0)]
+Fraction = typing.Annotated[float, Ge(0), Le(1)]
+PositiveFraction = typing.Annotated[float, Gt(0), Le(1)]
+
+
+def _bounds(tp):
+    """[(check, "op limit")] of the bounds Annotated on `tp` (an Interval taken apart)."""
+    metadata = typing.get_args(tp)[1:] if typing.get_origin(tp) is typing.Annotated else ()
+    found = [bound for item in metadata
+             for bound in (item if isinstance(item, GroupedMetadata) else [item])]
+    return [(lambda value, b=bound: BOUNDS[type(b)][0](value, dataclasses.astuple(b)[0]),
+             f"{BOUNDS[type(bound)][1]} {dataclasses.astuple(bound)[0]}")
+            for bound in found if type(bound) in BOUNDS]
+
+
 def _coerce(value, tp, where, typed=None):
-    """Check `value` against the annotation `tp`; convert the few lossless cases (int -> float,
-    "1e-6" -> float). `typed`: the text the value was read from, for the message."""
+    """`value` checked against the annotation `tp`, with the few lossless conversions (int ->
+    float, "1e-6" -> float). `typed`: the text the value was read from, for the message."""
     origin = typing.get_origin(tp)
+    if origin is typing.Annotated:
+        value = _coerce(value, typing.get_args(tp)[0], where, typed)
+        bounds = _bounds(tp)
+        if not all(check(value) for check, _ in bounds):
+            raise ConfigError(f"{where}: must be {' and '.join(t for _, t in bounds)}, "
+                              f"got {value}")
+        return value
     if origin is typing.Literal:
         choices = list(typing.get_args(tp))
         if isinstance(value, bool) and value not in choices:  # YAML 1.1: off, no, n, false ...
@@ -51,41 +81,30 @@ def _coerce(value, tp, where, typed=None):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
         return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
-    if tp is typing.Any:
+
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is typing.Any or (tp is bool and isinstance(value, bool)) or (
+            tp is int and number and isinstance(value, int)) or (tp is str and isinstance(
+                value, str)):
         return value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{where}: expected true/false, got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{where}: expected an int, got {type(value).__name__} {value!r}")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if tp is float and (number or isinstance(value, str)):
+        try:  # YAML 1.1 reads 1e-6 (no dot) as a string
             return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 1e-6 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{where}: expected a float, got {type(value).__name__} {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)  # model=123 or a numeric run name
-        if isinstance(value, bool) and typed:
-            raise ConfigError(f"{where}: YAML reads {typed!r} as {str(value).lower()}; quote it "
-                              f"(\"{typed}\") to mean the text")
-        raise ConfigError(f"{where}: expected a string, got {type(value).__name__} {value!r}")
-    name = getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-    raise ConfigError(f"{where}: unsupported config type {name}")
+        except ValueError:
+            pass
+    if tp is str and number:
+        return str(value)  # model=123 or a numeric run name
+    if tp is str and isinstance(value, bool) and typed:
+        raise ConfigError(f"{where}: YAML reads {typed!r} as {str(value).lower()}; quote it "
+                          f"(\"{typed}\") to mean the text")
+    expected = {bool: "true/false", int: "an int", float: "a float", str: "a string"}.get(tp)
+    if expected is None:
+        raise ConfigError(f"{where}: unsupported config type {tp}")
+    raise ConfigError(f"{where}: expected {expected}, got {type(value).__name__} {value!r}")
 
 
 def _line_numbers(text):
-    """Map dotted key -> (line number, the value's text) in a YAML document, so errors can say
-    file:line and quote what was written."""
+    """{dotted key: (line number, the value's text)} of a YAML document, for file:line."""
     lines = {}
 
     def walk(node, prefix):
@@ -104,10 +123,9 @@ def _line_numbers(text):
 
 
 def _apply(cfg, updates, source, lines, prefix=""):
-    """Set the fields of dataclass instance `cfg` from the mapping `updates`, recursing into nested
-    sections."""
+    """Set the fields of dataclass instance `cfg` from the mapping `updates`, sections nested."""
     fields = {f.name: f for f in dataclasses.fields(cfg)}
-    hints = typing.get_type_hints(type(cfg))
+    hints = typing.get_type_hints(type(cfg), include_extras=True)
     for key, value in updates.items():
         dotted = f"{prefix}{key}"
         line, typed = lines.get(dotted, (None, None))
@@ -115,17 +133,14 @@ def _apply(cfg, updates, source, lines, prefix=""):
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
-            raise ConfigError(f"{where}: unknown key{hint}; "
-                              f"{type(cfg).__name__} has {sorted(fields)}")
-        tp = hints[key]
+            raise ConfigError(f"{where}: unknown key{hint}; --help lists the keys")
         current = getattr(cfg, key)
-        if dataclasses.is_dataclass(current):
-            if not isinstance(value, dict):
-                raise ConfigError(f"{where}: is a section ({type(current).__name__}); "
-                                  f"expected a mapping, got {value!r}")
+        if not dataclasses.is_dataclass(current):
+            setattr(cfg, key, _coerce(value, hints[key], where, typed))
+        elif isinstance(value, dict):
             _apply(current, value, source, lines, dotted + ".")
         else:
-            setattr(cfg, key, _coerce(value, tp, where, typed))
+            raise ConfigError(f"{where}: is a section; expected a mapping, got {value!r}")
 
 
 def require_at_least(cfg, minimum, *names):
@@ -136,17 +151,15 @@ def require_at_least(cfg, minimum, *names):
 
 
 def load_config(cls, argv=None, doc=None):
-    """Build a `cls` dataclass from `[CONFIG.yaml] [key=value ...]` (default: sys.argv[1:]): the
-    dataclass's defaults, then the YAML file, then the overrides, parsed as YAML scalars (`lr=1e-6`,
-    `benchmarks=aime24,aime25`). `-h`/`--help` prints config_help (with `doc`, the script's
-    docstring, for its commands) and exits; a bare command line that the defaults cannot run gets
-    the same text after its error."""
+    """A `cls` from `[CONFIG.yaml] [key=value ...]` (default: sys.argv[1:]): its defaults, the
+    YAML file, then the overrides, parsed as YAML scalars (`lr=1e-6`, `benchmarks=a,b`), then its
+    validate(). -h/--help prints config_help (`doc`: the script's docstring) and exits, as does a
+    bare command line that the defaults cannot run, after its error."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         print(config_help(cls, doc), flush=True)
         sys.exit(0)
-    cfg = cls()
-    bare = not argv
+    cfg, bare = cls(), not argv
     if argv and "=" not in argv[0]:
         path = Path(argv.pop(0))
         if not path.is_file():
@@ -155,67 +168,49 @@ def load_config(cls, argv=None, doc=None):
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
-        data = {} if data is None else data
-        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+        if not isinstance(data, dict | None):
             raise ConfigError(f"{path}: the top level must be a mapping of keys, "
                               f"got {type(data).__name__}")
-        _apply(cfg, data, str(path), _line_numbers(text))
+        _apply(cfg, data or {}, str(path), _line_numbers(text))
+
     for arg in argv:
-        if "=" not in arg:
-            raise ConfigError(f"command line: bad override {arg!r}; expected key=value "
-                              "(the config file must come first; --help lists the keys)")
-        key, raw = arg.split("=", 1)
-        if not key:
-            raise ConfigError(f"command line: bad override {arg!r}; the key is empty")
+        key, _, raw = arg.partition("=")
+        if not key or "=" not in arg:
+            raise ConfigError(f"command line: bad override {arg!r}; expected key=value after the "
+                              "config file")
         try:
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError:
             value = raw
-        # rollout.max_turns=15 -> {"rollout": {"max_turns": 15}}
-        for part in reversed(key.split(".")):
+        for part in reversed(key.split(".")):  # rollout.max_turns=15 -> {"rollout": {...: 15}}
             value = {part: value}
         _apply(cfg, value, "command line", {key: (None, raw)})
-    if hasattr(cfg, "validate"):
-        try:
-            cfg.validate()
-        except ConfigError as e:
-            if bare:  # the script run with nothing: what is missing, then what it takes
-                raise ConfigError(f"{e}\n\n{config_help(cls, doc)}") from None
-            raise
+    try:
+        getattr(cfg, "validate", lambda: None)()
+    except ConfigError as e:
+        if bare:  # the script run with nothing: what is missing, then what it takes
+            raise ConfigError(f"{e}\n\n{config_help(cls, doc)}") from None
+        raise
     return cfg
 
 
 # -----------------------------------------------------------------------------
-# --help: the usage and every key with its default and its comment, read from the dataclass's
-# source, so the help is the code's own documentation and cannot drift from it
-
-def _script():
-    path = Path(sys.argv[0]) if sys.argv else Path()
-    if path.parent.name == "tools" and path.suffix == ".py":  # run as python -m tools.NAME
-        return f"-m tools.{path.stem}"
-    return path.name if path.name.endswith(".py") else "SCRIPT.py"
-
+# --help: every key with its default, bounds and comment, read from the dataclass's source, so the
+# help is the code's own documentation and cannot drift from it
 
 def usage_line():
-    script = _script()
+    path = Path(sys.argv[0]) if sys.argv else Path()
+    script = (f"-m tools.{path.stem}" if path.parent.name == "tools" and path.suffix == ".py"
+              else path.name if path.suffix == ".py" else "SCRIPT.py")
     return f"usage: python {script} [CONFIG.yaml] [key=value ...]        (-h, --help: this text)"
-
-
-def _commands(doc):
-    """The docstring's first paragraph and its first indented block: the script's own commands."""
-    if not doc:
-        return ""
-    paragraphs = textwrap.dedent(doc).strip("\n").split("\n\n")
-    commands = next((p for p in paragraphs[1:] if p.startswith(" ")), None)
-    return "\n\n".join(paragraphs[:1] + ([commands] if commands else []))
 
 
 def field_comments(cls):
     """({field: its comment}, {field: the heading comments above it}) from the class's source: a
-    field's comment is the one on its line plus the comment lines indented past the body below it;
-    a comment line at the body's indent heads the next field. Read with tokenize: a '#' in a string
-    is no comment."""
+    field's comment is the one on its line plus the lines indented past the body below it; a
+    comment line at the body's indent heads the next field. Tokenized: a '#' in a string is no
+    comment."""
     try:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):
@@ -223,6 +218,7 @@ def field_comments(cls):
     fields = {f.name for f in dataclasses.fields(cls)}
     lines = source.splitlines()
     comments, headings, pending, last, body_indent = {}, {}, [], None, None
+
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
         row, col = token.start
         code = lines[row - 1][:col].strip() if row <= len(lines) else ""
@@ -234,9 +230,9 @@ def field_comments(cls):
         if token.type != tokenize.COMMENT:
             continue
         text = token.string.lstrip("#").strip()
-        if code.split(":")[0].strip() == last and code:
+        if code and code.split(":")[0].strip() == last:
             comments[last] = text
-        elif not code and last in comments and body_indent is not None and col > body_indent:
+        elif not code and last in comments and col > body_indent:
             comments[last] += " " + text  # a continuation line
         elif not code:
             pending.append(text)
@@ -253,38 +249,36 @@ def _value_text(value):
 
 def _keys_help(cls, instance, prefix=""):
     by_field, headings = field_comments(cls)
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     lines = []
     for f in dataclasses.fields(cls):
         lines += [f"  # {heading}" for heading in headings.get(f.name, [])]
-        value, key = getattr(instance, f.name), prefix + f.name
+        value, key, tp = getattr(instance, f.name), prefix + f.name, hints[f.name]
         if dataclasses.is_dataclass(value):
-            lines.append(f"  {key}: a section ({type(value).__name__}): {key}.KEY=VALUE, or a "
-                         f"`{f.name}:` mapping in YAML")
+            lines.append(f"  {key}: a section: {key}.KEY=VALUE, or a `{f.name}:` mapping in YAML")
             lines += _keys_help(type(value), value, key + ".")
             continue
-        comment = by_field.get(f.name, "")
-        if typing.get_origin(hints[f.name]) is typing.Literal:
-            comment = f"[{' | '.join(map(str, typing.get_args(hints[f.name])))}] {comment}".strip()
+        allowed = [text for _, text in _bounds(tp)]
+        if typing.get_origin(tp) is typing.Literal:
+            allowed = [" | ".join(map(str, typing.get_args(tp)))]
+        comment = " ".join([f"[{', '.join(allowed)}]"] * bool(allowed)
+                           + [by_field.get(f.name, "")]).strip()
         head = f"  {key} = {_value_text(value)}"
-        if not comment:
-            lines.append(head)
-            continue
-        if len(head) >= 40:
+        if len(head) >= 40 and comment:
             lines.append(head)
             head = ""
         lines += textwrap.wrap(comment, 100, initial_indent=f"{head:<40} ",
-                               subsequent_indent=" " * 41)
+                               subsequent_indent=" " * 41) if comment else [head]
     return lines
 
 
 def config_help(cls, doc=None):
-    """What --help prints: the usage line, the script's commands, and every key of `cls` with its
-    default and its comment, in the order and under the headings of the source."""
+    """--help: the usage line, the docstring's first paragraph and first indented block (the
+    script's commands), and every key of `cls` under the headings of its source."""
     parts = [usage_line()]
-    commands = _commands(doc)
-    if commands:
-        parts.append(commands)
+    paragraphs = textwrap.dedent(doc or "").strip("\n").split("\n\n")
+    commands = next((p for p in paragraphs[1:] if p.startswith(" ")), None)
+    parts += [p for p in paragraphs[:1] + [commands] if p]
     parts.append(f"{cls.__name__} (KEY = default): a YAML file sets them, key=value on the command "
                  "line overrides it.\n" + "\n".join(_keys_help(cls, cls())))
     return "\n\n".join(parts)
@@ -304,8 +298,7 @@ def changed_keys(cfg, defaults=None, prefix=""):
 
 
 def config_summary(cfg, saved_to=None):
-    """A few console lines about the config: the settings that differ from the defaults; the whole
-    of it is in config.yaml (`saved_to`)."""
+    """The console's lines about a config: the settings that differ from the defaults."""
     changed = changed_keys(cfg)
     items = " ".join(f"{key}={_value_text(value)}" for key, value in changed.items())
     where = f"the whole config: {saved_to}; " if saved_to else ""
@@ -316,8 +309,8 @@ def config_summary(cfg, saved_to=None):
 
 
 def save_config(cfg, run_dir):
-    """Save the resolved config as run_dir/config.yaml, so every run says what it ran with, and
-    print its summary (config_summary)."""
+    """run_dir/config.yaml, the resolved config, so every run says what it ran with; its summary
+    printed."""
     text = yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     atomic_write_text(Path(run_dir) / "config.yaml", text)
@@ -325,8 +318,7 @@ def save_config(cfg, run_dir):
 
 
 def read_saved_config(run_dir):
-    """run_dir/config.yaml (save_config's) as a dict, None where there is none; one that does not
-    parse (edited by hand, or a disk that lost its end) is a ConfigError naming it."""
+    """run_dir/config.yaml (save_config's) as a dict, None where there is none."""
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         return None
@@ -342,8 +334,7 @@ def read_saved_config(run_dir):
 
 
 def atomic_write_text(path, text):
-    """Write-then-rename, so a reader never sees half a file (a crash leaves the old file
-    intact)."""
+    """Write-then-rename: a reader never sees half a file, a crash leaves the old one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     with open(tmp, "w") as f:
@@ -354,11 +345,9 @@ def atomic_write_text(path, text):
 
 
 def read_records(path):
-    """The JSON objects of a JSONL file a run appends to (metrics.jsonl, eval's samples.jsonl, a
-    saved step's rank_R.jsonl.gz), [] if it does not exist: what every reader of a run uses. A torn
-    last line (a kill or a full disk mid-write; a .gz cut short) is dropped with one warning naming
-    the file; nothing before it is lost. A bad line before the last is no tear: a ConfigError
-    naming the file and line."""
+    """The JSON objects of a JSONL file a run appends to (.gz too), [] if there is none. A torn
+    last line (a kill or a full disk mid-write) is dropped with one warning; a bad line before the
+    last is a ConfigError naming file:line."""
     path = Path(path)
     if not path.is_file():
         return []
@@ -387,8 +376,8 @@ def read_records(path):
 
 
 def _gunzip(data):
-    """(the bytes a gzip file holds, whether it is cut short): all it holds before a tear, which
-    gzip.open would drop with the block it was reading."""
+    """(the bytes a gzip file holds, whether it is cut short): all before a tear, which gzip.open
+    would drop with the block it was reading."""
     out = []
     while data:  # one member per write; appended files have several
         member = zlib.decompressobj(wbits=31)
@@ -403,13 +392,11 @@ def _gunzip(data):
 
 
 def warn_torn(path, kept):
-    """The one warning of a torn file (`kept`: what is left of it), once per file and process
-    however often it is read."""
-    if str(path) in _TORN_WARNED:
-        return
-    _TORN_WARNED.add(str(path))
-    print(f"WARNING: {path}: its end is torn (a kill, a crash or a full disk mid-write) and "
-          f"dropped; {kept}", flush=True)
+    """The one warning of a torn file (`kept`: what is left of it), once per file and process."""
+    if str(path) not in _TORN_WARNED:
+        _TORN_WARNED.add(str(path))
+        print(f"WARNING: {path}: its end is torn (a kill, a crash or a full disk mid-write) and "
+              f"dropped; {kept}", flush=True)
 
 
 _TORN_WARNED = set()

@@ -1,6 +1,5 @@
-"""Chat conversations for sft.py: the row format, the template and tool-schema files, the checks
-that a chat template cuts into rollout segments, and the packing of conversations into model
-inputs."""
+"""Chat conversations for sft.py: rows, template and tool-schema files, the checks that a chat
+template cuts into rollout segments, and conversations packed into model inputs."""
 import json
 
 import torch
@@ -39,9 +38,8 @@ def check_conversation(row, where):
         raise ConfigError(f"{where}: the conversation must start with a system or user message, "
                           f"not {messages[0]['role']!r}")
     if messages[-1]["role"] != "assistant":
-        raise ConfigError(f"{where}: the last message must be the assistant's (it is "
-                          f"{messages[-1]['role']!r}); a trailing turn after the last assistant "
-                          "message would train nothing")
+        raise ConfigError(f"{where}: the last message is {messages[-1]['role']!r}; end with the "
+                          "assistant's (a turn after it trains nothing)")
     tools = row.get("tools")
     if tools is not None and not (isinstance(tools, list)
                                   and all(isinstance(t, dict) for t in tools)):
@@ -50,10 +48,8 @@ def check_conversation(row, where):
 
 
 def read_template(path):
-    """The Jinja text of chat_template. "chatml" is Qwen-style ChatML with tools
-    (configs/templates/chatml.jinja, the tiny tokenizer's own): the rStar2 prompt's turn structure
-    without its math-answer instructions, for general SFT data. Qwen3's own template rewrites
-    assistant turns (<think> handling), which sft.render_conversation refuses."""
+    """The Jinja text of chat_template; "chatml": Qwen-style ChatML with tools
+    (configs/templates/chatml.jinja), the rStar2 turns without the math instructions."""
     if path == "chatml":
         path = "configs/templates/chatml.jinja"
     return resolve(path).read_text() if path else None
@@ -70,9 +66,8 @@ def read_tools(path):
 
 
 def prompt_format(cfg, tokenizer):
-    """(template text, tool schema or None) this run trains with, for the saved model directory. A
-    schema only when the config gives exactly one: the rollout calls one tool, and rows that bring
-    their own tools have no single format to record."""
+    """(template text, tool schema or None) this run trains with, for the saved model directory: a
+    schema only when the config gives exactly one (rows with their own tools have no single one)."""
     tools = read_tools(cfg.tool_schema)
     template = read_template(cfg.chat_template) or tokenizer.chat_template
     return template, tools[0] if tools and len(tools) == 1 else None
@@ -99,30 +94,25 @@ def end_of_turn_ids(tokenizer):
 
 def check_context(tokenizer, messages, k, prompt, covered, tools, chat_template, where):
     """`prompt` (the text up to assistant message k, tool contents as DATA_PLACEHOLDER) must extend
-    what the earlier segments `covered`, and hold each tool message once and verbatim, so the
-    template's own text can be told from the tool's."""
+    what the earlier segments `covered`, each tool message in it once and verbatim."""
     if not prompt.startswith(covered):
         raise ConfigError(f"{where}: the chat template renders the turns before message {k} "
-                          "differently once more messages follow; cannot cut the conversation into "
-                          "rollout segments")
+                          "differently once more follow; it cannot be cut into rollout segments")
     tool_texts = [m["content"] for m in messages[:k] if m["role"] == "tool"]
     parts = prompt.split(DATA_PLACEHOLDER)
     if len(parts) != len(tool_texts) + 1 or chat_text(
             tokenizer, messages[:k], tools, chat_template, add_generation_prompt=True) != "".join(
                 part + text for part, text in zip(parts, tool_texts + [""])):
         raise ConfigError(f"{where}: the chat template does not render each tool message before "
-                          f"message {k} once and verbatim; cannot tell the tool's text from the "
-                          "template's")
+                          f"message {k} once and verbatim")
 
 
 def check_turn(covered, written, k, where):
     """The text through assistant message k must start with `written` (the generation prompt + the
     content) + END_OF_TURN, or SFT would train on text the model never sees at rollout time."""
     if not covered.startswith(written + END_OF_TURN):
-        raise ConfigError(f"{where}: the chat template does not render assistant message {k} as "
-                          f"the generation prompt + content + {END_OF_TURN}, so the model would be "
-                          "trained on text it never sees at rollout time (templates that rewrite "
-                          "assistant content are not supported)")
+        raise ConfigError(f"{where}: the chat template rewrites assistant message {k} (not the "
+                          f"generation prompt + content + {END_OF_TURN}); use one that does not")
 
 
 # -----------------------------------------------------------------------------
@@ -161,11 +151,9 @@ def shared_prefix_length(examples, min_saving=0.5):
 
 
 def collate_shared_prefix(examples, prefix_length):
-    """The micro-batch as ONE row: the shared prefix once, then every conversation's remainder, each
-    attending to the prefix and to itself only (a block mask), with its own positions. Under causal
-    attention the prefix has the same hidden states in every conversation, so this is the same loss
-    and the same gradients as the padded batch (to float rounding; tests/test_sft.py) in a single
-    forward pass, for a fraction of the compute."""
+    """The micro-batch as ONE row: the shared prefix once, then each conversation's remainder,
+    attending to the prefix and itself only, with its own positions: under causal attention the
+    same loss and gradients as the padded batch (to rounding; tests/test_sft.py), for less compute."""
     tokens, positions = list(examples[0][0][:prefix_length]), list(range(prefix_length))
     segments = [-1] * prefix_length
     labels = [IGNORE] * prefix_length  # the prefix predicts only untrained tokens

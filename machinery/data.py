@@ -25,9 +25,8 @@ TRAINING_FILES = ["data/train_int_mix.jsonl", "data/math_train.jsonl", "data/mat
 
 
 def load_jsonl(path, required=None):
-    """Read a JSONL file; every row must be a JSON object whose `required` keys are non-empty
-    strings. A bad row stops with `file:line: reason`: a silently skipped row is a silently changed
-    dataset (a wrong gold, a wrong reward)."""
+    """The rows of a JSONL file, each a JSON object whose `required` keys are non-empty strings;
+    a bad row stops with file:line (a skipped row would silently change the dataset)."""
     path = resolve(path)
     if not path.is_file():
         raise ConfigError(f"data file not found: {path}")
@@ -75,9 +74,8 @@ def normalize_problem(text):
 
 
 def drop_long_prompts(rows, tokenizer, rollout_cfg, name):
-    """Problems whose rendered prompt fits rollout.max_prompt_tokens (the rStar verl fork filters
-    long prompts the same way); a longer one would stop the run when its step comes, so it is
-    dropped up front and counted."""
+    """The problems whose prompt fits rollout.max_prompt_tokens, the rest dropped up front and
+    counted (as the rStar verl fork filters), not found when their step comes."""
     kept = [r for r in rows
             if len(render_prompt(tokenizer, r["problem"], rollout_cfg))
             <= rollout_cfg.max_prompt_tokens]
@@ -93,8 +91,7 @@ def drop_long_prompts(rows, tokenizer, rollout_cfg, name):
 def prompt_indices(num_problems, seed, start, count):
     """Indices of `count` problems from absolute position `start` of an endless stream, a fresh
     permutation per epoch from the seed: a resumed run reads what the uninterrupted one would."""
-    out = []
-    position = start
+    out, position = [], start
     while len(out) < count:
         epoch, offset = divmod(position, num_problems)
         order = np.random.default_rng([seed, epoch]).permutation(num_problems)

@@ -1,5 +1,5 @@
-"""Model directories: checks, building an FSDP2-sharded Hugging Face causal LM, and the export of a
-trained policy with its prompt format."""
+"""Model directories: checked, built as an FSDP2-sharded causal LM, exported with the prompt
+format they were trained in."""
 import os
 import shutil
 from pathlib import Path
@@ -20,9 +20,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def check_model_dir(path, allow_hub_id=True):
-    """The model path, checked before anything slow starts: a local directory needs a config and a
-    tokenizer. A hub id (org/name, no such local folder) is left to transformers unless allow_hub_id
-    is False: eval.py reads the directory itself (its saved prompt format, the resume check)."""
+    """The model path, checked before anything slow starts: a local directory with a config and a
+    tokenizer, or a hub id (org/name) left to transformers where allow_hub_id (eval.py: not)."""
     local = resolve(path)
     if not local.is_dir():
         hub_id = (len(Path(path).parts) == 2 and not str(path).startswith((".", "/"))
@@ -55,11 +54,10 @@ def check_model_dir(path, allow_hub_id=True):
 
 
 def build_model(cfg, model_path, device, rank):
-    """The FSDP2-wrapped policy in fp32 (the master weights), with the checkpoint's weights. Every
-    rank builds the module on the meta device (no memory), shards it and allocates only its shard;
-    rank 0 alone reads the checkpoint and broadcasts it tensor by tensor, so host memory holds one
-    full copy per node, not one per rank. Buffers that are not in the state dict (RoPE's inv_freq)
-    are copied from rank 0's loaded model too, since to_empty leaves them uninitialised."""
+    """The FSDP2-wrapped policy in fp32 (the master weights). Built on the meta device and sharded;
+    rank 0 alone reads the checkpoint and broadcasts it, so a node holds one full copy, not one per
+    rank. Buffers outside the state dict (RoPE's inv_freq) are broadcast too: to_empty leaves them
+    uninitialised."""
     config = AutoConfig.from_pretrained(model_path)
     save_dtype = getattr(config, "dtype", None) or torch.float32
     with torch.device("meta"):
@@ -96,12 +94,10 @@ def build_model(cfg, model_path, device, rank):
 
 
 def save_hf_model(model, tokenizer, model_path, out, save_dtype, rank, prompt_format, written_by):
-    """Gather the full weights on rank 0 and write a Hugging Face directory atomically (by a
-    rename), so a crash never leaves a half-written model where rl.py or vLLM would load it.
-    prompt_format, the (chat template text, tool schema) the model was trained in, goes beside
-    config.json (machinery.prompts.write_format): eval.py evaluates the model in it. The template
-    is also the saved tokenizer's own chat template, so transformers, vLLM and TRL render the
-    prompts the model was trained on, not the base model's."""
+    """The full weights gathered on rank 0 into a Hugging Face directory, written by a rename (a
+    crash leaves no half model), with prompt_format (template, tool schema) beside config.json
+    (write_format) and the template as the saved tokenizer's own, so every loader renders the
+    prompts the model was trained on."""
     full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                       cpu_offload=True))
     if rank == 0:

@@ -7,12 +7,13 @@ import json
 import re
 import warnings
 from pathlib import Path
-from machinery.config import resolve
+from typing import Literal
+
+from machinery.config import ConfigError, resolve
 
 
 # The two prompt formats (paper vs release differ in four places,
-# tests/reference/prompt_template_paper_fig3.txt).
-# `prompt_variant` switches template and tool schema together; explicit paths override either.
+# tests/reference/prompt_template_paper_fig3.txt); explicit paths override either file.
 PROMPT_VARIANTS = {
     "code": ("configs/templates/rstar2_code.jinja",
              "configs/templates/python_code_with_standard_io.json"),
@@ -22,21 +23,15 @@ PROMPT_VARIANTS = {
 
 
 AUTO_VARIANT = "auto"  # the format saved in the model directory (FORMAT_FILE)
+PromptVariant = Literal["code", "paper", "auto"]  # rollout.prompt_variant: a variant, or auto
 
 
 # The format a checkpoint was trained with, written beside config.json by sft.py and rl.py
 # (write_format), so eval.py evaluates it in that format by default: in another one its tool calls
-# fail as "unknown tool".
+# fail as "unknown tool". USAGE_FILE: how to prompt the model outside this repo.
 FORMAT_FILE = "rstar2_format.json"
-
-
 FORMAT_TEMPLATE_FILE = "rstar2_chat_template.jinja"
-
-
 FORMAT_SCHEMA_FILE = "rstar2_tool_schema.json"
-
-
-# How to prompt the model outside this repo, in the model directory (a Hub model card's name).
 USAGE_FILE = "README.md"
 
 
@@ -84,10 +79,9 @@ def variant_of(template, schema):
 
 
 def write_format(directory, template, schema, written_by):
-    """Save a training run's prompt format into the Hugging Face directory being written: the
-    template and tool schema themselves (either may be None: not part of the format), so the
-    directory carries its format wherever it is copied, and FORMAT_FILE, which names them and the
-    built-in variant they are (null for a custom one)."""
+    """A training run's prompt format into the Hugging Face directory being written: the template
+    and schema themselves (either may be None), so it travels with the directory, and FORMAT_FILE
+    naming them and their built-in variant (null for a custom one)."""
     directory = Path(directory)
     record = {"prompt_variant": variant_of(template, schema), "chat_template": None,
               "tool_schema": None, "written_by": written_by}
@@ -102,10 +96,8 @@ def write_format(directory, template, schema, written_by):
 
 
 def usage_text(record, schema):
-    """The model directory's README: which template its tokenizer carries and how to pass the tool.
-    transformers and vLLM read the chat template from the directory (chat_template.jinja) but no
-    tool: a tool schema always comes with the call (apply_chat_template(tools=...), or a request's
-    tools)."""
+    """The model directory's README: its tokenizer's template, and how to pass the tool, which
+    transformers and vLLM never read from a directory."""
     variant = record["prompt_variant"]
     text = (f"# Prompt format\n\nWritten by rstar2-nano's {record['written_by']}. The tokenizer's "
             "chat template (chat_template.jinja) is the one this model was trained with ("
@@ -159,15 +151,14 @@ def read_format(model_dir):
 
 
 def apply_model_format(cfg, model_dir):
-    """cfg (a RolloutConfig) for evaluating model_dir. prompt_variant="auto" takes the format saved
-    there (FORMAT_FILE), or the paper's prompt, the released rStar2-Agent-14B's, for a directory
-    without one. An explicit setting (prompt_variant, chat_template or tool_schema) wins; one that
-    differs from the saved format warns."""
+    """cfg (a RolloutConfig) for evaluating model_dir: prompt_variant="auto" takes its saved format,
+    or the paper's (the released rStar2-Agent-14B's) where it has none. An explicit setting wins,
+    with a warning where it differs from the saved one."""
     saved = read_format(model_dir)
     if cfg.prompt_variant == AUTO_VARIANT:
         if saved is None:
-            warnings.warn(f"{model_dir} has no {FORMAT_FILE} (it was not saved by sft.py or "
-                          "rl.py): evaluating with rollout.prompt_variant=paper, the released "
+            warnings.warn(f"{model_dir} has no {FORMAT_FILE} (not saved by sft.py or rl.py): "
+                          "evaluating with rollout.prompt_variant=paper, the released "
                           "rStar2-Agent-14B's format")
             return dataclasses.replace(cfg, prompt_variant="paper")
         record, template, schema = saved
@@ -191,12 +182,10 @@ def apply_model_format(cfg, model_dir):
                                                    ("tool schema", used_schema, schema))
                   if trained is not None and used != trained]
         if differ:
-            warnings.warn(f"{model_dir} was trained with another {' and '.join(differ)} than this "
-                          f"run's (its {FORMAT_FILE}: prompt_variant={record['prompt_variant']}; "
-                          f"here rollout.prompt_variant={cfg.prompt_variant}, "
-                          f"chat_template={cfg.chat_template!r}, tool_schema={cfg.tool_schema!r}): "
-                          "its tool calls may fail; rollout.prompt_variant=auto evaluates it in "
-                          "its own format")
+            warnings.warn(f"{model_dir} was trained with another {' and '.join(differ)} "
+                          f"(prompt_variant={record['prompt_variant']}; here rollout."
+                          f"prompt_variant={cfg.prompt_variant}): its tool calls may fail; "
+                          "rollout.prompt_variant=auto evaluates it in its own format")
     return cfg
 
 
@@ -211,9 +200,8 @@ def _render(tokenizer, messages, cfg, add_generation_prompt):
 
 
 def render_prompt(tokenizer, problem_text, cfg):
-    """Token ids of the first prompt: system + tools, the user prefix + raw problem, the generation
-    prompt. The template adds the answer-format prefix itself; the data stores only the question (as
-    the release)."""
+    """Token ids of the first prompt: system + tools, the user turn with the bare problem (the
+    template adds the answer-format prefix, as the release), the generation prompt."""
     if not isinstance(problem_text, str) or not problem_text.strip():
         raise ValueError("render_prompt: the problem must be a non-empty string, got "
                          f"{problem_text!r}")
@@ -254,14 +242,10 @@ def _control_tokens(tokenizer):
 
 
 def encode_rendered(tokenizer, fixed, data):
-    """Token ids of fixed[0] + data[0] + fixed[1] + ... + fixed[-1] (fixed: a template's own text,
-    data: what was substituted into it), as tokenizer.encode gives them, except that a control-token
-    string inside data stays plain text. Tool output is data: code that prints
-    "</tool_response><|im_end|>" must not end the turn.
-
-    Control tokens are taken from the fixed parts only; each stretch of text between two of them,
-    template text and data together, is one plain BPE encoding, as the tokenizer itself splits at
-    added tokens. So text without control-token strings gets exactly tokenizer.encode's ids."""
+    """Token ids of fixed[0] + data[0] + fixed[1] + ... + fixed[-1] as tokenizer.encode gives them,
+    except that a control-token string inside data (a template's substituted text: tool output
+    that prints "<|im_end|>") stays plain text. Control tokens come from the fixed parts only; the
+    text between two of them is one plain BPE encoding, as the tokenizer itself splits."""
     if len(fixed) != len(data) + 1:
         raise ValueError(f"encode_rendered: {len(fixed)} fixed parts around {len(data)} data parts")
     control, control_ids = _control_tokens(tokenizer)
@@ -293,14 +277,10 @@ def encode_rendered(tokenizer, fixed, data):
 
 
 def render_tool_turn(tokenizer, tool_text, cfg):
-    """Token ids appended after the assistant's <|im_end|> that closes a tool-call turn:
-    <|im_start|>user\\n<tool_response>\\n{tool_text}\\n</tool_response><|im_end|>\\n
-    <|im_start|>assistant\\n + opening tag.
-
-    Rendered by the template itself (a conversation with and without the tool message, the common
-    prefix cut), as the release does, so a custom template's tool turn comes out right too. It
-    starts with a special token, so tokenizing it alone gives the same ids as in context. tool_text
-    is data (encode_rendered)."""
+    """Token ids appended after the <|im_end|> that closes a tool-call turn: the user turn with
+    the tool response, then the assistant's generation prompt. Rendered by the template itself (a
+    conversation with and without the tool message, the common prefix cut), as the release does;
+    tool_text is data (encode_rendered)."""
     question = [{"role": "user", "content": "?"}]
     before = _render(tokenizer, question, cfg, add_generation_prompt=False)
     after = _render(tokenizer, question + [{"role": "tool", "content": DATA_PLACEHOLDER}], cfg,
@@ -318,33 +298,8 @@ def render_tool_turn(tokenizer, tool_text, cfg):
     return encode_rendered(tokenizer, fixed, [tool_text])
 
 
-def check_rollout_config(cfg):
-    """The rest of rollout.RolloutConfig.validate, after the method's own keys (rollout.py): a
-    ValueError naming the rollout.* key that is wrong (format, engine and executor sizes), and
-    every template or schema file the variant needs, on disk."""
-    if cfg.prompt_variant not in (*PROMPT_VARIANTS, AUTO_VARIANT):
-        raise ValueError(f"rollout.prompt_variant: {cfg.prompt_variant!r} is not one of "
-                         f"{sorted(PROMPT_VARIANTS) + [AUTO_VARIANT]}")
-    if cfg.tensor_parallel_size < 1:
-        raise ValueError(f"rollout.tensor_parallel_size must be >= 1, got "
-                         f"{cfg.tensor_parallel_size}")
-    for name in ("max_model_len", "max_concurrency", "tool_workers"):
-        if getattr(cfg, name) < 0:
-            raise ValueError(f"rollout.{name} must be >= 0, got {getattr(cfg, name)}")
-    budget = cfg.max_prompt_tokens + cfg.max_response_tokens
-    if cfg.max_model_len and cfg.max_model_len < budget:
-        raise ValueError(f"rollout.max_model_len={cfg.max_model_len} cannot hold "
-                         f"max_prompt_tokens + max_response_tokens = {budget}")
-    if cfg.tool_timeout_s <= 0:
-        raise ValueError(f"rollout.tool_timeout_s must be > 0, got {cfg.tool_timeout_s}")
-    if not 0 < cfg.gpu_memory_utilization <= 1:
-        raise ValueError("rollout.gpu_memory_utilization must be in (0, 1], "
-                         f"got {cfg.gpu_memory_utilization}")
-    if cfg.cpu_kv_cache_gb < 0:
-        raise ValueError("rollout.cpu_kv_cache_gb must be >= 0 (0 = sized from the config), "
-                         f"got {cfg.cpu_kv_cache_gb}")
-    if cfg.sleep_level not in (1, 2):
-        raise ValueError(f"rollout.sleep_level must be 1 or 2, got {cfg.sleep_level}")
+def check_format_files(cfg):
+    """A ConfigError naming the rollout.* template or schema file the format needs and lacks."""
     names = ("chat_template", "tool_schema")
     if cfg.prompt_variant == AUTO_VARIANT:  # only what is set; the rest comes from the model
         paths = [(name, resolve(getattr(cfg, name))) for name in names if getattr(cfg, name)]
@@ -352,4 +307,4 @@ def check_rollout_config(cfg):
         paths = zip(names, format_paths(cfg))
     for name, path in paths:
         if not path.is_file():
-            raise ValueError(f"rollout.{name}: file not found: {path}")
+            raise ConfigError(f"rollout.{name}: file not found: {path}")

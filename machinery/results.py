@@ -19,11 +19,8 @@ CHUNK_PROBLEMS = 64
 
 
 def generation_settings(model_path, cfg):
-    """Everything that decides what a sample is. Finished samples are reused only when this
-    matches: a resumed run with another temperature, prompt or model would mix two experiments
-    in one number."""
-    # Grading settings are in too: samples.jsonl stores the verdict, so another grader needs
-    # fresh records. benchmarks and limit are not: more of them only adds problems to the file.
+    """Everything that decides what a sample is (and its grade, which samples.jsonl stores):
+    finished samples are reused only when it matches. benchmarks and limit only add problems."""
     settings = {"model": str(Path(model_path).resolve()), "n": cfg.n, "seed": cfg.seed,
                 "require_answer_tag": cfg.require_answer_tag}
     rollout = dataclasses.asdict(cfg.rollout)
@@ -35,9 +32,8 @@ def generation_settings(model_path, cfg):
 
 def open_samples(out_dir, settings, n, resume):
     """The finished problems in out_dir/samples.jsonl: {(benchmark, problem id): its n records};
-    {} for a fresh run. A line cut off by a kill and the samples of an unfinished problem are
-    dropped, so that problem is generated again, whole: its n samples come from one call with
-    the usual seeds, never a mix of two runs."""
+    {} for a fresh run. A torn line and an unfinished problem's samples are dropped, so that
+    problem is generated again, whole, never a mix of two runs."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     # One writer: two evaluations appending to one samples.jsonl would interleave their lines.
@@ -53,9 +49,8 @@ def open_samples(out_dir, settings, n, resume):
     if saved != settings:
         changed = sorted(_diff_keys(saved, settings)) if saved else ["generation.json is missing"]
         # Not "resume=false": that would delete another experiment's samples to make room.
-        raise ConfigError(f"{out_dir} holds samples made with other settings "
-                          f"({', '.join(changed)}); give this evaluation its own out_dir (the "
-                          "default, out_dir='', is one directory per model)")
+        raise ConfigError(f"out_dir={out_dir}: holds samples made with other settings "
+                          f"({', '.join(changed)}); give this evaluation its own out_dir")
     groups = {}
     for record in read_records(samples_path):  # a line cut off mid-write: dropped, with a warning
         key = (record["benchmark"], record["problem_id"])
@@ -81,8 +76,7 @@ def _diff_keys(a, b, prefix=""):
 
 def work_left(model_path, problems, cfg, out_dir, rank, world_size):
     """(the finished problems, on rank 0: {(benchmark, id): records}, the (benchmark, row) pairs
-    still to generate, the same on every rank). Rank 0 alone reads out_dir (no shared filesystem
-    is assumed); every rank needs only the finished keys, to agree on the work that is left."""
+    left, the same on every rank). Rank 0 alone reads out_dir: no shared filesystem is assumed."""
     finished, refusal = {}, None
     if out_dir is not None and rank == 0:
         try:
@@ -112,9 +106,8 @@ def work_left(model_path, problems, cfg, out_dir, rank, world_size):
 
 
 def gather_records(chunk, records, rank, world_size):
-    """Every rank's records of one chunk on rank 0 ([] elsewhere), one per sample, whole
-    problems in work-list order so the file reads like the benchmark. Rank 0 alone writes: one
-    file, no locking, no shared filesystem."""
+    """Every rank's records of one chunk on rank 0 ([] elsewhere), one per sample, in work-list
+    order: rank 0 alone writes."""
     if world_size > 1:
         parts = [None] * world_size if rank == 0 else None
         dist.gather_object(records, parts, dst=0)
@@ -174,7 +167,6 @@ def markdown_table(summary):
 
 def default_out_dir(model_path):
     """runs/eval/<parent>-<name> of the model directory (runs/tiny-rl/hf_step_20 ->
-    runs/eval/tiny-rl-hf_step_20): a second model never finds the first one's samples, which a
-    shared directory would refuse to mix (machinery/results.py)."""
+    runs/eval/tiny-rl-hf_step_20): one per model, so none finds another's samples."""
     model_path = Path(model_path)
     return str(Path("runs/eval") / f"{model_path.parent.name}-{model_path.name}".strip("-"))

@@ -10,9 +10,8 @@ from machinery.config import ConfigError
 
 @dataclasses.dataclass
 class TrainSample:
-    """What the trainer needs of a selected rollout.Trajectory, under the same field names: tokens,
-    mask, advantage and log-probs. Not the Trajectory itself: with its texts and tool calls the
-    token balance would pickle and move about 1.5x the bytes between ranks."""
+    """What the trainer needs of a rollout.Trajectory, under its field names: not the Trajectory,
+    whose texts would make the token balance move ~1.5x the bytes between ranks."""
     prompt_ids: list[int]
     response_ids: list[int]  # model and tool tokens after the prompt
     loss_mask: list[int]     # per response token: 1 = written by the model, 0 = tool output
@@ -52,9 +51,8 @@ def micro_batches(samples, cfg):
 
 
 def equalize_micro_batches(batches):
-    """FSDP2 runs collectives inside every forward and backward, so all ranks must run the same
-    number of them: a rank with fewer micro-batches runs empty ones (one padding token, nothing
-    masked in, zero gradient)."""
+    """As many micro-batches on every rank (FSDP2's collectives run in each forward and
+    backward): a rank with fewer runs empty ones, which add a zero gradient."""
     count = torch.tensor([len(batches)])
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     return batches + [[]] * (int(count) - len(batches))
@@ -66,11 +64,9 @@ def equal_micro_batches(samples, cfg):
 
 
 def collate(batch, pad_id, device):
-    """Padded tensors over the *target* positions 0..L-2 (position t predicts token t+1): response
-    token j sits at P + j (P prompt tokens) and is predicted at P + j - 1. Right padding needs no
-    attention mask: under causal attention no real token sees the padding after it.
-    Returns input_ids, old log-probs, mask, advantages, and the engine's log-probs (None when no
-    sample of the batch has them)."""
+    """(input_ids, old log-probs, mask, advantages, engine log-probs or None) over the target
+    positions 0..L-2: response token j of P prompt tokens is predicted at P + j - 1. Right padding
+    needs no attention mask: under causal attention no real token sees it."""
     if not batch:  # the empty micro-batch of equalize_micro_batches
         zeros = torch.zeros(1, 1, device=device)
         return torch.full((1, 2), pad_id, device=device), zeros, zeros.bool(), zeros[:, 0], None
@@ -100,18 +96,12 @@ def collate(batch, pad_id, device):
 
 
 def token_logprobs(model, input_ids, temperature, chunk_tokens=0, with_entropy=False):
-    """log pi(token t+1 | tokens <= t) for every position at the sampling temperature:
-    softmax(logits / T) is the policy that sampled and what the engine reports ("processed"
-    log-probs, machinery.engine.Engine), so ratio and guard agree. Memory: the logits are
-    [tokens, V], V = 151,936 for Qwen3, and their fp32 log-softmax is what backward would keep:
-    12.4 GB at a 20,480-token micro-batch, plus the bf16 logits and their gradients. With
-    chunk_tokens > 0 the output projection runs on the last hidden states chunk_tokens at a time,
-    each chunk recomputed in backward: at most one [chunk, V] logits exists at once, the maths
-    unchanged (tests/test_rl.py checks values and gradients). chunk_tokens=0: the model's own
-    logits, one row at a time (without gradients, enough to avoid [B, T, V] in fp32).
-    with_entropy: also the policy's entropy at every position, [B, T], detached, computed from
-    the same chunk of logits (so never from a whole batch's), for logging only: the paper has no
-    entropy term (§2.2.1)."""
+    """log pi(token t+1 | tokens <= t) at every position, at the sampling temperature (the
+    engine's "processed" log-probs, so ratio and guard agree). The fp32 log-softmax of [tokens, V]
+    logits is 12.4 GB at 20,480 tokens of Qwen3: chunk_tokens > 0 runs the output projection that
+    many tokens at a time, each chunk recomputed in backward (the maths unchanged,
+    tests/test_rl.py); 0: the model's logits, one row at a time. with_entropy: also each
+    position's entropy, detached, for logging only (the paper has no entropy term, §2.2.1)."""
     targets = input_ids[:, 1:]
     if not chunk_tokens:
         logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1]
@@ -153,10 +143,8 @@ def projected_logprobs(head, hidden, targets, temperature, with_entropy=False):
 
 
 def last_hidden_states(model, input_ids):
-    """The decoder's final (normed) hidden states, [B, T, hidden], and no logits
-    (logits_to_keep = no position). Via the whole model's forward, not the decoder's alone: under
-    FSDP2 the root's forward gathers the embedding and the output projection, which stays gathered
-    for the chunks and backward (the root is not resharded after forward)."""
+    """The decoder's final hidden states, [B, T, hidden], no logits. Through the whole model's
+    forward: under FSDP2 the root's forward gathers the output projection the chunks use."""
     captured = []
     hook = model.get_decoder().register_forward_hook(
         lambda module, args, out: captured.append(out.last_hidden_state))

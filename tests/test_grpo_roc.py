@@ -6,7 +6,6 @@ Run: .venv/bin/python -m pytest tests/test_grpo_roc.py -q   (pure numpy/torch, a
 import itertools
 import math
 import random
-import re
 
 import numpy as np
 import pytest
@@ -236,8 +235,6 @@ def test_edge_cases_all_correct_all_wrong_one_correct_and_small_groups():
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
-    (dict(positive_rule="best"), ValueError,
-     re.escape(f"positive_rule must be one of {list(POSITIVE_RULES)}")),
     (dict(rollouts=_rollouts([1, 0] * 4, [-0.1] + [0.0] * 7)), ValueError,
      "penalties must be finite and >= 0"),
     (dict(rollouts=_rollouts([1, float("nan")] * 4)), ValueError, "rewards must be finite"),
@@ -273,8 +270,6 @@ def test_roc_mode_is_resample_on_correct():
     rollouts = _group(11, 32)
     assert select_group(rollouts, 16, np.random.default_rng(4), positive_rule="topk") \
         == resample_on_correct(rollouts, 16, np.random.default_rng(4), "topk")
-    with pytest.raises(ValueError, match="mode must be 'roc' or 'grpo'"):
-        select_group(rollouts, 16, np.random.default_rng(4), mode="ppo")
 
 
 def test_roc_keeps_fewer_positives_with_tool_errors_than_uniform_selection():
@@ -346,8 +341,6 @@ def test_advantage_scaling_none_is_dr_grpo_s_mean_centred_reward_and_batch_divid
     assert group_advantages(rewards, "batch", batch_std=0.25) == pytest.approx(
         [(r - 3 / 8) / (0.25 + 1e-6) for r in rewards], abs=1e-12)
     assert group_advantages([1, 1, 1], "none") == [0.0] * 3
-    with pytest.raises(ValueError, match="advantage scaling must be one of"):
-        group_advantages(rewards, "rank")
 
 
 def test_the_batch_std_is_the_unbiased_std_of_every_reward_the_step_sampled():
@@ -684,26 +677,32 @@ def test_a_geometric_weight_does_not_shrink_with_length_as_a_product_would():
     assert weights[0, 0].item() == pytest.approx(math.exp(-0.01))
 
 
-@pytest.mark.parametrize("mode, threshold, message", [
-    ("token", 2.0, "rollout correction must be one of"),
-    ("token_tis", 1.0, "threshold must be > 1"),
-])
-def test_rollout_weights_reject_bad_settings(mode, threshold, message):
-    logp = torch.zeros(1, 2)
-    with pytest.raises(ValueError, match=message):
-        rollout_weights(logp, logp, torch.ones(1, 2, dtype=torch.bool), mode, threshold)
-
-
 @pytest.mark.parametrize("change, message", [
     (dict(mask=torch.ones(2, 4, dtype=torch.bool)), "must share one \\[B, T\\] shape"),
     (dict(advantages=torch.zeros(3)), "advantages must be \\[B\\] or \\[B, T\\]"),
     (dict(mask=torch.zeros(2, 3, dtype=torch.bool)), "num_tokens must be > 0"),
-    (dict(clip_low=1.0), "need 0 <= clip_low < 1"),
-    (dict(dual_clip=1.0), "dual_clip must be None or > 1"),
-    (dict(ratio_level="step"), "ratio_level must be one of"),
 ])
 def test_policy_loss_rejects_bad_input(change, message):
     logp, old_logp, advantages, mask = _batch(6, [3, 2])
     args = dict(logp=logp, old_logp=old_logp, advantages=advantages, mask=mask)
     with pytest.raises(ValueError, match=message):
         policy_loss(**{**args, **change})
+
+
+def test_one_synthetic_group_through_steps_1_to_4():
+    """The module docstring's steps on 2G = 8 rollouts: the penalty ranks the positives, RoC keeps
+    G = 4 with both outcomes, and the kept group's advantages are centred with unit spread."""
+    # (tool calls, failed calls, <answer> blocks, assistant turns, reward)
+    counts = [(3, 0, 1, 4, 1.0), (2, 2, 1, 3, 1.0), (0, 0, 1, 1, 1.0), (4, 1, 3, 5, 1.0),
+              (1, 0, 1, 2, 0.0), (5, 5, 0, 6, 0.0), (2, 1, 1, 3, 0.0), (0, 0, 1, 1, 0.0)]
+    rollouts = [Rollout(r, roc_penalty(*c), 0, c[0], c[1], {}, c[2], c[3]) for *c, r in counts]
+    # p_err: failed / calls, 0.5 with no call; p_format: 0.15 for rollout 3's two extra answers
+    assert [r.penalty for r in rollouts][:4] == pytest.approx([0, 1, 0.5, 0.65])
+    assert filter_groups([[r.reward for r in rollouts]])[1] == 0.0
+    kept = select_group(rollouts, 4, np.random.default_rng(0), mode="roc")
+    assert len(kept) == 4 and sorted(rollouts[i].reward for i in kept) == [0, 0, 1, 1]
+    advantages = group_advantages([rollouts[i].reward for i in kept])
+    assert sum(advantages) == pytest.approx(0) and np.std(advantages, ddof=1) == pytest.approx(1, abs=1e-5)
+    # topk takes the two lowest penalties of the positives: rollouts 0 and 2
+    topk = select_group(rollouts, 4, np.random.default_rng(0), positive_rule="topk")
+    assert [i for i in topk if rollouts[i].reward] == [0, 2]

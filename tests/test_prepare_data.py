@@ -83,8 +83,11 @@ def test_the_command_writes_a_file_rl_py_can_read(dapo_file, tmp_path):
 
 
 def test_bad_input_names_the_key_or_the_missing_reader(dapo_file, tmp_path):
-    with pytest.raises(ConfigError, match="source and out are required"):
-        config(f"source={dapo_file}")
+    for overrides, named in (([f"source={dapo_file}"], "out"), (["out=x.jsonl"], "source"),
+                             (["name=a b", "source=s", "out=o"], "name"),
+                             (["ngram_fraction=2", "source=s", "out=o"], "'ngram_fraction'")):
+        with pytest.raises(ConfigError, match=f"^[^\\n]*{named}"):
+            config(*overrides)
     _, new, dropped = prepare_data.prepare(config(f"source={dapo_file}", "out=x.jsonl",
                                                   "question_key=question"))
     assert new == [] and dropped == {"no question at question": 10}
@@ -94,7 +97,7 @@ def test_bad_input_names_the_key_or_the_missing_reader(dapo_file, tmp_path):
         import pyarrow.parquet
     except ImportError:  # not a dependency: the message says what to do
         parquet.write_bytes(b"PAR1")
-        with pytest.raises(ConfigError, match="reading parquet needs pyarrow"):
+        with pytest.raises(ConfigError, match=f"source={parquet}: .*pyarrow"):
             prepare_data.prepare(config(f"source={parquet}", "out=x.jsonl"))
     else:
         rows = [json.loads(line) for line in dapo_file.read_text().splitlines()]

@@ -29,7 +29,7 @@ from bench.rollout import scripted_policy, uses_v2_model_runner
 from executor import Executor
 from gpu_wheel import gpu_vllm_source
 from rollout import parse_tool_call, RolloutConfig, ToolCallError
-from machinery.config import ConfigError
+from machinery.config import ConfigError, load_config
 from machinery.distributed import init_distributed, split_by_tokens
 from machinery.engine import (HARMLESS_VLLM_WARNINGS, configure_vllm_logging, cpu_kv_cache_bytes,
                               Engine, model_kv_bytes_per_token, no_gpu_problem, SHM_DIR)
@@ -154,7 +154,7 @@ def test_an_honest_tool_turn_keeps_its_tokens(tokenizer, executor):
 
 def test_bad_format_config_names_the_problem(tmp_path):
     with pytest.raises(ValueError, match="prompt_variant.*'fig3'"):
-        RolloutConfig(prompt_variant="fig3").validate()
+        load_config(RolloutConfig, ["prompt_variant=fig3"])
     with pytest.raises(ValueError, match="chat_template: file not found"):
         RolloutConfig(chat_template=str(tmp_path / "missing.jinja")).validate()
     bad = tmp_path / "schema.json"
@@ -449,8 +449,8 @@ def test_cpu_kv_cache_is_sized_from_the_config(tiny_model_dir):
             == 256 * 896 * 2048)
     assert (cpu_kv_cache_bytes(tiny_model_dir, dataclasses.replace(cfg, cpu_kv_cache_gb=0.5))[0]
             == 2**29)
-    with pytest.raises(ValueError, match="rollout.cpu_kv_cache_gb must be >= 0"):
-        RolloutConfig(cpu_kv_cache_gb=-1).validate()
+    with pytest.raises(ValueError, match="'cpu_kv_cache_gb': must be >= 0"):
+        load_config(RolloutConfig, ["cpu_kv_cache_gb=-1"])
 
 
 def test_a_kv_cache_the_machine_cannot_hold_names_the_settings_before_the_model_loads(
@@ -1200,7 +1200,7 @@ def test_command_line_errors_name_the_problem(tmp_path, tiny_model_dir):
 
     assert "'mode': unknown key" not in fails("rollout.max_turn=3")
     assert "unknown key" in fails("rollout.max_turn=3")
-    assert "rollout.max_turns must be >= 1" in fails("rollout.max_turns=0")
+    assert "'rollout.max_turns': must be >= 1" in fails("rollout.max_turns=0")
     assert str(tmp_path) in fails(f"model={tmp_path}")
     assert f"{tmp_path}/none.jsonl" in fails(f"model={tiny_model_dir}",
                                              f"train_data={tmp_path}/none.jsonl")

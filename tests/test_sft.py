@@ -5,7 +5,6 @@ import dataclasses
 import importlib.util
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -143,8 +142,7 @@ def test_a_template_that_rewrites_assistant_content_is_refused(tokenizer):
                                                "{{ message.content | trim }}")
     messages = [{"role": "user", "content": "Q"},
                 {"role": "assistant", "content": " padded answer "}]
-    with pytest.raises(ConfigError, match="does not render assistant message 1 as the generation "
-                                          "prompt"):
+    with pytest.raises(ConfigError, match="x.jsonl:3: .*assistant message 1"):
         sft.render_conversation(tokenizer, messages, None, trimming, where="x.jsonl:3")
 
 
@@ -206,30 +204,31 @@ def test_no_sharing_when_the_common_prefix_is_short(tokenizer):
 # -----------------------------------------------------------------------------
 # data and config errors: each names the file, the line and the problem
 
-@pytest.mark.parametrize("row, message", [
-    ({"messages": []}, "expected a non-empty list under 'messages'"),
-    ({"messages": [{"role": "bot", "content": "x"}]}, "message 0: role must be one of"),
+GOOD_ROW = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+
+
+@pytest.mark.parametrize("row, named", [  # named: the part of the row the refusal points at
+    ({"messages": []}, "'messages'"),
+    ({"messages": [{"role": "bot", "content": "x"}]}, "'bot'"),
     ({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "a"}]},
-     "'content' must be a string"),
-    ({"messages": [{"role": "user", "content": "q"}]}, "the last message must be the assistant's"),
-    ({"messages": [{"role": "assistant", "content": "a"}]},
-     "must start with a system or user message"),
+     "'content'"),
+    ({"messages": [{"role": "user", "content": "q"}]}, "'user'"),
+    ({"messages": [{"role": "assistant", "content": "a"}]}, "'assistant'"),
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]},
-     "empty content"),
-    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
-      "tools": "calc"},
-     "'tools' must be a list"),
+     "message 1"),
+    ({**GOOD_ROW, "tools": "calc"}, "'tools'"),
 ])
-def test_bad_rows_are_rejected_with_file_and_line(tmp_path, tokenizer, tiny_model_dir, row,
-                                                  message):
-    good = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+def test_a_bad_row_is_refused_in_one_line_naming_file_line_and_part(tmp_path, tokenizer,
+                                                                    tiny_model_dir, row, named):
     path = tmp_path / "data.jsonl"
     # the blank line must not shift the count
-    path.write_text(json.dumps(good) + "\n\n" + json.dumps(row) + "\n")
+    path.write_text(json.dumps(GOOD_ROW) + "\n\n" + json.dumps(row) + "\n")
     cfg = sft.SFTConfig(model=str(tiny_model_dir), data=str(path), global_batch_size=1,
                         micro_batch_size=1)
-    with pytest.raises(ConfigError, match=rf"data.jsonl:3: .*{re.escape(message)}"):
+    with pytest.raises(ConfigError) as refusal:
         sft.load_conversations(cfg, tokenizer)
+    message = str(refusal.value)
+    assert message.startswith(f"{path}:3: ") and named in message and "\n" not in message
 
 
 def test_long_conversations_are_dropped_and_counted_never_truncated(tmp_path, tokenizer,
@@ -243,44 +242,47 @@ def test_long_conversations_are_dropped_and_counted_never_truncated(tmp_path, to
                         global_batch_size=2, micro_batch_size=1)
     examples, dropped = sft.load_conversations(cfg, tokenizer)
     assert dropped == 1 and len(examples) == 2 and all(len(ids) <= 64 for ids, _ in examples)
-    with pytest.raises(ConfigError, match="2 conversations fit max_seq_len=64 .1 longer ones "
-                                          "dropped., fewer than one global batch of 4"):
+    with pytest.raises(ConfigError, match="data.jsonl: 2 conversations .* max_seq_len=64 .* 4"):
         sft.load_conversations(dataclasses.replace(cfg, global_batch_size=4), tokenizer)
 
 
-def test_config_errors_name_the_problem(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("overrides, named", [
+    (["data="], "data"), (["model="], "model"), (["chat_template=nope.jinja"], "chat_template"),
+    (["epochs=0"], "'epochs'"), (["lr=0"], "'lr'"), (["warmup_ratio=1"], "'warmup_ratio'"),
+    (["min_lr_ratio=1.5"], "'min_lr_ratio'"), (["save_every=-1"], "'save_every'"),
+    (["train_dtype=fp16"], "'train_dtype'"), (["resume=nowhere"], "resume"),
+    (["share_prefix=true", "attn_implementation=flash_attention_2"], "share_prefix"),
+])
+def test_a_bad_config_is_refused_in_one_line_naming_the_key(tmp_path, overrides, named):
     data = tmp_path / "d.jsonl"
     data.write_text("{}\n")
-    with pytest.raises(ConfigError, match="global_batch_size=128 is not a multiple of world_size "
-                                          ".3. x micro_batch_size .4. = 12"):
+    with pytest.raises(ConfigError) as refusal:
+        load_config(sft.SFTConfig, ["model=m", f"data={data}", *overrides])
+    assert named in str(refusal.value) and "\n" not in str(refusal.value)
+
+
+def test_the_batch_must_split_evenly_over_ranks_and_micro_batches(tmp_path, tiny_model_dir):
+    with pytest.raises(ConfigError, match="global_batch_size=128 .* world_size .3. x "
+                                          "micro_batch_size .4."):
         sft.check_world(sft.SFTConfig(), world_size=3)
-    # 128 = 8 ranks x 4 micro-batches x 4
-    assert sft.check_world(sft.SFTConfig(), world_size=8) == 4
-    with pytest.raises(ConfigError, match="global_batch_size=10 is not a multiple of "
-                                          "micro_batch_size=4"):
-        load_config(sft.SFTConfig, [f"model={tiny_model_dir}", f"data={data}",
-                                    "global_batch_size=10"])
-    with pytest.raises(ConfigError, match="data: set the chat JSONL"):
-        load_config(sft.SFTConfig, [f"model={tiny_model_dir}"])
-    with pytest.raises(ConfigError, match="chat_template: file not found"):
-        load_config(sft.SFTConfig, [f"model={tiny_model_dir}", f"data={data}",
-                                    "chat_template=nope.jinja"])
+    assert sft.check_world(sft.SFTConfig(), world_size=8) == 4  # 8 ranks x 4 micro-batches x 4
+    with pytest.raises(ConfigError, match="micro_batch_size .5."):
+        sft.check_world(sft.SFTConfig(global_batch_size=16, micro_batch_size=5), world_size=1)
     no_tokenizer = tmp_path / "weights-only"
     no_tokenizer.mkdir()
     shutil.copy(tiny_model_dir / "config.json", no_tokenizer)
-    with pytest.raises(ConfigError, match="has no tokenizer"):
+    with pytest.raises(ConfigError, match="weights-only"):
         check_model_dir(str(no_tokenizer))
-    with pytest.raises(ConfigError, match="no such directory"):
+    with pytest.raises(ConfigError, match="model=.*missing"):
         check_model_dir(str(tmp_path / "missing"))
 
 
-def test_the_command_line_reports_a_bad_config_in_one_line(tmp_path):
-    result = subprocess.run([sys.executable, "sft.py", "configs/sft_tiny.yaml",
-                             "micro_batch_size=5"],
-                            cwd=REPO, capture_output=True, text=True, timeout=60)
+def test_the_command_line_reports_a_bad_config_in_one_line():
+    result = subprocess.run([sys.executable, "sft.py", "configs/sft_tiny.yaml", "epochs=0"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1
-    assert result.stderr.strip() == ("sft.py: global_batch_size=16 is not a multiple of "
-                                     "micro_batch_size=5")
+    assert result.stderr.startswith("sft.py: command line: 'epochs'")
+    assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_the_saved_format_is_the_runs_template_and_its_one_tool_schema(tokenizer):
@@ -539,9 +541,9 @@ def test_under_torchrun_an_interrupt_and_a_refusal_end_every_rank_in_one_message
     refused = subprocess.run([*launch, "sft.py", *args[:-2], "global_batch_size=12",
                               f"out_dir={tmp_path / 'refused'}"],
                              cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    line = ("sft.py: global_batch_size=12 is not a multiple of world_size (2) x micro_batch_size "
-            "(4) = 8; change one of them")
-    assert refused.returncode != 0 and refused.stderr.count(line) == 1, refused.stderr[-3000:]
+    lines = [line for line in refused.stderr.splitlines() if "global_batch_size=12" in line]
+    assert refused.returncode != 0 and len(lines) == 1, refused.stderr[-3000:]
+    assert lines[0].startswith("sft.py: ") and "world_size (2)" in lines[0]
     assert refused.stderr.count("Traceback") <= 1  # torchrun's ChildFailedError report alone
 
 
@@ -567,18 +569,15 @@ def test_refusals_before_the_model_loads_are_one_line_and_leave_no_run_directory
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr[-3000:]
         return result.stderr.strip()
 
-    other = (f"sft.py: {checkpoint}: a checkpoint of another model (its "
-             f"model.embed_tokens.weight is [2112, 192], where {tiny_model_dir} has [2112, 128]); "
-             "it is not damaged.")
+    other = f"sft.py: {checkpoint}: "  # the checkpoint named, then its embedding's shape
     assert refused(f"resume={checkpoint}", f"out_dir={tmp_path / 'new' / 'run'}").startswith(other)
     assert not (tmp_path / "new").exists()
     assert refused(f"out_dir={tmp_path / 'wide'}", "continue_with_changes=true").startswith(other)
     assert {p: p.read_bytes() for p in (tmp_path / "wide").rglob("*") if p.is_file()} == before
 
     if importlib.util.find_spec("tensorboard") is None:  # an optional package (README)
-        assert refused("tensorboard=true", f"out_dir={tmp_path / 'tb'}") == (
-            "sft.py: tensorboard=true: the tensorboard package is not installed; "
-            f"{sys.executable.removeprefix(f'{REPO}/')} -m pip install tensorboard")
+        assert refused("tensorboard=true", f"out_dir={tmp_path / 'tb'}").startswith(
+            "sft.py: tensorboard=true: ")
         assert not (tmp_path / "tb").exists()
 
     # A read-only filesystem: a tmpfs mounted read-only in a namespace of the test's own
@@ -588,6 +587,5 @@ def test_refusals_before_the_model_loads_are_one_line_and_leave_no_run_directory
         pytest.skip("unshare -rm (a mount namespace) is not allowed here")
     mount = ["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o ro tmpfs {read_only} && "
              'exec "$@"', "sh"]
-    assert refused(f"out_dir={read_only / 'run'}", wrap=mount) == (
-        f"sft.py: out_dir={read_only / 'run'}: cannot write there (a read-only filesystem: "
-        f"{read_only / 'run'}); choose a writable out_dir")
+    assert refused(f"out_dir={read_only / 'run'}", wrap=mount).startswith(
+        f"sft.py: out_dir={read_only / 'run'}: ")
