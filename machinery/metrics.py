@@ -82,14 +82,22 @@ class MetricsLogger:
                 if isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, step)
 
-    def log_table(self, step, key, columns, rows):
-        """A table of text and numbers (rl.py: sampled trajectories) to W&B only: the JSONL log and
-        TensorBoard hold numbers, and the saved rollouts hold every trajectory."""
-        if not (self.enabled and self.wandb):
-            return
-        import wandb  # optional, as in __init__; here only when a W&B run exists
+    def log_samples(self, step, records):
+        """A few of the step's trajectories beside the curves (saved-rollout records, as TRL's
+        completions table): a W&B table, and TensorBoard's text tab, each trajectory a line of
+        the fields and its text as an indented code block, which no text can close."""
+        rows = [[", ".join(f"{k} {n}" for k, n in r["tool_errors_by_kind"].items() if n)
+                 if c == "errors_by_kind" else r[c] for c in SAMPLE_COLUMNS] for r in records]
+        if self.wandb and rows:
+            import wandb  # optional, as in __init__; here only when a W&B run exists
 
-        self.wandb.log({key: wandb.Table(columns=columns, data=rows)}, step=step)
+            self.wandb.log({"samples": wandb.Table(columns=list(SAMPLE_COLUMNS), data=rows)},
+                           step=step)
+        if self.tb and rows:
+            self.tb.add_text("samples", "\n\n".join(
+                " · ".join(f"{c} {v}" for c, v in zip(SAMPLE_COLUMNS, row[:-1]))
+                + "\n\n" + textwrap.indent(row[-1], "    ", lambda line: True) for row in rows),
+                step)
 
     def close(self):
         if self.wandb:
@@ -98,6 +106,10 @@ class MetricsLogger:
             self.tb.close()
 
 
+# the fields of tools.trajectories' page that fit a table row, the text last
+SAMPLE_COLUMNS = ("id", "sample_index", "reward", "selected", "advantage", "penalty",
+                  "num_tool_calls", "num_tool_errors", "errors_by_kind", "response_tokens",
+                  "stop_reason", "response_text")
 WANDB_ID_FILE = "wandb_run_id"
 
 

@@ -63,12 +63,12 @@ def rollout_record(trajectory, row, reward, penalty, selected, advantage, step, 
 
 def save_rollouts(run, step, position, rows, groups, rewards, records, samples):
     """rl.py's step 4, kept: this rank's trajectories with their reward, RoC penalty, selection
-    and advantage, as saved rollouts (steps 1, 1 + save_rollouts_every, ...) and, with W&B on, as
-    the step's sample table. `run`: rl.start_run's; `records`: select_samples', in group order."""
+    and advantage, as saved rollouts (steps 1, 1 + save_rollouts_every, ...), and the first
+    log_samples to W&B and TensorBoard. `run`: rl.start_run's; `records`: select_samples'."""
     cfg = run.cfg
     # the same on every rank (write_rollouts is collective); the table: rank 0's logger only
     saving = cfg.save_rollouts_every and step % cfg.save_rollouts_every == 0
-    table = run.logger.wandb is not None and cfg.wandb_samples
+    table = cfg.log_samples and (run.logger.wandb or run.logger.tb)
     if not (saving or table):
         return
     advantages = {(s.problem_index, s.sample_index): s.advantage for s in samples}
@@ -87,7 +87,7 @@ def save_rollouts(run, step, position, rows, groups, rewards, records, samples):
             print(f"saved rollouts of step {step + 1}: they will not replay exactly: {why}",
                   flush=True)
     if table:
-        run.logger.log_table(step + 1, "rollouts", *sample_table(lines, cfg.wandb_samples))
+        run.logger.log_samples(step + 1, lines[:cfg.log_samples])
 
 
 def not_replayable(cfg, step):
@@ -176,17 +176,6 @@ def read_rollouts(run_dir, step=0, rank=0, world_size=1):
         records.extend(read_records(path))
     records.sort(key=lambda r: (r["problem_index"], r["sample_index"]))
     return step, meta, records
-
-
-SAMPLE_TABLE_COLUMNS = ("step", "id", "sample_index", "reward", "penalty", "selected", "advantage",
-                        "num_tool_calls", "num_tool_errors", "response_tokens", "response_text")
-
-
-def sample_table(records, count):
-    """(columns, rows) of W&B's sample table: the first `count` records, whole groups first, so a
-    group's outcomes, penalties and RoC's choice read side by side."""
-    return list(SAMPLE_TABLE_COLUMNS), [[r[c] for c in SAMPLE_TABLE_COLUMNS]
-                                        for r in records[:count]]
 
 
 # -----------------------------------------------------------------------------

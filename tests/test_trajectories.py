@@ -12,6 +12,7 @@ import pytest
 
 from rl_runs import PYTHON, REPO
 from machinery.config import ConfigError
+from machinery.metrics import MetricsLogger
 from machinery.saved_rollouts import step_dir
 from tools.trajectories import parse, write_page
 
@@ -144,3 +145,17 @@ def test_the_command_line_refuses_in_one_line_with_a_nonzero_exit(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and f"{tmp_path}/rollouts" in proc.stderr
+
+
+def test_tensorboard_shows_a_steps_samples_with_their_fields_and_whole_text(tmp_path):
+    """log_samples beside the curves: TensorBoard's text tab gets each trajectory's fields and its
+    text, read back from the event file (W&B's table holds the same rows)."""
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    logger = MetricsLogger(tmp_path, tensorboard=True)
+    logger.log_samples(3, MIXED[:2] + MIXED[3:4])
+    logger.close()
+    events = accumulator.EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0})
+    [event] = events.Reload().Tensors("samples/text_summary")
+    text = event.tensor_proto.string_val[0].decode()
+    assert event.step == 3 and text.count("sample_index") == 3
+    assert "errors_by_kind error 1" in text and "\n    </script><script>" in text
