@@ -5,6 +5,7 @@ side, the cut of a large step, and the refusals of bad input. The page in a real
 real run: tests/browser_trajectories.py (.ci/browser)."""
 import gzip
 import json
+import shutil
 import subprocess
 from html.parser import HTMLParser
 
@@ -13,7 +14,7 @@ import pytest
 from rl_runs import PYTHON, REPO
 from machinery.config import ConfigError
 from machinery.metrics import MetricsLogger
-from machinery.saved_rollouts import step_dir
+from machinery.saved_rollouts import read_rollouts, step_dir
 from tools.trajectories import parse, write_page
 
 CONFIG = {"algorithm": "roc", "positive_rule": "sample", "group_size": 4, "prompts_per_step": 2,
@@ -159,3 +160,54 @@ def test_tensorboard_shows_a_steps_samples_with_their_fields_and_whole_text(tmp_
     text = event.tensor_proto.string_val[0].decode()
     assert event.step == 3 and text.count("sample_index") == 3
     assert "errors_by_kind error 1" in text and "\n    </script><script>" in text
+
+
+@pytest.mark.slow
+def test_the_page_of_a_real_run_works_in_headless_chromium(saved_run, tmp_path):
+    """.ci/browser: the page of a real 2-step run in Debian's chromium, driven by Selenium through
+    the system's chromedriver (nothing downloaded): no console error; a group opens to its 2G
+    trajectories marked as saved; a filter hides the kept; a tool output expands; and a hostile
+    text is shown as text, running nothing."""
+    webdriver = pytest.importorskip("selenium.webdriver")
+    if not (shutil.which("chromium") and shutil.which("chromedriver")):
+        pytest.skip("no chromium and chromedriver: .ci/browser installs Debian's")
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium")
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options, webdriver.ChromeService(shutil.which("chromedriver")))
+    by = webdriver.common.by.By
+    try:
+        out, _ = write_page(parse([str(saved_run.dir), "step=1", f"out={tmp_path / 'run.html'}"]))
+        driver.get(out.as_uri())
+        _, meta, records = read_rollouts(saved_run.dir, 1)
+        saved = [r for r in records if r["position"] == min(r["position"] for r in records)]
+        group = driver.find_element(by.CSS_SELECTOR, "details.group")
+        group.find_element(by.TAG_NAME, "summary").click()
+        cards = group.find_elements(by.CSS_SELECTOR, ".traj")
+        assert len(cards) == meta["rollouts_per_prompt"] == len(saved)
+        assert [c.find_element(by.CLASS_NAME, "mark").text for c in cards] == [
+            "kept" if r["selected"] else "dropped" for r in saved]
+        webdriver.support.select.Select(driver.find_element(by.ID, "show")).select_by_value(
+            "dropped")
+        assert [c.is_displayed() for c in cards] == [not r["selected"] for r in saved]
+        webdriver.support.select.Select(driver.find_element(by.ID, "show")).select_by_value("all")
+        call = driver.find_element(by.CSS_SELECTOR, "details.call")
+        output = call.find_element(by.CSS_SELECTOR, "pre.output")
+        assert not output.is_displayed()
+        call.find_element(by.TAG_NAME, "summary").click()
+        assert output.is_displayed() and output.text.strip()
+        # a synthetic step whose text holds markup: shown as written, nothing run
+        save_step(tmp_path / "hostile", 1, [MIXED])
+        out, _ = write_page(parse([str(tmp_path / "hostile"), f"out={tmp_path / 'h.html'}"]))
+        driver.get(out.as_uri())
+        driver.find_element(by.CSS_SELECTOR, "details.group summary").click()
+        text = driver.find_elements(by.CSS_SELECTOR, "details.text")[3]
+        text.find_element(by.TAG_NAME, "summary").click()
+        assert text.find_element(by.TAG_NAME, "pre").text == HOSTILE
+        assert driver.execute_script("return window.owned") is None
+        assert driver.find_elements(by.TAG_NAME, "img") == []
+        assert [e for e in driver.get_log("browser") if e["level"] == "SEVERE"] == []
+    finally:
+        driver.quit()
