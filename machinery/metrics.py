@@ -365,7 +365,7 @@ def print_rl_written(out_dir, hf_dir, ckpt_root, untrained, device):
 
 def warn_untrained(streak, metrics, every):
     """A loud warning when `streak` steps in a row trained on nothing (every group all-equal and
-XX
+    dropped, §2.2.3), at `every` steps and at each doubling after: the console's
     accuracy alone does not say that no update happens. The reason comes from the last step."""
     times = streak // every if every else 0
     if not times or streak % every or times & (times - 1):  # N x a power of two only
