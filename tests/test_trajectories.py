@@ -177,7 +177,8 @@ def test_the_page_of_a_real_run_works_in_headless_chromium(saved_run, tmp_path):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(options, webdriver.ChromeService(shutil.which("chromedriver")))
-    by = webdriver.common.by.By
+    by = pytest.importorskip("selenium.webdriver.common.by").By
+    select = pytest.importorskip("selenium.webdriver.support.select").Select
     try:
         out, _ = write_page(parse([str(saved_run.dir), "step=1", f"out={tmp_path / 'run.html'}"]))
         driver.get(out.as_uri())
@@ -189,10 +190,9 @@ def test_the_page_of_a_real_run_works_in_headless_chromium(saved_run, tmp_path):
         assert len(cards) == meta["rollouts_per_prompt"] == len(saved)
         assert [c.find_element(by.CLASS_NAME, "mark").text for c in cards] == [
             "kept" if r["selected"] else "dropped" for r in saved]
-        webdriver.support.select.Select(driver.find_element(by.ID, "show")).select_by_value(
-            "dropped")
+        select(driver.find_element(by.ID, "show")).select_by_value("dropped")
         assert [c.is_displayed() for c in cards] == [not r["selected"] for r in saved]
-        webdriver.support.select.Select(driver.find_element(by.ID, "show")).select_by_value("all")
+        select(driver.find_element(by.ID, "show")).select_by_value("all")
         call = driver.find_element(by.CSS_SELECTOR, "details.call")
         output = call.find_element(by.CSS_SELECTOR, "pre.output")
         assert not output.is_displayed()
