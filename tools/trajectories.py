@@ -100,7 +100,8 @@ def read_groups(run_dir, step, enough):
         except FileNotFoundError:
             raise ConfigError(f"{path}: missing, though step.json says {meta['ranks']} ranks "
                               "wrote this step") from None
-        except (OSError, EOFError, zlib.error, UnicodeDecodeError, ValueError, KeyError) as e:
+        except (OSError, EOFError, zlib.error, UnicodeDecodeError, json.JSONDecodeError,
+                KeyError) as e:
             raise ConfigError(f"{path}: torn or damaged ({type(e).__name__}: {e}); rerun the "
                               "step or view another") from None
     for group in groups.values():
