@@ -29,6 +29,7 @@ TEMPLATE = Path(__file__).with_name("trajectories.html")
 SHOWN_FIELDS = ("sample_index", "reward", "selected", "advantage", "penalty", "response_tokens",
                 "num_tool_calls", "num_tool_errors", "num_turns", "stop_reason", "truncated",
                 "response_text", "tool_calls")
+TOKENS_KEY = ', "prompt_ids": '
 METRIC_KEYS = ("accuracy", "tool_error_ratio_in_correct", "selected", "trajectories", "groups",
                "roc_penalty_positives", "roc_penalty_kept_positives", "loss", "time/step")
 
@@ -89,7 +90,10 @@ def read_groups(run_dir, step, enough):
         try:
             with gzip.open(path, "rt", encoding="utf-8") as lines:
                 for line in lines:
-                    record = json.loads(line)
+                    # the token lists come last in a record (saved_rollouts.TRAJECTORY_FIELDS) and
+                    # are most of its bytes: parsed only up to them; inside a JSON string a quote
+                    # is escaped, so this text is the key
+                    record = json.loads(line.split(TOKENS_KEY, 1)[0] + "}")
                     groups.setdefault(record["position"], []).append(
                         {**{k: record[k] for k in SHOWN_FIELDS}, "id": record["id"],
                          "problem": record["problem_text"], "gold": record["answer"],
