@@ -330,11 +330,11 @@ def demo(cfg):
     print("\n" + "\n".join(lines))
     print("\ntime: " + ", ".join(f"{k} {v:.0f} s" for k, v in times.items())
           + f"; total {time.time() - started:.0f} s")
-    model = shown(resolve(out_dir) / f"hf_step_{after_step}")
+    run, model = shown(resolve(out_dir)), shown(resolve(out_dir) / f"hf_step_{after_step}")
     print(f"demo.py: the trained model is {model} (a Hugging Face directory); every step's numbers "
-          f"are in {shown(resolve(out_dir) / 'metrics.jsonl')}\n"
-          f"next: {rerun_command('eval.py', ['configs/eval_tiny.yaml', f'model={model}'])}",
-          flush=True)
+          f"are in {run}/metrics.jsonl; the saved trajectories as a page: "
+          f"{rerun_command('-m tools.trajectories', [run, 'step=all'])}\nnext: "
+          + rerun_command('eval.py', ['configs/eval_tiny.yaml', f'model={model}']), flush=True)
     return before, after
 
 

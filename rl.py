@@ -130,7 +130,7 @@ class RLConfig:
     eval_samples: int = 1         # rollouts per eval problem
     eval_temperature: float = 0.6  # the paper's evaluation temperature (§5.1)
     wandb_project: str = ""
-    wandb_samples: int = 8        # trajectories per step in W&B's sample table (rank 0's); 0 = none
+    log_samples: int = 8          # trajectories a step (rank 0's) to TensorBoard and W&B; 0 = none
     tensorboard: bool = False
     # saved rollouts, what tools.replay reads: steps 1, 1+N, 1+2N, ... (0 = never); each replays
     # exactly while the checkpoint that sampled it is kept (N a multiple of save_every; the save

@@ -311,7 +311,7 @@ def check_config(cfg):
     require_at_least(cfg, 1, "micro_batch_tokens", "save_every", "keep_checkpoints",
                      "eval_samples", "collective_timeout_min")
     require_at_least(cfg, 0, "micro_batch_size", "eval_every", "world_size", "train_threads",
-                     "logprob_chunk_tokens", "wandb_samples", "save_rollouts_every",
+                     "logprob_chunk_tokens", "log_samples", "save_rollouts_every",
                      "keep_rollouts", "untrained_steps_warn")
     longest = cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens
     for wrong, refusal in (

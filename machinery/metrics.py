@@ -84,14 +84,22 @@ class MetricsLogger:
                 if isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, step)
 
-    def log_table(self, step, key, columns, rows):
-        """A table of text and numbers (rl.py: sampled trajectories) to W&B only: the JSONL log and
-        TensorBoard hold numbers, and the saved rollouts hold every trajectory."""
-        if not (self.enabled and self.wandb):
-            return
-        import wandb  # optional, as in __init__; here only when a W&B run exists
+    def log_samples(self, step, records):
+        """A few of the step's trajectories beside the curves (saved-rollout records, as TRL's
+        completions table): a W&B table, and TensorBoard's text tab, each trajectory a line of
+        the fields and its text as an indented code block, which no text can close."""
+        rows = [[", ".join(f"{k} {n}" for k, n in r["tool_errors_by_kind"].items() if n)
+                 if c == "errors_by_kind" else r[c] for c in SAMPLE_COLUMNS] for r in records]
+        if self.wandb and rows:
+            import wandb  # optional, as in __init__; here only when a W&B run exists
 
-        self.wandb.log({key: wandb.Table(columns=columns, data=rows)}, step=step)
+            self.wandb.log({"samples": wandb.Table(columns=list(SAMPLE_COLUMNS), data=rows)},
+                           step=step)
+        if self.tb and rows:
+            self.tb.add_text("samples", "\n\n".join(
+                " · ".join(f"{c} {v}" for c, v in zip(SAMPLE_COLUMNS, row[:-1]))
+                + "\n\n" + textwrap.indent(row[-1], "    ", lambda line: True) for row in rows),
+                step)
 
     def close(self):
         if self.wandb:
@@ -100,6 +108,10 @@ class MetricsLogger:
             self.tb.close()
 
 
+# the fields of tools.trajectories' page that fit a table row, the text last
+SAMPLE_COLUMNS = ("id", "sample_index", "reward", "selected", "advantage", "penalty",
+                  "num_tool_calls", "num_tool_errors", "errors_by_kind", "response_tokens",
+                  "stop_reason", "response_text")
 WANDB_ID_FILE = "wandb_run_id"
 
 
@@ -355,7 +367,7 @@ def print_rl_written(out_dir, hf_dir, ckpt_root, untrained, device):
 
 def warn_untrained(streak, metrics, every):
     """A loud warning when `streak` steps in a row trained on nothing (every group all-equal and
-XX
+    dropped, §2.2.3), at `every` steps and at each doubling after: the console's
     accuracy alone does not say that no update happens. The reason comes from the last step."""
     times = streak // every if every else 0
     if not times or streak % every or times & (times - 1):  # N x a power of two only

@@ -21,9 +21,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from machinery.checkpoint import (CHECKPOINT_PREFIX, checkpoint_step, committed_checkpoints,
-                                  load_policy, load_training_state, load_weights,
-                                  start_checkpoint)
+from machinery.checkpoint import (CHECKPOINT_PREFIX, load_policy, load_training_state,
+                                  load_weights, start_checkpoint)
 from machinery.config import (ConfigError, atomic_write_text, flatten_config, read_records,
                               resolve, warn_torn)
 
@@ -64,12 +63,12 @@ def rollout_record(trajectory, row, reward, penalty, selected, advantage, step, 
 
 def save_rollouts(run, step, position, rows, groups, rewards, records, samples):
     """rl.py's step 4, kept: this rank's trajectories with their reward, RoC penalty, selection
-    and advantage, as saved rollouts (steps 1, 1 + save_rollouts_every, ...) and, with W&B on, as
-    the step's sample table. `run`: rl.start_run's; `records`: select_samples', in group order."""
+    and advantage, as saved rollouts (steps 1, 1 + save_rollouts_every, ...), and the first
+    log_samples to W&B and TensorBoard. `run`: rl.start_run's; `records`: select_samples'."""
     cfg = run.cfg
     # the same on every rank (write_rollouts is collective); the table: rank 0's logger only
     saving = cfg.save_rollouts_every and step % cfg.save_rollouts_every == 0
-    table = run.logger.wandb is not None and cfg.wandb_samples
+    table = cfg.log_samples and (run.logger.wandb or run.logger.tb)
     if not (saving or table):
         return
     advantages = {(s.problem_index, s.sample_index): s.advantage for s in samples}
@@ -88,7 +87,7 @@ def save_rollouts(run, step, position, rows, groups, rewards, records, samples):
             print(f"saved rollouts of step {step + 1}: they will not replay exactly: {why}",
                   flush=True)
     if table:
-        run.logger.log_table(step + 1, "rollouts", *sample_table(lines, cfg.wandb_samples))
+        run.logger.log_samples(step + 1, lines[:cfg.log_samples])
 
 
 def not_replayable(cfg, step):
@@ -179,17 +178,6 @@ def read_rollouts(run_dir, step=0, rank=0, world_size=1):
     return step, meta, records
 
 
-SAMPLE_TABLE_COLUMNS = ("step", "id", "sample_index", "reward", "penalty", "selected", "advantage",
-                        "num_tool_calls", "num_tool_errors", "response_tokens", "response_text")
-
-
-def sample_table(records, count):
-    """(columns, rows) of W&B's sample table: the first `count` records, whole groups first, so a
-    group's outcomes, penalties and RoC's choice read side by side."""
-    return list(SAMPLE_TABLE_COLUMNS), [[r[c] for c in SAMPLE_TABLE_COLUMNS]
-                                        for r in records[:count]]
-
-
 # -----------------------------------------------------------------------------
 # tools/replay.py: the weights a saved step was sampled with, and its report
 
@@ -207,8 +195,7 @@ def replay_policy(cfg, run_dir, number, device, rank):
                                            rank)
         else:
             raise ConfigError(f"replay_weights={cfg.replay_weights!r}: neither a complete rl.py "
-                              "checkpoint (step_N with COMPLETE) nor a Hugging Face model "
-                              "directory")
+                              "checkpoint (step_N/COMPLETE) nor a Hugging Face model directory")
         return model, optimizer, f"{source} (replay_weights, not the step's own)"
     if number == 1:
         # where a fresh run starts: no checkpoint of its own, resume=auto
@@ -220,14 +207,9 @@ def replay_policy(cfg, run_dir, number, device, rank):
         return model, optimizer, f"{checkpoint} (init_from, the initial policy)"
     checkpoint = run_dir / "checkpoints" / f"{CHECKPOINT_PREFIX}{number - 1:08d}"
     if not (checkpoint / "COMPLETE").is_file():
-        have = [checkpoint_step(p) for p in committed_checkpoints(checkpoint.parent)]
-        replayable = [n for n in saved_steps(run_dir) if n == 1 or n - 1 in have]
-        raise ConfigError(
-            f"replay of step {number}: its rollouts were sampled by the weights after step "
-            f"{number - 1}, and {checkpoint} does not exist (checkpoints kept: "
-            f"{', '.join(map(str, have)) or 'none'}; save_every and keep_checkpoints decide "
-            f"which). Saved steps that replay exactly: {', '.join(map(str, replayable)) or 'none'}"
-            "; or set replay_weights= to other weights (then the loss is not the live one)")
+        exact = ",".join(map(str, replayable(run_dir, saved_steps(run_dir)))) or "none"
+        raise ConfigError(f"{checkpoint}: missing, and its weights sampled step {number}; "
+                          f"replay_step={exact} replays exactly, or set replay_weights=")
     load_training_state(checkpoint, model, optimizer)
     return model, optimizer, f"{checkpoint} (the weights that sampled it)"
 
@@ -246,14 +228,19 @@ def print_replay(cfg, run_dir, number, meta, source, metrics, learner, kept, liv
           f"live run: {'; '.join(changed) or 'nothing'}")
     keys = ("selected", "selected_reward_mean", "roc_penalty_kept_positives", *learner,
             "logprob_gap_mean", *(k for k in metrics if k.startswith("replay/")))
-    print(f"{'':34}{'live':>14}{'replay':>14}")
-    for key in keys:
-        cells = [live.get(key), metrics.get(key)] if not key.startswith("replay/") else [
-            None, metrics[key]]
-        print(f"{key:34}" + "".join(f"{'-' if v is None else f'{v:.6g}':>14}" for v in cells))
+    # a replay/ number has no live counterpart
+    print_columns("", {k: (None if k.startswith("replay/") else live.get(k), metrics.get(k))
+                       for k in keys})
     print(f"kept: {len(kept)} trajectories, {len(set(kept) & live_kept)} of them kept live too "
           f"(live kept {len(live_kept)})\nreplayed on {world_size} rank(s): "
           + ", ".join(f"{phase} {s:.1f} s" for phase, s in seconds.items()), flush=True)
+
+
+def print_columns(title, rows):
+    """{name: (live, replay)} as aligned columns under `title`, "-" where a number is None."""
+    print(f"{title:34}{'live':>14}{'replay':>14}")
+    for key, cells in rows.items():
+        print(f"{key:34}" + "".join(f"{'-' if v is None else f'{v:.6g}':>14}" for v in cells))
 
 
 # -----------------------------------------------------------------------------
@@ -288,18 +275,17 @@ def replay_steps(value, run_dir):
     """replay_step -> the saved steps to replay: "0" the newest, "all" every complete one, or
     "N" / "N,M,...": those (each must be saved)."""
     if str(value) == "all":
-        saved = saved_steps(run_dir)
-        if not saved:
-            raise ConfigError(f"replay_step=all: no saved rollouts in "
+        if not saved_steps(run_dir):
+            raise ConfigError("replay_step=all: no saved rollouts in "
                               f"{Path(run_dir) / ROLLOUTS_DIR}")
-        return saved
+        return saved_steps(run_dir)
     try:
         steps = [int(part) for part in str(value).split(",") if part.strip()]
     except ValueError:
-        raise ConfigError(f"replay_step={value!r}: expected a step, steps as N,M,... or all "
-                          "(0: the newest)") from None
+        steps = []
     if not steps or any(n < 0 for n in steps):
-        raise ConfigError(f"replay_step={value!r}: steps are >= 0 (0: the newest)")
+        raise ConfigError(f"replay_step={value!r}: expected a step >= 0, steps as N,M,... or all "
+                          "(0: the newest)")
     return steps
 
 
@@ -313,29 +299,21 @@ def replayable(run_dir, steps):
 
 def print_kept_statistics(live, replay):
     """The kept set's statistics, live beside replay, one row each: what the rule optimises."""
-    print(f"{'kept set (mean per trajectory)':34}{'live':>14}{'replay':>14}")
-    for key in replay:
-        cells = [live.get(key), replay[key]]
-        print(f"{key:34}" + "".join(f"{'-' if v is None else f'{v:.6g}':>14}" for v in cells))
+    print_columns("kept set (mean per trajectory)",
+                  {key: (live.get(key), value) for key, value in replay.items()})
 
 
 def print_steps_table(rows):
     """Several replayed steps at once (replay_step=N,M or all), a markdown table: per number a row,
     per step a column of live -> replay, and their mean over the steps (None cells left out)."""
-    columns = [*rows, mean_row(rows)] if len(rows) > 1 else rows
+    keys = list(rows[0]["replay"])
+    mean = {"step": "mean", **{side: {k: _mean([r[side].get(k) for r in rows]) for k in keys}
+                               for side in ("live", "replay")}}
+    columns = [*rows, mean] if len(rows) > 1 else rows
     print("\n| kept set, live -> replay | " + " | ".join(f"step {c['step']}" for c in columns)
           + " |\n|---|" + "---|" * len(columns))
-    for key in rows[0]["replay"]:
-        print(f"| {key} | " + " | ".join(f"{_fmt(c['live'].get(key))} -> "
-                                         f"{_fmt(c['replay'].get(key))}" for c in columns) + " |")
+    for key in keys:
+        cells = [[c[side].get(key) for side in ("live", "replay")] for c in columns]
+        print(f"| {key} | " + " | ".join(" -> ".join("-" if v is None else f"{v:.4g}" for v in pair)
+                                         for pair in cells) + " |")
     print(flush=True)
-
-
-def mean_row(rows):
-    """The mean over steps of each live and replay number (cells that are None are skipped)."""
-    return {"step": "mean", **{side: {k: _mean([r[side].get(k) for r in rows])
-                                      for k in rows[0]["replay"]} for side in ("live", "replay")}}
-
-
-def _fmt(value):
-    return "-" if value is None else f"{value:.4g}"

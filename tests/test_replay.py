@@ -74,9 +74,9 @@ def test_replay_from_the_command_line_compares_and_says_which_weights_are_missin
     args = [a if not a.startswith("out_dir=") else f"out_dir={tmp_path}" for a in saved_run.args]
     proc = subprocess.run([PYTHON, "-m", "tools.replay", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=300)
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert ("replay of step 2: its rollouts were sampled by the weights after step 1" in proc.stderr
-            and "Saved steps that replay exactly: 1;" in proc.stderr)
+    refusal = proc.stderr.splitlines()[-1]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "checkpoints/step_00000001: missing" in refusal and "replay_step=1 " in refusal
 
 
 @pytest.mark.slow
@@ -150,7 +150,7 @@ def test_replay_step_is_one_step_several_or_every_saved_one(tmp_path):
     (tmp_path / "checkpoints" / "step_00000010" / "COMPLETE").write_text("")
     (tmp_path / "checkpoints" / "step_00000005").mkdir()  # no COMPLETE: cut off while saving
     assert replayable(tmp_path, [1, 6, 11]) == [1, 11]
-    with pytest.raises(ConfigError, match="replay_step='last': expected a step, steps as N,M"):
+    with pytest.raises(ConfigError, match="replay_step='last'"):
         replay_steps("last", tmp_path)
     with pytest.raises(ConfigError, match="replay_step=.* no saved rollouts"):
         replay_steps("all", tmp_path / "elsewhere")
