@@ -23,7 +23,7 @@ import pytest
 import torch
 # tests/ is on sys.path (pytest's rootdir-relative import)
 from dist_rl_train_step import fixed_batch
-from rl_runs import MEMO_PROBLEMS, PYTHON, REPO, rl_command, run
+from rl_runs import MEMO_PROBLEMS, PYTHON, REPO, rl_command, run, TORCHRUN
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -68,13 +68,13 @@ def three_splits(tiny_model_dir, tmp_path_factory):
                                         "micro_batch_size=2"],
         # --standalone: a free rendezvous port of torchrun's choosing, not the fixed 29500 another
         # run may hold
-        "2 processes x 2 micro-batches": [PYTHON, "-m", "torch.distributed.run", "--standalone",
-                                          "--nproc_per_node=2", script, tiny_model_dir,
-                                          out / "c.pt", "micro_batch_size=2"],
+        "2 processes x 2 micro-batches": [*TORCHRUN, "--standalone", "--nproc_per_node=2",
+                                          script, tiny_model_dir, out / "c.pt",
+                                          "micro_batch_size=2"],
     }
     results = {}
     for name, cmd in splits.items():
-        run([str(c) for c in cmd], timeout=300)
+        run(cmd, timeout=300)
         results[name] = torch.load(next(c for c in cmd if str(c).endswith(".pt")),
                                    weights_only=False)
     return results
@@ -119,11 +119,10 @@ def variant_splits(tiny_model_dir, tmp_path_factory):
     results = {}
     for name, overrides in LOSS_VARIANTS.items():
         for ranks, micro in ((1, 0), (2, 2)):
-            launch = ([PYTHON] if ranks == 1 else
-                      [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"])
+            launch = [PYTHON] if ranks == 1 else [*TORCHRUN, "--standalone", "--nproc_per_node=2"]
             path = out / f"{name}-{ranks}.pt"
-            run([str(c) for c in [*launch, script, tiny_model_dir, path,
-                                  f"micro_batch_size={micro}", *overrides]], timeout=300)
+            run([*launch, script, tiny_model_dir, path, f"micro_batch_size={micro}", *overrides],
+                timeout=300)
             results[name, ranks] = torch.load(path, weights_only=False)
     return results
 
@@ -235,12 +234,11 @@ def shared_and_recomputed(tiny_model_dir, tmp_path_factory):
     with no rollout correction and with token_tis."""
     out = tmp_path_factory.mktemp("shared-forward")
     script = REPO / "tests" / "dist_rl_train_step.py"
-    launch = {1: [PYTHON], 2: [PYTHON, "-m", "torch.distributed.run", "--standalone",
-                               "--nproc_per_node=2"]}
+    launch = {1: [PYTHON], 2: [*TORCHRUN, "--standalone", "--nproc_per_node=2"]}
     results = {}
     for world, prefix in launch.items():
-        run([str(c) for c in [*prefix, script, tiny_model_dir, out / f"{world}.pt",
-                              "old_logprobs=both", "micro_batch_size=2"]], timeout=300)
+        run([*prefix, script, tiny_model_dir, out / f"{world}.pt", "old_logprobs=both",
+             "micro_batch_size=2"], timeout=300)
         results[world] = torch.load(out / f"{world}.pt", weights_only=False)
     return results
 
@@ -832,8 +830,8 @@ def test_a_model_directory_without_a_tokenizer_is_rejected_by_the_command_line(t
     weights_only.mkdir()
     for name in ("config.json", "model.safetensors"):
         shutil.copy(Path(tiny_model_dir) / name, weights_only / name)
-    proc = subprocess.run([PYTHON, "rl.py", "configs/tiny.yaml", f"model={weights_only}"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    proc = run([PYTHON, "rl.py", "configs/tiny.yaml", f"model={weights_only}"], timeout=120,
+               check=False)
     assert proc.returncode != 0
     assert "has no tokenizer" in proc.stderr and "Traceback" not in proc.stderr
 

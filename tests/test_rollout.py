@@ -12,7 +12,6 @@ import logging
 import os
 import re
 import shutil
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -28,6 +27,7 @@ from bench import rollout as bench_rollout
 from bench.rollout import scripted_policy, uses_v2_model_runner
 from executor import Executor
 from gpu_wheel import gpu_vllm_source
+import rl_runs
 from rollout import parse_tool_call, RolloutConfig, ToolCallError
 from machinery.config import ConfigError
 from machinery.distributed import init_distributed, split_by_tokens
@@ -331,7 +331,7 @@ def test_importing_rollout_does_not_import_vllm():
     """rollout.py is imported for its config alone (demo.py, the tests); that must not pay vLLM's
     ~17 s import, which only machinery.engine.Engine makes."""
     code = "import sys, rollout; assert 'vllm' not in sys.modules, 'vllm imported'"
-    subprocess.run([sys.executable, "-c", code], cwd=Path(rollout.__file__).parent, check=True)
+    rl_runs.run([sys.executable, "-c", code], timeout=120)
 
 
 # -----------------------------------------------------------------------------
@@ -522,10 +522,7 @@ def test_the_demo_engine_starts_in_a_process_that_already_holds_2_gib(tiny_model
     """configs/tiny.yaml's rollout settings and the tiny model, in a process that holds 2 GiB before
     the Engine is built (a colocated trainer, a user's data, earlier tests): the engine starts and
     generates."""
-    proc = subprocess.run([sys.executable, "-c", ENGINE_IN_A_FULL_PROCESS, str(tiny_model_dir)],
-                          cwd=Path(rollout.__file__).parent, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = rl_runs.run([sys.executable, "-c", ENGINE_IN_A_FULL_PROCESS, tiny_model_dir])
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["rss_before_engine"] >= 2 << 30
     assert len(result["tokens"][0]) == 8
@@ -1173,21 +1170,16 @@ def test_torchrun_tensor_parallel_engine_runs_the_loop_in_lockstep(tiny_model_di
 
 
 def torchrun(*args):
-    repo = Path(rollout.__file__).parent
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               *args]
-    proc = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=900)
+    proc = rl_runs.run([*rl_runs.TORCHRUN, "--standalone", "--nproc_per_node=2", *args], timeout=900)
     # Both ranks write to one pipe, so their summary lines can land on one line: count them, not
     # lines.
     summary = re.findall(r"rank [01]: (?:claimed|tensor parallel|balanced)", proc.stdout)
-    assert proc.returncode == 0 and len(set(summary)) == 2, (
-        proc.stdout[-2000:] + proc.stderr[-4000:])
+    assert len(set(summary)) == 2, proc.stdout[-2000:]
 
 
 def command_fails(*command):
     """The last line of stderr of a command run from the repo root that must fail."""
-    proc = subprocess.run([sys.executable, *command], cwd=Path(rollout.__file__).parent,
-                          capture_output=True, text=True)
+    proc = rl_runs.run([sys.executable, *command], timeout=300, check=False)
     assert proc.returncode != 0
     return proc.stderr.strip().splitlines()[-1]
 
