@@ -38,7 +38,7 @@ conversations longer than `max_seq_len` are dropped (and counted), never truncat
 transcript would teach an unfinished answer. AdamW betas/weight decay and grad clip are not stated
 either: HF Trainer's defaults (0.9, 0.999, 0.0) and clip 1.0.
 
-Bench: python -m bench.sft configs/sft_tiny.yaml      (share_prefix vs the padded batch)
+Bench: docs/benchmarks.md, SFT (share_prefix vs the padded batch, figures and their commit)
 Tests: .venv/bin/python -m pytest tests/test_sft.py -q
 """
 import dataclasses
