@@ -23,7 +23,7 @@ import pytest
 import torch
 # tests/ is on sys.path (pytest's rootdir-relative import)
 from dist_rl_train_step import fixed_batch
-from rl_runs import MEMO_PROBLEMS, PYTHON, REPO, rl_command, run, TORCHRUN
+from rl_runs import MEMO_PROBLEMS, PYTHON, REPO, run, TORCHRUN
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -842,37 +842,30 @@ def deterministic(metrics):
 
 # the phases of rl_step, one time/ key each; time/tool_busy overlaps the rollout and
 # time/checkpoint, time/eval come after the step
-STEP_PHASES = ("weight_update", "rollout", "reward", "selection", "balance", "old_logprobs",
-               "train", "logprob_gap", "metrics")
+STEP_PHASES = ("weight_update", "rollout", "reward", "selection", "save_rollouts", "balance",
+               "old_logprobs", "train", "logprob_gap", "metrics")
 
 
 @pytest.mark.slow
-def test_a_logged_step_has_a_timestamp_and_a_step_time_its_phases_add_up_to(sft_policy,
-                                                                             tmp_path):
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps(p) + "\n" for p in MEMO_PROBLEMS))
-    before = time.time()
-    run(rl_command(sft_policy, data, tmp_path / "run") + ["steps=1"], timeout=900)
-    (row,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
-              .splitlines()]
-    assert before < row["timestamp"] < time.time()
-    phases = sum(row[f"time/{phase}"] for phase in STEP_PHASES)
-    assert phases == pytest.approx(row["time/step"], rel=0.05)
-    assert row["time/checkpoint"] > 0  # logged apart: saved after time/step ends
+def test_a_logged_step_has_a_timestamp_and_a_step_time_its_phases_add_up_to(saved_run):
+    rows = read_metrics(saved_run.dir)
+    assert saved_run.started < rows[0]["timestamp"] < rows[1]["timestamp"] < time.time()
+    for row in rows:
+        phases = sum(row[f"time/{phase}"] for phase in STEP_PHASES)
+        assert phases == pytest.approx(row["time/step"], rel=0.05)
+        assert row["time/checkpoint"] > 0  # logged apart: saved after time/step ends
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow
-def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_data_and_metrics(sft_policy,
-                                                                                tmp_path):
-    # each problem three times under different ids: the data order matters
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({**p, "id": f"{p['id']}-{k}"}) + "\n"
-                            for k in range(3) for p in MEMO_PROBLEMS))
-    read = lambda d: [json.loads(line)  # noqa: E731
-                      for line in (d / "metrics.jsonl").read_text().splitlines()]
-
-    run(rl_command(sft_policy, data, tmp_path / "straight"), timeout=900)
-    straight = read(tmp_path / "straight")
+def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_data_and_metrics(
+        sft_policy, saved_run, tmp_path):
+    """saved_run is the run straight through; the same command SIGKILLed after its first
+    checkpoint and resumed must reach the same metrics and weights."""
+    straight = read_metrics(saved_run.dir)
     assert [m["step"] for m in straight] == [1, 2]
     # Both steps trained, so the teeth are real: step 2's rollouts come from the weights step 1 made
     # (the model must be restored), and its update depends on AdamW's moments from step 1 (the
@@ -888,9 +881,10 @@ def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_data_and_metrics(
 
     # the same run, SIGKILLed (no cleanup, no atexit) once the step-1 checkpoint is complete
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(rl_command(sft_policy, data, killed), cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    command = [PYTHON, "rl.py", *(f"out_dir={killed}" if arg.startswith("out_dir=") else arg
+                                  for arg in saved_run.args)]
+    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 600
     while not (killed / "checkpoints" / "step_00000001" / "COMPLETE").exists():
         assert proc.poll() is None and time.time() < deadline, (
@@ -902,9 +896,9 @@ def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_data_and_metrics(
     # a save that was cut short leaves only a .tmp directory, which resume must ignore
     (killed / "checkpoints" / "step_00000002.tmp").mkdir(exist_ok=True)
 
-    resumed = run(rl_command(sft_policy, data, killed), timeout=900)
+    resumed = run(command, timeout=900)
     assert "resumed from" in resumed.stdout and "step 1, data position 4" in resumed.stdout
-    after = read(killed)
+    after = read_metrics(killed)
     assert [m["step"] for m in after] == [1, 2]
     for a, b in zip(deterministic(straight), deterministic(after)):
         assert a.keys() == b.keys()
@@ -915,7 +909,7 @@ def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_data_and_metrics(
                 assert a[key] == b[key], (a["step"], key)
     # ...and the policy both runs end with is the same
 
-    final_straight = load_file(tmp_path / "straight" / "hf_step_2" / "model.safetensors")
+    final_straight = load_file(saved_run.dir / "hf_step_2" / "model.safetensors")
     final_resumed = load_file(killed / "hf_step_2" / "model.safetensors")
     for name, weight in final_straight.items():
         torch.testing.assert_close(final_resumed[name], weight, atol=1e-6, rtol=1e-5, msg=name)
