@@ -1132,7 +1132,8 @@ def test_torchrun_tensor_parallel_engine_runs_the_loop_in_lockstep(tiny_model_di
 
 
 def torchrun(*args):
-    proc = rl_runs.run([*rl_runs.TORCHRUN, "--standalone", "--nproc_per_node=2", *args], timeout=900)
+    proc = rl_runs.run([*rl_runs.TORCHRUN, "--standalone", "--nproc_per_node=2", *args],
+                       timeout=900)
     # Both ranks write to one pipe, so their summary lines can land on one line: count them, not
     # lines.
     summary = re.findall(r"rank [01]: (?:claimed|tensor parallel|balanced)", proc.stdout)
