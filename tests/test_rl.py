@@ -633,8 +633,8 @@ def test_a_key_that_cannot_act_says_so_and_leaves_every_gradient_as_it_was(
 def test_saved_rollouts_hold_what_selection_saw_and_chose_and_keep_the_newest_steps(tmp_path,
                                                                                       capsys):
     """save_rollouts writes each trajectory with its reward, penalty, selection and advantage;
-    tools.replay.saved_groups reads back Trajectory objects from which select_samples chooses exactly as it
-    did live. keep_rollouts=2 keeps the newest two saved steps; a step directory without its
+    tools.replay.saved_groups reads back Trajectory objects from which select_samples chooses exactly
+    as it did live. keep_rollouts=2 keeps the newest two saved steps; a step directory without its
     step.json (a run killed while saving) is not a saved step."""
     init_distributed()
     cfg = rl.RLConfig(model="x", group_size=4, save_rollouts_every=2, keep_rollouts=2)
