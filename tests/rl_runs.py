@@ -1,6 +1,7 @@
 """What the end-to-end tests share: one launcher for scripts and torchrun (`run`, `run_at_once`),
 a policy small enough to train in seconds that still calls the tool and answers, and rl.py's
 command for it (conftest.py's sft_policy and saved_run fixtures build on these)."""
+import contextlib
 import json
 import os
 import signal
@@ -64,7 +65,13 @@ def run_at_once(commands, envs=None, timeout=600, check=True, cwd=REPO):
     # One reader thread per command: ranks that wait on each other must not block on a full pipe
     # while the test reads another's.
     with ThreadPoolExecutor(len(procs)) as readers:
-        ends = list(readers.map(finish, commands, procs, [timeout] * len(procs)))
+        try:
+            ends = list(readers.map(finish, commands, procs, [timeout] * len(procs)))
+        except BaseException:  # a Ctrl-C of the tests: their own sessions would outlive them
+            for proc in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            raise
 
     for result, late in ends:
         if late or (check and result.returncode != 0):
