@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch
 # tests/ is on sys.path (pytest's rootdir-relative import)
@@ -954,17 +955,6 @@ def test_the_held_out_numbers_of_a_run_are_eval_pys_numbers(sft_policy, tmp_path
 # -----------------------------------------------------------------------------
 # how a run ends: Ctrl-C, nothing to train on, the closing lines
 
-def descendants(pid):
-    """Every process below `pid` (the tool's and the grader's workers, in their own sessions)."""
-    found, todo = set(), [pid]
-    while todo:
-        children = subprocess.run(["pgrep", "-P", str(todo.pop())], capture_output=True,
-                                  text=True).stdout.split()
-        found.update(map(int, children))
-        todo += children
-    return found
-
-
 @pytest.mark.slow
 def test_ctrl_c_ends_in_one_paragraph_whose_command_resumes_and_untrained_steps_warn(
         tiny_model_dir, tmp_path):
@@ -985,7 +975,8 @@ def test_ctrl_c_ends_in_one_paragraph_whose_command_resumes_and_untrained_steps_
     while not (out / "checkpoints" / "step_00000002" / "COMPLETE").exists():
         assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
         time.sleep(0.1)
-    workers = descendants(proc.pid)
+    # every process below the run: the tool's and the grader's workers, in their own sessions
+    workers = {child.pid for child in psutil.Process(proc.pid).children(recursive=True)}
     os.killpg(proc.pid, signal.SIGINT)
     output = proc.communicate(timeout=120)[0]
     assert proc.returncode == 128 + signal.SIGINT, output[-3000:]
