@@ -21,7 +21,7 @@ same data position; the result is a Hugging Face directory `out_dir/final` (with
 it was trained in). A step, the loss's normalisation and where this file departs from §4.1:
 docs/design.md (SFT).
 
-Bench: python -m bench.sft configs/sft_tiny.yaml      (share_prefix vs the padded batch)
+Bench: docs/benchmarks.md, SFT (share_prefix vs the padded batch, figures and their commit)
 Tests: .venv/bin/python -m pytest tests/test_sft.py -q
 """
 import dataclasses

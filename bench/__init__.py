@@ -7,11 +7,9 @@
     python -m bench.reward                   # grade_batch vs plain math-verify
                                              # (audit_all_pairs=true: the fast path)
     python -m bench.rollout model=PATH       # the rollout loop vs plain LLM.generate, barrier vs
-                                             # none, admission
+                                             # none
     python -m bench.rl configs/tiny.yaml     # rl.py's rollout phase inside real RL steps vs
                                              # plain LLM.generate of the same requests
-    python -m bench.sft CONFIG               # SFT with the shared prompt encoded once vs padded
-                                             # batches
     python -m bench.scale                    # chunked log-prob peak; the balance's bytes per rank
                                              # as ranks grow
 

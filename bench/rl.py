@@ -11,19 +11,16 @@ is unmeasured (the engine's first calls build its kernels). Before each measured
 engine and the same weights (rl.sync_weights, so both start on an empty prefix cache), one
 LLM.generate of that step's own first-turn requests: the same prompts, seeds, stop tokens, budgets
 and log-probs, so the same tokens; the hash of both is printed. Tools off those are all the
-rollout's tokens and the seconds compare directly (ratio from the one run). Tools on the rollout
-goes on after each tool call: it prints its seconds per sampled token with the loop's waits on a
-tool (nothing left to decode) taken out, to hold against the tools-off run's. The tiny policy
-without its tool scores 0 everywhere: filter_all_equal=false keeps an update before each rollout.
-On CPU plain LLM.generate also runs on every core's thread (bench_other_threads), the engine's
-thread count before machinery.engine.set_cpu_engine_threads: the cause the benchmark found.
+rollout's tokens and the seconds compare directly. Tools on the rollout goes on after each tool
+call: it prints its seconds per sampled token with the loop's waits on a tool (nothing left to
+decode) taken out, to hold against the tools-off run's. The tiny policy without its tool scores 0
+everywhere: filter_all_equal=false keeps an update before each rollout.
 
-Per mode: seconds and CPU seconds, sampled tokens, engine steps (vLLM's step() calls), sampled
-tokens per engine step, seconds inside vLLM's step() against the rest of the loop, seconds waiting
-on tools, GC pauses, torch's threads. tools/gpu_check.py runs bench() on a GPU.
+Per mode: seconds and CPU seconds, sampled tokens, engine steps (vLLM's step() calls), seconds
+inside vLLM's step() against the rest of the loop, seconds waiting on tools. tools/gpu_check.py runs
+bench() on a GPU.
 """
 import dataclasses
-import gc
 import hashlib
 import os
 import sys
@@ -36,7 +33,6 @@ import rl
 import rollout
 from machinery.config import ConfigError, load_config
 from machinery.data import prompt_indices
-from machinery.distributed import cpu_threads
 from machinery.engine import configure_vllm_logging
 from machinery.prompts import render_prompt
 
@@ -44,9 +40,6 @@ from machinery.prompts import render_prompt
 @dataclasses.dataclass
 class BenchConfig:
     bench_steps: int = 4          # measured RL steps, after one unmeasured
-    # CPU: plain LLM.generate also on this many torch threads (0: all cores), when the engine's
-    # differ (machinery.engine.set_cpu_engine_threads); -1: not
-    bench_other_threads: int = 0
 
 
 def split_args(argv):
@@ -64,22 +57,20 @@ def bench_rl_config(rl_argv, out_dir):
 
 
 # -----------------------------------------------------------------------------
-# what is counted: vLLM's steps, the loop's waits on tools, the GC
+# what is counted: vLLM's steps, the loop's waits on tools
 
 
 class Counters:
     """Engine steps and the seconds inside them (vLLM's LLMEngine.step, which plain LLM.generate
-    calls too), sampled tokens per step, seconds the loop blocked on a tool result with nothing to
-    decode, and GC pauses; reset before each timed mode."""
+    calls too) and seconds the loop blocked on a tool result with nothing to decode; reset before
+    each timed mode."""
 
     def __init__(self, engine):
         self.engine = engine
-        self.core = engine.engine.engine_core.engine_core  # in-process (VLLM_..._MULTIPROCESSING=0)
         vllm_step = engine.engine.step
 
         def counted_step():
             self.steps += 1
-            self.running += len(self.core.scheduler.running)
             started = time.perf_counter()
             try:
                 return vllm_step()
@@ -87,24 +78,14 @@ class Counters:
                 self.in_vllm_s += time.perf_counter() - started
 
         engine.engine.step = counted_step
-        gc.callbacks.append(self.on_gc)
         self.reset()
 
     def reset(self):
-        self.steps = self.running = 0
-        self.in_vllm_s = self.tool_wait_s = self.gc_s = self.gc_started = 0.0
+        self.steps = 0
+        self.in_vllm_s = self.tool_wait_s = 0.0
         self.cpu_started = time.process_time()
-        self.gc_full = 0
-
-    def on_gc(self, phase, info):
-        if phase == "start":
-            self.gc_started = time.perf_counter()
-        else:
-            self.gc_s += time.perf_counter() - self.gc_started
-            self.gc_full += info["generation"] == 2
 
     def close(self):
-        gc.callbacks.remove(self.on_gc)
         del self.engine.engine.step
 
 
@@ -170,29 +151,26 @@ def first_turn(t):
     return t.response_ids[:t.loss_mask.index(0)] if 0 in t.loss_mask else t.response_ids
 
 
-def plain_generate(run, rows, step, counters, threads=0):
-    """One LLM.generate of the step's first-turn requests, on `threads` torch threads (0: the
-    engine's), after rl.sync_weights: the weights the step samples with, an empty prefix cache."""
+def plain_generate(run, rows, step, counters):
+    """One LLM.generate of the step's first-turn requests after rl.sync_weights: the weights the
+    step samples with, an empty prefix cache."""
     rl.sync_weights(run.engine, run.model, run.weight_dtype)
     prompts, params = first_turn_requests(run, rows, step)
-    engine_threads = cpu_threads(threads or torch.get_num_threads(), run.device)  # 0: as it is
     counters.reset()
     started = time.perf_counter()
     outs = run.engine.llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - started
-    cpu_threads(engine_threads, run.device)
     turns = [list(o.outputs[0].token_ids) for o in outs]
-    return record(counters, seconds, sum(map(len, turns)), turns, threads or None)
+    return record(counters, seconds, sum(map(len, turns)), turns)
 
 
-def record(counters, seconds, sampled_tokens, first_turns, threads=None, **more):
+def record(counters, seconds, sampled_tokens, first_turns, **more):
     # process_time: the CPU of every thread of this process (the loop, the engine, its OpenMP
     # threads, spinning included); load stretches the seconds far more than that
     return dict(seconds=seconds, cpu_s=time.process_time() - counters.cpu_started,
                 sampled_tokens=sampled_tokens, steps=counters.steps,
                 in_vllm_s=counters.in_vllm_s, tool_wait_s=counters.tool_wait_s,
-                running=counters.running, gc_s=counters.gc_s, gc_full=counters.gc_full,
-                torch_threads=torch.get_num_threads() if threads is None else threads,
+                torch_threads=torch.get_num_threads(),
                 first_turns_hash=hashlib.sha256(repr(first_turns).encode()).hexdigest()[:16],
                 **more)
 
@@ -228,33 +206,24 @@ def bench(bench_cfg, cfg):
     loop, roll_out = rollout.Rollouts, rl.roll_out
     time_tool_waits(counters)
     measured, trained, rows_out = [], [], []
-    other = -1
-    if run.device.type == "cpu" and bench_cfg.bench_other_threads >= 0:
-        other = bench_cfg.bench_other_threads or len(os.sched_getaffinity(0))
-        other = -1 if other == torch.get_num_threads() else other
     rl.roll_out = timed_roll_out(counters, measured)
     try:
         for step in range(1 + bench_cfg.bench_steps):
             position = run.state["data_position"]
             rows = [run.problems[i] for i in prompt_indices(len(run.problems), cfg.seed,
                                                             position, cfg.prompts_per_step)]
-            # the two plain calls in alternating order, so neither always runs first
-            plains = {threads: plain_generate(run, rows, step, counters, threads)
-                      for threads in (other, 0)[::1 if step % 2 else -1] if step and threads >= 0}
+            plain = plain_generate(run, rows, step, counters) if step else None
             metrics = rl.rl_step(run, step)  # rank 0's: the benchmark is one process
             trained.append(metrics.get("train_tokens", 0))
             if not step:
                 continue
             in_step = measured[-1]
-            if any(p["first_turns_hash"] != in_step["first_turns_hash"] for p in plains.values()):
+            if plain["first_turns_hash"] != in_step["first_turns_hash"]:
                 raise RuntimeError(f"step {step}: plain generate and the rollout phase sampled "
                                    "different first turns; the comparison is void")
-            rows_out += [dict(mode="plain LLM.generate", step=step, **plains[0]),
+            rows_out += [dict(mode="plain LLM.generate", step=step, **plain),
                          dict(mode="rl.py rollout phase", step=step, trained_tokens_before=
                               trained[-2], **in_step)]
-            if other >= 0:
-                rows_out.append(dict(mode=f"plain LLM.generate, {other} threads", step=step,
-                                     **plains[other]))
     finally:
         rl.roll_out, rollout.Rollouts = roll_out, loop
         counters.close()
@@ -275,25 +244,16 @@ def print_table(rows, cfg):
     print(f"\nrl.py steps on {cfg.model}, {cfg.prompts_per_step} prompts x "
           f"{cfg.rollouts_per_prompt} rollouts, tools {'on' if tools else 'off'}, torch threads "
           f"{torch.get_num_threads()}; load average {os.getloadavg()[0]:.1f} at the end")
-    print("| step | mode | threads | s | CPU s | sampled tokens | engine steps | tokens / engine "
-          "step | s in vLLM | s in the loop | s waiting on tools | tool busy s | GC s (full) | "
-          "trained tokens before | first turns |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| step | mode | s | CPU s | sampled tokens | engine steps | s in vLLM | s in the loop | "
+          "s waiting on tools | tool busy s | trained tokens before | first turns |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['step']} | {r['mode']} | {r['torch_threads']} | {r['seconds']:.2f} | "
-              f"{r['cpu_s']:.2f} | "
-              f"{r['sampled_tokens']:,} | "
-              f"{r['steps']} | {r['sampled_tokens'] / max(r['steps'], 1):.1f} | "
-              f"{r['in_vllm_s']:.2f} | {r['seconds'] - r['in_vllm_s'] - r['tool_wait_s']:.2f} | "
-              f"{r['tool_wait_s']:.2f} | {r.get('tool_busy_s', 0):.2f} | "
-              f"{r['gc_s']:.3f} ({r['gc_full']}) | {r.get('trained_tokens_before', '-')} | "
+        print(f"| {r['step']} | {r['mode']} | {r['seconds']:.2f} | {r['cpu_s']:.2f} | "
+              f"{r['sampled_tokens']:,} | {r['steps']} | {r['in_vllm_s']:.2f} | "
+              f"{r['seconds'] - r['in_vllm_s'] - r['tool_wait_s']:.2f} | {r['tool_wait_s']:.2f} | "
+              f"{r.get('tool_busy_s', 0):.2f} | {r.get('trained_tokens_before', '-')} | "
               f"{r['first_turns_hash']} |")
     plain = [r for r in rows if r["mode"] == "plain LLM.generate"]
-    other = [r for r in rows if r["mode"].startswith("plain LLM.generate, ")]
-    if other:
-        print(f"plain LLM.generate on {other[0]['torch_threads']} torch threads / on the engine's "
-              f"{plain[0]['torch_threads']}, tokens/s: "
-              f"{sum(r['seconds'] for r in plain) / sum(r['seconds'] for r in other):.2f}x")
     phase = [r for r in rows if r["mode"] == "rl.py rollout phase"]
     if not tools:  # the same tokens: seconds compare directly
         ratio = sum(r["seconds"] for r in plain) / sum(r["seconds"] for r in phase)
@@ -310,9 +270,6 @@ def print_table(rows, cfg):
               "target: no more than the tools-off run's), the loop outside vLLM "
               f"{sum(r['seconds'] - r['in_vllm_s'] - r['tool_wait_s'] for r in phase):.2f} s of "
               f"{sum(r['seconds'] for r in phase):.2f} s")
-    if not tools:
-        print(f"rollout phase, tools off: {sum(map(per_token_s, phase)) / len(phase) * 1e3:.3f} "
-              "ms per sampled token")
     return ratio
 
 

@@ -4,16 +4,12 @@
       [trajectories=32 repeats=2 tool_latencies_s=[0.0,0.3,3.0]]
 
 Scripted trajectories (scripted_policy: the real engine, loop and executor; only the model's choices
-are fixed). First vLLM's plain LLM.generate with tools off (the anchor) against the loop with tools
-off, same prompts and token counts; then the loop against its per-turn-barrier baseline
-(BarrierRollouts) at each mean tool latency; then two admission rules, K at the full budget
-(rollout.py) and at the mean length (ExpectedLengthRollouts), on an engine whose KV cache is too
-small for every trajectory at its full budget. Prints one table per comparison and the ratios, all
-measured in the same run. Engine steps, prefill and preemption counts come from vLLM and do not
-depend on machine load; the seconds do. tools/gpu_check.py runs bench() on a GPU.
-Tests: tests/test_rollout.py, tests/test_eval.py and tests/dist_rollout.py use scripted_policy from
-here; tests/test_rollout.py also checks its V2-runner class against the CUDA wheel's source, drives
-it on CPU, and runs both baselines.
+are fixed). vLLM's plain LLM.generate with tools off (the anchor) against the loop with tools off,
+same prompts and token counts; then the loop against its per-turn-barrier baseline
+(BarrierRollouts) at each mean tool latency. Prints one table and the ratios, measured in the same
+run; engine steps and prefill counts come from vLLM and do not depend on load, the seconds do.
+tools/gpu_check.py runs bench() on a GPU; the tests drive scripted_policy (tests/test_rollout.py
+checks its V2-runner class against the CUDA wheel's source).
 """
 import concurrent.futures
 import dataclasses
@@ -47,8 +43,6 @@ class BenchConfig:
                                      # reports ~0.3 s per call end to end on the paper's cluster)
     repeats: int = 2                 # timed runs per mode, interleaved; the best is reported
     verbose: bool = False            # all of vLLM's logging (default: warnings)
-    admission_latency_s: float = 0.3  # the tool latency of the admission comparison
-    admission_kv_trajectories: int = 8  # its KV cache holds this many at the full budget
     # CPU-sized engine defaults (the tiny model in fp32); on a GPU pass rollout.dtype=auto
     # rollout.enforce_eager=false
     rollout: RolloutConfig = dataclasses.field(default_factory=lambda: RolloutConfig(
@@ -56,14 +50,12 @@ class BenchConfig:
         max_response_tokens=1024))
 
     def validate(self):
-        for name in ("trajectories", "repeats", "admission_kv_trajectories"):
+        for name in ("trajectories", "repeats"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        latencies = self.tool_latencies_s
-        if not latencies or min(latencies) < 0 or self.admission_latency_s < 0:
-            raise ValueError(f"tool_latencies_s must be a non-empty list of seconds >= 0 and "
-                             f"admission_latency_s >= 0, got {self.tool_latencies_s} and "
-                             f"{self.admission_latency_s}")
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        if not self.tool_latencies_s or min(self.tool_latencies_s) < 0:
+            raise ValueError(f"tool_latencies_s={self.tool_latencies_s}: must be a non-empty list "
+                             "of seconds >= 0")
         if not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"model={self.model}: no Hugging Face model directory there "
                              "(python tiny.py makes one)")
@@ -71,13 +63,14 @@ class BenchConfig:
 
 
 # -----------------------------------------------------------------------------
-# the baselines: rollout.py's loop with a per-turn barrier, and with K at the mean length
+# the baseline: rollout.py's loop with a per-turn barrier
 
 
 class BarrierRollouts(Rollouts):
     """The loop with a per-turn barrier, as VERL v0.2 rolls out (§3.2): the turn ends for every
     trajectory, then all their tool calls run, the slowest is waited for, and all next turns start
-    together."""
+    together. rollout.py's own run() drives it: the barrier falls in admit(), which that loop calls
+    after every engine step and whenever a tool result came in."""
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -96,12 +89,8 @@ class BarrierRollouts(Rollouts):
         else:
             super().next_turn(traj)
 
-    def run(self):
-        self.admit()
-        while self.in_flight() or self.waiting or not self.exhausted:
-            if self.engine.has_unfinished():
-                self.step_engine()
-                continue
+    def admit(self):
+        if not self.engine.has_unfinished() and (self.held_calls or self.held_turns):
             # The turn has ended for every trajectory: run all its calls, wait for the slowest,
             # then start everyone's next turn together.
             for traj, call in self.held_calls:
@@ -112,35 +101,7 @@ class BarrierRollouts(Rollouts):
             held, self.held_turns = self.held_turns, []
             for traj in held:
                 super().next_turn(traj)
-            self.admit()
-        return [self.groups[i] for i in sorted(self.groups)]
-
-
-class RecordedRollouts(Rollouts):
-    """rollout.py's loop, adding each trajectory it ends to the engine's length history
-    (engine.finished_trajectories and finished_trajectory_tokens, started by start_engine)."""
-
-    def end(self, traj, reason):
-        super().end(traj, reason)
-        self.engine.finished_trajectories += 1
-        self.engine.finished_trajectory_tokens += len(traj.prompt_ids) + len(traj.response_ids)
-
-
-class ExpectedLengthRollouts(RecordedRollouts):
-    """Admission at the expected length: K from the KV cache at the mean length of the trajectories
-    this engine has finished instead of the full budget, vLLM's preemption as the safety net. At
-    paper scale the mean is about half the budget; it is biased short within a step (short
-    trajectories finish first), and preemption covers the overshoot."""
-
-    def capacity(self):
-        expected, finished = 0, self.engine.finished_trajectories
-        if finished:
-            expected = -(-self.engine.finished_trajectory_tokens // finished)
-        return min(self.engine.max_concurrency(expected), self.cfg.max_concurrency or float("inf"))
-
-
-# admission rule -> its loop: every trajectory at its full budget (rollout.py), or at the mean
-ADMISSION_LOOPS = {"budget": RecordedRollouts, "expected": ExpectedLengthRollouts}
+        super().admit()
 
 
 def generate_with(loop, engine, executor, tokenizer, problems, n, cfg, seed):
@@ -351,14 +312,13 @@ def tools_off_scripts(tokenizer, cfg, problems, scripts):
     return plain_cfg, plain_prompts, plain_lengths
 
 
-def start_engine(cfg, policy, **overrides):
+def start_engine(cfg, policy):
     """An engine following `policy`, counting vLLM's own steps (engine.steps), so plain
-    LLM.generate is counted too, and the length history of ExpectedLengthRollouts."""
-    # disable_log_stats=False: vLLM's counters (prefix cache, preemptions); every mode pays alike
+    LLM.generate is counted too."""
+    # disable_log_stats=False: vLLM's counters (prefix cache); every mode pays alike
     engine = Engine(cfg.model, cfg.rollout, seed=cfg.seed, logits_processors=[policy],
-                    disable_log_stats=False, **overrides)
+                    disable_log_stats=False)
     engine.steps, vllm_step = 0, engine.engine.step
-    engine.finished_trajectories, engine.finished_trajectory_tokens = 0, 0
 
     def counted_step():
         engine.steps += 1
@@ -429,22 +389,17 @@ def bench(cfg):
     workers = cfg.rollout.tool_workers or max(
         1, len(os.sched_getaffinity(0)) - int(os.environ["OMP_NUM_THREADS"]))
     with Executor(workers=workers, timeout_s=cfg.rollout.tool_timeout_s) as executor:
-        table, block_size = compare_loops(cfg, policy, executor, rollouts, plain,
-                                          list(scripts.values())[len(problems):])
-        admission, concurrency = compare_admission(cfg, policy, executor, rollouts, block_size)
+        table = compare_loops(cfg, policy, executor, rollouts, plain,
+                              list(scripts.values())[len(problems):])
 
-    print_tables(cfg, table, admission, concurrency, sum(plain[2]),
-                 sum(len(t) - 1 for t in scripts.values()), workers)
+    print_table(cfg, table, sum(plain[2]), sum(len(t) - 1 for t in scripts.values()), workers)
     return [dict(mode=mode, tool_latency_s=latency, **{k: v for k, v in r.items() if k != "tokens"})
-            for (mode, latency), r in table.items()] + \
-           [dict(mode="admission " + rule, tool_latency_s=cfg.admission_latency_s,
-                 concurrency=concurrency[rule], **{k: v for k, v in r.items() if k != "tokens"})
-            for rule, r in admission.items()]
+            for (mode, latency), r in table.items()]
 
 
 def compare_loops(cfg, policy, executor, rollouts, plain, plain_scripts):
     """Plain generate against the loop, tools off; the loop against its per-turn barrier at each
-    tool latency. -> (the best run of each mode, the engine's KV block size)."""
+    tool latency. -> the best run of each mode."""
     plain_cfg, plain_prompts, plain_lengths = plain
     engine = start_engine(cfg, policy)
     runs = {}  # mode -> its timed runs
@@ -471,33 +426,11 @@ def compare_loops(cfg, policy, executor, rollouts, plain, plain_scripts):
                            "the benchmark is void")
     for latency in cfg.tool_latencies_s:
         table.update(best(runs, [("per-turn barrier", latency), ("no barrier", latency)]))
-    block_size = engine.engine.vllm_config.cache_config.block_size
     close_engine(engine)
-    return table, block_size
+    return table
 
 
-def compare_admission(cfg, policy, executor, rollouts, block_size):
-    """Both admission rules on a KV cache that holds admission_kv_trajectories at the full budget,
-    on the same trajectories. -> (the best run of each rule, its K)."""
-    init_distributed()  # vLLM's shutdown took the process group with it (Engine.close)
-    blocks = -(-cfg.admission_kv_trajectories * cfg.rollout.context_len // block_size) + 1  # + null
-    engine = start_engine(cfg, policy, num_gpu_blocks_override=blocks)
-    tools = DelayedExecutor(executor, cfg.admission_latency_s)
-    # warm-up; it also gives "expected" its mean length (the last step's)
-    rollouts(engine, tools, cfg.rollout, RecordedRollouts)
-    admission, concurrency = {}, {}
-    for _ in range(cfg.repeats):
-        for rule, loop in ADMISSION_LOOPS.items():
-            mean = -(-engine.finished_trajectory_tokens // engine.finished_trajectories)
-            concurrency[rule] = engine.max_concurrency(mean if rule == "expected" else 0)
-            admission.setdefault(rule, []).append(
-                measure(engine, lambda: rollouts(engine, tools, cfg.rollout, loop)))
-    admission = best(admission, list(ADMISSION_LOOPS))
-    close_engine(engine)
-    return admission, concurrency
-
-
-def print_tables(cfg, table, admission, concurrency, tokens, tool_calls, workers):
+def print_table(cfg, table, tokens, tool_calls, workers):
     print(f"\n{cfg.trajectories} scripted trajectories, {tool_calls} tool calls, "
           f"{tokens} sampled tokens; best of {cfg.repeats} run(s) per mode, modes interleaved; "
           f"engine threads (OMP_NUM_THREADS) {os.environ['OMP_NUM_THREADS']}, tool workers "
@@ -518,16 +451,6 @@ def print_tables(cfg, table, admission, concurrency, tokens, tool_calls, workers
     print("per-turn barrier / no barrier, wall time: " + ", ".join(
         f"{ratio:.2f}x at {x:.2f} s" for ratio, x in zip(ratios, cfg.tool_latencies_s))
         + " (target >= 1x)")
-    print(f"\nadmission, no barrier, {cfg.admission_latency_s:.2f} s mean tool latency, KV cache "
-          f"for {cfg.admission_kv_trajectories} trajectories at the full "
-          f"{cfg.rollout.context_len} tokens:")
-    print("| admission | K | s | engine CPU s | engine steps | preemptions | "
-          "prefill tokens computed / submitted |")
-    print("|---|---|---|---|---|---|---|")
-    for rule, r in admission.items():
-        computed = r["prompt_tokens"] - r["prompt_tokens_cached"]
-        print(f"| {rule} | {concurrency[rule]} | {r['seconds']:.2f} | {r['cpu_seconds']:.2f} | "
-              f"{r['steps']} | {r['preemptions']} | {computed:,} / {r['prompt_tokens']:,} |")
 
 
 if __name__ == "__main__":

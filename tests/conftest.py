@@ -4,6 +4,7 @@ way they load Qwen3-14B."""
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -34,14 +35,17 @@ def sft_policy(tmp_path_factory):
 @pytest.fixture(scope="session")
 def saved_run(sft_policy, tmp_path_factory):
     """A real 2-step run (engine, executor, reward pool) that saves the rollouts of both steps and
-    a checkpoint after each; args: its config file and overrides (what a replay is given)."""
+    a checkpoint after each, on MEMO_PROBLEMS three times under different ids (the data order
+    matters); args: its config file and overrides (what a replay is given), started: its start
+    (time.time())."""
     out = tmp_path_factory.mktemp("saved")
     data = out / "train.jsonl"
     data.write_text("".join(json.dumps({**p, "id": f"{p['id']}-{k}"}) + "\n"
                             for k in range(3) for p in rl_runs.MEMO_PROBLEMS))
     command = rl_runs.rl_command(sft_policy, data, out / "run") + ["save_rollouts_every=1"]
+    started = time.time()
     rl_runs.run(command, timeout=900)
-    return SimpleNamespace(dir=out / "run", args=command[2:])
+    return SimpleNamespace(dir=out / "run", args=command[2:], started=started)
 
 
 @pytest.fixture

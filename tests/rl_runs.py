@@ -1,16 +1,23 @@
-"""What the end-to-end tests of rl.py, tools/replay.py and tools/filter_solved.py share: a policy
-small enough to train in seconds that still calls the tool and answers, and rl.py's command for it
-(conftest.py's sft_policy and saved_run fixtures build on these)."""
+"""What the end-to-end tests share: one launcher for scripts and torchrun (`run`, `run_at_once`),
+a policy small enough to train in seconds that still calls the tool and answers, and rl.py's
+command for it (conftest.py's sft_policy and saved_run fixtures build on these)."""
+import contextlib
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import pytest
 
 import tiny
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
+TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]
 
 # Four problems with small numbers: a 0.2M-parameter model memorises their transcripts in 120 SFT
 # steps (~35 s of CPU) and then samples right and wrong answers at temperature 1, so RL groups have
@@ -20,12 +27,63 @@ MEMO_PROBLEMS = [{"id": f"memo-{i}", "problem": f"Compute {a} * {b} + {c}.",
                  for i, (a, b, c) in enumerate([(3, 4, 5), (6, 7, 8), (2, 9, 1), (5, 5, 5)])]
 
 
-def run(cmd, **kw):
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, **kw)
-    assert proc.returncode == 0, (f"{' '.join(map(str, cmd))} failed:\n{proc.stdout[-3000:]}\n"
-                                  f"{proc.stderr[-5000:]}")
-    return proc
+def free_port():
+    """A TCP port on 127.0.0.1 that was free a moment ago: for a rendezvous torchrun does not pick
+    (simulated nodes, bare ranks)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def finish(command, proc, timeout):
+    """Wait for `proc` (read both pipes to the end); past `timeout` seconds kill its session.
+    (CompletedProcess, whether it ran late)."""
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        late = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        late = True
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr), late
+
+
+def run_at_once(commands, envs=None, timeout=600, check=True, cwd=REPO):
+    """Start every command (an argv: a script, `TORCHRUN + [...]`) at once, as one launcher per
+    simulated node or rank, and wait for all; their CompletedProcess (returncode, stdout,
+    stderr as text). `envs`: extra variables per command. Each runs in its own session, so a
+    command past `timeout` seconds is killed with everything it started (torchrun's ranks,
+    their workers) and fails the test. With `check`, a non-zero exit fails the test showing
+    the command and the tails of both streams."""
+    commands = [[str(part) for part in command] for command in commands]
+    procs = [subprocess.Popen(command, cwd=cwd, text=True, start_new_session=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**os.environ, "TOKENIZERS_PARALLELISM": "false",
+                                   **(envs[i] if envs else {})})
+             for i, command in enumerate(commands)]
+
+    # One reader thread per command: ranks that wait on each other must not block on a full pipe
+    # while the test reads another's.
+    with ThreadPoolExecutor(len(procs)) as readers:
+        try:
+            ends = list(readers.map(finish, commands, procs, [timeout] * len(procs)))
+        except BaseException:  # a Ctrl-C of the tests: their own sessions would outlive them
+            for proc in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            raise
+
+    for result, late in ends:
+        if late or (check and result.returncode != 0):
+            why = f"ran past {timeout} s" if late else f"exit {result.returncode}"
+            pytest.fail(f"{' '.join(result.args)}: {why}\n--- stdout\n{result.stdout[-3000:]}\n"
+                        f"--- stderr\n{result.stderr[-5000:]}")
+    return [result for result, _ in ends]
+
+
+def run(command, env=None, timeout=600, check=True, cwd=REPO):
+    """`run_at_once` for one command: its CompletedProcess."""
+    return run_at_once([command], [env or {}], timeout, check, cwd)[0]
 
 
 def train_sft_policy(work):

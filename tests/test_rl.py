@@ -19,11 +19,12 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch
 # tests/ is on sys.path (pytest's rootdir-relative import)
 from dist_rl_train_step import fixed_batch
-from rl_runs import MEMO_PROBLEMS, PYTHON, REPO, rl_command, run
+from rl_runs import MEMO_PROBLEMS, PYTHON, REPO, run, TORCHRUN
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -68,13 +69,13 @@ def three_splits(tiny_model_dir, tmp_path_factory):
                                         "micro_batch_size=2"],
         # --standalone: a free rendezvous port of torchrun's choosing, not the fixed 29500 another
         # run may hold
-        "2 processes x 2 micro-batches": [PYTHON, "-m", "torch.distributed.run", "--standalone",
-                                          "--nproc_per_node=2", script, tiny_model_dir,
-                                          out / "c.pt", "micro_batch_size=2"],
+        "2 processes x 2 micro-batches": [*TORCHRUN, "--standalone", "--nproc_per_node=2",
+                                          script, tiny_model_dir, out / "c.pt",
+                                          "micro_batch_size=2"],
     }
     results = {}
     for name, cmd in splits.items():
-        run([str(c) for c in cmd], timeout=300)
+        run(cmd, timeout=300)
         results[name] = torch.load(next(c for c in cmd if str(c).endswith(".pt")),
                                    weights_only=False)
     return results
@@ -119,11 +120,10 @@ def variant_splits(tiny_model_dir, tmp_path_factory):
     results = {}
     for name, overrides in LOSS_VARIANTS.items():
         for ranks, micro in ((1, 0), (2, 2)):
-            launch = ([PYTHON] if ranks == 1 else
-                      [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"])
+            launch = [PYTHON] if ranks == 1 else [*TORCHRUN, "--standalone", "--nproc_per_node=2"]
             path = out / f"{name}-{ranks}.pt"
-            run([str(c) for c in [*launch, script, tiny_model_dir, path,
-                                  f"micro_batch_size={micro}", *overrides]], timeout=300)
+            run([*launch, script, tiny_model_dir, path, f"micro_batch_size={micro}", *overrides],
+                timeout=300)
             results[name, ranks] = torch.load(path, weights_only=False)
     return results
 
@@ -235,12 +235,11 @@ def shared_and_recomputed(tiny_model_dir, tmp_path_factory):
     with no rollout correction and with token_tis."""
     out = tmp_path_factory.mktemp("shared-forward")
     script = REPO / "tests" / "dist_rl_train_step.py"
-    launch = {1: [PYTHON], 2: [PYTHON, "-m", "torch.distributed.run", "--standalone",
-                               "--nproc_per_node=2"]}
+    launch = {1: [PYTHON], 2: [*TORCHRUN, "--standalone", "--nproc_per_node=2"]}
     results = {}
     for world, prefix in launch.items():
-        run([str(c) for c in [*prefix, script, tiny_model_dir, out / f"{world}.pt",
-                              "old_logprobs=both", "micro_batch_size=2"]], timeout=300)
+        run([*prefix, script, tiny_model_dir, out / f"{world}.pt", "old_logprobs=both",
+             "micro_batch_size=2"], timeout=300)
         results[world] = torch.load(out / f"{world}.pt", weights_only=False)
     return results
 
@@ -635,8 +634,8 @@ def test_a_key_that_cannot_act_says_so_and_leaves_every_gradient_as_it_was(
 def test_saved_rollouts_hold_what_selection_saw_and_chose_and_keep_the_newest_steps(tmp_path,
                                                                                       capsys):
     """save_rollouts writes each trajectory with its reward, penalty, selection and advantage;
-    tools.replay.saved_groups reads back Trajectory objects from which select_samples chooses exactly as it
-    did live. keep_rollouts=2 keeps the newest two saved steps; a step directory without its
+    tools.replay.saved_groups reads back Trajectory objects from which select_samples chooses exactly
+    as it did live. keep_rollouts=2 keeps the newest two saved steps; a step directory without its
     step.json (a run killed while saving) is not a saved step."""
     init_distributed()
     cfg = rl.RLConfig(model="x", group_size=4, save_rollouts_every=2, keep_rollouts=2)
@@ -787,30 +786,22 @@ def test_the_planned_epochs_are_printed_and_many_passes_warn():
 # -----------------------------------------------------------------------------
 # bad input stops before any work, with a message that names the problem
 
-@pytest.mark.parametrize("overrides, message", [
-    (["prompts_per_step=6", "mini_batches=4"],
-     "prompts_per_step=6 does not divide into mini_batches=4"),
-    (["micro_batch_tokens=512"], "micro_batch_tokens=512 cannot hold one trajectory"),
-    (["group_size=2"], "GRPO-RoC keeps at least 2 positives and 2 negatives"),
-    (["rollout.max_turns=0"], "'rollout.max_turns': must be >= 1"),
-    (["rollout.top_p=0"], "'rollout.top_p': must be > 0 and <= 1"),
-    (["rollout.tool_workers=-1"], "'rollout.tool_workers': must be >= 0"),
-    (["dual_clip=0.5"], "dual_clip=0.5: must be 0 \\(off\\) or > 1"),
-    (["lr=0"], "'lr': must be > 0"),
-    (["save_every=0"], "save_every=0: must be >= 1"),
-    (["resume=/no/such/checkpoint"], "expected auto, never or a checkpoint directory"),
-    (["init_optimizer=false"],
-     "init_optimizer=false takes the weights of init_from, which is not set"),
-    (["clip_low=1"], "'clip_low': must be >= 0 and < 1"), (["positive_rule=best"], "'best'"),
-    (["ratio_level=step"], "'step' is not one of"),
-    (["rollout_correction=token_tis", "rollout_is_threshold=1.0"],
-     "'rollout_is_threshold': must be > 1"),
-    # YAML reads off as false: the setting without a correction is spelled none
-    (["rollout_correction=off"], "YAML reads 'off' as false; write none, or one of \\['none', "),
+@pytest.mark.parametrize("overrides", [
+    ["prompts_per_step=6", "mini_batches=4"], ["micro_batch_tokens=512"], ["group_size=2"],
+    ["rollout.max_turns=0"], ["rollout.top_p=0"], ["rollout.tool_workers=-1"], ["dual_clip=0.5"],
+    ["lr=0"], ["save_every=0"], ["resume=/no/such/checkpoint"], ["init_optimizer=false"],
+    ["rollout_correction=token_tis", "rollout_is_threshold=1.0"],
+    ["clip_low=1"], ["positive_rule=best"], ["ratio_level=step"],
+    ["rollout_correction=off"],  # YAML reads off as false: the refusal names the key
 ])
-def test_bad_configs_are_rejected_when_loaded(overrides, message):
-    with pytest.raises(ConfigError, match=message):
+def test_bad_configs_are_rejected_when_loaded_in_one_line_naming_the_key(overrides):
+    """Each refusal names the key that must change (the last override, where two conflict)."""
+    with pytest.raises(ConfigError) as refused:
         load_config(rl.RLConfig, ["configs/tiny.yaml", *overrides])
+    key = overrides[-1].split("=")[0]
+    if key == "mini_batches":  # the conflict is stated from prompts_per_step's side
+        key = "prompts_per_step"
+    assert key in str(refused.value) and "\n" not in str(refused.value).strip()
 
 
 def test_a_tensor_parallel_size_that_does_not_fit_is_rejected_before_loading_anything(
@@ -834,8 +825,8 @@ def test_a_model_directory_without_a_tokenizer_is_rejected_by_the_command_line(t
     weights_only.mkdir()
     for name in ("config.json", "model.safetensors"):
         shutil.copy(Path(tiny_model_dir) / name, weights_only / name)
-    proc = subprocess.run([PYTHON, "rl.py", "configs/tiny.yaml", f"model={weights_only}"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    proc = run([PYTHON, "rl.py", "configs/tiny.yaml", f"model={weights_only}"], timeout=120,
+               check=False)
     assert proc.returncode != 0
     assert "has no tokenizer" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -853,37 +844,30 @@ def deterministic(metrics):
 
 # the phases of rl_step, one time/ key each; time/tool_busy overlaps the rollout and
 # time/checkpoint, time/eval come after the step
-STEP_PHASES = ("weight_update", "rollout", "reward", "selection", "balance", "old_logprobs",
-               "train", "logprob_gap", "metrics")
+STEP_PHASES = ("weight_update", "rollout", "reward", "selection", "save_rollouts", "balance",
+               "old_logprobs", "train", "logprob_gap", "metrics")
 
 
 @pytest.mark.slow
-def test_a_logged_step_has_a_timestamp_and_a_step_time_its_phases_add_up_to(sft_policy,
-                                                                             tmp_path):
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps(p) + "\n" for p in MEMO_PROBLEMS))
-    before = time.time()
-    run(rl_command(sft_policy, data, tmp_path / "run") + ["steps=1"], timeout=900)
-    (row,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
-              .splitlines()]
-    assert before < row["timestamp"] < time.time()
-    phases = sum(row[f"time/{phase}"] for phase in STEP_PHASES)
-    assert phases == pytest.approx(row["time/step"], rel=0.05)
-    assert row["time/checkpoint"] > 0  # logged apart: saved after time/step ends
+def test_a_logged_step_has_a_timestamp_and_a_step_time_its_phases_add_up_to(saved_run):
+    rows = read_metrics(saved_run.dir)
+    assert saved_run.started < rows[0]["timestamp"] < rows[1]["timestamp"] < time.time()
+    for row in rows:
+        phases = sum(row[f"time/{phase}"] for phase in STEP_PHASES)
+        assert phases == pytest.approx(row["time/step"], rel=0.05)
+        assert row["time/checkpoint"] > 0  # logged apart: saved after time/step ends
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow
-def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_data_and_metrics(sft_policy,
-                                                                                tmp_path):
-    # each problem three times under different ids: the data order matters
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({**p, "id": f"{p['id']}-{k}"}) + "\n"
-                            for k in range(3) for p in MEMO_PROBLEMS))
-    read = lambda d: [json.loads(line)  # noqa: E731
-                      for line in (d / "metrics.jsonl").read_text().splitlines()]
-
-    run(rl_command(sft_policy, data, tmp_path / "straight"), timeout=900)
-    straight = read(tmp_path / "straight")
+def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_data_and_metrics(
+        sft_policy, saved_run, tmp_path):
+    """saved_run is the run straight through; the same command SIGKILLed after its first
+    checkpoint and resumed must reach the same metrics and weights."""
+    straight = read_metrics(saved_run.dir)
     assert [m["step"] for m in straight] == [1, 2]
     # Both steps trained, so the teeth are real: step 2's rollouts come from the weights step 1 made
     # (the model must be restored), and its update depends on AdamW's moments from step 1 (the
@@ -899,9 +883,10 @@ def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_data_and_metrics(
 
     # the same run, SIGKILLed (no cleanup, no atexit) once the step-1 checkpoint is complete
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(rl_command(sft_policy, data, killed), cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    command = [PYTHON, "rl.py", *(f"out_dir={killed}" if arg.startswith("out_dir=") else arg
+                                  for arg in saved_run.args)]
+    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 600
     while not (killed / "checkpoints" / "step_00000001" / "COMPLETE").exists():
         assert proc.poll() is None and time.time() < deadline, (
@@ -913,9 +898,9 @@ def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_data_and_metrics(
     # a save that was cut short leaves only a .tmp directory, which resume must ignore
     (killed / "checkpoints" / "step_00000002.tmp").mkdir(exist_ok=True)
 
-    resumed = run(rl_command(sft_policy, data, killed), timeout=900)
+    resumed = run(command, timeout=900)
     assert "resumed from" in resumed.stdout and "step 1, data position 4" in resumed.stdout
-    after = read(killed)
+    after = read_metrics(killed)
     assert [m["step"] for m in after] == [1, 2]
     for a, b in zip(deterministic(straight), deterministic(after)):
         assert a.keys() == b.keys()
@@ -926,7 +911,7 @@ def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_data_and_metrics(
                 assert a[key] == b[key], (a["step"], key)
     # ...and the policy both runs end with is the same
 
-    final_straight = load_file(tmp_path / "straight" / "hf_step_2" / "model.safetensors")
+    final_straight = load_file(saved_run.dir / "hf_step_2" / "model.safetensors")
     final_resumed = load_file(killed / "hf_step_2" / "model.safetensors")
     for name, weight in final_straight.items():
         torch.testing.assert_close(final_resumed[name], weight, atol=1e-6, rtol=1e-5, msg=name)
@@ -971,17 +956,6 @@ def test_the_held_out_numbers_of_a_run_are_eval_pys_numbers(sft_policy, tmp_path
 # -----------------------------------------------------------------------------
 # how a run ends: Ctrl-C, nothing to train on, the closing lines
 
-def descendants(pid):
-    """Every process below `pid` (the tool's and the grader's workers, in their own sessions)."""
-    found, todo = set(), [pid]
-    while todo:
-        children = subprocess.run(["pgrep", "-P", str(todo.pop())], capture_output=True,
-                                  text=True).stdout.split()
-        found.update(map(int, children))
-        todo += children
-    return found
-
-
 @pytest.mark.slow
 def test_ctrl_c_ends_in_one_paragraph_whose_command_resumes_and_untrained_steps_warn(
         tiny_model_dir, tmp_path):
@@ -1002,7 +976,8 @@ def test_ctrl_c_ends_in_one_paragraph_whose_command_resumes_and_untrained_steps_
     while not (out / "checkpoints" / "step_00000002" / "COMPLETE").exists():
         assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
         time.sleep(0.1)
-    workers = descendants(proc.pid)
+    # every process below the run: the tool's and the grader's workers, in their own sessions
+    workers = {child.pid for child in psutil.Process(proc.pid).children(recursive=True)}
     os.killpg(proc.pid, signal.SIGINT)
     output = proc.communicate(timeout=120)[0]
     assert proc.returncode == 128 + signal.SIGINT, output[-3000:]

