@@ -8,7 +8,6 @@ import json
 import random
 import re
 import string
-from pathlib import Path
 
 from machinery.config import ConfigError, resolve
 from machinery.data import load_jsonl
