@@ -15,19 +15,22 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch.distributed as dist
 
 # tests/ is on sys.path (pytest's rootdir-relative import)
 from rl_runs import MEMO_PROBLEMS, rl_command
 
 from machinery.checkpoint import checkpoint_damage, requested_checkpoint
 from machinery.config import ConfigError
-from machinery.distributed import cores_per_rank, regroup_owner
+from machinery.distributed import attempt_store, cores_per_rank, regroup_owner
 from machinery.engine import SHM_DIR
 from machinery.tail import claims, spread_lengths
 from rollout import Rollouts
@@ -291,6 +294,33 @@ def test_shared_memory_left_by_a_killed_tensor_parallel_engine_is_refused_in_one
     assert returncode == 1 and not re.search(f'File "{REPO}/(?!\\.venv)', output), output[-5000:]
     assert output.count(f"left it in the way: {stale}. Remove it") == 1, output[-5000:]
     assert set(SHM_DIR.glob("*cpushm_*")) == segments_before
+
+
+def test_every_rank_of_an_attempt_agrees_on_a_fresh_part_of_the_store_over_a_dead_attempts_keys():
+    """torchrun's workers' store as a restart finds it: a dead attempt's generation and rank 1's
+    old nonce. Rank 0 starts first and reads that nonce; ranks 1 and 2 arrive later, in threads
+    (each with its own client, as on its own node). Every rank ends in the same fresh part: what
+    one writes there, the others read. Under a second."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    server.set("rstar2/agreement/nonce_1", "a-dead-attempts-nonce")
+    server.add("rstar2/agreement/generation", 5)
+    parts = {}
+
+    def rank(r, delay_s):
+        time.sleep(delay_s)
+        client = dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                               timeout=timedelta(seconds=20))
+        parts[r] = attempt_store(client, r, 3, timedelta(seconds=20))
+        parts[r].set(f"rank_{r}", str(r))
+
+    threads = [threading.Thread(target=rank, args=(r, delay_s))
+               for r, delay_s in ((0, 0), (1, 0.5), (2, 0.2))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(parts[r].get(f"rank_{q}") == str(q).encode() for r in range(3) for q in range(3))
+    assert server.check(["rstar2/generation_6/default_pg/rank_2"])
 
 
 def test_each_rank_takes_its_share_of_the_nodes_cores_whatever_vllm_sets_later(monkeypatch):
