@@ -104,15 +104,12 @@ def preflight(backend, world_size, timeout):
 
 
 def attempt_store(store, rank, world_size, timeout):
-    """The part of the workers' store that belongs to this attempt of the job, the same on every
-    rank. torchrun's store outlives attempts and keeps their keys (gloo's rank addresses, the
-    claim counters), and its restart count is each agent's own, so neither names an attempt
-    (docs/design.md, "Restarts across nodes"). Rank 0 takes a fresh generation; each other rank
-    publishes a random nonce, and rank 0 answers the nonce it reads under a key holding the nonce
-    until that rank confirms under a key holding the generation. Every worker of the last attempt
-    was stopped before this one started, so a key holding this nonce or this generation is this
-    attempt's; the one stale read, rank 0's of an old nonce, is answered to nobody and read
-    again."""
+    """This attempt's part of the workers' store, the same on every rank: the store outlives
+    attempts with their keys (gloo's rank addresses, the claims), and torchrun's restart count is
+    each agent's own (docs/design.md, "Faults and in-job restarts"). Rank 0 takes a fresh
+    generation and answers each rank's nonce until the rank confirms under the generation. Every
+    worker of the last attempt was stopped before this one started, so a key holding this nonce or
+    generation is this attempt's; rank 0's one stale read, an old nonce, is answered to nobody."""
     agreement = dist.PrefixStore("rstar2/agreement", store)
     if rank == 0:
         generation = agreement.add("generation", 1)
@@ -164,8 +161,7 @@ def check_same_settings(cfg, rank, world_size):
     if world_size == 1:
         return
     everyone = [None] * world_size
-    dist.all_gather_object(everyone, sorted(flatten_config(dataclasses.asdict(cfg)).items()))
-    everyone = [dict(settings) for settings in everyone]
+    dist.all_gather_object(everyone, flatten_config(dataclasses.asdict(cfg)))
     differ = {}
     for r, settings in enumerate(everyone):
         for key in sorted(settings.keys() ^ everyone[0].keys()
