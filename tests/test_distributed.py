@@ -217,12 +217,12 @@ def test_torchrun_restarts_a_job_whose_rank_died_mid_rollout_then_mid_save_to_th
 @pytest.mark.slow
 def test_two_nodes_restart_once_per_fault_whichever_agent_counted_it(runs):
     """Two simulated nodes (c10d, every step saved): node 1's rank SIGKILLed as it claims a prompt
-    of step 2, node 0's mid-rollout; then node 0's rank once step 2's shards are written, under
-    either count its agent may keep (0 if it restarted for the waiting node, else 1; with 0 the
-    fault strikes again in the attempt after). One start per fault, none failing its preflight,
-    both exit 0, every step once, the uninterrupted run's numbers."""
+    of step 2, node 0's mid-rollout; then node 0's rank in step 2 under either count its agent may
+    keep (0 if it restarted for the waiting node: at the commit, and in training after, counting
+    1; else at once in training). One start per fault, none failing its preflight, both exit 0,
+    every step once, the uninterrupted run's numbers."""
     out_dir = runs.work / "node-faults"
-    faults = "0:1:2:claim:kill,0:0:2:checkpoint_commit:kill,1:0:2:checkpoint_commit:kill"
+    faults = "0:1:2:claim:kill,0:0:2:checkpoint_commit:kill,1:0:2:train:kill"
     with rendezvous_store() as port:
         results = launch(nodes([["rl.py", *runs.args(out_dir), "save_every=1"]] * 2, port,
                                nnodes="2", max_restarts=3), [{"RSTAR2_FAULTS": faults}] * 2,
