@@ -7,15 +7,13 @@ run, the run repeated; against one uninterrupted run of the same config:
         [chaos_runs=2] [chaos_faults=3] [chaos_nodes=3] [chaos_kinds=worker,node,hang] \
         [chaos_seed=0] [any rl.py key=value]
 
-A fault strikes a random node at a random moment of an attempt (within chaos_window_s of its
-start; by default half the uninterrupted run's time): "worker", its rank SIGKILLed (a GPU off the
-bus); "node", its agent and rank SIGKILLed (a lost node: the job goes on with N-1 nodes, and a fresh
-agent rejoins chaos_rejoin_s later); "hang", its rank SIGSTOPped (a hung kernel runs no Python:
-found at the collective timeout, short here, or by rl.py's heartbeat where it has one). Per run:
-exit codes, faults, the steps each made the run redo, attempts, minutes lost per fault (the run's
-time less the uninterrupted run's, over its faults), every step logged once, the rows' numbers
-against the uninterrupted run's (docs/benchmarks.md, "Faults"), any .tmp left. Needs an SFT'd
-policy (model=): the untrained tiny model trains on nothing.
+A fault strikes a random node within chaos_window_s of an attempt's start: "worker", its rank
+SIGKILLed (a GPU off the bus); "node", its agent and rank SIGKILLed (a lost node: the job goes on
+with N-1 nodes, and a fresh agent rejoins chaos_rejoin_s later); "hang", its rank SIGSTOPped (found
+at the collective timeout, short here, or by rl.py's heartbeat where it has one). Reported per
+run: exits, faults, steps each made the run redo, attempts, minutes lost per fault, every step
+logged once, the numbers against the uninterrupted run's, any .tmp left (docs/benchmarks.md).
+Needs an SFT'd policy (model=): the untrained tiny model trains on nothing.
 """
 import dataclasses
 import json
@@ -43,7 +41,7 @@ class ChaosConfig:
     chaos_nodes: int = 3          # simulated nodes; the job goes on with one fewer
     chaos_kinds: str = "worker,node,hang"  # the faults drawn from, uniformly
     # a fault comes this many seconds at most after its attempt's ranks start; 0: half the
-    # uninterrupted run's seconds (an attempt starts after its imports: a late draw strikes none)
+    # uninterrupted run's (a draw past the run's end strikes nothing)
     chaos_window_s: float = 0.0
     chaos_rejoin_s: float = 60.0  # a lost node's agent comes back this long after
     chaos_seed: int = 0
@@ -82,10 +80,8 @@ class Job:
     def wait(self):
         while self.running():
             time.sleep(1)
-        codes = [a.wait() for a in self.agents if not getattr(a, "lost", False)]
         self.store.terminate()
-        self.store.wait()
-        return codes
+        return [a.wait() for a in self.agents if not getattr(a, "lost", False)]
 
     def output(self):
         return "".join(log.read_text() for log in self.logs)
@@ -174,11 +170,9 @@ def compared(reference, rows):
 def main(argv):
     chaos = load_config(ChaosConfig, [a for a in argv if a.startswith("chaos_")])
     rl_argv = [a for a in argv if not a.startswith("chaos_")]
-    # the machine's choice of threads may differ between the runs compared, and the update's sums
-    # with it in the 7th digit; a hang is found at the collective timeout where nothing else does
-    for key, value in (("train_threads", "1"), ("collective_timeout_min", "3")):
-        if not any(a.startswith(f"{key}=") for a in rl_argv):
-            rl_argv.append(f"{key}={value}")
+    # one thread (a machine's own count moves the update's sums); a hang found at a short timeout
+    rl_argv += [f"{key}={value}" for key, value in (("train_threads", 1),
+                ("collective_timeout_min", 3)) if not any(a.startswith(f"{key}=") for a in argv)]
     rng = random.Random(chaos.chaos_seed)
     work = Path(tempfile.mkdtemp(prefix="chaos-"))
     started = time.time()
