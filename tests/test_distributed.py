@@ -1,33 +1,40 @@
 """rl.py across ranks and nodes (machinery/distributed.py): the same run under torchrun on 2 ranks
 of one node and on 2 nodes of 1 rank (two launchers on 127.0.0.1, as on two machines) gives the
 same metrics; torchrun --max-restarts carries a run whose ranks are killed mid-rollout and
-mid-save to its end with the same metrics; a rerun of the finished run and a replay of a saved step
-exit cleanly; nodes given different settings, a node that does not see rank 0's out_dir, a rank
-that cannot reach the rendezvous store, an interface gloo cannot use and shared memory a killed
-tensor-parallel engine left stop at start, in seconds, with a message that names what to fix.
+mid-save to its end with the same metrics, on one node and on two (one attempt per fault, whichever
+agent counted it); three elastic nodes lose one, a store's host or not, and finish on two; a rerun
+of the finished run and a replay of a saved step exit cleanly; nodes given different settings, a
+node that does not see rank 0's out_dir, a rank that cannot reach the rendezvous store, an
+interface gloo cannot use and shared memory a killed tensor-parallel engine left stop at start, in
+seconds, with a message that names what to fix.
 
 Run: .venv/bin/python -m pytest tests/test_distributed.py -q     (-m "not slow": the fast half)
 """
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch.distributed as dist
 
 # tests/ is on sys.path (pytest's rootdir-relative import)
 from rl_runs import MEMO_PROBLEMS, rl_command
 
 from machinery.checkpoint import checkpoint_damage, requested_checkpoint
 from machinery.config import ConfigError
-from machinery.distributed import cores_per_rank, regroup_owner
+from machinery.distributed import attempt_store, cores_per_rank, regroup_owner
 from machinery.engine import SHM_DIR
 from machinery.tail import claims, spread_lengths
 from rollout import Rollouts
@@ -63,12 +70,31 @@ def one_node(args, ranks=2):
     return TORCHRUN + ["--standalone", f"--nproc_per_node={ranks}"] + args
 
 
-def nodes(args_per_node, port):
-    """One torchrun per simulated node, 1 rank each, meeting at 127.0.0.1:port."""
-    return [TORCHRUN + [f"--nnodes={len(args_per_node)}", f"--node_rank={i}",
-                        "--nproc_per_node=1", "--master_addr=127.0.0.1",
-                        f"--master_port={port}"] + args
-            for i, args in enumerate(args_per_node)]
+def nodes(args_per_node, port, nnodes=None, max_restarts=0):
+    """One torchrun per simulated node, 1 rank each, meeting at 127.0.0.1:port: a static
+    rendezvous, or with nnodes ("2", "2:3") c10d's at a rendezvous_store, as docs/gpu.md's."""
+    if nnodes is None:
+        return [TORCHRUN + [f"--nnodes={len(args_per_node)}", f"--node_rank={i}",
+                            "--nproc_per_node=1", "--master_addr=127.0.0.1",
+                            f"--master_port={port}"] + args
+                for i, args in enumerate(args_per_node)]
+    return [TORCHRUN + [f"--nnodes={nnodes}", "--nproc_per_node=1", "--rdzv-backend=c10d",
+                        f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-conf=is_host=false",
+                        "--rdzv-id=test", f"--max-restarts={max_restarts}"] + args
+            for args in args_per_node]
+
+
+@contextlib.contextmanager
+def rendezvous_store():  # docs/gpu.md's rendezvous store, in no node: -> its port
+    port = free_port()
+    store = subprocess.Popen([sys.executable, "-m", "machinery.distributed", str(port)], cwd=REPO,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert "listens on" in store.stdout.readline()
+        yield port
+    finally:
+        store.terminate()
+        store.wait(timeout=30)
 
 
 def assert_clean(results):
@@ -189,6 +215,73 @@ def test_torchrun_restarts_a_job_whose_rank_died_mid_rollout_then_mid_save_to_th
 
 
 @pytest.mark.slow
+def test_two_nodes_restart_once_per_fault_whichever_agent_counted_it(runs):
+    """Two simulated nodes (c10d, every step saved): node 1's rank SIGKILLed as it claims a prompt
+    of step 2, node 0's mid-rollout; then node 0's rank in step 2 under either count its agent may
+    keep (0 if it restarted for the waiting node: at the commit, and in training after, counting
+    1; else at once in training). One start per fault, none failing its preflight, both exit 0,
+    every step once, the uninterrupted run's numbers. 1044 s at load 30-45."""
+    out_dir = runs.work / "node-faults"
+    faults = "0:1:2:claim:kill,0:0:2:checkpoint_commit:kill,1:0:2:train:kill"
+    with rendezvous_store() as port:
+        results = launch(nodes([["rl.py", *runs.args(out_dir), "save_every=1"]] * 2, port,
+                               nnodes="2", max_restarts=3), [{"RSTAR2_FAULTS": faults}] * 2,
+                         timeout=1800)
+    assert_clean(results)
+    output = "".join(o for _, o in results)
+    kills = output.count("exitcode: -9")  # torchrun's line for each SIGKILLed rank
+    assert kills in (2, 3) and output.count("plan: steps") == 1 + kills, output[-5000:]
+    assert "could not reach" not in output
+    assert output.count(f"resumed from {out_dir / 'checkpoints' / 'step_00000001'}") == kills
+    assert [m["step"] for m in metrics(out_dir)] == [1, 2]
+    assert_same_numbers(metrics(runs.work / "one"), metrics(out_dir))
+
+
+def kill_node_after_step(launchers, out_dir, rank, step):
+    """A whole node lost once metrics.jsonl holds `step`: rank `rank`'s agent and worker killed."""
+    while not (out_dir / "metrics.jsonl").exists() or len(metrics(out_dir)) < step:
+        time.sleep(0.5)
+    for launcher in launchers:
+        workers = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
+                                 text=True).stdout.split()
+        for pid in workers:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            if f"RANK={rank}".encode() in environ:
+                launcher.kill()
+                os.kill(int(pid), signal.SIGKILL)
+                return
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lost_rank", [2, 0], ids=["a node without a store", "the store's host"])
+def test_three_elastic_nodes_lose_one_and_finish_on_two(runs, lost_rank):
+    """--nnodes=2:3 as docs/gpu.md's lines (the workers' store in the rank-0 worker). After step 1
+    a whole node, agent and worker, is SIGKILLed: rank 2's, or rank 0's (the store's host). The
+    other two resume on two ranks and finish: both exit 0, every step once, the 2-rank run's
+    numbers (the same prompts, seeds and draws at any world size). 769 s each at load 30-45."""
+    out_dir, logs = runs.work / f"lost-{lost_rank}", runs.work / f"lost-{lost_rank}-logs"
+    logs.mkdir()
+    with rendezvous_store() as port:
+        commands = nodes([["rl.py", *runs.args(out_dir), "save_every=1"]] * 3, port,
+                         nnodes="2:3", max_restarts=2)
+        launchers = [subprocess.Popen(command, cwd=REPO, stdout=(logs / f"{i}.log").open("w"),
+                                      stderr=subprocess.STDOUT,
+                                      env={**os.environ, "TOKENIZERS_PARALLELISM": "false",
+                                           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+                     for i, command in enumerate(commands)]
+        kill_node_after_step(launchers, out_dir, lost_rank, 1)
+        results = [(p.wait(timeout=1800), (logs / f"{i}.log").read_text())
+                   for i, p in enumerate(launchers)]
+    survivors = [result for result in results if result[0] != -signal.SIGKILL]
+    assert len(survivors) == 2
+    assert_clean(survivors)
+    assert [m["step"] for m in metrics(out_dir)] == [1, 2]
+    # but the weight gather's bytes: each rank's shard is padded to the world's chunk
+    assert_same_numbers(*([{k: v for k, v in m.items() if k != "bytes/weight_sync_gathered_bytes"}
+                           for m in metrics(run)] for run in (runs.work / "one", out_dir)))
+
+
+@pytest.mark.slow
 def test_a_resume_that_finds_shards_missing_names_the_ranks_instead_of_starting_over(runs,
                                                                                       tmp_path):
     """A node-local out_dir as a restart finds it: rank 1's shard went to another node."""
@@ -290,6 +383,33 @@ def test_shared_memory_left_by_a_killed_tensor_parallel_engine_is_refused_in_one
     assert returncode == 1 and not re.search(f'File "{REPO}/(?!\\.venv)', output), output[-5000:]
     assert output.count(f"left it in the way: {stale}. Remove it") == 1, output[-5000:]
     assert set(SHM_DIR.glob("*cpushm_*")) == segments_before
+
+
+def test_every_rank_of_an_attempt_agrees_on_a_fresh_part_of_the_store_over_a_dead_attempts_keys():
+    """torchrun's workers' store as a restart finds it: a dead attempt's generation and rank 1's
+    old nonce. Rank 0 starts first and reads that nonce; ranks 1 and 2 arrive later, in threads
+    (each with its own client, as on its own node). Every rank ends in the same fresh part: what
+    one writes there, the others read. Under a second."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    server.set("rstar2/agreement/nonce_1", "a-dead-attempts-nonce")
+    server.add("rstar2/agreement/generation", 5)
+    parts = {}
+
+    def rank(r, delay_s):
+        time.sleep(delay_s)
+        client = dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                               timeout=timedelta(seconds=20))
+        parts[r] = attempt_store(client, r, 3, timedelta(seconds=20))
+        parts[r].set(f"rank_{r}", str(r))
+
+    threads = [threading.Thread(target=rank, args=(r, delay_s))
+               for r, delay_s in ((0, 0), (1, 0.5), (2, 0.2))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(parts[r].get(f"rank_{q}") == str(q).encode() for r in range(3) for q in range(3))
+    assert server.check(["rstar2/generation_6/default_pg/rank_2"])
 
 
 def test_each_rank_takes_its_share_of_the_nodes_cores_whatever_vllm_sets_later(monkeypatch):
