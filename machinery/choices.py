@@ -214,6 +214,7 @@ def chosen_letter(text, options):
     statements = []  # (position, letter, or "" for an answer that names no single option)
     for box in _BOX.finditer(prose):
         statements.append((box.start(), _read_choice(box.group(1), options) or ""))
+
     # <answer>...</answer>: each closing tag with the last opening before it; one scan each way,
     # so a megabyte of unclosed tags costs what reading it does.
     opens = [tag.end() for tag in re.finditer("<answer>", prose)]
@@ -222,6 +223,7 @@ def chosen_letter(text, options):
         inside = prose[opens[at]:close.start()] if at >= 0 else ""
         if at >= 0 and not _BOX.search(inside):
             statements.append((opens[at], _read_choice(inside, options) or ""))
+
     for cue in list(_CUE.finditer(prose))[-MAX_CUES:]:
         rest = prose[cue.end():cue.end() + MAX_STATEMENT_CHARS]
         rest = rest[_CUE_LINK.match(rest).end():]
@@ -230,6 +232,7 @@ def chosen_letter(text, options):
     for right in _LETTER_IS_RIGHT.finditer(prose):
         if right.group(1) in valid:  # "X is the answer" of a compound X is no option's letter
             statements.append((right.start(), right.group(1)))
+
     lines = [line for line in prose.splitlines() if line.strip()]
     if lines:
         last = _read_choice(lines[-1], options)
@@ -237,6 +240,7 @@ def chosen_letter(text, options):
         if last is None and len(bracketed) == 1:
             last = bracketed.pop()
         statements.append((prose.rfind(lines[-1]), last))
+
     statements = [(at, letter) for at, letter in statements if letter is not None]
     if not statements:
         return None

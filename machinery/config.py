@@ -351,6 +351,7 @@ def read_records(path):
     path = Path(path)
     if not path.is_file():
         return []
+
     data, torn = path.read_bytes(), False
     if path.suffix == ".gz":
         data, torn = _gunzip(data)
@@ -370,6 +371,7 @@ def read_records(path):
             raise ConfigError(f"{path}:{number}: expected a JSON object, got "
                               f"{type(record).__name__}")
         records.append(record)
+
     if torn:
         warn_torn(path, f"the {len(records)} records before it are kept")
     return records

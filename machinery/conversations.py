@@ -24,6 +24,7 @@ def check_conversation(row, where):
     if not isinstance(messages, list) or not messages:
         raise ConfigError(f"{where}: expected a non-empty list under 'messages', "
                           f"got {messages!r:.80}")
+
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             role = message.get("role") if isinstance(message, dict) else message
@@ -34,12 +35,14 @@ def check_conversation(row, where):
                               f"string, got {message.get('content')!r:.80}")
         if message["role"] == "assistant" and not message["content"]:
             raise ConfigError(f"{where}: message {i}: an assistant message has empty content")
+
     if messages[0]["role"] not in ("system", "user"):
         raise ConfigError(f"{where}: the conversation must start with a system or user message, "
                           f"not {messages[0]['role']!r}")
     if messages[-1]["role"] != "assistant":
         raise ConfigError(f"{where}: the last message is {messages[-1]['role']!r}; end with the "
                           "assistant's (a turn after it trains nothing)")
+
     tools = row.get("tools")
     if tools is not None and not (isinstance(tools, list)
                                   and all(isinstance(t, dict) for t in tools)):

@@ -30,6 +30,7 @@ def load_jsonl(path, required=None):
     path = resolve(path)
     if not path.is_file():
         raise ConfigError(f"data file not found: {path}")
+
     rows = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -50,6 +51,7 @@ def load_jsonl(path, required=None):
                     raise ConfigError(f"{path}:{lineno}: '{key}' must be a non-empty string, "
                                       f"got {row[key]!r}")
             rows.append(row)
+
     if not rows:
         raise ConfigError(f"{path}: no rows")
     return rows

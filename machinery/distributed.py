@@ -46,6 +46,7 @@ def init_distributed(collective_timeout_min=120):
     the ranks first prove they reach each other (preflight); after it a collective waits up to
     collective_timeout_min for the slowest rank (the longest wait, the rollout tail: mode=plan)."""
     store = None
+
     # A child process (demo.py's stages) inherits the variables a single-process parent set below:
     # taken for torchrun's, they would bind the parent's port. torchrun sets its own MASTER_PORT.
     inherited = os.environ.get(SINGLE_PROCESS_MARKER, "").split(":")
@@ -61,6 +62,7 @@ def init_distributed(collective_timeout_min=120):
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
         os.environ[SINGLE_PROCESS_MARKER] = f"{os.getpid()}:{store.port}"
+
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
@@ -71,6 +73,7 @@ def init_distributed(collective_timeout_min=120):
     else:
         device = torch.device("cpu")
         backend = "gloo"
+
     timeout = timedelta(minutes=collective_timeout_min)
     if not dist.is_initialized():
         if store is not None:
@@ -111,6 +114,7 @@ def attempt_store(store, rank, world_size, timeout):
     worker of the last attempt was stopped before this one started, so a key holding this nonce or
     generation is this attempt's; rank 0's one stale read, an old nonce, is answered to nobody."""
     agreement = dist.PrefixStore("rstar2/agreement", store)
+
     if rank == 0:
         generation = agreement.add("generation", 1)
         answered, waiting = {}, set(range(1, world_size))
@@ -131,6 +135,7 @@ def attempt_store(store, rank, world_size, timeout):
         agreement.set(f"nonce_{rank}", nonce)
         generation = int(agreement.get(f"answer_{nonce}"))  # waits up to the store's timeout
         agreement.set(f"confirmed_{generation}_{rank}", "")
+
     return dist.PrefixStore(f"rstar2/generation_{generation}/default_pg", store)
 
 
@@ -196,6 +201,7 @@ def check_shared_paths(out_dir, inputs, rank, world_size):
     "Several nodes")."""
     if world_size == 1:
         return
+
     box = [None]
     if rank == 0:
         out_dir = resolve(out_dir)
@@ -207,6 +213,7 @@ def check_shared_paths(out_dir, inputs, rank, world_size):
                              if p and resolve(p).exists()], socket.gethostname())
         except OSError as e:
             box[0] = f"out_dir={out_dir}: rank 0 cannot write there ({e})"
+
     dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], str):
         raise ConfigError(box[0])
@@ -216,10 +223,12 @@ def check_shared_paths(out_dir, inputs, rank, world_size):
     missing = ([] if (out_dir / name).is_file()  # a random name: rank 0's file or none
                else [f"out_dir={out_dir} (no {name}, which rank 0 wrote there)"])
     missing += [p for p in present if not Path(p).exists()]
+
     reports = [None] * world_size
     dist.all_gather_object(reports, (socket.gethostname(), missing))
     if rank == 0:
         (out_dir / name).unlink(missing_ok=True)
+
     failed = [(r, host, m) for r, (host, m) in enumerate(reports) if m]
     if failed:
         r, host, m = failed[0]
@@ -329,6 +338,7 @@ def balance_by_tokens(trajectories):
     traffic = dict(keys_bytes=0, sent_bytes=0, received_bytes=0, sent=0, received=0)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return list(trajectories), traffic
+
     world_size, rank = dist.get_world_size(), dist.get_rank()
     counts = torch.zeros(world_size, dtype=torch.long)
     dist.all_gather_single(counts, torch.tensor([len(trajectories)]))
@@ -340,6 +350,7 @@ def balance_by_tokens(trajectories):
     dist.all_gather_single(everyone, mine)
     traffic["keys_bytes"] = (world_size - 1) * (counts.element_size()
                                                 + mine.numel() * mine.element_size())
+
     # (rank, index there) per key
     owners = [(r, i) for r in range(world_size) for i in range(int(counts[r]))]
     rows = everyone.tolist()
@@ -350,6 +361,7 @@ def balance_by_tokens(trajectories):
     # what this rank sends to each other rank, in its own order, which the receiver knows
     outgoing = [[t for i, t in enumerate(trajectories) if destination[rank, i] == r]
                 for r in range(world_size)]
+
     batches, sent_bytes, received_bytes = exchange(outgoing)
     arrived = {}
     for source, batch in enumerate(batches):
@@ -410,6 +422,7 @@ def gather_bucket(named_params, dtype, traffic=None):
                             tensor.numel() * tensor.element_size())
             out.append((name, tensor))
         return out
+
     mesh = params[0].device_mesh
     world, rank = mesh.size(), mesh.get_local_rank()
     rows = [-(-p.shape[0] // world) for p in params]
@@ -425,10 +438,12 @@ def gather_bucket(named_params, dtype, traffic=None):
                                "needs the per-tensor path")
         local[offset:offset + shard.numel()].copy_(shard.reshape(-1))
         offset += r * w
+
     gathered = torch.empty(world * len(local), dtype=dtype, device=local.device)
     dist.all_gather_single(gathered, local, group=mesh.get_group())
     add_traffic(traffic, "weight_sync_gathered_bytes", gathered.numel() * gathered.element_size())
     gathered = gathered.view(world, len(local))
+
     out, offset = [], 0
     for (name, p), r, w in zip(named_params, rows, widths):
         out.append((name, gathered[:, offset:offset + r * w]

@@ -50,6 +50,7 @@ def run_script(script, parse, run, interrupt_paragraph):
     which can hang on NCCL while a rank is in a collective (docs/design.md, "How a script ends")."""
     stop_on_signals()
     argv, config = sys.argv[1:], None
+
     try:
         config = parse(argv)
         run(config)
@@ -58,6 +59,7 @@ def run_script(script, parse, run, interrupt_paragraph):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         close_progress_bars()  # else they redraw after the last line
+
         rank, lost = os.environ.get("RANK", "0"), peer_lost(error)
         if lost or interrupted():
             forget_where()  # the cause is elsewhere: not this rank's crash to count
@@ -78,6 +80,7 @@ def run_script(script, parse, run, interrupt_paragraph):
         elif is_main_rank() or error.this_rank_only:  # a rank that could not reach the others
             print(f"{script}: {error}", file=sys.stderr, flush=True)
         leave(1)
+
     end_process_group()
     leave(0)
 
@@ -198,6 +201,7 @@ def watch_progress(store, rank, world_size, heartbeat_s, script):
         beats, moves, frame_seen = 0, 0, None
         # per rank: its last (beats, moves), and when each of the two last changed
         values, beat, moved = [None] * world_size, [0.0] * world_size, [0.0] * world_size
+
         while not stop.wait(period):
             frame = sys._current_frames().get(main)
             switches = re.search(r"^voluntary_ctxt_switches:\s*(\d+)", status.read_text(), re.M)
@@ -209,6 +213,7 @@ def watch_progress(store, rank, world_size, heartbeat_s, script):
                 published = [v.decode().split() for v in store.multi_get(keys)] if everyone else []
             except RuntimeError:
                 return  # the store is gone: the main thread's next collective says so
+
             if not everyone or None in values:  # a rank still starting: nothing to judge yet
                 beat, moved = [now] * world_size, [now] * world_size
             for other, value in enumerate(published):
@@ -216,6 +221,7 @@ def watch_progress(store, rank, world_size, heartbeat_s, script):
                 beat[other] = now if value[0] != seen[0] else beat[other]
                 moved[other] = now if value[1] != seen[1] else moved[other]
                 values[other] = value
+
             if now - max(moved) > heartbeat_s:
                 # one that stopped publishing (SIGSTOP, the GIL held) before one that waits
                 first = min(range(world_size), key=lambda r: (beat[r] > now - 3 * period,
@@ -355,6 +361,7 @@ def training_interrupted(script, argv, out_dir, checkpoint, total_steps=None, sa
     of = f" of {total_steps}" if total_steps else ""
     where = (f"after step {done}{of}" if total_steps and done >= total_steps
              else f"during step {done + 1}{of} ({done} done)")
+
     lines = [f"{script}: interrupted by {RECEIVED[0] if RECEIVED else 'SIGINT'} {where}."]
     if checkpoint:
         redo = (f"steps {saved + 1}-{done + 1}" if done > saved else f"step {saved + 1}")
@@ -368,5 +375,6 @@ def training_interrupted(script, argv, out_dir, checkpoint, total_steps=None, sa
                  else "save_every=0 saves none")
         lines.append(f"No checkpoint in {shown(out_dir)} yet ({every}): a rerun starts over.")
         command = rerun_command(script, argv)
+
     lines.append(f"To resume: {command}")
     return "\n".join(lines)

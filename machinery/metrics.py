@@ -179,25 +179,30 @@ def sample_metrics(samples):
     metrics["response_tokens"] = statistics.fmean(r["response_tokens"] for r in samples)
     # sampled by the model
     metrics["model_tokens"] = statistics.fmean(r["model_tokens"] for r in samples)
+
     calls = sum(r["num_tool_calls"] for r in samples)
     errors = sum(r["num_tool_errors"] for r in samples)
     metrics["tool_calls_per_trajectory"] = calls / len(samples)
     # Pooled over calls, not averaged per trajectory: a trajectory with 20 calls weighs 20
     # times one with 1.
     metrics["tool_error_rate"] = errors / calls if calls else None
+
     correct = [r for r in samples if r["correct"]]
     correct_calls = sum(r["num_tool_calls"] for r in correct)
     # Fig. 4 tracks this one: GRPO-RoC should drive tool errors out of the trajectories it rewards.
     metrics["tool_error_rate_in_correct"] = (sum(r["num_tool_errors"] for r in correct)
                                              / correct_calls if correct_calls else None)
+
     by_kind = Counter()
     for r in samples:
         by_kind.update(r["tool_errors_by_kind"])
     metrics["tool_errors_by_kind"] = dict(sorted(by_kind.items()))
+
     # A low answer rate with a high truncated rate means the budget is too small for the model, not
     # that it is wrong; the stage-1 "clip ratio" (about 10%, §4.3) is this number during training.
     metrics["answer_rate"] = statistics.fmean(r["answer"] is not None for r in samples)
     metrics["truncated_rate"] = statistics.fmean(bool(r["truncated"]) for r in samples)
+
     # A count, not a rate: any at all means the grading, not the model, moved the accuracy. Samples
     # written before the field existed have none.
     metrics["ungraded"] = sum(bool(r.get("ungraded")) for r in samples)
@@ -289,16 +294,19 @@ def gather_step_metrics(local, learner, step, logprob_gap_warn):
     dist.gather_object(local, gathered, dst=0)
     if rank != 0:
         return {}
+
     row = step_metrics([r for part in gathered for r in part["records"]],
                        sum(p["groups"] for p in gathered))
     row.update(learner)
     for key in local["times"]:
         row[f"time/{key}"] = max(part["times"][key] for part in gathered)
+
     # the straggler: how long the fastest rank's rollouts waited for the slowest's (time/generate
     # overlaps time/rollout); the collective timeout must stay above it (docs/gpu.md, Several nodes)
     row["time/rollout_idle"] = row["time/generate"] - min(p["times"]["generate"] for p in gathered)
     for key in local["traffic"]:  # the busiest rank's
         row[f"bytes/{key}"] = max(part["traffic"].get(key, 0) for part in gathered)
+
     row["rollout_tokens_per_s"] = (sum(p["rollout_tokens"] for p in gathered)
                                    / max(row["time/rollout"], 1e-9))
     # prompt + response tokens through the trainer (the update, and any old log-prob pass)
@@ -372,6 +380,7 @@ def warn_untrained(streak, metrics, every):
     times = streak // every if every else 0
     if not times or streak % every or times & (times - 1):  # N x a power of two only
         return
+
     groups = metrics["groups"]
     if metrics["all_equal_group_fraction"] == 1.0:
         right = round(metrics["accuracy"] * groups)  # all-equal groups: accuracy = all-1 groups
@@ -388,6 +397,7 @@ def warn_untrained(streak, metrics, every):
                     "(python -m tools.filter_solved drops the ones it always solves)")
     else:
         why = "no kept trajectory had a model-written token"
+
     text = textwrap.fill(f"WARNING: {streak} steps in a row trained on nothing (skipped_updates in "
                          f"metrics.jsonl): {why}.", 100, break_on_hyphens=False)
     print(f"\n{'!' * 100}\n{text}\n{'!' * 100}", flush=True)

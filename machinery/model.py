@@ -38,10 +38,12 @@ def check_model_dir(path, allow_hub_id=True):
             else:
                 hint = f"{local.parent} does not exist either"
             raise ConfigError(f"model directory not found: {local} ({hint})")
+
         if not hub_id:
             raise ConfigError(f"model={path}: no such directory "
                               "(and not a hub id like Qwen/Qwen3-14B-Base)")
         return path
+
     if not (local / "config.json").is_file():
         raise ConfigError(f"model={path}: {local} has no config.json; "
                           "expected a Hugging Face model directory")
@@ -100,12 +102,14 @@ def save_hf_model(model, tokenizer, model_path, out, save_dtype, rank, prompt_fo
     prompts the model was trained on."""
     full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                       cpu_offload=True))
+
     if rank == 0:
         out = Path(out)
         tmp, old = out.with_name(out.name + ".tmp"), out.with_name(out.name + ".old")
         shutil.rmtree(tmp, ignore_errors=True)
         model.config.dtype = save_dtype
         model.save_pretrained(tmp, state_dict={k: v.to(save_dtype) for k, v in full_state.items()})
+
         base_template = tokenizer.chat_template
         tokenizer.chat_template = prompt_format[0] or base_template
         try:
@@ -117,8 +121,10 @@ def save_hf_model(model, tokenizer, model_path, out, save_dtype, rank, prompt_fo
             GenerationConfig.from_pretrained(model_path).save_pretrained(tmp)
         except OSError:
             pass
+
         if out.exists():
             os.replace(out, old)
         os.replace(tmp, out)
         shutil.rmtree(old, ignore_errors=True)
+
     dist.barrier()

@@ -104,6 +104,7 @@ def usage_text(record, schema):
             + (f"the rStar2 `{variant}` prompt" if variant else "a custom template") + "): "
             "`apply_chat_template`, transformers pipelines, TRL and `vllm serve` use it by "
             "default.\n")
+
     if schema is None:
         return text
     text += (f"\nNone of them reads a tool from this directory. Pass the tool the model was "
@@ -115,11 +116,13 @@ def usage_text(record, schema):
              "messages = [{\"role\": \"user\", \"content\": problem}]\n"
              "ids = tokenizer.apply_chat_template(messages, tools=[tool], "
              "add_generation_prompt=True, return_dict=False)\n```\n\n")
+
     if variant:
         text += ("The model calls the tool as `<tool_call>{\"name\": ..., \"arguments\": {...}}"
                  "</tool_call>` and ends its turn; the tool's output goes back as a "
                  "`{\"role\": \"tool\", \"content\": ...}` message. ")
     text += "Through vLLM's OpenAI-compatible server, send the schema as the request's `tools`.\n"
+
     dropped = sorted(set(schema.get("function", {})) - set(VLLM_FUNCTION_FIELDS))
     if dropped:
         text += (f"\nvLLM's server keeps only a tool's {', '.join(VLLM_FUNCTION_FIELDS)}: this "
@@ -155,6 +158,7 @@ def apply_model_format(cfg, model_dir):
     or the paper's (the released rStar2-Agent-14B's) where it has none. An explicit setting wins,
     with a warning where it differs from the saved one."""
     saved = read_format(model_dir)
+
     if cfg.prompt_variant == AUTO_VARIANT:
         if saved is None:
             warnings.warn(f"{model_dir} has no {FORMAT_FILE} (not saved by sft.py or rl.py): "
@@ -166,6 +170,7 @@ def apply_model_format(cfg, model_dir):
         variant = record["prompt_variant"] or "paper"
         variant_template, variant_schema, _ = load_format(dataclasses.replace(
             cfg, prompt_variant=variant, chat_template="", tool_schema=""))
+
         # The variant's own files where the saved ones equal them, so the resolved config reads as
         # the variant.
         chat_template = ("" if template in (None, variant_template)
@@ -175,6 +180,7 @@ def apply_model_format(cfg, model_dir):
         cfg = dataclasses.replace(cfg, prompt_variant=variant,
                                   chat_template=cfg.chat_template or chat_template,
                                   tool_schema=cfg.tool_schema or tool_schema)
+
     if saved is not None:
         record, template, schema = saved
         used_template, used_schema, _ = load_format(cfg)

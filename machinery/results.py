@@ -36,6 +36,7 @@ def open_samples(out_dir, settings, n, resume):
     problem is generated again, whole, never a mix of two runs."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+
     # One writer: two evaluations appending to one samples.jsonl would interleave their lines.
     # Held until the process exits (machinery/run_dir.py).
     take_lock(out_dir)
@@ -45,18 +46,21 @@ def open_samples(out_dir, settings, n, resume):
         atomic_write_text(samples_path, "")
         atomic_write_text(settings_path, json.dumps(settings, indent=1))
         return {}
+
     saved = json.loads(settings_path.read_text()) if settings_path.exists() else None
     if saved != settings:
         changed = sorted(_diff_keys(saved, settings)) if saved else ["generation.json is missing"]
         # Not "resume=false": that would delete another experiment's samples to make room.
         raise ConfigError(f"out_dir={out_dir}: holds samples made with other settings "
                           f"({', '.join(changed)}); give this evaluation its own out_dir")
+
     groups = {}
     for record in read_records(samples_path):  # a line cut off mid-write: dropped, with a warning
         key = (record["benchmark"], record["problem_id"])
         groups.setdefault(key, {})[record["sample_index"]] = record
     finished = {key: [by_index[j] for j in range(n)] for key, by_index in groups.items()
                 if sorted(by_index) == list(range(n))}
+
     # Rewrite only when something was dropped: the common resume leaves the file untouched.
     kept = [json.dumps(r) for records in finished.values() for r in records]
     text = samples_path.read_text(encoding="utf-8", errors="replace")
@@ -90,11 +94,13 @@ def work_left(model_path, problems, cfg, out_dir, rank, world_size):
         except OSError as e:  # a read-only filesystem, a directory of another user
             refusal = (f"out_dir={out_dir}: cannot write there ({e.strerror}: {e.filename}); "
                        "choose a writable out_dir")
+
     done = [set(finished), refusal]
     if world_size > 1:
         dist.broadcast_object_list(done, src=0)
     if done[1]:
         raise ConfigError(done[1])
+
     todo = [(name, row) for name, rows in problems.items() for row in rows
             if (name, row["id"]) not in done[0]]
     if rank == 0:

@@ -397,6 +397,7 @@ def _run_child(code, seed, stdin_fd, out_fd, err_fd, workdir, state):
     random.seed(seed)
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed(seed % 2**32)
+
     try:
         os.setsid()   # its own session and group: from PID 2 on, kill(0) must not mean the worker
         os.dup2(stdin_fd, 0)
@@ -422,6 +423,7 @@ def _run_child(code, seed, stdin_fd, out_fd, err_fd, workdir, state):
     except BaseException as exc:
         os.write(2, f"ExecutorError: the sandbox could not be set up: {exc!r}\n".encode())
         os._exit(EXIT_SETUP)
+
     # os._exit, never a normal exit (it would run the worker's atexit in every child), and the child
     # must not return into the worker's loop, whatever happens
     try:
@@ -618,6 +620,7 @@ def _past_deadline(pid, start, now, ran_ns, cfg, state):
         stretched = max(stretched, now + 0.05)
     cpu_left = cfg["timeout_s"] - (_call_cpu_s(state, pid) if own_proc else 0.0)
     backstop = start + STRETCH_CAP * cfg["timeout_s"]
+
     if stretched <= now + 0.001:
         killed_for = "wall-clock limit"
     elif cpu_left <= 0:
@@ -626,6 +629,7 @@ def _past_deadline(pid, start, now, ran_ns, cfg, state):
         killed_for = "wall-clock backstop"   # starved: it had time left
     else:
         return None, min(stretched, backstop, now + max(0.05, cpu_left / state["cores"])), run_ns
+
     _signal_everything(state, pid)
     return killed_for, now, run_ns
 
@@ -751,6 +755,7 @@ def _describe(returncode, killed_for, elapsed, cpu_s, out, err, cfg):
     none."""
     stdout, cut_out = out.text(cfg["max_output_chars"])
     stderr, cut_err = err.text(cfg["max_output_chars"])
+
     if killed_for in ("wall-clock limit", "wall-clock backstop"):
         status, note = "timeout", (f"TimeoutError: the code ran longer than {cfg['timeout_s']:g} s "
                                    "and was killed")
@@ -775,6 +780,7 @@ def _describe(returncode, killed_for, elapsed, cpu_s, out, err, cfg):
         status, note = "error", f"Killed by signal {-returncode} ({name})"
     else:
         killed_for, status, note = f"exit status {returncode}", "error", ""
+
     if note:   # after the truncation, so the model always sees why the call ended
         stderr += ("" if not stderr or stderr.endswith("\n") else "\n") + note + "\n"
     return dict(status=status, stdout=stdout, stderr=stderr, elapsed_s=elapsed, cpu_s=cpu_s,
@@ -827,6 +833,7 @@ def _worker_main(cfg_json):
     """A worker's life. One whose sandbox cannot run calls says why in its first message."""
     cfg = json.loads(cfg_json)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # a ^C in the terminal is for the trainer
+
     try:
         if cfg["kind"] == "grader":
             # Trusted code on untrusted strings, run in this process: no sandbox to enter (a PID
@@ -842,10 +849,12 @@ def _worker_main(cfg_json):
             problem = _probe_sandbox(cfg, state)
     except Exception as exc:   # a bug or an OS we do not know: the parent gets the reason
         info, problem = {}, f"{type(exc).__name__}: {exc}"
+
     if problem:
         _send(cfg["response_fd"], {"ready": False, "error": problem, "isolation": info})
         os._exit(EXIT_SETUP)
     _send(cfg["response_fd"], {"ready": True, "isolation": info})
+
     while True:
         request = _recv_blocking(cfg["request_fd"])
         if request is None:   # the parent closed the pipe or died: the namespace goes with PID 1

@@ -71,6 +71,7 @@ def save_rollouts(run, step, position, rows, groups, rewards, records, samples):
     table = cfg.log_samples and (run.logger.wandb or run.logger.tb)
     if not (saving or table):
         return
+
     advantages = {(s.problem_index, s.sample_index): s.advantage for s in samples}
     flat = [(t, reward) for group, group_rewards in zip(groups, rewards)
             for t, reward in zip(group, group_rewards)]
@@ -78,6 +79,7 @@ def save_rollouts(run, step, position, rows, groups, rewards, records, samples):
                             record["selected"], advantages.get((t.problem_index, t.sample_index)),
                             step + 1, position)
              for (t, reward), record in zip(flat, records)]
+
     if saving:
         write_rollouts(run.out_dir, step + 1, lines, keep=cfg.keep_rollouts,
                        meta={"data_position": position,
@@ -112,6 +114,7 @@ def write_rollouts(run_dir, step, records, meta, keep=0):
     if rank == 0 and folder.exists():  # a rerun of this step after a resume writes it anew
         shutil.rmtree(folder)
     dist.barrier()
+
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"rank_{rank:05d}.jsonl.gz"
     tmp = path.with_name(f".{path.name}.tmp")
@@ -120,6 +123,7 @@ def write_rollouts(run_dir, step, records, meta, keep=0):
             f.write(json.dumps(record) + "\n")
     os.replace(tmp, path)
     dist.barrier()
+
     if rank == 0:
         atomic_write_text(folder / STEP_FILE,
                           json.dumps({"step": step, "ranks": world_size, **meta}, indent=1) + "\n")
@@ -186,6 +190,7 @@ def replay_policy(cfg, run_dir, number, device, rank):
     start for step 1 (init_from's checkpoint or model), else checkpoints/step_{number - 1}, weights
     and AdamW moments both; or replay_weights, a checkpoint or HF directory, which is not exact."""
     model, optimizer = load_policy(cfg, device, rank)
+
     if cfg.replay_weights:
         source = resolve(cfg.replay_weights)
         if (source / "COMPLETE").is_file():
@@ -197,6 +202,7 @@ def replay_policy(cfg, run_dir, number, device, rank):
             raise ConfigError(f"replay_weights={cfg.replay_weights!r}: neither a complete rl.py "
                               "checkpoint (step_N/COMPLETE) nor a Hugging Face model directory")
         return model, optimizer, f"{source} (replay_weights, not the step's own)"
+
     if number == 1:
         # where a fresh run starts: no checkpoint of its own, resume=auto
         checkpoint, weights_only = start_checkpoint(dataclasses.replace(cfg, resume="auto"), None)
@@ -205,6 +211,7 @@ def replay_policy(cfg, run_dir, number, device, rank):
         (load_weights(checkpoint, model) if weights_only
          else load_training_state(checkpoint, model, optimizer))
         return model, optimizer, f"{checkpoint} (init_from, the initial policy)"
+
     checkpoint = run_dir / "checkpoints" / f"{CHECKPOINT_PREFIX}{number - 1:08d}"
     if not (checkpoint / "COMPLETE").is_file():
         exact = ",".join(map(str, replayable(run_dir, saved_steps(run_dir)))) or "none"

@@ -70,11 +70,13 @@ def collate(batch, pad_id, device):
     if not batch:  # the empty micro-batch of equalize_micro_batches
         zeros = torch.zeros(1, 1, device=device)
         return torch.full((1, 2), pad_id, device=device), zeros, zeros.bool(), zeros[:, 0], None
+
     sampled = [s.engine_logprobs is not None for s in batch]
     forwarded = [s.old_logprobs is not None for s in batch]
     if not (all(sampled) or not any(sampled)) or not (all(forwarded) or not any(forwarded)):
         raise ValueError("collate: a batch mixes samples with and without engine (or old) "
                          "log-probs")
+
     length = max(len(s) for s in batch)
     input_ids = torch.full((len(batch), length), pad_id, dtype=torch.long)
     # mask: 0 on the prompt, on padding and on tool output (loss_mask 0, never trained, as the
@@ -90,6 +92,7 @@ def collate(batch, pad_id, device):
             old[row, at] = torch.tensor(s.old_logprobs)
         if engine is not None:
             engine[row, at] = torch.tensor(s.engine_logprobs)
+
     advantages = torch.tensor([s.advantage for s in batch])
     return (input_ids.to(device), old.to(device), mask.bool().to(device), advantages.to(device),
             None if engine is None else engine.to(device))
@@ -103,6 +106,7 @@ def token_logprobs(model, input_ids, temperature, chunk_tokens=0, with_entropy=F
     tests/test_rl.py); 0: the model's logits, one row at a time. with_entropy: also each
     position's entropy, detached, for logging only (the paper has no entropy term, §2.2.1)."""
     targets = input_ids[:, 1:]
+
     if not chunk_tokens:
         logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1]
         rows = [head_logprobs(row_logits, row_targets, temperature, with_entropy)
@@ -117,6 +121,7 @@ def token_logprobs(model, input_ids, temperature, chunk_tokens=0, with_entropy=F
                      flat_targets[start:start + chunk_tokens], temperature, with_entropy)
             rows.append(checkpoint(projected_logprobs, *piece, use_reentrant=False)
                         if torch.is_grad_enabled() else projected_logprobs(*piece))
+
     join = torch.cat if chunk_tokens else torch.stack  # chunks of flat positions, or rows
     if not with_entropy:
         return join(rows).view(targets.shape)
