@@ -486,7 +486,7 @@ def regroup_owner(problem_index, world_size):
     """The rank a split group is regrouped on: problem_index % world_size, so every rank grades,
     selects and saves the same number of groups (prompts_per_step / world). The lowest rank holding
     a part would own most of them: single-sample claims spread a group of 2G over about 24 of 64
-    ranks, and rank 0 holds a part of nearly every one (bench/regroup.py)."""
+    ranks, and rank 0 holds a part of nearly every one (python -m bench.tail part=regroup)."""
     return problem_index % world_size
 
 
