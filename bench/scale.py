@@ -28,7 +28,8 @@ def bench_logprobs():
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(Qwen3Config(
         vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False))
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False),
+        dtype=torch.float32)
     shape = plan.ModelShape(hidden=256, intermediate=512, layers=1, heads=4, kv_heads=2,
                             head_dim=64, vocab=VOCAB, tied=False)
     input_ids = torch.randint(0, VOCAB, (1, TOKENS + 1))
