@@ -5,9 +5,8 @@ claims, not a timing, so the machine's load does not enter.
     python -m bench.tail                                  # the tail per claiming rule; ~10 s
     python -m bench.tail part=regroup gpus=H100-80GB,H200 # who owns a split group; ~7 s
 
-part=tail: the slowest engine's phase, the fastest one's wait for it (the tail) and the engines'
-share of time waiting, per claiming rule, in three cases (every response at the budget; lengths
-U[0.2, 1] x budget; those with one node at half speed), as ratios against whole-group claims:
+part=tail: the slowest engine's phase, the fastest one's wait for it (the tail), the engines' time
+waiting, per claiming rule and case (machinery.tail.rollout_tails), against whole-group claims:
 whole (a problem's 2G samples together), parts (of at most K), samples (rollout.py: one at a time
 when 2G > K). part=regroup: where 2G > K, per rank the groups it owns (grades, selects, saves) and
 the bytes it receives in regroup's all_to_all, under the lowest rank holding a part (the rule
