@@ -75,8 +75,7 @@ class ModelShape:
             raise ConfigError(f"{path}: no {e.args[0]!r}; expected a decoder-only Hugging Face "
                               "config.json") from None
 
-    def layer_tensors(self):
-        """(name, shape) of one decoder layer's parameters, as the HF model names them."""
+    def layer_tensors(self):  # (name, shape) as the HF model names them
         h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
         out = [("self_attn.q_proj.weight", (q, h)), ("self_attn.k_proj.weight", (kv, h)),
                ("self_attn.v_proj.weight", (kv, h)), ("self_attn.o_proj.weight", (h, q))]
@@ -91,8 +90,7 @@ class ModelShape:
                       ("mlp.down_proj.weight", (h, self.intermediate)),
                       ("input_layernorm.weight", (h,)), ("post_attention_layernorm.weight", (h,))]
 
-    def root_tensors(self):
-        """The root FSDP unit's parameters: what is not in a decoder layer."""
+    def root_tensors(self):  # the root FSDP unit: what is not in a decoder layer
         out = [("model.embed_tokens.weight", (self.vocab, self.hidden)),
                ("model.norm.weight", (self.hidden,))]
         return out if self.tied else out + [("lm_head.weight", (self.vocab, self.hidden))]
@@ -187,8 +185,7 @@ def trainer_memory(m, world, tokens, chunk, checkpointing, c=2, prefetch=2):
 
 
 def max_concurrency(kv_cache_bytes, m, context_len, tp=1, c=2, max_seqs=ENGINE_MAX_SEQS,
-                    block=KV_BLOCK):
-    """K of §3.2 as the engine counts it (machinery.engine.trajectories_that_fit)."""
+                    block=KV_BLOCK):  # K of §3.2 as the engine counts it
     per_token = kv_bytes_per_token(m.layers, m.kv_heads, m.head_dim, c, tp)
     return trajectories_that_fit(max(0, kv_cache_bytes) // (block * per_token), block, context_len,
                                  max_seqs)
@@ -370,8 +367,7 @@ def launch_note(cfg, world, gpus=GPUS):
     return "\n".join(lines)
 
 
-def table_row(label, values, fmt="12.1f"):
-    """A row of the printed tables: a label, then one value per GPU."""
+def table_row(label, values, fmt="12.1f"):  # a label, then one value per GPU
     return f"  {label:58s}" + "".join(f"{v:{fmt}}" for v in values)
 
 
@@ -434,9 +430,8 @@ def format_plan(cfg, m, world, config_path, gpus=GPUS):
 
 @dataclasses.dataclass
 class PlanAssumptions:
-    """What mode=plan's time and fault figures assume, each overridable on rl.py's command line
-    (`plan_mfu=0.3`); not in rl.RLConfig, so a run's saved config holds the method alone. Stated,
-    not measured: replace each with a measurement of the target machine (docs/gpu.md says how)."""
+    """mode=plan's assumptions, overridable on rl.py's command line (`plan_mfu=0.3`); not in
+    rl.RLConfig, so a run's saved config holds the method alone. Stated, not measured."""
     plan_decode_tok_s: float = 40.0   # tokens/s of ONE sequence while K share a GPU
     plan_mfu: float = 0.35            # share of the dense bf16 peak the trainer's matmuls reach
     plan_nvlink_gb_s: float = 450.0   # GB/s per GPU per direction within a node (NVLink 4)
@@ -658,9 +653,7 @@ def restarts_for(expected_faults, certainty=0.99):
 
 
 def cluster_needs(cfg, m, world, a, rollouts_class, gpus=GPUS):
-    """format_cluster's figures: the checkpoint, a restart, the job's fault interval, per GPU the
-    cadence, the time lost and the stage's days with faults, the rollout tail simulated with
-    `rollouts_class`'s admission rule (machinery.tail), and the longest wait at a collective."""
+    """format_cluster's figures; the tail simulated with `rollouts_class`'s admission rule."""
     r, s = cfg.rollout, step_time(cfg, m, world, a, gpus)
     ckpt = checkpoint_bytes(m, world)
     write_s = ckpt["total"] / (a.plan_fs_write_gb_s * 1e9)
@@ -764,8 +757,7 @@ def format_cluster(cfg, m, world, a, rollouts_class, gpus=GPUS):
 
 
 def print_plan(cfg, world, rollouts_class, plan_args=()):
-    """rl.py mode=plan [plan_mfu=0.3 ...]; rollouts_class: rollout.Rollouts, whose admission rule
-    the tail simulates."""
+    """rl.py mode=plan; rollouts_class: rollout.Rollouts, whose admission rule the tail simulates."""
     assumptions = load_assumptions(cfg, plan_args)
     tp = cfg.rollout.tensor_parallel_size
     if world % tp or assumptions.plan_gpus_per_node % tp:
