@@ -476,7 +476,7 @@ def own_groups(groups, num_problems, rank):
 def regroup_owner(problem_index, world_size):
     """The rank a split group is regrouped on: every rank grades, selects and saves
     prompts_per_step / world groups (the lowest holder of a part would be rank 0 for most:
-    bench/regroup.py)."""
+    python -m bench.tail part=regroup)."""
     return problem_index % world_size
 
 

@@ -1,17 +1,10 @@
-"""The rollout phase at scale, simulated with rollout.py's own admission rule: how long the slowest
-engine decodes, and how long the others wait for it at the collective after rollouts (the
-"tail"). rl.py's mode=plan prints it; bench/tail.py compares claiming rules with it.
-
-The rule is driven, not copied: `rollouts_class` is rollout.Rollouts (or a subclass with another
-claiming rule), and each simulated engine is an instance whose admit(), claim_group() and
-capacity() run unchanged; only what touches a tokenizer or an engine is replaced: the engine
-answers max_concurrency() with the plan's K, new_trajectories makes (problem, sample) pairs, and
-next_turn schedules the trajectory's end at its length over a per-sequence decode rate. One event
-queue holds every engine's ends, so the shared claim counter sees the claims in the order a
-cluster would. Not simulated: tool calls (a trajectory decodes in one piece), prefill, a rate that
-changes with the engine's load, and the regrouping of split groups after rollouts (rollout.generate:
-one exchange of pickled trajectories, seconds against minutes).
-"""
+"""The rollout phase at scale, simulated with rollout.py's own admission rule: how long the
+slowest engine decodes and how long the others wait for it (the tail); mode=plan prints it,
+bench/tail.py compares claiming rules with it. rollout.Rollouts' admit(), claim_group() and
+capacity() run unchanged in each simulated engine; only the engine (K slots) and decoding are
+replaced: a trajectory ends at its length over a decode rate, in one event queue for all engines,
+so the shared claim counter sees the claims in a cluster's order. Not simulated: tool calls,
+prefill, a rate that changes with the load, the regroup after rollouts (seconds, not minutes)."""
 import heapq
 import itertools
 import random

@@ -7,9 +7,8 @@ plan.
         [key=value ...]
 
 Memory is counted from tensors, never from the process (RSS depends on what the process already
-holds): state bytes summed over the local shards, and peaks from torch's FSDPMemTracker, a dispatch
-mode that follows every storage (parameters, gradients, optimizer state, activations, temporaries)
-created or touched inside it.
+holds): state bytes summed over the local shards, saved activations from torch's FSDPMemTracker,
+peaks and bytes from tests/instruments.py.
 """
 import dataclasses
 import json
@@ -22,16 +21,13 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefT
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from machinery import plan  # noqa: E402
 import rl  # noqa: E402
-from machinery.distributed import init_distributed
-from machinery.config import load_config
-from machinery.distributed import balance_by_tokens  # noqa: E402
-from machinery.distributed import full_weights
-from machinery.training import last_hidden_states, token_logprobs
-from machinery.checkpoint import load_policy
-from machinery.training import TrainSample
-from machinery.exits import end_process_group, leave
+from tests.instruments import CommMeter, peak_memory, tensor_bytes  # noqa: E402
+from machinery.checkpoint import load_policy  # noqa: E402
+from machinery.config import load_config  # noqa: E402
+from machinery.distributed import balance_by_tokens, full_weights, init_distributed  # noqa: E402
+from machinery.exits import end_process_group, leave  # noqa: E402
+from machinery.training import TrainSample, last_hidden_states, token_logprobs  # noqa: E402
 
 
 def full_sample(tokens, vocab, seed):
@@ -46,9 +42,9 @@ def full_sample(tokens, vocab, seed):
 
 
 def peak_and_comm(model, optimizer, fn):
-    comm = plan.CommMeter()
+    comm = CommMeter()
     with comm:
-        peak, _, result = plan.peak_memory(fn, model, optimizer)
+        peak, _, result = peak_memory(fn, model, optimizer)
     return peak, comm, result
 
 
@@ -60,13 +56,13 @@ def main():
     tokens = cfg.micro_batch_tokens
     model, optimizer = load_policy(cfg, device, rank)
     vocab = model.config.vocab_size
-    out = {"world_size": world_size, "master": plan.tensor_bytes(model.parameters())}
+    out = {"world_size": world_size, "master": tensor_bytes(model.parameters())}
 
     # gradients: one forward/backward, summed over this rank's gradient shards
     input_ids = torch.tensor([full_sample(tokens, vocab, rank).prompt_ids
                               + full_sample(tokens, vocab, rank).response_ids])
     token_logprobs(model, input_ids, 1.0, cfg.logprob_chunk_tokens).sum().backward()
-    out["grads"] = plan.tensor_bytes(p.grad for p in model.parameters())
+    out["grads"] = tensor_bytes(p.grad for p in model.parameters())
     optimizer.zero_grad(set_to_none=True)
 
     # saved activations of the decoder: live tensors after a forward that computes no logits, with
@@ -91,7 +87,7 @@ def main():
     # two micro-batches: the second runs with the first one's gradients resident, the plan's case
     samples = [full_sample(tokens, vocab, 100 + rank), full_sample(tokens, vocab, 200 + rank)]
     rl.train_step(model, optimizer, samples, cfg, 0, 0, device)
-    out["adam"] = plan.tensor_bytes(t for state in optimizer.state.values() for t in state.values()
+    out["adam"] = tensor_bytes(t for state in optimizer.state.values() for t in state.values()
                                     if t.dim())
     out["train_peak"], comm, metrics = peak_and_comm(
         model, optimizer, lambda: rl.train_step(model, optimizer, samples, cfg, 1, 0, device))
@@ -107,7 +103,7 @@ def main():
 
     # the weight sync's gather: every tensor as the engine receives it
     dtype = getattr(torch, cfg.rollout.dtype) if cfg.rollout.dtype != "auto" else torch.float32
-    comm = plan.CommMeter()
+    comm = CommMeter()
     with comm, torch.no_grad():
         for _ in full_weights(model, dtype):
             pass
@@ -120,7 +116,7 @@ def main():
                         [1] * n, 0.5, engine_logprobs=[-rng.random() for _ in range(n)],
                         problem_index=i, sample_index=rank)
             for i, n in enumerate([40, 300, 120, 90, 60, 200] if rank == 0 else [50])]
-    comm = plan.CommMeter()
+    comm = CommMeter()
     with comm:
         kept, traffic = balance_by_tokens(mine)
     arrived = [s for s in kept if s.sample_index != rank]
