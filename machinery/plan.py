@@ -287,6 +287,7 @@ def plan(cfg, m, world, gpu_bytes):
     train = trainer_memory(m, world, cfg.micro_batch_tokens, cfg.logprob_chunk_tokens,
                            cfg.activation_checkpointing)
     engine = engine_memory(m, cfg.rollout, gpu_bytes)
+
     phases = {
         # vLLM checks at start that util x GPU is free; only the fp32 master shard exists then
         "engine start": train["master"] + CUDA_CONTEXT + engine["budget"],
@@ -298,6 +299,7 @@ def plan(cfg, m, world, gpu_bytes):
                         + max(SYNC_BUCKET, 2 * max(math.prod(s) for _, s in m.tensors()))),
         "training": train["peak"] + CUDA_CONTEXT + engine["graphs"],  # the engine asleep
     }
+
     # a phase fits on paper only if it would fit with every estimate in it (all but the engine's
     # exact budget) TOLERANCE higher: those phases, and the ones that do not fit, name a change
     exact = {"engine start": engine["budget"], "rollout": engine["budget"]}
@@ -309,6 +311,7 @@ def plan(cfg, m, world, gpu_bytes):
         advice.append(f"rollout: the KV cache holds no full trajectory of "
                       f"{cfg.rollout.context_len} tokens; raise rollout.tensor_parallel_size to "
                       f"{2 * cfg.rollout.tensor_parallel_size} or rollout.gpu_memory_utilization")
+
     return dict(train=train, engine=engine, phases=phases, tight=tight, advice=advice,
                 bytes=bytes_moved(m, cfg, world),
                 fits={k: v <= gpu_bytes for k, v in phases.items()})
@@ -383,6 +386,7 @@ def format_plan(cfg, m, world, config_path, gpus=GPUS):
              f"gpu_memory_utilization={r.gpu_memory_utilization}, "
              f"tensor_parallel_size={r.tensor_parallel_size}",
              "GiB per rank (bf16 compute, fp32 master weights and AdamW, FSDP2 over all ranks):"]
+
     rows = [("trainer: fp32 master weights (shard)", "master"),
             ("trainer: fp32 gradients (shard)", "grads"),
             ("trainer: AdamW moments (shard)", "adam"),
@@ -395,6 +399,7 @@ def format_plan(cfg, m, world, config_path, gpus=GPUS):
             ("log-prob head, the whole micro-batch at once", "logprob_unchunked"),
             (f"training peak ({t['peak_phase']})", "peak")]
     lines += [f"  {label:58s}{t[key] / GiB:7.2f}" for label, key in rows]
+
     lines.append(f"  {'':58s}" + "".join(f"{name:>12s}" for name in gpus))
     for label, key in [("engine budget (gpu_memory_utilization x GPU)", "budget"),
                        ("engine weights, bf16", "weights"),
@@ -407,6 +412,7 @@ def format_plan(cfg, m, world, config_path, gpus=GPUS):
         lines.append(f"  {'phase: ' + phase:58s}" + "".join(
             f"{p['phases'][phase] / GiB:9.2f} {'ok' if p['fits'][phase] else 'NO'}"
             for p in plans.values()))
+
     lines += [table_row("GPU memory", [size / GiB for size in gpus.values()], "12.2f"),
               f"host RAM per rank while the engine sleeps (level {r.sleep_level}): "
               f"{first['engine']['host_when_asleep'] / GiB:7.2f} GiB",
@@ -416,6 +422,7 @@ def format_plan(cfg, m, world, config_path, gpus=GPUS):
               f"and update {b['train'] / GiB:.2f}, the balance's keys "
               f"{b['balance_meta'] / GiB:.4f} and trajectories {b['balance_payload_max'] / GiB:.4f}"
               " at most"]
+
     for name, size in gpus.items():
         verdict, advice = fit_verdict(plans[name], size)
         lines.append(f"{name}: {verdict}" + "".join(f"\n    change {a}" for a in advice))
