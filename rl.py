@@ -2,9 +2,8 @@
 process to 64 GPUs.
 
     python rl.py configs/tiny.yaml                        # 1 CPU process (the tiny demo's RL stage)
-    torchrun --standalone --nproc_per_node=8 --max-restarts=3 rl.py configs/stage1.yaml
-    torchrun --nnodes=8 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:29500 \\
-        --rdzv-id=stage1 --max-restarts=3 rl.py configs/stage1.yaml   # 64 GPUs: on every node
+    torchrun --standalone --nproc_per_node=8 --max-restarts=9 rl.py configs/stage1.yaml
+    sbatch --nodes=8 --gpus-per-node=8 slurm/rl.sbatch configs/stage1.yaml   # 64 GPUs (README)
     python rl.py configs/stage1.yaml mode=plan            # memory, bytes, time of a step per rank
 
 Every rank is a trainer and a rollout worker at once (colocated, as verl's hybrid engine): an
