@@ -240,7 +240,7 @@ class Engine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         import vllm
         from vllm import LLM
-        from vllm.distributed import parallel_state
+        import vllm.distributed.parallel_state as parallel_state
         from vllm.platforms import current_platform
 
         if vllm.__version__ not in TESTED_VLLM_VERSIONS:
