@@ -1,11 +1,5 @@
-"""plan.py against measurement: the plan of one RL step's memory and bytes must agree with what the
-real rl.py code allocates and sends on CPU, within 20%, for the tiny model in one process and on two
-ranks, and for a model with Qwen3's 151,936-token vocabulary (random weights, built here). Measured
-by tests/dist_plan_measure.py from tensors and collectives (its PeakMemory and CommMeter), never
-from the process's RSS.
-
-Run: .venv/bin/python -m pytest tests/test_plan.py -q
-"""
+"""plan.py against measurement: one RL step's planned memory and bytes against what the real code
+allocates and sends on CPU (tests/dist_plan_measure.py), within plan.TOLERANCE."""
 import contextlib
 import dataclasses
 import io
@@ -37,6 +31,12 @@ from bench import rl as rl_bench
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 TOLERANCE = plan.TOLERANCE
+# a small Qwen3 whose every tensor the saved-activation and FLOP counts see
+SMALL_QWEN3 = dict(vocab_size=512, hidden_size=96, intermediate_size=320, num_hidden_layers=3,
+                   num_attention_heads=6, num_key_value_heads=2, head_dim=32,
+                   tie_word_embeddings=False)
+SMALL = plan.ModelShape(hidden=96, intermediate=320, layers=3, heads=6, kv_heads=2, head_dim=32,
+                        vocab=512, tied=False)
 
 
 def within(planned, measured, what):
@@ -153,13 +153,9 @@ def test_saved_activations_are_counted_op_by_op():
     """saved_per_token_layer against autograd's own saved tensors (saved_tensors_hooks) of a real
     Qwen3 decoder, in fp32 and in bf16 (GPU training's dtype: the RMSNorms then save an extra fp32
     copy)."""
-    dims = dict(vocab_size=512, hidden_size=96, intermediate_size=320, num_hidden_layers=3,
-                num_attention_heads=6, num_key_value_heads=2, head_dim=32)
-    shape = plan.ModelShape(hidden=96, intermediate=320, layers=3, heads=6, kv_heads=2, head_dim=32,
-                            vocab=512, tied=False)
     tokens = 128
     for dtype in (torch.float32, torch.bfloat16):
-        model = AutoModelForCausalLM.from_config(Qwen3Config(**dims), dtype=dtype,
+        model = AutoModelForCausalLM.from_config(Qwen3Config(**SMALL_QWEN3), dtype=dtype,
                                                  attn_implementation="sdpa")
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         saved = {}
@@ -173,7 +169,7 @@ def test_saved_activations_are_counted_op_by_op():
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model.model(input_ids=torch.randint(0, 512, (1, tokens)), use_cache=False)
         c = torch.tensor([], dtype=dtype).element_size()
-        within(plan.trunk_saved_bytes(shape, tokens, c, checkpointing=False), sum(saved.values()),
+        within(plan.trunk_saved_bytes(SMALL, tokens, c, checkpointing=False), sum(saved.values()),
                f"saved, {dtype}")
 
 
@@ -197,32 +193,7 @@ def test_engine_concurrency_formula_matches_vllm(tiny_model_dir):
         engine.close()
 
 
-def test_plan_of_stage1_on_64_gpus():
-    proc = subprocess.run([PYTHON, "rl.py", "configs/stage1.yaml", "mode=plan", "plan_mfu=0.7"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
-    assert "14.77B parameters" in out and "on 64 ranks" in out
-    for gpu in plan.GPUS:
-        assert f"{gpu}: fits" in out
-    assert "phase: training" in out and "K: full-length" in out
-    # the time estimate: every assumption printed with its value (the override's), then each term
-    # and the totals
-    time_block = out[out.index("seconds per step"):]
-    printed = re.findall(r"(plan_\w+)=(\S+)", time_block[:time_block.index("per engine")])
-    assert printed == [(f.name, str(0.7 if f.name == "plan_mfu" else f.default))
-                       for f in dataclasses.fields(plan.PlanAssumptions)]
-    for term in ("rollout decode per engine:", "old log-probs:", "update:",
-                 "recompute in backward:", "FSDP all-gathers", "FSDP reduce-scatters",
-                 "the same in bf16", "weight sync", "step:", "stage: 300 steps",
-                 "what a cluster run needs", "faults expected in the stage",
-                 "with faults, at save_every=", "the longest wait in one collective"):
-        assert term in time_block, term
-
-
-def stage1(*overrides):
-    """configs/stage1.yaml and the Qwen3-14B shapes, the plan's assumptions parsed from `overrides`
-    as rl.py does."""
+def stage1(*overrides):  # configs/stage1.yaml, Qwen3-14B's shapes, assumptions parsed as rl.py does
     argv, plan_args = plan.split_plan_args(["configs/stage1.yaml", "mode=plan", *overrides],
                                            rl.RLConfig)
     cfg = load_config(rl.RLConfig, argv)
@@ -231,63 +202,46 @@ def stage1(*overrides):
 
 
 def test_step_time_terms_follow_their_formulas():
-    cfg, shape, a = stage1("mini_batches=2")  # two optimizer steps: a separate old-log-prob pass
-    base = plan.step_time(cfg, shape, 64, a)
+    one, shape, a = stage1()  # mini_batches=1: the update's forward gives the old log-probs
+    cfg = dataclasses.replace(one, mini_batches=2)  # two optimizer steps: a separate pass
+    base, t1 = plan.step_time(cfg, shape, 64, a), plan.step_time(one, shape, 64, a)
     twice = lambda **kw: plan.step_time(cfg, shape, 64, dataclasses.replace(a, **kw))  # noqa: E731
-    faster_gpu, faster_links, faster_decode = twice(plan_mfu=2 * a.plan_mfu), twice(
-        plan_nvlink_gb_s=2 * a.plan_nvlink_gb_s, plan_network_gb_s=2 * a.plan_network_gb_s), twice(
-        plan_decode_tok_s=2 * a.plan_decode_tok_s)
+    faster_gpu, faster_decode = twice(plan_mfu=0.7), twice(plan_decode_tok_s=80.0)
+    faster_links = twice(plan_nvlink_gb_s=900.0, plan_network_gb_s=100.0)
     for gpu, t in base["gpus"].items():
         # training = FLOPs / (peak x MFU): double the MFU, half the time; nothing else moves
         for term in ("old_logprobs", "update", "recompute", "compute"):
             assert faster_gpu["gpus"][gpu][term] == pytest.approx(t[term] / 2)
         assert faster_gpu["gpus"][gpu]["decode"] == t["decode"]
-        # the update is 3 forwards' worth, the old log-probs one; checkpointing recomputes a forward
-        # of the layers
+        # the update is 3 forwards' worth; stage 1 recomputes the layers (but their down
+        # projections) and the lm_head's chunks: less than a forward
         assert t["update"] == pytest.approx(3 * t["old_logprobs"])
-        # stage 1 recomputes the layers (but their down projections) and the lm_head's chunks: less
-        # than a forward
         assert 0.5 * t["old_logprobs"] < t["recompute"] < t["old_logprobs"]
-        # decode = n R / (K rate): double the rate, half the time (K < n here, so not the
-        # one-response floor)
+        assert t1["gpus"][gpu]["compute"] == pytest.approx(t["update"] + t["recompute"])
+        # decode = n R / (K rate), K < n here (not the one-response floor)
         assert faster_decode["gpus"][gpu]["decode"] == pytest.approx(t["decode"] / 2)
         assert t["decode"] == pytest.approx(
             base["rollouts"] * base["response"] / t["decode_tok_s_engine"])
         assert t["step"] == pytest.approx(
             t["decode"] + max(t["compute"], sum(base["fsdp_s"].values())) + base["sync_s"])
+    # one optimizer step drops the old-log-prob pass's FLOPs and FSDP all-gathers
+    assert t1["flops"]["old_logprobs"] == 0 and t1["flops"]["update"] == base["flops"]["update"]
+    assert base["all_gather_bytes"] - t1["all_gather_bytes"] == (
+        t1["micro_batches"] * plan.fsdp_bytes_per_micro_batch(shape, 64)["forward_all_gather"])
+    assert plan.bytes_moved(shape, one, 64)["old_logprobs"] == 0 < plan.bytes_moved(
+        shape, cfg, 64)["old_logprobs"]
     # bytes / bandwidth: double both links, half the sync and FSDP seconds
     assert faster_links["sync_s"] == pytest.approx(base["sync_s"] / 2)
     for key in ("all_gather", "reduce_scatter"):
         assert faster_links["fsdp_s"][key] == pytest.approx(base["fsdp_s"][key] / 2)
-    # K is the plan's own (the engine rows above it), more KV cache per GPU gives more tokens/s per
-    # GPU
+    # K is the memory plan's, and more KV cache per GPU gives more
     k = [t["K"] for t in base["gpus"].values()]
-    assert (k == [plan.plan(cfg, shape, 64, size)["engine"]["K"] for size in plan.GPUS.values()]
-            and k == sorted(k))
-    # no checkpointing and no chunked log-probs: nothing recomputed
-    bare = plan.step_time(
+    assert k == sorted(k) == [plan.plan(cfg, shape, 64, b)["engine"]["K"]
+                              for b in plan.GPUS.values()]
+    bare = plan.step_time(  # no checkpointing and no chunked log-probs: nothing recomputed
         dataclasses.replace(cfg, activation_checkpointing=False, logprob_chunk_tokens=0),
         shape, 64, a)
     assert bare["recomputed"] == 0 and all(t["recompute"] == 0 for t in bare["gpus"].values())
-
-
-def test_with_one_optimizer_step_the_plan_has_no_old_logprob_pass():
-    """rl.rl_step takes the old log-probs from the update's forward when mini_batches=1 (every
-    shipped config): the plan drops that forward's FLOPs and FSDP all-gathers."""
-    one, shape, a = stage1()
-    two = dataclasses.replace(one, mini_batches=2)
-    assert one.mini_batches == 1
-    t1, t2 = plan.step_time(one, shape, 64, a), plan.step_time(two, shape, 64, a)
-    fsdp = plan.fsdp_bytes_per_micro_batch(shape, 64)
-    assert t1["flops"]["old_logprobs"] == 0 and t1["flops"]["update"] == t2["flops"]["update"]
-    assert t2["all_gather_bytes"] - t1["all_gather_bytes"] == (t1["micro_batches"]
-                                                               * fsdp["forward_all_gather"])
-    for gpu, t in t1["gpus"].items():
-        assert t["compute"] == pytest.approx(t["update"] + t["recompute"])
-        assert t2["gpus"][gpu]["compute"] - t["compute"] == pytest.approx(
-            t2["gpus"][gpu]["old_logprobs"])
-    assert plan.bytes_moved(shape, one, 64)["old_logprobs"] == 0 < plan.bytes_moved(
-        shape, two, 64)["old_logprobs"]
 
 
 def test_fsdp_what_ifs_and_the_link_split():
@@ -316,22 +270,16 @@ def test_fsdp_what_ifs_and_the_link_split():
         received * 7 / 63 / (a.plan_nvlink_gb_s * 1e9)
         + received * 56 / 63 / (a.plan_network_gb_s * 1e9))
     assert plan.link_seconds(received, 1, a) == 0
-    # the printed what-if is those numbers
-    text = plan.format_step_time(cfg, shape, 64, a)
-    line = next(x for x in text.splitlines() if "the same in bf16" in x)
-    assert float(line.split()[-1]) == pytest.approx(base["fsdp_s"]["reduce_scatter"] / 2, abs=0.5)
 
 
 def test_plan_assumptions_parse_and_errors_name_the_key():
     cfg, _, a = stage1("plan_mfu=0.5", "plan_network_gb_s=25", "plan_response_tokens=3000")
     assert (a.plan_mfu, a.plan_network_gb_s, a.plan_response_tokens) == (0.5, 25.0, 3000)
     assert cfg.plan_model_config   # plan_model_config is the RL config's own key, not an assumption
-    for bad, match in [("plan_mfuu=0.3", "'plan_mfuu': unknown key .*did you mean 'plan_mfu'"),
-                       ("plan_mfu=abc", "'plan_mfu': expected a float"),
-                       ("plan_mfu=1.5", "plan_mfu=1.5"),
-                       ("plan_decode_tok_s=0", "plan_decode_tok_s=0"),
+    for bad, match in [("plan_mfuu=0.3", "'plan_mfuu': unknown key"), ("plan_mfu=abc", "plan_mfu"),
+                       ("plan_mfu=1.5", "plan_mfu"), ("plan_decode_tok_s=0", "plan_decode_tok_s"),
                        ("plan_gpus_per_node=-8", "plan_gpus_per_node"),
-                       ("plan_start_step=300", "plan_start_step=300: must be below steps=300")]:
+                       ("plan_start_step=300", "plan_start_step=300")]:
         with pytest.raises(ConfigError, match=match):
             stage1(bad)
     # an assumption without mode=plan is an error, not silently ignored by a training run
@@ -345,11 +293,6 @@ def test_training_flops_formula_against_torch_flop_counter():
     (each layer up to its down projection under activation checkpointing, the lm_head under chunked
     log-probs): against torch's FlopCounterMode around rl.token_logprobs on a real Qwen3 model
     (short rows: attention's T^2 term is small)."""
-    dims = dict(vocab_size=512, hidden_size=96, intermediate_size=320, num_hidden_layers=3,
-                num_attention_heads=6, num_key_value_heads=2, head_dim=32,
-                tie_word_embeddings=False)
-    shape = plan.ModelShape(hidden=96, intermediate=320, layers=3, heads=6, kv_heads=2, head_dim=32,
-                            vocab=512, tied=False)
     cfg, _, a = stage1("mini_batches=2")  # with a separate old-log-prob pass, counted here
     cfg = dataclasses.replace(cfg, micro_batch_tokens=16,
                               rollout=dataclasses.replace(cfg.rollout, max_prompt_tokens=4,
@@ -358,9 +301,10 @@ def test_training_flops_formula_against_torch_flop_counter():
     for checkpointing, chunk in [(False, 0), (True, 0), (True, 8)]:
         t = plan.step_time(dataclasses.replace(cfg, activation_checkpointing=checkpointing,
                                                logprob_chunk_tokens=chunk),
-                           shape, 1, a)
+                           SMALL, 1, a)
         planned = {k: v / t["tokens"] * ids.numel() for k, v in t["flops"].items()}
-        model = AutoModelForCausalLM.from_config(Qwen3Config(**dims), attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(Qwen3Config(**SMALL_QWEN3),
+                                                 attn_implementation="sdpa")
         if checkpointing:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -376,15 +320,12 @@ def test_training_flops_formula_against_torch_flop_counter():
 
 
 def test_host_ram_while_asleep_follows_the_sleep_level():
-    """Level 2 (the default) discards the engine's weights, level 1 copies them (bf16) to host RAM
-    while training."""
+    """Level 2 (the default) discards the engine's weights, level 1 keeps them in host RAM."""
     shape = plan.ModelShape.from_config(REPO / "configs/models/Qwen3-14B-Base.json")
     for level, host in ((2, 0), (1, 2 * shape.numel())):
         cfg = load_config(rl.RLConfig, ["configs/stage1.yaml", f"rollout.sleep_level={level}"])
         assert plan.plan(cfg, shape, 64, plan.GPUS["H200"])["engine"]["host_when_asleep"] == host
-        assert (f"host RAM per rank while the engine sleeps (level {level}): "
-                f"{host / 2**30:7.2f} GiB") in \
-            plan.format_plan(cfg, shape, 64, "Qwen3-14B-Base.json")
+
 
 def test_a_plan_that_does_not_fit_says_what_to_change():
     cfg = load_config(rl.RLConfig, ["configs/stage1.yaml", "activation_checkpointing=false"])
@@ -398,8 +339,7 @@ def test_a_plan_that_does_not_fit_says_what_to_change():
     cfg = load_config(rl.RLConfig, ["configs/stage1.yaml", "rollout.gpu_memory_utilization=0.9"])
     result = plan.plan(cfg, shape, 8, plan.GPUS["H100-80GB"])
     assert not result["fits"]["rollout"]
-    assert "rollout" in result["tight"] and any(
-        a.startswith("rollout: rollout.gpu_memory_utilization=") for a in result["advice"])
+    assert any(a.startswith("rollout: rollout.gpu_memory_utilization=") for a in result["advice"])
 
 
 def test_a_model_without_config_is_a_clear_error():
@@ -418,28 +358,19 @@ def test_gpu_check_refuses_a_machine_without_a_gpu():
 
 
 def test_gpu_check_ends_with_a_one_screen_verdict_per_check_and_phase():
-    """gpu_check.py's last output, from the results it records: the GPU fills them, the formatting
-    runs here."""
-
-    phases = [dict(phase=f"{r}: {p}", seconds=1.5, device_used_gib=40.0,
-                   torch_peak_allocated_gib=30.25)
-              for r in range(2)
-              for p in ("rollout", "sleep", "old log-probs", "train step", "wake + weight sync")]
+    """gpu_check.py's last output, from the results a GPU records: PASS or FAIL per check, a failed
+    one's error's last line, a row per RL-cycle phase."""
+    phase = dict(phase="0: rollout", seconds=1.5, device_used_gib=40.0,
+                 torch_peak_allocated_gib=30.25)
     results = {"env": {"gpu": "NVIDIA H100"}, "engine_start_s": 20.0,
                "logprobs_bf16": {"vs_trainer_bf16_mean": 0.0123456, "tokens": 30},
-               "sleep_wake": {"error": "Traceback (most recent call last):\n  ...\n"
-                                       "AssertionError: sleep freed 0.10 GiB\n"},
-               "rl_cycle": {"K": 12, "phases": phases, "plan_fits": True,
-                            "plan_phases_gib": {"rollout": 50.0}},
-               "failures": ["sleep_wake"]}
-    lines = verdict(results).splitlines()
-    assert lines[0] == "gpu_check.py on NVIDIA H100: FAIL (sleep_wake)  engine_start_s=20"
-    assert lines[1:4] == ["PASS logprobs_bf16: vs_trainer_bf16_mean=0.0123  tokens=30",
-                          "FAIL sleep_wake: AssertionError: sleep freed 0.10 GiB",
-                          "PASS rl_cycle: K=12  plan_fits=True"]
-    assert lines[4:] == [f"     {p['phase']:44} {1.5:7.1f} s  used {40.0:6.1f} GiB  "
-                         f"peak {30.25:6.1f} GiB" for p in phases]
-    assert max(map(len, lines)) <= 160
+               "sleep_wake": {"error": "Traceback ...\nAssertionError: sleep freed 0.10 GiB\n"},
+               "rl_cycle": {"K": 12, "phases": [phase] * 3}, "failures": ["sleep_wake"]}
+    assert verdict(results).splitlines() == [
+        "gpu_check.py on NVIDIA H100: FAIL (sleep_wake)  engine_start_s=20",
+        "PASS logprobs_bf16: vs_trainer_bf16_mean=0.0123  tokens=30",
+        "FAIL sleep_wake: AssertionError: sleep freed 0.10 GiB", "PASS rl_cycle: K=12",
+        *[f"     {'0: rollout':44}     1.5 s  used   40.0 GiB  peak   30.2 GiB"] * 3]
 
 
 def test_gpu_check_runs_the_in_step_rollout_benchmark_on_rl_py_s_1_gpu_config_tools_off(tmp_path):
@@ -481,18 +412,13 @@ def test_tensor_parallel_divides_the_rollouts_by_engines():
     h100 = t2["gpus"]["H100-80GB"]
     assert h100["decode"] == pytest.approx(512 * 8192 / (h100["K"] * a.plan_decode_tok_s))
     assert 40 < h100["step"] / 60 < 45  # the per-engine arithmetic of issue 33, not 24.5 minutes
-    text = plan.format_step_time(two, shape, 64, a)
-    assert "per engine (32 of tensor_parallel_size=2): n = 512 rollouts" in text
-    assert "decode tokens/s per engine" in text
 
 
 def test_a_tensor_parallel_size_that_straddles_nodes_is_refused():
-    with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size=16 does not divide the 64 "
-                                          r"ranks and the 8 GPUs per node \(plan_gpus_per_node\)"):
+    with pytest.raises(ConfigError, match="rollout.tensor_parallel_size=16"):
         plan_output(["configs/stage1.yaml", "mode=plan", "rollout.tensor_parallel_size=16"])
     cfg = load_config(rl.RLConfig, ["configs/stage1.yaml", "rollout.tensor_parallel_size=16"])
-    with pytest.raises(ConfigError, match="tensor_parallel_size=16 does not divide the 8 GPUs per "
-                                          "node .*--nproc_per_node"):
+    with pytest.raises(ConfigError, match="tensor_parallel_size=16"):
         check_inputs(cfg, world_size=64, gpus_per_node=8)
 
 
@@ -518,10 +444,8 @@ def test_checkpoint_bytes_match_a_real_checkpoint(tiny_model_dir, tmp_path):
     planned = plan.checkpoint_bytes(shape, 1)
     assert planned["per_rank"] == planned["total"]
     written = sum(p.stat().st_size for p in saved.glob("*.distcp"))
-    print(f"checkpoint shard bytes: planned {planned['total']:,}, written {written:,}")
     # DCP's ~2 KB per tensor besides the data: 2% of the tiny model's, 0.002% of Qwen3-14B's
     assert 0 <= written - planned["total"] <= 0.03 * written
-    assert plan.rank0_host_bytes(shape)["start"] == 4 * sum(p.numel() for p in model.parameters())
 
 
 class WholeGroups(Rollouts):
@@ -546,19 +470,6 @@ def test_the_tail_simulation_runs_rollout_py_s_admission_rule():
     # a slower engine claims less: the counter is shared
     slow = tail.simulate(Rollouts, 2, 4, 8, 4, lambda p, s: 1.0, lambda e: 0.5 if e else 1.0)
     assert slow[0] < slow[1] and sorted(slow) == [5.0, 6.0]
-
-
-def test_the_cluster_block_names_checkpoints_ram_and_the_tail(tmp_path):
-    out = plan_output(["configs/stage2.yaml", "mode=plan"])
-    block = out[out.index("what a cluster run needs"):]
-    shape = plan.ModelShape.from_config(REPO / "configs/models/Qwen3-14B-Base.json")
-    assert f"{12 * shape.numel() / 2**30:.2f} GiB in all" in block
-    assert f"{3 * 12 * shape.numel() / 2**30:.2f} GiB, plus" in block  # keep_checkpoints 2 + 1
-    assert f"{4 * shape.numel() / 2**30:.2f} GiB at start" in block
-    assert "a fault's restart, minutes: detection 5.0" in block
-    # an H100's stage-2 rollout phase (K = 10 at 12K tokens) is over two hours at full length, but
-    # no rank waits in one collective for more than the tail: the default 30 minutes holds
-    assert "WARNING" not in block
 
 
 def test_the_collective_timeout_is_checked_against_the_longest_single_wait():
@@ -629,42 +540,30 @@ def test_the_stage_configs_save_and_restart_at_the_plan_s_cadence(stage):
     start = ["plan_start_step=300"] if stage == "stage2" else []  # stage 2 goes on from 300
     out = plan_output([f"configs/{stage}.yaml", "mode=plan", *start])
     cfg = load_config(rl.RLConfig, [f"configs/{stage}.yaml"])
-    text = (REPO / f"configs/{stage}.yaml").read_text()
-    restarts = set(re.findall(r"(?:--max-restarts|MAX_RESTARTS)=(\d+)", text))
+    restarts = set(re.findall(r"(?:--max-restarts|MAX_RESTARTS)=(\d+)",
+                              (REPO / f"configs/{stage}.yaml").read_text()))
     assert len(restarts) == 1, restarts
-    assert (f"for every GPU above: save_every={cfg.save_every} (the least loss on the worst), "
-            f"--max-restarts={restarts.pop()}\n") in out
-    for label in ("save_every by Young/Daly", "time lost at it, %",
-                  f"time lost at save_every={cfg.save_every} (this config), %",
-                  f"with faults, at save_every={cfg.save_every}"):
-        row = next(line for line in out.splitlines() if label in line)
-        assert len(row.split()) >= len(plan.GPUS) + 3, row
+    assert (f"save_every={cfg.save_every} (Young/Daly, the least loss on the worst), "
+            f"--max-restarts={restarts.pop()}") in out
 
 
-def test_a_launch_of_another_size_runs_and_prints_the_plan_for_it(tiny_model_dir):
+def test_a_launch_of_another_size_names_what_does_not_fit_there(tiny_model_dir):
     """world_size is the plan's assumption: check_inputs lets 8 ranks start a 64-rank config, and
-    rl.py prints the step time at 8 and that 8 H100s fit only inside the plan's tolerance."""
+    rl.py says that the rollout phase does not fit 8 H100s, and what to change."""
     cfg = load_config(rl.RLConfig, ["configs/stage1.yaml", f"model={tiny_model_dir}"])
     check_inputs(cfg, world_size=8, gpus_per_node=8)  # no refusal
     assert plan.launch_note(cfg, 64) == "" and plan.launch_note(
         dataclasses.replace(cfg, world_size=0), 8) == ""
-    note = plan.launch_note(cfg, 8)
-    a, shape = plan.PlanAssumptions(), plan.ModelShape.from_config(
-        REPO / "configs/models/Qwen3-14B-Base.json")
-    h100 = plan.step_time(cfg, shape, 8, a)["gpus"]["H100-80GB"]["step"]
-    assert note.startswith("world_size=64 is the plan's assumption (mode=plan), not a requirement:"
-                           f" this launch has 8 ranks, where by the plan a step takes "
-                           f"{h100 / 60:.0f} / ")
-    assert ("H100-80GB at 8 ranks: fits only inside the plan's own tolerance (its terms are "
-            "checked within 20%): rollout 78.38 of 79.65 GiB (1.6% left); change rollout: "
-            "rollout.gpu_memory_utilization=0.65") in note
-    assert "H200 at 8" not in note and "MI300X at 8" not in note
-    # the advised utilisation leaves the tolerance: the plan then says "fits"
+    note = plan.launch_note(cfg, 8).splitlines()
+    assert note[0].startswith("world_size=64 is the plan's assumption") and len(note) == 2
+    assert note[1].startswith("  H100-80GB at 8 ranks: does not fit") and (
+        "change rollout: rollout.gpu_memory_utilization=0.65" in note[1])
+    # the advised utilisation fits
+    shape = plan.ModelShape.from_config(REPO / "configs/models/Qwen3-14B-Base.json")
     fixed = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout,
                                                                  gpu_memory_utilization=0.65))
-    verdict_text, advice = plan.fit_verdict(plan.plan(fixed, shape, 8, plan.GPUS["H100-80GB"]),
-                                            plan.GPUS["H100-80GB"])
-    assert (verdict_text, advice) == ("fits", [])
+    assert plan.fit_verdict(plan.plan(fixed, shape, 8, plan.GPUS["H100-80GB"]),
+                            plan.GPUS["H100-80GB"]) == "fits"
 
 
 def test_the_printed_plans_in_docs_gpu_md_are_the_code_s_output():
