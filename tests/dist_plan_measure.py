@@ -1,14 +1,7 @@
-"""Measure what plan.py plans, on the real rl.py code: per-rank memory of each phase and the bytes
-each collective receives; writes OUT_DIR/rank{R}.json for tests/test_plan.py to compare with the
-plan.
+"""What plan.py plans, measured on the real rl.py code from tensors and collectives (never RSS):
+OUT_DIR/rank{R}.json for tests/test_plan.py.
 
-    python tests/dist_plan_measure.py MODEL_DIR OUT_DIR [key=value ...]                  # 1 process
-    torchrun --standalone --nproc_per_node=2 tests/dist_plan_measure.py MODEL_DIR OUT_DIR
-        [key=value ...]
-
-Memory is counted from tensors, never from the process (RSS depends on what the process already
-holds): state bytes summed over the local shards, saved activations from torch's FSDPMemTracker,
-peaks and bytes from tests/instruments.py.
+    [torchrun --standalone --nproc_per_node=2] tests/dist_plan_measure.py MODEL_DIR OUT_DIR [k=v]
 """
 import dataclasses
 import json
@@ -30,9 +23,7 @@ from machinery.exits import end_process_group, leave  # noqa: E402
 from machinery.training import TrainSample, last_hidden_states, token_logprobs  # noqa: E402
 
 
-def full_sample(tokens, vocab, seed):
-    """One trajectory of exactly `tokens` tokens: a micro-batch at micro_batch_tokens, no
-    padding."""
+def full_sample(tokens, vocab, seed):  # a micro-batch of exactly `tokens` tokens
     rng = random.Random(seed)
     prompt = [rng.randrange(3, vocab) for _ in range(16)]
     response = [rng.randrange(3, vocab) for _ in range(tokens - 16)]
@@ -82,9 +73,8 @@ def main():
     if not cfg.activation_checkpointing:
         model.gradient_checkpointing_disable()
 
-    # the training step: a first one creates AdamW's moments, the second is the steady state
-    # that is measured
-    # two micro-batches: the second runs with the first one's gradients resident, the plan's case
+    # a first step creates AdamW's moments; the second, measured, is the steady state; of its two
+    # micro-batches the second runs with the first one's gradients resident, the plan's case
     samples = [full_sample(tokens, vocab, 100 + rank), full_sample(tokens, vocab, 200 + rank)]
     rl.train_step(model, optimizer, samples, cfg, 0, 0, device)
     out["adam"] = tensor_bytes(t for state in optimizer.state.values() for t in state.values()
@@ -95,8 +85,7 @@ def main():
     out["train_received"] = {k: v for k, v in comm.received.items()
                              if k in ("_allgather_base", "_reduce_scatter_base")}
 
-    # the same step with the log-probs computed all at once (logprob_chunk_tokens=0): the head's
-    # share of the peak
+    # the log-probs all at once (logprob_chunk_tokens=0): the head's share of the peak
     unchunked = dataclasses.replace(cfg, logprob_chunk_tokens=0)
     out["train_peak_unchunked"], _, _ = peak_and_comm(
         model, optimizer, lambda: rl.train_step(model, optimizer, samples, unchunked, 2, 0, device))
@@ -123,9 +112,6 @@ def main():
     out.update(balance_received=comm.received, balance_traffic=traffic,
                balance_arrived=[(len(s.prompt_ids), len(s.response_ids)) for s in arrived],
                vocab=vocab)
-    counts = torch.tensor([len(mine)])
-    torch.distributed.all_reduce(counts)
-    out["balance_trajectories"] = int(counts)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(out))
     torch.distributed.barrier()

@@ -1,5 +1,5 @@
-"""Test instruments (tests/dist_plan_measure.py, bench/scale.py): the bytes this rank receives in
-every collective, and the peak bytes of live tensors, both counted from tensors, never from RSS."""
+"""The bytes this rank receives in every collective, and the peak bytes of live tensors, counted
+from tensors, never from RSS (tests/dist_plan_measure.py, bench/scale.py)."""
 import weakref
 
 import torch
@@ -11,16 +11,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class CommMeter(TorchDispatchMode):
-    """Counts, per collective, the bytes this rank receives: every c10d op goes through the
-    dispatcher (FSDP2's all-gathers and reduce-scatters, full_tensor(), the object collectives' byte
-    tensors), so a dispatch mode sees them all. Received = the logical volume: for an all-gather the
-    output less this rank's input, for a reduce-scatter the input less this rank's output, for an
-    all-reduce (W-1)/W of the tensor twice (ring), for a broadcast the tensor on every rank but the
-    source."""
+    """Bytes this rank receives per collective, the logical volume: every c10d op (FSDP2's,
+    full_tensor(), the object collectives' byte tensors) goes through the dispatcher."""
 
     def __init__(self):
         super().__init__()
-        self.received, self.calls = {}, {}
+        self.received = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -31,11 +27,9 @@ class CommMeter(TorchDispatchMode):
                         "reduce_scatter_tensor": lambda: size(args[0]) - size(out)
                         }.get(name, lambda: 0)()
             self.received[name] = self.received.get(name, 0) + received
-            self.calls[name] = self.calls.get(name, 0) + 1
         if func.namespace == "c10d":
             name = func.__name__.split(".")[0].rstrip("_")
             self.received[name] = self.received.get(name, 0) + self._received(name, args)
-            self.calls[name] = self.calls.get(name, 0) + 1
         return out
 
     @staticmethod
@@ -55,7 +49,7 @@ class CommMeter(TorchDispatchMode):
             return nbytes(args[0]) - nbytes(args[1])
         if name in ("_reduce_scatter_base", "reduce_scatter", "reduce_scatter_tensor_coalesced"):
             return nbytes(args[1]) - nbytes(args[0])
-        if name == "allreduce":
+        if name == "allreduce":  # a ring: (W-1)/W of the tensor twice
             return int(2 * nbytes(args[0]) * (world - 1) / world)
         if name == "broadcast":
             return 0 if group.rank() == args[2] else nbytes(args[0])
@@ -72,13 +66,10 @@ class CommMeter(TorchDispatchMode):
 
 
 class PeakMemory(TorchDispatchMode):
-    """The most bytes of live tensors while it is active: every storage an op creates or touches is
-    followed by a weak reference until it dies, plus the storages of `tracked` (modules' parameters,
-    buffers and gradients, optimizers' state, tensors) that exist before. Resizes are followed too
-    (FSDP2 frees a gathered layer by resizing its storage to 0). A count of tensors, so it does not
-    depend on what the process held before; the same design as torch.distributed._tools.mem_tracker,
-    whose MemTracker refuses several forwards of one model (micro-batches). On a GPU,
-    torch.cuda.max_memory_allocated measures the same thing (tools/gpu_check.py)."""
+    """The most bytes of live tensors while active: each storage an op creates or touches, followed
+    by a weak reference until it dies, and resized (FSDP2 frees a gathered layer by resizing it to
+    0), plus those of `tracked` (modules, optimizers, tensors). torch's own MemTracker refuses
+    several forwards of one model (micro-batches)."""
 
     def __init__(self, *tracked):
         super().__init__()
