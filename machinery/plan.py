@@ -180,15 +180,15 @@ def balance_received(world, most_per_rank, arrived, vocab):
     return keys + sum(pickled_trajectory_bytes(p, r, vocab) for p, r in arrived)
 
 
-def fsdp_bytes_per_micro_batch(m, world, c=2, reduce_c=4):
+def fsdp_bytes_per_micro_batch(m, world, c=2):
     """FSDP2: forward gathers every unit, backward the layers again (the root stays gathered),
-    gradients reduce-scattered in reduce_c bytes (fp32, model.build_model's reduce_dtype)."""
+    gradients reduce-scattered in fp32 (model.build_model's reduce_dtype)."""
     share = (world - 1) / world
     everything = padded_numel(m.shapes(), world)
     layers = everything - padded_numel(m.root_shapes(), world)
     return dict(forward_all_gather=int(c * everything * share),
                 backward_all_gather=int(c * layers * share),
-                reduce_scatter=int(reduce_c * everything * share))
+                reduce_scatter=int(4 * everything * share))
 
 
 def bytes_moved(m, cfg, world, c=2):
