@@ -45,7 +45,7 @@ QWEN3_1P7B_SHAPE = dict(hidden_size=2048, intermediate_size=6144, num_hidden_lay
 @dataclasses.dataclass
 class GPUCheckConfig:
     out_dir: str = os.environ.get("OUT", "out/gpu_check")
-    # checks 1-5: tiny.py's Qwen3 layout at ~200M parameters (random weights: agreement and speed)
+    # checks 1-4: tiny.py's Qwen3 layout at ~200M parameters (random weights: agreement and speed)
     hidden_size: int = 1024
     num_hidden_layers: int = 12
     enforce_eager: bool = False       # CUDA graphs on, as in training; true starts faster
