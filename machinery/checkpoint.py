@@ -199,6 +199,7 @@ def requested_checkpoint(resume, ckpt_root):
     one passed over with a warning), or the path given, intact: asked for, never swapped."""
     if resume == "never":
         return None
+
     if resume == "auto":
         committed = committed_checkpoints(ckpt_root)
         for checkpoint in reversed(committed):
@@ -211,6 +212,7 @@ def requested_checkpoint(resume, ckpt_root):
             raise ConfigError(f"{ckpt_root}: no intact checkpoint to resume from (newest: "
                               f"{checkpoint_damage(committed[-1])}); repair it, or a new out_dir")
         return None
+
     checkpoint = resolve(resume)
     if not (COMMITTED.fullmatch(checkpoint.name) and (checkpoint / "COMPLETE").is_file()):
         raise ConfigError(f"resume={resume}: not a committed checkpoint (a step_N directory "
