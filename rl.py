@@ -66,8 +66,8 @@ class RLConfig:
     mode: Literal["train", "plan"] = "train"  # plan: memory, bytes, time of a step; no training
     plan_model_config: str = ""   # mode=plan: the model's config.json when `model` is not on disk
     seed: int = 0
-    world_size: int = 0           # ranks mode=plan assumes (0: the launch's); any launch runs
-    collective_timeout_min: int = 30  # the most a rank waits at one collective (mode=plan checks)
+    world_size: NonNegativeInt = 0  # ranks mode=plan assumes (0: the launch's); any launch runs
+    collective_timeout_min: PositiveInt = 30  # the most a rank waits at a collective (mode=plan)
     heartbeat_min: float = 5.0    # no rank moving this long: a hang, every rank exits; 0 = off
     skip_prompts: list[int] = dataclasses.field(default_factory=list)  # ids a crash loop named
     # the method (§2.2.3, §4.3)
@@ -77,7 +77,7 @@ class RLConfig:
     positive_rule: Literal[tuple(POSITIVE_RULES)] = "sample"
     roc_error_ratio: bool = True  # p_err (Eq. 4) in the positives' penalty
     roc_answer_format: bool = True  # p_format (Eq. 5) in the positives' penalty
-    filter_all_equal: bool = True  # drop groups whose rewards are all equal (release: same)
+    filter_all_equal: bool = True  # drop groups whose rewards are all equal (release: 20480/GPU)
     prompts_per_step: PositiveInt = 512
     steps: PositiveInt = 300      # total RL steps of this run (a resume continues up to it)
     clip_low: Annotated[float, Interval(ge=0, lt=1)] = 0.2
@@ -101,20 +101,20 @@ class RLConfig:
     grad_clip: float = 1.0        # max global grad norm; 0 = no clipping (logged either way)
     mini_batches: PositiveInt = 1  # optimizer steps per RL step, each on 1/k of the kept rollouts
     # memory and speed; none of them changes the maths (tests/test_rl.py checks that)
-    micro_batch_tokens: int = 20480  # padded tokens per forward/backward (release: 20480 per GPU)
-    micro_batch_size: int = 0     # trajectories per forward/backward; 0 = no cap
+    micro_batch_tokens: PositiveInt = 20480  # padded tokens a forward/backward (release: 20480/GPU)
+    micro_batch_size: NonNegativeInt = 0  # trajectories per forward/backward; 0 = no cap
     train_dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     activation_checkpointing: bool = False
-    logprob_chunk_tokens: int = 1024  # output projection this many tokens at a time; 0 = off
+    logprob_chunk_tokens: NonNegativeInt = 1024  # output projection, so many tokens at once; 0: off
     attn_implementation: str = "sdpa"  # trainer attention (flash_attention_2 on GPU, if installed)
     # CPU only: torch threads for the update; 0 = the cores free at the start (machinery/threads.py;
     # the engine's decode takes one less with the tool on). config.yaml records the number chosen.
-    train_threads: int = 0
+    train_threads: NonNegativeInt = 0
     logprob_gap_warn: float = 0.05  # sync guard: warn above this mean |trainer - engine| gap
-    untrained_steps_warn: int = 3  # warn when this many steps in a row train on nothing; 0 = never
+    untrained_steps_warn: NonNegativeInt = 3  # warn: so many steps in a row train nothing; 0: never
     # checkpoints and logs
-    save_every: int = 10
-    keep_checkpoints: int = 2
+    save_every: PositiveInt = 10
+    keep_checkpoints: PositiveInt = 2
     resume: str = "auto"          # auto: newest intact checkpoint in out_dir; never; a PATH
     # true: resume this out_dir's run with changed settings (history.jsonl records them);
     # false: a change of a key outside KEYS_A_RESUME_MAY_CHANGE is refused
@@ -124,18 +124,18 @@ class RLConfig:
     # false: init_from's (fp32 master) weights only, a fresh AdamW from step 0: stage 3 (§4.3)
     init_optimizer: bool = True
     eval_data: str = ""           # held-out problems, scored every eval_every steps, 0, and last
-    eval_every: int = 0           # 0 = only at the start and the end (when eval_data is set)
+    eval_every: NonNegativeInt = 0  # 0 = only at the start and the end (when eval_data is set)
     eval_at_start: bool = True    # false: the ablation measures only the end
-    eval_samples: int = 1         # rollouts per eval problem
+    eval_samples: PositiveInt = 1  # rollouts per eval problem
     eval_temperature: float = 0.6  # the paper's evaluation temperature (§5.1)
     wandb_project: str = ""
-    log_samples: int = 8          # trajectories a step (rank 0's) to TensorBoard and W&B; 0 = none
+    log_samples: NonNegativeInt = 8  # trajectories a step (rank 0's) to TensorBoard, W&B; 0: none
     tensorboard: bool = False
     # saved rollouts, what tools.replay reads: steps 1, 1+N, 1+2N, ... (0 = never); each replays
     # exactly while the checkpoint that sampled it is kept (N a multiple of save_every; the save
     # says when keep_checkpoints will remove it)
-    save_rollouts_every: int = 10
-    keep_rollouts: int = 0        # the newest this many saved steps stay on disk; 0 = all
+    save_rollouts_every: NonNegativeInt = 10
+    keep_rollouts: NonNegativeInt = 0  # the newest this many saved steps stay on disk; 0 = all
     verbose: bool = False         # all of vLLM's logging; default: its warnings
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
 

@@ -1,5 +1,5 @@
-"""DCP checkpoints, written by every rank into step_N.tmp/ and committed by rank 0's rename to
-step_N/, the only names a run reads; resumable at any world size. Where a run starts from."""
+"""DCP checkpoints: every rank writes step_N.tmp/, rank 0's rename commits step_N/ (the only names
+a run reads); resumable at any world size. Where a run starts from."""
 import json
 import os
 import random
@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
                                                      set_model_state_dict, set_state_dict)
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from machinery.config import ConfigError, require_at_least, resolve
+from machinery.config import ConfigError, resolve
 from machinery.data import load_problems
 from machinery.engine import check_heads_split
 from machinery.exits import fault_point
@@ -45,8 +45,7 @@ def checkpoint_step(checkpoint):
 
 def checkpoint_damage(checkpoint):
     """Why a committed checkpoint cannot be loaded, naming the file, or "": a shard shorter than
-    DCP's .metadata says (DCP keeps no checksums: a flipped byte would not show), or a trainer
-    state of one of the ranks COMPLETE counts that does not load."""
+    .metadata says (DCP keeps no checksums), or a rank's trainer state that does not load."""
     checkpoint = Path(checkpoint)
     try:
         storage = FileSystemReader(str(checkpoint)).read_metadata().storage_data
@@ -72,9 +71,8 @@ def checkpoint_damage(checkpoint):
 
 
 def check_fits(checkpoint, model):
-    """Refuse a checkpoint of another model before anything loads: DCP's .metadata holds every
-    saved tensor's shape, and the model's config.json gives its own (built on the meta device).
-    A model that is no local directory (a hub id) is checked as the checkpoint loads."""
+    """Refuse a checkpoint of another model before anything loads: .metadata's shapes against the
+    model's config.json's (a hub id is checked as the checkpoint loads)."""
     config_file = resolve(model) / "config.json"
     if checkpoint is None or not config_file.is_file():
         return
@@ -92,27 +90,14 @@ def check_fits(checkpoint, model):
                           "resume it with its own model, or use another out_dir")
 
 
-def intact_checkpoint(ckpt_root):
-    """The newest committed checkpoint that is not damaged, with a warning line for each damaged
-    one passed over; None when none is intact."""
-    for checkpoint in reversed(committed_checkpoints(ckpt_root)):
-        damage = checkpoint_damage(checkpoint)
-        if not damage:
-            return checkpoint
-        print(f"WARNING: {damage}: checkpoint {checkpoint.name} passed over for an older one",
-              flush=True)
-    return None
-
-
 def save_checkpoint(ckpt_root, step, model, optimizer, trainer_state, keep=2, keep_through=0):
     written = write_checkpoint(ckpt_root, step, model, optimizer, trainer_state)
     return commit_checkpoint(written, keep=keep, keep_through=keep_through)
 
 
 def write_checkpoint(ckpt_root, step, model, optimizer, trainer_state):
-    """Model + optimizer (sharded, DCP) and each rank's trainer state (step, data position, RNG)
-    into step_N.tmp/, every file fsynced (DCP fsyncs its own); -> that directory, which no run
-    reads until commit_checkpoint names it. Collective; every rank must see ckpt_root."""
+    """Model + optimizer (DCP) and each rank's trainer state (step, data position, RNG) into
+    step_N.tmp/, fsynced; -> that directory, read by no run until committed. Collective."""
     rank = dist.get_rank()
     tmp = Path(ckpt_root) / f"{CHECKPOINT_PREFIX}{step:08d}.tmp"
     if rank == 0:
@@ -133,10 +118,9 @@ def write_checkpoint(ckpt_root, step, model, optimizer, trainer_state):
 
 
 def commit_checkpoint(tmp, keep=2, keep_through=0):
-    """Rank 0 commits write_checkpoint's step_N.tmp/ while it holds the run's lease: COMPLETE
-    (with the world size: whose trainer states a resume checks) and the rename, each fsynced; once
-    step_N/ reads back intact, the newest `keep` after step `keep_through` are kept (older ones
-    were saved under earlier settings: run_dir.py). Collective."""
+    """Rank 0, holding the run's lease, commits step_N.tmp/: COMPLETE (with the world size) and the
+    rename, each fsynced; once step_N/ reads back intact, the newest `keep` after step
+    `keep_through` are kept (older ones: earlier settings, run_dir.py). Collective."""
     final = tmp.with_name(tmp.name[:-len(".tmp")])
     fault_point("checkpoint_commit")  # a test's SIGKILL mid-save: every shard written, no commit
     if dist.get_rank() == 0:
@@ -171,8 +155,7 @@ def _fsync_directory(path):
 
 
 def remove_unfinished(ckpt_root, rank):
-    """Delete the step_N.tmp/ an attempt that died mid-save left (rank 0, the run directory
-    claimed): never read, and each the size of a checkpoint. Names each."""
+    """Rank 0 deletes (and names) each step_N.tmp/ a dead attempt left: never read, full-size."""
     ckpt_root = Path(ckpt_root)
     if rank != 0 or not ckpt_root.is_dir():
         return
@@ -182,10 +165,9 @@ def remove_unfinished(ckpt_root, rank):
 
 
 def load_checkpoint(path, model, optimizer):
-    """Load a checkpoint of save_checkpoint into an FSDP-wrapped model and its optimizer; returns
-    the saved trainer_state. DCP reshards to any world size. A rank the saving run had restores its
-    RNG streams; a rank it did not have takes rank 0's trainer_state (step and data position are
-    global) and keeps its seeded RNG: sampling seeds and RoC's draws never come from these."""
+    """A checkpoint into the FSDP model and its optimizer, at any world size; -> the trainer_state.
+    A rank the saving run lacked takes rank 0's (step, data position: global) and keeps its seeded
+    RNG: sampling seeds and RoC's draws never come from these."""
     path = Path(path)
     load_training_state(path, model, optimizer)
     rank_file = path / f"trainer_state_rank{dist.get_rank()}.pt"
@@ -213,17 +195,24 @@ def load_training_state(path, model, optimizer):
 
 
 def requested_checkpoint(resume, ckpt_root):
-    """The checkpoint `resume` names: None (never), the newest intact one under ckpt_root (auto;
-    a damaged newer one passed over with a warning), or the path given, which must be intact:
-    asked for by name, it is not swapped for another."""
+    """The checkpoint `resume` names: None (never), the newest intact one (auto; a damaged newer
+    one passed over with a warning), or the path given, intact: asked for, never swapped."""
     if resume == "never":
         return None
+
     if resume == "auto":
-        checkpoint, newest = intact_checkpoint(ckpt_root), latest_checkpoint(ckpt_root)
-        if checkpoint is None and newest is not None:  # never a silent restart from step 0
+        committed = committed_checkpoints(ckpt_root)
+        for checkpoint in reversed(committed):
+            damage = checkpoint_damage(checkpoint)
+            if not damage:
+                return checkpoint
+            print(f"WARNING: {damage}: checkpoint {checkpoint.name} passed over for an older one",
+                  flush=True)
+        if committed:  # never a silent restart from step 0
             raise ConfigError(f"{ckpt_root}: no intact checkpoint to resume from (newest: "
-                              f"{checkpoint_damage(newest)}); repair it, or use a new out_dir")
-        return checkpoint
+                              f"{checkpoint_damage(committed[-1])}); repair it, or a new out_dir")
+        return None
+
     checkpoint = resolve(resume)
     if not (COMMITTED.fullmatch(checkpoint.name) and (checkpoint / "COMPLETE").is_file()):
         raise ConfigError(f"resume={resume}: not a committed checkpoint (a step_N directory "
@@ -235,10 +224,9 @@ def requested_checkpoint(resume, ckpt_root):
 
 
 def start_checkpoint(cfg, checkpoint):
-    """(the checkpoint this run starts from or None, whether only its weights are taken), given
-    the one its own run directory offers (claim_run_dir). init_from counts only while this run
-    has none of its own, so a restart resumes the run rather than starting it over; it is never
-    swapped for an older one (a stage would start from the wrong weights)."""
+    """(the checkpoint this run starts from or None, whether only its weights are taken), given its
+    run directory's (claim_run_dir). init_from counts only while the run has none of its own, and
+    is never swapped for an older one (a stage would start from the wrong weights)."""
     initial = checkpoint is None and cfg.resume == "auto" and bool(cfg.init_from)
     if initial:
         source = resolve(cfg.init_from)
@@ -262,9 +250,8 @@ def load_weights(checkpoint, model):
 
 
 def resume_run(checkpoint, model, optimizer, run_state, rank, ckpt_root):
-    """The step sft.py's run starts at: 0, or `checkpoint`'s (claim_run_dir's choice), loaded
-    whole. The step alone fixes the data position and the lr, so the checkpoint must come from this
-    very run (run_state). A dead attempt's .tmp checkpoints go (remove_unfinished)."""
+    """The step sft.py's run starts at: 0, or `checkpoint`'s, loaded whole; the step alone fixes
+    the data position and the lr, so it must come from this very run (run_state)."""
     remove_unfinished(ckpt_root, rank)
     if checkpoint is None:
         return 0
@@ -286,8 +273,8 @@ def load_policy(cfg, device, rank):
 
 
 def restore(cfg, checkpoint, device, rank):
-    """(policy, optimizer, run state) rl.py starts from: fresh, init_from's weights alone, or
-    `checkpoint` (claim_run_dir's choice) whole: model, optimizer, RNG, step, data position."""
+    """(policy, optimizer, run state) rl.py starts from: fresh, init_from's weights, or
+    `checkpoint` whole."""
     checkpoint, weights_only = start_checkpoint(cfg, checkpoint)
     remove_unfinished(resolve(cfg.out_dir) / "checkpoints", rank)
     state = {"step": 0, "data_position": 0}
@@ -306,13 +293,7 @@ def restore(cfg, checkpoint, device, rank):
 
 
 def check_config(cfg):
-    """The rest of rl.py's RLConfig.validate, after the method's own keys: paths, sizes, cadences
-    and resume, each a ConfigError naming the key, before anything loads."""
-    require_at_least(cfg, 1, "micro_batch_tokens", "save_every", "keep_checkpoints",
-                     "eval_samples", "collective_timeout_min")
-    require_at_least(cfg, 0, "micro_batch_size", "eval_every", "world_size", "train_threads",
-                     "logprob_chunk_tokens", "log_samples", "save_rollouts_every",
-                     "keep_rollouts", "untrained_steps_warn")
+    """rl.py's RLConfig.validate after the method's keys: what one key's bounds cannot say."""
     longest = cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens
     for wrong, refusal in (
             (not cfg.model, "model: set the policy to train, e.g. model=out/sft"),
@@ -325,16 +306,12 @@ def check_config(cfg):
              f"rollout.max_prompt_tokens + max_response_tokens = {longest}")):
         if wrong:
             raise ConfigError(refusal)
-    try:
-        cfg.rollout.validate()
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    cfg.rollout.validate()
 
 
 def check_inputs(cfg, world_size=None, gpus_per_node=None):
-    """Everything that can be wrong with the inputs, before a model or an engine loads; torchrun's
-    WORLD_SIZE and LOCAL_WORLD_SIZE read before vLLM's CPU platform rewrites LOCAL_WORLD_SIZE.
-    cfg.world_size is mode=plan's assumption, not a requirement: a launch of another size runs."""
+    """The inputs checked before a model or an engine loads; LOCAL_WORLD_SIZE read before vLLM's
+    CPU platform rewrites it. cfg.world_size is mode=plan's assumption, not a requirement."""
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         gpus_per_node = gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -360,8 +337,7 @@ EPOCHS_WARN = 5.0
 
 
 def epoch_plan(cfg, num_problems, start_step):
-    """(passes over train_data this run makes, the line train() prints), a warning past
-    EPOCHS_WARN."""
+    """(passes over train_data this run makes, the line train() prints; a warning past 5)."""
     prompts = (cfg.steps - start_step) * cfg.prompts_per_step
     epochs = prompts / num_problems
     line = (f"plan: steps {start_step} -> {cfg.steps} x {cfg.prompts_per_step} prompts = "

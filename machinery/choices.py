@@ -1,7 +1,6 @@
-"""Multiple-choice science benchmarks for eval.py (the paper's GPQA-Diamond, §5.1): GPQA's own CSV
-(GPQA_COLUMNS, `Record ID` as the id when present) or a JSONL of {"id", "question", "choices",
-"answer": the correct option's letter} (data/mmlu_college_science.jsonl); the options shuffled by
-a recorded seed, and the letter read from the model's final answer."""
+"""Multiple-choice science benchmarks for eval.py (GPQA-Diamond, §5.1): GPQA's CSV or a JSONL of
+{"id", "question", "choices", "answer": a letter}; options shuffled by a recorded seed, and the
+letter read from the model's final answer."""
 import bisect
 import csv
 import json
@@ -26,16 +25,13 @@ LETTERS = string.ascii_uppercase
 INSTRUCTION = "Give the letter of the correct option ({}) as your final answer, in \\boxed{{}}."
 
 
-# -----------------------------------------------------------------------------
-# Reading: GPQA's CSV or a choices JSONL, each into (id, question, [correct, other options...])
+# Reading: each file into (id, question, [correct, other options...])
 
 def is_choice_file(path):
     """A GPQA CSV, or a JSONL whose first row has "choices"."""
     path = resolve(path)
-    if path.suffix == ".csv":
-        return True
     if path.suffix != ".jsonl" or not path.is_file():
-        return False
+        return path.suffix == ".csv"
     with open(path, encoding="utf-8") as f:
         first = next((line for line in f if line.strip()), "")
     try:
@@ -88,13 +84,11 @@ def read_choices_jsonl(path):
     return problems
 
 
-# -----------------------------------------------------------------------------
 # The question as the model sees it: options shuffled by (seed, question id)
 
 def choice_problem(qid, question, options, seed):
-    """A problem row for eval.py from options (options[0] correct), shuffled by (seed, id) alone,
-    so a resumed or sliced run shows each question as the full run did. option_order[i]: the
-    source position of the option shown as letter i."""
+    """A problem row from options (options[0] correct), shuffled by (seed, id) alone: a resumed or
+    sliced run shows it as the full run did. option_order[i]: the source index of letter i."""
     order = list(range(len(options)))
     random.Random(f"{seed}:{qid}").shuffle(order)  # str seeds hash with SHA-512: stable anywhere
     shown = [options[i] for i in order]
@@ -118,7 +112,6 @@ def load_choices(path, seed):
     return rows
 
 
-# -----------------------------------------------------------------------------
 # Grading: the letter the final answer names
 
 # The model's own prose: the code it sent to the tool and the tool's replies are not its answer.
@@ -205,10 +198,9 @@ def _read_choice(text, options, after_cue=False):
 
 
 def chosen_letter(text, options):
-    """The option letter of the model's final answer, or None (none, or one naming no single
-    valid option: read, not guessed). From the model's prose, tool calls left out; the statement
-    written last wins: \\boxed{C} (or the option's text), <answer>C</answer>, "Answer: C",
-    "I choose C", "C is correct", or a last line that is only a letter or an option's text."""
+    """The option letter of the model's final answer, or None (none, or no single valid option:
+    read, not guessed). From its prose, tool calls left out; the statement written last wins
+    (docs/design.md: the forms read)."""
     prose = _TOOL_BLOCKS.sub(" ", text)
     valid = LETTERS[:len(options)]
     statements = []  # (position, letter, or "" for an answer that names no single option)

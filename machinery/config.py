@@ -1,6 +1,5 @@
-"""Config loading: a dataclass per script from YAML plus key=value overrides, each wrong key or
-value refused in one line naming the file, the line and the key; paths relative to the repo;
-atomic writes, and the one reader of the files a run appends to."""
+"""Config loading: a dataclass per script from YAML and key=value overrides, a wrong key or value
+refused in one line naming file:line and key; repo-relative paths; atomic writes; JSONL reading."""
 import dataclasses
 import difflib
 import inspect
@@ -22,8 +21,8 @@ REPO = Path(__file__).resolve().parent.parent  # the repo root, above this packa
 
 
 class ConfigError(ValueError):
-    """A bad config file, key, value or data row, or a refusal. this_rank_only: a problem of this
-    rank's machine, printed by whichever rank has it; else rank 0 alone prints (exits.py)."""
+    """A bad config, value or data row, or a refusal. this_rank_only: a problem of this rank's
+    machine, printed by that rank; else rank 0 alone prints (exits.py)."""
 
     def __init__(self, message, this_rank_only=False):
         super().__init__(message)
@@ -53,8 +52,8 @@ def _bounds(tp):
 
 
 def _coerce(value, tp, where, typed=None):
-    """`value` checked against the annotation `tp`, with the few lossless conversions (int ->
-    float, "1e-6" -> float). `typed`: the text the value was read from, for the message."""
+    """`value` checked against the annotation `tp`, converted only losslessly (int, "1e-6" ->
+    float). `typed`: the text the value was read from, for the message."""
     origin = typing.get_origin(tp)
     if origin is typing.Annotated:
         value = _coerce(value, typing.get_args(tp)[0], where, typed)
@@ -97,9 +96,7 @@ def _coerce(value, tp, where, typed=None):
     if tp is str and isinstance(value, bool) and typed:
         raise ConfigError(f"{where}: YAML reads {typed!r} as {str(value).lower()}; quote it "
                           f"(\"{typed}\") to mean the text")
-    expected = {bool: "true/false", int: "an int", float: "a float", str: "a string"}.get(tp)
-    if expected is None:
-        raise ConfigError(f"{where}: unsupported config type {tp}")
+    expected = {bool: "true/false", int: "an int", float: "a float", str: "a string"}[tp]
     raise ConfigError(f"{where}: expected {expected}, got {type(value).__name__} {value!r}")
 
 
@@ -115,10 +112,7 @@ def _line_numbers(text):
                               value_node.value if isinstance(value_node, yaml.ScalarNode) else None)
                 walk(value_node, key + ".")
 
-    try:
-        walk(yaml.compose(text), "")
-    except yaml.YAMLError:
-        pass
+    walk(yaml.compose(text), "")  # the text already parsed as YAML
     return lines
 
 
@@ -143,18 +137,10 @@ def _apply(cfg, updates, source, lines, prefix=""):
             raise ConfigError(f"{where}: is a section; expected a mapping, got {value!r}")
 
 
-def require_at_least(cfg, minimum, *names):
-    """A ConfigError naming the first of `names` whose value is below `minimum`."""
-    for name in names:
-        if getattr(cfg, name) < minimum:
-            raise ConfigError(f"{name}={getattr(cfg, name)}: must be >= {minimum}")
-
-
 def load_config(cls, argv=None, doc=None):
-    """A `cls` from `[CONFIG.yaml] [key=value ...]` (default: sys.argv[1:]): its defaults, the
-    YAML file, then the overrides, parsed as YAML scalars (`lr=1e-6`, `benchmarks=a,b`), then its
-    validate(). -h/--help prints config_help (`doc`: the script's docstring) and exits, as does a
-    bare command line that the defaults cannot run, after its error."""
+    """A `cls` from `[CONFIG.yaml] [key=value ...]` (default: sys.argv[1:]): defaults, the YAML,
+    the overrides as YAML scalars, then validate(). -h/--help prints config_help (`doc`: the
+    script's docstring) and exits, as does a bare command line the defaults cannot run."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         print(config_help(cls, doc), flush=True)
@@ -195,9 +181,8 @@ def load_config(cls, argv=None, doc=None):
     return cfg
 
 
-# -----------------------------------------------------------------------------
 # --help: every key with its default, bounds and comment, read from the dataclass's source, so the
-# help is the code's own documentation and cannot drift from it
+# help cannot drift from the code
 
 def usage_line():
     path = Path(sys.argv[0]) if sys.argv else Path()
@@ -208,9 +193,8 @@ def usage_line():
 
 def field_comments(cls):
     """({field: its comment}, {field: the heading comments above it}) from the class's source: a
-    field's comment is the one on its line plus the lines indented past the body below it; a
-    comment line at the body's indent heads the next field. Tokenized: a '#' in a string is no
-    comment."""
+    comment on a field's line, continued by lines indented past the body; a comment line at the
+    body's indent heads the next field. Tokenized: a '#' in a string is no comment."""
     try:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):
@@ -264,17 +248,14 @@ def _keys_help(cls, instance, prefix=""):
         comment = " ".join([f"[{', '.join(allowed)}]"] * bool(allowed)
                            + [by_field.get(f.name, "")]).strip()
         head = f"  {key} = {_value_text(value)}"
-        if len(head) >= 40 and comment:
-            lines.append(head)
-            head = ""
         lines += textwrap.wrap(comment, 100, initial_indent=f"{head:<40} ",
-                               subsequent_indent=" " * 41) if comment else [head]
+                               subsequent_indent=" " * 41) or [head]
     return lines
 
 
 def config_help(cls, doc=None):
-    """--help: the usage line, the docstring's first paragraph and first indented block (the
-    script's commands), and every key of `cls` under the headings of its source."""
+    """--help: the usage line, the docstring's first paragraph and first indented block (its
+    commands), and every key of `cls` under its source's headings."""
     parts = [usage_line()]
     paragraphs = textwrap.dedent(doc or "").strip("\n").split("\n\n")
     commands = next((p for p in paragraphs[1:] if p.startswith(" ")), None)
@@ -284,22 +265,11 @@ def config_help(cls, doc=None):
     return "\n\n".join(parts)
 
 
-def changed_keys(cfg, defaults=None, prefix=""):
-    """{dotted key: value} of every setting of `cfg` that differs from its dataclass's defaults."""
-    defaults = type(cfg)() if defaults is None else defaults
-    out = {}
-    for f in dataclasses.fields(cfg):
-        value, default = getattr(cfg, f.name), getattr(defaults, f.name)
-        if dataclasses.is_dataclass(value) and dataclasses.is_dataclass(default):
-            out.update(changed_keys(value, default, f"{prefix}{f.name}."))
-        elif value != default:
-            out[prefix + f.name] = value
-    return out
-
-
 def config_summary(cfg, saved_to=None):
     """The console's lines about a config: the settings that differ from the defaults."""
-    changed = changed_keys(cfg)
+    defaults = flatten_config(dataclasses.asdict(type(cfg)()))
+    changed = {key: value for key, value in flatten_config(dataclasses.asdict(cfg)).items()
+               if value != defaults.get(key)}
     items = " ".join(f"{key}={_value_text(value)}" for key, value in changed.items())
     where = f"the whole config: {saved_to}; " if saved_to else ""
     head = (f"{type(cfg).__name__}: {len(changed)} settings differ from the defaults ({where}"
@@ -309,8 +279,7 @@ def config_summary(cfg, saved_to=None):
 
 
 def save_config(cfg, run_dir):
-    """run_dir/config.yaml, the resolved config, so every run says what it ran with; its summary
-    printed."""
+    """run_dir/config.yaml, the resolved config a run ran with; its summary printed."""
     text = yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     atomic_write_text(Path(run_dir) / "config.yaml", text)
@@ -324,12 +293,11 @@ def read_saved_config(run_dir):
         return None
     try:
         saved = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({' '.join(str(e).split())}); fix it, or move "
-                          "the run directory away") from None
+    except yaml.YAMLError:
+        saved = None
     if not isinstance(saved, dict):
-        raise ConfigError(f"{path}: expected the settings as a mapping, got "
-                          f"{type(saved).__name__}; fix it, or move the run directory away")
+        raise ConfigError(f"{path}: not a YAML mapping of settings; fix it, or move the run "
+                          "directory away")
     return saved
 
 
@@ -345,9 +313,8 @@ def atomic_write_text(path, text):
 
 
 def read_records(path):
-    """The JSON objects of a JSONL file a run appends to (.gz too), [] if there is none. A torn
-    last line (a kill or a full disk mid-write) is dropped with one warning; a bad line before the
-    last is a ConfigError naming file:line."""
+    """The JSON objects of a JSONL file a run appends to (.gz too), [] if none. A torn last line is
+    dropped with one warning; a bad line before it is a ConfigError naming file:line."""
     path = Path(path)
     if not path.is_file():
         return []
@@ -378,8 +345,7 @@ def read_records(path):
 
 
 def _gunzip(data):
-    """(the bytes a gzip file holds, whether it is cut short): all before a tear, which gzip.open
-    would drop with the block it was reading."""
+    """(a gzip file's bytes, whether it is torn): all before a tear, which gzip.open drops."""
     out = []
     while data:  # one member per write; appended files have several
         member = zlib.decompressobj(wbits=31)
@@ -394,7 +360,7 @@ def _gunzip(data):
 
 
 def warn_torn(path, kept):
-    """The one warning of a torn file (`kept`: what is left of it), once per file and process."""
+    """A torn file's one warning per process (`kept`: what is left of it)."""
     if str(path) not in _TORN_WARNED:
         _TORN_WARNED.add(str(path))
         print(f"WARNING: {path}: its end is torn (a kill, a crash or a full disk mid-write) and "

@@ -1,5 +1,5 @@
-"""Chat conversations for sft.py: rows, template and tool-schema files, the checks that a chat
-template cuts into rollout segments, and conversations packed into model inputs."""
+"""Chat conversations for sft.py: rows, format files, the checks that a chat template cuts into
+rollout segments, and conversations packed into model inputs."""
 import json
 
 import torch
@@ -8,14 +8,12 @@ from machinery.config import ConfigError, resolve
 from machinery.prompts import DATA_PLACEHOLDER
 
 ROLES = ("system", "user", "assistant", "tool")
-# The token that ends an assistant turn, the one the rollout stops at: ChatML's, as in the rStar2
-# prompt and Qwen. Not tokenizer.eos_token, which is <|endoftext|> in base checkpoints such as
-# Qwen3-14B-Base.
+# The token that ends an assistant turn, where the rollout stops: ChatML's, not tokenizer.eos_token
+# (<|endoftext|> in base checkpoints such as Qwen3-14B-Base).
 END_OF_TURN = "<|im_end|>"
 IGNORE = -100  # label of a position that predicts nothing we train
 
 
-# -----------------------------------------------------------------------------
 # rows and format files
 
 def check_conversation(row, where):
@@ -51,8 +49,7 @@ def check_conversation(row, where):
 
 
 def read_template(path):
-    """The Jinja text of chat_template; "chatml": Qwen-style ChatML with tools
-    (configs/templates/chatml.jinja), the rStar2 turns without the math instructions."""
+    """The Jinja text of chat_template; "chatml": configs/templates/chatml.jinja (Qwen's, tools)."""
     if path == "chatml":
         path = "configs/templates/chatml.jinja"
     return resolve(path).read_text() if path else None
@@ -69,14 +66,13 @@ def read_tools(path):
 
 
 def prompt_format(cfg, tokenizer):
-    """(template text, tool schema or None) this run trains with, for the saved model directory: a
-    schema only when the config gives exactly one (rows with their own tools have no single one)."""
+    """(template text, tool schema or None) for the saved model directory: a schema only when the
+    config gives exactly one."""
     tools = read_tools(cfg.tool_schema)
     template = read_template(cfg.chat_template) or tokenizer.chat_template
     return template, tools[0] if tools and len(tools) == 1 else None
 
 
-# -----------------------------------------------------------------------------
 # rendering: a chat template's text, and the checks that it cuts into rollout segments
 
 def chat_text(tokenizer, messages, tools, chat_template, add_generation_prompt):
@@ -118,7 +114,6 @@ def check_turn(covered, written, k, where):
                           f"generation prompt + content + {END_OF_TURN}); use one that does not")
 
 
-# -----------------------------------------------------------------------------
 # packing: a micro-batch of (input_ids, loss_mask) into model inputs and labels
 
 def collate_conversations(examples, pad_id):
@@ -154,9 +149,9 @@ def shared_prefix_length(examples, min_saving=0.5):
 
 
 def collate_shared_prefix(examples, prefix_length):
-    """The micro-batch as ONE row: the shared prefix once, then each conversation's remainder,
-    attending to the prefix and itself only, with its own positions: under causal attention the
-    same loss and gradients as the padded batch (to rounding; tests/test_sft.py), for less compute."""
+    """The micro-batch as ONE row: the shared prefix once, then each conversation's remainder
+    attending to the prefix and itself, with its own positions: the padded batch's loss and
+    gradients (to rounding; tests/test_sft.py) for less compute."""
     tokens, positions = list(examples[0][0][:prefix_length]), list(range(prefix_length))
     segments = [-1] * prefix_length
     labels = [IGNORE] * prefix_length  # the prefix predicts only untrained tokens

@@ -1,5 +1,5 @@
-"""Problem files: JSONL rows with a problem and an answer, the benchmarks and the training sets in
-data/, prompts too long for the budget dropped up front."""
+"""Problem files: JSONL rows with a problem and an answer; the benchmarks and training sets in
+data/; prompts too long for the budget dropped up front."""
 import json
 
 import numpy as np
@@ -8,15 +8,14 @@ from machinery.config import ConfigError, resolve
 from machinery.prompts import render_prompt
 
 
-# The benchmarks eval.py knows, and the files training may read. Training never reads a benchmark
-# file; tests/test_common.py checks that no training problem equals a benchmark problem.
+# The benchmarks eval.py knows, and the files training may read: no training problem is a benchmark
+# problem (tests/test_common.py).
 BENCHMARKS = {"aime24": "data/aime24.jsonl", "aime25": "data/aime25.jsonl",
               "hmmt25": "data/hmmt_feb_2025.jsonl", "amc23": "data/amc23.jsonl",
               "math500": "data/math500.jsonl", "gsm8k": "data/gsm8k_test.jsonl"}
 
 
-# Multiple-choice science sets bundled in data/ (machinery/choices.py reads them). The paper's
-# GPQA-Diamond is gated: eval.py reads the user's own gpqa_diamond.csv, given by its path.
+# Multiple-choice sets in data/ (machinery/choices.py); GPQA-Diamond is gated: given by its path.
 SCIENCE_BENCHMARKS = {"mmlu_science": "data/mmlu_college_science.jsonl"}
 
 
@@ -25,8 +24,8 @@ TRAINING_FILES = ["data/train_int_mix.jsonl", "data/math_train.jsonl", "data/mat
 
 
 def load_jsonl(path, required=None):
-    """The rows of a JSONL file, each a JSON object whose `required` keys are non-empty strings;
-    a bad row stops with file:line (a skipped row would silently change the dataset)."""
+    """The rows of a JSONL file, JSON objects whose `required` keys are non-empty strings; a bad row
+    stops with file:line (a skipped one would silently change the dataset)."""
     path = resolve(path)
     if not path.is_file():
         raise ConfigError(f"data file not found: {path}")
@@ -45,11 +44,9 @@ def load_jsonl(path, required=None):
                 raise ConfigError(f"{path}:{lineno}: expected a JSON object, "
                                   f"got {type(row).__name__}")
             for key in required or ():
-                if key not in row:
-                    raise ConfigError(f"{path}:{lineno}: missing key '{key}'")
-                if not isinstance(row[key], str) or not row[key].strip():
+                if not isinstance(row.get(key), str) or not row[key].strip():
                     raise ConfigError(f"{path}:{lineno}: '{key}' must be a non-empty string, "
-                                      f"got {row[key]!r}")
+                                      f"got {row.get(key)!r}")
             rows.append(row)
 
     if not rows:
@@ -58,8 +55,7 @@ def load_jsonl(path, required=None):
 
 
 def load_problems(path):
-    """Math problems: rows with non-empty string id, problem and answer; ids unique within the
-    file."""
+    """Math problems: rows with a non-empty string id, problem and answer; ids unique."""
     rows = load_jsonl(path, required=("id", "problem", "answer"))
     seen = {}
     for lineno, row in enumerate(rows, 1):
@@ -76,8 +72,8 @@ def normalize_problem(text):
 
 
 def drop_long_prompts(rows, tokenizer, rollout_cfg, name):
-    """The problems whose prompt fits rollout.max_prompt_tokens, the rest dropped up front and
-    counted (as the rStar verl fork filters), not found when their step comes."""
+    """The problems whose prompt fits rollout.max_prompt_tokens, the rest dropped and counted up
+    front (as the rStar verl fork filters)."""
     kept = [r for r in rows
             if len(render_prompt(tokenizer, r["problem"], rollout_cfg))
             <= rollout_cfg.max_prompt_tokens]

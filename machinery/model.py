@@ -1,5 +1,4 @@
-"""Model directories: checked, built as an FSDP2-sharded causal LM, exported with the prompt
-format they were trained in."""
+"""Model directories: checked, built as an FSDP2-sharded causal LM, exported with their format."""
 import os
 import shutil
 from pathlib import Path
@@ -14,8 +13,7 @@ from machinery.distributed import compute_dtype
 from machinery.prompts import write_format
 
 
-# Any one of these (fast tokenizer, sentencepiece, BPE vocab) lets AutoTokenizer and vLLM load a
-# tokenizer. A trainer that did not save the tokenizer with the weights is the usual cause of none.
+# Any one of these lets AutoTokenizer and vLLM load a tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
@@ -26,52 +24,40 @@ def check_model_dir(path, allow_hub_id=True):
     if not local.is_dir():
         hub_id = (len(Path(path).parts) == 2 and not str(path).startswith((".", "/"))
                   and not local.parent.exists())
-        if not allow_hub_id:
-            # a hub id (org/name) gets the download hint; a local path, what its folder holds
-            if hub_id:
-                hint = ("eval.py reads a local Hugging Face directory; download the hub model "
-                        f"first: huggingface-cli download {path} --local-dir DIR")
-            elif local.parent.is_dir():
-                there = sorted(p.name for p in local.parent.iterdir() if not p.name.startswith("."))
-                more = ", ..." if len(there) > 12 else ""
-                hint = f"{local.parent} holds: {', '.join(there[:12]) or 'nothing'}{more}"
-            else:
-                hint = f"{local.parent} does not exist either"
-            raise ConfigError(f"model directory not found: {local} ({hint})")
-
-        if not hub_id:
-            raise ConfigError(f"model={path}: no such directory "
-                              "(and not a hub id like Qwen/Qwen3-14B-Base)")
-        return path
+        if hub_id and allow_hub_id:
+            return path
+        if hub_id:
+            raise ConfigError(f"model={path}: eval.py reads a local directory; download it first "
+                              f"(huggingface-cli download {path} --local-dir DIR)")
+        # what the folder holds: a step or a name mistyped shows beside the real one
+        there = (", ".join(sorted(p.name for p in local.parent.iterdir()
+                                  if not p.name.startswith("."))[:12]) or "nothing"
+                 if local.parent.is_dir() else "nothing; it does not exist")
+        raise ConfigError(f"model directory not found: {local} ({local.parent} holds: {there})")
 
     if not (local / "config.json").is_file():
-        raise ConfigError(f"model={path}: {local} has no config.json; "
-                          "expected a Hugging Face model directory")
+        raise ConfigError(f"model={path}: {local} has no config.json; expected a Hugging Face "
+                          "model directory")
     if not any((local / name).is_file() for name in TOKENIZER_FILES):
-        raise ConfigError(f"model directory {local} has no tokenizer "
-                          f"(none of {', '.join(TOKENIZER_FILES)}); save it beside the weights "
-                          "(tokenizer.save_pretrained), or copy in the tokenizer files of the "
-                          "model it was trained from")
+        raise ConfigError(f"model directory {local} has no tokenizer (none of "
+                          f"{', '.join(TOKENIZER_FILES)}); save it beside the weights")
     return str(local)
 
 
 def build_model(cfg, model_path, device, rank):
-    """The FSDP2-wrapped policy in fp32 (the master weights). Built on the meta device and sharded;
-    rank 0 alone reads the checkpoint and broadcasts it, so a node holds one full copy, not one per
-    rank. Buffers outside the state dict (RoPE's inv_freq) are broadcast too: to_empty leaves them
-    uninitialised."""
+    """The FSDP2-wrapped policy in fp32 (the master weights), built on the meta device; rank 0 alone
+    reads the checkpoint and broadcasts it (one full copy per node), buffers too (RoPE's inv_freq:
+    to_empty leaves them uninitialised)."""
     config = AutoConfig.from_pretrained(model_path)
     save_dtype = getattr(config, "dtype", None) or torch.float32
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
                                                  attn_implementation=cfg.attn_implementation)
     if cfg.activation_checkpointing:
-        # recompute each decoder layer in backward; non-reentrant checkpointing composes with
-        # FSDP2's hooks
+        # non-reentrant: it composes with FSDP2's hooks
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     bf16 = compute_dtype(device, cfg.train_dtype) == torch.bfloat16
-    # bf16 params in forward/backward, fp32 gradient reduction and fp32 master weights in the
-    # optimizer
+    # bf16 forward/backward, fp32 gradient reduction and master weights
     mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
                  if bf16 else MixedPrecisionPolicy())
     for layer in model.model.layers:
@@ -96,10 +82,8 @@ def build_model(cfg, model_path, device, rank):
 
 
 def save_hf_model(model, tokenizer, model_path, out, save_dtype, rank, prompt_format, written_by):
-    """The full weights gathered on rank 0 into a Hugging Face directory, written by a rename (a
-    crash leaves no half model), with prompt_format (template, tool schema) beside config.json
-    (write_format) and the template as the saved tokenizer's own, so every loader renders the
-    prompts the model was trained on."""
+    """The full weights gathered on rank 0 into a Hugging Face directory, renamed into place, with
+    prompt_format (template, schema) beside config.json and the template as the tokenizer's own."""
     full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                       cpu_offload=True))
 

@@ -1,6 +1,5 @@
-"""The rStar2 prompt formats (paper Fig. 3 and the released code's): templates and tool schemas,
-the rendered prompt and tool turn, token-exact, with tool output kept apart from control tokens,
-and the format a trained model directory carries."""
+"""The rStar2 prompt formats (paper Fig. 3, the release's): the rendered prompt and tool turn,
+token-exact, tool output kept apart from control tokens; the format a model directory carries."""
 import dataclasses
 import functools
 import json
@@ -28,16 +27,10 @@ PromptVariant = Literal["code", "paper", "auto"]  # rollout.prompt_variant: a va
 
 # The format a checkpoint was trained with, written beside config.json by sft.py and rl.py
 # (write_format), so eval.py evaluates it in that format by default: in another one its tool calls
-# fail as "unknown tool". USAGE_FILE: how to prompt the model outside this repo.
+# fail as "unknown tool". How to prompt it outside this repo: docs/design.md (prompt format).
 FORMAT_FILE = "rstar2_format.json"
 FORMAT_TEMPLATE_FILE = "rstar2_chat_template.jinja"
 FORMAT_SCHEMA_FILE = "rstar2_tool_schema.json"
-USAGE_FILE = "README.md"
-
-
-# What vLLM's OpenAI-compatible server keeps of a function tool in a request (FunctionDefinition in
-# vllm/entrypoints/generate/base/protocol.py, 0.32 and 0.33): other fields never reach the template.
-VLLM_FUNCTION_FIELDS = ("name", "description", "parameters", "strict", "defer_loading")
 
 
 def format_paths(cfg):
@@ -79,9 +72,8 @@ def variant_of(template, schema):
 
 
 def write_format(directory, template, schema, written_by):
-    """A training run's prompt format into the Hugging Face directory being written: the template
-    and schema themselves (either may be None), so it travels with the directory, and FORMAT_FILE
-    naming them and their built-in variant (null for a custom one)."""
+    """A run's prompt format into the Hugging Face directory being written: the template and
+    schema (either may be None) and FORMAT_FILE naming them and their variant (null: custom)."""
     directory = Path(directory)
     record = {"prompt_variant": variant_of(template, schema), "chat_template": None,
               "tool_schema": None, "written_by": written_by}
@@ -92,49 +84,10 @@ def write_format(directory, template, schema, written_by):
         (directory / FORMAT_SCHEMA_FILE).write_text(json.dumps(schema, indent=2) + "\n")
         record["tool_schema"] = FORMAT_SCHEMA_FILE
     (directory / FORMAT_FILE).write_text(json.dumps(record, indent=2) + "\n")
-    (directory / USAGE_FILE).write_text(usage_text(record, schema))
-
-
-def usage_text(record, schema):
-    """The model directory's README: its tokenizer's template, and how to pass the tool, which
-    transformers and vLLM never read from a directory."""
-    variant = record["prompt_variant"]
-    text = (f"# Prompt format\n\nWritten by rstar2-nano's {record['written_by']}. The tokenizer's "
-            "chat template (chat_template.jinja) is the one this model was trained with ("
-            + (f"the rStar2 `{variant}` prompt" if variant else "a custom template") + "): "
-            "`apply_chat_template`, transformers pipelines, TRL and `vllm serve` use it by "
-            "default.\n")
-
-    if schema is None:
-        return text
-    text += (f"\nNone of them reads a tool from this directory. Pass the tool the model was "
-             f"trained to call, {FORMAT_SCHEMA_FILE}, with every prompt, as training did:\n\n"
-             "```python\nimport json\nfrom transformers import AutoTokenizer\n\n"
-             "tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)\n"
-             f"tool = json.load(open(f\"{{MODEL_DIR}}/{FORMAT_SCHEMA_FILE}\"))\n"
-             "# the bare problem: the template adds the answer-format instructions\n"
-             "messages = [{\"role\": \"user\", \"content\": problem}]\n"
-             "ids = tokenizer.apply_chat_template(messages, tools=[tool], "
-             "add_generation_prompt=True, return_dict=False)\n```\n\n")
-
-    if variant:
-        text += ("The model calls the tool as `<tool_call>{\"name\": ..., \"arguments\": {...}}"
-                 "</tool_call>` and ends its turn; the tool's output goes back as a "
-                 "`{\"role\": \"tool\", \"content\": ...}` message. ")
-    text += "Through vLLM's OpenAI-compatible server, send the schema as the request's `tools`.\n"
-
-    dropped = sorted(set(schema.get("function", {})) - set(VLLM_FUNCTION_FIELDS))
-    if dropped:
-        text += (f"\nvLLM's server keeps only a tool's {', '.join(VLLM_FUNCTION_FIELDS)}: this "
-                 f"schema's {', '.join(dropped)} would not reach the template, and the prompt "
-                 "would differ from training's. Render it with transformers as above and send "
-                 "the token ids.\n")
-    return text
 
 
 def read_format(model_dir):
-    """(record, template text or None, schema or None) from model_dir's FORMAT_FILE; None if it has
-    none."""
+    """(record, template or None, schema or None) from model_dir's FORMAT_FILE, or None."""
     model_dir = Path(model_dir)
     path = model_dir / FORMAT_FILE
     if not path.is_file():
@@ -148,15 +101,12 @@ def read_format(model_dir):
     except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: not a prompt format written by sft.py / rl.py "
                          f"({type(e).__name__}: {e})") from None
-    if record.get("prompt_variant") not in (None, *PROMPT_VARIANTS):
-        raise ValueError(f"{path}: unknown prompt_variant {record.get('prompt_variant')!r}")
     return record, template, schema
 
 
 def apply_model_format(cfg, model_dir):
-    """cfg (a RolloutConfig) for evaluating model_dir: prompt_variant="auto" takes its saved format,
-    or the paper's (the released rStar2-Agent-14B's) where it has none. An explicit setting wins,
-    with a warning where it differs from the saved one."""
+    """cfg (a RolloutConfig) for evaluating model_dir: "auto" takes its saved format, else the
+    paper's (rStar2-Agent-14B's); an explicit setting wins, warned where it differs."""
     saved = read_format(model_dir)
 
     if cfg.prompt_variant == AUTO_VARIANT:
@@ -171,8 +121,7 @@ def apply_model_format(cfg, model_dir):
         variant_template, variant_schema, _ = load_format(dataclasses.replace(
             cfg, prompt_variant=variant, chat_template="", tool_schema=""))
 
-        # The variant's own files where the saved ones equal them, so the resolved config reads as
-        # the variant.
+        # the variant's own files where the saved ones equal them: the config reads as the variant
         chat_template = ("" if template in (None, variant_template)
                          else str(Path(model_dir) / FORMAT_TEMPLATE_FILE))
         tool_schema = ("" if schema in (None, variant_schema)
@@ -207,17 +156,13 @@ def _render(tokenizer, messages, cfg, add_generation_prompt):
 
 def render_prompt(tokenizer, problem_text, cfg):
     """Token ids of the first prompt: system + tools, the user turn with the bare problem (the
-    template adds the answer-format prefix, as the release), the generation prompt."""
-    if not isinstance(problem_text, str) or not problem_text.strip():
-        raise ValueError("render_prompt: the problem must be a non-empty string, got "
-                         f"{problem_text!r}")
+    template adds the answer-format prefix), the generation prompt."""
     text = _render(tokenizer, [{"role": "user", "content": problem_text}], cfg,
                    add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-# Stands in for untrusted text while a template renders, so the template's own text can be told from
-# the data.
+# Stands in for untrusted text while a template renders: the template's own text told from data.
 DATA_PLACEHOLDER = "\x00data\x00"
 
 
@@ -225,9 +170,6 @@ DATA_PLACEHOLDER = "\x00data\x00"
 def _plain_tokenizer(tokenizer):
     """The tokenizer's normalizer, pre-tokenizer and BPE without its added tokens: "<|im_end|>" in
     its input is the ten characters, never the control token (encode_rendered)."""
-    if not tokenizer.is_fast:
-        raise ValueError(f"tokenizer {tokenizer.name_or_path}: a fast (Rust) tokenizer is needed "
-                         "to keep tool output apart from control tokens")
     spec = json.loads(tokenizer.backend_tokenizer.to_str())
     spec.update(added_tokens=[], truncation=None, padding=None)
     return type(tokenizer.backend_tokenizer).from_str(json.dumps(spec))
@@ -252,8 +194,6 @@ def encode_rendered(tokenizer, fixed, data):
     except that a control-token string inside data (a template's substituted text: tool output
     that prints "<|im_end|>") stays plain text. Control tokens come from the fixed parts only; the
     text between two of them is one plain BPE encoding, as the tokenizer itself splits."""
-    if len(fixed) != len(data) + 1:
-        raise ValueError(f"encode_rendered: {len(fixed)} fixed parts around {len(data)} data parts")
     control, control_ids = _control_tokens(tokenizer)
     plain = _plain_tokenizer(tokenizer)
     ids, stretch = [], []

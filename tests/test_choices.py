@@ -18,7 +18,6 @@ from machinery.data import SCIENCE_BENCHMARKS
 OPTIONS = ["1 N", "2 N", "3 N", "4 N"]
 
 
-# -----------------------------------------------------------------------------
 # the letter of the final answer
 
 @pytest.mark.parametrize("response", [
@@ -121,7 +120,6 @@ def test_a_box_whose_content_is_another_number_is_not_matched_to_a_longer_option
     assert chosen_letter(r"\boxed{2}", ["2 N", "2 kg", "3 N"]) is None
 
 
-# -----------------------------------------------------------------------------
 # shuffling
 
 def test_the_order_is_drawn_from_seed_and_id_and_the_gold_letter_follows_the_correct_option():
@@ -172,7 +170,6 @@ def test_the_bundled_science_set_loads_whole_with_golds_spread_over_the_letters(
     assert "mmlu_college_science.jsonl" in (REPO / "data/SOURCES.md").read_text()
 
 
-# -----------------------------------------------------------------------------
 # GPQA's CSV and the JSONL: what is read, and what is refused
 
 def write_gpqa(path, rows, columns=("Pre-Revision Question",) + GPQA_COLUMNS + ("Record ID",),

@@ -247,7 +247,7 @@ def test_a_bad_problems_file_names_file_and_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"id": "q1", "problem": "1+1?", "answer": "2"}\n'
                     '{"id": "q2", "problem": "2+2?"}\n')
-    with pytest.raises(ConfigError, match=r"bad.jsonl:2: missing key 'answer'"):
+    with pytest.raises(ConfigError, match=r"bad.jsonl:2: 'answer'"):
         evaluation.load_benchmarks(make_cfg(benchmarks=[str(path)]))
 
 

@@ -1,25 +1,18 @@
 """prepare_data.py: a DAPO-shaped problem set becomes data/'s format, integer answers only, each
-problem once, none that is (or is a rewording of) a benchmark problem.
-
-Run: .venv/bin/python -m pytest tests/test_prepare_data.py -q
-"""
+problem once, none that is (or is a rewording of) a benchmark problem."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 import prepare_data
-from machinery.config import ConfigError, load_config
+from machinery.config import REPO, ConfigError, load_config
 from machinery.data import load_problems
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def dapo_row(problem, answer):
-    """A row as DAPO-Math-17k has it: the problem inside its instruction prompt, the answer in
-    reward_model."""
+    """A DAPO-Math-17k row: the problem inside its instruction prompt, the answer in reward."""
     prompt = f"{prepare_data.DAPO_PREFIX} $Answer (without quotes) where $Answer is the answer " \
              "to the problem.\n\n" \
              f"{problem}\n\n{prepare_data.DAPO_SUFFIX}"

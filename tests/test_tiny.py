@@ -49,7 +49,7 @@ def test_digits_are_single_tokens(tokenizer):
     assert [tokenizer.decode([i]) for i in ids] == list("905123")
 
 
-def test_chatml_template_renders_roles_and_generation_prompt(tokenizer):
+def test_chatml_template_renders_roles_tools_and_generation_prompt(tokenizer):
     messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"},
                 {"role": "assistant", "content": "A"}, {"role": "tool", "content": "T"}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -57,6 +57,11 @@ def test_chatml_template_renders_roles_and_generation_prompt(tokenizer):
                     "<|im_start|>assistant\nA<|im_end|>\n"
                     "<|im_start|>user\n<tool_response>\nT\n</tool_response><|im_end|>\n"
                     "<|im_start|>assistant\n")
+    text = tokenizer.apply_chat_template(messages[1:2], tools=[CODE_TOOL], tokenize=False)
+    assert text.startswith("<|im_start|>system\n# Tools\n\nYou are provided with function "
+                           'signatures within <tools></tools> XML tags:\n<tools>\n{"type": '
+                           '"function", "function": {"name": "python_code_with_standard_io"')
+    assert "}}}\n</tools><|im_end|>\n<|im_start|>user\nQ<|im_end|>\n" in text
 
 
 def test_rstar2_prompt_renders_exactly_the_released_text_and_is_short(tokenizer):
@@ -66,11 +71,6 @@ def test_rstar2_prompt_renders_exactly_the_released_text_and_is_short(tokenizer)
     text = tokenizer.apply_chat_template([{"role": "user", "content": "{Question}"}],
                                          tools=[CODE_TOOL], chat_template=CODE_TEMPLATE,
                                          add_generation_prompt=True, tokenize=False)
-    assert text.startswith("<|im_start|>system\nA conversation between User and Assistant.")
-    assert ('<tools>\n{"type": "function", "function": {"name": "python_code_with_standard_io", '
-            '"description": ') in text
-    assert text.endswith("This is the problem:\n{Question}<|im_end|>\n"
-                         "<|im_start|>assistant\n<reason>")
     # the released code's text, with its sources
     reference = REPO / "tests/reference/prompt_rendered_code.txt"
     assert text == reference.read_text().split("=" * 68 + "\n", 1)[1]
@@ -135,18 +135,6 @@ def test_pretraining_lowers_the_loss_and_is_reproducible(tmp_path):
     assert runs[0] == runs[1]
 
 
-def test_chatml_template_renders_tools(tokenizer):
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "Q"}], tools=[CODE_TOOL],
-                                         tokenize=False)
-    assert text.startswith("<|im_start|>system\n# Tools\n\n"
-                           "You are provided with function signatures within "
-                           "<tools></tools> XML tags:\n"
-                           '<tools>\n{"type": "function", "function": '
-                           '{"name": "python_code_with_standard_io"')
-    assert "}}}\n</tools><|im_end|>\n<|im_start|>user\nQ<|im_end|>\n" in text
-
-
-# -----------------------------------------------------------------------------
 # the demo's SFT transcripts
 
 def test_sft_transcripts_run_the_real_tool_and_end_in_the_boxed_answer():
@@ -168,8 +156,7 @@ def test_sft_transcripts_run_the_real_tool_and_end_in_the_boxed_answer():
             # what the executor printed
             assert messages[2]["content"] == f"Tool call success\nstdout: {problem['answer']}\n"
         else:
-            # the bug: the result is printed, then the stray exit(1) makes the real sandbox report
-            # a failure
+            # printed, then the stray exit(1): the real sandbox reports a failure
             failed += 1
             assert call["code"] == f"print({expression})\nexit(1)"
             assert messages[2]["content"] == ("Tool call failure\nreason: \n"

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from rl import RLConfig, score_groups, start_executor
 from rollout import generate
 from machinery.checkpoint import check_inputs
-from machinery.config import (ConfigError, atomic_write_text, load_config, require_at_least,
+from machinery.config import (ConfigError, PositiveInt, atomic_write_text, load_config,
                               resolve)
 from machinery.data import drop_long_prompts
 from machinery.distributed import init_distributed, own_groups
@@ -30,14 +30,13 @@ class FilterConfig(RLConfig):
     """rl.py's config for the policy and its rollouts, and what to filter."""
     filter_source: str = "data/train_int_mix.jsonl"  # the problems to filter (stages 1-2's);
                                                      # the kept ones go to train_data
-    filter_samples: int = 8       # rollouts per problem: "8/8 correct are removed" (§4.3)
+    filter_samples: PositiveInt = 8  # rollouts per problem: "8/8 correct are removed" (§4.3)
 
     def validate(self):
         super().validate()
         if not self.filter_source:
             raise ConfigError("filter_source: set the problems to filter (a JSONL file); the kept "
                               "ones go to train_data")
-        require_at_least(self, 1, "filter_samples")
 
 
 def filter_solved(cfg):
