@@ -90,6 +90,7 @@ def soak(ex, calls, report_every=0, wave=500):
     benign_codes = {code for code, _, _ in benign}
     ex.wait_ready()
     before, wrong, statuses, benign_timeouts = None, [], {}, 0
+
     for first in range(0, calls, wave):
         # a whole wave at once: a queue 250 x workers deep, as in a burst of rollout tool calls
         futures = []

@@ -90,9 +90,11 @@ def bench(cfg):
              for w in worker_counts]
         for _ in range(cfg.rounds):
             for name, workers, method in methods:
-                shutdown_pool()   # a fresh pool and empty caches: no round reuses another's work
-                pool = start_pool(workers) if workers else None
-                normalize_answer.cache_clear()
+                pool = None
+                if workers:   # a fresh pool and empty caches: no round reuses another's work
+                    shutdown_pool()
+                    pool = start_pool(workers)
+                    normalize_answer.cache_clear()
                 _VALUES.clear()
                 wall, cpu = time.perf_counter(), time.process_time()
                 verdicts = method()
@@ -101,6 +103,7 @@ def bench(cfg):
                 results.setdefault(name, []).append((wall, cpu, verdicts))
                 if pool:
                     tasks = pool.tasks_run
+
         shutdown_pool()
         positives = sum(labels)
         _VALUES.clear()
