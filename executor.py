@@ -232,7 +232,8 @@ def _call(worker, code, stdin, timeout_s, closed):
         if worker.proc is None:
             raise RuntimeError("Executor: closed while the call was queued")
         try:
-            return worker.call(code, stdin, timeout_s, ExecResult)
+            return ExecResult(**worker.ask({"code": code, "stdin": stdin, "timeout_s": timeout_s},
+                                           timeout_s))
         except WorkerGone as gone:
             if closed.is_set():
                 raise RuntimeError("Executor: closed while the call was running") from None
@@ -246,7 +247,6 @@ def _call(worker, code, stdin, timeout_s, closed):
             note = (f"ExecutorError: the sandbox worker failed during the call ({gone}); it was "
                     "replaced")
             return ExecResult("error", "", note + "\n", 0.0, False, "worker died", None)
-    raise AssertionError("unreachable")
 
 
 def _shutdown(slots, threads, jobs, closed):

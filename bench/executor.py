@@ -2,62 +2,52 @@
 
     python -m bench.executor               # calls/s, p50/p99 and CPU per call vs `python -c`
     python -m bench.executor scale=0.2     # the same, a fifth of the calls: a quick look
-    python -m bench.executor mode=soak calls=10000 timeout_s=2   # hostile mix: zombies, strays,
-                                                                 # fds, memory
-Other keys: workers (0 = one per core), timeout_s, memory_mb. tests/test_executor.py imports the
-soak and the leak counters from here. The fork floor and the per-fault accounting that
-docs/benchmarks.md quotes from before issue 46 are reproduced by this file at commit eb8d287.
+    python -m bench.executor mode=soak calls=10000 timeout_s=2   # hostile mix: leaks, strays
+
+tests/test_executor.py imports the soak and the leak counters from here. The fork floor and the
+per-fault accounting docs/benchmarks.md quotes from before issue 46: this file at eb8d287.
 """
+import contextlib
 import dataclasses
 import json
 import os
 import resource
 import subprocess
 import sys
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
 
 import psutil
 
 from executor import Executor
-from machinery.config import load_config
+from machinery.config import NonNegativeInt, PositiveFloat, PositiveInt, load_config
 from machinery.sandbox import SANDBOX_UID_BASE
 
 
 @dataclasses.dataclass
 class ExecutorBenchConfig:
-    mode: str = "bench"          # bench | soak
-    workers: int = 0             # 0 = one per core
-    timeout_s: float = 4.0
-    memory_mb: int = 1024
-    calls: int = 10000           # soak: the number of calls
-    scale: float = 1.0           # bench: multiplies every call count
-
-    def validate(self):
-        if self.mode not in ("bench", "soak"):
-            raise ValueError(f"mode must be bench or soak, got {self.mode!r}")
-        if self.workers < 0 or self.calls < 1 or self.scale <= 0:
-            raise ValueError(f"need workers >= 0, calls >= 1, scale > 0; got {self.workers}, "
-                             f"{self.calls}, {self.scale}")
+    mode: Literal["bench", "soak"] = "bench"
+    workers: NonNegativeInt = 0  # 0 = one per core
+    timeout_s: PositiveFloat = 4.0
+    memory_mb: PositiveInt = 1024
+    calls: PositiveInt = 10000   # soak: the number of calls
+    scale: PositiveFloat = 1.0     # bench: multiplies every call count
 
 
 # -----------------------------------------------------------------------------
-# leak counters, shared by the soak and the tests: what "the caller does not leak because of tool
-# code" means, checked from outside
-
-
-def _worker_pids(ex):
-    return [w.proc.pid for slot in ex._slots for w in slot if w.proc is not None]
+# leak counters, shared by the soak and the tests, checked from outside
 
 
 def stray_processes(ex):
     """The processes that calls of `ex` left behind: anything below a worker's PID 1 (or below the
     worker, without a namespace), or running as one of its sandbox uids. Empty between calls."""
-    roots = [psutil.Process(pid) for pid in _worker_pids(ex)]
+    pids = [w.proc.pid for slot in ex._slots for w in slot if w.proc is not None]
+    roots = [psutil.Process(pid) for pid in pids]
     if ex.isolation["pid_namespace"]:   # the worker's waiter, then its PID 1
         roots = [child for root in roots for child in root.children()]
     strays = {p.pid for root in roots for p in root.children(recursive=True)}
-    uids = {SANDBOX_UID_BASE + pid for pid in _worker_pids(ex)}
+    uids = {SANDBOX_UID_BASE + pid for pid in pids}
     strays.update(p.pid for p in psutil.process_iter(["uids"])
                   if p.info["uids"] and p.info["uids"].real in uids)
     return sorted(strays)
@@ -68,18 +58,13 @@ def leak_counters(ex):
     in MiB)."""
     zombies = 0
     for child in psutil.Process().children(recursive=True):
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             zombies += child.status() == psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            pass
     rss_mb = psutil.Process().memory_info().rss >> 20
     return zombies, len(stray_processes(ex)), len(os.listdir("/proc/self/fd")), rss_mb
 
 
-# one call in ten of the soak: (code, the status it must get, or None if several are right): a
-# sleep (only the wall clock stops it), a daemon that would outlive the call holding its stdout, a
-# terabyte, endless printing, kill(-1), a kill of its parent, a fork bomb, an error, files outside
-# the call's directory
+# one call in ten of the soak: (code, the status it must get, or None if several are right)
 HOSTILE = [
     ("import time\ntime.sleep(30)", "timeout"),
     ("import os\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
@@ -97,14 +82,15 @@ HOSTILE = [
 
 
 def soak(ex, calls, report_every=0, wave=500):
-    """`calls` calls in waves of `wave`, one in ten from HOSTILE, the rest benign. The leak counters
-    are taken after the first wave (when allocators and caches have warmed up) and at the end."""
+    """`calls` calls in waves of `wave`, one in ten from HOSTILE; the leak counters after the first
+    wave (allocators and caches warm) and at the end."""
     benign = [("print(sum(range(100)))", "ok", ""),
               ("a = input()\nprint(a[::-1])", "ok", "stressed"),
               ("import math\nmath.factorial(200)", "ok", ""), ("1/0", "error", "")]
     benign_codes = {code for code, _, _ in benign}
     ex.wait_ready()
     before, wrong, statuses, benign_timeouts = None, [], {}, 0
+
     for first in range(0, calls, wave):
         # a whole wave at once: a queue 250 x workers deep, as in a burst of rollout tool calls
         futures = []
@@ -115,8 +101,7 @@ def soak(ex, calls, report_every=0, wave=500):
         for future, expect, code in futures:
             result = future.result()
             statuses[result.status] = statuses.get(result.status, 0) + 1
-            if result.status == "timeout" and code in benign_codes:
-                # a machine too busy for even 3 x timeout_s; counted apart from bugs
+            if result.status == "timeout" and code in benign_codes:   # a starved machine, not a bug
                 benign_timeouts += 1
             elif expect is not None and result.status != expect:
                 wrong.append((code, result))
@@ -132,9 +117,8 @@ def soak(ex, calls, report_every=0, wave=500):
 
 
 # -----------------------------------------------------------------------------
-# the benchmark: three workloads at concurrency 1, workers and 4 x workers (a queue: the rollout's
-# case), against `python -c` per call (a tool without warm workers), interleaved in the same run so
-# that a busy machine moves all the numbers together
+# the benchmark: three workloads at concurrency 1, workers and 4 x workers against `python -c` per
+# call, interleaved in one run so that a busy machine moves all the numbers together
 
 
 TRIVIAL = "print(1 + 1)"
@@ -171,38 +155,27 @@ def realistic_mix():
 
 
 def _drive(call, calls, concurrency):
-    """`calls` through `call(code, stdin)` from `concurrency` client threads, each waiting for its
-    result before its next call: (seconds, latencies of the calls that did not time out)."""
-    latencies, lock, todo = [], threading.Lock(), iter(calls)
+    """`calls` through `call(code, stdin)` from `concurrency` client threads: (seconds, latencies of
+    the calls that did not time out)."""
+    latencies = []
 
-    def client():
-        while True:
-            with lock:
-                item = next(todo, None)
-            if item is None:
-                return
-            start = time.perf_counter()
-            if call(*item) != "timeout":
-                with lock:
-                    latencies.append(time.perf_counter() - start)
+    def timed(item):
+        start = time.perf_counter()
+        if call(*item) != "timeout":
+            latencies.append(time.perf_counter() - start)
 
     start = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(concurrency) as clients:
+        list(clients.map(timed, calls))
     return time.perf_counter() - start, latencies
 
 
 def bench(cfg):
-    """The executor at concurrency 1, workers and 4 x workers against `python -c` at workers, in
-    5 interleaved rounds; then CPU per call. About 2 minutes on 2 idle cores."""
+    """Calls/s in 5 interleaved rounds, then CPU per call. About 2 minutes on 2 idle cores."""
     workers = cfg.workers or len(os.sched_getaffinity(0))
     concurrencies = (1, workers, 4 * workers)
 
-    def naive(code, stdin):
-        # 3 x timeout_s: on a loaded machine `import sympy` alone passes 4 s
+    def naive(code, stdin):   # 3 x timeout_s: loaded, `import sympy` alone passes 4 s
         try:
             subprocess.run([sys.executable, "-c", code], input=stdin.encode(), capture_output=True,
                            timeout=3 * cfg.timeout_s)
@@ -240,7 +213,7 @@ def bench(cfg):
                         f"{p99 / p50:.1f} | {naive_rate:.1f} | "
                         f"{rates[workers] / naive_rate:.1f}x |")
 
-        # CPU per call: the cost itself, not its share of a CPU (what the load does not move)
+        # CPU per call: the cost itself, which the load does not move
         for name, code, n in (("trivial", TRIVIAL, 1000), ("import", IMPORT_SNIPPETS[0], 200)):
             n = max(20, round(n * cfg.scale))
             ours = [psutil.Process(), *psutil.Process().children(recursive=True)]
@@ -267,10 +240,6 @@ def bench(cfg):
                                     if v not in ([], False, None)}))
 
 
-# -----------------------------------------------------------------------------
-# command line
-
-
 def run_soak(cfg):
     with Executor(workers=cfg.workers or None, timeout_s=cfg.timeout_s,
                   memory_mb=cfg.memory_mb) as ex:
@@ -281,7 +250,6 @@ def run_soak(cfg):
     print(json.dumps(stats, indent=1))
     for code, result in wrong[:5]:
         print("unexpected:", repr(code[:60]), result)
-    # containment and every status are strict; benign calls starved past the stretch are reported
     passed = not wrong and not stats["zombies"] and not stats["strays"] and stats["benign_after"] \
         and stats["fds_after"] <= stats["fds_before"] \
         and stats["rss_mb_after"] <= stats["rss_mb_before"] + 20

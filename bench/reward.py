@@ -7,6 +7,7 @@ one run, on the MATH-500 labeled set and on integer answers (the paper's trainin
 tests/test_reward.py uses math500_labeled_set, NOTATION_SHAPES and audit_fast_path from here.
 """
 import dataclasses
+import itertools
 import os
 import random
 import sys
@@ -14,7 +15,7 @@ import time
 
 from math_verify import parse, verify
 
-from machinery.config import load_config
+from machinery.config import NonNegativeInt, PositiveFloat, PositiveInt, load_config
 from machinery.data import load_problems
 from reward import (DEFAULT_TIMEOUT_S, _differ_by_value, _VALUES, extract_answer, fast_equivalent,
                     grade_batch, normalize_answer)
@@ -55,35 +56,18 @@ def integer_set(path="data/train_int_mix.jsonl", problems=500):
 
 @dataclasses.dataclass
 class BenchConfig:
-    negatives_per_problem: int = 2
-    workers: int = 0  # 0: default_num_workers()
-    timeout_s: float = DEFAULT_TIMEOUT_S
-    rounds: int = 3  # the machine may be shared: report the median of interleaved rounds
+    negatives_per_problem: NonNegativeInt = 2
+    workers: NonNegativeInt = 0  # 0: default_num_workers()
+    timeout_s: PositiveFloat = DEFAULT_TIMEOUT_S
+    rounds: PositiveInt = 3  # the machine may be shared: the median of interleaved rounds
     # also re-check what skips verify on all pairs of MATH-500 answers + NOTATION_SHAPES
     audit_all_pairs: bool = False
 
-    def validate(self):
-        if (self.negatives_per_problem < 0 or self.workers < 0 or self.rounds < 1
-                or self.timeout_s <= 0):
-            raise ValueError("bench: want negatives_per_problem, workers >= 0, rounds >= 1, "
-                             f"timeout_s > 0; got {self}")
-
-
-def _fresh_pool(workers):
-    """A new pool, started, with reward.py's caches empty: no round reuses another's work."""
-    shutdown_pool()
-    pool = start_pool(workers or None)
-    _VALUES.clear()
-    normalize_answer.cache_clear()
-    return pool
-
 
 def bench(cfg):
-    """Answers/s and agreement: plain math-verify vs the fast path alone vs grade_batch, in one run.
-
-    Wall time is what a training step waits for. CPU time (this process plus the workers' per-check
-    CPU, pool start excluded) is what the machine pays, and the steadier figure on a shared machine.
-    """
+    """Answers/s and agreement: plain math-verify vs the fast path alone vs grade_batch. Wall time
+    is what a step waits for; CPU time (this process and the workers' checks) what the machine pays,
+    the steadier figure on a shared machine."""
     workloads = {
         "MATH-500 labeled set":
             math500_labeled_set(negatives_per_problem=cfg.negatives_per_problem),
@@ -106,18 +90,20 @@ def bench(cfg):
              for w in worker_counts]
         for _ in range(cfg.rounds):
             for name, workers, method in methods:
-                pool = _fresh_pool(workers) if workers else None
-                worker_cpu, tasks_before = ((pool.worker_cpu_s, dict(pool.tasks_run)) if pool
-                                            else (0.0, {}))
+                pool = None
+                if workers:   # a fresh pool and empty caches: no round reuses another's work
+                    shutdown_pool()
+                    pool = start_pool(workers)
+                    normalize_answer.cache_clear()
                 _VALUES.clear()
                 wall, cpu = time.perf_counter(), time.process_time()
                 verdicts = method()
                 wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-                cpu += (pool.worker_cpu_s - worker_cpu) if pool else 0.0
+                cpu += pool.worker_cpu_s if pool else 0.0
                 results.setdefault(name, []).append((wall, cpu, verdicts))
                 if pool:
-                    tasks = {kind: count - tasks_before[kind]
-                             for kind, count in pool.tasks_run.items()}
+                    tasks = pool.tasks_run
+
         shutdown_pool()
         positives = sum(labels)
         _VALUES.clear()
@@ -152,9 +138,7 @@ def bench(cfg):
             print(f"  decided {verdict} for pred {pred!r} vs gold {gold!r}")
 
 
-# Spellings users meet that MATH-500's answers do not cover (from third-party grader test suites):
-# the audit adds them to MATH-500's answers, so every pair among them is checked against math-verify
-# too.
+# Spellings MATH-500's answers do not cover (from third-party grader test suites), audited with them
 NOTATION_SHAPES = [
     "32349", "32,349", "32, 349", "32,\\!349", "32,\\ 349",
     "1234,567", "1,234,567", "1, 234, 567", "1234567",
@@ -176,29 +160,24 @@ NOTATION_SHAPES = [
 
 
 def _decided_without_verify(pred, gold):
-    """The verdict grade_batch reaches for a pair without math-verify's verify, given the values
-    known so far: fast_equivalent's, else False for two numbers far apart, else None."""
+    """grade_batch's verdict without verify, given the values known: fast_equivalent's, else False
+    for two numbers far apart, else None."""
     verdict = fast_equivalent(pred, gold)
     return False if verdict is None and _differ_by_value(pred, gold) else verdict
 
 
 def audit_fast_path(answers, workers=None, timeout_s=10.0):
-    """Every ordered pair of distinct `answers` that is decided without math-verify's verify once
-    every answer's value is known (fast_equivalent, then _differ_by_value), re-checked by verify.
-
-    Returns (number of pairs decided, [(pred, gold, verdict) for each pair verify decides
-    otherwise]).
-    """
+    """Every ordered pair of distinct `answers` decided without verify once every value is known,
+    re-checked by verify: (pairs decided, [(pred, gold, verdict) verify decides otherwise])."""
     answers = sorted(set(answers))
     start_pool(workers)
     values, _, _ = run_in_pool([("value", a) for a in answers], [timeout_s] * len(answers))
     _VALUES.update(zip(answers, values))
-    decided = [(pred, gold, verdict) for pred in answers for gold in answers if pred != gold
+    decided = [(pred, gold, verdict) for pred, gold in itertools.permutations(answers, 2)
                for verdict in [_decided_without_verify(pred, gold)] if verdict is not None]
     checks, _, _ = run_in_pool([("verify", pred, gold) for pred, gold, _ in decided],
                                 [timeout_s] * len(decided))
     return len(decided), [(p, g, v) for (p, g, v), check in zip(decided, checks) if v != check]
-
 
 
 if __name__ == "__main__":

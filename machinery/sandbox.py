@@ -1,23 +1,15 @@
-"""The worker pool beneath the tool and the verifier: warm worker processes, their isolation, and
-one call's fork, watch, kill and sweep. Standard library only: each worker loads this file by path,
-and a light worker's fork stays cheap because it holds nothing else.
+"""The worker pool beneath the tool and the verifier: warm workers, their isolation, one call's
+fork, watch, kill and sweep. Standard library only: a worker loads this file by path, so a light
+worker's fork stays cheap.
 
-  - Warm workers of three kinds: "light" (stdlib preloaded, ~1 ms fork) and "heavy" (numpy and
-    sympy imported and exercised, ~8 ms fork instead of a ~1 s import) fork one child per call;
-    a "grader" (math-verify warmed) answers machinery/verifier.py's checks itself.
-  - Each worker is PID 1 of its own PID, mount, network and IPC namespaces: the repo, the caller's
-    cwd and home hidden, all else read-only but a private /tmp, GPUs masked, no network. Before it
-    answers, it kills and reaps all the call left and empties /tmp. The child runs as a uid of its
-    own, under hard rlimits.
-  - The worker holds the wall clock (less the time a call waited for a CPU) and a CPU budget; the
-    trainer's process is a backstop that replaces a worker that hangs or dies.
-Where the OS refuses (non-root, containers) a worker falls back once, at start: to a user namespace
-(the same mounts; capabilities dropped instead of a uid switch), then to plain processes (a
-subreaper still catches every descendant; no hiding, no network cut, and same-uid code can signal
-the caller). Linux only (5.3 or later, for pidfd_open). The designs and the hostile inputs:
-docs/design.md, "The sandbox: designs and hostile inputs"."""
+Kinds: "light" (stdlib preloaded, ~1 ms fork), "heavy" (numpy and sympy warmed, ~8 ms fork) fork a
+child per call; a "grader" answers machinery/verifier.py's checks itself. A worker is PID 1 of its
+own PID, mount, net and IPC namespaces (the repo, cwd and home hidden, the rest read-only, private
+/tmp, GPUs masked, no network); the child runs as a uid of its own under hard rlimits. Where the OS
+refuses, a worker falls back once, at start: a user namespace, then a plain process under a
+subreaper (no hiding, no network cut, same-uid code can signal the caller). Linux 5.3+. Designs
+and hostile inputs: docs/design.md, "The sandbox"."""
 import ast
-import atexit
 import builtins
 import contextlib
 import ctypes
@@ -40,7 +32,6 @@ import time
 import types
 
 
-STATUSES = ("ok", "error", "timeout", "oom")
 MAIN = "main.py"          # the snippet's file name: fixed, so tracebacks are the same on a rerun
 TRUNCATION_MARK = "...(truncated)..."   # verl's marker for a middle cut
 SANDBOX_UID_BASE = 2_000_000_000        # a worker's sandbox uid is this + its pid: unique, < 2**31
@@ -48,9 +39,8 @@ EXIT_MEMORY = 201         # the child's exit code for an uncaught MemoryError (s
 EXIT_SETUP = 202          # the child could not enter the sandbox: an executor failure
 STARTUP_TIMEOUT_S = 120.0  # a heavy worker imports sympy in 1-2 s; generous for a loaded machine
 
-# A call's deadline stretches by its CPU waits, to at most this x timeout_s of wall clock: the
-# backstop for a call starved to under 1/20 of a core (a 2-core node at load 40). Its CPU is bounded
-# apart: all of the call's processes together get timeout_s of CPU.
+# A call's deadline stretches by its CPU waits, to at most this x timeout_s: the backstop for a
+# call starved to under 1/20 of a core. All of its processes together get timeout_s of CPU.
 STRETCH_CAP = 20
 BACKSTOP_GRACE_S = 5.0    # the parent gives up on a worker silent for STRETCH_CAP x timeout + this
 
@@ -61,11 +51,8 @@ TMP_INODES = 65536        # files, directories and links in each of them: a floo
 HEAVY_RE = re.compile(r"\b(?:numpy|sympy|mpmath|scipy)\b")
 LIGHT_PRELOAD = ("math", "cmath", "itertools", "functools", "fractions", "decimal", "collections",
                  "heapq", "bisect", "statistics", "random", "string", "operator", "json", "re")
-HEAVY_PRELOAD = LIGHT_PRELOAD + ("numpy", "sympy")
 
-# Importing is not all: sympy loads much of itself lazily and fills caches as it goes, so a child
-# forked after a bare import spends ~200 ms in its first factor() or solve(). The heavy worker runs
-# these once.
+# sympy loads lazily: a child forked after a bare import spends ~200 ms in its first factor().
 HEAVY_WARMUP = """
 import numpy as np, sympy as sp
 x, y, n = sp.symbols("x y n")
@@ -80,8 +67,7 @@ np.random.default_rng(0).random(3)
 
 
 def truncate_middle(text, max_chars):
-    """verl's middle cut: the first and the last max_chars // 2 characters around a marker (0 = no
-    cut)."""
+    """verl's middle cut: max_chars // 2 characters each side of a marker (0 = no cut)."""
     if max_chars <= 0 or len(text) <= max_chars:
         return text
     half = max_chars // 2
@@ -129,9 +115,8 @@ def _prctl(option, arg):
 
 
 def _drop_capabilities():
-    """Empty every capability set: for a child that stays uid 0 of a user namespace, where
-    CAP_SYS_ADMIN would let it unmount the tmpfs that hides the repo. (capset(2) with header version
-    3, two empty data blocks.)"""
+    """For a child that stays uid 0 of a user namespace: CAP_SYS_ADMIN would let it unmount the
+    tmpfs that hides the repo. capset(2), header version 3, two empty data blocks."""
     for cap in range(64):
         if _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
             break
@@ -149,29 +134,19 @@ def _under(path, root):
 
 
 # -----------------------------------------------------------------------------
-# a worker's isolation, set up once when it starts
-#
-# Once per worker: per call each layer would cost 0.5-2.5 ms. The calls of a worker run one after
-# another, so what they share (the private /tmp, the namespace) is emptied between them instead.
-#   PID namespace   the worker is its PID 1: kill(-1) from there reaches every process a call made,
-#                   and when the worker dies the kernel kills them all (setsid escapes a group).
-#   mount namespace the answer key, the trainer's files and the caller's home are not there;
-#                   all but the private tmpfs mounts is read-only.
-#   net namespace   only a loopback, down: no internet, no port of the training cluster.
-#   IPC namespace   SysV objects made by a call stay in the worker.
-#   sandbox uid     one per worker (root only): cannot signal the worker or the trainer, cannot
-#                   read root's 0600 files, and RLIMIT_NPROC then counts one call's processes.
+# a worker's isolation, set up once when it starts (per call each layer would cost 0.5-2.5 ms; what
+# a worker's calls share is emptied between them). PID 1 of a PID namespace: kill(-1) reaches every
+# process a call made, even past setsid. The sandbox uid (root only) cannot signal the worker or
+# the trainer, and RLIMIT_NPROC then counts one call's processes.
 
 
 def _isolate(cfg):
-    """Enter the strongest sandbox the OS allows and return a report of it. With a PID namespace
-    this forks: the caller stays outside as a waiter (killing it kills the namespace, via PDEATHSIG)
-    and the function returns in the child, which is PID 1 of the new namespace."""
-    info = dict(level="process", pid_namespace=False, mount_namespace=False, net_namespace=False,
-                ipc_namespace=False, user_namespace=False, sandbox_uid=None,
-                capabilities_dropped=False, kill_scope="subreaper", private_proc=False,
-                hidden_paths=[], readonly_mounts=False,
-                private_tmp=False, tmp_mounts=[], gpu_devices_masked=[], warnings=[],
+    """Enter the strongest sandbox the OS allows; -> its report. With a PID namespace this forks:
+    the caller waits outside (its death kills PID 1, via PDEATHSIG); PID 1 returns."""
+    # pid_namespace: also the mount, net and IPC ones; else a subreaper catches every descendant
+    info = dict(level="process", pid_namespace=False, user_namespace=False, sandbox_uid=None,
+                capabilities_dropped=False, private_proc=False, hidden_paths=[],
+                readonly_mounts=False, private_tmp=False, gpu_devices_masked=[], warnings=[],
                 kept_paths=_keep_paths({os.path.realpath(p) for p in cfg["hide_paths"]}))
     flags = CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC
     euid, egid, host_pid = os.geteuid(), os.getegid(), os.getpid()
@@ -197,8 +172,7 @@ def _isolate(cfg):
             info["sandbox_uid"] = SANDBOX_UID_BASE + host_pid
         info["capabilities_dropped"] = euid == 0 and info["sandbox_uid"] is None
         return info
-    info.update(pid_namespace=True, mount_namespace=True, net_namespace=True, ipc_namespace=True,
-                kill_scope="pid namespace")
+    info["pid_namespace"] = True
     child = os.fork()   # unshare(CLONE_NEWPID) moves our children, not us: the first child is PID 1
     if child:
         os.closerange(3, 1 << 16)   # the waiter holds no pipe: the parent sees EOF when PID 1 dies
@@ -211,8 +185,7 @@ def _isolate(cfg):
     else:
         info["sandbox_uid"] = SANDBOX_UID_BASE + host_pid
 
-    # A step that fails (a container that masks /proc) is reported, not fatal by itself: the probe
-    # call (_probe_sandbox) decides whether what is left runs calls.
+    # a failed step is reported; the probe call (_probe_sandbox) decides whether calls still run
     steps = (("private mounts", lambda: _mount(None, "/", None, MS_REC | MS_PRIVATE)),
              ("fresh /proc", lambda: _private_proc(info)),
              ("hidden paths", lambda: _hide_paths(cfg["hide_paths"], info["kept_paths"], info)),
@@ -226,8 +199,7 @@ def _isolate(cfg):
             info["warnings"].append(f"{name}: {e}")
             if name == "private mounts":
                 break   # any further mount would show on the host
-    # SysV IPC objects outlive their processes: shared memory dies with its users here, and message
-    # queues and semaphore sets cannot be made at all.
+    # SysV IPC objects outlive their processes: shm dies with its users; no queues, no semaphores
     for key, value in (("kernel/shm_rmid_forced", "1"), ("kernel/msgmni", "0"),
                        ("kernel/sem", "0 0 0 0"), ("fs/mqueue/queues_max", "0")):
         with contextlib.suppress(OSError):
@@ -236,42 +208,39 @@ def _isolate(cfg):
 
 
 def _private_proc(info):
-    # a /proc of this PID namespace: the snippet sees no other process, and /proc/<pid> is ours
+    # a /proc of this PID namespace: no other process is seen, and /proc/<pid> is ours
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     info["private_proc"] = True
 
 
 def _resolve_interpreter_paths():
-    """Point the worker's view of its interpreter (prefixes, sys.path) at real paths: a venv reached
-    through a symlink in /tmp or the home directory would otherwise be imported from a link that the
-    private /tmp or the home's cover removes; the real directories are bound back."""
+    """The interpreter's prefixes and sys.path as real paths: a venv reached through a link in /tmp
+    or home would be imported through a link the sandbox removes (the real ones are bound back)."""
     for name in ("prefix", "base_prefix", "exec_prefix", "base_exec_prefix"):
         setattr(sys, name, os.path.realpath(getattr(sys, name)))
     sys.path[:] = dict.fromkeys(os.path.realpath(p) if p else p for p in sys.path)
 
 
 def _interpreter_path():
-    """The interpreter to start a worker with, its directory resolved (so sys.executable exists in
-    the sandbox). The file itself stays: a venv is found from the directory python started in."""
+    """The interpreter, its directory resolved (not the file: a venv is found from its directory)"""
     return os.path.join(os.path.realpath(os.path.dirname(sys.executable)),
                         os.path.basename(sys.executable))
 
 
 def _keep_paths(hide=()):
-    """What the snippet must still read: the interpreter, its stdlib and site-packages, taken
-    before any mount. `hide` (real paths) wins: a path that contains a hidden one is not kept."""
+    """What the snippet must still read (the interpreter, stdlib, site-packages), the outermost;
+    `hide` (real paths) wins over a path that contains it."""
     paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
              os.path.dirname(sys.executable), os.path.dirname(os.path.realpath(sys.executable))}
     paths.update(p for p in sys.path if p and os.path.isdir(p))   # "" is the call's own directory
     paths = {os.path.realpath(p) for p in paths}   # a bind needs the real directory
     paths = sorted(p for p in paths if not any(_under(h, p) for h in hide))
-    # the outermost only: binding the prefix brings its lib/python3.x and site-packages along
     return [p for p in paths if not any(q != p and _under(p, q) for q in paths)]
 
 
 def _interpreter_identity():
-    """[path, st_dev, st_ino] of the interpreter and its own sys.path entries, taken before any
-    mount: in the sandbox each must still be that very file, not missing and not an empty cover."""
+    """[path, st_dev, st_ino] of the interpreter and its own sys.path entries before any mount: in
+    the sandbox each must be that very file, not missing, not an empty cover."""
     prefixes = (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)
     own = [sys.executable] + [p for p in sys.path
                               if p and os.path.isdir(p) and any(_under(p, q) for q in prefixes)]
@@ -279,7 +248,7 @@ def _interpreter_identity():
 
 
 def _closed_ancestors(path):
-    """The directories above `path` that others may not enter (mode o-x), like a 0700 /root."""
+    """The directories above `path` that others may not enter (o-x), like a 0700 /root."""
     closed, path = [], os.path.dirname(path)
     while path != "/":
         if not os.stat(path).st_mode & 0o001:
@@ -293,8 +262,7 @@ def _interpreter_unreachable(keep):
 
 
 def _bind_back(inside, readonly=False):
-    """O_PATH descriptors of `inside`, opened before a cover is mounted; the returned function binds
-    each back over the cover (after it, the paths lead nowhere)."""
+    """O_PATH fds of `inside`, opened before a cover is mounted; -> a function binding them back."""
     fds = [os.open(k, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for k in inside]
 
     def bind():
@@ -308,12 +276,11 @@ def _bind_back(inside, readonly=False):
 
 
 def _hide_paths(hide_paths, keep, info):
-    """Cover each hidden directory with an empty read-only tmpfs, the kept paths inside bound
-    back."""
+    """An empty read-only tmpfs over each hidden directory, the kept paths inside bound back; so
+    over an ancestor a sandbox uid could not pass. Never a system directory, whatever the cwd."""
     hide = {os.path.realpath(p) for p in hide_paths if os.path.isdir(p)}
-    for k in keep:   # an ancestor a sandbox uid could not pass is covered, the interpreter bound
+    for k in keep:
         hide.update(_closed_ancestors(k))
-    # never covered, whatever the caller's cwd: a snippet without /usr or /etc cannot run
     system = {"/", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/dev", "/proc", "/sys",
               "/var", "/run", "/tmp"}
     hide = sorted(h for h in hide if h not in system)
@@ -327,8 +294,8 @@ def _hide_paths(hide_paths, keep, info):
 
 
 def _mask_gpus(info):
-    """CUDA_VISIBLE_DEVICES="" is only a request, and GPU device nodes are often 0666 on training
-    nodes: bind /dev/null over the NVIDIA and AMD (kfd) nodes, and an empty tmpfs over /dev/dri."""
+    """CUDA_VISIBLE_DEVICES="" is a request and GPU nodes are often 0666: /dev/null over the NVIDIA
+    and AMD (kfd) nodes, an empty tmpfs over /dev/dri."""
     for name in sorted(os.listdir("/dev")):
         path = "/dev/" + name
         try:
@@ -344,8 +311,7 @@ def _mask_gpus(info):
 
 
 def _remount_readonly(info):
-    """Every mount read-only but /proc, /sys and /dev (what is writable there is root's or the
-    writer's own; /dev/shm gets its own tmpfs next)."""
+    """Every mount read-only but /proc, /sys and /dev (/dev/shm gets its own tmpfs next)."""
     failures = 0
     with open("/proc/self/mountinfo") as f:
         rows = [line.split() for line in f]
@@ -368,12 +334,10 @@ def _remount_readonly(info):
 
 
 def _private_tmp(cfg, info):
-    # A little over the file-size limit: one big file meets EFBIG, many meet ENOSPC, and the RAM a
-    # call can fill here (tmpfs is not in RLIMIT_AS) stays bounded. An interpreter under /tmp is
-    # bound back.
+    # a little over the file-size limit: one big file meets EFBIG, many ENOSPC, and the RAM a call
+    # fills here (tmpfs is not in RLIMIT_AS) stays bounded
     for path in TMP_DIRS:
         if os.path.isdir(path):
-            info["tmp_mounts"].append(path)
             bind = _bind_back([k for k in info["kept_paths"] if _under(k, path)], readonly=True)
             _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV,
                    f"mode=1777,size={cfg['max_file_mb'] + 16}m,nr_inodes={TMP_INODES}")
@@ -382,18 +346,14 @@ def _private_tmp(cfg, info):
 
 
 # -----------------------------------------------------------------------------
-# one call, in the child: enter the sandbox, run the snippet as a script
-#
-# The order matters: the fds first (nothing of the worker's may stay reachable), then what needs
-# root (oom_score_adj, the hard rlimits), then the uid switch (no_new_privs is inherited).
+# one call, in the child: the fds first (nothing of the worker's stays reachable), then what needs
+# root (oom_score_adj, hard rlimits), then the uid switch; then the snippet as a script
 
 
 def _run_child(code, seed, stdin_fd, out_fd, err_fd, workdir, state):
     """Runs in the forked child and never returns."""
-    # Seeded from the inputs, after the fork (os.fork reseeds `random`): a child would otherwise
-    # share numpy's global state with every other call of its worker, and a pure function of (code,
-    # stdin) keeps an RL rerun byte-identical (hash() is, under PYTHONHASHSEED=0). os.urandom
-    # stays random.
+    # seeded from (code, stdin): an RL rerun stays byte-identical (PYTHONHASHSEED=0), and no child
+    # shares numpy's state with another call of its worker
     random.seed(seed)
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed(seed % 2**32)
@@ -424,8 +384,7 @@ def _run_child(code, seed, stdin_fd, out_fd, err_fd, workdir, state):
         os.write(2, f"ExecutorError: the sandbox could not be set up: {exc!r}\n".encode())
         os._exit(EXIT_SETUP)
 
-    # os._exit, never a normal exit (it would run the worker's atexit in every child), and the child
-    # must not return into the worker's loop, whatever happens
+    # os._exit: a normal exit would run the worker's atexit; never return into the worker's loop
     try:
         os._exit(_run_snippet(code, state["private_tmp"]))
     except BaseException as exc:
@@ -435,73 +394,49 @@ def _run_child(code, seed, stdin_fd, out_fd, err_fd, workdir, state):
 
 
 def _run_snippet(code, private_tmp):
-    """`python main.py`, with the value of a final expression shown; returns the exit code."""
-    # What a script could tell apart from `python main.py` is set by hand: argv, __main__, __file__,
-    # the exit. The standard streams are the worker's own, unused, now on the call's fds 0-2.
+    """`python main.py` (argv, __main__ and __file__ set once by the worker), with the value of a
+    final expression shown, IPython-like; -> the exit code."""
     if not private_tmp:   # without a private /tmp the call's directory changes every time
         os.environ.update(HOME=os.getcwd(), TMPDIR=os.getcwd())
         tempfile.tempdir = None   # the worker's own mkdtemp() cached /tmp
-    main = sys.modules["__main__"]   # the worker's empty one: what the snippet adds stays here
+    main = sys.modules["__main__"]   # the worker's empty one
     returncode = 0
     try:
         tree = compile(code, MAIN, "exec", ast.PyCF_ONLY_AST)   # ast.parse, minus a frame
         last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
         exec(compile(tree, MAIN, "exec"), main.__dict__)
-        if last is not None:   # IPython-like: a final expression's value is shown unless it is None
+        if last is not None:
             value = eval(compile(ast.Expression(last.value), MAIN, "eval"), main.__dict__)
             if value is not None:
                 print(repr(value))
-    except BaseException as exc:
-        returncode = _exit_code(exc, 0)
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            returncode = (exc.code or 0) & 0xFF
+        else:
+            print(exc.code, file=sys.stderr)   # sys.exit("message") prints it and exits 1
+            returncode = 1
+    except BaseException as exc:   # KeyboardInterrupt included, as for a script
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename != MAIN:
+            tb = tb.tb_next   # the traceback from the snippet's first frame on
+        with contextlib.suppress(BaseException):   # the C printer: fast for 10**6 frames
+            sys.__excepthook__(type(exc), exc.with_traceback(tb), tb)
+        returncode = EXIT_MEMORY if isinstance(exc, MemoryError) else 1
 
-    # what the interpreter does at exit: wait for non-daemon threads, then the atexit handlers
-    # (which also join non-daemon multiprocessing children, as `python` does)
-    try:
-        for thread in threading.enumerate():
-            if thread is not threading.main_thread() and not thread.daemon:
-                thread.join()
-        atexit._run_exitfuncs()
-    except BaseException as exc:
-        returncode = _exit_code(exc, returncode)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(BaseException):
             stream.flush()
     return returncode
 
 
-def _exit_code(exc, returncode):
-    """The exit code `python` gives a script ended by exc (SystemExit, or a traceback)."""
-    if isinstance(exc, SystemExit):
-        if exc.code is None or isinstance(exc.code, int):
-            return (exc.code or 0) & 0xFF
-        print(exc.code, file=sys.stderr)   # sys.exit("message") prints it and exits 1
-        return 1
-    _print_snippet_traceback(exc)   # KeyboardInterrupt included, as for a script
-    return EXIT_MEMORY if isinstance(exc, MemoryError) else returncode or 1
-
-
-def _print_snippet_traceback(exc):
-    """The traceback from the snippet's first frame on, without our wrapper's frames."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename != MAIN:
-        tb = tb.tb_next
-    try:   # the interpreter's own C printer: the text of `python main.py`, fast for 10**6 frames
-        sys.__excepthook__(type(exc), exc.with_traceback(tb), tb)
-    except BaseException:
-        os.write(2, f"{type(exc).__name__}\n".encode())
-
-
 # -----------------------------------------------------------------------------
-# one call, in the worker: fork, watch, kill, sweep, describe
-#
-# The worker, not the child, holds the clock and the output caps: a snippet can cancel any alarm of
-# its own, catch any exception, ignore SIGTERM, or sit in C code that never returns to Python
-# (10**10**9, a regex that backtracks), so only a SIGKILL from outside is sure to stop it.
+# one call, in the worker: fork, watch, kill, sweep, describe. The worker holds the clock and the
+# output caps: a snippet can catch any exception or sit in C code (10**10**9), so only a SIGKILL
+# from outside is sure to stop it.
 
 
 class _Capture:
-    """A stream read while it flows: its first and last `keep` bytes and a count of all, so that a
-    gigabyte of printing never sits in memory."""
+    """A stream's first and last `keep` bytes and a count of all: no gigabyte sits in memory."""
 
     def __init__(self, keep):
         self.keep, self.head, self.tail, self.total = keep, bytearray(), bytearray(), 0
@@ -517,8 +452,7 @@ class _Capture:
             del self.tail[:max(0, len(self.tail) - self.keep)]
 
     def text(self, max_chars):
-        """(text, truncated): decoded (invalid UTF-8 becomes U+FFFD) and cut in the middle to
-        max_chars, exactly as truncate_middle cuts the tool response."""
+        """(text, truncated): decoded (bad UTF-8 as U+FFFD), cut as truncate_middle cuts."""
         if self.total == len(self.head) + len(self.tail):
             text = (self.head + self.tail).decode("utf-8", "replace")
             if len(text) <= max_chars:
@@ -534,7 +468,7 @@ class _Capture:
 def _run_call(code, stdin, cfg, state):
     """One call from fork to sweep; returns the fields of an ExecResult."""
     workdir = _fresh_workdir(state)
-    # as for `python main.py`: tracebacks show source lines, __file__ and inspect work
+    # on disk as for `python main.py`: tracebacks show source lines, inspect works
     fd = os.open(os.path.join(workdir, MAIN), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
                  0o644)
     os.write(fd, code.encode("utf-8", "surrogatepass"))
@@ -562,9 +496,8 @@ def _run_call(code, stdin, cfg, state):
     pidfd = os.pidfd_open(pid)   # readable at the child's exit: one poll() waits for all
     poller.register(pidfd, select.POLLIN)
 
-    # Until the main process is reaped, read its output and kill it at the deadline or the output
-    # limit (killed_for: why *we* killed it); then a short drain, as the pipes reach EOF once all
-    # that holds them is dead.
+    # until the main process is reaped, read its output and kill it at the deadline or the output
+    # limit (killed_for: why *we* killed it); then a short drain
     while open_fds or returncode is None:
         now = time.monotonic()
         if returncode is not None:
@@ -606,13 +539,9 @@ def _run_call(code, stdin, cfg, state):
 
 def _past_deadline(pid, start, now, ran_ns, cfg, state):
     """At the deadline: (why the call is killed or None, the next deadline, its CPU ns so far).
-
-    Time the call spent runnable but waiting for a CPU is the machine's, not the snippet's: on an
-    oversubscribed node a benign call must not time out, or the tool-error ratio RoC ranks by
-    (Eq. 4) would measure the load. A sleep is not on the run queue and counts in full. The kernel
-    books a wait when the task runs again, so one starved right now (runnable, not run since our
-    last look) is still waiting. The call's processes together get timeout_s of CPU, looked at
-    before n cores could spend the rest."""
+    Time spent waiting for a CPU is the machine's: else the tool-error ratio RoC ranks by (Eq. 4)
+    would measure the load. A sleep counts in full; a task runnable and not run since our last look
+    is still waiting (the kernel books a wait when it runs again)."""
     own_proc = state["private_proc"] or not state["pid_namespace"]   # /proc/<pid> is our child
     run_ns, wait_ns, runnable = _schedstat(pid) if own_proc else (0, 0, False)
     stretched = start + cfg["timeout_s"] + wait_ns / 1e9
@@ -635,7 +564,7 @@ def _past_deadline(pid, start, now, ran_ns, cfg, state):
 
 
 def _proc_stat(pid):
-    """The fields of /proc/<pid>/stat after the command's name (state first); None if gone."""
+    """/proc/<pid>/stat's fields after the command's name (state first); None if gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()
@@ -644,8 +573,7 @@ def _proc_stat(pid):
 
 
 def _schedstat(pid):
-    """(ns on a CPU, ns runnable but waiting for one, runnable now?) of a process; zeros where it
-    is gone or the kernel keeps no schedstat (then the plain wall clock rules)."""
+    """(ns on a CPU, ns waiting for one, runnable now?); zeros where it is gone or unrecorded."""
     try:
         with open(f"/proc/{pid}/schedstat") as f:
             run_ns, wait_ns = (int(x) for x in f.read().split()[:2])
@@ -655,8 +583,8 @@ def _schedstat(pid):
 
 
 def _call_cpu_s(state, pid):
-    """CPU seconds of the call so far, with the children each process reaped: every process in the
-    PID namespace but this worker (PID 1), or without one, the main process."""
+    """The call's CPU seconds with reaped children: all the PID namespace but PID 1, or the main
+    process."""
     pids = ([p for p in os.listdir("/proc") if p.isdigit() and p != "1"]
             if state["pid_namespace"] else [pid])
     ticks = sum(sum(map(int, fields[11:15]))   # utime, stime, cutime, cstime
@@ -671,8 +599,7 @@ def _signal_everything(state, pid):
 
 
 def _kill_leftovers(state, session):
-    """Kill and reap every process the call left: from PID 1 the whole namespace; without one, the
-    children of the subreaper (an orphan re-parents to us), looking again until none is left."""
+    """Kill and reap all the call left: from PID 1 the namespace, else the subreaper's children."""
     deadline = time.monotonic() + 5.0
     while time.monotonic() < deadline:
         if state["pid_namespace"]:
@@ -696,15 +623,11 @@ def _kill_leftovers(state, session):
 
 
 def _fresh_workdir(state):
-    """An empty directory owned by the sandbox uid: with a private /tmp always the same path (a
-    printed cwd is the same on a rerun), else a new temporary directory."""
+    """An empty directory of the sandbox uid; with a private /tmp always the same path."""
     if state["private_tmp"]:
         path = "/tmp/sandbox"
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:   # left by a call whose clean-up failed half-way
-            shutil.rmtree(path, ignore_errors=True)
-            os.mkdir(path, 0o700)
+        shutil.rmtree(path, ignore_errors=True)   # left by a call whose clean-up failed half-way
+        os.mkdir(path, 0o700)
     else:
         path = tempfile.mkdtemp(prefix="rstar2-exec-")
     if state["sandbox_uid"] is not None:
@@ -713,8 +636,8 @@ def _fresh_workdir(state):
 
 
 def _clean_after_call(state, workdir):
-    """Nothing a call wrote survives it: the private tmpfs mounts are emptied but for the
-    interpreter bound back under them and the way to it (or the call's directory is removed)."""
+    """Nothing a call wrote survives it: the private tmpfs emptied but for the interpreter bound
+    back there (or the call's directory removed)."""
     if not state["private_tmp"]:
         _remove_tree(workdir)
         return
@@ -755,31 +678,28 @@ def _describe(returncode, killed_for, elapsed, cpu_s, out, err, cfg):
     none."""
     stdout, cut_out = out.text(cfg["max_output_chars"])
     stderr, cut_err = err.text(cfg["max_output_chars"])
-
+    status, note = "error", ""
     if killed_for in ("wall-clock limit", "wall-clock backstop"):
         status, note = "timeout", (f"TimeoutError: the code ran longer than {cfg['timeout_s']:g} s "
                                    "and was killed")
     elif killed_for == "output limit":
-        status, note = "error", ("OutputLimitError: the code wrote more than "
-                                 f"{cfg['output_limit_mb']} MiB and was killed")
+        note = (f"OutputLimitError: the code wrote more than {cfg['output_limit_mb']} MiB and was "
+                "killed")
     elif killed_for == "cpu-time limit" or returncode == -signal.SIGXCPU:
-        killed_for = "cpu-time limit"
-        status, note = "timeout", ("TimeoutError: the code used more than its CPU time limit "
-                                   "and was killed")
-    elif returncode == EXIT_MEMORY:
-        # the child's own word: a snippet could only mislabel itself (the OOM killer is a signal)
-        killed_for, status, note = "memory limit", "oom", ""
+        killed_for, status = "cpu-time limit", "timeout"
+        note = "TimeoutError: the code used more than its CPU time limit and was killed"
+    elif returncode == EXIT_MEMORY:   # the child's own word (the OOM killer is a signal)
+        killed_for, status = "memory limit", "oom"
     elif returncode == 0:
-        status, note = "ok", ""
+        status = "ok"
     elif returncode < 0:
         try:
             name = signal.Signals(-returncode).name
-        except ValueError:
+        except ValueError:   # a real-time signal
             name = str(-returncode)
-        killed_for = f"signal {name}"
-        status, note = "error", f"Killed by signal {-returncode} ({name})"
+        killed_for, note = f"signal {name}", f"Killed by signal {-returncode} ({name})"
     else:
-        killed_for, status, note = f"exit status {returncode}", "error", ""
+        killed_for = f"exit status {returncode}"
 
     if note:   # after the truncation, so the model always sees why the call ended
         stderr += ("" if not stderr or stderr.endswith("\n") else "\n") + note + "\n"
@@ -788,33 +708,49 @@ def _describe(returncode, killed_for, elapsed, cpu_s, out, err, cfg):
 
 
 # -----------------------------------------------------------------------------
-# the worker process. Messages are a 4-byte length and JSON: never pickle, whose reader would run
-# code. Two pipes per worker, no sockets: nothing to bind, nothing another process can reach.
+# the worker process. Messages are a 4-byte length and JSON (never pickle, whose reader runs code),
+# over two pipes per worker: nothing to bind, nothing another process can reach.
 
 
-def _send(fd, obj):
-    data = json.dumps(obj).encode()
-    data = struct.pack("<I", len(data)) + data
-    while data:
-        data = data[os.write(fd, data):]
+def _send(fd, obj, deadline=math.inf):
+    body = json.dumps(obj).encode()
+    data = memoryview(struct.pack("<I", len(body)) + body)
+    while data:   # a 1 MB snippet is more than a pipe holds: write what fits, wait for room
+        try:
+            data = data[os.write(fd, data):]
+        except BlockingIOError:   # the parent's non-blocking end: a stuck worker cannot block it
+            _poll(fd, select.POLLOUT, deadline)
 
 
-def _recv_blocking(fd):
-    def exact(n):
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = os.read(fd, n - len(buf))
-            if not chunk:
-                return None
-            buf += chunk
-        return bytes(buf)
-    header = exact(4)
-    body = header and exact(struct.unpack("<I", header)[0])
+def _receive(fd, deadline=math.inf):
+    """One message; None at EOF."""
+    header = _read_exact(fd, 4, deadline)
+    body = header and _read_exact(fd, struct.unpack("<I", header)[0], deadline)
     return None if body is None else json.loads(body)
 
 
-# The call a worker makes itself before it reports ready: the whole path of a call (directory, uid,
-# limits, sweep, clean-up) and the interpreter's own files, as the sandbox uid sees them.
+def _read_exact(fd, n, deadline):
+    buf = bytearray()
+    while len(buf) < n:
+        _poll(fd, select.POLLIN, deadline)
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def _poll(fd, event, deadline):
+    poller = select.poll()   # not select.select: a trainer's fds easily pass its limit of 1024
+    poller.register(fd, event)
+    while not poller.poll(None if deadline == math.inf else
+                          max(0.0, deadline - time.monotonic()) * 1000):
+        if time.monotonic() >= deadline:
+            raise WorkerGone("the worker did not answer in time")
+
+
+# The call a worker makes itself before it reports ready: the whole path of a call, and the
+# interpreter's own files as the sandbox uid sees them.
 SANDBOX_PROBE = """
 import json, os, sys
 missing = []
@@ -833,11 +769,10 @@ def _worker_main(cfg_json):
     """A worker's life. One whose sandbox cannot run calls says why in its first message."""
     cfg = json.loads(cfg_json)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # a ^C in the terminal is for the trainer
-
     try:
         if cfg["kind"] == "grader":
-            # Trusted code on untrusted strings, run in this process: no sandbox to enter (a PID
-            # namespace's init would even ignore the SIGXCPU that ends a check stuck in C code).
+            # trusted code on untrusted strings, in this process: no sandbox (a PID namespace's
+            # init would even ignore the SIGXCPU that ends a check stuck in C code)
             sys.path.insert(0, cfg["repo"])
             grader = importlib.import_module("machinery.verifier")
             sys.path.remove(cfg["repo"])
@@ -849,24 +784,20 @@ def _worker_main(cfg_json):
             problem = _probe_sandbox(cfg, state)
     except Exception as exc:   # a bug or an OS we do not know: the parent gets the reason
         info, problem = {}, f"{type(exc).__name__}: {exc}"
-
+    _send(cfg["response_fd"], {"ready": not problem, "error": problem, "isolation": info})
     if problem:
-        _send(cfg["response_fd"], {"ready": False, "error": problem, "isolation": info})
         os._exit(EXIT_SETUP)
-    _send(cfg["response_fd"], {"ready": True, "isolation": info})
 
-    while True:
-        request = _recv_blocking(cfg["request_fd"])
-        if request is None:   # the parent closed the pipe or died: the namespace goes with PID 1
-            os._exit(0)
-        # one request at a time: the parent sends the next only after this answer. A grader answers
-        # a check itself: a fork per check would cost ~4x its CPU (docs/benchmarks.md, "Reward").
+    # one request at a time; EOF: the parent closed the pipe or died (the namespace goes with us).
+    # A grader answers a check itself: a fork per check costs ~4x its CPU (docs/benchmarks.md).
+    while (request := _receive(cfg["request_fd"])) is not None:
         if cfg["kind"] == "grader":
             answer = grader.check_in_worker(request)
         else:
             answer = _run_call(request["code"], request["stdin"],
                                dict(cfg, timeout_s=request["timeout_s"]), state)
         _send(cfg["response_fd"], answer)
+    os._exit(0)
 
 
 def _start_worker(cfg):
@@ -876,18 +807,15 @@ def _start_worker(cfg):
     interpreter = _interpreter_identity()
     info = _isolate(cfg)   # from here on PID 1 of the worker's namespaces (if the OS allowed them)
     os.chdir("/")   # the cwd we were started in may be hidden
-    for name in HEAVY_PRELOAD if cfg["kind"] == "heavy" else LIGHT_PRELOAD:
-        try:
-            __import__(name)
-        except ImportError as e:
-            info["warnings"].append(f"could not preload {name}: {e}")
-    if cfg["kind"] == "heavy":
-        try:   # without numpy or sympy the worker still runs plain Python
+    for name in LIGHT_PRELOAD:
+        __import__(name)
+    if cfg["kind"] == "heavy":   # numpy and sympy imported and warmed
+        try:   # without them the worker still runs plain Python
             exec(HEAVY_WARMUP, {})
         except Exception as e:
             info["warnings"].append(f"heavy warm-up failed: {e!r}")
-    # argv and an empty __main__ (the snippet's functions then pickle, for multiprocessing), set
-    # once: every child finds them empty
+    # argv and an empty __main__ (the snippet's functions then pickle), set once: a child's changes
+    # die with it
     sys.argv = [MAIN]
     main = types.ModuleType("__main__")
     main.__builtins__, main.__file__ = builtins, MAIN
@@ -919,31 +847,29 @@ def _start_worker(cfg):
     return info, state
 
 
+def _processes_of_uid(uid):
+    count = 0
+    for name in os.listdir("/proc"):
+        with contextlib.suppress(OSError):   # gone meanwhile
+            count += name.isdigit() and os.stat(f"/proc/{name}").st_uid == uid
+    return count
+
+
 def _probe_sandbox(cfg, state):
     """None if a call runs and sees the interpreter, else what is wrong."""
-    warnings = "; ".join(state["warnings"]) or "none"
+    warnings = "isolation warnings: " + ("; ".join(state["warnings"]) or "none")
     try:   # generous: a loaded machine must not fail a worker's start
         result = _run_call(SANDBOX_PROBE, json.dumps(state["interpreter"]),
                            dict(cfg, timeout_s=max(cfg["timeout_s"], 30.0)), state)
     except OSError as e:
-        return f"a call could not run in the sandbox ({e}; isolation warnings: {warnings})"
+        return f"a call could not run in the sandbox ({e}; {warnings})"
     if result["status"] != "ok":
         return (f"a call could not run in the sandbox ({result['reason']}: "
-                f"{result['stderr'][-1000:].strip()}; isolation warnings: {warnings})")
+                f"{result['stderr'][-1000:].strip()}; {warnings})")
     missing = json.loads(result["stdout"])
     if missing:
-        return (f"the sandbox cannot reach the interpreter's own files {missing} (hidden by "
-                "hide_paths, the cwd or the home directory, or behind a directory the sandbox uid "
-                f"may not enter; isolation warnings: {warnings})")
+        return f"the sandbox cannot reach the interpreter's files {missing} ({warnings})"
     return None
-
-
-def _processes_of_uid(uid):
-    count = 0
-    for name in os.listdir("/proc"):
-        with contextlib.suppress(OSError):
-            count += name.isdigit() and os.stat(f"/proc/{name}").st_uid == uid
-    return count
 
 
 # -----------------------------------------------------------------------------
@@ -982,7 +908,7 @@ class WorkerProcess:
     """One warm worker and its two pipes. One thread at a time uses it, holding `lock`."""
 
     def __init__(self, kind, settings):
-        self.kind, self.settings, self.proc, self.isolation = kind, settings, None, None
+        self.kind, self.settings, self.proc = kind, settings, None
         self.lock = threading.Lock()
         self.start()
 
@@ -1000,54 +926,46 @@ class WorkerProcess:
                                      start_new_session=True)
         os.close(req_r)
         os.close(resp_w)
-        os.set_blocking(self.req_w, False)   # writes go through _poll: a stuck worker cannot block
-        self.is_ready = False
+        os.set_blocking(self.req_w, False)
+        self.isolation = None   # its first message
 
     def kill(self):
-        """SIGKILL the waiter; PDEATHSIG then kills PID 1, and with it every process in the
-        namespace."""
+        """SIGKILL the waiter; PDEATHSIG then kills PID 1, and with it the whole namespace."""
         if self.proc is not None:
             self.proc.kill()
 
     def stop(self):
         """Kill, reap and close the pipes. Only the thread that uses this worker may call it: an fd
         closed under a reader can come back as someone else's."""
-        if self.proc is None:
-            return
-        self.kill()
-        self.proc.wait()
-        os.close(self.req_w)
-        os.close(self.resp_r)
-        self.proc = None
+        if self.proc is not None:
+            self.kill()
+            self.proc.wait()
+            os.close(self.req_w)
+            os.close(self.resp_r)
+            self.proc = None
 
     def restart(self):
         self.stop()
         self.start()
 
     def wait_ready(self):
-        """The worker's isolation report, once it has started (its first message)."""
-        if not self.is_ready:
+        """The worker's isolation report, once it has started."""
+        if self.isolation is None:
             message = self._receive(time.monotonic() + STARTUP_TIMEOUT_S)
-            if message.get("ready") is False and isinstance(message.get("error"), str):
-                # not WorkerGone: a restart would fail the same way; the caller's to see and fix
+            if not message["ready"]:   # not WorkerGone: a restart would fail the same way
                 raise RuntimeError(f"Executor: the {self.kind} worker could not set up its "
                                    f"sandbox: {message['error']}")
-            if message.get("ready") is not True or not isinstance(message.get("isolation"), dict):
-                raise WorkerGone(f"bad first message from the worker: {str(message)[:200]}")
-            self.isolation, self.is_ready = message["isolation"], True
+            self.isolation = message["isolation"]
         return self.isolation
 
     def ready(self):
-        """wait_ready under the lock, with one restart: the isolation report."""
+        """wait_ready under the lock."""
         with self.lock:
-            for attempt in range(2):
-                try:
-                    return self.wait_ready()
-                except WorkerGone as gone:
-                    if attempt:
-                        raise RuntimeError(f"Executor: a {self.kind} worker failed to start twice "
-                                           f"({gone})") from None
-                    self.restart()
+            try:
+                return self.wait_ready()
+            except WorkerGone as gone:
+                raise RuntimeError(f"Executor: a {self.kind} worker failed to start ({gone})") \
+                    from None
 
     def ask(self, request, timeout_s):
         """Send one request, return the worker's answer; WorkerGone past the backstop."""
@@ -1055,60 +973,19 @@ class WorkerProcess:
             if self.proc.poll() is not None:
                 raise WorkerGone("the worker is gone")
             self.wait_ready()
-            self._write(json.dumps(request).encode(), time.monotonic() + BACKSTOP_GRACE_S)
+            _send(self.req_w, request, time.monotonic() + BACKSTOP_GRACE_S)
+        except BrokenPipeError:
+            raise WorkerGone("the worker is gone") from None
         except WorkerGone as e:
             e.sent = False
             raise
         return self._receive(time.monotonic() + STRETCH_CAP * timeout_s + BACKSTOP_GRACE_S)
 
-    def call(self, code, stdin, timeout_s, result_type):
-        """One call -> result_type(**the fields of _describe)."""
-        message = self.ask({"code": code, "stdin": stdin, "timeout_s": timeout_s}, timeout_s)
-        try:   # the worker is trusted code, but a check costs nothing and names the problem
-            result = result_type(**message)
-            assert (result.status in STATUSES and isinstance(result.stdout, str)
-                    and isinstance(result.stderr, str))
-        except (TypeError, AssertionError):
-            raise WorkerGone(f"malformed result from the worker: {str(message)[:200]}") from None
-        return result
-
-    def _write(self, body, deadline):
-        # a 1 MB snippet is more than a pipe holds (64 KB): write what fits, wait for room
-        data = memoryview(struct.pack("<I", len(body)) + body)
-        while data:
-            try:
-                data = data[os.write(self.req_w, data):]
-            except BlockingIOError:
-                self._poll(self.req_w, select.POLLOUT, deadline)
-            except BrokenPipeError:
-                raise WorkerGone("the worker is gone") from None
-
     def _receive(self, deadline):
-        (length,) = struct.unpack("<I", self._read_exact(4, deadline))
-        if length > 64 << 20:   # a result is a few KB (capped streams): a broken worker
-            raise WorkerGone(f"a {length}-byte message from the worker")
-        try:
-            return json.loads(self._read_exact(length, deadline))
-        except ValueError:
-            raise WorkerGone("a message from the worker is not JSON") from None
-
-    def _read_exact(self, n, deadline):
-        buf = bytearray()
-        while len(buf) < n:
-            self._poll(self.resp_r, select.POLLIN, deadline)
-            chunk = os.read(self.resp_r, n - len(buf))
-            if not chunk:
-                raise WorkerGone(f"the worker exited (code {self.proc.poll()})")
-            buf += chunk
-        return bytes(buf)
-
-    @staticmethod
-    def _poll(fd, event, deadline):
-        poller = select.poll()   # not select.select: a trainer's fds easily pass its limit of 1024
-        poller.register(fd, event)
-        while not poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
-            if time.monotonic() >= deadline:
-                raise WorkerGone("the worker did not answer in time")
+        message = _receive(self.resp_r, deadline)
+        if message is None:
+            raise WorkerGone(f"the worker exited (code {self.proc.poll()})")
+        return message
 
 
 def check_executor_arguments(workers, timeout_s, memory_mb, max_output_chars, max_processes,
@@ -1120,11 +997,8 @@ def check_executor_arguments(workers, timeout_s, memory_mb, max_output_chars, ma
                              ("output_limit_mb", output_limit_mb, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"Executor: {name} must be an int >= {low}, got {value!r}")
-    if (not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool)
-            or not 0 < timeout_s <= 3600):
-        raise ValueError(f"Executor: timeout_s must be a number of seconds in (0, 3600], got "
-                         f"{timeout_s!r}")
-    if isinstance(hide_paths, str) or not all(isinstance(p, str) and os.path.isabs(p)
-                                              for p in hide_paths):
+    if isinstance(timeout_s, bool) or not 0 < timeout_s <= 3600:   # a str raises TypeError
+        raise ValueError(f"Executor: timeout_s must be in (0, 3600] seconds, got {timeout_s!r}")
+    if isinstance(hide_paths, str) or not all(map(os.path.isabs, hide_paths)):
         raise ValueError(f"Executor: hide_paths must be a list of absolute paths, got "
                          f"{hide_paths!r}")

@@ -1,24 +1,12 @@
 """How many torch threads each CPU phase runs on when the config leaves it to the run
-(train_threads=0, the default), decided once at the start; rl.py and sft.py call choose_threads,
-the engine takes decode_threads.
-
-Every torch kernel ends at an OpenMP barrier, so a count above the cores that are really free makes
-each kernel wait for the thread another process preempted (beside busy processes on 2 cores a step
-on 2 threads took 2.7-3.7x the time of 1), while on a free machine one thread leaves a core idle
-(docs/benchmarks.md, "Threads"). So:
-
-    cores    this rank's share of the node's cores (cores_per_rank)
-    idle     that share of the cores that processes outside this one's own tree left idle over
-             WINDOW_S: the run's own start-up (its workers importing sympy) counts as free, so an
-             idle machine decides the same every time
-    update   the cores of that share idle FREE_WHEN_IDLE of the window; at least 1, at most cores
-    decode   the update's count less one core when the tool is on (its workers run beside it)
-
-train_threads=N sets the update's count; OMP_NUM_THREADS, where set (torchrun sets 1 for several
-ranks a node), is both counts, train_threads still the update's. The run keeps the count it chose
-in config.yaml, so a resume sums as the run did (on the demo 1 and 2 threads give the same
-gradients, tests/test_threads.py; a larger model's reductions may split otherwise).
-"""
+(train_threads=0), decided once at the start. Every torch kernel ends at an OpenMP barrier, so a
+count above the free cores waits on preempted threads (beside busy processes on 2 cores, 2 threads
+took 2.7-3.7x the time of 1), while on a free machine one thread leaves a core idle
+(docs/benchmarks.md, "Threads"). The rule: the update takes this rank's share of the cores that
+processes outside the run's own tree left idle FREE_WHEN_IDLE of WINDOW_S (its own start-up counts
+as free, so an idle machine decides the same every time); the decode one less when the tool's
+workers run beside it. train_threads=N sets the update's count; OMP_NUM_THREADS, where set, both.
+config.yaml keeps the count chosen, so a resume sums as the run did."""
 import dataclasses
 import math
 import os
@@ -30,12 +18,8 @@ import yaml
 
 from machinery.distributed import RANKS_ON_NODE, cores_per_rank, cpu_threads
 
-# Long enough to see a neighbour that runs in bursts (a test suite, a tool worker), short beside
-# a run's start (loading the model, starting the engine: 10 s and more on CPU).
-WINDOW_S = 0.5
-# A core counts as free when the window found it idle this share of the time: on 2 cores, one
-# light neighbour (an editor, a shell) leaves 2, one busy process 1.
-FREE_WHEN_IDLE = 0.7
+WINDOW_S = 0.5   # sees a neighbour that runs in bursts; short beside a run's start (10 s and more)
+FREE_WHEN_IDLE = 0.7   # on 2 cores: a light neighbour (a shell) leaves 2, a busy process 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,9 +30,8 @@ class Threads:
 
 
 def idle_cores(window_s=WINDOW_S):
-    """How many of this process's affinity cores were idle over the next window_s seconds, or busy
-    with this process's own tree (the caller sleeps meanwhile: what is busy besides is someone
-    else); None where the kernel's counters cannot be read."""
+    """This process's affinity cores idle over the next window_s, or busy with its own tree; None
+    where the kernel's counters cannot be read."""
     try:
         before = cpu_seconds()
         time.sleep(window_s)
@@ -64,8 +47,8 @@ def idle_cores(window_s=WINDOW_S):
 
 
 def cpu_seconds():
-    """(idle + iowait seconds of this process's affinity cores, all their seconds, CPU seconds of
-    this process's tree: itself, its descendants and the children it reaped)."""
+    """(idle + iowait seconds of the affinity cores, all their seconds, CPU seconds of this
+    process's tree with the children it reaped)."""
     cpus = os.sched_getaffinity(0)
     per_cpu = [t for cpu, t in enumerate(psutil.cpu_times(percpu=True)) if cpu in cpus]
     # guest time is inside user: the first eight fields are all there is
@@ -82,7 +65,7 @@ def cpu_seconds():
 
 
 def omp_threads():
-    """OMP_NUM_THREADS as a count, or None where it is unset or not a positive number."""
+    """OMP_NUM_THREADS as a count; None where unset or not a positive number."""
     value = os.environ.get("OMP_NUM_THREADS", "")
     return int(value) if value.isdigit() and int(value) > 0 else None
 
@@ -126,9 +109,8 @@ def settings_line(threads, use_tool):
 
 
 def choose_threads(cfg, device, rank):
-    """rl.py's and sft.py's start on CPU: torch on the update's count and the settings line
-    printed on rank 0; -> cfg with train_threads the chosen number (0 resolved), which config.yaml
-    then records. On GPU both phases run on the device: cfg as it is, no line."""
+    """On CPU: torch on the update's count, the settings line on rank 0; -> cfg with train_threads
+    resolved (config.yaml records it). On GPU: cfg as it is."""
     if device.type != "cpu":
         return cfg
     use_tool = cfg.rollout.use_tool if hasattr(cfg, "rollout") else None
@@ -140,16 +122,14 @@ def choose_threads(cfg, device, rank):
 
 
 def decode_threads(rollout_cfg, train_threads=0):
-    """The engine's count. rl.py passes the train_threads choose_threads chose (a number: nothing
-    is measured again); 0 (eval.py, the tools): the rule, measured only where the tool would leave
-    the decode more than one core."""
+    """The engine's count: from rl.py's chosen train_threads, or (0: eval.py, the tools) the rule,
+    measured only where the tool would leave the decode more than one core."""
     if not (train_threads or omp_threads()) and cores_per_rank() - rollout_cfg.use_tool <= 1:
         return 1
     return decide(train_threads, rollout_cfg.use_tool).decode
 
 
 def recorded_train_threads(out_dir):
-    """The update's count a run in out_dir chose (its config.yaml), 0 where there is none: what a
-    replay of its steps (tools/replay.py) trains on to sum as the run did."""
+    """The update's count a run in out_dir chose (0: none), for a replay to sum as the run did."""
     path = Path(out_dir) / "config.yaml"
     return int(yaml.safe_load(path.read_text()).get("train_threads") or 0) if path.is_file() else 0

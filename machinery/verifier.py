@@ -1,13 +1,9 @@
-"""math-verify on the sandbox's worker pool: warm "grader" workers (machinery/sandbox.py: the same
-start, pipes, backstop and replacement as the tool's) answer each check under a budget of their own
-CPU time, so a verdict does not depend on how busy the machine is; a check past its budget ends
-with the safe result, and a worker stuck or starved past the wall-clock backstop is replaced, so
-grading never hangs.
-
-Processes, not threads: math-verify's own timeout is signal.alarm, and a big-int power holds the
-GIL, so only a signal that kills (RLIMIT_CPU's) ends a check stuck in C code. A worker runs its
-checks itself rather than forking one child each, as the tool's workers do: a fork of a worker
-holding sympy and math-verify cost ~4x a check's CPU (docs/benchmarks.md, "Reward")."""
+"""math-verify on the sandbox's worker pool: warm "grader" workers (machinery/sandbox.py) answer
+each check under a budget of their own CPU time, so a verdict does not depend on the machine's
+load; a check past its budget gets the safe result, a worker past the wall-clock backstop is
+replaced. Processes, not threads: a big-int power holds the GIL, so only RLIMIT_CPU's signal ends a
+check stuck in C code. A worker runs its checks itself: a fork per check cost ~4x a check's CPU
+(docs/benchmarks.md, "Reward")."""
 import atexit
 import logging
 import math
@@ -25,13 +21,9 @@ from machinery.sandbox import WorkerGone, WorkerProcess
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# What a check may map beside its worker: (10^{10})! or a 10^9-digit power then fails with
-# MemoryError (a clean False) instead of swapping the node.
+# what a check may map beside its worker: (10^{10})! fails with MemoryError, not swapping the node
 CHECK_MEMORY_MB = 2048
-
-# A check stuck in C code (a big-int power holds the GIL, so the timer's Python handler never runs)
-# is ended by RLIMIT_CPU, in whole seconds, at most CPU_GRACE_S + 1 s past its budget: the worker
-# dies of SIGXCPU, the pool counts the check out of time (a verdict, 0) and replaces the worker.
+# a check stuck in C code dies of RLIMIT_CPU (whole seconds) at most this + 1 s past its budget
 CPU_GRACE_S = 0.25
 
 
@@ -43,10 +35,7 @@ def _raise_deadline(signum, frame):
     raise _Deadline()
 
 
-# several values, which verify never finds equal to one number (is_collection)
-COLLECTION = "collection"
-
-
+COLLECTION = "collection"   # several values, never equal to one number (is_collection)
 _PARSED = {}  # per worker: parse results by string; golds repeat across a group's 2G rollouts
 
 
@@ -61,9 +50,8 @@ def _parse_cached(latex):
 
 
 def _math_verify_equivalent(pred, gold):
-    """math-verify's verdict on two extracted answers, both wrapped in \\boxed{} so that it parses
-    exactly that answer (the release does the same for the gold); gold first, as its docs require.
-    No time limit of its own: the sandbox's CPU budget bounds it."""
+    """math-verify's verdict on two extracted answers, each in \\boxed{} so that it parses exactly
+    that (as the release does for the gold); gold first, as its docs require."""
     from math_verify import verify
 
     gold_parsed = _parse_cached("\\boxed{" + gold + "}")
@@ -113,9 +101,8 @@ _WARMUP_PAIRS = [("\\frac{\\sqrt{2}}{2}", "\\sqrt{2}/2"), ("(x+1)^2", "x^2+2x+1"
 
 
 def warm_up():
-    """In a grader worker, before it reports ready: math-verify imported (it raises where it is
-    missing: no worker without it), sympy's lazily loaded code paths run once (~1.5 s, not inside a
-    budget), the check's timer and the worker's memory cap set."""
+    """In a grader worker before it reports ready: math-verify imported (raises where missing),
+    sympy's lazy paths run once (~1.5 s, outside any budget), the timer and memory cap set."""
     import math_verify  # noqa: F401
 
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)   # "Timeout is disabled": the point
@@ -131,9 +118,8 @@ def warm_up():
 
 
 def check_in_worker(request):
-    """In a grader worker: one check {"task": [kind, *strings], "budget": CPU seconds} ->
-    {"result", "cpu_s", "out_of_time"}. The timer (ITIMER_PROF: user + system CPU of this process)
-    raises in Python; RLIMIT_CPU's SIGXCPU is the kill behind it."""
+    """In a grader worker: {"task": [kind, *strings], "budget": CPU s} -> {"result", "cpu_s",
+    "out_of_time"}. ITIMER_PROF (this process's CPU) raises in Python; RLIMIT_CPU kills after."""
     kind, *strings = request["task"]
     function, result = _TASKS[kind]
     budget, started = max(0.01, request["budget"]), time.process_time()
@@ -154,8 +140,8 @@ def check_in_worker(request):
 
 
 def default_num_workers():
-    """This rank's share of the node's cores, at most 8: the fast path leaves 25% of the MATH-500
-    labeled set open, so more workers would mostly hold memory (~65 MB resident each)."""
+    """This rank's share of the cores, at most 8 (the fast path leaves 25% of MATH-500 open; more
+    workers would mostly hold memory, ~65 MB each)."""
     # imported here: the grader workers import this file, and torch would add ~1 s to each start
     from machinery.distributed import cores_per_rank
 
@@ -167,9 +153,6 @@ class VerifierPool:
 
     def __init__(self, num_workers=None):
         self.num_workers = num_workers or default_num_workers()
-        if not isinstance(self.num_workers, int) or self.num_workers < 1:
-            raise ValueError("VerifierPool: num_workers must be a positive int, "
-                             f"got {num_workers!r}")
         self.owner_pid = os.getpid()
         self.kills = 0           # workers killed with a check (its budget, a crash, the backstop)
         self.worker_cpu_s = 0.0  # CPU seconds of the checks that ended in their worker
@@ -187,15 +170,9 @@ class VerifierPool:
             raise
 
     def run(self, tasks, timeouts):
-        """Run [("verify", pred, gold) or ("value", answer), ...], each under its budget of CPU
-        seconds -> (results, seconds, unfinished), one entry per task.
-
-        A task out of its budget gets the safe result (False for verify, None for value) and
-        infinite seconds: whatever used that answer is out of time. A task the wall-clock backstop
-        ended gets the same, and unfinished=True: no verdict was reached. seconds: the CPU seconds
-        a finished task took."""
-        if not self.workers:
-            raise RuntimeError("VerifierPool.run: the pool is closed")
+        """[("verify", pred, gold) or ("value", answer), ...], each under its CPU budget ->
+        (results, CPU seconds, unfinished). Out of budget: the safe result (False, None) and
+        infinite seconds; ended by the backstop: the same, and unfinished (no verdict)."""
         outcomes = list(self.threads.map(self._check, tasks, timeouts))
         return tuple(list(column) for column in zip(*outcomes)) if outcomes else ([], [], [])
 
@@ -209,9 +186,8 @@ class VerifierPool:
                                         budget + CPU_GRACE_S + 1)
                     break
                 except WorkerGone as gone:
-                    # Found dead before it had the check (killed while idle): replaced and sent
-                    # again, once. Dead with it: out of time (RLIMIT_CPU) or crashed, a verdict, 0;
-                    # past the backstop (stopped, starved): unfinished, no verdict.
+                    # dead before it had the check: replaced and sent again, once; dead with it:
+                    # out of time or crashed (a verdict, 0); past the backstop: unfinished
                     worker.restart()
                     if gone.sent or attempt:
                         self.kills += 1
@@ -234,9 +210,8 @@ class VerifierPool:
         self.workers = []
 
 
-# One pool per process, started on first use and kept for the whole run (a worker costs ~2 s of CPU
-# to start). Under torchrun every rank has its own. A process forked from the owner (a DataLoader
-# worker) sees owner_pid differ and starts its own instead of sharing pipes.
+# One pool per process, started on first use, kept for the run (a worker costs ~2 s of CPU to
+# start). A forked child (a DataLoader worker) sees owner_pid differ and starts its own.
 _POOL = None
 _POOL_LOCK = threading.RLock()  # re-entered by run_in_pool -> start_pool
 
@@ -274,8 +249,7 @@ def run_in_pool(tasks, timeouts):
 
 
 def far_apart(a, b):
-    """Two values too far apart for any rounding math-verify allows (6 decimal places): 1/3 =
-    0.333333 stays open. Two Fractions are compared as Fractions (a 400-digit integer is no
-    float)."""
+    """Too far apart for any rounding math-verify allows (1/3 = 0.333333 stays open); Fractions
+    compared as Fractions (a 400-digit integer is no float)."""
     tolerance = Fraction(1, 1000) if isinstance(a, Fraction) and isinstance(b, Fraction) else 1e-3
     return abs(a - b) > tolerance * max(1, abs(a), abs(b))

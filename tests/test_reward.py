@@ -1,8 +1,5 @@
-"""reward.py: what the reward accepts, what it rejects, and that no input can hang or crash it.
-
-Everything here runs the real thing: real math-verify in real worker processes, real data files.
-Run: .venv/bin/python -m pytest tests/test_reward.py -q
-"""
+"""reward.py: what the reward accepts, what it rejects, and that no input can hang or crash it;
+real math-verify in real worker processes, on the real data files."""
 import contextlib
 import glob
 import json
@@ -11,8 +8,8 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from math_verify import parse, verify
@@ -294,22 +291,14 @@ def test_grade_batch_verifies_each_distinct_pair_once():
 
 
 def test_grade_batch_is_safe_to_call_from_several_threads():
-    # eval.py or rl.py may grade from a thread pool; batches then take turns on the shared workers.
-
-    pairs = [("\\boxed{\\frac{\\sqrt 2}{2}}", "\\sqrt{2}/2", 1.0),
-             ("\\boxed{2\\sqrt{3}}", "\\sqrt{8}", 0.0),
-             ("\\boxed{(x+1)^2}", "x^2+2x+1", 1.0), ("\\boxed{x^2+1}", "(x+1)^2", 0.0)]
-    results = {}
-
-    def grade(k):
-        results[k] = reward.grade_batch([p[0] for p in pairs], [p[1] for p in pairs])[0]
-
-    threads = [threading.Thread(target=grade, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert results == {k: [p[2] for p in pairs] for k in range(4)}
+    # eval.py or rl.py may grade from a thread pool; batches then take turns on the shared workers
+    responses, golds, expected = zip(("\\boxed{\\frac{\\sqrt 2}{2}}", "\\sqrt{2}/2", 1.0),
+                                     ("\\boxed{2\\sqrt{3}}", "\\sqrt{8}", 0.0),
+                                     ("\\boxed{(x+1)^2}", "x^2+2x+1", 1.0),
+                                     ("\\boxed{x^2+1}", "(x+1)^2", 0.0))
+    with ThreadPoolExecutor(4) as threads:
+        results = list(threads.map(lambda _: reward.grade_batch(responses, golds)[0], range(4)))
+    assert results == [list(expected)] * 4
 
 
 @pytest.mark.parametrize("call, error, message", [
@@ -370,14 +359,11 @@ def test_math500_labeled_set_is_scored_exactly():
 
 
 def test_what_skips_verify_agrees_with_verify_on_the_labeled_set():
-    # The fast path and the value check decide most pairs without math-verify's verify; on every
-    # such pair of the labeled set, verify must say the same.
-    # (`python -m bench.reward audit_all_pairs=true` does this for all 90,000 ordered pairs of
-    # distinct MATH-500 answers.)
+    # on every pair decided without verify, verify says the same (`python -m bench.reward
+    # audit_all_pairs=true`: all 90,000 ordered pairs of distinct MATH-500 answers)
     triples = math500_labeled_set(os.path.join(REPO, "data/math500.jsonl"), negatives_per_problem=2)
     responses, golds, _ = zip(*triples)
-    # fills in the values of the answers it needs
-    reward.grade_batch(responses, golds, timeout_s=10)
+    reward.grade_batch(responses, golds, timeout_s=10)   # fills in the values it needs
     decided = {}
     for response, gold in zip(responses, golds):
         pred = reward.extract_answer(response)
@@ -412,9 +398,8 @@ HOSTILE = {
 
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_hostile_input_scores_zero_within_the_time_limit(name):
-    # The bound is the workers' CPU time, whatever the load: a big-int power stuck in C code, where
-    # the worker's timer cannot stop it, is killed by the parent once past its budget. Out of time
-    # is a verdict (0), not "unfinished"; on wall time only the backstop bounds it.
+    # bounded by the workers' CPU time, whatever the load (a big-int power stuck in C code dies of
+    # RLIMIT_CPU); out of time is a verdict (0), not "unfinished"
     timeout_s = 3.0
     pool = start_pool()
     reward.is_equivalent("\\sqrt{8}", "2\\sqrt{2}")  # the workers' start is not the check's time
@@ -445,8 +430,8 @@ EXPENSIVE_CORRECT = [
 
 
 def grade_with_a_fresh_worker(responses, golds, timeout_s, busy=None):
-    """grade_batch on a new worker (no parse cached, in it or here), started idle; graded while
-    `busy` (a context manager) holds. Returns (rewards, unfinished, the worker's CPU seconds)."""
+    """grade_batch on a new idle-started worker, graded while `busy` holds: (rewards, unfinished,
+    the worker's CPU seconds)."""
     shutdown_pool()
     reward._VALUES.clear()
     pool = start_pool(1)   # ready when it returns
@@ -457,10 +442,8 @@ def grade_with_a_fresh_worker(responses, golds, timeout_s, busy=None):
 
 
 def test_a_verdict_does_not_depend_on_the_load(busy_machine):
-    # The budget is CPU time: graded while eight busy processes hold the 2-core machine (the worker
-    # then gets a ninth of a core or less, so a 0.2 s check takes 2 s or more of wall time, past
-    # the 0.45 s a wall-clock deadline gave it), every answer keeps its idle verdict. The
-    # pathological answers stay bounded by the same budget (test_hostile_input_...).
+    # The budget is CPU time: beside eight busy processes on 2 cores (a 0.2 s check takes 2 s of
+    # wall time), every answer keeps its idle verdict.
     responses = [f"\\boxed{{{pred}}}" for pred, _ in EXPENSIVE_CORRECT]
     golds = [gold for _, gold in EXPENSIVE_CORRECT]
     timeout_s = 3.0  # the F_n sum takes 0.5-1.2 s of CPU idle, by the core it runs on
@@ -472,8 +455,7 @@ def test_a_verdict_does_not_depend_on_the_load(busy_machine):
 
 
 def test_a_stopped_worker_is_reaped_by_the_backstop_and_its_check_reported_unfinished(monkeypatch):
-    # A stopped worker uses no CPU, so no CPU budget ever ends its check: only the wall-clock
-    # backstop does, and the check has no verdict. Its reward is 0 and grade_batch says why.
+    # a stopped worker uses no CPU: only the wall-clock backstop ends its check, with no verdict
     monkeypatch.setattr(machinery.sandbox, "STRETCH_CAP", 2)  # 2 x (0.5 + 1.25) + 0.5 s
     monkeypatch.setattr(machinery.sandbox, "BACKSTOP_GRACE_S", 0.5)
     pool = start_pool()
@@ -499,8 +481,7 @@ def test_a_stopped_worker_is_reaped_by_the_backstop_and_its_check_reported_unfin
 
 
 def test_an_idle_worker_killed_from_outside_costs_no_check():
-    """A worker that died while idle (the OOM killer, a stray kill) is replaced before it is given a
-    check: the check runs on a live worker and gets its true verdict, not the False of a crash."""
+    """A worker dead while idle is replaced before it gets a check: the true verdict."""
     pool = start_pool()
     reward.is_equivalent("\\sqrt{8}", "2\\sqrt{2}")  # the pool is up, every worker idle
     for worker in pool.workers:
@@ -528,8 +509,7 @@ def test_shutdown_leaves_no_worker_behind():
 
 
 def test_workers_die_with_their_parent():
-    # A trainer killed with SIGKILL runs no cleanup; its workers must still go down (EOF on their
-    # pipe, PDEATHSIG below them).
+    # a trainer killed with SIGKILL runs no cleanup: its workers see EOF on their pipe
     code = ("import reward, sys; from machinery.verifier import start_pool; pool = start_pool(1); "
             "reward.is_equivalent('\\\\sqrt{8}', '2\\\\sqrt{2}');"
             "print(pool.workers[0].proc.pid, flush=True); import time; time.sleep(60)")

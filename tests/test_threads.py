@@ -1,14 +1,6 @@
-"""machinery/threads.py: each CPU phase's torch threads when the config leaves them to the run (the
-cores this rank may use, those of them free at the start, one left to the tool beside the decode),
-train_threads and OMP_NUM_THREADS above the rule, the measurement of what is free, and the count a
-run chose kept in its config.yaml (which a replay reads).
-
-The suite's end-to-end runs (tests/rl_runs.py, test_run_dir's rl.py runs, test_sft's run_sft and
-refusals) pin train_threads=1: they compare numbers bit for bit, and the rule's count would follow
-the load of the moment.
-
-Run: .venv/bin/python -m pytest tests/test_threads.py -q
-"""
+"""machinery/threads.py: each CPU phase's torch threads when the config leaves them to the run,
+the measurement of what is free, and the count kept in config.yaml. The suite's end-to-end runs pin
+train_threads=1: they compare numbers bit for bit, and the rule's count follows the load."""
 import json
 import os
 
