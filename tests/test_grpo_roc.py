@@ -614,6 +614,3 @@ def test_one_synthetic_group_through_steps_1_to_4():
     advantages = group_advantages([rollouts[i].reward for i in kept])
     assert sum(advantages) == pytest.approx(0)
     assert np.std(advantages, ddof=1) == pytest.approx(1, abs=1e-5)
-    # topk takes the two lowest penalties of the positives: rollouts 0 and 2
-    topk = select_group(rollouts, 4, np.random.default_rng(0), positive_rule="topk")
-    assert [i for i in topk if rollouts[i].reward] == [0, 2]

@@ -603,7 +603,7 @@ def test_saved_rollouts_hold_what_selection_saw_and_chose_and_keep_the_newest_st
     assert {(s.problem_index, s.sample_index): s.advantage for s in again} == live
     # plain GRPO may thin the 2G saved; RoC needs the count it was sampled with
     replay_tool.saved_groups(saved, meta, dataclasses.replace(cfg, algorithm="grpo"))
-    with pytest.raises(ConfigError, match="8 rollouts per prompt"):
+    with pytest.raises(ConfigError, match="8 rollouts per"):
         replay_tool.saved_groups(saved, meta, dataclasses.replace(cfg, group_size=5))
     (step_dir(tmp_path, 7) / "step.json").unlink()
     assert saved_steps(tmp_path) == [5]
