@@ -1,8 +1,5 @@
 """Behaviour of grpo_roc.py: RoC penalties, selection, group advantages, the token-level loss and
-its rollout correction.
-
-Run: .venv/bin/python -m pytest tests/test_grpo_roc.py -q   (pure numpy/torch, a few seconds)
-"""
+its rollout correction."""
 import itertools
 import math
 import random
@@ -20,25 +17,20 @@ from grpo_roc import (LOSS_AGGREGATIONS, POSITIVE_RULES, ROLLOUT_CORRECTIONS, Ro
 # roc_penalty: Eq. 4 (p_err) + Eq. 5 (p_format)
 
 
-def test_clean_tool_user_with_one_answer_has_zero_penalty():
-    assert roc_penalty(num_tool_calls=3, num_tool_errors=0, num_answer_tags=1, num_turns=4) == 0.0
-
-
-def test_error_ratio_is_failed_calls_over_all_calls():
-    assert roc_penalty(4, 1, 1, 5) == pytest.approx(0.25)
-    assert roc_penalty(2, 2, 1, 3) == pytest.approx(1.0)
-
-
-def test_no_tool_call_costs_half_and_single_turn_answer_has_no_format_penalty():
-    # Eq. 5 as written; the released code would give this rollout p_format = 1 (total 1.5).
-    assert roc_penalty(0, 0, 1, 1) == pytest.approx(0.5)
-
-
-def test_format_penalty_counts_extra_answers_per_turn_and_caps_at_one():
-    assert roc_penalty(3, 0, 3, 5) == pytest.approx(2 / 5)
-    assert roc_penalty(3, 0, 9, 2) == pytest.approx(1.0)
-    assert roc_penalty(3, 0, 0, 4) == pytest.approx(1.0)     # no answer at all
-    assert roc_penalty(0, 0, 0, 1) == pytest.approx(1.5)     # the worst: no tool, no answer
+@pytest.mark.parametrize("counts, penalty", [
+    ((3, 0, 1, 4), 0.0),     # a clean tool user with one answer
+    ((4, 1, 1, 5), 0.25),    # p_err: failed calls over all calls
+    ((2, 2, 1, 3), 1.0),
+    # no call costs half; Eq. 5 as written gives a single-turn answer no format penalty (the
+    # released code would give p_format = 1, total 1.5)
+    ((0, 0, 1, 1), 0.5),
+    ((3, 0, 3, 5), 2 / 5),   # p_format: extra answers per turn, capped at 1
+    ((3, 0, 9, 2), 1.0),
+    ((3, 0, 0, 4), 1.0),     # no answer at all
+    ((0, 0, 0, 1), 1.5),     # the worst: no tool, no answer
+])
+def test_roc_penalty_is_the_error_ratio_plus_the_format_penalty(counts, penalty):
+    assert roc_penalty(*counts) == pytest.approx(penalty)
 
 
 def test_each_penalty_term_can_be_switched_off():
@@ -48,10 +40,8 @@ def test_each_penalty_term_can_be_switched_off():
 
 
 @pytest.mark.parametrize("args, message", [
-    ((2, 3, 1, 1), "num_tool_errors \\(3\\) exceeds num_tool_calls \\(2\\)"),
-    ((-1, 0, 1, 1), "num_tool_calls must be a non-negative int"),
-    ((1, 0, 1.0, 1), "num_answer_tags must be a non-negative int"),
-    ((1, 0, 1, 0), "num_turns must be >= 1"),
+    ((2, 3, 1, 1), "num_tool_errors"), ((-1, 0, 1, 1), "num_tool_calls"),
+    ((1, 0, 1.0, 1), "num_answer_tags"), ((1, 0, 1, 0), "num_turns"),
 ])
 def test_roc_penalty_rejects_impossible_counts(args, message):
     with pytest.raises(ValueError, match=message):
@@ -62,16 +52,9 @@ def test_roc_penalty_rejects_impossible_counts(args, message):
 # filter_groups
 
 
-def test_filter_drops_all_correct_and_all_wrong_groups_and_reports_their_fraction():
-    groups = [[1, 0, 1, 1], [1, 1, 1, 1], [0, 0, 0, 0], [0, 0, 1, 0]]
-    assert filter_groups(groups) == ([0, 3], 0.5)
-
-
-def test_filter_can_be_switched_off_and_still_reports_the_fraction():
+def test_filter_drops_all_equal_groups_and_reports_their_fraction_even_when_off():
+    assert filter_groups([[1, 0, 1, 1], [1, 1, 1, 1], [0, 0, 0, 0], [0, 0, 1, 0]]) == ([0, 3], 0.5)
     assert filter_groups([[1, 1], [0, 1], [0, 0]], enabled=False) == ([0, 1, 2], 2 / 3)
-
-
-def test_filter_edge_cases():
     assert filter_groups([]) == ([], 0.0)
     with pytest.raises(ValueError, match="group 1 has no rewards"):
         filter_groups([[1, 0], []])
@@ -97,34 +80,24 @@ def _group(num_pos, num_rollouts, penalty_fn=lambda i: 0.1 * (i % 7)):
 ALL_RULES = list(POSITIVE_RULES)  # every rule in the mapping gets the invariant tests
 
 
-# Kept positives out of 16 for each number of positives among 32, derived by hand from the
-# rule: round(n / 2) with halves to even, then at least min(2, available) of each side.
-EXPECTED_KEPT_POSITIVES_OF_32 = [0, 1, 2, 2, 2, 2, 3, 4, 4, 4, 5, 6, 6, 6, 7, 8, 8,
-                                 8, 9, 10, 10, 10, 11, 12, 12, 12, 13, 14, 14, 14, 14, 15, 16]
+# Kept positives of G for each number of positives among 2G, derived by hand from the rule:
+# round(n / 2) with halves to even, then at least min(2, available) of each side. For an odd G = 7
+# the release's two rounded shares would add up to 6 or 8 rollouts (5 correct: round(2.5) +
+# round(4.5) = 6); here positives round and negatives take the rest.
+EXPECTED_KEPT_POSITIVES = {
+    16: [0, 1, 2, 2, 2, 2, 3, 4, 4, 4, 5, 6, 6, 6, 7, 8, 8,
+         8, 9, 10, 10, 10, 11, 12, 12, 12, 13, 14, 14, 14, 14, 15, 16],
+    7: [0, 1, 2, 2, 2, 2, 3, 4, 4, 4, 5, 5, 5, 6, 7]}
 
 
 @pytest.mark.parametrize("rule", ALL_RULES)
-def test_counts_per_side_for_every_split_of_32(rule):
-    for num_pos in range(33):
-        rollouts = _group(num_pos, 32)
-        kept = resample_on_correct(rollouts, 16, np.random.default_rng(0), rule)
-        assert len(kept) == len(set(kept)) == 16 and kept == sorted(kept)
-        assert sum(rollouts[i].reward for i in kept) == EXPECTED_KEPT_POSITIVES_OF_32[num_pos]
-
-
-# The same for an odd G = 7 of 14, where the release's two rounded shares would add up to 6 or 8
-# rollouts (5 correct: round(2.5) + round(4.5) = 6; 7 correct: round(3.5) + round(3.5) = 8).
-# Positives round, negatives take the rest.
-EXPECTED_KEPT_POSITIVES_OF_14 = [0, 1, 2, 2, 2, 2, 3, 4, 4, 4, 5, 5, 5, 6, 7]
-
-
-@pytest.mark.parametrize("rule", ALL_RULES)
-def test_odd_g_keeps_exactly_g_with_the_half_slot_split_by_rounding_halves_to_even(rule):
-    for num_pos in range(15):
-        rollouts = _group(num_pos, 14)
-        kept = resample_on_correct(rollouts, 7, np.random.default_rng(0), rule)
-        assert len(kept) == len(set(kept)) == 7, num_pos
-        assert sum(rollouts[i].reward for i in kept) == EXPECTED_KEPT_POSITIVES_OF_14[num_pos]
+@pytest.mark.parametrize("keep", [16, 7])
+def test_counts_per_side_for_every_split_of_2g(rule, keep):
+    for num_pos, expected in enumerate(EXPECTED_KEPT_POSITIVES[keep]):
+        rollouts = _group(num_pos, 2 * keep)
+        kept = resample_on_correct(rollouts, keep, np.random.default_rng(0), rule)
+        assert len(kept) == len(set(kept)) == keep and kept == sorted(kept), num_pos
+        assert sum(rollouts[i].reward for i in kept) == expected, num_pos
 
 
 @pytest.mark.parametrize("rule", ALL_RULES)
@@ -150,17 +123,6 @@ def test_same_seed_same_selection_and_different_seeds_differ(rule):
     others = {tuple(resample_on_correct(rollouts, 16, np.random.default_rng(s), rule))
               for s in range(20)}
     assert len(others) > 10
-
-
-@pytest.mark.parametrize("rule", ALL_RULES)
-def test_a_rule_picks_distinct_positives_only_from_the_correct(rule):
-    for num_pos in (1, 5, 8, 11, 15):
-        rollouts = _group(num_pos, 16)
-        positives = [i for i, r in enumerate(rollouts) if r.reward == 1]
-        count = 3 if num_pos >= 3 else num_pos
-        chosen = [int(i) for i in POSITIVE_RULES[rule](rollouts, positives, count,
-                                                       np.random.default_rng(0))]
-        assert len(chosen) == len(set(chosen)) == count and set(chosen) <= set(positives)
 
 
 def test_shortest_keeps_the_fewest_response_tokens_among_the_correct_ties_in_order():
@@ -205,15 +167,6 @@ def test_lower_penalty_positives_are_kept_more_often_at_the_exact_rate():
     assert np.all(np.abs(neg_freq - 0.5) < 4.5 * np.sqrt(0.25 / draws)), neg_freq
 
 
-def test_penalty_zero_weighs_twice_the_smallest_flaw():
-    # One of two positives is kept (min_per_side=1): weights 1/0.1 and 1/0.2, so 2 : 1.
-    rollouts = _rollouts([1, 1, 0, 0, 0, 0, 0, 0], [0.0, 0.1] + [0.0] * 6)
-    picks = [resample_on_correct(rollouts, 4, np.random.default_rng(s), min_per_side=1)[0]
-             for s in range(3000)]
-    share_clean = picks.count(0) / len(picks)
-    assert abs(share_clean - 2 / 3) < 4.5 * math.sqrt((2 / 9) / len(picks)), share_clean
-
-
 def test_topk_keeps_lowest_penalties_with_ties_in_rollout_order():
     rewards = [1, 1, 1, 1, 1, 0, 0, 0]
     rollouts = _rollouts(rewards, [0.5, 0.0, 0.5, 1.0, 0.5, 0, 0, 0])
@@ -235,11 +188,10 @@ def test_edge_cases_all_correct_all_wrong_one_correct_and_small_groups():
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
-    (dict(rollouts=_rollouts([1, 0] * 4, [-0.1] + [0.0] * 7)), ValueError,
-     "penalties must be finite and >= 0"),
-    (dict(rollouts=_rollouts([1, float("nan")] * 4)), ValueError, "rewards must be finite"),
-    (dict(rng=random.Random(0)), TypeError, "rng must be a numpy.random.Generator"),
-    (dict(keep=3), ValueError, "keep \\(3\\) must be at least 2 \\* min_per_side \\(4\\)"),
+    (dict(rollouts=_rollouts([1, 0] * 4, [-0.1] + [0.0] * 7)), ValueError, "penalties"),
+    (dict(rollouts=_rollouts([1, float("nan")] * 4)), ValueError, "rewards"),
+    (dict(rng=random.Random(0)), TypeError, "rng"),
+    (dict(keep=3), ValueError, "keep"),
 ])
 def test_resample_rejects_bad_input(kwargs, error, message):
     args = dict(rollouts=_rollouts([1, 0] * 4), keep=4, rng=np.random.default_rng(0))
@@ -251,12 +203,9 @@ def test_resample_rejects_bad_input(kwargs, error, message):
 # select_group: RoC vs the plain-GRPO ablation
 
 
-def test_plain_grpo_samples_g_and_keeps_them_all_without_penalties():
+def test_plain_grpo_keeps_all_of_g_and_thins_a_larger_group_uniformly_regardless_of_reward():
     rollouts = _rollouts([1, 0, 0, 1, 1, 0, 1, 1])
     assert select_group(rollouts, 8, np.random.default_rng(0), mode="grpo") == list(range(8))
-
-
-def test_plain_grpo_thins_a_larger_group_uniformly_regardless_of_reward():
     rewards = [1] * 2 + [0] * 14
     kept_correct = [sum(rewards[i] for i in select_group(_rollouts(rewards), 8,
                                                          np.random.default_rng(s), mode="grpo"))
@@ -273,11 +222,9 @@ def test_roc_mode_is_resample_on_correct():
 
 
 def test_roc_keeps_fewer_positives_with_tool_errors_than_uniform_selection():
-    """What RoC is for (§2.2.3, Fig. 4), on a fixed batch shaped like the tiny demo's after SFT:
-    2G = 8 rollouts per question, each (tool calls, failed calls, reward). A clean answer makes 1
-    call; a recovered one makes 2, the first failed (penalty 0.5). Uniform selection, which is plain
-    GRPO's (select_group mode="grpo" thins 2G to G exactly like sampling G), keeps positives with
-    errors at their share in the batch; RoC keeps far fewer."""
+    """What RoC is for (§2.2.3, Fig. 4), on 2G = 8 rollouts per question (tool calls, failed calls,
+    reward): a clean answer makes 1 call, a recovered one 2 (penalty 0.5). Uniform selection (plain
+    GRPO's) keeps positives with errors at their share in the batch; RoC keeps far fewer."""
     clean_right, recovered_right, clean_wrong, failed_wrong = ((1, 0, 1.0), (2, 1, 1.0),
                                                                (1, 0, 0.0), (2, 1, 0.0))
     batch = [
@@ -323,11 +270,8 @@ def test_advantages_are_standardised_with_the_unbiased_std():
     biased = (torch.tensor(rewards, dtype=torch.float64) - 3 / 8) / math.sqrt(15 / 64)
     assert not torch.allclose(advantages, biased, atol=1e-3)
     assert group_advantages([1, 0])[0] == pytest.approx(0.5 / math.sqrt(0.5), rel=1e-5)
-
-
-def test_advantages_of_degenerate_groups_are_zero():
-    assert group_advantages([1, 1, 1, 1]) == [0.0] * 4
-    assert group_advantages([0.0]) == [0.0]
+    # degenerate groups: zero
+    assert group_advantages([1, 1, 1, 1]) == [0.0] * 4 and group_advantages([0.0]) == [0.0]
     with pytest.raises(ValueError, match="finite"):
         group_advantages([1.0, float("nan")])
 
@@ -404,35 +348,6 @@ def test_loss_gradient_matches_float64_finite_differences():
         lambda lp: policy_loss(lp, old_logp, advantages, mask)[0], (logp,), eps=1e-6, atol=1e-8)
 
 
-def test_micro_batches_and_simulated_ranks_give_the_full_batch_loss_and_gradient():
-    lengths = [9, 2, 7, 1, 12, 4, 6]
-    logp, old_logp, advantages, mask = _batch(1, lengths)
-    full_loss, _ = policy_loss(logp, old_logp, advantages, mask)
-    full_grad, = torch.autograd.grad(full_loss, logp)
-
-    # Two ranks, each with micro-batches of uneven sequence and token counts.
-    ranks = [[[0, 1], [2]], [[3, 4, 5], [6]]]
-    global_tokens = int(mask.sum())
-    world = len(ranks)
-    total_loss, rank_grads = 0.0, []
-    for micro_batches in ranks:
-        grad = torch.zeros_like(logp)
-        for rows in micro_batches:
-            # Each rank passes global / world because data-parallel wrappers average over ranks.
-            loss, _ = policy_loss(logp[rows], old_logp[rows], advantages[rows], mask[rows],
-                                  num_tokens=global_tokens / world)
-            grad += torch.autograd.grad(loss, logp)[0]
-            total_loss += loss.item() / world
-        rank_grads.append(grad)
-    assert total_loss == pytest.approx(full_loss.item(), abs=1e-12)
-    assert torch.allclose(sum(rank_grads) / world, full_grad, atol=1e-14)
-
-    # A per-micro-batch token mean (num_tokens=None) weighs short micro-batches up: different.
-    naive = sum(torch.autograd.grad(policy_loss(logp[r], old_logp[r], advantages[r], mask[r])[0],
-                                    logp)[0] for mbs in ranks for r in mbs)
-    assert not torch.allclose(naive / 4, full_grad, atol=1e-6)
-
-
 @pytest.mark.parametrize("correction", ["token_mis", "geometric_tis"])
 def test_metrics_sum_over_micro_batches_to_the_full_batch_value(correction):
     logp, old_logp, advantages, mask = _batch(2, [8, 3, 6, 5])
@@ -468,14 +383,6 @@ def test_per_token_advantages_equal_broadcast_per_rollout_advantages():
     assert per_token.item() == per_rollout.item()
 
 
-def test_on_policy_loss_is_minus_the_token_mean_advantage_with_zero_kl():
-    logp, old_logp, advantages, mask = _batch(5, [3, 1, 4])
-    loss, metrics = policy_loss(old_logp.clone().requires_grad_(), old_logp, advantages, mask)
-    token_mean_advantage = (advantages[:, None] * mask).sum() / mask.sum()
-    assert loss.item() == pytest.approx(-token_mean_advantage.item(), abs=1e-12)
-    assert metrics["approx_kl"].item() == 0.0 and metrics["ratio_mean"].item() == 1.0
-
-
 def test_dual_clip_bounds_the_loss_of_exploded_negative_tokens():
     old_logp = torch.zeros(1, 1, dtype=torch.float64)
     logp = torch.full((1, 1), math.log(10.0), dtype=torch.float64)
@@ -508,8 +415,9 @@ def _on_policy(lengths, advantages):
 def test_each_loss_aggregation_is_its_hand_computed_average(aggregation, expected):
     logp, old_logp, advantages, mask = _on_policy([2, 4, 1], [1.0, -1.0, 0.5])
     weights = loss_weights(mask, aggregation, mask.sum(), 3, 10)
-    loss, _ = policy_loss(logp, old_logp, advantages, mask, mask.sum(), weights=weights)
+    loss, metrics = policy_loss(logp, old_logp, advantages, mask, mask.sum(), weights=weights)
     assert loss.item() == pytest.approx(expected, abs=1e-15)
+    assert metrics["approx_kl"].item() == 0.0 and metrics["ratio_mean"].item() == 1.0
     # the gradient per token is -A_i times the token's weight in the average
     per_token = {"token_mean": [1 / 7] * 3, "seq_mean_token_mean": [1 / 6, 1 / 12, 1 / 3],
                  "seq_mean_token_sum_norm": [1 / 30] * 3}[aggregation]
@@ -529,11 +437,15 @@ def test_every_aggregation_adds_up_over_micro_batches_and_ranks_to_the_full_batc
         return policy_loss(logp[rows], old_logp[rows], advantages[rows], mask[rows], num_tokens,
                            weights=weights)[0]
 
-    full_grad, = torch.autograd.grad(loss_of(list(range(7)), tokens, sequences), logp)
-    # each rank passes the global counts / world, as rl.train_step does; FSDP averages ranks
-    split = sum(torch.autograd.grad(loss_of(rows, tokens / world, sequences / world), logp)[0]
-                for rows in ([0, 1], [2], [3, 4, 5], [6])) / world
+    full_loss = loss_of(list(range(7)), tokens, sequences)
+    full_grad, = torch.autograd.grad(full_loss, logp)
+    # two ranks of uneven micro-batches; each passes the global counts / world, as rl.train_step
+    # does, and FSDP averages ranks
+    parts = [loss_of(rows, tokens / world, sequences / world)
+             for rows in ([0, 1], [2], [3, 4, 5], [6])]
+    split = sum(torch.autograd.grad(part, logp)[0] for part in parts) / world
     torch.testing.assert_close(split, full_grad, atol=1e-14, rtol=0)
+    assert sum(part.item() for part in parts) / world == pytest.approx(full_loss.item(), abs=1e-12)
     if aggregation != "token_mean":  # a real change from Eq. 6
         eq6, = torch.autograd.grad(policy_loss(logp, old_logp, advantages, mask)[0], logp)
         assert not torch.allclose(full_grad, eq6, atol=1e-6)
@@ -563,10 +475,8 @@ def test_a_sequence_level_ratio_is_the_geometric_mean_of_the_token_ratios_clippe
 
 @pytest.mark.parametrize("aggregation", LOSS_AGGREGATIONS)
 def test_at_ratio_1_the_clips_and_the_sequence_ratio_leave_the_gradient_as_it_was(aggregation):
-    """policy_loss's docstring: with old_logp = logp (rl.py's one optimizer step per batch) the
-    clip range, the dual-clip and the sequence-level ratio give the token-level gradient under
-    every aggregation and a per-rollout weight; off ratio 1, or with weights that vary within a
-    rollout, each changes it."""
+    """With old_logp = logp (one optimizer step per batch) the clips and the sequence-level ratio
+    give the token-level gradient; off ratio 1, or with weights varying within a rollout, not."""
     logp, old_logp, advantages, mask = _batch(11, [6, 2, 5, 4])
     per_rollout = torch.tensor([[0.7], [1.3], [1.0], [0.4]], dtype=torch.float64)
     per_token = torch.rand(4, 6, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
@@ -678,9 +588,9 @@ def test_a_geometric_weight_does_not_shrink_with_length_as_a_product_would():
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(mask=torch.ones(2, 4, dtype=torch.bool)), "must share one \\[B, T\\] shape"),
-    (dict(advantages=torch.zeros(3)), "advantages must be \\[B\\] or \\[B, T\\]"),
-    (dict(mask=torch.zeros(2, 3, dtype=torch.bool)), "num_tokens must be > 0"),
+    (dict(mask=torch.ones(2, 4, dtype=torch.bool)), "shape"),
+    (dict(advantages=torch.zeros(3)), "advantages"),
+    (dict(mask=torch.zeros(2, 3, dtype=torch.bool)), "num_tokens"),
 ])
 def test_policy_loss_rejects_bad_input(change, message):
     logp, old_logp, advantages, mask = _batch(6, [3, 2])
@@ -702,7 +612,5 @@ def test_one_synthetic_group_through_steps_1_to_4():
     kept = select_group(rollouts, 4, np.random.default_rng(0), mode="roc")
     assert len(kept) == 4 and sorted(rollouts[i].reward for i in kept) == [0, 0, 1, 1]
     advantages = group_advantages([rollouts[i].reward for i in kept])
-    assert sum(advantages) == pytest.approx(0) and np.std(advantages, ddof=1) == pytest.approx(1, abs=1e-5)
-    # topk takes the two lowest penalties of the positives: rollouts 0 and 2
-    topk = select_group(rollouts, 4, np.random.default_rng(0), positive_rule="topk")
-    assert [i for i in topk if rollouts[i].reward] == [0, 2]
+    assert sum(advantages) == pytest.approx(0)
+    assert np.std(advantages, ddof=1) == pytest.approx(1, abs=1e-5)

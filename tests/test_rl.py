@@ -1,20 +1,14 @@
 """Behaviour of rl.py: the update does not depend on how the batch is split, the data order survives
 a resume, bad configs stop before any work, and a tiny run (real engine, real executor) killed with
-SIGKILL resumes exactly.
-
-Run: .venv/bin/python -m pytest tests/test_rl.py -q        (-m "not slow" for the fast half, ~10 s)
-"""
+SIGKILL resumes exactly."""
 import dataclasses
 import json
 import math
 import os
 import random
 import re
-import shlex
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -49,49 +43,38 @@ from machinery.training import TrainSample, collate, micro_batches, token_logpro
 from rollout import Trajectory
 
 
-
 # -----------------------------------------------------------------------------
 # invariance: one update on a fixed global batch, split three ways (tests/dist_rl_train_step.py)
 
+def train_step(model, out, ranks, *overrides):
+    """tests/dist_rl_train_step.py's result in `ranks` processes (torchrun --standalone: a free
+    rendezvous port of its choosing, not the fixed 29500 another run may hold)."""
+    path = out / f"{ranks}-{'-'.join(overrides)}.pt"
+    launch = [PYTHON] if ranks == 1 else [*TORCHRUN, "--standalone", f"--nproc_per_node={ranks}"]
+    run([*launch, REPO / "tests" / "dist_rl_train_step.py", model, path, *overrides], timeout=300)
+    return torch.load(path, weights_only=False)
+
+
 @pytest.fixture(scope="module")
 def three_splits(tiny_model_dir, tmp_path_factory):
+    """The reference (log-probs from the model's full logits) and three splits that compute them
+    in chunks: 1 process x 1 micro-batch, 1 x 4, 2 processes x 2."""
     out = tmp_path_factory.mktemp("invariance")
-    script = REPO / "tests" / "dist_rl_train_step.py"
-    splits = {
-        # the reference: today's log-probs from the model's full logits; the others compute them in
-        # chunks
-        "1 process x 1 micro-batch, unchunked log-probs": [PYTHON, script, tiny_model_dir,
-                                                           out / "r.pt", "micro_batch_size=0",
-                                                           "logprob_chunk_tokens=0"],
-        "1 process x 1 micro-batch": [PYTHON, script, tiny_model_dir, out / "a.pt",
-                                      "micro_batch_size=0"],
-        "1 process x 4 micro-batches": [PYTHON, script, tiny_model_dir, out / "b.pt",
-                                        "micro_batch_size=2"],
-        # --standalone: a free rendezvous port of torchrun's choosing, not the fixed 29500 another
-        # run may hold
-        "2 processes x 2 micro-batches": [*TORCHRUN, "--standalone", "--nproc_per_node=2",
-                                          script, tiny_model_dir, out / "c.pt",
-                                          "micro_batch_size=2"],
-    }
-    results = {}
-    for name, cmd in splits.items():
-        run(cmd, timeout=300)
-        results[name] = torch.load(next(c for c in cmd if str(c).endswith(".pt")),
-                                   weights_only=False)
-    return results
+    splits = [(1, "micro_batch_size=0", "logprob_chunk_tokens=0"), (1, "micro_batch_size=0"),
+              (1, "micro_batch_size=2"), (2, "micro_batch_size=2")]
+    return [train_step(tiny_model_dir, out, *split) for split in splits]
 
 
 @pytest.mark.slow
-def test_each_split_really_runs_the_micro_batches_it_claims(three_splits):
-    counts = {name: r["metrics"]["num_micro_batches"] for name, r in three_splits.items()}
-    assert list(counts.values()) == [1, 1, 4, 2]
-    # ...and every split saw the whole batch: the same global token count
-    assert len({r["metrics"]["train_tokens"] for r in three_splits.values()}) == 1
-
-
-@pytest.mark.slow
-def test_gradients_and_metrics_do_not_depend_on_the_split(three_splits):
-    reference, *others = three_splits.values()
+def test_gradients_and_metrics_do_not_depend_on_the_split_and_none_are_left(three_splits):
+    # each split really runs the micro-batches it claims, on the whole batch
+    assert [r["metrics"]["num_micro_batches"] for r in three_splits] == [1, 1, 4, 2]
+    assert len({r["metrics"]["train_tokens"] for r in three_splits}) == 1
+    # Issue 12, hazard 1: gradients cleared only at the next step's start stay allocated through
+    # the weight sync and the rollout; they existed (read just before optimizer.step()), and after
+    # train_step none is left
+    assert all(r["grads"] and r["grads_left"] == [] for r in three_splits)
+    reference, *others = three_splits
     largest = max(g.abs().max().item() for g in reference["grads"].values())
     assert largest > 1e-3  # a real gradient, not zeros
     for other in others:
@@ -114,39 +97,27 @@ LOSS_VARIANTS = {"seq_mean_token_mean": ["loss_aggregation=seq_mean_token_mean",
                  "seq_mean_token_sum_norm": ["loss_aggregation=seq_mean_token_sum_norm"]}
 
 
-@pytest.fixture(scope="module")
-def variant_splits(tiny_model_dir, tmp_path_factory):
-    out, script = tmp_path_factory.mktemp("variants"), REPO / "tests" / "dist_rl_train_step.py"
-    results = {}
-    for name, overrides in LOSS_VARIANTS.items():
-        for ranks, micro in ((1, 0), (2, 2)):
-            launch = [PYTHON] if ranks == 1 else [*TORCHRUN, "--standalone", "--nproc_per_node=2"]
-            path = out / f"{name}-{ranks}.pt"
-            run([*launch, script, tiny_model_dir, path, f"micro_batch_size={micro}", *overrides],
-                timeout=300)
-            results[name, ranks] = torch.load(path, weights_only=False)
-    return results
-
-
 @pytest.mark.slow
-def test_every_loss_variant_s_gradient_does_not_depend_on_the_split(variant_splits, three_splits):
-    eq6 = next(iter(three_splits.values()))
-    for name in LOSS_VARIANTS:
-        one, two = variant_splits[name, 1], variant_splits[name, 2]
+def test_every_loss_variant_s_gradient_does_not_depend_on_the_split(tiny_model_dir, three_splits,
+                                                                    tmp_path):
+    eq6 = three_splits[0]
+    for overrides in LOSS_VARIANTS.values():
+        one = train_step(tiny_model_dir, tmp_path, 1, "micro_batch_size=0", *overrides)
+        two = train_step(tiny_model_dir, tmp_path, 2, "micro_batch_size=2", *overrides)
         assert two["metrics"]["num_micro_batches"] == 2
         for param, grad in one["grads"].items():
             torch.testing.assert_close(two["grads"][param], grad, atol=1e-6, rtol=1e-4, msg=param)
         assert two["metrics"]["loss"] == pytest.approx(one["metrics"]["loss"], rel=1e-5)
         # a real change of the objective, not Eq. 6 under another name
         flat = [torch.cat([g.flatten() for g in r["grads"].values()]) for r in (one, eq6)]
-        assert not torch.allclose(*flat, atol=1e-5), name
+        assert not torch.allclose(*flat, atol=1e-5), overrides
 
 
 @pytest.mark.slow
 def test_updated_weights_do_not_depend_on_the_split(three_splits, tiny_model_dir):
     # lm_head too: rl.full_weights sends it
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
-    reference, *others = three_splits.values()
+    reference, *others = three_splits
     lr = 1e-3  # tests/dist_rl_train_step.py
     moved = torch.cat([(reference["weights"][n] - initial[n]).abs().flatten()
                        for n in reference["weights"]])
@@ -167,23 +138,12 @@ def test_updated_weights_do_not_depend_on_the_split(three_splits, tiny_model_dir
             assert step.numel() == 0 or step.max() <= 1.01 * lr, name
 
 
-@pytest.mark.slow
-def test_the_training_step_frees_the_gradients_it_applied(three_splits):
-    """Issue 12, hazard 1: gradients cleared only at the next step's start stay allocated through
-    the weight sync and the rollout (a 14B shard's worth per rank). After train_step none is left,
-    in one process and on two ranks."""
-    for name, result in three_splits.items():
-        assert result["grads"], name  # they existed: read just before optimizer.step()
-        assert result["grads_left"] == [], name
-
-
 # -----------------------------------------------------------------------------
 # the weight sync: the order of the engine's wake-up, the bytes it gathers
 
 class RecordingEngine:
-    """The two calls rl.sync_weights makes into rollout.Engine, recorded beside free_cached_memory's
-    (the real engine in this order: tests/test_rollout.py); update_weights consumes the tensors as
-    vLLM's reload_weights does."""
+    """rl.sync_weights' two calls into the Engine (the real one: tests/test_rollout.py); it
+    consumes the tensors as vLLM's reload_weights does."""
 
     def __init__(self, calls):
         self.calls = calls
@@ -197,9 +157,8 @@ class RecordingEngine:
 
 def test_weight_sync_wakes_the_weights_loads_them_frees_the_cache_and_only_then_wakes_the_kv_cache(
         tiny_model_dir, monkeypatch):
-    """Issue 12, hazard 1, verl's order: waking weights and KV cache together, before the gathered
-    full tensors and the training peak's cached blocks are freed, asks for the KV cache's share of
-    the GPU while they still hold theirs."""
+    """verl's order: the KV cache wakes after the gathered tensors and the training peak's cached
+    blocks are freed, not while they still hold the GPU."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     calls = []
     monkeypatch.setattr(rl, "free_cached_memory", lambda: calls.append(("free_cached_memory",)))
@@ -211,12 +170,9 @@ def test_weight_sync_wakes_the_weights_loads_them_frees_the_cache_and_only_then_
 
 @pytest.mark.slow
 def test_weight_sync_gathers_in_the_engine_dtype_in_few_collectives(three_splits):
-    """Issue 12, hazard 4: the shards were all-gathered in fp32 and cast after, so a bf16 engine
-    cost twice the bytes (56 GB per rank per sync at 14B, not 28). The profiler's record of every
-    all-gather in the bf16 sync shows bf16 tensors only, half the fp32 sync's bytes, and one
-    collective per bucket instead of one per parameter; the bf16 tensors are the fp32 ones cast.
-    (That the engine still matches the trainer: the sync guard of the resume test.)"""
-    for name, result in three_splits.items():
+    """The profiler's record of every all-gather of the bf16 sync: bf16 tensors only (half the fp32
+    sync's bytes: 28 GB per rank at 14B, not 56), one collective per bucket, the fp32 ones cast."""
+    for name, result in enumerate(three_splits):
         fp32, bf16 = result["sync"]["torch.float32"], result["sync"]["torch.bfloat16"]
         assert (bf16["gathers"]
                 and {d for _, dtypes in bf16["gathers"] for d in dtypes} == {"c10::BFloat16"}), name
@@ -230,18 +186,12 @@ def test_weight_sync_gathers_in_the_engine_dtype_in_few_collectives(three_splits
 
 @pytest.fixture(scope="module")
 def shared_and_recomputed(tiny_model_dir, tmp_path_factory):
-    """tests/dist_rl_train_step.py old_logprobs=both in 1 process and in 2: each runs the update
-    with the separate old-log-prob pass and with the update's own forward, from the same weights,
-    with no rollout correction and with token_tis."""
+    """old_logprobs=both in 1 process and in 2: the update with the separate old-log-prob pass and
+    with its own forward, from the same weights, with no rollout correction and with token_tis."""
     out = tmp_path_factory.mktemp("shared-forward")
-    script = REPO / "tests" / "dist_rl_train_step.py"
-    launch = {1: [PYTHON], 2: [*TORCHRUN, "--standalone", "--nproc_per_node=2"]}
-    results = {}
-    for world, prefix in launch.items():
-        run([*prefix, script, tiny_model_dir, out / f"{world}.pt", "old_logprobs=both",
-             "micro_batch_size=2"], timeout=300)
-        results[world] = torch.load(out / f"{world}.pt", weights_only=False)
-    return results
+    return {world: train_step(tiny_model_dir, out, world, "old_logprobs=both",
+                              "micro_batch_size=2")
+            for world in (1, 2)}
 
 
 @pytest.mark.slow
@@ -276,10 +226,6 @@ def test_the_update_s_own_forward_gives_the_separate_pass_s_loss_gradients_and_g
 def test_a_per_micro_batch_mean_would_change_this_batch_far_beyond_the_tolerance(tiny_model_dir):
     """The negative control: the invariance batch is sensitive to the scaling bug the test is there
     to catch."""
-
-
-    sys.path.insert(0, str(REPO / "tests"))
-
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     samples = fixed_batch(model.config.vocab_size)
     cfg = rl.RLConfig(model="x", micro_batch_size=2)
@@ -348,10 +294,8 @@ def test_the_entropy_is_the_categorical_entropy_of_the_tempered_logits(tiny_mode
 
 
 def memory_of_backward(model, input_ids, chunk_tokens):
-    """(bytes saved for backward in tensors that are not parameters, of them those with a
-    vocabulary-wide last dimension, peak bytes allocated from forward to the end of backward).
-    Counted from the tensors autograd saves (saved_tensors_hooks) and the allocator's events
-    (torch.profiler): what this computation holds, not the process."""
+    """(bytes saved for backward outside the parameters, of them vocabulary-wide ones, peak bytes
+    allocated): from saved_tensors_hooks and the profiler's allocator events, not the process."""
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved = []
 
@@ -377,10 +321,9 @@ def memory_of_backward(model, input_ids, chunk_tokens):
 
 def test_chunked_logprobs_keep_no_vocabulary_wide_tensor_for_backward_and_lower_the_peak(
         tiny_model_dir):
-    """Issue 12, hazard 2. Today's path keeps the fp32 log-softmax input over [tokens, V] for
-    backward (12.4 GB at 20,480 tokens and Qwen3's 151,936 vocabulary); in chunks nothing
-    vocabulary-wide is kept, and the peak drops by at least one fp32 [tokens, V] copy: the one chunk
-    being recomputed is all that exists at once."""
+    """Unchunked, backward keeps the fp32 log-softmax input over [tokens, V] (12.4 GB at 20,480
+    tokens and Qwen3's vocabulary); in chunks nothing vocabulary-wide is kept, and the peak drops
+    by at least one fp32 [tokens, V] copy."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     input_ids = torch.randint(0, model.config.vocab_size, (2, 200),
                               generator=torch.Generator().manual_seed(0))
@@ -418,7 +361,7 @@ def sample(length, prompt=2):
                        1.0)
 
 
-def test_micro_batches_keep_under_both_caps_and_lose_no_sample():
+def test_micro_batches_keep_under_both_caps_and_lose_no_sample_or_refuse_one_too_long():
     samples = [sample(n) for n in (50, 10, 30, 30, 20, 5)]
     cfg = rl.RLConfig(model="x", micro_batch_tokens=60, micro_batch_size=0)
     batches = micro_batches(samples, cfg)
@@ -426,10 +369,8 @@ def test_micro_batches_keep_under_both_caps_and_lose_no_sample():
     assert sorted(len(s) for b in batches for s in b) == sorted(len(s) for s in samples)
     cfg.micro_batch_size = 1
     assert [len(b) for b in micro_batches(samples, cfg)] == [1] * 6
-
-
-def test_a_trajectory_longer_than_a_micro_batch_is_an_error_that_says_what_to_raise():
-    with pytest.raises(ConfigError, match="does not fit micro_batch_tokens=60"):
+    # a trajectory longer than a micro-batch: the key to raise
+    with pytest.raises(ConfigError, match="micro_batch_tokens=60"):
         micro_batches([sample(61)], rl.RLConfig(model="x", micro_batch_tokens=60))
 
 
@@ -465,27 +406,21 @@ def test_roc_keeps_g_of_2g_prefers_clean_positives_and_drops_all_equal_groups():
     assert len(records) == 16 and sum(r["selected"] for r in records) == 4
 
 
-def test_plain_grpo_trains_on_every_rollout_of_a_mixed_group():
-    # RoC samples 2G to keep G (§2.2.3); plain GRPO samples the G it trains on
-    assert rl.RLConfig(group_size=16).rollouts_per_prompt == 32
-    assert rl.RLConfig(group_size=16, algorithm="grpo").rollouts_per_prompt == 16
-    cfg = rl.RLConfig(model="x", group_size=4, algorithm="grpo")
-    samples, _, _ = rl.select_samples([[trajectory(0, i) for i in range(4)]], [[1, 0, 0, 1]], cfg,
-                                      step=0, position=0)
-    assert sorted(s.sample_index for s in samples) == [0, 1, 2, 3]
-
-
 @pytest.mark.parametrize("scaling, expected", [
     ("group", [0.5 / (1 / 3) ** 0.5] * 2 + [-0.5 / (1 / 3) ** 0.5] * 2),  # Eq. 7, this group's std
     ("none", [0.5, 0.5, -0.5, -0.5]),                                       # Dr. GRPO
     # one std over every reward of the step (1, 1, 0, 0 and the all-correct 1, 1, 1, 1): var 3/14
     ("batch", [0.5 / (3 / 14) ** 0.5] * 2 + [-0.5 / (3 / 14) ** 0.5] * 2),
 ])
-def test_advantage_scaling_reaches_the_trained_samples(scaling, expected):
+def test_plain_grpo_trains_on_every_rollout_with_the_advantage_scaling_chosen(scaling, expected):
+    # RoC samples 2G to keep G (§2.2.3); plain GRPO samples the G it trains on
+    assert rl.RLConfig(group_size=16).rollouts_per_prompt == 32
+    assert rl.RLConfig(group_size=16, algorithm="grpo").rollouts_per_prompt == 16
     cfg = rl.RLConfig(model="x", group_size=4, algorithm="grpo", advantage_scaling=scaling)
     groups = [[trajectory(0, i) for i in range(4)], [trajectory(1, i) for i in range(4)]]
     samples, _, _ = rl.select_samples(groups, [[1, 1, 0, 0], [1, 1, 1, 1]], cfg, step=0,
                                       position=0)
+    assert [s.sample_index for s in samples] == [0, 1, 2, 3]
     assert [s.advantage for s in samples] == pytest.approx(expected, rel=1e-5)
 
 
@@ -519,10 +454,8 @@ def test_tool_error_ratio_in_correct_pools_the_calls_of_correct_trajectories_onl
 
 
 def test_a_run_that_starts_over_or_resumes_logs_every_step_once(tmp_path):
-    """An interrupt before the first checkpoint (Ctrl-C at step 4) leaves rows 0-3, row 0 the
-    held-out evaluation before training: the rerun starts over and evaluates again, so the old
-    rows go, else step 0 would be there twice. A resume from step 2 keeps rows 0-2 and logs from 3
-    (rl.py logs a step before its checkpoint commits: a row past the checkpoint is redone)."""
+    """A rerun that starts over (Ctrl-C before the first checkpoint) drops the old rows; a resume
+    from step 2 keeps rows 0-2 and logs from 3 (a row past the checkpoint is redone)."""
     path = tmp_path / "metrics.jsonl"
     for resume_step, kept in ((0, []), (2, [0, 1, 2])):
         path.write_text("".join(json.dumps({"step": step, "accuracy": 0.1}) + "\n"
@@ -633,10 +566,9 @@ def test_a_key_that_cannot_act_says_so_and_leaves_every_gradient_as_it_was(
 
 def test_saved_rollouts_hold_what_selection_saw_and_chose_and_keep_the_newest_steps(tmp_path,
                                                                                       capsys):
-    """save_rollouts writes each trajectory with its reward, penalty, selection and advantage;
-    tools.replay.saved_groups reads back Trajectory objects from which select_samples chooses exactly
-    as it did live. keep_rollouts=2 keeps the newest two saved steps; a step directory without its
-    step.json (a run killed while saving) is not a saved step."""
+    """Each trajectory with its reward, penalty, selection and advantage; read back, selection
+    chooses exactly as it did live. keep_rollouts=2 keeps the newest two saved steps; a step
+    directory without its step.json (a run killed while saving) is not a saved step."""
     init_distributed()
     cfg = rl.RLConfig(model="x", group_size=4, save_rollouts_every=2, keep_rollouts=2)
     rows = [{"id": "p-0", "problem": "Compute 1 + 1.", "answer": "2"},
@@ -671,11 +603,11 @@ def test_saved_rollouts_hold_what_selection_saw_and_chose_and_keep_the_newest_st
     assert {(s.problem_index, s.sample_index): s.advantage for s in again} == live
     # plain GRPO may thin the 2G saved; RoC needs the count it was sampled with
     replay_tool.saved_groups(saved, meta, dataclasses.replace(cfg, algorithm="grpo"))
-    with pytest.raises(ConfigError, match="the saved step has 8 rollouts per prompt"):
+    with pytest.raises(ConfigError, match="8 rollouts per"):
         replay_tool.saved_groups(saved, meta, dataclasses.replace(cfg, group_size=5))
     (step_dir(tmp_path, 7) / "step.json").unlink()
     assert saved_steps(tmp_path) == [5]
-    with pytest.raises(ConfigError, match=r"replay_step=7: no complete saved step 7 .*saved: 5"):
+    with pytest.raises(ConfigError, match=r"replay_step=7"):
         read_rollouts(tmp_path, 7)
     # cut short on disk (renamed into place, yet a crash came before the disk had it all): a torn
     # .gz keeps the trajectories before the tear, a torn step.json leaves the step unsaved; each
@@ -687,8 +619,7 @@ def test_saved_rollouts_hold_what_selection_saw_and_chose_and_keep_the_newest_st
     (step_dir(tmp_path, 5) / "step.json").write_text('{"step": 5, "ra')
     assert saved_steps(tmp_path) == []
     out = capsys.readouterr().out
-    assert f"WARNING: {shard}: its end is torn" in out
-    assert f"WARNING: {step_dir(tmp_path, 5) / 'step.json'}: its end is torn" in out
+    assert f"{shard}: its end is torn" in out and f"{step_dir(tmp_path, 5)}/step.json" in out
 
 
 # -----------------------------------------------------------------------------
@@ -697,9 +628,8 @@ def test_saved_rollouts_hold_what_selection_saw_and_chose_and_keep_the_newest_st
 
 def test_stage_3_starts_from_the_stage_2_master_weights_with_a_fresh_optimizer(tiny_model_dir,
                                                                                tmp_path):
-    """The paper resets only the optimizer for stage 3 (§4.3). Its start was the bf16 Hugging Face
-    export of stage 2; it is now stage 2's DCP checkpoint: the fp32 master weights, exactly, and no
-    optimizer state, from step 0."""
+    """The paper resets only the optimizer for stage 3 (§4.3): stage 2's DCP checkpoint gives the
+    fp32 master weights exactly, no optimizer state, from step 0."""
     init_distributed()  # a gloo world of one: FSDP2 and DCP take the path they take under torchrun
     stage2 = tmp_path / "stage2" / "checkpoints"
     cfg = load_config(rl.RLConfig, ["configs/stage3.yaml", f"model={tiny_model_dir}",
@@ -736,10 +666,8 @@ def test_stage_3_starts_from_the_stage_2_master_weights_with_a_fresh_optimizer(t
 
 
 def test_bf16_training_is_fsdp2_mixed_precision_on_gloo_as_on_a_gpu(tiny_model_dir):
-    """The GPU's training path, on CPU: train_dtype=auto is bf16 on a GPU (common.compute_dtype),
-    which build_model turns into FSDP2's MixedPrecisionPolicy: bf16 weights and activations in
-    forward and backward, fp32 master weights, gradients (reduce_dtype) and AdamW step. Here in a
-    gloo world of one; gpu_check.py's RL cycle runs it on CUDA."""
+    """train_dtype=auto is bf16 on a GPU: FSDP2's MixedPrecisionPolicy computes in bf16 and keeps
+    fp32 master weights, gradients and AdamW step. Here in a gloo world of one."""
     init_distributed()
     cpu = torch.device("cpu")
     assert (compute_dtype(torch.device("cuda")) == torch.bfloat16
@@ -806,29 +734,15 @@ def test_bad_configs_are_rejected_when_loaded_in_one_line_naming_the_key(overrid
 
 def test_a_tensor_parallel_size_that_does_not_fit_is_rejected_before_loading_anything(
         tiny_model_dir):
-    """world_size is the plan's assumption, not a refusal (tests/test_plan.py); the engine's split
-    of the ranks and of the model's heads is checked before any weights load."""
+    """The engine's split of the ranks and of the model's heads, before any weights load."""
     cfg = load_config(rl.RLConfig, ["configs/tiny.yaml", f"model={tiny_model_dir}",
                                     "rollout.tensor_parallel_size=4"])
-    with pytest.raises(ConfigError, match="tensor_parallel_size=4 does not divide the 6 ranks"):
+    with pytest.raises(ConfigError, match="tensor_parallel_size=4 .* 6 ranks"):
         check_inputs(cfg, world_size=6)
     cfg = load_config(rl.RLConfig, ["configs/tiny.yaml", f"model={tiny_model_dir}",
                                     "rollout.tensor_parallel_size=8"])
-    with pytest.raises(ConfigError, match="tensor_parallel_size=8 does not divide the 4 attention "
-                                          "heads of model"):
+    with pytest.raises(ConfigError, match="tensor_parallel_size=8 .* 4 attention heads"):
         check_inputs(cfg, world_size=8)
-
-
-def test_a_model_directory_without_a_tokenizer_is_rejected_by_the_command_line(tiny_model_dir,
-                                                                               tmp_path):
-    weights_only = tmp_path / "weights-only"
-    weights_only.mkdir()
-    for name in ("config.json", "model.safetensors"):
-        shutil.copy(Path(tiny_model_dir) / name, weights_only / name)
-    proc = run([PYTHON, "rl.py", "configs/tiny.yaml", f"model={weights_only}"], timeout=120,
-               check=False)
-    assert proc.returncode != 0
-    assert "has no tokenizer" in proc.stderr and "Traceback" not in proc.stderr
 
 
 # -----------------------------------------------------------------------------
@@ -926,9 +840,8 @@ def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_data_and_metrics(
 
 @pytest.mark.slow
 def test_the_held_out_numbers_of_a_run_are_eval_pys_numbers(sft_policy, tmp_path):
-    """rl.py measures its held-out accuracy with the method's own pieces (generate, grade_batch),
-    not by importing eval.py; on the same engine, weights, problems and seeds it must report what
-    eval.evaluate reports."""
+    """rl.py measures its held-out accuracy with its own pieces, not eval.py's: the same engine,
+    weights, problems and seeds give what eval.evaluate reports."""
     rows = [{**p, "id": f"{p['id']}-{k}"} for k in range(3) for p in MEMO_PROBLEMS]
     cfg = load_config(rl.RLConfig, ["configs/tiny.yaml", f"model={sft_policy}", "eval_samples=2",
                                     "rollout.max_response_tokens=200"])
@@ -957,21 +870,21 @@ def test_the_held_out_numbers_of_a_run_are_eval_pys_numbers(sft_policy, tmp_path
 # how a run ends: Ctrl-C, nothing to train on, the closing lines
 
 @pytest.mark.slow
-def test_ctrl_c_ends_in_one_paragraph_whose_command_resumes_and_untrained_steps_warn(
+def test_ctrl_c_ends_without_a_traceback_or_a_process_left_and_untrained_steps_warn(
         tiny_model_dir, tmp_path):
     """The untrained tiny model gets every reward 0: each group is all-equal and dropped, so every
-    step trains on nothing, which the run must say, with why. A Ctrl-C in the terminal (SIGINT to
-    the whole process group) mid-run ends in one paragraph, no traceback from inside vLLM, no
-    process left behind, and its command resumes the run to the end."""
+    step trains on nothing, which the run must say. A Ctrl-C in the terminal (SIGINT to the whole
+    process group) mid-run ends with 130, no traceback from inside vLLM, no process left behind,
+    and the same command resumes the run to the end."""
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n"
                             for r in tiny.make_arithmetic_problems(40, 0, split="train")))
     out = tmp_path / "run"
-    cmd = ["rl.py", "configs/tiny.yaml", f"model={tiny_model_dir}", f"train_data={data}",
+    cmd = [PYTHON, "rl.py", "configs/tiny.yaml", f"model={tiny_model_dir}", f"train_data={data}",
            "eval_data=", f"out_dir={out}", "steps=8", "prompts_per_step=4", "save_every=2",
            "rollout.max_response_tokens=64", "untrained_steps_warn=2"]
-    proc = subprocess.Popen([PYTHON, *cmd], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
     deadline = time.time() + 600
     while not (out / "checkpoints" / "step_00000002" / "COMPLETE").exists():
         assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
@@ -982,45 +895,31 @@ def test_ctrl_c_ends_in_one_paragraph_whose_command_resumes_and_untrained_steps_
     output = proc.communicate(timeout=120)[0]
     assert proc.returncode == 128 + signal.SIGINT, output[-3000:]
     assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
-    paragraph = output[output.index("rl.py: interrupted by SIGINT"):].splitlines()
-    reached = re.fullmatch(r"rl\.py: interrupted by SIGINT during step (\d) of 8 \((\d) done\)\.",
-                           paragraph[0])
-    assert reached and int(reached[1]) == int(reached[2]) + 1 >= 3, paragraph
-    saved = int(reached[2]) // 2 * 2  # save_every=2
-    redo = f"steps {saved + 1}-{reached[1]}" if int(reached[2]) > saved else f"step {saved + 1}"
-    assert paragraph[1] == (f"Last checkpoint: {out / 'checkpoints' / f'step_{saved:08d}'} (step "
-                            f"{saved}); a resume starts there and redoes {redo}.")
-    # the interpreter as the test ran it, relative to the repo (the working directory) when in it
-    python = PYTHON.removeprefix(f"{REPO}/")
-    assert paragraph[2] == f"To resume: {python} {' '.join(shlex.quote(a) for a in cmd)}"
+    # where it stopped, and the checkpoint a resume starts from (save_every=2)
+    reached = re.search(r"interrupted by SIGINT during step (\d) of 8 \((\d) done\)", output)
+    assert reached and int(reached[1]) == int(reached[2]) + 1 >= 3, output[-3000:]
+    assert str(out / "checkpoints" / f"step_{int(reached[2]) // 2 * 2:08d}") in output
     time.sleep(1)
     assert workers and not any(Path(f"/proc/{pid}").exists() for pid in workers)
 
-    resumed = run(shlex.split(paragraph[2].removeprefix("To resume: ")), timeout=600)
+    resumed = run(cmd, timeout=600)
     assert "resumed from" in resumed.stdout
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 9))
     assert all(r["selected"] == 0 and r["skipped_updates"] == 1 for r in rows)
     # the resumed run's first two steps: 2 in a row, untrained_steps_warn=2
-    warning = " ".join(resumed.stdout[resumed.stdout.index("WARNING: 2 steps in a row"):]
-                       .split("!!!!")[0].split())
-    assert ("every group is all-equal: 4 of 4 groups got reward 0 on every rollout, 0 got reward "
-            "1 on every rollout" in warning and "All rewards are 0" in warning)
-    assert f"WARNING: {8 - saved} of the run's steps trained on nothing" in resumed.stdout
-    assert (f"rl.py: wrote {out / 'hf_step_8'} (the trained policy" in resumed.stdout
-            and f"next: {python} eval.py configs/eval_tiny.yaml model={out / 'hf_step_8'}"
-            in resumed.stdout)
+    assert "WARNING: 2 steps in a row" in resumed.stdout and "All rewards are 0" in resumed.stdout
+    assert "of the run's steps trained on nothing" in resumed.stdout
+    assert f"eval.py configs/eval_tiny.yaml model={out / 'hf_step_8'}" in resumed.stdout
 
 
 def test_a_held_out_evaluation_is_printed_once_when_it_ends(capsys):
-    """rl.py's before/after evaluation reaches the console, not only metrics.jsonl: one line on
-    rank 0 with pass@1 and the tool-error ratio in correct trajectories, and the samples the
-    verifier left ungraded when there are any."""
+    """One line on rank 0: pass@1, the tool-error ratio in correct trajectories, any ungraded."""
     row = {"eval/pass@1": 0.61, "eval/tool_error_rate_in_correct": 0.292, "time/eval": 57.4}
     print_held_out(row, 1, "before step 1")  # another rank: nothing
     print_held_out(row, 0, "before step 1")
     print_held_out({**row, "eval/ungraded": 2}, 0, "after step 20")
-    assert capsys.readouterr().out == (
-        "held-out before step 1: pass@1 0.610, tool-error ratio in correct 0.292 (57 s)\n"
-        "held-out after step 20: pass@1 0.610, tool-error ratio in correct 0.292, 2 ungraded "
-        "(57 s)\n")
+    before, after = capsys.readouterr().out.splitlines()
+    assert "before step 1: pass@1 0.610" in before and "0.292" in before
+    assert "ungraded" not in before
+    assert "after step 20" in after and "2 ungraded" in after

