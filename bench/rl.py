@@ -49,7 +49,8 @@ def bench_rl_config(rl_argv, out_dir):
 def first_turn_requests(run, rows, step):
     """The requests rollout.generate sends first for this step's rows, in its order: same token
     prompts, seeds (rollout.request_seed), stop tokens, budget and sampling."""
-    from vllm import SamplingParams, TokensPrompt  # after configure_vllm_logging: read on import
+    # vLLM here, after configure_vllm_logging: it reads its logging settings on import
+    from vllm import SamplingParams, TokensPrompt
 
     cfg, tokenizer = run.cfg.rollout, run.tokenizer
     stop = {tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}
