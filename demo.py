@@ -1,19 +1,8 @@
 """The tiny CPU demo: the whole rStar2-Agent pipeline on a 0.76M-parameter model that learns to use
-a Python tool.
+a Python tool (docs/tiny-task.md: the task's design and its numbers).
 
-    python demo.py                  # tiny model -> SFT transcripts -> sft.py -> rl.py (GRPO-RoC)
-                                    # -> before/after table
-    python demo.py ablation=true    # GRPO vs GRPO-RoC vs GRPO with 2G kept, 3 seeds ->
-                                    # assets/ablation.png (+ .json/.md)
-    python demo.py verbose=true     # with all of vLLM's logging (default: its warnings only)
-
-The task is multi-digit arithmetic ("Compute 4821 * 67 - 905."): a 2-layer, 128-wide model cannot
-multiply 4-digit numbers in its head, but it can learn to write the expression as code, call the
-tool, and copy the printed result into \\boxed{}. sft.py teaches the format from generated
-transcripts (in some the code prints the result and then fails, and the answer is read from the
-failed call); rl.py then trains with GRPO-RoC on rewards alone, and the held-out accuracy (real vLLM
-engine, real sandboxed tool, 0/1 reward on the boxed answer) is measured before the first step and
-after the last.
+    python demo.py                  # tiny model, SFT, RL (GRPO-RoC): the before/after table
+    python demo.py ablation=true    # GRPO vs GRPO-RoC vs GRPO with 2G kept -> assets/ablation.png
 
 Each stage is the README's own command, run as a subprocess and printed, so the demo is also a
 transcript of how to run the pieces by hand:
@@ -21,29 +10,25 @@ transcript of how to run the pieces by hand:
     (this file)                             -> out/tiny-rl-train.jsonl, out/tiny-rl-test.jsonl
     python sft.py configs/sft_tiny.yaml     -> runs/tiny-sft/final
     python rl.py configs/tiny.yaml          -> runs/tiny-rl/metrics.jsonl, runs/tiny-rl/hf_step_N
-A stage whose result exists is reused while what made it is unchanged: its script and every repo
-module it imports, the prompt templates, its config file and key=value args, the data it reads, the
-stages before it and the torch/transformers/vllm versions (stage_inputs; recorded in
-runs/demo-stages/). A change reruns that stage and the ones after it, and says which files changed;
-a reused stage says so with its date. fresh=true reruns all. rl_args / sft_args pass key=value
-overrides through, e.g. `python demo.py rl_args=steps=30,lr=1e-4`.
+A stage whose result exists is reused while what made it is unchanged (stage_inputs; recorded in
+runs/demo-stages/); a change reruns that stage and the ones after it, and says which files changed.
+fresh=true reruns all. rl_args / sft_args pass key=value overrides through, e.g.
+`python demo.py rl_args=steps=30,lr=1e-4`.
 
 The ablation follows the paper's comparison (Fig. 4 and 9), with the same seeds, prompts and steps
 in every arm: plain GRPO samples G rollouts per prompt and trains on all; GRPO-RoC samples 2G and
-keeps G (twice the rollout compute); the equal-compute control, plain GRPO with 2G sampled and all
-kept, separates the effect of choosing positives from the effect of sampling more. The number it is
-about is Fig. 4's tool-error ratio in correct trajectories: failed calls / calls over the
-trajectories that got the answer right.
+keeps G; the equal-compute control, plain GRPO with 2G sampled and all kept, separates the effect
+of choosing positives from the effect of sampling more.
 """
 import ast
 import concurrent.futures
+import contextlib
 import dataclasses
 import datetime
 import hashlib
 import importlib.metadata
 import json
 import os
-import shlex
 import shutil
 import subprocess
 import sys
@@ -52,7 +37,7 @@ from pathlib import Path
 
 import yaml
 
-from machinery.config import REPO, atomic_write_text, ConfigError, load_config, resolve
+from machinery.config import REPO, atomic_write_text, ConfigError, load_config, PositiveInt, resolve
 from machinery.exits import exit_status, interrupted, rerun_command, shown, stop_on_signals
 from tools.compare import evals, read_metrics, write_comparison
 
@@ -65,43 +50,31 @@ from tools.compare import evals, read_metrics, write_comparison
 class DemoConfig:
     ablation: bool = False
     fresh: bool = False                      # rerun every stage even if its output exists
-    train_problems: int = 2000               # RL prompts (split "train": disjoint from the SFT and
-                                             # held-out problems)
-    test_problems: int = 100                 # held-out problems (split "test", the same set as
-                                             # eval.py's `arith`)
+    # RL prompts (split "train": disjoint from the SFT and held-out problems)
+    train_problems: PositiveInt = 2000
+    test_problems: PositiveInt = 100         # held-out (split "test", eval.py's `arith` set)
     data_seed: int = 0
     sft_config: str = "configs/sft_tiny.yaml"
     rl_config: str = "configs/tiny.yaml"
     sft_args: list[str] = dataclasses.field(default_factory=list)   # extra key=value for sft.py
-    rl_args: list[str] = dataclasses.field(default_factory=list)    # extra key=value for rl.py
-                                                                    # (both arms)
-    verbose: bool = False                    # all of vLLM's logging in rl.py (default: its warnings
-                                             # only)
+    rl_args: list[str] = dataclasses.field(default_factory=list)    # ... for rl.py (both arms)
+    verbose: bool = False                    # all of vLLM's logging in rl.py (default: warnings)
     # ablation
     ablation_dir: str = "runs/ablation"
-    ablation_steps: int = 20
+    ablation_steps: PositiveInt = 20
     ablation_seeds: list[int] = dataclasses.field(default_factory=lambda: [0, 1, 2])
     # The last step's policy, measured on the held-out problems with this many samples each at the
     # training temperature: one training batch (8 prompts) is too few correct trajectories to read a
-    # ratio from (0 = off).
-    ablation_final_samples: int = 4
-    ablation_parallel: int = 2               # rl.py runs at once, each training on its share of
-                                             # the cores (1 thread on 2 cores)
-    ablation_smooth: int = 3                 # the plot's trailing mean over steps (the table is not
-                                             # smoothed)
+    # ratio from.
+    ablation_final_samples: PositiveInt = 4
+    # rl.py runs at once, each training on its share of the cores (1 thread on 2 cores)
+    ablation_parallel: PositiveInt = 2
+    ablation_smooth: PositiveInt = 3         # the plot's trailing mean over steps (not the table's)
     plot: str = "assets/ablation.png"        # the numbers go next to it as .json and .md
 
     def validate(self):
-        if self.train_problems < 1 or self.test_problems < 1 or self.ablation_steps < 1:
-            raise ConfigError("train_problems, test_problems and ablation_steps must be >= 1")
-        if self.ablation_smooth < 1:
-            raise ConfigError("ablation_smooth must be >= 1 (1 = no smoothing), "
-                              f"got {self.ablation_smooth}")
         if not self.ablation_seeds:
             raise ConfigError("ablation_seeds is empty")
-        if self.ablation_parallel < 1 or self.ablation_final_samples < 0:
-            raise ConfigError("ablation_parallel must be >= 1 and ablation_final_samples >= 0, "
-                              f"got {self.ablation_parallel} and {self.ablation_final_samples}")
         for name in ("sft_config", "rl_config"):
             if not resolve(getattr(self, name)).is_file():
                 raise ConfigError(f"{name}: file not found: {getattr(self, name)}")
@@ -119,22 +92,19 @@ def run(cmd, log=None):
     # stage into the next.
     print(f"\n$ {rerun_command(cmd[0], cmd[1:])}" + (f" > {log}" if log else ""), flush=True)
     started = time.time()
-    out = None
     if log:
         Path(log).parent.mkdir(parents=True, exist_ok=True)
-        out = open(log, "w")
-    proc = subprocess.Popen([sys.executable, *cmd], cwd=REPO, stdout=out,
-                            stderr=subprocess.STDOUT if out else None)
-    RUNNING.add(proc)
-    try:
-        proc.wait()
-    except KeyboardInterrupt:  # the stage has the signal too (stop_on_signals): it ends itself
-        proc.wait()
-        raise
-    finally:
-        RUNNING.discard(proc)
-        if out:
-            out.close()
+    with open(log, "w") if log else contextlib.nullcontext() as out:
+        proc = subprocess.Popen([sys.executable, *cmd], cwd=REPO, stdout=out,
+                                stderr=subprocess.STDOUT if out else None)
+        RUNNING.add(proc)
+        try:
+            proc.wait()
+        except KeyboardInterrupt:  # the stage has the signal too (stop_on_signals): it ends itself
+            proc.wait()
+            raise
+        finally:
+            RUNNING.discard(proc)
     if interrupted():
         sys.exit(exit_status())
     if proc.returncode != 0:
@@ -151,7 +121,6 @@ def config_value(config_path, key):
 # reuse a stage's result only while what made it is unchanged
 
 STAGES_DIR = "runs/demo-stages"  # one record per stage: what its result was made from, and when
-PACKAGES = ("torch", "transformers", "vllm")
 
 
 def code_files(script):
@@ -174,24 +143,20 @@ def code_files(script):
     return sorted(seen)
 
 
-def file_digest(path):
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
 def stage_inputs(script, configs=(), args=(), data=(), upstream=()):
     """{what: sha256} of everything a stage's result depends on: the script and the repo modules it
     runs (code_files), the prompt templates, its config files, its key=value args, the data files
     it reads, the records of the stages before it, and the torch/transformers/vllm versions."""
     files = [*code_files(script), *sorted(resolve("configs/templates").resolve().iterdir()),
-             *(resolve(f).resolve() for f in [*configs, *data])]
-    inputs = {str(f.relative_to(REPO)) if f.is_relative_to(REPO) else str(f): file_digest(f)
-              for f in files}
+             *(resolve(f).resolve() for f in [*configs, *data] if f)]
+    inputs = {str(f.relative_to(REPO) if f.is_relative_to(REPO) else f):
+              hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
     inputs["args"] = hashlib.sha256(json.dumps(list(args)).encode()).hexdigest()
     for name in upstream:
         inputs[f"stage {name}"] = hashlib.sha256(json.dumps(
             read_stage(name).get("inputs")).encode()).hexdigest()
-    for package in PACKAGES:
-        try:
+    for package in ("torch", "transformers", "vllm"):
+        try:  # vLLM's CPU wheel is installed under another distribution name
             inputs[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             inputs[package] = None
@@ -215,25 +180,18 @@ def reuse_stage(name, output, inputs, fresh, complete):
     record, output = read_stage(name), resolve(output)
     when = datetime.datetime.fromtimestamp(record.get("time") or (
         output.stat().st_mtime if output.exists() else time.time())).strftime("%Y-%m-%d %H:%M")
-    if not fresh and complete and record.get("inputs") == inputs and record.get("done"):
-        print(f"demo.py: reusing {shown(output)} ({name}, made {when}): its code, config and "
-              "inputs are unchanged; fresh=true reruns every stage", flush=True)
+    if not fresh and complete and (not record or record["inputs"] == inputs and record["done"]):
+        print(f"demo.py: reusing {shown(output)} ({name}, from {when}): " + (
+            "unchanged" if record else "as it is, no record of what made it")
+            + "; fresh=true reruns every stage", flush=True)
         return True
-    if not fresh and complete and not record:
-        print(f"demo.py: reusing {shown(output)} ({name}) as it is, from {when}: there is no "
-              f"record of what made it ({shown(stage_record(name))}); fresh=true reruns every "
-              "stage", flush=True)
-        return True
-    if fresh or (record and record.get("inputs") != inputs):
+    if fresh or (record and record["inputs"] != inputs):
         if record and not fresh:
             changed = sorted(k for k in {*inputs, *record["inputs"]}
                              if inputs.get(k) != record["inputs"].get(k))
-            print(f"demo.py: rerunning {name}: {', '.join(changed)} changed since its result of "
-                  f"{when}" + (f" (replacing {shown(output)})" if output.exists() else ""),
+            print(f"demo.py: rerunning {name}: {', '.join(changed)} changed since {when}",
                   flush=True)
         shutil.rmtree(output, ignore_errors=True)
-        if output.is_file():
-            output.unlink()
     stage_record(name).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(stage_record(name), json.dumps({"inputs": inputs, "time": time.time(),
                                                       "done": False}, indent=1))
@@ -287,8 +245,7 @@ def train_rl(cfg, out_dir, args, log=None):
     name = "rl" if out_dir == config_value(cfg.rl_config, "out_dir") else out_dir.replace("/", "-")
     overrides = [f"out_dir={out_dir}", *cfg.rl_args, *args]
     data = [config_value(cfg.rl_config, key) for key in ("train_data", "eval_data")]
-    inputs = stage_inputs("rl.py", [cfg.rl_config], overrides, [d for d in data if d],
-                          upstream=["sft"])
+    inputs = stage_inputs("rl.py", [cfg.rl_config], overrides, data, upstream=["sft"])
     if reuse_stage(name, out_dir, inputs, cfg.fresh,
                    any(resolve(out_dir).glob("hf_step_*/config.json"))):
         return read_metrics(resolve(out_dir)), 0.0
@@ -311,8 +268,7 @@ def demo(cfg):
     # differ only in the weights.
     points = evals(metrics)
     if len(points) < 2:
-        sys.exit(f"demo.py: {out_dir}/metrics.jsonl has no before/after evaluation "
-                 "(is eval_data set?)")
+        sys.exit(f"demo.py: {out_dir}/metrics.jsonl: no before/after evaluation (eval_data unset?)")
     (before_step, before), (after_step, after) = points[0], points[-1]
     rows = [("held-out accuracy (pass@1)", "eval/pass@1", "{:.1%}"),
             ("tool calls per trajectory", "eval/tool_calls_per_trajectory", "{:.2f}"),
@@ -341,11 +297,14 @@ def demo(cfg):
 # -----------------------------------------------------------------------------
 # the ablation: plain GRPO vs GRPO-RoC, and plain GRPO at RoC's rollout budget
 
-def ablation_arms(cfg):
-    """arm -> (run-directory name, rl.py overrides). Only the algorithm and the group size differ;
-    seeds, prompts (the data order depends only on the seed) and steps are the same in every arm."""
+def ablation(cfg):
+    from rollout import RolloutConfig  # torch: only here (see the imports)
+
+    prepare(cfg)
+    # Only the algorithm and the group size differ; seeds, prompts (the data order depends only on
+    # the seed) and steps are the same in every arm. arm -> (run-directory name, rl.py overrides)
     group = config_value(cfg.rl_config, "group_size")
-    return {
+    arms = {
         # G sampled, all kept (Fig. 9's baseline)
         "GRPO": ("grpo", ["algorithm=grpo", f"group_size={group}"]),
         # 2G sampled, RoC keeps G (§2.2.3)
@@ -354,21 +313,11 @@ def ablation_arms(cfg):
         # arm too means the effect comes from which positives are kept, not from sampling more.
         "GRPO, 2G kept": ("grpo2g", ["algorithm=grpo", f"group_size={2 * group}"]),
     }
-
-
-def ablation(cfg):
-    from rollout import RolloutConfig  # torch: only here (see the imports)
-
-    prepare(cfg)
-    arms = ablation_arms(cfg)
     temperature = (config_value(cfg.rl_config, "rollout") or {}).get("temperature",
                                                                      RolloutConfig.temperature)
     # rl.py's held-out evaluation, after the last step only, at T of training
-    if cfg.ablation_final_samples:
-        final = ["eval_at_start=false", "eval_every=0",
-                 f"eval_samples={cfg.ablation_final_samples}", f"eval_temperature={temperature}"]
-    else:
-        final = ["eval_data="]
+    final = ["eval_at_start=false", "eval_every=0", f"eval_samples={cfg.ablation_final_samples}",
+             f"eval_temperature={temperature}"]
     # Runs are independent processes (own engine, tool workers, process group on its own port),
     # ablation_parallel at a time: each trains on its share of the cores, named here rather than
     # left to machinery/threads.py, which would count the other runs' work at the moment each
@@ -380,21 +329,21 @@ def ablation(cfg):
                             f"save_every={cfg.ablation_steps}", threads])
             for name, (slug, overrides) in arms.items() for seed in cfg.ablation_seeds}
     load_before, started = os.getloadavg(), time.time()
-    log = ((lambda out_dir: f"{resolve(out_dir)}.log") if cfg.ablation_parallel > 1
-           else (lambda out_dir: None))
     with concurrent.futures.ThreadPoolExecutor(cfg.ablation_parallel) as pool:
-        futures = {key: pool.submit(train_rl, cfg, out_dir, args, log(out_dir))
+        # side by side, each run's progress bars go to its own log
+        futures = {key: pool.submit(train_rl, cfg, out_dir, args, f"{resolve(out_dir)}.log"
+                                    if cfg.ablation_parallel > 1 else None)
                    for key, (out_dir, args) in jobs.items()}
         results = {key: future.result() for key, future in futures.items()}
-    runs = {key: metrics for key, (metrics, _) in results.items()}
     timing = {"seconds": time.time() - started, "parallel": cfg.ablation_parallel,
               "load_average_before": load_before, "load_average_after": os.getloadavg(),
               "seconds_per_run": {f"{name} seed {seed}": s
                                   for (name, seed), (_, s) in results.items()}}
     # the table and plot of tools/compare.py, which compares any arms' run directories this way
     lines = write_comparison(
-        runs, cfg.plot, "GRPO-RoC", "`python demo.py ablation=true`",
-        "tiny model: plain GRPO vs GRPO-RoC vs GRPO with 2G kept", cfg.ablation_smooth,
+        {key: metrics for key, (metrics, _) in results.items()}, cfg.plot, "GRPO-RoC",
+        "`python demo.py ablation=true`", "tiny model: plain GRPO vs GRPO-RoC vs GRPO with 2G kept",
+        cfg.ablation_smooth,
         final_trajectories=cfg.test_problems * cfg.ablation_final_samples, timing=timing)
     print("\n" + "\n".join(lines), flush=True)
     path = shown(resolve(cfg.plot))
@@ -407,15 +356,13 @@ if __name__ == "__main__":
     stop_on_signals(forward_to=RUNNING)
     try:
         config = load_config(DemoConfig, sys.argv[1:], doc=__doc__)
+        ablation(config) if config.ablation else demo(config)
     except ConfigError as e:
         sys.exit(f"demo.py: {e}")
-    try:
-        ablation(config) if config.ablation else demo(config)
     except (KeyboardInterrupt, SystemExit):
         if not interrupted():
             raise
         # The stages got the signal too and ended themselves, each with its own paragraph
-        command = shlex.join(["python", "demo.py", *sys.argv[1:]])
-        print(f"demo.py: interrupted. `{command}` goes on: finished stages are reused, an "
-              "interrupted rl.py resumes from its last checkpoint", flush=True)
+        print(f"demo.py: interrupted. `{rerun_command('demo.py', sys.argv[1:])}` goes on: "
+              "finished stages are reused, rl.py resumes from its last checkpoint", flush=True)
         sys.exit(exit_status())

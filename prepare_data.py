@@ -1,5 +1,4 @@
-"""Turn a problem set into data/'s training format: integer answers only, deduplicated,
-decontaminated.
+"""A problem set in data/'s training format: integer answers only, deduplicated, decontaminated.
 
     python prepare_data.py source=dapo-math-17k.parquet question_key=prompt \\
         answer_key=reward_model.ground_truth name=dapo merge_with=data/train_int_mix.jsonl \\
@@ -11,11 +10,8 @@ The rules (data/SOURCES.md's, which built train_int_mix.jsonl): an answer must b
 written canonically ("025" -> "25", "1,080" -> "1080"); the first of duplicate problems (the same
 normalized text as an earlier row or a merge_with problem) is kept; a problem that is a benchmark's
 (machinery.data.BENCHMARKS), or shares at least ngram_fraction of its word 8-grams with one, is
-dropped. Keys are dotted paths into a row; a question stored as chat messages is its last user
-message, DAPO's instruction wrapper removed. Parquet input needs pyarrow (not in requirements.txt).
-Why and how to reach the paper's 42K problems: docs/gpu.md.
-
-Tests: .venv/bin/python -m pytest tests/test_prepare_data.py -q
+dropped. Keys are dotted paths into a row; a chat question is its last user message, DAPO's
+wrapper removed. Parquet needs pyarrow (not in requirements.txt). The paper's 42K: docs/gpu.md.
 """
 import dataclasses
 import json
@@ -86,23 +82,17 @@ def question_text(value):
     text = value.strip()
     if text.startswith(DAPO_PREFIX) and "\n\n" in text:
         text = text.split("\n\n", 1)[1]
-    if text.endswith(DAPO_SUFFIX):
-        text = text[:-len(DAPO_SUFFIX)]
-    return text.strip() or None
+    return text.removesuffix(DAPO_SUFFIX).strip() or None
 
 
 def lookup(row, dotted):
-    value = row
     for part in dotted.split("."):
-        if not isinstance(value, dict) or part not in value:
-            return None
-        value = value[part]
-    return value
+        row = row.get(part) if isinstance(row, dict) else None
+    return row
 
 
-def read_rows(path, keys):
-    """The rows of a JSONL or parquet file as dicts (for parquet, only the top-level columns of
-    `keys`)."""
+def read_rows(path):
+    """The rows of a JSONL or parquet file as dicts."""
     path = resolve(path)
     if not path.is_file():
         raise ConfigError(f"source={path}: no such file")
@@ -112,12 +102,7 @@ def read_rows(path, keys):
         except ImportError:
             raise ConfigError(f"source={path}: reading parquet needs pyarrow "
                               "(pip install pyarrow), or convert the file to JSONL first") from None
-        columns = sorted({key.split(".")[0] for key in keys})
-        missing = [c for c in columns if c not in pyarrow.parquet.read_schema(path).names]
-        if missing:
-            raise ConfigError(f"source={path}: no column {missing[0]!r}; "
-                              "set question_key / answer_key")
-        return pyarrow.parquet.read_table(path, columns=columns).to_pylist()
+        return pyarrow.parquet.read_table(path).to_pylist()
     return load_jsonl(path)
 
 
@@ -132,37 +117,32 @@ def prepare(cfg):
     for b, grams in enumerate(benchmark_grams):
         for gram in grams:
             index[gram].add(b)
-    dropped = Counter()
-    new_rows = []
-    for number, row in enumerate(read_rows(cfg.source, (cfg.question_key, cfg.answer_key)), 1):
-        problem = question_text(lookup(row, cfg.question_key))
-        if problem is None:
-            dropped[f"no question at {cfg.question_key}"] += 1
-            continue
-        answer = canonical_integer(lookup(row, cfg.answer_key))
-        if answer is None:
-            dropped["answer not an integer"] += 1
-            continue
-        key = normalize(problem)
-        if key in seen:
-            dropped["duplicate"] += 1
-            continue
-        seen.add(key)
-        if key in benchmark_texts:
-            dropped["benchmark problem"] += 1
-            continue
+    def overlaps(problem):  # shares ngram_fraction of its word 8-grams with a benchmark problem
         grams = ngrams(problem)
         shared = Counter(b for gram in grams for b in index.get(gram, ()))
-        if any(count >= max(cfg.ngram_fraction * min(len(grams), len(benchmark_grams[b])), 1)
-               for b, count in shared.items()):
-            dropped["8-gram overlap with a benchmark"] += 1
-            continue
-        new_rows.append({"id": f"{cfg.name}-{number}", "problem": problem, "answer": answer,
-                         "source": cfg.name})
-    ids = {row["id"] for row in kept_rows}
-    clash = next((row["id"] for row in new_rows if row["id"] in ids), None)
+        return any(count >= max(cfg.ngram_fraction * min(len(grams), len(benchmark_grams[b])), 1)
+                   for b, count in shared.items())
+
+    dropped, new_rows = Counter(), []
+    for number, row in enumerate(read_rows(cfg.source), 1):
+        problem = question_text(lookup(row, cfg.question_key))
+        answer = canonical_integer(lookup(row, cfg.answer_key))
+        key = normalize(problem) if problem else None
+        reason = (f"no question at {cfg.question_key}" if key is None
+                  else "answer not an integer" if answer is None
+                  else "duplicate" if key in seen
+                  else "benchmark problem" if key in benchmark_texts
+                  else "8-gram overlap with a benchmark" if overlaps(problem) else None)
+        if key is not None and answer is not None:
+            seen.add(key)  # the first of duplicates counts, whatever drops it after that
+        if reason:
+            dropped[reason] += 1
+        else:
+            new_rows.append({"id": f"{cfg.name}-{number}", "problem": problem, "answer": answer,
+                             "source": cfg.name})
+    clash = {row["id"] for row in kept_rows} & {row["id"] for row in new_rows}
     if clash:
-        raise ConfigError(f"name={cfg.name}: id {clash!r} is already in merge_with; "
+        raise ConfigError(f"name={cfg.name}: id {min(clash)!r} is already in merge_with; "
                           "choose another name")
     return kept_rows, new_rows, dropped
 
@@ -176,8 +156,7 @@ def main(cfg):
           f"{len(new_rows)} new from {cfg.source})")
     for reason, count in dropped.most_common():
         print(f"  dropped {count}: {reason}")
-    print(f"next: python rl.py configs/stage1.yaml train_data={cfg.out}   (the paper's stage 1 on "
-          "these problems; add model=... for your SFT policy)")
+    print(f"next: python rl.py configs/stage1.yaml train_data={cfg.out} model=YOUR_SFT_MODEL")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ back (§3.2). At most K trajectories are in flight per engine, K from the free K
 are claimed from a counter shared by all ranks, so a rank that finishes early takes more work.
 
 How the turn, the tool turn and tool errors differ from the release: docs/design.md (Rollouts);
-its baselines: bench/rollout.py and bench/tail.py.
+its baseline: bench/rollout.py.
 """
 import dataclasses
 import hashlib

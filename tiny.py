@@ -5,9 +5,8 @@ trained locally in seconds (no download), and the synthetic arithmetic task the 
                         # out/tiny-sft.jsonl (the demo's SFT transcripts)
     python tiny.py configs/tiny_model.yaml out_dir=/tmp/m hidden_size=256 sft_data=""
 
-The output is an ordinary Hugging Face directory: AutoModelForCausalLM / AutoTokenizer / vLLM load
-it exactly as they load Qwen3-14B, so every script runs one code path for the tiny model and the
-real one.
+The output is an ordinary Hugging Face directory, loaded as Qwen3-14B is: every script runs one code
+path for the tiny model and the real one.
 """
 import dataclasses
 import json
@@ -20,7 +19,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
 
-from machinery.config import REPO, atomic_write_text, load_config
+from machinery.config import REPO, atomic_write_text, Fraction, load_config
 from machinery.data import load_jsonl
 from machinery.exits import rerun_command, run_script
 from executor import Executor
@@ -51,10 +50,8 @@ class TinyConfig:
     out_dir: str = "out/tiny-model"
     seed: int = 0
     # tokenizer
-    vocab_size: int = 2048           # BPE merges are learned up to this size (plus the added
-                                     # tokens)
-    corpus_problems: int = 3000      # training problems mixed into the BPE corpus so real text
-                                     # tokenizes sensibly
+    vocab_size: int = 2048           # BPE merges are learned up to this size (+ added tokens)
+    corpus_problems: int = 3000      # training problems in the BPE corpus: real text tokenizes well
     # model: Qwen3 layout. head_dim 64 because vLLM's CPU attention kernels support it
     # (docs/design.md, the CPU stack)
     hidden_size: int = 128
@@ -64,17 +61,14 @@ class TinyConfig:
     num_key_value_heads: int = 2
     head_dim: int = 64
     max_position_embeddings: int = 4096
-    # pretraining (pretrain_base_model): what a real base model brings to SFT, here the ability to
-    # copy numbers
+    # pretraining (pretrain_base_model): a real base model's ability to copy numbers
     pretrain_steps: int = 300        # 0 = leave the weights at their random init (the tests do)
     pretrain_batch_size: int = 32
     pretrain_lr: float = 6e-3
-    # the demo's SFT transcripts (make_sft_transcripts), written by `python tiny.py`; "" = do not
-    # write them
+    # the demo's SFT transcripts (make_sft_transcripts); "" = do not write them
     sft_data: str = "out/tiny-sft.jsonl"
     sft_examples: int = 2000
-    sft_error_fraction: float = 0.4  # share of transcripts whose first code fails (BUGS) and is
-                                     # fixed on a second call
+    sft_error_fraction: Fraction = 0.4  # share of transcripts whose code fails (BUGS)
 
 
 # -----------------------------------------------------------------------------
@@ -110,28 +104,14 @@ def make_arithmetic_problems(n, seed, split="train"):
 
 TOOL_NAME = "python_code_with_standard_io"
 # The failed call the SFT data teaches, and RL then has to unlearn: code that prints the result and
-# then ends with a stray `exit(1)`. The real sandbox reports it as a failure (exit status 1) and
-# still shows the stdout, so the model can take its answer from a failed call, as the paper's model
-# often does (§2.2.3: correct trajectories with tool errors in them). Every copy the model makes
-# sits where it sits in a clean transcript: the tool text differs only before the printed number (a
-# 2-layer model copies only at fixed distances; see pretrain_base_model). So a failed call costs
-# little reward, and plain GRPO has little reason to drop it: measured after SFT (40% of transcripts
-# with the stray exit, configs/sft_tiny.yaml; 100 held-out problems x 4 samples at T=1.0), 59% of
-# trajectories with a failed call end correct against 76% of clean ones, and 34% of the correct
-# trajectories contain a failed call. Designs that made the model retry (README): `prnt(EXPR)` with
-# its NameError and a fixed second call: 63% against 94% (two more copies of the expression, across
-# the traceback); `import maths` first: 0%; `put(EXPR)` with the retry's copies at the clean
-# distances: 10% against 96%.
+# then ends with a stray `exit(1)`. The real sandbox reports a failure and still shows the stdout,
+# so the model can take its answer from a failed call, as the paper's model often does (§2.2.3).
+# Every copy sits where it sits in a clean transcript (the failure text comes before the printed
+# number), so a failed call costs little reward and plain GRPO has little reason to drop it; the
+# designs measured and not adopted: docs/tiny-task.md.
 BUGS = (
     lambda expression: f"print({expression})\nexit(1)",
 )
-
-
-def tool_call_text(code):
-    """The Hermes-style call the rStar2 prompt asks for (§2.1), with the model's code and empty
-    stdin."""
-    call = json.dumps({"name": TOOL_NAME, "arguments": {"code": code, "input": ""}})
-    return f"<tool_call>\n{call}\n</tool_call>"
 
 
 def make_sft_transcripts(problems, error_fraction=0.3, seed=0):
@@ -142,53 +122,41 @@ def make_sft_transcripts(problems, error_fraction=0.3, seed=0):
                    (with the bug: Tool call failure / reason: / stdout: N)
         assistant  The result is N. </reason> <answer> \\boxed{N} </answer>
 
-    In a share `error_fraction` the call has a bug (BUGS): the tool reports a failure, with the
-    printed result, and the answer is taken from it, so the SFT model makes tool errors at about
-    that rate when sampling and still gets answers right. GRPO-RoC needs exactly that: correct
-    trajectories with failed calls in them, which it trains on less (§2.2.3, Fig. 4).
-    Every tool text comes from running the code in the real executor, rendered as the rollout
-    renders it (no execution time, so reruns write identical files). Assistant contents start after
-    the template's `<reason>`.
+    In a share `error_fraction` the call has a bug (BUGS) and the answer is taken from the failed
+    call: correct trajectories with failed calls in them, which GRPO-RoC trains on less (§2.2.3).
+    Every tool text is the real executor's, rendered as the rollout renders it (no execution time,
+    so reruns write identical files). Assistant contents start after the template's `<reason>`.
     """
-    if not 0 <= error_fraction <= 1:
-        raise ValueError(f"error_fraction must be in [0, 1], got {error_fraction}")
     rng = random.Random(f"sft-transcripts-{seed}")
     plans = []  # per problem: its expression and the code it runs
     for row in problems:
-        if not (row["problem"].startswith("Compute ") and row["problem"].endswith(".")):
-            raise ValueError(f"{row.get('id')}: not an arithmetic problem from "
-                             f"make_arithmetic_problems: {row['problem']!r}")
         expression = row["problem"][len("Compute "):-1]
         buggy = rng.choice(BUGS)(expression) if rng.random() < error_fraction else None
         plans.append((expression, buggy or f"print({expression})"))
-    codes = [code for _, code in plans]
     with Executor(workers=2) as executor:
-        results = executor.map(codes)
-    rollout_cfg = RolloutConfig()
+        results = executor.map([code for _, code in plans])
     rows = []
     for row, (expression, code), result in zip(problems, plans, results):
-        if (result.status == "ok") != (code == f"print({expression})"):
-            raise RuntimeError(f"{row['id']}: {code!r} gave status {result.status!r}: "
+        value = result.stdout.strip()
+        # the transcripts teach what the sandbox really said: it must be what the plan expects
+        if (result.status == "ok") != (code == f"print({expression})") or value != row["answer"]:
+            raise RuntimeError(f"{row['id']}: {code!r} gave {result.status!r}, printed {value!r}: "
                                f"{result.stderr or result.reason}")
+        # the Hermes-style call the rStar2 prompt asks for (§2.1), with empty stdin
+        call = json.dumps({"name": TOOL_NAME, "arguments": {"code": code, "input": ""}})
         messages = [{"role": "user", "content": row["problem"]},
                     {"role": "assistant",
                      "content": f" I will compute {expression} with Python. </reason>\n"
-                                f"{tool_call_text(code)}"},
-                    {"role": "tool", "content": format_tool_response(result, rollout_cfg)}]
-        value = result.stdout.strip()
-        if value != row["answer"]:
-            raise RuntimeError(f"{row['id']}: the tool printed {value!r}, the answer is "
-                               f"{row['answer']!r}")
-        messages.append({"role": "assistant",
-                         "content": f" The result is {value}. </reason>\n"
-                                    f"<answer> \\boxed{{{value}}} </answer>"})
+                                f"<tool_call>\n{call}\n</tool_call>"},
+                    {"role": "tool", "content": format_tool_response(result, RolloutConfig())},
+                    {"role": "assistant", "content": f" The result is {value}. </reason>\n"
+                                                     f"<answer> \\boxed{{{value}}} </answer>"}]
         rows.append({"messages": messages})
     return rows
 
 
 def write_sft_transcripts(cfg):
-    """Write cfg.sft_examples transcripts on fresh problems (split "sft": not RL's train split, not
-    eval's test split) to cfg.sft_data as JSONL; returns the path."""
+    """cfg.sft_examples transcripts of split "sft" (not RL's or eval's) -> cfg.sft_data (JSONL)."""
     problems = make_arithmetic_problems(cfg.sft_examples, cfg.seed, split="sft")
     rows = make_sft_transcripts(problems, cfg.sft_error_fraction, cfg.seed)
     path = Path(cfg.sft_data)
@@ -200,15 +168,9 @@ def write_sft_transcripts(cfg):
 
 
 # -----------------------------------------------------------------------------
-# pretraining: the tiny stand-in for what Qwen3-14B-Base knows before SFT. The demo's model must
-# copy a 12-digit expression from the problem into its reasoning and its code, and the 6-digit
-# result from the tool's output into \boxed{}. A randomly initialised model has no copying circuit;
-# behind the ~430-token rStar2 system prompt, sft.py alone plateaued at loss 0.58 with 0% held-out
-# accuracy. On short documents without the system prompt the copying emerges abruptly (measured,
-# digit accuracy on held-out documents: 11% at step 100, 94% at 200, 98% at 300, batch 32, ~1.5
-# minutes on 2 cores), and SFT then only has to carry it over to the rStar2 prompt. It emerges this
-# early only because every number has a fixed width (make_arithmetic_problems), so each digit is
-# copied from a fixed distance; with 3-or-4-digit operands it had not emerged after 600 steps.
+# pretraining: the tiny stand-in for what Qwen3-14B-Base knows before SFT, the ability to copy
+# digits, which sft.py alone behind the long rStar2 system prompt never taught (docs/tiny-task.md,
+# pretraining).
 
 def pretraining_documents(rows, tokenizer, error_fraction=0.3, seed=0):
     """The SFT transcripts of `rows` (make_sft_transcripts: real tool outputs, a share with a failed
@@ -231,9 +193,7 @@ def pretrain_base_model(model, tokenizer, cfg):
         return []
     rows = make_arithmetic_problems(cfg.pretrain_steps * cfg.pretrain_batch_size, cfg.seed,
                                     split="pretrain")
-    # No failed calls here: with 30% of the documents carrying a failed call and its retry, the
-    # copying emerged later (digit accuracy 82% against 98% at step 300) and the SFT model then
-    # answered nothing right.
+    # No failed calls here: they delayed the copying (docs/tiny-task.md, pretraining)
     docs = pretraining_documents(rows, tokenizer, error_fraction=0.0, seed=cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.pretrain_lr, weight_decay=0.0)
     losses = []
@@ -261,13 +221,11 @@ def pretrain_base_model(model, tokenizer, cfg):
 # tokenizer
 
 def tokenizer_corpus(cfg):
-    """Text the BPE is trained on: the rStar2 prompt templates and tool schemas (so the long system
-    prompt becomes a few hundred tokens), sample tool turns and arithmetic, and real training
-    problems."""
-    # The rStar2 files only, read whole: the merges are a function of every byte of them, comments
-    # included, so an edit to one of these files retrains another tokenizer and moves the demo's
-    # numbers (docs/tiny-task.md, reproducibility). With chatml.jinja in the corpus too the copying
-    # did not emerge (pretraining loss 0.30-0.32 against 0.23 at 300 steps, 0% accuracy).
+    """The BPE's text: the rStar2 prompt templates and tool schemas (the long system prompt becomes
+    a few hundred tokens), sample tool turns and arithmetic, and real training problems."""
+    # The rStar2 files only, read whole: the merges are a function of every byte of them, so an
+    # edit to one retrains another tokenizer and moves the demo's numbers; with chatml.jinja in
+    # the corpus too the copying did not emerge (docs/tiny-task.md).
     templates = REPO / "configs" / "templates"
     files = sorted(templates.glob("rstar2_*.jinja")) + sorted(templates.glob("*.json"))
     texts = [p.read_text() for p in files] * 20
@@ -325,23 +283,21 @@ def random_model(cfg, tokenizer):
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
-def build_tiny_model(cfg=None):
+def build_tiny_model(cfg):
     """Build and save the tiny model + tokenizer; returns the output directory."""
-    cfg = cfg or TinyConfig()
     out = Path(cfg.out_dir)
     tokenizer = build_tokenizer(cfg)
     model = random_model(cfg, tokenizer)
     losses = pretrain_base_model(model, tokenizer, cfg)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    model.save_pretrained(out)  # makes the directory
     tokenizer.save_pretrained(out)
     (out / "tiny_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-    n_params = sum(p.numel() for p in model.parameters())
+    parameters = sum(p.numel() for p in model.parameters())
     pretrained = (f", pretrained {len(losses)} steps (loss {losses[0]:.2f} -> {losses[-1]:.2f})"
                   if losses else "")
-    print(f"tiny model: {n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}{pretrained} "
+    print(f"tiny model: {parameters / 1e6:.2f}M parameters, vocab {len(tokenizer)}{pretrained} "
           f"-> {out}")
     return out
 

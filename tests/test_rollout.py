@@ -1034,7 +1034,7 @@ def refusal(*command):
     (["rl.py", "configs/tiny.yaml", "model={tmp}"], "{tmp}"),
     (["rl.py", "configs/tiny.yaml", "model={model}", "train_data={tmp}/none.jsonl"],
      "{tmp}/none.jsonl"),
-    (["-m", "bench.rollout", "trajectories=0"], "trajectories=0"),
+    (["-m", "bench.rollout", "trajectories=0"], "'trajectories': must be >= 1"),
     (["-m", "bench.rollout", "tool_latencies_s=[0.3,-1]"], "tool_latencies_s=[0.3, -1.0]"),
     (["-m", "bench.rollout", "model={tmp}"], "model={tmp}"),
     (["-m", "bench.rollout", "model={model}", "rollout.max_turn=3"], "rollout.max_turn"),
