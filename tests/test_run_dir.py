@@ -22,13 +22,14 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
+import test_sft  # tests/ is on sys.path (pytest's rootdir-relative import)
 import yaml
+from rl_runs import PYTHON, REPO, run, run_at_once
+from test_sft import chat_rows
 
 import rl
 import sft
@@ -41,11 +42,9 @@ from machinery.lock import LOCK_NAME, release_lock, take_lock
 from machinery.metrics import wandb_run_id
 from machinery.results import open_samples
 from machinery.run_dir import read_history
-import test_sft  # tests/ is on sys.path (pytest's rootdir-relative import)
-from test_sft import chat_rows
 
-REPO = Path(__file__).resolve().parent.parent
-WORKER = str(REPO / "tests" / "dist_checkpoint.py")  # the real processes of the lease and commit
+HOST = socket.gethostname()
+WORKER = "tests/dist_checkpoint.py"  # the real processes of the lease and commit
 
 
 def snapshot(run_dir):
@@ -72,8 +71,8 @@ def sft_data(tmp_path_factory):
 
 def run_sft(tiny_model_dir, data, out_dir, **overrides):
     """test_sft's tiny run, 2 steps with a checkpoint after each (one kept)."""
-    settings = dict(max_steps=2, save_every=1, keep_checkpoints=1,
-                    warmup_ratio=sft.SFTConfig.warmup_ratio)
+    settings = {"max_steps": 2, "save_every": 1, "keep_checkpoints": 1,
+                    "warmup_ratio": sft.SFTConfig.warmup_ratio}
     return test_sft.run_sft(tiny_model_dir, data, out_dir, **{**settings, **overrides})
 
 
@@ -202,9 +201,8 @@ def rl_args(model, data, out_dir, *overrides):
             *RL_ARGS, *overrides]
 
 
-def rl_process(args, **kw):
-    return subprocess.run([sys.executable, "rl.py", *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=600, **kw)
+def rl_process(args, check=True):
+    return run([PYTHON, "rl.py", *args], check=check)
 
 
 @pytest.fixture(scope="module")
@@ -214,8 +212,7 @@ def finished_rl(tiny_model_dir, tmp_path_factory):
     data = work / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n"
                             for r in tiny.make_arithmetic_problems(8, 0, split="train")))
-    proc = rl_process(rl_args(tiny_model_dir, data, work / "run"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    rl_process(rl_args(tiny_model_dir, data, work / "run"))
     return tiny_model_dir, data, work / "run"
 
 
@@ -263,7 +260,7 @@ def test_rl_a_checkpoint_of_another_model_is_refused_in_one_line_before_any_mode
     checkpoint = run / "checkpoints" / "step_00000002"
     for out_dir, overrides in ((tmp_path / "new" / "run", [f"resume={checkpoint}"]),
                                (run, ["continue_with_changes=true"])):
-        proc = rl_process(rl_args(wide, data, out_dir, *overrides))
+        proc = rl_process(rl_args(wide, data, out_dir, *overrides), check=False)
         assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
         assert proc.stderr.startswith(f"rl.py: {checkpoint}: a checkpoint of another model (")
         assert "Loading weights" not in proc.stdout
@@ -274,9 +271,8 @@ def test_rl_a_checkpoint_of_another_model_is_refused_in_one_line_before_any_mode
 def test_rl_continue_with_changes_is_recorded_and_rotation_keeps_the_old_runs_checkpoints(
         finished_rl, tmp_path):
     model, data, run = copy_run(finished_rl, tmp_path)
-    proc = rl_process(rl_args(model, data, run, "steps=3", "positive_rule=topk",
-                              "keep_checkpoints=1", "continue_with_changes=true"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    rl_process(rl_args(model, data, run, "steps=3", "positive_rule=topk", "keep_checkpoints=1",
+                       "continue_with_changes=true"))
     # keep_checkpoints=1 rotates this run's own checkpoints only: 1 and 2 came from the sample rule
     assert steps_of(run / "checkpoints") == [1, 2, 3]
     assert yaml.safe_load((run / "config.yaml").read_text())["positive_rule"] == "topk"
@@ -293,27 +289,26 @@ def test_rl_continue_with_changes_is_recorded_and_rotation_keeps_the_old_runs_ch
 @pytest.mark.slow
 def test_rl_a_second_writer_is_stopped_and_a_killed_runs_lock_taken_over(finished_rl, tmp_path,
                                                                          capsys):
-    model, data, run = copy_run(finished_rl, tmp_path)
-    first = subprocess.Popen([sys.executable, "rl.py",
-                              *map(str, rl_args(model, data, run, "steps=1000"))],
-                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)
-    try:
-        deadline = time.time() + 300
-        while not (run / LOCK_NAME).read_text().strip():  # empty: released by the fixture's run
-            assert first.poll() is None and time.time() < deadline
+    model, data, run_dir = copy_run(finished_rl, tmp_path)
+
+    first = {}
+
+    def second_writer(procs):  # while the first runs: refused naming it; then it is SIGKILLed
+        first["pid"] = procs[0].pid
+        while not (run_dir / LOCK_NAME).read_text().strip():  # empty: the fixture's run released it
+            assert procs[0].poll() is None
             time.sleep(0.2)
-        with pytest.raises(ConfigError) as refused:
-            train_in_process(model, data, run, "steps=1000")
-        assert f"in use by pid {first.pid} on {socket.gethostname()} since" in str(refused.value)
-    finally:
-        os.killpg(first.pid, signal.SIGKILL)  # no cleanup: the lock's text stays
-        first.wait()
+        with pytest.raises(ConfigError, match=f"in use by pid {procs[0].pid} on {HOST} since"):
+            train_in_process(model, data, run_dir, "steps=1000")
+        os.killpg(procs[0].pid, signal.SIGKILL)  # no cleanup: the lock's text stays
+
+    run_at_once([[PYTHON, "rl.py", *rl_args(model, data, run_dir, "steps=1000")]], check=False,
+                during=second_writer)
     capsys.readouterr()
     with pytest.raises(ConfigError, match="holds a run with other settings"):
-        train_in_process(model, data, run, "positive_rule=topk")
-    assert f"taking over from pid {first.pid} on {socket.gethostname()}" in capsys.readouterr().out
-    assert (run / LOCK_NAME).read_text() == ""  # and released again by the refusal
+        train_in_process(model, data, run_dir, "positive_rule=topk")
+    assert f"taking over from pid {first['pid']} on {HOST}" in capsys.readouterr().out
+    assert (run_dir / LOCK_NAME).read_text() == ""  # and released again by the refusal
 
 
 @pytest.mark.slow
@@ -332,7 +327,6 @@ def test_rl_a_damaged_checkpoint_is_named_and_the_newest_intact_one_used(finishe
         train_in_process(model, data, tmp_path / "next", f"init_from={run}")
     # resume=auto: a warning naming the file, then step 1's checkpoint, steps 2 and 3 trained
     proc = rl_process(rl_args(model, data, run, "steps=3"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"WARNING: {shard}: truncated" in proc.stdout
     assert "resumed from" in proc.stdout and "step_00000001: step 1" in proc.stdout
     assert checkpoint_damage(shard.parent) == ""  # step 2 saved again, whole
@@ -343,8 +337,8 @@ def test_eval_a_second_writer_is_stopped_and_a_killed_ones_lock_taken_over(tmp_p
     """eval.py's out_dir has the same one-writer lock (machinery/results.py takes it before it
     touches samples.jsonl); the first writer here is a process that only holds it."""
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from machinery.run_dir import take_lock; "
-         "take_lock(sys.argv[1]); print('locked', flush=True); time.sleep(600)", str(tmp_path)],
+        [PYTHON, "-c", ("import sys, time; from machinery.run_dir import take_lock; "
+         "take_lock(sys.argv[1]); print('locked', flush=True); time.sleep(600)"), str(tmp_path)],
         cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "locked\n"
@@ -417,7 +411,7 @@ def test_a_holder_that_stops_making_progress_loses_its_lease_and_never_commits_a
     for it): a start on node-b takes the directory over once the lease (1 s here) expires, and
     when the old holder wakes it neither logs nor commits step 2: it stops, naming the new
     holder (one process importing torch: 90-130 s at this machine's load of 25-50)."""
-    holder = subprocess.Popen([sys.executable, WORKER, "hold", str(tmp_path)], cwd=REPO, text=True,
+    holder = subprocess.Popen([PYTHON, WORKER, "hold", str(tmp_path)], cwd=REPO, text=True,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE)
     try:
@@ -449,9 +443,7 @@ def test_a_commit_cut_short_and_a_truncated_rank_state_fall_back_to_the_last_goo
     resume=auto takes step 1, with one warning naming the file; resume= refuses the .tmp (two
     processes: 95-190 s at load 25-50)."""
     root = tmp_path / "checkpoints"
-    writers = [subprocess.Popen([sys.executable, WORKER, "write", str(root), str(rank)], cwd=REPO)
-               for rank in (0, 1)]
-    assert [writer.wait(timeout=300) for writer in writers] == [0, 0]
+    run_at_once([[PYTHON, WORKER, "write", root, rank] for rank in (0, 1)], timeout=300)
     (root / "step_00000003").rename(root / "step_00000003.tmp")
     state = root / "step_00000002" / "trainer_state_rank1.pt"
     with open(state, "r+b") as f:
