@@ -1,12 +1,7 @@
-"""rl.py across ranks and nodes (machinery/distributed.py): the same run under torchrun on 2 ranks
-of one node and on 2 nodes of 1 rank (two launchers on 127.0.0.1, as on two machines) gives the
-same metrics; torchrun --max-restarts carries a run whose ranks are killed mid-rollout and
-mid-save to its end with the same metrics, on one node and on two (one attempt per fault, whichever
-agent counted it); three elastic nodes lose one, then the store's host, and finish on one; a rerun
-of the finished run and a replay of a saved step exit cleanly; nodes given different settings, a
-node that does not see rank 0's out_dir, a rank that cannot reach the rendezvous store, an
-interface gloo cannot use and shared memory a killed tensor-parallel engine left stop at start, in
-seconds, with a message that names what to fix.
+"""rl.py across ranks and nodes (machinery/distributed.py): 2 ranks of one node and 2 simulated
+nodes of 1 rank (launchers on 127.0.0.1) give the same metrics; ranks killed mid-rollout and mid-save
+restart to the same metrics (torchrun --max-restarts); elastic nodes lost one after another finish;
+a rerun and a replay exit cleanly; nodes that cannot form one run stop at start, in one line.
 
 Run: .venv/bin/python -m pytest tests/test_distributed.py -q     (-m "not slow": the fast half)
 """
@@ -88,9 +83,8 @@ def metrics(run_dir):
 
 
 def same_run(m):
-    """What a run computes, not how fast nor how its ranks split the claims: the time/ keys, rates,
-    the timestamp, and the balance's traffic (which rank claimed which prompt is a race by design,
-    §3.2; the trajectories and the update are not)."""
+    """What a run computes: not its times, rates, timestamp nor the balance's traffic (which rank
+    claims which prompt is a race by design, §3.2; the trajectories and the update are not)."""
     return {k: v for k, v in m.items()
             if not k.startswith(("time/", "bytes/balance_")) and not k.endswith("_per_s")
             and k != "timestamp"}
@@ -161,9 +155,7 @@ def test_rl_on_two_ranks_trains_then_a_rerun_and_a_replay_exit_cleanly(runs):
 @pytest.mark.slow
 def test_two_nodes_of_one_rank_compute_what_one_node_of_two_does(runs):
     assert_clean(runs.nodes)
-    one, two = metrics(runs.work / "one"), metrics(runs.work / "two")
-    assert [m["step"] for m in two] == [1, 2]
-    assert_same_numbers(one, two)
+    assert_same_numbers(metrics(runs.work / "one"), metrics(runs.work / "two"))
 
 
 @pytest.mark.slow
@@ -269,59 +261,48 @@ def assert_refused_at_start(results):
 
 
 @pytest.mark.slow
-def test_a_node_that_does_not_see_rank_0s_out_dir_is_stopped_before_anything_is_written(
+def test_nodes_that_do_not_share_out_dir_or_settings_are_stopped_before_anything_is_written(
         run_args):
-    """The same out_dir on each simulated node, but not the same storage: a relative out_dir
-    that each node's working directory holds (as a node-local disk, or a clone of the repo per
-    node, would give)."""
+    """Two pairs of simulated nodes at once. The same out_dir on each node but not the same
+    storage: a relative out_dir that each node's working directory holds (a node-local disk, a
+    clone of the repo per node). Node 1 adding lr=1e-4 and naming another out_dir: one line names
+    both keys with each rank's value, and out_dir as what it is (not node-local storage)."""
     homes = [run_args.work / f"node-{i}" for i in range(2)]
     for home in homes:
         (home / "run").mkdir(parents=True)  # relative paths that exist are the working dir's
-    args = [REPO / "rl.py", REPO / "configs/tiny.yaml", *run_args("run")[1:]]
-    results = run_at_once(nodes([args] * 2, free_port()), cwd=homes, check=False)
+    apart = [run_args.work / f"apart-{i}" for i in range(2)]
+    commands = (nodes([[REPO / "rl.py", REPO / "configs/tiny.yaml", *run_args("run")[1:]]] * 2,
+                      free_port())
+                + nodes([["rl.py", *run_args(apart[0])], ["rl.py", *run_args(apart[1]), "lr=1e-4"]],
+                        free_port()))
+    results = run_at_once(commands, cwd=homes + [REPO] * 2, check=False)
     assert_refused_at_start(results)
-    text = "".join(map(output, results))
-    assert f"rank 1 on {socket.gethostname()} does not see out_dir=run" in text
+    unseen, different = "".join(map(output, results[:2])), "".join(map(output, results[2:]))
+    assert f"rank 1 on {socket.gethostname()} does not see out_dir=run" in unseen
     assert not (homes[0] / "run" / "config.yaml").exists()  # refused before the claim
-
-
-@pytest.mark.slow
-def test_nodes_given_different_settings_are_refused_naming_each_key_and_rank(run_args):
-    """Node 1's command adds lr=1e-4 and names another out_dir: refused at start, before
-    anything is read or written, in one line that names both keys with each rank's value, and
-    out_dir as what it is (not as node-local storage)."""
-    out_dirs = [run_args.work / f"apart-{i}" for i in range(2)]
-    results = run_at_once(nodes([["rl.py", *run_args(out_dirs[0])],
-                                 ["rl.py", *run_args(out_dirs[1]), "lr=1e-4"]], free_port()),
-                          check=False)
-    assert_refused_at_start(results)
-    text = "".join(map(output, results))
-    assert ("lr: 0.0002 on rank 0, 0.0001 on rank 1; out_dir: "
-            f"'{out_dirs[0]}' on rank 0, '{out_dirs[1]}' on rank 1") in text
-    assert "node-local" not in text and not any(d.exists() for d in out_dirs)
+    assert (f"lr: 0.0002 on rank 0, 0.0001 on rank 1; out_dir: '{apart[0]}' on rank 0, "
+            f"'{apart[1]}' on rank 1") in different
+    assert "node-local" not in different and not any(d.exists() for d in apart)
 
 
 @pytest.mark.slow
 def test_an_unreachable_store_or_interface_fails_the_preflight_in_seconds(run_args):
-    env = {"RSTAR2_PREFLIGHT_TIMEOUT_S": "5"}  # both cases fail whatever the bound: keep it short
-    # a rank whose rendezvous store does not answer (a closed port, a firewall): torchrun's
-    # variables for rank 1 of 2, without its launcher
-    port = free_port()
+    """At once: a rank whose rendezvous store does not answer (a closed port, a firewall; torchrun's
+    variables for rank 1 of 2, without its launcher), and two nodes of which node 1 names an
+    interface it does not have (gloo cannot connect them). The preflight bound: 5 s."""
+    env, port = {"RSTAR2_PREFLIGHT_TIMEOUT_S": "5"}, free_port()
     started = time.time()
-    alone = run([sys.executable, "rl.py", *run_args(run_args.work / "no-store")],
-                {**env, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}, check=False)
-    assert alone.returncode != 0 and time.time() - started < 90, output(alone)[-3000:]
-    assert f"127.0.0.1:{port}" in output(alone) and "Traceback" not in output(alone)
-    # node 1 names an interface it does not have: gloo cannot connect the two nodes
-    started = time.time()
-    results = run_at_once(nodes([["rl.py", *run_args(run_args.work / "no-interface")]] * 2,
-                                free_port()), [env, {**env, "GLOO_SOCKET_IFNAME": "nosuch0"}],
-                          check=False)
-    assert all(result.returncode != 0 for result in results)
+    alone, *pair = run_at_once(
+        [[sys.executable, "rl.py", *run_args(run_args.work / "no-store")],
+         *nodes([["rl.py", *run_args(run_args.work / "no-interface")]] * 2, free_port())],
+        [{**env, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+         env, {**env, "GLOO_SOCKET_IFNAME": "nosuch0"}], check=False)
     assert time.time() - started < 120
-    assert "GLOO_SOCKET_IFNAME=nosuch0" in output(results[1])
-    assert "within 5 s" in output(results[0])  # node 0 waited for it
+    assert all(result.returncode != 0 for result in (alone, *pair))
+    assert f"127.0.0.1:{port}" in output(alone) and "Traceback" not in output(alone)
+    assert "GLOO_SOCKET_IFNAME=nosuch0" in output(pair[1])
+    assert "within 5 s" in output(pair[0])  # node 0 waited for it
 
 
 @pytest.mark.slow

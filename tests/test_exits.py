@@ -56,31 +56,30 @@ def test_a_rank_that_raises_ends_every_rank_in_seconds_though_an_exit_handler_ha
 
 def test_leave_bounds_the_exit_handlers_even_when_one_holds_the_interpreter():
     """A hang in Python: leave()'s timer, the exit code; in C holding the GIL: faulthandler, 1."""
-    for hang, code, says in (("time.sleep(3600)", 3, "were still running after 1 s"),
-                             ("ctypes.PyDLL(None).sleep(3600)", 1, "Timeout (0:00:02)!")):
-        script = f"""if True:
-            import atexit, ctypes, time
-            from machinery import exits
-            exits.LEAVE_TIMEOUT_S = 1
-            atexit.register(lambda: {hang})
-            exits.leave(3)
-        """
-        started = time.time()
-        proc = run([PYTHON, "-c", script], timeout=60, check=False)
-        assert proc.returncode == code and says in proc.stderr, proc.stderr
-        assert time.time() - started < 30
+    script = """if True:
+        import atexit, ctypes, sys, time
+        from machinery import exits
+        exits.LEAVE_TIMEOUT_S = 1
+        atexit.register(lambda: eval(sys.argv[1]))
+        exits.leave(3)
+    """
+    started = time.time()
+    in_python, in_c = run_at_once([[PYTHON, "-c", script, hang] for hang in (
+        "time.sleep(3600)", "ctypes.PyDLL(None).sleep(3600)")], timeout=60, check=False)
+    assert in_python.returncode == 3 and "still running after 1 s" in in_python.stderr
+    assert in_c.returncode == 1 and "Timeout (0:00:02)!" in in_c.stderr, in_c.stderr
+    assert time.time() - started < 30
 
 
 def test_the_fault_injection_strikes_only_its_attempt_rank_step_and_point():
     script = "from machinery import exits; exits.reached('train', 2); " \
              "exits.reached('rollout', 3); print('not killed')"
-    for faults, rank, attempt, killed in (("0:1:3:rollout:kill", "1", "0", True),
-                                          ("0:1:3:rollout:kill", "0", "0", False),
-                                          ("0:1:3:rollout:kill", "1", "1", False),
-                                          ("0:1:2:rollout:kill", "1", "0", False)):
-        env = {"RSTAR2_FAULTS": faults, "RANK": rank, "TORCHELASTIC_RESTART_COUNT": attempt}
-        proc = run([PYTHON, "-c", script], env, timeout=60, check=False)
-        assert (proc.returncode, proc.stdout) == ((-9, "") if killed else (0, "not killed\n"))
+    cases = (("0:1:3:rollout:kill", "1", "0"), ("0:1:3:rollout:kill", "0", "0"),
+             ("0:1:3:rollout:kill", "1", "1"), ("0:1:2:rollout:kill", "1", "0"))
+    ends = run_at_once([[PYTHON, "-c", script]] * 4, [
+        {"RSTAR2_FAULTS": faults, "RANK": rank, "TORCHELASTIC_RESTART_COUNT": attempt}
+        for faults, rank, attempt in cases], timeout=60, check=False)
+    assert [(end.returncode, end.stdout) for end in ends] == [(-9, "")] + [(0, "not killed\n")] * 3
 
 
 def test_a_lost_peer_is_named_from_gloo_s_error_and_the_restart_counted(monkeypatch):
