@@ -201,9 +201,9 @@ def test_torchrun_restarts_a_job_whose_rank_died_on_one_node_and_on_two_to_the_s
 
 
 def kill_node_after_step(launchers, out_dir, rank, step):
-    """A whole node lost once metrics.jsonl holds `step`: the launcher whose worker is rank
-    `rank` killed with everything it started."""
-    while not (out_dir / "metrics.jsonl").exists() or len(metrics(out_dir)) < step:
+    """A whole node lost once `step` is committed: the launcher whose worker is rank `rank` killed
+    with everything it started."""
+    while not (out_dir / "checkpoints" / f"step_{step:08d}").is_dir():
         assert any(launcher.poll() is None for launcher in launchers)
         time.sleep(0.5)
     for launcher in launchers:
@@ -218,10 +218,10 @@ def kill_node_after_step(launchers, out_dir, rank, step):
 @pytest.mark.slow
 def test_three_elastic_nodes_lose_one_then_the_store_s_host_and_finish_on_one(runs):
     """--nnodes=1:3 as docs/gpu.md's lines (the workers' store in the rank-0 worker), steps=3.
-    After step 1 a whole node without the store, agent and worker, is SIGKILLed; the other two
-    resume on two ranks; after step 2 the node of rank 0 (the store's host) is. The last one
-    resumes and finishes: exit 0, every step once, the 2-rank run's numbers (the same prompts,
-    seeds and draws at any world size)."""
+    Once step 1 is committed a whole node without the store, agent and worker, is SIGKILLed; the
+    other two resume on two ranks; once step 2 is, the node of rank 0 (the store's host) is. The
+    last one resumes and finishes: exit 0, every step once, steps 1 and 2 the 2-rank run's numbers
+    (the same prompts, seeds and draws at any world size)."""
     out_dir = runs.work / "lost"
 
     def lose_two_nodes(launchers):
@@ -230,7 +230,7 @@ def test_three_elastic_nodes_lose_one_then_the_store_s_host_and_finish_on_one(ru
 
     with rendezvous_store() as port:
         commands = nodes([["rl.py", *runs.args(out_dir), "save_every=1", "steps=3"]] * 3, port,
-                         nnodes="1:3", max_restarts=2)
+                         nnodes="1:3", max_restarts=3)
         results = run_at_once(commands, [{"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}] * 3,
                               timeout=1800, check=False, during=lose_two_nodes)
     survivors = [result for result in results if result.returncode != -signal.SIGKILL]
