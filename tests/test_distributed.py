@@ -1,6 +1,6 @@
 """rl.py across ranks and nodes (machinery/distributed.py): 2 ranks of one node and 2 simulated
 nodes of 1 rank (launchers on 127.0.0.1) give the same metrics; ranks killed mid-rollout and mid-save
-restart to the same metrics (torchrun --max-restarts); elastic nodes lost one after another finish;
+restart to the same metrics (torchrun --max-restarts); elastic nodes that lose one finish;
 a rerun and a replay exit cleanly; nodes that cannot form one run stop at start, in one line.
 
 Run: .venv/bin/python -m pytest tests/test_distributed.py -q     (-m "not slow": the fast half)
@@ -119,12 +119,18 @@ def run_args(sft_policy, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(run_args):
-    """rl.py on 2 ranks of one node (train, a rerun of the finished run, a replay of its step 1),
-    and the same run on 2 nodes x 1 rank; each launch's CompletedProcess."""
-    out, work = SimpleNamespace(work=run_args.work, args=run_args), run_args.work
+def trained(run_args):
+    """rl.py on 2 ranks of one node into work/one: the numbers every other run must match."""
+    return run_at_once([one_node(["rl.py", *run_args(run_args.work / "one")])], timeout=900,
+                       check=False)
+
+
+@pytest.fixture(scope="module")
+def runs(run_args, trained):
+    """The trained run, a rerun of it, a replay of its step 1, and the same run on 2 nodes x 1
+    rank; each launch's CompletedProcess."""
+    out, work = SimpleNamespace(work=run_args.work, args=run_args, train=trained), run_args.work
     for name, commands in (
-            ("train", [one_node(["rl.py", *run_args(work / "one")])]),
             ("rerun", [one_node(["rl.py", *run_args(work / "one")])]),
             ("replay", [one_node(["-m", "tools.replay", *run_args(work / "one"),
                                   "replay_step=1"])]),
@@ -160,7 +166,7 @@ def test_two_nodes_of_one_rank_compute_what_one_node_of_two_does(runs):
 
 @pytest.mark.slow
 def test_torchrun_restarts_a_job_whose_rank_died_on_one_node_and_on_two_to_the_same_numbers(
-        runs):
+        run_args, trained):
     """Both jobs at once, every step saved; RSTAR2_FAULTS SIGKILLs a rank (no handler, no atexit:
     a GPU off the bus). One node, --max-restarts=2: rank 1 as it claims its first prompt of step 2,
     then in the restarted job rank 0 after step 2's row is logged and every shard written, before
@@ -170,10 +176,10 @@ def test_torchrun_restarts_a_job_whose_rank_died_on_one_node_and_on_two_to_the_s
     in training). Each attempt forms its group afresh (the store's keys are the attempt's),
     resumes from step 1's checkpoint, and the last finishes: exit 0, one start per fault, every
     step logged once, the uninterrupted run's numbers, and no .tmp left."""
-    alone, apart = runs.work / "faults", runs.work / "node-faults"
+    alone, apart = run_args.work / "faults", run_args.work / "node-faults"
     with rendezvous_store() as port:
-        commands = [one_node(["rl.py", *runs.args(alone), "save_every=1"], max_restarts=2),
-                    *nodes([["rl.py", *runs.args(apart), "save_every=1"]] * 2, port,
+        commands = [one_node(["rl.py", *run_args(alone), "save_every=1"], max_restarts=2),
+                    *nodes([["rl.py", *run_args(apart), "save_every=1"]] * 2, port,
                            nnodes="2", max_restarts=3)]
         faults = "0:1:2:claim:kill,0:0:2:checkpoint_commit:kill,1:0:2:train:kill"
         results = run_at_once(commands, [{"RSTAR2_FAULTS": "0:1:2:claim:kill,"
@@ -197,7 +203,7 @@ def test_torchrun_restarts_a_job_whose_rank_died_on_one_node_and_on_two_to_the_s
     assert text.count(f"resumed from {apart / 'checkpoints' / 'step_00000001'}") == kills
     for out_dir in (alone, apart):
         assert [m["step"] for m in metrics(out_dir)] == [1, 2]
-        assert_same_numbers(metrics(runs.work / "one"), metrics(out_dir))
+        assert_same_numbers(metrics(run_args.work / "one"), metrics(out_dir))
 
 
 def kill_node_after_step(launchers, out_dir, rank, step):
@@ -213,42 +219,38 @@ def kill_node_after_step(launchers, out_dir, rank, step):
             if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
                 os.killpg(launcher.pid, signal.SIGKILL)
                 return
+    pytest.fail(f"no worker of rank {rank} to kill after step {step}")
 
 
 @pytest.mark.slow
-def test_three_elastic_nodes_lose_one_then_the_store_s_host_and_finish_on_one(runs):
-    """--nnodes=1:3 as docs/gpu.md's lines (the workers' store in the rank-0 worker), steps=3.
-    Once step 1 is committed a whole node without the store, agent and worker, is SIGKILLed; the
-    other two resume on two ranks; once step 2 is, the node of rank 0 (the store's host) is. The
-    last one resumes and finishes: exit 0, every step once, steps 1 and 2 the 2-rank run's numbers
-    (the same prompts, seeds and draws at any world size)."""
-    out_dir = runs.work / "lost"
-
-    def lose_two_nodes(launchers):
-        kill_node_after_step(launchers, out_dir, 2, 1)
-        kill_node_after_step(launchers, out_dir, 0, 2)
-
+@pytest.mark.parametrize("lost_rank", [2, 0], ids=["a node without a store", "the store's host"])
+def test_three_elastic_nodes_lose_one_and_finish_on_two(run_args, trained, lost_rank):
+    """--nnodes=2:3 as docs/gpu.md's lines (the workers' store in the rank-0 worker). Once step 1
+    is committed a whole node, agent and worker, is SIGKILLed: rank 2's, or rank 0's (the store's
+    host). The other two resume on two ranks and finish: both exit 0, every step once, the 2-rank
+    run's numbers (the same prompts, seeds and draws at any world size)."""
+    out_dir = run_args.work / f"lost-{lost_rank}"
     with rendezvous_store() as port:
-        commands = nodes([["rl.py", *runs.args(out_dir), "save_every=1", "steps=3"]] * 3, port,
-                         nnodes="1:3", max_restarts=3)
+        commands = nodes([["rl.py", *run_args(out_dir), "save_every=1"]] * 3, port,
+                         nnodes="2:3", max_restarts=2)
         results = run_at_once(commands, [{"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}] * 3,
-                              timeout=1800, check=False, during=lose_two_nodes)
+                              timeout=1800, check=False,
+                              during=lambda procs: kill_node_after_step(procs, out_dir,
+                                                                        lost_rank, 1))
     survivors = [result for result in results if result.returncode != -signal.SIGKILL]
-    assert len(survivors) == 1
+    assert len(survivors) == 2
     assert_clean(survivors)
-    rows = metrics(out_dir)
-    assert [m["step"] for m in rows] == [1, 2, 3]
     # but the weight gather's bytes: each rank's shard is padded to the world's chunk
     assert_same_numbers(*([{k: v for k, v in m.items() if k != "bytes/weight_sync_gathered_bytes"}
-                           for m in run] for run in (metrics(runs.work / "one"), rows[:2])))
+                           for m in metrics(run)] for run in (run_args.work / "one", out_dir)))
 
 
 @pytest.mark.slow
-def test_a_resume_that_finds_shards_missing_names_the_ranks_instead_of_starting_over(runs,
-                                                                                      tmp_path):
+def test_a_resume_that_finds_shards_missing_names_the_ranks_instead_of_starting_over(
+        run_args, trained, tmp_path):
     """A node-local out_dir as a restart finds it: rank 1's shard went to another node."""
     root = tmp_path / "checkpoints"
-    shutil.copytree(runs.work / "one" / "checkpoints", root)
+    shutil.copytree(run_args.work / "one" / "checkpoints", root)
     (root / "step_00000002" / "__1_0.distcp").unlink()
     with pytest.raises(ConfigError, match=r"no intact checkpoint.*__1_0.distcp: missing"):
         requested_checkpoint("auto", root)
