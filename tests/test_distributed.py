@@ -44,7 +44,7 @@ def one_node(args, ranks=2, max_restarts=0):
 
 def nodes(args_per_node, port, nnodes=None, max_restarts=0):
     """One torchrun per simulated node, 1 rank each, meeting at 127.0.0.1:port: a static
-    rendezvous, or with nnodes ("2", "1:3") c10d's at a rendezvous_store, as docs/gpu.md's."""
+    rendezvous, or with nnodes ("2", "2:3") c10d's at a rendezvous_store, as docs/gpu.md's."""
     if nnodes is None:
         return [TORCHRUN + [f"--nnodes={len(args_per_node)}", f"--node_rank={i}",
                             "--nproc_per_node=1", "--master_addr=127.0.0.1",
