@@ -207,8 +207,8 @@ def test_torchrun_restarts_a_job_whose_rank_died_on_one_node_and_on_two_to_the_s
 
 
 def kill_node_after_step(launchers, out_dir, rank, step):
-    """A whole node lost once `step` is committed: the launcher whose worker is rank `rank` killed
-    with everything it started."""
+    """A whole node lost once `step` is committed: the launcher whose worker is rank `rank`, and
+    that worker (torchrun starts it in a session of its own), killed with all they started."""
     while not (out_dir / "checkpoints" / f"step_{step:08d}").is_dir():
         assert any(launcher.poll() is None for launcher in launchers)
         time.sleep(0.5)
@@ -217,6 +217,7 @@ def kill_node_after_step(launchers, out_dir, rank, step):
                                  text=True, check=False).stdout.split()
         for pid in workers:
             if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                os.killpg(int(pid), signal.SIGKILL)
                 os.killpg(launcher.pid, signal.SIGKILL)
                 return
     pytest.fail(f"no worker of rank {rank} to kill after step {step}")
@@ -240,6 +241,7 @@ def test_three_elastic_nodes_lose_one_and_finish_on_two(run_args, trained, lost_
     survivors = [result for result in results if result.returncode != -signal.SIGKILL]
     assert len(survivors) == 2
     assert_clean(survivors)
+    assert "resumed from" in "".join(map(output, survivors))  # the loss was felt
     # but the weight gather's bytes: each rank's shard is padded to the world's chunk
     assert_same_numbers(*([{k: v for k, v in m.items() if k != "bytes/weight_sync_gathered_bytes"}
                            for m in metrics(run)] for run in (run_args.work / "one", out_dir)))
