@@ -1,6 +1,5 @@
-"""Shared fixtures. The tiny model is built once per test session (about 5 s) and reused by every
-test that needs a real Hugging Face model directory: rollout, sft, rl and eval tests all load it the
-way they load Qwen3-14B."""
+"""Shared fixtures: the tiny model (a real Hugging Face model directory, built once per session in
+about 5 s), the SFT policy and a saved 2-step RL run."""
 import json
 import os
 import sys
@@ -34,10 +33,9 @@ def sft_policy(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def saved_run(sft_policy, tmp_path_factory):
-    """A real 2-step run (engine, executor, reward pool) that saves the rollouts of both steps and
-    a checkpoint after each, on MEMO_PROBLEMS three times under different ids (the data order
-    matters); args: its config file and overrides (what a replay is given), started: its start
-    (time.time())."""
+    """A real 2-step run saving its rollouts and a checkpoint after each step, on MEMO_PROBLEMS
+    three times under different ids (the data order matters); args: its config file and overrides
+    (what a replay is given), started: its time.time()."""
     out = tmp_path_factory.mktemp("saved")
     data = out / "train.jsonl"
     data.write_text("".join(json.dumps({**p, "id": f"{p['id']}-{k}"}) + "\n"

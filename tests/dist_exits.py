@@ -1,13 +1,10 @@
-"""A two-rank script ending through machinery.exits.run_script, as sft.py, eval.py and rl.py do:
-
-    RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/dist_exits.py MODE
-
-MODE `finish`: collectives up to the end, an FSDP2-style DeviceMesh holding the group past its
-destroy (the exit that aborted without machinery.exits.leave); `refuse`: then a ConfigError on every
-rank; `raise`: then rank 1 raises (RSTAR2_FAULTS) while rank 0 waits in an all-reduce, and an exit
-handler hangs. `steps OUT [skip_prompts=A,B]` under torchrun: five steps kept as rl.py keeps them
-(crash_loop at the start, where each rank is, watch_progress at a 6 s heartbeat), resumed from
-OUT/steps.txt; CRASHING_PROMPT crashes rank 1 as a prompt can crash the verifier.
+"""tests/test_exits.py's ranks, ending through machinery.exits.run_script as the scripts do:
+`RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/dist_exits.py MODE`.
+finish: collectives, and a DeviceMesh holding the group past its destroy; refuse: then a ConfigError
+on every rank; raise: then rank 1 raises (RSTAR2_FAULTS) while rank 0 waits in an all-reduce, and
+an exit handler hangs. `steps OUT [skip_prompts=A,B]` under torchrun: five steps kept as rl.py keeps
+them (crash_loop, WHERE, a 6 s heartbeat), resumed from OUT/steps.txt; CRASHING_PROMPT crashes
+rank 1 as a prompt can crash the verifier.
 """
 import atexit
 import os

@@ -28,16 +28,14 @@ MEMO_PROBLEMS = [{"id": f"memo-{i}", "problem": f"Compute {a} * {b} + {c}.",
 
 
 def free_port():
-    """A TCP port on 127.0.0.1 that was free a moment ago: for a rendezvous torchrun does not pick
-    (simulated nodes, bare ranks)."""
+    """A TCP port on 127.0.0.1 that was free a moment ago (simulated nodes, bare ranks)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
 
 
 def finish(command, proc, timeout):
-    """Wait for `proc` (read both pipes to the end); past `timeout` seconds kill its session.
-    (CompletedProcess, whether it ran late)."""
+    """(CompletedProcess, whether it ran late): past `timeout` seconds its session is killed."""
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
         late = False
@@ -48,15 +46,15 @@ def finish(command, proc, timeout):
     return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr), late
 
 
-def run_at_once(commands, envs=None, timeout=600, check=True, cwd=REPO):
-    """Start every command (an argv: a script, `TORCHRUN + [...]`) at once, as one launcher per
-    simulated node or rank, and wait for all; their CompletedProcess (returncode, stdout,
-    stderr as text). `envs`: extra variables per command. Each runs in its own session, so a
-    command past `timeout` seconds is killed with everything it started (torchrun's ranks,
-    their workers) and fails the test. With `check`, a non-zero exit fails the test showing
-    the command and the tails of both streams."""
+def run_at_once(commands, envs=None, timeout=600, check=True, cwd=REPO, during=None):
+    """Start every command (an argv) at once, as one launcher per simulated node or rank; their
+    CompletedProcess (text). `envs`: extra variables per command; `cwd`: one directory or one per
+    command; `during(procs)` runs while they do (a fault to inject, a condition to wait on). Each
+    runs in its own session: past `timeout` seconds it is killed with all it started and fails
+    the test; with `check`, so does a non-zero exit (the tails of both streams shown)."""
     commands = [[str(part) for part in command] for command in commands]
-    procs = [subprocess.Popen(command, cwd=cwd, text=True, start_new_session=True,
+    cwds = cwd if isinstance(cwd, list) else [cwd] * len(commands)
+    procs = [subprocess.Popen(command, cwd=cwds[i], text=True, start_new_session=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               env={**os.environ, "TOKENIZERS_PARALLELISM": "false",
                                    **(envs[i] if envs else {})})
@@ -66,8 +64,11 @@ def run_at_once(commands, envs=None, timeout=600, check=True, cwd=REPO):
     # while the test reads another's.
     with ThreadPoolExecutor(len(procs)) as readers:
         try:
-            ends = list(readers.map(finish, commands, procs, [timeout] * len(procs)))
-        except BaseException:  # a Ctrl-C of the tests: their own sessions would outlive them
+            ends = readers.map(finish, commands, procs, [timeout] * len(procs))
+            if during:
+                during(procs)
+            ends = list(ends)
+        except BaseException:  # a failed `during`, a Ctrl-C: their sessions would outlive them
             for proc in procs:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)

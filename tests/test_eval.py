@@ -31,6 +31,7 @@ from machinery.model import check_model_dir, save_hf_model
 from machinery.prompts import load_format, render_prompt, write_format
 from machinery.results import generation_settings, markdown_table, open_samples
 from machinery.metrics import pass_at_k
+from rl_runs import run
 
 REPO = Path(evaluation.__file__).resolve().parent
 
@@ -248,9 +249,8 @@ def test_command_line_reports_bad_input_in_one_line_before_any_engine(tiny_model
             ([f"model={bare}"], f"eval.py: model directory {bare} has no tokenizer"),
             ([f"model={tiny_model_dir}", "benchmarks=aime24,amc22"],
              "eval.py: unknown benchmark 'amc22' (did you mean")):
-        done = subprocess.run([sys.executable, "eval.py", "configs/eval_tiny.yaml", *overrides,
-                               f"out_dir={tmp_path}/o"],
-                              cwd=REPO, capture_output=True, text=True, timeout=120)
+        done = run([sys.executable, "eval.py", "configs/eval_tiny.yaml", *overrides,
+                    f"out_dir={tmp_path}/o"], timeout=120, check=False)
         assert done.returncode == 1 and done.stderr.startswith(message), done.stderr
         assert not (tmp_path / "o").exists()  # stopped before writing anything
 
@@ -619,8 +619,7 @@ def test_by_default_a_checkpoint_is_evaluated_in_the_format_it_was_trained_with(
                "n=1", "ks=[1]",
                "rollout.max_prompt_tokens=1024", "rollout.max_response_tokens=8",
                "rollout.dtype=float32", "rollout.enforce_eager=true"]
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = run(command)
     assert "prompt_variant: code" in (out_dir / "config.yaml").read_text()
     prompt = json.loads((out_dir / "samples.jsonl").read_text().splitlines()[0])["prompt"]
     assert ("python_code_with_standard_io" in prompt
@@ -636,8 +635,7 @@ def test_by_default_a_checkpoint_is_evaluated_in_the_format_it_was_trained_with(
     assert "| mmlu_science | 1 | 1 |" in done.stdout
     # Another evaluation into the same out_dir is refused and leaves this one's config.yaml as is.
     config = (out_dir / "config.yaml").read_bytes()
-    hotter = subprocess.run(command + ["rollout.temperature=1.0"], cwd=REPO, capture_output=True,
-                            text=True, timeout=600)
+    hotter = run(command + ["rollout.temperature=1.0"], check=False)
     assert hotter.returncode != 0 and "other settings (rollout.temperature)" in hotter.stderr
     assert (out_dir / "config.yaml").read_bytes() == config
 
@@ -653,8 +651,7 @@ def test_command_line_under_torchrun_splits_the_work_and_rank_0_gathers_it(tiny_
                "configs/eval_tiny.yaml", f"model={tiny_model_dir}", f"out_dir={out_dir}",
                "arith_problems=4", "n=2", "rollout.max_response_tokens=8",
                "rollout.gpu_memory_utilization=0.1", "rollout.max_concurrency=2"]
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = run(command)
     assert "| arith | 4 | 2 |" in done.stdout
     records = [json.loads(line) for line in (out_dir / "samples.jsonl").read_text().splitlines()]
     every_sample = [(f"arith-test-{i}", j) for i in range(4) for j in (0, 1)]
@@ -665,13 +662,12 @@ def test_command_line_under_torchrun_splits_the_work_and_rank_0_gathers_it(tiny_
     assert summary == {"arith": evaluation.summarize(groups, ks=[1, 2])}
     assert (out_dir / "config.yaml").exists()
     # The finished evaluation again: nothing left, no engine; each rank ends cleanly (exit 0).
-    again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0 and "0 to generate on 2 rank(s)" in again.stdout, again.stderr
+    again = run(command)
+    assert "0 to generate on 2 rank(s)" in again.stdout, again.stderr
     assert "terminate called" not in again.stderr
     # Other settings into it: rank 0 decides, every rank stops, the refusal is printed once (the
     # traceback after it is torchrun's own report of the exit).
-    refused = subprocess.run(command + ["n=3"], cwd=REPO, capture_output=True, text=True,
-                             timeout=600)
+    refused = run(command + ["n=3"], check=False)
     assert refused.returncode != 0
     assert refused.stderr.count(f"eval.py: out_dir={out_dir}: ") == 1
     tracebacks = refused.stderr.split("Traceback (most recent call last):")[1:]

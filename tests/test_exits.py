@@ -1,51 +1,38 @@
 """machinery/exits.py: how every script ends (run_script, leave) and the commands it prints."""
 import json
-import os
 import re
-import socket
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+from rl_runs import PYTHON, TORCHRUN, free_port, run, run_at_once
 
 from machinery import exits
 
-REPO = Path(__file__).resolve().parent.parent
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch_two_ranks(mode, extra_env=None):
-    """tests/dist_exits.py as 2 ranks, their (returncode, stdout, stderr) by rank."""
-    port, procs = free_port(), []
-    for rank in (0, 1):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               **(extra_env or {})}
-        procs.append(subprocess.Popen([sys.executable, "tests/dist_exits.py", mode], cwd=REPO,
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
-    outputs = [p.communicate(timeout=120) for p in procs]
-    return [(p.returncode, *output) for p, output in zip(procs, outputs)]
+def launch_two_ranks(*modes, env=None):
+    """tests/dist_exits.py as 2 bare ranks per mode, every pair at once: CompletedProcess by rank,
+    pair after pair."""
+    ranks = []
+    for mode in modes:
+        port = free_port()
+        ranks += [(mode, {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+                          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                          "OMP_NUM_THREADS": "1", **(env or {})}) for rank in (0, 1)]
+    return run_at_once([[PYTHON, "tests/dist_exits.py", mode] for mode, _ in ranks],
+                       [rank_env for _, rank_env in ranks], timeout=120, check=False)
 
 
 @pytest.mark.slow
 def test_two_ranks_end_cleanly_and_a_refusal_is_printed_once():
     """Without leave(), 3 of 27 launches aborted at exit (-6, "terminate called without an active
     exception"), with it 0 of 23: five catch a regression about half the time (docs/design.md)."""
-    for _ in range(5):
-        ends = launch_two_ranks("finish")
-        for rank, (code, out, err) in enumerate(ends):
-            assert (code, out, err) == (0, f"rank {rank}: done\n", ""), ends
-    (code0, out0, err0), (code1, out1, err1) = launch_two_ranks("refuse")
-    assert (code0, code1) == (1, 1) and out0 == out1 == ""
-    assert err0 == "dist_exits.py: out_dir=/x: refused on every rank\n" and err1 == ""
+    *finished, refused0, refused1 = launch_two_ranks(*["finish"] * 5, "refuse")
+    for i, end in enumerate(finished):
+        assert (end.returncode, end.stdout, end.stderr) == (0, f"rank {i % 2}: done\n", ""), end
+    assert (refused0.returncode, refused1.returncode) == (1, 1)
+    assert refused0.stdout == refused1.stdout == refused1.stderr == ""
+    assert refused0.stderr == "dist_exits.py: out_dir=/x: refused on every rank\n"
 
 
 @pytest.mark.slow
@@ -53,54 +40,46 @@ def test_a_rank_that_raises_ends_every_rank_in_seconds_though_an_exit_handler_ha
     """Rank 1 raises while rank 0 waits for it in an all-reduce, and on both an exit handler never
     returns (as vLLM's finalizer can on NCCL): leave() bounds it, so both ranks end."""
     started = time.time()
-    (code0, out0, err0), (code1, out1, err1) = launch_two_ranks(
-        "raise", {"RSTAR2_FAULTS": "0:1:1:update:raise", "RSTAR2_LEAVE_TIMEOUT_S": "2"})
+    lost, raised = launch_two_ranks(
+        "raise", env={"RSTAR2_FAULTS": "0:1:1:update:raise", "RSTAR2_LEAVE_TIMEOUT_S": "2"})
     seconds = time.time() - started
-    assert (code0, code1) == (1, 1) and seconds < 40, (seconds, err0, err1)
+    assert (lost.returncode, raised.returncode) == (1, 1) and seconds < 40, (seconds, lost, raised)
     # the raising rank: its traceback (a bug is shown), then the bound
-    assert "RuntimeError: RSTAR2_FAULTS: a fault injected at rank 1, step 1, update" in err1
-    assert err1.endswith("rank 1: the exit handlers (vLLM's engine shutdown, the workers') were "
-                         "still running after 2 s: left without them\n"), err1
+    assert "RuntimeError: RSTAR2_FAULTS: a fault injected at rank 1, step 1, update" in raised.stderr
+    assert raised.stderr.endswith("were still running after 2 s: left without them\n")
     # the rank that lost it: one line naming its rank, step and phase and what comes next
-    line, bound = err0.splitlines()
-    assert re.fullmatch(r"dist_exits\.py: rank 0 lost another rank in step 1 \(update\) \(gloo: "
-                        r"Connection (closed|reset) by peer \[127\.0\.0\.1\]:\d+\): no restart "
-                        r"left \(--max-restarts=0\); to resume: \S+python dist_exits\.py raise",
-                        line)
-    assert bound.startswith("rank 0: the exit handlers") and out0 == ""
-    print(f"both ranks ended {seconds:.1f} s after the launch")
+    line, bound = lost.stderr.splitlines()
+    assert re.match(r"dist_exits\.py: rank 0 lost another rank in step 1 \(update\) \(gloo: "
+                    r"Connection (closed|reset) by peer .*no restart left", line)
+    assert bound.startswith("rank 0: the exit handlers") and lost.stdout == ""
 
 
 def test_leave_bounds_the_exit_handlers_even_when_one_holds_the_interpreter():
     """A hang in Python: leave()'s timer, the exit code; in C holding the GIL: faulthandler, 1."""
-    for hang, code, says in (("time.sleep(3600)", 3, "were still running after 1 s"),
-                             ("ctypes.PyDLL(None).sleep(3600)", 1, "Timeout (0:00:02)!")):
-        script = f"""if True:
-            import atexit, ctypes, time
-            from machinery import exits
-            exits.LEAVE_TIMEOUT_S = 1
-            atexit.register(lambda: {hang})
-            exits.leave(3)
-        """
-        started = time.time()
-        proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
-                              text=True, timeout=60)
-        assert proc.returncode == code and says in proc.stderr, proc.stderr
-        assert time.time() - started < 30
+    script = """if True:
+        import atexit, ctypes, sys, time
+        from machinery import exits
+        exits.LEAVE_TIMEOUT_S = 1
+        atexit.register(lambda: eval(sys.argv[1]))
+        exits.leave(3)
+    """
+    started = time.time()
+    in_python, in_c = run_at_once([[PYTHON, "-c", script, hang] for hang in (
+        "time.sleep(3600)", "ctypes.PyDLL(None).sleep(3600)")], timeout=60, check=False)
+    assert in_python.returncode == 3 and "still running after 1 s" in in_python.stderr
+    assert in_c.returncode == 1 and "Timeout (0:00:02)!" in in_c.stderr, in_c.stderr
+    assert time.time() - started < 30
 
 
 def test_the_fault_injection_strikes_only_its_attempt_rank_step_and_point():
     script = "from machinery import exits; exits.reached('train', 2); " \
              "exits.reached('rollout', 3); print('not killed')"
-    for faults, rank, attempt, killed in (("0:1:3:rollout:kill", "1", "0", True),
-                                          ("0:1:3:rollout:kill", "0", "0", False),
-                                          ("0:1:3:rollout:kill", "1", "1", False),
-                                          ("0:1:2:rollout:kill", "1", "0", False)):
-        env = {**os.environ, "RSTAR2_FAULTS": faults, "RANK": rank, "TORCHELASTIC_RESTART_COUNT":
-               attempt}
-        proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
-                              text=True, env=env, timeout=60)
-        assert (proc.returncode, proc.stdout) == ((-9, "") if killed else (0, "not killed\n"))
+    cases = (("0:1:3:rollout:kill", "1", "0"), ("0:1:3:rollout:kill", "0", "0"),
+             ("0:1:3:rollout:kill", "1", "1"), ("0:1:2:rollout:kill", "1", "0"))
+    ends = run_at_once([[PYTHON, "-c", script]] * 4, [
+        {"RSTAR2_FAULTS": faults, "RANK": rank, "TORCHELASTIC_RESTART_COUNT": attempt}
+        for faults, rank, attempt in cases], timeout=60, check=False)
+    assert [(end.returncode, end.stdout) for end in ends] == [(-9, "")] + [(0, "not killed\n")] * 3
 
 
 def test_a_lost_peer_is_named_from_gloo_s_error_and_the_restart_counted(monkeypatch):
@@ -138,8 +117,7 @@ def test_a_signal_that_comes_while_leave_runs_the_exit_handlers_cuts_none_short(
         atexit.register(signalled)
         exits.leave(3)
     """
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
-                          text=True, timeout=60)
+    proc = run([PYTHON, "-c", script], timeout=60, check=False)
     assert (proc.returncode, proc.stderr) == (3, ""), proc.stderr
     assert proc.stdout == ("the handler that got the signal finished\n"
                            "the handler registered first ran too\n")
@@ -157,43 +135,40 @@ def test_a_printed_command_names_the_interpreter_as_it_was_run(monkeypatch, tmp_
     assert exits.rerun_command("eval.py", ["model=a b"]) == "/usr/bin/python3 eval.py 'model=a b'"
 
 
-def torchrun_steps(out, restarts, env=None, *args):
-    """dist_exits.py's steps on 2 ranks, one agent: (status, output, steps logged, seconds)."""
-    started = time.time()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node=2", f"--max-restarts={restarts}",
-                           "tests/dist_exits.py", "steps", str(out), *args], cwd=REPO,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-                          capture_output=True, text=True, timeout=900)
-    logged = (out / "steps.txt").read_text().split() if (out / "steps.txt").exists() else []
-    return proc.returncode, proc.stdout + proc.stderr, logged, time.time() - started
+def steps_job(out, restarts, *args):
+    """dist_exits.py's steps on 2 ranks under one agent, into `out`."""
+    out.mkdir(exist_ok=True)
+    return TORCHRUN + ["--standalone", "--nproc_per_node=2", f"--max-restarts={restarts}",
+                       "tests/dist_exits.py", "steps", out, *args]
+
+
+def steps_logged(out):
+    return (out / "steps.txt").read_text().split() if (out / "steps.txt").exists() else []
 
 
 @pytest.mark.slow
-def test_a_stopped_rank_is_found_within_the_heartbeat_and_the_job_restarts_and_finishes(tmp_path):
-    """Rank 1 SIGSTOPped in step 3 (a hung kernel runs no Python): rank 0, waiting in its
-    all-reduce, exits after the 6 s heartbeat; torchrun restarts the job: every step once."""
-    code, output, logged, seconds = torchrun_steps(tmp_path, 1,
-                                                   {"RSTAR2_FAULTS": "0:1:3:rollout:stop"})
-    assert code == 0 and logged == ["1", "2", "3", "4", "5"], output[-3000:]
-    assert re.search(r"dist_exits\.py: rank 0 in step 3 \(rollout\): no rank made progress for "
-                     r"6 s \(heartbeat_min\), rank 1 stopped first: torchrun restarts", output)
-    print(f"stopped, found, restarted and finished in {seconds:.0f} s")
-
-
-@pytest.mark.slow
-def test_a_crash_that_repeats_at_the_same_step_is_named_once_and_its_prompts_skip(tmp_path):
-    """Prompt 21 crashes rank 1 in step 2 on every attempt: the third refuses at its start in one
-    line naming step, phase and prompts; the key it names lets the run through."""
-    code, output, logged, _ = torchrun_steps(tmp_path, 2, {"CRASHING_PROMPT": "21"})
-    assert code != 0 and logged == ["1"], output[-3000:]
-    assert output.count("RuntimeError: prompt 21 crashed the verifier") == 2, output[-3000:]
-    line = ("dist_exits.py: step 2 failed in its rollout on the last 2 attempts, prompts 20,21 in "
-            "flight: skip them with skip_prompts=20,21 (or delete")
-    assert output.count(line) == 1, output[-3000:]
-    code, output, logged, _ = torchrun_steps(tmp_path, 0, {"CRASHING_PROMPT": "21"},
-                                             "skip_prompts=20,21")
-    assert code == 0 and logged == ["1", "2", "3", "4", "5"], output[-3000:]
+def test_a_stopped_rank_is_found_by_the_heartbeat_and_a_repeated_crash_is_named_then_skipped(
+        tmp_path):
+    """Two jobs at once. Rank 1 SIGSTOPped in step 3 (a hung kernel runs no Python): rank 0,
+    waiting in its all-reduce, exits after the 6 s heartbeat; torchrun restarts the job: every
+    step once. Prompt 21 crashes rank 1 in step 2 on every attempt: the third refuses at its
+    start in one line naming step, phase and prompts; the key it names lets the run through."""
+    stopped, crashed = run_at_once(
+        [steps_job(tmp_path / "stop", 1), steps_job(tmp_path / "crash", 2)],
+        [{"OMP_NUM_THREADS": "1", "RSTAR2_FAULTS": "0:1:3:rollout:stop"},
+         {"OMP_NUM_THREADS": "1", "CRASHING_PROMPT": "21"}], timeout=900, check=False)
+    output = stopped.stdout + stopped.stderr
+    assert stopped.returncode == 0 and steps_logged(tmp_path / "stop") == list("12345"), output
+    assert re.search(r"rank 0 in step 3 \(rollout\): no rank made progress for 6 s "
+                     r"\(heartbeat_min\), rank 1 stopped first", output)
+    output = crashed.stdout + crashed.stderr
+    assert crashed.returncode != 0 and steps_logged(tmp_path / "crash") == ["1"], output
+    assert output.count("RuntimeError: prompt 21 crashed the verifier") == 2, output
+    assert output.count("step 2 failed in its rollout on the last 2 attempts") == 1, output
+    assert "skip_prompts=20,21" in output
+    run(steps_job(tmp_path / "crash", 0, "skip_prompts=20,21"),
+        {"OMP_NUM_THREADS": "1", "CRASHING_PROMPT": "21"}, timeout=900)
+    assert steps_logged(tmp_path / "crash") == list("12345")
 
 
 def test_a_failed_attempt_s_records_become_a_failure_and_two_alike_a_refusal(tmp_path):
@@ -217,7 +192,6 @@ def test_a_main_thread_stuck_in_c_with_the_gil_released_is_found_within_the_hear
               "exits.watch_progress(dist.TCPStore('127.0.0.1', 0, 1, True), 0, 1, 3, 'x.py'); "
               "time.sleep(60)")  # sleep: a C call that releases the GIL
     started = time.time()
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    proc = run([PYTHON, "-c", script], timeout=120, check=False)
     assert proc.returncode == 1 and "rank 0 stopped first" in proc.stderr, proc.stderr
     assert time.time() - started < 50

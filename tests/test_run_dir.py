@@ -1,16 +1,7 @@
-"""A run directory holds one run (machinery/run_dir.py), through the real scripts. Each test is what
-a user did to a finished run's directory, and what happens now:
-
-    rerun with other settings, resume=never  refused in one line naming each key; no writes
-    rerun with steps at or below its step    "already at step N", exit 0; nothing written
-    continue_with_changes=true               continues, recorded; rotation keeps the old settings'
-    a second run while one runs, or killed   stopped naming the holder; a killed run's lock taken
-    its holder ran on another host, or       taken over once its lease expired; a lease renewed
-    stopped making progress                  meanwhile refused; a holder taken over writes no more
-    a resume into another model, or failing  refused by name; config.yaml and history as they were
-    a torn row, a kill inside the commit     one warning; the .tmp never read; resumes from the last
-    newest checkpoint damaged (a shard, or   resume=auto falls back to the newest intact one, one
-    another rank's trainer state)            warning naming the file; resume=THAT_ONE stops
+"""A run directory holds one run (machinery/run_dir.py and lock.py), through the real scripts:
+each test is what a user did to a run's directory (a rerun with other settings or fewer steps,
+continue_with_changes, a second writer, a holder on another host or stalled, a resume into another
+model, a torn row, a kill inside the commit, a damaged checkpoint), and what happens now.
 
 Run: .venv/bin/python -m pytest tests/test_run_dir.py -q    (-m "not slow": the sft.py half, ~20 s)
 """
@@ -22,13 +13,15 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
+import rl_runs
+import test_sft  # tests/ is on sys.path (pytest's rootdir-relative import)
 import yaml
+from rl_runs import PYTHON, REPO, run_at_once
+from test_sft import chat_rows
 
 import rl
 import sft
@@ -41,11 +34,9 @@ from machinery.lock import LOCK_NAME, release_lock, take_lock
 from machinery.metrics import wandb_run_id
 from machinery.results import open_samples
 from machinery.run_dir import read_history
-import test_sft  # tests/ is on sys.path (pytest's rootdir-relative import)
-from test_sft import chat_rows
 
-REPO = Path(__file__).resolve().parent.parent
-WORKER = str(REPO / "tests" / "dist_checkpoint.py")  # the real processes of the lease and commit
+HOST = socket.gethostname()
+WORKER = "tests/dist_checkpoint.py"  # the real processes of the lease and commit
 
 
 def snapshot(run_dir):
@@ -72,8 +63,8 @@ def sft_data(tmp_path_factory):
 
 def run_sft(tiny_model_dir, data, out_dir, **overrides):
     """test_sft's tiny run, 2 steps with a checkpoint after each (one kept)."""
-    settings = dict(max_steps=2, save_every=1, keep_checkpoints=1,
-                    warmup_ratio=sft.SFTConfig.warmup_ratio)
+    settings = {"max_steps": 2, "save_every": 1, "keep_checkpoints": 1,
+                "warmup_ratio": sft.SFTConfig.warmup_ratio}
     return test_sft.run_sft(tiny_model_dir, data, out_dir, **{**settings, **overrides})
 
 
@@ -123,11 +114,8 @@ def test_sft_a_refused_or_failed_resume_leaves_the_run_directory_as_it_was(
     before = snapshot(run)
     deeper = tiny.build_tiny_model(tiny.TinyConfig(out_dir=str(tmp_path / "deeper"),
                                                    pretrain_steps=0, num_hidden_layers=3))
-    with pytest.raises(ConfigError) as refused:
+    with pytest.raises(ConfigError, match="another model .model.layers.2.input_layernorm"):
         run_sft(deeper, sft_data, run, keep_checkpoints=2, continue_with_changes=True)
-    checkpoint = run / "checkpoints" / "step_00000002"
-    assert str(refused.value).startswith(
-        f"{checkpoint}: a checkpoint of another model (model.layers.2.input_layernorm.weight: ")
     assert snapshot(run) == before
     more = tmp_path / "more.jsonl"
     more.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(24)))
@@ -171,16 +159,13 @@ def test_sft_an_out_dir_that_cannot_be_a_directory_is_refused_in_one_line(
                             (tmp_path / "file" / "run", "Not a directory"),
                             (tmp_path / ("x" * 300) / "run", "File name too long"),
                             (tmp_path / "loop" / "run", "Too many levels of symbolic links")):
-        with pytest.raises(ConfigError) as refused:
+        with pytest.raises(ConfigError, match=f"^out_dir={out_dir}: .*{reason}[^\n]*$"):
             run_sft(tiny_model_dir, sft_data, out_dir)
-        assert str(refused.value).startswith(f"out_dir={out_dir}: ") and reason in str(
-            refused.value) and "\n" not in str(refused.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "loop"]
 
 
 def test_the_w_and_b_run_id_is_kept_in_the_run_directory(tmp_path):
-    """Every start of a run continues one W&B run (wandb.init(id=..., resume="allow")); wandb
-    itself is optional and not installed, so only the id it is given is tested here."""
+    """Every start continues one W&B run (wandb.init(id=..., resume="allow")): the id it is given."""
     first = wandb_run_id(tmp_path)
     assert re.fullmatch("[0-9a-f]{8}", first) and wandb_run_id(tmp_path) == first
     assert (tmp_path / "wandb_run_id").read_text() == first + "\n"
@@ -189,8 +174,7 @@ def test_the_w_and_b_run_id_is_kept_in_the_run_directory(tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# rl.py: one real run (engine, tool, reward) as the fixture; the refusals through rl.train in
-# process (they stop before any model or engine is loaded), the runs as `python rl.py`
+# rl.py: one real run as the fixture; refusals through rl.train in process, runs as `python rl.py`
 
 RL_ARGS = ["eval_data=", "steps=2", "prompts_per_step=2", "save_every=1", "keep_checkpoints=2",
            "rollout.max_response_tokens=64", "rollout.max_turns=1", "micro_batch_tokens=1024",
@@ -202,9 +186,8 @@ def rl_args(model, data, out_dir, *overrides):
             *RL_ARGS, *overrides]
 
 
-def rl_process(args, **kw):
-    return subprocess.run([sys.executable, "rl.py", *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=600, **kw)
+def rl_process(args, check=True):
+    return rl_runs.run([rl_runs.PYTHON, "rl.py", *args], check=check)
 
 
 @pytest.fixture(scope="module")
@@ -214,8 +197,7 @@ def finished_rl(tiny_model_dir, tmp_path_factory):
     data = work / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n"
                             for r in tiny.make_arithmetic_problems(8, 0, split="train")))
-    proc = rl_process(rl_args(tiny_model_dir, data, work / "run"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    rl_process(rl_args(tiny_model_dir, data, work / "run"))
     return tiny_model_dir, data, work / "run"
 
 
@@ -232,7 +214,7 @@ def train_in_process(model, data, out_dir, *overrides):
 
 @pytest.mark.slow
 def test_rl_rerun_with_other_settings_or_fewer_steps_or_resume_never_writes_nothing(
-        finished_rl, tmp_path, capsys):
+        finished_rl, tmp_path):
     model, data, run = copy_run(finished_rl, tmp_path)
     before = snapshot(run)
     with pytest.raises(ConfigError) as refused:  # another experiment into the demo's out_dir
@@ -240,11 +222,7 @@ def test_rl_rerun_with_other_settings_or_fewer_steps_or_resume_never_writes_noth
     message = str(refused.value)
     assert "positive_rule: 'sample' -> 'topk'" in message and "lr: 0.0002 -> 0.0001" in message
     assert "steps:" not in message and "\n" not in message  # a resume may change steps
-    assert snapshot(run) == before
-    capsys.readouterr()
-    assert train_in_process(model, data, run, "steps=1") == {}
-    assert "already at step 2 (steps=1)" in capsys.readouterr().out
-    assert snapshot(run) == before
+    assert train_in_process(model, data, run, "steps=1") == {}  # already at step 2
     with pytest.raises(ConfigError, match="^resume=never: ") as refused:
         train_in_process(model, data, run, "resume=never")
     assert "checkpoints, hf_step_2, metrics.jsonl" in str(refused.value)
@@ -254,16 +232,17 @@ def test_rl_rerun_with_other_settings_or_fewer_steps_or_resume_never_writes_noth
 @pytest.mark.slow
 def test_rl_a_checkpoint_of_another_model_is_refused_in_one_line_before_any_model_loads(
         finished_rl, tmp_path):
-    """The run's checkpoint resumed into a wider, deeper model: named as another model's, with
-    the first parameter that differs; never called damaged; nothing created or changed."""
+    """Into a wider, deeper model: named as another model's; nothing created or changed."""
     _, data, run = copy_run(finished_rl, tmp_path)
     wide = tiny.build_tiny_model(tiny.TinyConfig(out_dir=str(tmp_path / "wide"), pretrain_steps=0,
                                                  hidden_size=192, num_hidden_layers=3))
     before = snapshot(run)
     checkpoint = run / "checkpoints" / "step_00000002"
-    for out_dir, overrides in ((tmp_path / "new" / "run", [f"resume={checkpoint}"]),
-                               (run, ["continue_with_changes=true"])):
-        proc = rl_process(rl_args(wide, data, out_dir, *overrides))
+    for proc in run_at_once([[PYTHON, "rl.py", *rl_args(wide, data, out_dir, *overrides)]
+                             for out_dir, overrides in ((tmp_path / "new" / "run",
+                                                         [f"resume={checkpoint}"]),
+                                                        (run, ["continue_with_changes=true"]))],
+                            check=False):
         assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
         assert proc.stderr.startswith(f"rl.py: {checkpoint}: a checkpoint of another model (")
         assert "Loading weights" not in proc.stdout
@@ -274,9 +253,8 @@ def test_rl_a_checkpoint_of_another_model_is_refused_in_one_line_before_any_mode
 def test_rl_continue_with_changes_is_recorded_and_rotation_keeps_the_old_runs_checkpoints(
         finished_rl, tmp_path):
     model, data, run = copy_run(finished_rl, tmp_path)
-    proc = rl_process(rl_args(model, data, run, "steps=3", "positive_rule=topk",
-                              "keep_checkpoints=1", "continue_with_changes=true"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    rl_process(rl_args(model, data, run, "steps=3", "positive_rule=topk", "keep_checkpoints=1",
+                       "continue_with_changes=true"))
     # keep_checkpoints=1 rotates this run's own checkpoints only: 1 and 2 came from the sample rule
     assert steps_of(run / "checkpoints") == [1, 2, 3]
     assert yaml.safe_load((run / "config.yaml").read_text())["positive_rule"] == "topk"
@@ -293,27 +271,26 @@ def test_rl_continue_with_changes_is_recorded_and_rotation_keeps_the_old_runs_ch
 @pytest.mark.slow
 def test_rl_a_second_writer_is_stopped_and_a_killed_runs_lock_taken_over(finished_rl, tmp_path,
                                                                          capsys):
-    model, data, run = copy_run(finished_rl, tmp_path)
-    first = subprocess.Popen([sys.executable, "rl.py",
-                              *map(str, rl_args(model, data, run, "steps=1000"))],
-                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)
-    try:
-        deadline = time.time() + 300
-        while not (run / LOCK_NAME).read_text().strip():  # empty: released by the fixture's run
-            assert first.poll() is None and time.time() < deadline
+    model, data, run_dir = copy_run(finished_rl, tmp_path)
+
+    first = {}
+
+    def second_writer(procs):  # while the first runs: refused naming it; then it is SIGKILLed
+        first["pid"] = procs[0].pid
+        while not (run_dir / LOCK_NAME).read_text().strip():  # empty: the fixture's run released it
+            assert procs[0].poll() is None
             time.sleep(0.2)
-        with pytest.raises(ConfigError) as refused:
-            train_in_process(model, data, run, "steps=1000")
-        assert f"in use by pid {first.pid} on {socket.gethostname()} since" in str(refused.value)
-    finally:
-        os.killpg(first.pid, signal.SIGKILL)  # no cleanup: the lock's text stays
-        first.wait()
+        with pytest.raises(ConfigError, match=f"in use by pid {procs[0].pid} on {HOST} since"):
+            train_in_process(model, data, run_dir, "steps=1000")
+        os.killpg(procs[0].pid, signal.SIGKILL)  # no cleanup: the lock's text stays
+
+    run_at_once([[PYTHON, "rl.py", *rl_args(model, data, run_dir, "steps=1000")]], check=False,
+                during=second_writer)
     capsys.readouterr()
     with pytest.raises(ConfigError, match="holds a run with other settings"):
-        train_in_process(model, data, run, "positive_rule=topk")
-    assert f"taking over from pid {first.pid} on {socket.gethostname()}" in capsys.readouterr().out
-    assert (run / LOCK_NAME).read_text() == ""  # and released again by the refusal
+        train_in_process(model, data, run_dir, "positive_rule=topk")
+    assert f"taking over from pid {first['pid']} on {HOST}" in capsys.readouterr().out
+    assert (run_dir / LOCK_NAME).read_text() == ""  # and released again by the refusal
 
 
 @pytest.mark.slow
@@ -332,7 +309,6 @@ def test_rl_a_damaged_checkpoint_is_named_and_the_newest_intact_one_used(finishe
         train_in_process(model, data, tmp_path / "next", f"init_from={run}")
     # resume=auto: a warning naming the file, then step 1's checkpoint, steps 2 and 3 trained
     proc = rl_process(rl_args(model, data, run, "steps=3"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"WARNING: {shard}: truncated" in proc.stdout
     assert "resumed from" in proc.stdout and "step_00000001: step 1" in proc.stdout
     assert checkpoint_damage(shard.parent) == ""  # step 2 saved again, whole
@@ -340,11 +316,10 @@ def test_rl_a_damaged_checkpoint_is_named_and_the_newest_intact_one_used(finishe
 
 
 def test_eval_a_second_writer_is_stopped_and_a_killed_ones_lock_taken_over(tmp_path, capsys):
-    """eval.py's out_dir has the same one-writer lock (machinery/results.py takes it before it
-    touches samples.jsonl); the first writer here is a process that only holds it."""
+    """eval.py's out_dir has the same one-writer lock (results.open_samples takes it first)."""
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from machinery.run_dir import take_lock; "
-         "take_lock(sys.argv[1]); print('locked', flush=True); time.sleep(600)", str(tmp_path)],
+        [PYTHON, "-c", ("import sys, time; from machinery.run_dir import take_lock; "
+         "take_lock(sys.argv[1]); print('locked', flush=True); time.sleep(600)"), str(tmp_path)],
         cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "locked\n"
@@ -367,9 +342,8 @@ def other_host(renewed, pid=4242):
 
 def test_a_lease_of_another_host_is_taken_over_once_expired_and_a_live_one_refused(
         tmp_path, capsys, monkeypatch):
-    """Where flock is node-local (Lustre localflock, NFS local_lock=flock), this host can lock a
-    file that a run on another node still holds: the holder's lease in the lock's text says
-    whether it still runs. Lease times of a second here; 5 minutes in a run (~1 s)."""
+    """Where flock is node-local (Lustre localflock, NFS local_lock=flock), the holder's lease in
+    the lock's text says whether it still runs. Lease times of a second here, 5 minutes in a run."""
     for name, seconds in (("LEASE_S", 0.6), ("LEASE_POLL_S", 0.05), ("SETTLE_S", 0.05)):
         monkeypatch.setattr(lock, name, seconds)
     path = tmp_path / LOCK_NAME
@@ -413,11 +387,10 @@ def test_a_lease_of_another_host_is_taken_over_once_expired_and_a_live_one_refus
 
 def test_a_holder_that_stops_making_progress_loses_its_lease_and_never_commits_after(
         tmp_path, monkeypatch):
-    """A real holder process on node-a saves step 1, then its main loop stops (no thread renews
-    for it): a start on node-b takes the directory over once the lease (1 s here) expires, and
-    when the old holder wakes it neither logs nor commits step 2: it stops, naming the new
-    holder (one process importing torch: 90-130 s at this machine's load of 25-50)."""
-    holder = subprocess.Popen([sys.executable, WORKER, "hold", str(tmp_path)], cwd=REPO, text=True,
+    """A real holder on node-a saves step 1, then its main loop stops (no thread renews for it):
+    node-b takes over once the lease (1 s here) expires, and the old holder, woken, neither logs
+    nor commits step 2: it stops, naming the new holder."""
+    holder = subprocess.Popen([PYTHON, WORKER, "hold", str(tmp_path)], cwd=REPO, text=True,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE)
     try:
@@ -444,14 +417,11 @@ def test_a_holder_that_stops_making_progress_loses_its_lease_and_never_commits_a
 
 def test_a_commit_cut_short_and_a_truncated_rank_state_fall_back_to_the_last_good_checkpoint(
         tmp_path, capsys):
-    """Step 3 as a kill between COMPLETE and the rename leaves it (step_00000003.tmp holding
-    COMPLETE), step 2 with rank 1's trainer state cut short (a node lost during write-back):
-    resume=auto takes step 1, with one warning naming the file; resume= refuses the .tmp (two
-    processes: 95-190 s at load 25-50)."""
+    """Step 3 killed between COMPLETE and the rename (a .tmp holding COMPLETE), step 2 with rank
+    1's trainer state cut short: resume=auto takes step 1, with one warning naming the file;
+    resume= refuses the .tmp."""
     root = tmp_path / "checkpoints"
-    writers = [subprocess.Popen([sys.executable, WORKER, "write", str(root), str(rank)], cwd=REPO)
-               for rank in (0, 1)]
-    assert [writer.wait(timeout=300) for writer in writers] == [0, 0]
+    run_at_once([[PYTHON, WORKER, "write", root, rank] for rank in (0, 1)], timeout=300)
     (root / "step_00000003").rename(root / "step_00000003.tmp")
     state = root / "step_00000002" / "trainer_state_rank1.pt"
     with open(state, "r+b") as f:
