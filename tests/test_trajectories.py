@@ -122,7 +122,7 @@ def test_arms_side_by_side_and_a_large_step_cut_with_a_note(tmp_path):
 
 
 @pytest.mark.parametrize("damage, named", [
-    ("no rollouts", "rollouts"), ("step=7", "step_00000007"),
+    ("no rollouts", "rollouts"), ("step=7", "step=7"),
     ("torn", "rank_00000.jsonl.gz"), ("missing rank", "rank_00001.jsonl.gz")])
 def test_bad_input_is_refused_naming_the_path(tmp_path, damage, named):
     run = tmp_path / "run"
