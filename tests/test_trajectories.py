@@ -1,6 +1,5 @@
-"""Behaviour of tools/trajectories.py on steps saved here as rl.py saves them: the page's structure,
-that no trajectory text can end a script or add markup, arms side by side, a large step's cut, the
-refusals of bad input; TensorBoard's samples; the page of a real run in Chromium (.ci/browser)."""
+"""Behaviour of tools/trajectories.py on steps saved as rl.py saves them: the page, no text can end
+a script, arms side by side, a large step's cut, refusals; TensorBoard's samples; Chromium."""
 import gzip
 import json
 import shutil
