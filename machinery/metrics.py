@@ -20,23 +20,19 @@ from machinery.lock import hold_lease
 
 
 def check_logger_packages(wandb_project, tensorboard):
-    """Refuse a logger whose package is not installed (both are optional: README), before
-    anything loads, with the command that installs it into this interpreter's environment."""
+    """Refuse a logger whose optional package is not installed, before anything loads."""
     for key, wanted, package in (("wandb_project", wandb_project, "wandb"),
                                  ("tensorboard", tensorboard, "tensorboard")):
         if wanted and importlib.util.find_spec(package) is None:
-            wanted = "true" if wanted is True else wanted
-            raise ConfigError(f"{key}={wanted}: the {package} package is not installed; "
+            raise ConfigError(f"{key}: the {package} package is not installed; "
                               f"{typed(sys.executable)} -m pip install {package}")
 
 
 class MetricsLogger:
-    """Appends one JSON object per step to run_dir/metrics.jsonl (rank 0 only); mirrors to
-    wandb/tensorboard when asked. On resume every log continues the run's own: metrics.jsonl and
-    TensorBoard drop what came after the resumed step (the steps trained again; a run that starts
-    over drops the whole log, its step 0, the evaluation before training, redone), and W&B
-    continues the run of the id kept in run_dir/wandb_run_id. rl.py logs a step before its
-    checkpoint commits, so the file holds every step once."""
+    """One JSON object per step in run_dir/metrics.jsonl (rank 0 only), mirrored to W&B and
+    TensorBoard when asked. On resume metrics.jsonl and TensorBoard drop the steps after the
+    resumed one (all of them for a run that starts over) and W&B continues the run whose id
+    run_dir/wandb_run_id keeps, so every log holds each step once."""
 
     def __init__(self, run_dir, enabled=True, wandb_project="", tensorboard=False, config=None,
                  resume_step=0):
@@ -51,23 +47,20 @@ class MetricsLogger:
                     if resume_step and r.get("step", 0) <= resume_step]
             atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         if wandb_project:
-            import wandb  # optional: pip install wandb
+            import wandb  # optional; W&B keeps a redone step's first values (no step goes back)
 
-            # W&B takes no step below one it has (the steps trained again after a resume keep
-            # their first values there; metrics.jsonl has the redone ones)
             self.wandb = wandb.init(project=wandb_project, config=config, dir=str(run_dir),
                                     id=wandb_run_id(run_dir), resume="allow")
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter  # optional: pip install tensorboard
+            from torch.utils.tensorboard import SummaryWriter  # optional
 
-            # purge_step: events at or after the first step trained again are dropped on load (a
-            # run that starts over: all of them, its step 0 too, as metrics.jsonl)
+            # purge_step: the events of the steps trained again are dropped on load
             self.tb = SummaryWriter(str(Path(run_dir) / "tb"),
                                     purge_step=resume_step + 1 if resume_step else 0)
 
     def log(self, step, metrics):
-        """One row: the step, `timestamp` (unix seconds at logging, as W&B's _timestamp and
-        TensorBoard's wall_time, which record their own and so are not sent it) and the metrics."""
+        """One row: the step, `timestamp` (unix seconds; W&B and TensorBoard keep their own) and
+        the metrics."""
         if not self.enabled:
             return
         hold_lease(self.path.parent)  # a run whose run.lock was taken over writes no row
@@ -85,13 +78,12 @@ class MetricsLogger:
                     self.tb.add_scalar(k, v, step)
 
     def log_samples(self, step, records):
-        """A few of the step's trajectories beside the curves (saved-rollout records, as TRL's
-        completions table): a W&B table, and TensorBoard's text tab, each trajectory a line of
-        the fields and its text as an indented code block, which no text can close."""
+        """A few of the step's saved-rollout records beside the curves: a W&B table, and
+        TensorBoard's text tab (each text an indented code block, which no text can close)."""
         rows = [[", ".join(f"{k} {n}" for k, n in r["tool_errors_by_kind"].items() if n)
                  if c == "errors_by_kind" else r[c] for c in SAMPLE_COLUMNS] for r in records]
         if self.wandb and rows:
-            import wandb  # optional, as in __init__; here only when a W&B run exists
+            import wandb  # optional, as in __init__
 
             self.wandb.log({"samples": wandb.Table(columns=list(SAMPLE_COLUMNS), data=rows)},
                            step=step)
@@ -116,8 +108,7 @@ WANDB_ID_FILE = "wandb_run_id"
 
 
 def wandb_run_id(run_dir):
-    """The W&B run id of this run directory: made at its first start (8 characters of [0-9a-f], as
-    W&B's own), kept in run_dir/wandb_run_id, so every later start continues that W&B run."""
+    """The W&B run id of this run directory, made at its first start and kept in it."""
     path = Path(run_dir) / WANDB_ID_FILE
     if not path.is_file() or not path.read_text().strip():
         atomic_write_text(path, secrets.token_hex(4) + "\n")
@@ -125,8 +116,8 @@ def wandb_run_id(run_dir):
 
 
 class TimedExecutor:
-    """The executor, adding up the seconds its calls run. Calls overlap decoding (no per-turn
-    barrier), so this is the tool's load, not a slice of the rollout's wall time."""
+    """The executor, adding up the seconds its calls run: the tool's load (calls overlap
+    decoding)."""
 
     def __init__(self, executor):
         self.executor, self.busy_s = executor, 0.0
@@ -146,23 +137,16 @@ class TimedExecutor:
 
 
 def pass_at_k(n, c, k):
-    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k), the chance
-    that k of the n drawn without replacement include a correct one (Chen et al. 2021, Eq. 1); c / n
-    for k = 1 (avg pass@1). Python's integers are exact, so no product tricks are needed."""
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k) (Chen et al.
+    2021, Eq. 1), exact in Python's integers; c / n for k = 1."""
     if not 1 <= k <= n or not 0 <= c <= n:
-        raise ValueError(f"pass_at_k: need 1 <= k <= n and 0 <= c <= n, "
-                         f"got n={n} c={c} k={k}")
-    # C(n-c, k) counts the k-subsets with no correct sample; math.comb is 0 when k > n - c,
-    # giving 1.0. The naive 1 - (1 - c/n)^k samples with replacement and overestimates pass@k for
-    # k close to n.
+        raise ValueError(f"pass_at_k: need 1 <= k <= n and 0 <= c <= n, got n={n} c={c} k={k}")
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def trajectory_record(t, correct, answer, ungraded=False):
-    """The numbers of one graded trajectory that eval.py writes per sample and both eval.py and
-    rl.py's held-out evaluation average (sample_metrics); small fields only, in the order
-    samples.jsonl shows. ungraded: the verifier reached no verdict (reward.grade_batch's
-    unfinished), so correct=False is not a wrong answer."""
+    """One graded trajectory's numbers, as eval.py writes them per sample and sample_metrics
+    averages them. ungraded: the verifier reached no verdict, so correct=False is not wrong."""
     return {"answer": answer, "correct": correct, "ungraded": ungraded, "finished": t.finished,
             "truncated": t.truncated,
             "stop_reason": t.stop_reason, "response_tokens": len(t.response_ids),
@@ -175,16 +159,13 @@ def trajectory_record(t, correct, answer, ungraded=False):
 def sample_metrics(samples):
     """Means over trajectory_record dicts: lengths, tool use and errors, answers, truncation."""
     metrics = {}
-    # model + tool tokens
     metrics["response_tokens"] = statistics.fmean(r["response_tokens"] for r in samples)
-    # sampled by the model
     metrics["model_tokens"] = statistics.fmean(r["model_tokens"] for r in samples)
 
     calls = sum(r["num_tool_calls"] for r in samples)
     errors = sum(r["num_tool_errors"] for r in samples)
     metrics["tool_calls_per_trajectory"] = calls / len(samples)
-    # Pooled over calls, not averaged per trajectory: a trajectory with 20 calls weighs 20
-    # times one with 1.
+    # pooled over calls: a trajectory with 20 calls weighs 20 times one with 1
     metrics["tool_error_rate"] = errors / calls if calls else None
 
     correct = [r for r in samples if r["correct"]]
@@ -203,8 +184,7 @@ def sample_metrics(samples):
     metrics["answer_rate"] = statistics.fmean(r["answer"] is not None for r in samples)
     metrics["truncated_rate"] = statistics.fmean(bool(r["truncated"]) for r in samples)
 
-    # A count, not a rate: any at all means the grading, not the model, moved the accuracy. Samples
-    # written before the field existed have none.
+    # a count: any at all means the grading, not the model, moved the accuracy
     metrics["ungraded"] = sum(bool(r.get("ungraded")) for r in samples)
     metrics["turns"] = statistics.fmean(r["num_turns"] for r in samples)
     return metrics
@@ -212,8 +192,7 @@ def sample_metrics(samples):
 
 @contextlib.contextmanager
 def timed(times, key):
-    """times[key] = the seconds the `with` block took; the block is the phase `key` names
-    (machinery.exits.reached)."""
+    """times[key] = the seconds the `with` block took, the phase `key` names (exits.reached)."""
     reached(key.removeprefix("time/"))
     started = time.perf_counter()
     yield
@@ -221,9 +200,8 @@ def timed(times, key):
 
 
 def step_metrics(records, num_groups):
-    """The step's numbers, over every sampled trajectory of every rank (select_samples' records).
-    None, not 0, where there is nothing to average: "no correct trajectory called the tool" is not
-    "no errors"."""
+    """The step's numbers over every rank's select_samples records; None, not 0, where there is
+    nothing to average ("no correct trajectory called the tool" is not "no errors")."""
     n = len(records)
 
     def mean(key, rows=records):
@@ -268,9 +246,8 @@ def step_metrics(records, num_groups):
 
 
 def global_metrics(per_batch, world_size):
-    """Every micro-batch's loss metrics on this rank -> the batch's over all ranks. A summed metric
-    was divided by the per-rank share of tokens, so its sum over micro-batches and mean over ranks
-    is the global one; *_max combine by max."""
+    """Every micro-batch's loss metrics on this rank -> the batch's over all ranks: summed over
+    micro-batches (each divided by the rank's token share) and averaged over ranks; *_max by max."""
     keys = sorted(k for k in per_batch[0] if not k.endswith("_max"))
     max_keys = sorted(k for k in per_batch[0] if k.endswith("_max"))
     packed = torch.stack([sum(torch.as_tensor(m[k], dtype=torch.float32) for m in per_batch)
@@ -286,9 +263,7 @@ def global_metrics(per_batch, world_size):
 
 def gather_step_metrics(local, learner, step, logprob_gap_warn):
     """rl.py's step 8: the step's metrics on rank 0 ({} elsewhere) from every rank's `local`
-    numbers (select_samples' records, phase seconds, bytes moved, tokens) and the `learner`'s (the
-    same on every rank). time/PHASE is the slowest rank's seconds in each phase: the others wait
-    for it at the next collective; time/tool_busy overlaps time/rollout."""
+    numbers and the `learner`'s. time/PHASE is the slowest rank's (the others wait for it)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     gathered = [None] * world_size if rank == 0 else None
     dist.gather_object(local, gathered, dst=0)
@@ -317,8 +292,7 @@ def gather_step_metrics(local, learner, step, logprob_gap_warn):
 
 
 def held_out_metrics(records, num_problems, samples_per_problem):
-    """rl.py's eval/ metrics from {(problem, sample): trajectory_record}: pass@1 as eval.py
-    computes it, and the tool's use and errors."""
+    """rl.py's eval/ metrics from {(problem, sample): trajectory_record}, as eval.py's."""
     correct = [sum(records[p, s]["correct"] for s in range(samples_per_problem))
                for p in range(num_problems)]
     summary = {"pass@1": statistics.fmean(pass_at_k(samples_per_problem, c, 1) for c in correct),
@@ -329,7 +303,7 @@ def held_out_metrics(records, num_problems, samples_per_problem):
 
 
 def print_held_out(metrics, rank, when):
-    """One console line for a held-out evaluation (rank 0), which metrics.jsonl also keeps."""
+    """One console line for a held-out evaluation (rank 0)."""
     if rank != 0:
         return
     in_correct = metrics.get("eval/tool_error_rate_in_correct")
@@ -353,11 +327,10 @@ def warn_logprob_gap(metrics, step, threshold):
     """The sync guard's alarm: the engine is not sampling from the policy being trained."""
     if metrics["logprob_gap_mean"] <= threshold:
         return
-    print(f"\n{'!' * 100}\nWARNING step {step}: trainer and engine log-probs of the sampled "
-          f"tokens differ by {metrics['logprob_gap_mean']:.4f} on average (max "
-          f"{metrics['logprob_gap_max']:.3f}), above logprob_gap_warn={threshold}.\n"
-          "The engine is not sampling from the policy being trained: check the weight sync "
-          f"(names, dtype), the temperature, and the chat template.\n{'!' * 100}", flush=True)
+    print(f"\n{'!' * 100}\nWARNING step {step}: logprob_gap_mean "
+          f"{metrics['logprob_gap_mean']:.4f} > logprob_gap_warn={threshold}: the engine is not "
+          "sampling from the trained policy: check the weight sync, the temperature and the chat "
+          "template\n" + "!" * 100, flush=True)
 
 
 def print_rl_written(out_dir, hf_dir, ckpt_root, untrained, device):
@@ -374,9 +347,8 @@ def print_rl_written(out_dir, hf_dir, ckpt_root, untrained, device):
 
 
 def warn_untrained(streak, metrics, every):
-    """A loud warning when `streak` steps in a row trained on nothing (every group all-equal and
-    dropped, §2.2.3), at `every` steps and at each doubling after: the console's
-    accuracy alone does not say that no update happens. The reason comes from the last step."""
+    """A loud warning when `streak` steps in a row trained on nothing (§2.2.3), at `every` steps
+    and each doubling after, with the last step's reason."""
     times = streak // every if every else 0
     if not times or streak % every or times & (times - 1):  # N x a power of two only
         return
@@ -388,13 +360,11 @@ def warn_untrained(streak, metrics, every):
                f"every rollout, {right} got reward 1 on every rollout, and filter_all_equal drops "
                "them (a group with one reward has no advantage, Eq. 7)")
         if right == 0:
-            why += (". All rewards are 0: too hard a task for this policy, an answer format "
-                    "reward.py cannot read, the tool off (rollout.use_tool=false), or too small a "
-                    f"rollout.max_response_tokens (truncation_ratio "
+            why += (". All rewards are 0: too hard, an unreadable answer format, the tool off or "
+                    f"too few rollout.max_response_tokens (truncation_ratio "
                     f"{metrics['truncation_ratio']:.2f})")
         elif right == groups:
-            why += (". All rewards are 1: too easy problems for this policy "
-                    "(python -m tools.filter_solved drops the ones it always solves)")
+            why += ". All rewards are 1: too easy (python -m tools.filter_solved drops those)"
     else:
         why = "no kept trajectory had a model-written token"
 
@@ -414,8 +384,7 @@ def print_sft_data(examples, dropped, total_steps, cfg, world_size, accumulation
 
 
 def print_sft_written(out_dir, device):
-    """What the run wrote, and the next command: configs/tiny.yaml on CPU (the demo's RL stage),
-    the paper's stage 1 on a GPU."""
+    """What the run wrote, and the next command (configs/tiny.yaml on CPU, stage 1 on a GPU)."""
     rl_config = "configs/stage1.yaml" if device.type == "cuda" else "configs/tiny.yaml"
     model = f"model={shown(out_dir / 'final')}"
     print(f"sft.py: wrote {shown(out_dir / 'final')} (the model, a Hugging Face directory) and "

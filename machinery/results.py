@@ -1,6 +1,6 @@
-"""eval.py's results directory: samples.jsonl (one line per sample, appended per chunk; the
-resume point), generation.json (the settings its samples were made with), config.yaml (the
-evaluation's whole config, written once the directory took it), summary.json and summary.md."""
+"""eval.py's results directory: samples.jsonl (a line per sample, appended per chunk: the resume
+point), generation.json (the settings its samples were made with), config.yaml, summary.json and
+summary.md."""
 import dataclasses
 import json
 import os
@@ -9,18 +9,18 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from machinery.config import ConfigError, atomic_write_text, read_records, save_config
+from machinery.config import (ConfigError, atomic_write_text, flatten_config, read_records,
+                              save_config)
 from machinery.run_dir import ROLLOUT_RESOURCE_FIELDS, hold_lease, take_lock
 
-# Problems per generate() of an evaluation (eval.py's chunk_problems default). rl.py's held-out
-# evaluation takes the same chunks, so its sampling seeds (seed, chunk, problem, sample) are
-# eval.py's.
+# Problems per generate() of an evaluation; rl.py's held-out evaluation takes the same chunks, so
+# its sampling seeds (seed, chunk, problem, sample) are eval.py's.
 CHUNK_PROBLEMS = 64
 
 
 def generation_settings(model_path, cfg):
-    """Everything that decides what a sample is (and its grade, which samples.jsonl stores):
-    finished samples are reused only when it matches. benchmarks and limit only add problems."""
+    """Everything that decides what a sample is and its grade: finished samples are reused only
+    when it matches (benchmarks and limit only add problems)."""
     settings = {"model": str(Path(model_path).resolve()), "n": cfg.n, "seed": cfg.seed,
                 "require_answer_tag": cfg.require_answer_tag}
     rollout = dataclasses.asdict(cfg.rollout)
@@ -32,13 +32,12 @@ def generation_settings(model_path, cfg):
 
 def open_samples(out_dir, settings, n, resume):
     """The finished problems in out_dir/samples.jsonl: {(benchmark, problem id): its n records};
-    {} for a fresh run. A torn line and an unfinished problem's samples are dropped, so that
-    problem is generated again, whole, never a mix of two runs."""
+    {} for a fresh run. A torn line and an unfinished problem's samples are dropped: that problem
+    is generated again, whole."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    # One writer: two evaluations appending to one samples.jsonl would interleave their lines.
-    # Held until the process exits (machinery/run_dir.py).
+    # One writer: two evaluations appending to one samples.jsonl would interleave their lines
     take_lock(out_dir)
     samples_path, settings_path = out_dir / "samples.jsonl", out_dir / "generation.json"
     if not resume or not samples_path.exists():
@@ -49,7 +48,9 @@ def open_samples(out_dir, settings, n, resume):
 
     saved = json.loads(settings_path.read_text()) if settings_path.exists() else None
     if saved != settings:
-        changed = sorted(_diff_keys(saved, settings)) if saved else ["generation.json is missing"]
+        old, new = flatten_config(saved or {}), flatten_config(settings)
+        changed = ([k for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
+                   if saved else ["generation.json is missing"])
         # Not "resume=false": that would delete another experiment's samples to make room.
         raise ConfigError(f"out_dir={out_dir}: holds samples made with other settings "
                           f"({', '.join(changed)}); give this evaluation its own out_dir")
@@ -70,24 +71,15 @@ def open_samples(out_dir, settings, n, resume):
     return finished
 
 
-def _diff_keys(a, b, prefix=""):
-    for key in set(a) | set(b):
-        if isinstance(a.get(key), dict) and isinstance(b.get(key), dict):
-            yield from _diff_keys(a[key], b[key], f"{prefix}{key}.")
-        elif a.get(key) != b.get(key):
-            yield f"{prefix}{key}"
-
-
 def work_left(model_path, problems, cfg, out_dir, rank, world_size):
-    """(the finished problems, on rank 0: {(benchmark, id): records}, the (benchmark, row) pairs
-    left, the same on every rank). Rank 0 alone reads out_dir: no shared filesystem is assumed."""
+    """(the finished problems on rank 0: {(benchmark, id): records}, the (benchmark, row) pairs
+    left on every rank). Rank 0 alone reads out_dir: no shared filesystem is assumed."""
     finished, refusal = {}, None
     if out_dir is not None and rank == 0:
         try:
             finished = open_samples(out_dir, generation_settings(model_path, cfg), cfg.n,
                                     cfg.resume)
-            # Only once out_dir took this evaluation (its samples' settings match, or it was
-            # empty): a refused one leaves another evaluation's config.yaml as it was.
+            # only once out_dir took this evaluation: a refused one leaves another's config.yaml
             save_config(cfg, out_dir)
         except ConfigError as e:  # every rank raises it: all stop at once, rank 0 prints it
             refusal = str(e)
@@ -113,7 +105,7 @@ def work_left(model_path, problems, cfg, out_dir, rank, world_size):
 
 def gather_records(chunk, records, rank, world_size):
     """Every rank's records of one chunk on rank 0 ([] elsewhere), one per sample, in work-list
-    order: rank 0 alone writes."""
+    order."""
     if world_size > 1:
         parts = [None] * world_size if rank == 0 else None
         dist.gather_object(records, parts, dst=0)
@@ -172,7 +164,6 @@ def markdown_table(summary):
 
 
 def default_out_dir(model_path):
-    """runs/eval/<parent>-<name> of the model directory (runs/tiny-rl/hf_step_20 ->
-    runs/eval/tiny-rl-hf_step_20): one per model, so none finds another's samples."""
+    """runs/eval/<parent>-<name> of the model directory: one per model."""
     model_path = Path(model_path)
     return str(Path("runs/eval") / f"{model_path.parent.name}-{model_path.name}".strip("-"))

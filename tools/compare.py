@@ -1,8 +1,6 @@
 """Arms of an RL ablation compared in one command: each arm is rl.py with its own key=value
-overrides, run for every seed (two at a time on CPU, or printed as launch lines for a cluster);
-then, from the finished run directories wherever they were made, one PNG of their curves (mean and
-seed min..max per arm) and a markdown table of the last-third means +- std over seeds, with whether
-each arm's seed range overlaps the reference arm's.
+overrides, run for every seed (or printed as launch lines); then one PNG of their curves (mean and
+seed min..max per arm) and a markdown table of last-third means +- std over seeds.
 
     python -m tools.compare arms="roc,grpo algorithm=grpo" seeds=0,1 args=steps=20
     python -m tools.compare arms="roc,shortest positive_rule=shortest" launch=print   # a cluster's
@@ -10,8 +8,7 @@ each arm's seed range overlaps the reference arm's.
     python -m tools.compare runs=runs/tiny-rl plot=runs/tiny-rl/curves.png           # one run
 
 A run directory's arm is its name without -seedN (or NAME=DIR); its seed, its config.yaml's.
-demo.py ablation=true writes assets/ablation.png / .md with the same summarize / table_lines /
-plot_curves.
+demo.py ablation=true writes assets/ablation.png / .md with the same write_comparison.
 """
 import concurrent.futures
 import dataclasses
@@ -25,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Literal
 
-from machinery.config import (REPO, ConfigError, atomic_write_text, load_config, read_records,
-                              read_saved_config, resolve)
+from machinery.config import (REPO, ConfigError, PositiveInt, atomic_write_text, load_config,
+                              read_records, read_saved_config, resolve)
 
 # The panels of the PNG and the columns of the last-third table: (metrics.jsonl key, title).
 CURVES = (("accuracy", "train reward (accuracy, T=1.0)"),
@@ -37,6 +34,7 @@ CURVES = (("accuracy", "train reward (accuracy, T=1.0)"),
           ("grad_norm", "grad norm (before clipping)"),
           ("time/step", "seconds per step"))
 PERCENT = ("accuracy", "eval/pass@1", "tool_error_ratio_in_correct")
+RATIO = "tool_error_ratio_in_correct"
 
 
 @dataclasses.dataclass
@@ -46,20 +44,19 @@ class CompareConfig:
     seeds: list[int] = dataclasses.field(default_factory=lambda: [0])  # seeds=0 or seeds=0,1
     args: list[str] = dataclasses.field(default_factory=list)  # key=value for every arm
     out_dir: str = "runs/compare"  # arm NAME's seed N runs in OUT_DIR/NAME-seedN
-    parallel: int = 2             # rl.py runs at once (on CPU each decodes on one core)
+    parallel: PositiveInt = 2     # rl.py runs at once (on CPU each decodes on one core)
     launch: Literal["run", "print"] = "run"  # print: the rl.py command lines, nothing run
     runs: list[str] = dataclasses.field(default_factory=list)  # finished runs: DIR or NAME=DIR
     reference: str = ""           # the arm the others are compared with; "": the first
-    smooth: int = 3               # the plot's trailing mean over steps (the table is not smoothed)
+    smooth: PositiveInt = 3       # the plot's trailing mean over steps (the table is not smoothed)
     plot: str = ""                # the PNG, its table as .md and numbers as .json next to it;
                                   # "": OUT_DIR/compare.png
 
     def validate(self):
         if not self.arms and not self.runs:
-            raise ConfigError("arms or runs: give the arms to run (arms=\"roc,grpo algorithm=grpo"
-                              "\") or the finished run directories to compare (runs=DIR,DIR)")
-        if self.parallel < 1 or self.smooth < 1 or not self.seeds:
-            raise ConfigError("parallel and smooth must be >= 1 and seeds not empty")
+            raise ConfigError("arms or runs: give the arms to run or the run directories")
+        if not self.seeds:
+            raise ConfigError("seeds: empty; seeds=0 or seeds=0,1")
 
 
 # -----------------------------------------------------------------------------
@@ -81,8 +78,8 @@ def arm_jobs(cfg):
 
 
 def check_arms(cfg, jobs):
-    """Every arm's rl.py config loaded and checked as rl.py will (a typo in the last arm stops the
-    comparison before the first trains); an arm's key that cannot act at its settings is said."""
+    """Every arm's rl.py config checked before the first trains; an arm's key that cannot act at
+    its settings is said."""
     from rl import RLConfig  # torch and the engine's adapter, ~4 s: only a comparison of arms
     for (name, seed), (_, args) in jobs.items():
         try:  # the config file as rl.py finds it, from the repo root
@@ -95,9 +92,8 @@ def check_arms(cfg, jobs):
 
 
 def run_arms(cfg):
-    """Every (arm, seed) as its own rl.py process, cfg.parallel at a time, each logging to
-    OUT_DIR/NAME-seedN.log; a run already finished resumes to nothing (rl.py's run directory).
-    Returns the timing for the table's header."""
+    """Every (arm, seed) as its own rl.py process, cfg.parallel at a time, logging to
+    OUT_DIR/NAME-seedN.log (a finished run resumes to nothing); the timing for the table."""
     jobs, load_before, started = arm_jobs(cfg), os.getloadavg(), time.time()
 
     def one(out_dir, args):
@@ -131,7 +127,6 @@ def find_runs(paths):
 
 
 def read_metrics(run_dir):
-    """metrics.jsonl's rows (a torn last line dropped with a warning: machinery.config)."""
     return read_records(Path(run_dir) / "metrics.jsonl")
 
 
@@ -144,8 +139,7 @@ def mean(values):
 
 
 def seed_spread(values):
-    """Mean, sample standard deviation, min and max over seeds (None: a seed with nothing to
-    measure)."""
+    """Mean, sample standard deviation, min and max over seeds (None values left out)."""
     values = [v for v in values if v is not None]
     if not values:
         return {"mean": None, "std": None, "min": None, "max": None, "seeds": 0}
@@ -164,8 +158,7 @@ def evals(metrics):
 
 
 def last_third(metrics, key, steps):
-    """The mean of a per-step number over the last third of the steps (the paper's curves are read
-    at the end)."""
+    """The mean of a per-step number over the last third of the steps."""
     return mean([m.get(key) for m in train_rows(metrics) if m["step"] > steps - max(1, steps // 3)])
 
 
@@ -175,7 +168,7 @@ def at_step(metrics, key, step):
 
 def trained_alike(rows, reference_rows):
     """Whether two runs took the same updates: every step's loss and gradient norm equal, and at
-    least one step trained."""
+    least one logged."""
     def updates(rows):
         return [(m["step"], m.get("loss"), m.get("grad_norm")) for m in train_rows(rows)]
 
@@ -184,12 +177,11 @@ def trained_alike(rows, reference_rows):
 
 
 def summarize(runs, reference, final_trajectories=0, timing=None):
-    """runs {(arm, seed): metrics rows} -> per arm: the rollouts sampled / trained per step, the
-    training accuracy and Fig. 4's tool-error ratio in correct trajectories (failed calls / calls
-    over every sampled trajectory with reward 1) at step 1, the last step and over the last third,
-    the held-out numbers after the last step, and every CURVES key's last third; then whether the
-    reference arm's ratio is below each other arm's by more than the spread across seeds, and
-    which arms trained exactly like the reference (no key of theirs acted)."""
+    """runs {(arm, seed): metrics rows} -> per arm: rollouts sampled / trained per step, accuracy
+    and Fig. 4's tool-error ratio in correct trajectories at step 1, the last step and over the
+    last third, the held-out numbers after the last step, every CURVES key's last third; whether
+    the reference's ratio is below each other arm's by more than the seed spread, and which arms
+    trained exactly like the reference."""
     arms = list(dict.fromkeys(arm for arm, _ in runs))
     steps = max((m["step"] for rows in runs.values() for m in train_rows(rows)), default=0)
     seeds = sorted({seed for _, seed in runs})
@@ -208,8 +200,6 @@ def summarize(runs, reference, final_trajectories=0, timing=None):
         for key in ("accuracy", "tool_error_ratio_in_correct"):
             arm[f"{key}_first_step"] = seed_spread([at_step(rows, key, 1) for rows in per_seed])
             arm[f"{key}_last_step"] = seed_spread([at_step(rows, key, steps) for rows in per_seed])
-        # The policy after the last step on the held-out problems: the training batches' quantity
-        # from more trajectories.
         finals = [points[-1][1] if (points := evals(rows)) and points[-1][0] == steps else {}
                   for rows in per_seed]
         arm["final_accuracy"] = seed_spread([m.get("eval/pass@1") for m in finals])
@@ -218,13 +208,9 @@ def summarize(runs, reference, final_trajectories=0, timing=None):
         arm["last_third"] = {key: seed_spread([last_third(rows, key, steps) for rows in per_seed])
                              for key, _ in CURVES if key != "eval/pass@1"}
         arm["last_third"]["eval/pass@1"] = arm["final_accuracy"]
-        arm["tool_error_ratio_in_correct_last_third"] = arm["last_third"][
-            "tool_error_ratio_in_correct"]
-        arm["accuracy_last_third"] = arm["last_third"]["accuracy"]
         summary["arms"][name] = arm
-    # The reference's ratio below another arm's by more than the seed spread (the larger of the two
-    # arms' standard deviations), at the last step (the final policy's measurement where there is
-    # one) and over the last third.
+    # The reference's ratio below another arm's by more than the larger std, at the last step (the
+    # final policy's where there is one) and over the last third.
     ref = summary["arms"][reference]
     last = ("final_tool_error_ratio_in_correct"
             if ref["final_tool_error_ratio_in_correct"]["mean"] is not None
@@ -235,10 +221,11 @@ def summarize(runs, reference, final_trajectories=0, timing=None):
             continue
         summary["below"][name] = {}
         for where in ("last_step", "last_third"):
-            key = last if where == "last_step" else "tool_error_ratio_in_correct_last_third"
-            a, b = ref[key], summary["arms"][name][key]
+            a, b = ((ref[last], summary["arms"][name][last]) if where == "last_step" else
+                    (ref["last_third"][RATIO], summary["arms"][name]["last_third"][RATIO]))
             summary["below"][name][where] = None if a["mean"] is None or b["mean"] is None else {
-                "margin": b["mean"] - a["mean"], "spread": max(a["std"], b["std"]),
+                "ours": a["mean"], "theirs": b["mean"], "margin": b["mean"] - a["mean"],
+                "spread": max(a["std"], b["std"]),
                 "holds": b["mean"] - a["mean"] > max(a["std"], b["std"]),
                 "ranges_disjoint": a["max"] < b["min"]}
     return summary
@@ -283,10 +270,10 @@ def table_lines(summary, source):
              "|---|---|---|---|---|---|---|"]
     for name, arm in summary["arms"].items():
         lines.append(f"| {name} | {arm['rollouts_per_step']} / {arm['trained_per_step']:.0f} "
-                     f"| {pct(arm['accuracy_first_step'])} | {pct(arm['accuracy_last_third'])} "
+                     f"| {pct(arm['accuracy_first_step'])} | {pct(arm['last_third']['accuracy'])} "
                      f"| {pct(arm['tool_error_ratio_in_correct_first_step'])} "
                      f"| {pct(arm['tool_error_ratio_in_correct_last_step'])} "
-                     f"| {pct(arm['tool_error_ratio_in_correct_last_third'])} |")
+                     f"| {pct(arm['last_third'][RATIO])} |")
     finals = {name: arm for name, arm in summary["arms"].items()
               if arm["final_accuracy"]["mean"] is not None}
     if finals:
@@ -323,9 +310,6 @@ def table_lines(summary, source):
                 lines.append(f"- {ref} vs {name}, {label}: no correct trajectory with a tool "
                              "call in some arm")
                 continue
-            key = (summary["last_step_measure"] if where == "last_step"
-                   else "tool_error_ratio_in_correct_last_third")
-            ours, theirs = summary["arms"][ref][key], summary["arms"][name][key]
             points = f"{abs(r['margin']) * 100:.1f}"  # percentage points, which way they go
             side = ("equal to" if points == "0.0" else
                     f"{points} points {'below' if r['margin'] > 0 else 'above'}")
@@ -334,7 +318,7 @@ def table_lines(summary, source):
             if len(summary["seeds"]) < 2:
                 verdict = "one seed: no spread to judge it by"
             lines.append(f"- tool-error ratio in correct trajectories {label}: {ref} "
-                         f"{ours['mean']:.1%}, {side} {name}'s {theirs['mean']:.1%} (seed spread, "
+                         f"{r['ours']:.1%}, {side} {name}'s {r['theirs']:.1%} (seed spread, "
                          f"the larger std: {r['spread'] * 100:.1f} points): {verdict}")
     return lines
 
@@ -349,10 +333,9 @@ def smooth(values, window):
 
 
 def plot_curves(runs, path, window, title, alike=None):
-    """One panel per CURVES key: per arm the seed mean (each seed first smoothed over `window`
-    steps: a few prompts a step are noisy) and, shaded, the seed min..max; held-out accuracy at the
-    steps it was measured, unsmoothed. alike: {arm: the reference it trained exactly like}, said
-    in the legend (its curves hide the reference's)."""
+    """One panel per CURVES key: per arm the seed mean (each seed smoothed over `window` steps) and,
+    shaded, the seed min..max; held-out accuracy unsmoothed. alike: {arm: the reference it trained
+    exactly like}, said in the legend."""
     # matplotlib (~1 s) only here: the launch lines and --help do not wait for it
     import matplotlib
     matplotlib.use("Agg")  # no display on a server; before pyplot is imported

@@ -1,6 +1,6 @@
-"""Stage-3 data (rStar2-Agent §4.3): sample filter_samples rollouts per problem of filter_source with
-the current policy and keep the problems it does not solve every time (the paper: 42K -> 17.3K with
-8 samples); writes train_data, which stage 3 trains on.
+"""Stage-3 data (rStar2-Agent §4.3): sample filter_samples rollouts per problem of filter_source and
+keep the problems the policy does not solve every time (the paper: 42K -> 17.3K with 8 samples),
+written to train_data, which stage 3 trains on.
 
     python -m tools.filter_solved configs/stage3.yaml         # or under torchrun: much faster
     torchrun --nproc_per_node=8 -m tools.filter_solved configs/stage3.yaml
@@ -17,8 +17,7 @@ from transformers import AutoTokenizer
 from rl import RLConfig, score_groups, start_executor
 from rollout import generate
 from machinery.checkpoint import check_inputs
-from machinery.config import (ConfigError, PositiveInt, atomic_write_text, load_config,
-                              resolve)
+from machinery.config import ConfigError, PositiveInt, atomic_write_text, load_config, resolve
 from machinery.data import drop_long_prompts
 from machinery.distributed import init_distributed, own_groups
 from machinery.engine import Engine, configure_vllm_logging
@@ -35,12 +34,12 @@ class FilterConfig(RLConfig):
     def validate(self):
         super().validate()
         if not self.filter_source:
-            raise ConfigError("filter_source: set the problems to filter (a JSONL file); the kept "
-                              "ones go to train_data")
+            raise ConfigError("filter_source: empty; the problems to filter (a JSONL file)")
 
 
 def filter_solved(cfg):
     """The filter's one pass; returns the kept rows."""
+    configure_vllm_logging(cfg.verbose)
     model_path, problems, _ = check_inputs(dataclasses.replace(cfg, train_data=cfg.filter_source,
                                                                eval_data=""))
     rank, world_size, _, _ = init_distributed(cfg.collective_timeout_min)
@@ -85,11 +84,6 @@ def interrupt_paragraph(cfg, argv):
             f"so it is unchanged. Rerun: {rerun_command('-m tools.filter_solved', argv)}")
 
 
-def main(cfg):
-    configure_vllm_logging(cfg.verbose)
-    filter_solved(cfg)
-
-
 if __name__ == "__main__":
     run_script("tools.filter_solved", lambda argv: load_config(FilterConfig, argv, doc=__doc__),
-               main, interrupt_paragraph)
+               filter_solved, interrupt_paragraph)

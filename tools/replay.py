@@ -1,6 +1,6 @@
-"""A saved RL step again, offline: its selection, advantages and update (rl.py's phases 4-7) rerun on
-the very trajectories the run saved, from the weights that sampled them, under this config; no
-engine, no tool, nothing written. Two RoC rules, losses or corrections compared on the same data.
+"""A saved RL step again, offline: its selection, advantages and update (rl.py's phases 4-7) rerun
+on the trajectories the run saved, from the weights that sampled them, under this config; no
+engine, no tool, nothing written. RoC rules, losses or corrections compared on the same data.
 
     python -m tools.replay configs/tiny.yaml replay_step=1 positive_rule=topk
     python -m tools.replay configs/tiny.yaml replay_step=all positive_rule=shortest   # + the mean
@@ -26,9 +26,8 @@ from machinery.distributed import cpu_threads, init_distributed
 from machinery.exits import is_main_rank, run_script
 from machinery.metrics import step_metrics
 from machinery.model import check_model_dir
-from machinery.saved_rollouts import (kept_statistics, print_kept_statistics, print_replay,
-                                      print_steps_table, read_rollouts, replay_policy,
-                                      replay_steps, replayable)
+from machinery.saved_rollouts import (chosen_steps, kept_statistics, print_columns, print_replay,
+                                      print_steps_table, read_rollouts, replay_policy, replayable)
 from machinery.threads import recorded_train_threads
 from machinery.training import collate, equal_micro_batches, token_logprobs
 
@@ -41,17 +40,11 @@ class ReplayConfig(RLConfig):
     replay_weights: str = ""      # "": those that sampled it (exact); or a checkpoint / HF dir
     replay_update_effect: bool = False  # also the kept tokens' log-prob change the update made
 
-    def validate(self):
-        super().validate()
-        if self.replay_step != "all":  # the form; which steps are saved: when replayed
-            replay_steps(self.replay_step, resolve(self.out_dir))
-
 
 def replay(cfg):
-    """Select, compute advantages and update (one optimizer step) on saved step replay_step of
-    out_dir, with the weights that sampled it. Prints the live step's numbers beside the replay's;
-    returns (on rank 0) the replay's metrics and its kept trajectories
-    {(data stream position, sample_index): advantage}."""
+    """Select, compute advantages and update once on saved step replay_step of out_dir, with the
+    weights that sampled it; print the live step's numbers beside the replay's. Returns (rank 0)
+    its metrics, kept trajectories {(stream position, sample_index): advantage} and kept set row."""
     started = time.perf_counter()
     rank, world_size, _, device = init_distributed(cfg.collective_timeout_min)
     run_dir = resolve(cfg.out_dir)
@@ -89,15 +82,15 @@ def replay(cfg):
            "replay": kept_statistics([r for part in parts for r in part[0]])}
     row["live"]["kept/overlap_with_live"] = 1.0
     row["replay"]["kept/overlap_with_live"] = len(set(kept) & live_kept) / max(len(live_kept), 1)
-    print_kept_statistics(row["live"], row["replay"])
+    print_columns("kept set (mean per trajectory)",
+                  {key: (row["live"].get(key), value) for key, value in row["replay"].items()})
     return SimpleNamespace(metrics=metrics, kept=kept, row=row)
 
 
 def replay_all(cfg):
-    """replay_step=N,M,... or all: each step replayed in turn, then one table of the kept sets
-    live -> replay per step and their mean, printed first, and each step's own numbers after it;
-    the replays' results (rank 0)."""
-    steps = replay_steps(cfg.replay_step, resolve(cfg.out_dir))
+    """replay_step=N,M,... or all: each step replayed, then a table of the kept sets live -> replay
+    per step and their mean, printed before each step's own numbers; the replays' results."""
+    steps = chosen_steps(resolve(cfg.out_dir), cfg.replay_step, "replay_step")
     for line in cfg.inert_keys() if is_main_rank() else []:
         print(f"tools.replay: {line}", flush=True)
     if cfg.replay_step == "all" and not cfg.replay_weights:
@@ -108,9 +101,6 @@ def replay_all(cfg):
         steps = exact
     if len(steps) == 1:
         return [replay(dataclasses.replace(cfg, replay_step=str(steps[0])))]
-    if is_main_rank():
-        print(f"replaying saved steps {', '.join(map(str, steps))}: their summary, then each "
-              "step", flush=True)
     results, dumps = [], []
     for n in steps:
         with contextlib.redirect_stdout(io.StringIO()) as dump:  # after the summary
@@ -124,8 +114,7 @@ def replay_all(cfg):
 
 def saved_groups(records, meta, cfg):
     """Saved records -> (groups of rollout.Trajectory, their rewards), as rl.roll_out and
-    rl.score_groups gave them; an error where the saved groups cannot be selected from as cfg
-    asks."""
+    rl.score_groups gave them."""
     fields = {f.name for f in dataclasses.fields(Trajectory)}
     groups, rewards = {}, {}
     for r in records:
@@ -135,18 +124,15 @@ def saved_groups(records, meta, cfg):
     saved, wanted = meta["rollouts_per_prompt"], cfg.rollouts_per_prompt
     # plain GRPO thins more rollouts uniformly, as if it had sampled G (grpo_roc.select_group)
     if saved < wanted or (saved > wanted and cfg.algorithm != "grpo"):
-        raise ConfigError(f"the saved step has {saved} rollouts per prompt; algorithm="
-                          f"{cfg.algorithm} with group_size={cfg.group_size} selects from "
-                          f"{wanted}: replay it with the group_size and algorithm it was sampled "
-                          "with, or algorithm=grpo (any G up to the saved count)")
+        raise ConfigError(f"group_size={cfg.group_size}: the saved step has {saved} rollouts per "
+                          f"prompt, algorithm={cfg.algorithm} needs {wanted}; or algorithm=grpo")
     return [groups[i] for i in sorted(groups)], [rewards[i] for i in sorted(groups)]
 
 
 @torch.no_grad()
 def update_effect(model, samples, cfg, pad_id, device):
-    """replay_update_effect: how far the one update moved the policy on the step's own trained
-    tokens: the mean log-prob change over the positives' and the negatives' model-written tokens,
-    over all ranks."""
+    """replay_update_effect: the mean log-prob change the update made on the positives' and the
+    negatives' trained tokens, over all ranks."""
     sums = torch.zeros(4, dtype=torch.float64)  # change and count, positives then negatives
     for batch in equal_micro_batches(samples, cfg):
         input_ids, old, mask, advantages, _ = collate(batch, pad_id, device)

@@ -1,7 +1,6 @@
 """A run's saved trajectories as one offline HTML page: per prompt the whole group (2G), each
-trajectory's text, tool calls and outputs, reward, tool errors, RoC's choice and the reason the
-rule gives, its advantage; filters and a search box that need no server; several runs (an
-ablation's arms, as tools.compare runs them) side by side at the same step.
+trajectory's text, tool calls and outputs, reward, tool errors, RoC's choice and why, its
+advantage; filters and a search box that need no server; several runs side by side.
 
     python -m tools.trajectories runs/tiny-rl                     # the newest saved step
     python -m tools.trajectories runs/tiny-rl step=all            # every saved step
@@ -19,9 +18,10 @@ from pathlib import Path
 
 from grpo_roc import PENALTY_OFFSET, filter_groups, roc_penalty
 from reward import extract_answer
-from machinery.config import ConfigError, atomic_write_text, load_config, read_records, resolve
+from machinery.config import (ConfigError, NonNegativeInt, atomic_write_text, load_config,
+                              read_records, resolve)
 from machinery.exits import run_script, shown
-from machinery.saved_rollouts import saved_steps, step_dir, step_meta
+from machinery.saved_rollouts import chosen_steps, rank_files, step_dir, step_meta
 
 TEMPLATE = Path(__file__).with_name("trajectories.html")
 # The saved fields a page shows; the token lists (prompt_ids, response_ids, loss_mask, logprobs)
@@ -41,14 +41,12 @@ class PageConfig:
     step: str = "0"       # the saved step(s): N, N,M,... or all; 0 = the newest
     # prompts (groups) per step on the page, 0 = all; at the paper's 512 x 32 a step is ~0.5 GB
     # of text, more than a browser holds, so the page shows the first ones and says so
-    groups: int = 64
+    groups: NonNegativeInt = 64
     out: str = ""         # the page; "" = RUN/trajectories.html of the first run
 
     def validate(self):
         if not self.runs:
             raise ConfigError("runs: no run directory; python -m tools.trajectories RUN [RUN ...]")
-        if self.groups < 0:
-            raise ConfigError(f"groups={self.groups}: a count >= 0 (0 = every group)")
 
 
 def parse(argv):
@@ -58,35 +56,14 @@ def parse(argv):
     return load_config(PageConfig, [f"runs={','.join(runs)}"] * bool(runs) + argv, doc=__doc__)
 
 
-def chosen_steps(run_dir, value):
-    """step= -> the saved steps of run_dir it names; a refusal naming the directory otherwise."""
-    saved = saved_steps(run_dir)
-    if not saved:
-        raise ConfigError(f"{run_dir / 'rollouts'}: no saved rollouts; rl.py saves them with "
-                          "save_rollouts_every=N")
-    if value == "all":
-        return saved
-    try:
-        wanted = [int(part) or saved[-1] for part in value.split(",")]
-    except ValueError:
-        raise ConfigError(f"step={value!r}: a step, steps as N,M,... or all") from None
-    for step in wanted:
-        if step not in saved:
-            raise ConfigError(f"{step_dir(run_dir, step)}: step {step} is not saved (saved: "
-                              f"{', '.join(map(str, saved))})")
-    return wanted
-
-
 def read_groups(run_dir, step, enough):
     """(step.json, {position: [records sorted by sample_index]}) of one saved step, the rank
-    files read in order until enough(groups) says stop (a group is whole in its writer's file).
-    A torn or damaged file is refused: unlike a torn log, it is part of a step saved as whole."""
+    files read until enough(groups); a torn or damaged file is refused."""
     folder, groups = step_dir(run_dir, step), {}
     meta = step_meta(folder)
-    for rank in range(meta["ranks"]):
+    for path in rank_files(folder, meta):
         if enough(groups):
             break
-        path = folder / f"rank_{rank:05d}.jsonl.gz"
         try:
             with gzip.open(path, "rt", encoding="utf-8") as lines:
                 for line in lines:
@@ -101,9 +78,6 @@ def read_groups(run_dir, step, enough):
                                             record["tool_errors_by_kind"].items() if v},
                          "answer_read": extract_answer(record["model_text"]),
                          "split": penalty_parts(record, meta["config"])})
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: missing, though step.json says {meta['ranks']} ranks "
-                              "wrote this step") from None
         except (OSError, EOFError, zlib.error, UnicodeDecodeError, json.JSONDecodeError,
                 KeyError) as e:
             raise ConfigError(f"{path}: torn or damaged ({type(e).__name__}: {e}); rerun the "
@@ -122,8 +96,8 @@ def penalty_parts(record, config):
 
 
 def reasons(group, config):
-    """Why each trajectory of a group was kept or dropped, as the rule the run used decides it
-    (grpo_roc.select_group); only what the saved fields show, no guess at the random draws."""
+    """Why each trajectory of a group was kept or dropped, by the run's rule
+    (grpo_roc.select_group), from the saved fields only."""
     keep, rule = config["group_size"], config["positive_rule"]
     kept_groups, _ = filter_groups([[r["reward"] for r in group]])
     if not kept_groups and config["filter_all_equal"]:
@@ -152,8 +126,8 @@ def reasons(group, config):
 
 
 def step_page(runs, step, limit):
-    """The index entry of one step (its runs' metrics rows and rules, the groups' summaries) and
-    the groups' data: one list per group, a cell per run (None where a run lacks the prompt)."""
+    """The index entry of one step (its runs' metrics and rules, the groups' summaries) and the
+    groups' data: a list per group, a cell per run (None where a run lacks the prompt)."""
     first_meta, first = read_groups(runs[0], step, lambda g: limit and len(g) >= limit)
     positions = sorted(first)[:limit or None]
     columns = [(first_meta, first)] + [
@@ -196,21 +170,20 @@ def summary(group):
 
 
 def embedded(element_id, value):
-    """A JSON script block that no text inside it can end or turn into markup: every <, > and &
-    written as a JSON escape, which JSON.parse reads back unchanged."""
+    """A JSON script block no text can end or turn into markup: <, > and & as JSON escapes."""
     text = (json.dumps(value, ensure_ascii=False).replace("&", "\\u0026")
             .replace("<", "\\u003c").replace(">", "\\u003e"))
     return f'<script type="application/json" id="{element_id}">{text}</script>\n'
 
 
 def write_page(cfg):
-    """Write the page (atomically) and return its path and the seconds it took."""
+    """Write the page (atomically); its path and the seconds it took."""
     started = time.perf_counter()
     runs = [resolve(run) for run in cfg.runs.split(",")]
     for run in runs:
         if not run.is_dir():
             raise ConfigError(f"{run}: not a run directory")
-    steps = chosen_steps(runs[0], cfg.step)
+    steps = chosen_steps(runs[0], cfg.step, "step")
     blocks, index = [], {"runs": [shown(run) for run in runs], "steps": []}
     for step in steps:
         entry, data = step_page(runs, step, cfg.groups)
