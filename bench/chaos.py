@@ -81,9 +81,9 @@ def strike(job, chaos, rng, faults):
             time.sleep(0.2)
         else:
             return
+
         seen |= set(pids.values())
-        delay = rng.uniform(0, chaos.chaos_window_s)
-        time.sleep(delay)
+        time.sleep(delay := rng.uniform(0, chaos.chaos_window_s))
         whole = len(job.live()) == chaos.chaos_nodes  # a node lost only while all are there
         kind = rng.choice([k for k in kinds if k != "node" or whole] or ["worker"])
         agent = rng.choice(list(pids))

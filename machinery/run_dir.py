@@ -48,6 +48,7 @@ def claim_run_dir(cfg, out_dir, free_keys, steps, export, rank):
             release_lock(out_dir)
             _unmake(Path(out_dir), made)  # a refused start leaves no new directory behind
             decision = {"error": str(e)}
+
     if dist.is_initialized() and dist.get_world_size() > 1:
         box = [decision]
         dist.broadcast_object_list(box, src=0)
