@@ -200,8 +200,8 @@ def compute_dtype(device, requested="auto"):
 
 
 def free_cached_memory():
-    """Give the blocks PyTorch's allocator caches but no tensor uses back to the GPU (a no-op on
-    CPU): vLLM's sleep-mode allocator cannot reuse them (45-50 GB after a 14B training step)."""
+    """Give PyTorch's cached free blocks back to the GPU: vLLM's sleep-mode allocator cannot reuse
+    them (45-50 GB after a 14B training step)."""
     gc.collect()  # tensors only a reference cycle still holds
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -367,8 +367,8 @@ def gather_bucket(named_params, dtype, traffic=None):
 
 
 def own_groups(groups, num_problems, rank):
-    """The groups this rank owns: tensor-parallel ranks share one engine and may each return its
-    groups, so every problem goes to the lowest rank that has it; a missing one is an error."""
+    """The groups this rank owns: every problem goes to the lowest rank that has it (tensor-parallel
+    ranks share one engine and may each return its groups); a missing one is an error."""
     claimed = [None] * dist.get_world_size()
     dist.all_gather_object(claimed, [g[0].problem_index for g in groups])
     owner = {}

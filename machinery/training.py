@@ -90,10 +90,9 @@ def collate(batch, pad_id, device):
 
 
 def token_logprobs(model, input_ids, temperature, chunk_tokens=0, with_entropy=False):
-    """log pi(token t+1 | tokens <= t) at every position, at the sampling temperature (the
-    engine's "processed" log-probs, so ratio and guard agree). The fp32 log-softmax of [tokens, V]
-    is 12.4 GB at 20,480 tokens of Qwen3: chunk_tokens > 0 runs the output projection that many
-    tokens at a time, each chunk recomputed in backward; 0: the logits one row at a time.
+    """log pi(token t+1 | tokens <= t) at every position at the sampling temperature (the engine's
+    "processed" log-probs). The fp32 log-softmax of [tokens, V] is 12.4 GB at 20,480 tokens of
+    Qwen3: chunk_tokens > 0 projects that many tokens at a time, each chunk recomputed in backward;
     with_entropy: also each position's entropy, detached, for logging (no entropy term, §2.2.1)."""
     targets = input_ids[:, 1:]
 
