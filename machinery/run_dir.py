@@ -1,22 +1,12 @@
-"""A run directory holds one run. rl.py and sft.py call claim_run_dir before they write anything,
-record_start once the checkpoint they start from has loaded, and finish_run_dir after their last
-write.
-
-    config.yaml    the run's settings: its identity, and what a rerun continues with
-    history.jsonl  every start and finish in the directory, oldest first: when, at which step,
-                   with which changes (a continued run's settings in full)
-    run.lock       the one writer (machinery/lock.py)
-
-A rerun with other settings is refused unless continue_with_changes=true says so; keys that do not
-change what is trained (a script's KEYS_A_RESUME_MAY_CHANGE) may differ. docs/design.md, "The run
-directory"."""
+"""A run directory holds one run (config.yaml: its settings; history.jsonl: every start and finish
+with its changes; run.lock: the one writer). rl.py and sft.py claim_run_dir before they write,
+record_start once their checkpoint has loaded, finish_run_dir after their last write. A rerun with
+other settings is refused unless continue_with_changes=true: docs/design.md, "The run directory"."""
 import contextlib
 import dataclasses
-import errno
 import json
 import os
 import socket
-import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -24,7 +14,7 @@ import torch.distributed as dist
 from machinery.checkpoint import check_fits, checkpoint_step, requested_checkpoint
 from machinery.config import (ConfigError, atomic_write_text, flatten_config, read_records,
                               read_saved_config, save_config)
-from machinery.lock import LOCK_NAME, hold_lease, release_lock, take_lock
+from machinery.lock import LOCK_NAME, hold_lease, release_lock, take_lock, timestamp
 from machinery.metrics import check_logger_packages
 
 HISTORY_NAME = "history.jsonl"
@@ -46,17 +36,19 @@ class RunDir:
 def claim_run_dir(cfg, out_dir, free_keys, steps, export, rank):
     """Take out_dir for this run (rank 0 decides, every rank learns it): its RunDir, or None when
     the run there is already at `steps` and its `export` (e.g. "hf_step_{step}") exists. Refuses
-    a directory in use, another run's, or resume=never into a non-empty one. Writes nothing but
-    the lock: config.yaml and the history follow once the checkpoint has loaded (record_start)."""
+    a directory in use, another run's, or resume=never into a non-empty one; writes the lock."""
     decision = None
     if rank == 0:
-        made = _missing_ancestor(Path(out_dir))
+        # the outermost directory of out_dir's path that does not exist yet (None: it exists)
+        made = next((p for p in [*reversed(Path(out_dir).parents), Path(out_dir)]
+                     if not os.path.exists(p)), None)
         try:
             decision = _claim(cfg, Path(out_dir), free_keys, steps, export)
         except ConfigError as e:
             release_lock(out_dir)
             _unmake(Path(out_dir), made)  # a refused start leaves no new directory behind
             decision = {"error": str(e)}
+
     if dist.is_initialized() and dist.get_world_size() > 1:
         box = [decision]
         dist.broadcast_object_list(box, src=0)
@@ -70,18 +62,17 @@ def claim_run_dir(cfg, out_dir, free_keys, steps, export, rank):
 
 
 def record_start(run_dir, cfg):
-    """config.yaml and the history's record of this start, once the run's checkpoint has loaded:
-    a resume that fails to load changes neither."""
+    """config.yaml and the history's record of this start, once the checkpoint has loaded."""
     if run_dir.rank == 0 and run_dir.start_record is not None:
         save_config(cfg, run_dir.path)
-        append_history(run_dir.path, {**run_dir.start_record, "time": _now()})
+        append_history(run_dir.path, {**run_dir.start_record, "time": timestamp()})
 
 
 def finish_run_dir(run_dir, step):
     """Record that the run finished at `step` (a rerun says "already at step N"); let go."""
     if run_dir.rank == 0:
         hold_lease(run_dir.path)
-        append_history(run_dir.path, {"event": "finished", "at_step": step, "time": _now()})
+        append_history(run_dir.path, {"event": "finished", "at_step": step, "time": timestamp()})
         release_lock(run_dir.path)
 
 
@@ -93,24 +84,40 @@ def _claim(cfg, out_dir, free_keys, steps, export):
         out_dir.mkdir(parents=True, exist_ok=True)
         take_lock(out_dir)
     except OSError as e:  # a read-only filesystem, a directory of another user
-        reason = "a read-only filesystem" if e.errno == errno.EROFS else e.strerror
-        raise ConfigError(f"out_dir={out_dir}: cannot write there ({reason}: {e.filename}); "
+        raise ConfigError(f"out_dir={out_dir}: cannot write there ({e.strerror}: {e.filename}); "
                           "choose a writable out_dir") from None
 
-    old = read_saved_config(out_dir)
-    _check_owner(out_dir, old, cfg.resume)
-    if not _results(out_dir):
+    # refuse a directory this run may not write into, before anything in it is touched
+    old, entries = read_saved_config(out_dir), _results(out_dir)
+    listed = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+    if cfg.resume == "never" and entries:
+        raise ConfigError(f"resume=never: {out_dir} already holds a run ({listed}); use a new "
+                          "out_dir, or move the old run away")
+    if old is None and entries:
+        raise ConfigError(f"out_dir={out_dir}: not empty ({listed}) and holds no run (no "
+                          "config.yaml); use a new or empty out_dir")
+    if not entries:
         old = None  # a start that wrote nothing but its config: nothing of it to mix or to lose
+
     history = read_history(out_dir)
     new = dataclasses.asdict(cfg)
-    changes = changed_settings(old, new) if old is not None else {}
+    changes = {}  # dotted key: (old value, new value); a key one lacks (added since) differs
+    if old is not None:
+        before, after = flatten_config(old), flatten_config(new)
+        for key in sorted(set(before) | set(after)):
+            pair = (before.get(key, "(not set)"), after.get(key, "(not set)"))
+            if pair[0] != pair[1]:
+                changes[key] = pair
     free_keys = {*free_keys, *(f"rollout.{name}" for name in ROLLOUT_RESOURCE_FIELDS)}
     method = {key: change for key, change in changes.items() if key not in free_keys}
     checkpoint = requested_checkpoint(cfg.resume, out_dir / "checkpoints")
     check_fits(checkpoint, cfg.model)
     at_step = checkpoint_step(checkpoint) if checkpoint is not None else 0
     if method and not cfg.continue_with_changes:
-        raise ConfigError(_refusal(out_dir, method, at_step))
+        differs = "; ".join(f"{key}: {a!r} -> {b!r}" for key, (a, b) in method.items())
+        raise ConfigError(f"{out_dir}: holds a run with other settings ({differs}); use "
+                          f"out_dir=NEW_DIR, or continue_with_changes=true to continue it from "
+                          f"step {at_step}")
 
     last = history[-1] if history else {}
     finished = last.get("at_step") if last.get("event") == "finished" else None
@@ -132,14 +139,8 @@ def _claim(cfg, out_dir, free_keys, steps, export):
             "start_record": record}
 
 
-def _missing_ancestor(out_dir):
-    """The outermost directory of out_dir's path that does not exist yet (None: it exists)."""
-    return next((p for p in [*reversed(out_dir.parents), out_dir] if not os.path.exists(p)), None)
-
-
 def _unmake(out_dir, made):
-    """Remove the directories _claim made (out_dir up to `made`) if they hold nothing but its
-    lock; out_dir under a file, or holding more, stays as it is."""
+    """Remove the directories _claim made (out_dir up to `made`) if they hold only its lock."""
     paths = [out_dir, *out_dir.parents]
     with contextlib.suppress(OSError):
         if made is not None:
@@ -148,40 +149,12 @@ def _unmake(out_dir, made):
                 path.rmdir()
 
 
-def _check_owner(out_dir, old, resume):
-    """Refuse a directory this run may not write into, before anything in it is touched."""
-    entries = _results(out_dir)
-    listed = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
-    if resume == "never" and entries:
-        raise ConfigError(f"resume=never: {out_dir} already holds a run ({listed}); use a new "
-                          "out_dir, or move the old run away")
-    if old is None and entries:
-        raise ConfigError(f"out_dir={out_dir}: not empty ({listed}) and holds no run (no "
-                          "config.yaml); use a new or empty out_dir")
-
-
 def _results(out_dir):
-    """What runs wrote into out_dir besides this file's bookkeeping and empty files or folders:
-    what a new run must not mix with nor delete."""
+    """What runs wrote into out_dir (not bookkeeping, nor empty files or folders)."""
     bookkeeping = (LOCK_NAME, "config.yaml", HISTORY_NAME)
     return sorted(p.name for p in out_dir.iterdir() if p.name not in bookkeeping
                   and not (p.is_dir() and not any(p.iterdir()))
                   and not (p.is_file() and p.stat().st_size == 0))
-
-
-def changed_settings(old, new):
-    """{dotted key: (old value, new value)} over both configs; a key one of them lacks (a key
-    added to the code since) counts as changed."""
-    old, new = flatten_config(old), flatten_config(new)
-    missing = "(not set)"
-    pairs = {key: (old.get(key, missing), new.get(key, missing)) for key in set(old) | set(new)}
-    return {key: pair for key, pair in sorted(pairs.items()) if pair[0] != pair[1]}
-
-
-def _refusal(out_dir, method, at_step):
-    differs = "; ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in method.items())
-    return (f"{out_dir}: holds a run with other settings ({differs}); use out_dir=NEW_DIR, or "
-            f"continue_with_changes=true to continue it from step {at_step}")
 
 
 def read_history(run_dir):
@@ -194,8 +167,5 @@ def append_history(run_dir, event):
     events = [*read_history(run_dir), event]
     atomic_write_text(Path(run_dir) / HISTORY_NAME, "".join(json.dumps(e) + "\n" for e in events))
 
-
-def _now():
-    return time.strftime("%Y-%m-%d %H:%M:%S %Z")
 
 

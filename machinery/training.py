@@ -5,6 +5,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
+
 from machinery.config import ConfigError
 
 
@@ -28,8 +29,7 @@ class TrainSample:
 
 
 def micro_batches(samples, cfg):
-    """This rank's samples in micro-batches under the token and size caps, longest first (little
-    padding each)."""
+    """This rank's samples in micro-batches under the token and size caps, longest first."""
     order = sorted(range(len(samples)), key=lambda i: -len(samples[i]))
     batches, current, longest = [], [], 0
     for i in order:
@@ -50,32 +50,22 @@ def micro_batches(samples, cfg):
     return batches
 
 
-def equalize_micro_batches(batches):
-    """As many micro-batches on every rank (FSDP2's collectives run in each forward and
-    backward): a rank with fewer runs empty ones, which add a zero gradient."""
+def equal_micro_batches(samples, cfg):
+    """micro_batches, as many on every rank (FSDP2's collectives run in each forward and backward):
+    a rank with fewer runs empty ones, which add a zero gradient."""
+    batches = micro_batches(samples, cfg)
     count = torch.tensor([len(batches)])
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     return batches + [[]] * (int(count) - len(batches))
-
-
-def equal_micro_batches(samples, cfg):
-    """micro_batches, as many on every rank (equalize_micro_batches): what a step iterates."""
-    return equalize_micro_batches(micro_batches(samples, cfg))
 
 
 def collate(batch, pad_id, device):
     """(input_ids, old log-probs, mask, advantages, engine log-probs or None) over the target
     positions 0..L-2: response token j of P prompt tokens is predicted at P + j - 1. Right padding
     needs no attention mask: under causal attention no real token sees it."""
-    if not batch:  # the empty micro-batch of equalize_micro_batches
+    if not batch:  # the empty micro-batch of equal_micro_batches
         zeros = torch.zeros(1, 1, device=device)
         return torch.full((1, 2), pad_id, device=device), zeros, zeros.bool(), zeros[:, 0], None
-
-    sampled = [s.engine_logprobs is not None for s in batch]
-    forwarded = [s.old_logprobs is not None for s in batch]
-    if not (all(sampled) or not any(sampled)) or not (all(forwarded) or not any(forwarded)):
-        raise ValueError("collate: a batch mixes samples with and without engine (or old) "
-                         "log-probs")
 
     length = max(len(s) for s in batch)
     input_ids = torch.full((len(batch), length), pad_id, dtype=torch.long)
@@ -83,7 +73,8 @@ def collate(batch, pad_id, device):
     # release's response_mask)
     mask = torch.zeros(len(batch), length - 1)
     old = torch.zeros(len(batch), length - 1)
-    engine = torch.zeros(len(batch), length - 1) if all(sampled) else None
+    # a step's samples all have engine log-probs or none
+    engine = torch.zeros(len(batch), length - 1) if batch[0].engine_logprobs is not None else None
     for row, s in enumerate(batch):
         input_ids[row, :len(s)] = torch.tensor(s.prompt_ids + s.response_ids)
         at = slice(len(s.prompt_ids) - 1, len(s) - 1)
@@ -99,12 +90,10 @@ def collate(batch, pad_id, device):
 
 
 def token_logprobs(model, input_ids, temperature, chunk_tokens=0, with_entropy=False):
-    """log pi(token t+1 | tokens <= t) at every position, at the sampling temperature (the
-    engine's "processed" log-probs, so ratio and guard agree). The fp32 log-softmax of [tokens, V]
-    logits is 12.4 GB at 20,480 tokens of Qwen3: chunk_tokens > 0 runs the output projection that
-    many tokens at a time, each chunk recomputed in backward (the maths unchanged,
-    tests/test_rl.py); 0: the model's logits, one row at a time. with_entropy: also each
-    position's entropy, detached, for logging only (the paper has no entropy term, §2.2.1)."""
+    """log pi(token t+1 | tokens <= t) at every position at the sampling temperature (the engine's
+    "processed" log-probs). The fp32 log-softmax of [tokens, V] is 12.4 GB at 20,480 tokens of
+    Qwen3: chunk_tokens > 0 projects that many tokens at a time, each chunk recomputed in backward;
+    with_entropy: also each position's entropy, detached, for logging (no entropy term, §2.2.1)."""
     targets = input_ids[:, 1:]
 
     if not chunk_tokens:
@@ -130,8 +119,7 @@ def token_logprobs(model, input_ids, temperature, chunk_tokens=0, with_entropy=F
 
 
 def head_logprobs(logits, targets, temperature, with_entropy=False):
-    """log_softmax(logits / T) at the target tokens, in fp32; with_entropy: and the entropy of
-    softmax(logits / T) at each position, detached."""
+    """log_softmax(logits / T) at the targets in fp32; with_entropy: and its entropy, detached."""
     logits = logits.float() / temperature
     normalizer = logits.logsumexp(-1)
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - normalizer
