@@ -383,7 +383,7 @@ def own_groups(groups, num_problems, rank):
 
 def regroup_owner(problem_index, world_size):
     """The rank a split group is regrouped on: every rank gets prompts_per_step / world groups (the
-    lowest holder of a part would be rank 0 for most: python -m bench.tail part=regroup)."""
+    lowest holder of a part would be rank 0 for most: docs/benchmarks.md, regroup)."""
     return problem_index % world_size
 
 

@@ -1,6 +1,6 @@
 """The rollout phase at scale, simulated with rollout.py's own admission rule: how long the
 slowest engine decodes and how long the others wait for it (the tail); mode=plan prints it,
-bench/tail.py compares claiming rules with it. rollout.Rollouts' admit(), claim_group() and
+docs/benchmarks.md compares claiming rules with it. rollout.Rollouts' admit(), claim_group() and
 capacity() run unchanged; a trajectory ends at its length over a decode rate, in one event queue
 for all engines. Not simulated: tool calls, prefill, a rate that changes with the load."""
 import heapq

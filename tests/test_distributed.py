@@ -374,7 +374,7 @@ def test_split_groups_are_regrouped_evenly_over_the_ranks():
     """Where 2G > K every sample is claimed alone (rollout.Rollouts, driven by machinery.tail at
     an H100's stage-1 K = 15 on 64 ranks), so a group's parts lie on about 24 ranks and rank 0
     holds a part of most groups: the lowest holder would own ~40% of them. regroup_owner gives
-    every rank prompts / world (bench.tail part=regroup prints the bytes)."""
+    every rank prompts / world (docs/benchmarks.md has the bytes)."""
     lengths = spread_lengths(512, 32, 8192)  # U[0.2, 1] x the budget, as mode=plan's tail
     parts = [groups for _, groups in claims(Rollouts, 64, 15, 512, 32,
                                             lambda p, s: lengths[p][s] / 40.0)]
