@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout
+from torch.distributed.tensor import DTensor
 
 from machinery.config import ConfigError, flatten_config, resolve
 from machinery.exits import fault_point
@@ -339,6 +340,9 @@ def gather_bucket(named_params, dtype, traffic=None):
     which hold torch.chunk's rows: each padded to c = ceil(n / world) rows, the gathered [world,
     segment] buffer holds every parameter's rows in order, padding after row n."""
     params = [p for _, p in named_params]
+    if not isinstance(params[0], DTensor):  # one process: the model is not sharded
+        return [(name, p.detach().to(dtype)) for name, p in named_params]
+
     mesh = params[0].device_mesh
     world = mesh.size()
     rows = [-(-p.shape[0] // world) for p in params]
