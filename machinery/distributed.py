@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from machinery.config import ConfigError, flatten_config, resolve
 from machinery.exits import fault_point
@@ -340,8 +340,19 @@ def gather_bucket(named_params, dtype, traffic=None):
     which hold torch.chunk's rows: each padded to c = ceil(n / world) rows, the gathered [world,
     segment] buffer holds every parameter's rows in order, padding after row n."""
     params = [p for _, p in named_params]
-    if not isinstance(params[0], DTensor):  # one process: the model is not sharded
-        return [(name, p.detach().to(dtype)) for name, p in named_params]
+    if not all(isinstance(p, DTensor) and p.device_mesh.ndim == 1 and p.placements == (Shard(0),)
+               and p.dim() for p in params):  # other layouts (plain tensors): one at a time
+        out = []
+        for name, p in named_params:
+            tensor = p.detach().to(dtype)
+            if isinstance(tensor, DTensor):
+                tensor = tensor.full_tensor()
+                if traffic is not None:
+                    traffic["weight_sync_gathered_bytes"] = (
+                        traffic.get("weight_sync_gathered_bytes", 0)
+                        + tensor.numel() * tensor.element_size())
+            out.append((name, tensor))
+        return out
 
     mesh = params[0].device_mesh
     world = mesh.size()
