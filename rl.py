@@ -40,7 +40,7 @@ from grpo_roc import (ADVANTAGE_SCALINGS, LOSS_AGGREGATIONS, POSITIVE_RULES, RAT
                       group_advantages, loss_weights, policy_loss, roc_penalty,
                       rollout_correction, select_group)
 from reward import extract_answer, grade_batch
-from rollout import RolloutConfig, Rollouts, generate
+from rollout import RolloutConfig, generate
 from machinery import checkpoint, metrics, plan
 from machinery.config import (ConfigError, NonNegativeFloat, NonNegativeInt, PositiveFloat,
                               PositiveInt, load_config, resolve)
@@ -67,7 +67,7 @@ class RLConfig:
     plan_model_config: str = ""   # mode=plan: the model's config.json when `model` is not on disk
     seed: int = 0
     world_size: NonNegativeInt = 0  # ranks mode=plan assumes (0: the launch's); any launch runs
-    collective_timeout_min: PositiveInt = 30  # the most a rank waits at a collective (mode=plan)
+    collective_timeout_min: PositiveInt = 30  # the most a rank waits at a collective
     heartbeat_min: float = 5.0    # no rank moving this long: a hang, every rank exits; 0 = off
     skip_prompts: list[int] = dataclasses.field(default_factory=list)  # ids a crash loop named
     # the method (§2.2.3, §4.3)
@@ -649,8 +649,7 @@ def main(cfg):
     configure_vllm_logging(cfg.verbose)
     plan_args = plan.split_plan_args(sys.argv[1:], RLConfig)[1]  # plan_*=...: the plan's own keys
     if cfg.mode == "plan" or plan_args:  # no process group, no model: the config's world
-        plan.print_plan(cfg, cfg.world_size or int(os.environ.get("WORLD_SIZE", "1")), Rollouts,
-                        plan_args)
+        plan.print_plan(cfg, cfg.world_size or int(os.environ.get("WORLD_SIZE", "1")), plan_args)
     else:
         train(cfg)
 

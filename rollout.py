@@ -294,7 +294,7 @@ class Rollouts:
 
     def admit(self):
         # A rank claims work only when it has room for it, so a slow rank never hoards prompts it
-        # cannot start (machinery/tail.py simulates this rule at scale).
+        # cannot start.
         while self.in_flight() < self.capacity() and (self.waiting or not self.exhausted):
             self.waiting = self.waiting or self.claim_group()
             if self.waiting:

@@ -10,7 +10,6 @@ from pathlib import Path
 from machinery.config import (REPO, ConfigError, NonNegativeFloat, NonNegativeInt, PositiveFloat,
                               PositiveFraction, PositiveInt, load_config)
 from machinery.engine import kv_bytes_per_token, trajectories_that_fit
-from machinery.tail import rollout_tails
 
 GiB = 2**30
 # Memory as the driver reports it (torch.cuda.mem_get_info's total), not the marketing number.
@@ -24,10 +23,7 @@ ENGINE_BATCH_TOKENS = 16384      # vLLM's max_num_batched_tokens on GPUs >= 70 G
 ENGINE_MAX_SEQS = 1024           # ... and max_num_seqs, which caps K
 KV_BLOCK = 16                    # vLLM's default block size (the KV cache's unit, in tokens)
 SYNC_BUCKET = 64 * 2**20         # distributed.WEIGHT_SYNC_BUCKET_BYTES
-META_BYTES = 24                  # one (length, owner, index) entry of the balance: three int64
 TOLERANCE = 0.20  # a memory term's error bound (tests/test_plan.py): estimates count this higher
-TIMEOUT_MARGIN = 2  # the waits are simulated or assumed: a timeout of twice the longest
-WEEK = 7 * 86400
 
 
 @dataclasses.dataclass
@@ -42,32 +38,25 @@ class ModelShape:
     vocab: int
     tied: bool
     qk_norm: bool = True          # Qwen3 normalises q and k per head; Qwen2 and Llama do not
-    attention_bias: bool = False
 
     @classmethod
     def from_config(cls, path):
-        try:
-            c = json.loads(Path(path).read_text())
-            return cls(hidden=c["hidden_size"], intermediate=c["intermediate_size"],
-                       layers=c["num_hidden_layers"], heads=c["num_attention_heads"],
-                       kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
-                       head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
-                       vocab=c["vocab_size"], tied=bool(c.get("tie_word_embeddings", False)),
-                       qk_norm=c.get("model_type") == "qwen3",
-                       attention_bias=bool(c.get("attention_bias", False)))
-        except (OSError, ValueError, KeyError) as e:
-            raise ConfigError(f"{path}: not a decoder-only Hugging Face config.json ({e!r})") \
-                from None
+        c = json.loads(Path(path).read_text())
+        return cls(hidden=c["hidden_size"], intermediate=c["intermediate_size"],
+                   layers=c["num_hidden_layers"], heads=c["num_attention_heads"],
+                   kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
+                   head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+                   vocab=c["vocab_size"], tied=bool(c.get("tie_word_embeddings", False)),
+                   qk_norm=c.get("model_type") == "qwen3")
 
-    def layer_shapes(self):  # a decoder layer's tensors: q, k, v, o, biases, norms, the MLP
+    def layer_shapes(self):  # a decoder layer's tensors: q, k, v, o, norms, the MLP (no biases)
         h, q, kv, d, i = (self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim,
                           self.head_dim, self.intermediate)
-        return ([(q, h), (kv, h), (kv, h), (h, q)] + [(q,), (kv,), (kv,)] * self.attention_bias
-                + [(d,), (d,)] * self.qk_norm + [(i, h), (i, h), (h, i), (h,), (h,)])
+        return ([(q, h), (kv, h), (kv, h), (h, q)] + [(d,), (d,)] * self.qk_norm
+                + [(i, h), (i, h), (h, i), (h,), (h,)])
 
-    def root_shapes(self):  # the root FSDP unit: embeddings, final norm, an untied lm_head
-        return [(self.vocab, self.hidden), (self.hidden,)] + [(self.vocab, self.hidden)] * (
-            not self.tied)
+    def root_shapes(self):  # the root FSDP unit: embeddings and an untied lm_head, final norm
+        return [(self.vocab, self.hidden)] * (2 - self.tied) + [(self.hidden,)]
 
     def shapes(self):
         return self.root_shapes() + self.layer_shapes() * self.layers
@@ -106,31 +95,26 @@ def trunk_saved_bytes(m, tokens, c, checkpointing):
     return tokens * (m.layers * per_layer + shared)
 
 
-def logprob_bytes(m, tokens, chunk):
-    """The log-prob head's peak, `chunk` tokens at a time (0: all): fp32 logits and three fp32
-    temporaries of their gradient per vocabulary entry, in bf16 compute too (measured)."""
-    return 16 * min(tokens, chunk or tokens) * m.vocab
-
-
 def trainer_memory(m, world, tokens, chunk, checkpointing, c=2, prefetch=2):
     """Per-rank bytes of the trainer: resident state and the peak of one micro-batch. c: compute
     bytes; prefetch: decoder layers gathered at once (2 on GPU, 1 on CPU, which has no streams)."""
     master = 4 * sum(shard_numel(s, world) for s in m.shapes())
     layer_numel, root_numel = m.numel(m.layer_shapes()), m.numel(m.root_shapes())
     gathered_root = c * root_numel  # the root stays gathered through forward and backward
-    gathered_layers = c * prefetch * layer_numel
     saved = trunk_saved_bytes(m, tokens, c, checkpointing)
     recompute = tokens * saved_per_token_layer(m, c) if checkpointing else 0
     # backward of a decoder layer (measured on CPU): its gathered parameters, their gradients, the
     # layer recomputed, and its activations' gradients, about a quarter of its saved tensors
-    layer_backward = (gathered_layers + c * layer_numel + recompute
+    layer_backward = (c * prefetch * layer_numel + c * layer_numel + recompute
                       + tokens * saved_per_token_layer(m, c) // 4)
     resident = 4 * master  # master + fp32 grads + two AdamW moments
     head_grad = c * m.vocab * m.hidden  # the output projection's gradient until the root's reduce
+    # the log-prob head, `chunk` tokens at a time (0: all): fp32 logits and three fp32 temporaries
+    # of their gradient per vocabulary entry, in bf16 compute too (measured)
+    logprob_head = 16 * min(tokens, chunk or tokens) * m.vocab
     candidates = {
         # chunked, the projection's gradient already exists from the chunks before
-        "log-prob head backward": (resident + gathered_root + saved
-                                   + logprob_bytes(m, tokens, chunk)
+        "log-prob head backward": (resident + gathered_root + saved + logprob_head
                                    + (head_grad if chunk and chunk < tokens else 0)),
         "decoder layer backward": resident + gathered_root + head_grad + saved + layer_backward,
         # the root's reduce-scatter at the end: its compute-dtype gradients and their fp32 copy
@@ -140,8 +124,7 @@ def trainer_memory(m, world, tokens, chunk, checkpointing, c=2, prefetch=2):
     phase = max(candidates, key=candidates.get)
     return dict(master=master, grads=master, adam=2 * master, resident_rollout=3 * master,
                 resident_train=resident, peak=candidates[phase], peak_phase=phase,
-                saved_no_checkpointing=trunk_saved_bytes(m, tokens, c, False),
-                saved_checkpointing=trunk_saved_bytes(m, tokens, c, True))
+                logprob_head=logprob_head)
 
 
 def max_concurrency(kv_cache_bytes, m, context_len, tp=1, c=2, max_seqs=ENGINE_MAX_SEQS,
@@ -162,22 +145,7 @@ def engine_memory(m, rollout, gpu_bytes, c=2):
     kv_cache = budget - weights - activations - CUDA_CONTEXT
     return dict(budget=budget, weights=weights, activations=activations, kv_cache=kv_cache,
                 K=max_concurrency(kv_cache, m, rollout.context_len, tp, c),
-                graphs=0 if rollout.enforce_eager else CUDA_GRAPHS,
-                host_when_asleep=weights if rollout.sleep_level == 1 else 0)
-
-
-def pickled_trajectory_bytes(prompt_tokens, response_tokens, vocab):
-    """A TrainSample pickled: ids 3 bytes (5 from 65536), mask 2, log-probs 9; ~200 of object."""
-    id_bytes = 3 + 2 * max(0, vocab - 65536) / vocab
-    return int(200 + (prompt_tokens + response_tokens) * id_bytes + response_tokens * (2 + 9))
-
-
-def balance_received(world, most_per_rank, arrived, vocab):
-    """balance_by_tokens: counts, keys padded to the most a rank holds, sizes, `arrived` pickled."""
-    if world == 1:
-        return 0
-    keys = (world - 1) * (8 + META_BYTES * most_per_rank + 8)
-    return keys + sum(pickled_trajectory_bytes(p, r, vocab) for p, r in arrived)
+                graphs=0 if rollout.enforce_eager else CUDA_GRAPHS)
 
 
 def fsdp_bytes_per_micro_batch(m, world, c=2):
@@ -191,19 +159,10 @@ def fsdp_bytes_per_micro_batch(m, world, c=2):
                 reduce_scatter=int(4 * everything * share))
 
 
-def bytes_moved(m, cfg, world, c=2):
-    """What one rank receives in a step; the balance's payload at most (all from elsewhere)."""
-    r = cfg.rollout
-    engine_c = 4 if r.dtype == "float32" else 2  # the sync casts to the engine's dtype
-    kept_per_rank = math.ceil(cfg.prompts_per_step * cfg.group_size / world)
-    micro_batches = math.ceil(kept_per_rank / max(1, cfg.micro_batch_tokens // r.context_len))
-    fsdp = fsdp_bytes_per_micro_batch(m, world, c)
-    full = [(r.max_prompt_tokens, r.max_response_tokens)] * kept_per_rank
-    return dict(weight_sync=int(engine_c * padded_numel(m.shapes(), world) * (world - 1) / world),
-                # forward only, and only with mini_batches > 1 (rl.rl_step)
-                old_logprobs=micro_batches * fsdp["forward_all_gather"] * (cfg.mini_batches > 1),
-                train=micro_batches * sum(fsdp.values()), micro_batches=micro_batches,
-                balance_max=balance_received(world, kept_per_rank, full, m.vocab))
+def weight_sync_bytes(m, rollout, world):
+    """What a rank receives in the weight sync: the others' shards, cast to the engine's dtype."""
+    engine_c = 4 if rollout.dtype == "float32" else 2
+    return int(engine_c * padded_numel(m.shapes(), world) * (world - 1) / world)
 
 
 def resolve_model_config(cfg):
@@ -224,40 +183,35 @@ def plan(cfg, m, world, gpu_bytes):
     train = trainer_memory(m, world, cfg.micro_batch_tokens, cfg.logprob_chunk_tokens,
                            cfg.activation_checkpointing)
     engine = engine_memory(m, cfg.rollout, gpu_bytes)
+    # vLLM's start (util x GPU free beside the master shard) fits wherever the rollout phase does
     phases = {
-        # vLLM checks at start that util x GPU is free; only the fp32 master shard exists then
-        "engine start": train["master"] + CUDA_CONTEXT + engine["budget"],
         # gradients are freed after optimizer.step(): master and AdamW moments stay
         "rollout": train["resident_rollout"] + CUDA_CONTEXT + engine["budget"] + engine["graphs"],
         # engine weights awake, KV cache asleep, one bucket of full bf16 tensors (or the largest)
         "weight sync": (train["resident_rollout"] + CUDA_CONTEXT + engine["weights"]
-                        + engine["graphs"]
-                        + max(SYNC_BUCKET, 2 * max(math.prod(s) for s in m.shapes()))),
+                        + engine["graphs"] + max(SYNC_BUCKET, 2 * max(map(math.prod, m.shapes())))),
         "training": train["peak"] + CUDA_CONTEXT + engine["graphs"],  # the engine asleep
     }
 
-    exact = {"engine start": engine["budget"], "rollout": engine["budget"]}  # all else estimated
-    fits = {name: size + TOLERANCE * (size - exact.get(name, 0)) <= gpu_bytes
-            for name, size in phases.items()}
-    advice = [f"{name}: " + what_to_change(cfg, m, world, gpu_bytes, name,
-                                           size - exact.get(name, 0))
-              for name, size in phases.items() if not fits[name]]
+    exact = {"rollout": engine["budget"]}  # all else estimated
+    estimated = {name: size - exact.get(name, 0) for name, size in phases.items()}
+    fits = {name: size + TOLERANCE * estimated[name] <= gpu_bytes for name, size in phases.items()}
+    advice = [f"{name}: " + what_to_change(cfg, m, world, gpu_bytes, name, estimated[name])
+              for name in phases if not fits[name]]
     if engine["K"] < 1:
-        advice.append(f"rollout: no trajectory of {cfg.rollout.context_len} tokens fits the KV "
-                      f"cache; rollout.tensor_parallel_size={2 * cfg.rollout.tensor_parallel_size}")
-    return dict(train=train, engine=engine, phases=phases, fits=fits, advice=advice,
-                bytes=bytes_moved(m, cfg, world))
+        advice.append(
+            f"rollout: rollout.tensor_parallel_size={2 * cfg.rollout.tensor_parallel_size}")
+    return dict(train=train, engine=engine, phases=phases, fits=fits, advice=advice)
 
 
 def what_to_change(cfg, m, world, gpu_bytes, phase, estimated):
     """The change that gives `phase` (`estimated` bytes of it estimates) TOLERANCE of room."""
     more = f"more ranks (world_size={2 * world})"
     if phase == "training":
-        smaller = max(cfg.rollout.context_len, cfg.micro_batch_tokens // 2)
-        first = ("activation_checkpointing=true" if not cfg.activation_checkpointing
-                 else f"micro_batch_tokens={smaller}")
+        first = ("activation_checkpointing=true" if not cfg.activation_checkpointing else
+                 f"micro_batch_tokens={max(cfg.rollout.context_len, cfg.micro_batch_tokens // 2)}")
         return f"{first}, or {more}"
-    if phase in ("engine start", "rollout"):
+    if phase == "rollout":
         room = math.floor(100 * (gpu_bytes - (1 + TOLERANCE) * estimated) / gpu_bytes) / 100
         k = engine_memory(m, dataclasses.replace(cfg.rollout, gpu_memory_utilization=room),
                           gpu_bytes)["K"]
@@ -361,20 +315,19 @@ def step_time(cfg, m, world, a, gpus=GPUS):
                                   + fsdp["backward_all_gather"])
     fsdp_s = dict(all_gather=link_seconds(all_gather, world, a),
                   reduce_scatter=link_seconds(micro_batches * fsdp["reduce_scatter"], world, a))
-    sync_bytes = bytes_moved(m, cfg, world)["weight_sync"]
+    sync_bytes = weight_sync_bytes(m, r, world)
 
     out = dict(prompt=prompt, response=response, engines=engines, rollouts=rollouts, kept=kept,
-               micro_batches=micro_batches, tokens=tokens, multiply=multiply,
-               recomputed=recomputed, flops=flops, all_gather_bytes=all_gather,
-               reduce_scatter_bytes=micro_batches * fsdp["reduce_scatter"], fsdp_s=fsdp_s,
-               sync_bytes=sync_bytes, sync_s=link_seconds(sync_bytes, world, a), gpus={})
+               micro_batches=micro_batches, tokens=tokens, multiply=multiply, flops=flops,
+               recomputed=recomputed, all_gather_bytes=all_gather, fsdp_s=fsdp_s,
+               reduce_scatter_bytes=micro_batches * fsdp["reduce_scatter"], sync_bytes=sync_bytes,
+               sync_s=link_seconds(sync_bytes, world, a), gpus={})
     for name, gpu_bytes in gpus.items():
         k = engine_memory(m, r, gpu_bytes)["K"]  # each trajectory admitted at its full budget
         running = min(k, rollouts, r.max_concurrency or k)
-        t = dict(K=k, decode_tok_s_engine=running * a.plan_decode_tok_s,
-                 # never less than the longest response alone: the last to finish
-                 decode=(max(rollouts * response / running, r.max_response_tokens)
-                         / a.plan_decode_tok_s if running else math.inf),
+        # never less than the longest response alone: the last to finish
+        t = dict(K=k, decode=(max(rollouts * response / running, r.max_response_tokens)
+                              / a.plan_decode_tok_s if running else math.inf),
                  **{term: f / (PEAK_BF16_FLOPS[name] * a.plan_mfu) for term, f in flops.items()})
         t["compute"] = t["old_logprobs"] + t["update"] + t["recompute"]
         t["step"] = t["decode"] + max(t["compute"], sum(fsdp_s.values())) + out["sync_s"]
@@ -382,13 +335,10 @@ def step_time(cfg, m, world, a, gpus=GPUS):
     return out
 
 
-def checkpoint_bytes(m, world):
+def checkpoint_bytes(m):
     """DCP's bytes: fp32 master and two AdamW moments, 12 a parameter (a tied embedding's weight
-    twice); per rank, rank 0's shard, the largest."""
-    tied = m.vocab * m.hidden if m.tied else 0
-    return dict(total=12 * m.numel() + 4 * tied,
-                per_rank=12 * sum(shard_numel(shape, world) for shape in m.shapes())
-                + (4 * shard_numel((m.vocab, m.hidden), world) if m.tied else 0))
+    twice)."""
+    return 12 * m.numel() + 4 * (m.vocab * m.hidden if m.tied else 0)
 
 
 def lost_share(save_every, step_s, save_s, restart_s, mtbf_s):
@@ -398,65 +348,44 @@ def lost_share(save_every, step_s, save_s, restart_s, mtbf_s):
     return save_s / interval + (interval / 2 + restart_s) / mtbf_s
 
 
-def recommended_save_every(step_s, save_s, restart_s, mtbf_s):
-    """Young/Daly: lost_share is least near sqrt(2 x save x MTBF); the better whole step count."""
-    optimum = (math.sqrt(2 * save_s * mtbf_s) - save_s) / step_s
-    return min({max(1, math.floor(optimum)), max(1, math.ceil(optimum))},
-               key=lambda k: lost_share(k, step_s, save_s, restart_s, mtbf_s))
-
-
 def restarts_for(expected_faults, certainty=0.99):
     """torchrun's --max-restarts that covers a Poisson count of faults with `certainty`."""
-    def cdf(k):
-        return sum(expected_faults**i / math.factorial(i) for i in range(k + 1)) * math.exp(
-            -expected_faults)
-
-    return next(k for k in itertools.count() if cdf(k) >= certainty)
+    return next(k for k in itertools.count()
+                if sum(expected_faults**i / math.factorial(i) for i in range(k + 1))
+                * math.exp(-expected_faults) >= certainty)
 
 
-def cluster_needs(cfg, m, world, a, rollouts_class, gpus=GPUS):
-    """Checkpoints, a restart's parts, faults, the save cadence and the longest wait in one
-    collective; the tail simulated with `rollouts_class`'s admission rule."""
-    r, s = cfg.rollout, step_time(cfg, m, world, a, gpus)
-    ckpt = checkpoint_bytes(m, world)
-    write_s = ckpt["total"] / (a.plan_fs_write_gb_s * 1e9)
+def cluster_needs(cfg, m, world, a, gpus=GPUS):
+    """Checkpoints, a restart's parts, faults and the save cadence."""
+    s = step_time(cfg, m, world, a, gpus)
+    ckpt = checkpoint_bytes(m)
+    write_s = ckpt / (a.plan_fs_write_gb_s * 1e9)
     # rank 0 reads the bf16 model and broadcasts it in fp32, every rank reads its shard
     model = 2 * m.numel() / (a.plan_fs_read_gb_s * 1e9) + link_seconds(4 * m.numel(), world, a)
     restart = dict(detect=a.plan_detect_s, requeue=a.plan_requeue_s, lease=a.plan_lease_s,
-                   model=model, checkpoint=ckpt["total"] / (a.plan_fs_read_gb_s * 1e9),
+                   model=model, checkpoint=ckpt / (a.plan_fs_read_gb_s * 1e9),
                    engine=a.plan_engine_start_s)
     restart["total"] = sum(restart.values())
     nodes = math.ceil(world / a.plan_gpus_per_node)
-    mtbf = WEEK / (a.plan_faults_per_week * nodes / 8)
-    engines_per_node = max(1, min(a.plan_gpus_per_node, world) // r.tensor_parallel_size)
+    mtbf = 7 * 86400 / (a.plan_faults_per_week * nodes / 8)
     steps = cfg.steps - a.plan_start_step
 
     per_gpu = {}
     for name, t in s["gpus"].items():
-        k = min(t["K"], r.max_concurrency or t["K"])
-        tails = (rollout_tails(rollouts_class, s["engines"], k, cfg.prompts_per_step,
-                               cfg.rollouts_per_prompt, s["response"], a.plan_decode_tok_s,
-                               engines_per_node) if k > 0 else None)
-        # a rank waits in one collective at a time: what it waits there for, at most
-        waits = dict(tail=max(c["tail"] for c in tails.values()) if tails else math.inf,
-                     trajectory=r.max_response_tokens / a.plan_decode_tok_s, save=write_s,
-                     reload=restart["model"] + restart["checkpoint"], engine=restart["engine"],
-                     export=2 * m.numel() / (a.plan_fs_write_gb_s * 1e9))
         lost = lost_share(cfg.save_every, t["step"], write_s, restart["total"], mtbf)
         faults = steps * t["step"] / mtbf
-        per_gpu[name] = dict(tails=tails, waits=waits, longest_wait=max(waits.values()),
-                             faults=faults, max_restarts=restarts_for(faults), lost_config=lost,
-                             save_every=recommended_save_every(t["step"], write_s,
-                                                               restart["total"], mtbf),
-                             days=steps * t["step"] / 86400,
+        per_gpu[name] = dict(faults=faults, max_restarts=restarts_for(faults), lost_config=lost,
                              days_with_faults=steps * t["step"] / 86400 / (1 - lost))
-    # one cadence for a config that may run on any of these GPUs: the least worst-case loss
-    worst = {k: max(lost_share(k, t["step"], write_s, restart["total"], mtbf)
-                    for t in s["gpus"].values())
-             for k in range(1, max(g["save_every"] for g in per_gpu.values()) + 1)}
+
+    # one cadence for a config that may run on any of these GPUs: the least worst-case loss (each
+    # GPU's loss is convex in save_every, so is their maximum: its first dip is the least)
+    def worst(k):
+        return max(lost_share(k, t["step"], write_s, restart["total"], mtbf)
+                   for t in s["gpus"].values())
+
+    save_every = next(k for k in itertools.count(1) if worst(k + 1) >= worst(k))
     return dict(step=s, checkpoint=ckpt, write_s=write_s, restart=restart, mtbf=mtbf, nodes=nodes,
-                gpus=per_gpu,
-                save_every=min(worst, key=worst.get),
+                gpus=per_gpu, save_every=save_every,
                 max_restarts=max(g["max_restarts"] for g in per_gpu.values()))
 
 
@@ -464,11 +393,11 @@ def table_row(label, values, fmt="12.1f"):  # a label, then one value per GPU
     return f"  {label:58s}" + "".join(f"{v:{fmt}}" for v in values)
 
 
-def format_plan(cfg, m, world, a, rollouts_class, config_path, gpus=GPUS):
+def format_plan(cfg, m, world, a, config_path, gpus=GPUS):
     r, steps, size = cfg.rollout, cfg.steps - a.plan_start_step, len(gpus)
     plans = [plan(cfg, m, world, gpu_bytes) for gpu_bytes in gpus.values()]
-    t, b = plans[0]["train"], plans[0]["bytes"]
-    c = cluster_needs(cfg, m, world, a, rollouts_class, gpus)
+    t = plans[0]["train"]
+    c = cluster_needs(cfg, m, world, a, gpus)
     s, ckpt, numel = c["step"], c["checkpoint"], m.numel()
     times, cluster = list(s["gpus"].values()), list(c["gpus"].values())
     header = f"  {'':58s}" + "".join(f"{name:>12s}" for name in gpus)
@@ -484,13 +413,7 @@ def format_plan(cfg, m, world, a, rollouts_class, config_path, gpus=GPUS):
     lines += [table_row("phase: " + phase, [f"{p['phases'][phase] / GiB:9.2f} "
                                             f"{'ok' if p['fits'][phase] else 'NO'}" for p in plans],
                         ">12s") for phase in plans[0]["phases"]]
-    lines += [table_row("GPU memory", [gpu_bytes / GiB for gpu_bytes in gpus.values()], "12.2f"),
-              f"host RAM per rank while the engine sleeps (level {r.sleep_level}): "
-              f"{plans[0]['engine']['host_when_asleep'] / GiB:.2f} GiB; received per rank per step "
-              f"({b['micro_batches']} micro-batches): weight sync {b['weight_sync'] / GiB:.2f} "
-              f"GiB, "
-              f"FSDP {(b['old_logprobs'] + b['train']) / GiB:.2f}, the balance "
-              f"{b['balance_max'] / GiB:.4f} at most"]
+    lines += [table_row("GPU memory", [gpu_bytes / GiB for gpu_bytes in gpus.values()], "12.2f")]
     lines += [f"{name}: {fit_verdict(p, gpu_bytes)}"
               + "".join(f"\n    change {x}" for x in p["advice"])
               for (name, gpu_bytes), p in zip(gpus.items(), plans)]
@@ -511,10 +434,9 @@ def format_plan(cfg, m, world, a, rollouts_class, config_path, gpus=GPUS):
         (f"stage: {steps} steps ({a.plan_start_step} -> {cfg.steps}), days",
          [steps * g["step"] / 86400 for g in times])]]
 
-    lines += [f"what a cluster run needs ({c['nodes']} node(s)): checkpoint "
-              f"{ckpt['total'] / GiB:.2f} GiB ({ckpt['per_rank'] / GiB:.2f} per rank), written in "
-              f"{c['write_s']:.0f} s; disk "
-              f"{(cfg.keep_checkpoints + 1) * ckpt['total'] / GiB:.2f} GiB (keep_checkpoints + 1), "
+    lines += [f"what a cluster run needs ({c['nodes']} node(s)): checkpoint {ckpt / GiB:.2f} GiB, "
+              f"written in {c['write_s']:.0f} s; disk "
+              f"{(cfg.keep_checkpoints + 1) * ckpt / GiB:.2f} GiB (keep_checkpoints + 1), "
               f"plus {2 * numel / GiB:.2f} per HF export; rank 0's host RAM {4 * numel / GiB:.2f} "
               f"GiB at start, {6 * numel / GiB:.2f} at an export",
               "  a fault's restart, minutes: " + ", ".join(
@@ -523,24 +445,19 @@ def format_plan(cfg, m, world, a, rollouts_class, config_path, gpus=GPUS):
     lines += [table_row(label, [g[key] for g in cluster], fmt) for label, key, fmt in [
         (f"faults expected in the stage ({steps} steps)", "faults", "12.2f"),
         ("  --max-restarts covering them 99 times in 100", "max_restarts", "12d"),
-        (f"stage, days, with faults at save_every={cfg.save_every}", "days_with_faults", "12.2f"),
-        ("the longest wait in one collective, s", "longest_wait", "12.0f")]]
-    lines += [f"  for every GPU above: save_every={c['save_every']} (Young/Daly, the least loss on "
-              f"the worst), --max-restarts={c['max_restarts']}"]
+        (f"stage, days, with faults at save_every={cfg.save_every}", "days_with_faults", "12.2f")]]
     return "\n".join(lines + [
-        f"WARNING: {name}: a rank can wait {g['longest_wait'] / 60:.0f} minutes at one collective; "
-        f"set collective_timeout_min={math.ceil(TIMEOUT_MARGIN * g['longest_wait'] / 60)} or more"
-        for name, g in c["gpus"].items()
-        if TIMEOUT_MARGIN * g["longest_wait"] > 60 * cfg.collective_timeout_min])
+        f"  for every GPU above: save_every={c['save_every']} (Young/Daly, the least loss on the "
+        f"worst), --max-restarts={c['max_restarts']}"])
 
 
-def print_plan(cfg, world, rollouts_class, plan_args=()):
-    """rl.py mode=plan; rollouts_class: rollout.Rollouts, whose admission the tail simulates."""
+def print_plan(cfg, world, plan_args=()):
+    """rl.py mode=plan."""
     a = load_assumptions(cfg, plan_args)
     tp = cfg.rollout.tensor_parallel_size
     if world % tp or a.plan_gpus_per_node % tp:
         raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide the {world} ranks "
                           f"and the {a.plan_gpus_per_node} GPUs per node (plan_gpus_per_node)")
     path = resolve_model_config(cfg)
-    print(format_plan(cfg, ModelShape.from_config(path), world, a, rollouts_class,
+    print(format_plan(cfg, ModelShape.from_config(path), world, a,
                       path.relative_to(REPO) if path.is_relative_to(REPO) else path))

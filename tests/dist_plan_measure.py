@@ -18,7 +18,7 @@ import rl  # noqa: E402
 from tests.instruments import CommMeter, peak_memory, tensor_bytes  # noqa: E402
 from machinery.checkpoint import load_policy  # noqa: E402
 from machinery.config import load_config  # noqa: E402
-from machinery.distributed import balance_by_tokens, full_weights, init_distributed  # noqa: E402
+from machinery.distributed import full_weights, init_distributed  # noqa: E402
 from machinery.exits import end_process_group, leave  # noqa: E402
 from machinery.training import TrainSample, last_hidden_states, token_logprobs  # noqa: E402
 
@@ -30,13 +30,6 @@ def full_sample(tokens, vocab, seed):  # a micro-batch of exactly `tokens` token
     sample = TrainSample(prompt, response, [1] * len(response), advantage=1.0 if seed % 2 else -1.0)
     sample.old_logprobs = [-8.0] * len(response)
     return sample
-
-
-def peak_and_comm(model, optimizer, fn):
-    comm = CommMeter()
-    with comm:
-        peak, _, result = peak_memory(fn, model, optimizer)
-    return peak, comm, result
 
 
 def main():
@@ -58,12 +51,11 @@ def main():
 
     # saved activations of the decoder: live tensors after a forward that computes no logits, with
     # checkpointing off and on (the same model; HF's switch)
+    model.gradient_checkpointing_disable()
     for checkpointing in (False, True):
         if checkpointing:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_disable()
         tracker = FSDPMemTracker(model, optimizer)
         with tracker:
             hidden = last_hidden_states(model, input_ids)
@@ -79,39 +71,27 @@ def main():
     rl.train_step(model, optimizer, samples, cfg, 0, 0, device)
     out["adam"] = tensor_bytes(t for state in optimizer.state.values() for t in state.values()
                                     if t.dim())
-    out["train_peak"], comm, metrics = peak_and_comm(
-        model, optimizer, lambda: rl.train_step(model, optimizer, samples, cfg, 1, 0, device))
+    comm = CommMeter()
+    with comm:
+        out["train_peak"], _, metrics = peak_memory(
+            lambda: rl.train_step(model, optimizer, samples, cfg, 1, 0, device), model, optimizer)
     out["train_micro_batches"] = metrics["num_micro_batches"]
     out["train_received"] = {k: v for k, v in comm.received.items()
                              if k in ("_allgather_base", "_reduce_scatter_base")}
 
     # the log-probs all at once (logprob_chunk_tokens=0): the head's share of the peak
     unchunked = dataclasses.replace(cfg, logprob_chunk_tokens=0)
-    out["train_peak_unchunked"], _, _ = peak_and_comm(
-        model, optimizer, lambda: rl.train_step(model, optimizer, samples, unchunked, 2, 0, device))
+    out["train_peak_unchunked"], _, _ = peak_memory(
+        lambda: rl.train_step(model, optimizer, samples, unchunked, 2, 0, device), model, optimizer)
 
     # the weight sync's gather: every tensor as the engine receives it
-    dtype = getattr(torch, cfg.rollout.dtype) if cfg.rollout.dtype != "auto" else torch.float32
+    dtype = getattr(torch, cfg.rollout.dtype)
     comm = CommMeter()
     with comm, torch.no_grad():
         for _ in full_weights(model, dtype):
             pass
     out["weight_sync_received"] = comm.total()
 
-    # the balance: rank 0 holds most trajectories, so some must move; what arrives is counted
-    rng = random.Random(7 + rank)
-    mine = [TrainSample([rng.randrange(3, vocab) for _ in range(8)],
-                        [rng.randrange(3, vocab) for _ in range(n)],
-                        [1] * n, 0.5, engine_logprobs=[-rng.random() for _ in range(n)],
-                        problem_index=i, sample_index=rank)
-            for i, n in enumerate([40, 300, 120, 90, 60, 200] if rank == 0 else [50])]
-    comm = CommMeter()
-    with comm:
-        kept, traffic = balance_by_tokens(mine)
-    arrived = [s for s in kept if s.sample_index != rank]
-    out.update(balance_received=comm.received, balance_traffic=traffic,
-               balance_arrived=[(len(s.prompt_ids), len(s.response_ids)) for s in arrived],
-               vocab=vocab)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(out))
     torch.distributed.barrier()
