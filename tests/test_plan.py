@@ -306,12 +306,12 @@ def test_gpu_check_ends_with_a_one_screen_verdict_per_check_and_phase():
     one's error's last line, a row per RL-cycle phase."""
     phase = dict(phase="0: rollout", seconds=1.5, device_used_gib=40.0,
                  torch_peak_allocated_gib=30.25)
-    results = {"env": {"gpu": "NVIDIA H100"}, "engine_start_s": 20.0,
+    results = {"env": {"gpu": "NVIDIA H100"},
                "logprobs_bf16": {"vs_trainer_bf16_mean": 0.0123456, "tokens": 30},
                "sleep_wake": {"error": "Traceback ...\nAssertionError: sleep freed 0.10 GiB\n"},
                "rl_cycle": {"K": 12, "phases": [phase] * 3}, "failures": ["sleep_wake"]}
     assert verdict(results).splitlines() == [
-        "gpu_check.py on NVIDIA H100: FAIL (sleep_wake)  engine_start_s=20",
+        "gpu_check.py on NVIDIA H100: FAIL (sleep_wake)",
         "PASS logprobs_bf16: vs_trainer_bf16_mean=0.0123  tokens=30",
         "FAIL sleep_wake: AssertionError: sleep freed 0.10 GiB", "PASS rl_cycle: K=12",
         *[f"     {'0: rollout':44}     1.5 s  used   40.0 GiB  peak   30.2 GiB"] * 3]
@@ -323,7 +323,7 @@ def test_gpu_check_runs_the_in_step_rollout_benchmark_on_rl_py_s_1_gpu_config_to
     bench_cfg, rl_args = rl_bench.split_args(args)
     cfg = rl_bench.bench_rl_config(rl_args, tmp_path / "run")
     cfg.validate()
-    assert bench_cfg.bench_steps == GPUCheckConfig().step_bench_steps
+    assert bench_cfg.bench_steps == 2
     assert (cfg.model, cfg.rollout.use_tool, cfg.filter_all_equal, cfg.eval_data, cfg.resume) == (
         str(tmp_path / "model"), False, False, "", "never")
     assert cfg.rollout.dtype == "bfloat16" and cfg.out_dir == str(tmp_path / "run")

@@ -1,10 +1,10 @@
 """The GPU check, in one call: what CPU tests cannot show, measured on one CUDA GPU with `vllm`.
 
-    python -m tools.gpu_check [out_dir=$OUT] [hidden_size=1024] [only_cycle=true]
+    python -m tools.gpu_check [out_dir=$OUT] [only_cycle=true] [enforce_eager=true]
 
 Needs requirements-gpu.txt and no network (random Qwen3 models built by tiny.py). The six checks
-and what each guards are in docs/gpu.md; results go to out_dir/gpu_check.json and stdout (Markdown
-for GPU_CHECK.md, then a one-screen verdict); exit code 1 if a check failed.
+and what each guards are in docs/gpu.md; results go to out_dir/gpu_check.json, a one-screen verdict
+to stdout; exit code 1 if a check failed.
 """
 import dataclasses
 import itertools
@@ -28,7 +28,7 @@ from bench import rl as rl_bench
 from bench import rollout as rollout_bench
 from machinery import plan
 from machinery.checkpoint import load_policy
-from machinery.config import PositiveInt, load_config
+from machinery.config import load_config
 from machinery.distributed import init_distributed
 from machinery.engine import Engine
 from machinery.prompts import render_prompt
@@ -45,14 +45,8 @@ QWEN3_1P7B_SHAPE = dict(hidden_size=2048, intermediate_size=6144, num_hidden_lay
 @dataclasses.dataclass
 class GPUCheckConfig:
     out_dir: str = os.environ.get("OUT", "out/gpu_check")
-    # checks 1-4: tiny.py's Qwen3 layout at ~200M parameters (random weights: agreement and speed)
-    hidden_size: int = 1024
-    num_hidden_layers: int = 12
     enforce_eager: bool = False       # CUDA graphs on, as in training; true starts faster
-    bench_trajectories: PositiveInt = 64  # 4. the barrier benchmark
     only_cycle: bool = False          # 5. the RL cycle alone
-    cycle_micro_batch_tokens: int = 20480     # the paper's (stage1.yaml)
-    step_bench_steps: int = 2         # 6. the rollout phase inside rl.py's steps (bench/rl.py)
 
 
 def gpu_memory_used_gib():
@@ -69,8 +63,7 @@ def trainer_logprobs(model, prompt_ids, response_ids, temperature=1.0):
 
 
 def cycle_model(out, shape, name):
-    """A Qwen3 of `shape` with random bf16 weights and the tiny tokenizer, as a Hugging Face
-    directory: what load_policy and the engine read."""
+    """A Qwen3 of `shape`, random bf16 weights and the tiny tokenizer: a Hugging Face directory."""
     model_dir = out / name
     if (model_dir / "config.json").is_file():
         return model_dir
@@ -87,20 +80,19 @@ def cycle_model(out, shape, name):
 
 
 def rl_cycle(cfg, out, results):
-    """5: rollout (random weights write noise; the memory is real), sleep, old log-probs, a
-    training step, wake + sync (rl.sync_weights, verl's order), twice, then rollout. Per phase: the
-    device's used memory at its end (mem_get_info: vLLM's sleep pool is outside PyTorch's counters)
-    and PyTorch's peak."""
+    """5: rollout (random weights write noise; the memory is real), sleep, old log-probs, a training
+    step, wake + sync (rl.sync_weights), twice, then rollout. Per phase: its seconds, the device's
+    used memory (vLLM's sleep pool is outside PyTorch's counters) and PyTorch's peak."""
     init_distributed()
     device = torch.device("cuda", torch.cuda.current_device())
     model_dir = cycle_model(out, QWEN3_4B_SHAPE, "cycle-model")
-    context = cfg.cycle_micro_batch_tokens // 2  # 2 trajectories a micro-batch, 2 micro-batches
+    context = 20480 // 2  # the paper's micro-batch (stage1.yaml): 2 trajectories, 2 micro-batches
     rl_cfg = load_config(rl.RLConfig, [
-        f"model={model_dir}", f"micro_batch_tokens={cfg.cycle_micro_batch_tokens}",
+        f"model={model_dir}", "micro_batch_tokens=20480",
         "logprob_chunk_tokens=1024", "activation_checkpointing=true", "rollout.dtype=bfloat16",
-        "rollout.gpu_memory_utilization=0.3",
-        "rollout.max_prompt_tokens=1024", f"rollout.max_response_tokens={context - 1024}",
-        "rollout.use_tool=false", f"rollout.enforce_eager={cfg.enforce_eager}"])
+        "rollout.gpu_memory_utilization=0.3", "rollout.max_prompt_tokens=1024",
+        f"rollout.max_response_tokens={context - 1024}", "rollout.use_tool=false",
+        f"rollout.enforce_eager={cfg.enforce_eager}"])
     shape = plan.ModelShape.from_config(model_dir / "config.json")
     total = torch.cuda.mem_get_info()[1]
     planned, phases = plan.plan(rl_cfg, shape, 1, total), []
@@ -120,7 +112,6 @@ def rl_cycle(cfg, out, results):
                                lambda: load_policy(rl_cfg, device, 0))
     engine = measure("engine start", lambda: Engine(model_dir, rl_cfg.rollout, seed=0))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    record = {"K": engine.max_concurrency()}
     problems = [row["problem"] for row in tiny.make_arithmetic_problems(16, seed=2)]
     plain = dataclasses.replace(rl_cfg.rollout, max_response_tokens=256)
     ids = torch.randint(0, shape.vocab, (4, context), generator=torch.Generator().manual_seed(0))
@@ -134,28 +125,26 @@ def rl_cycle(cfg, out, results):
         measure(f"{round_}: sleep", engine.sleep)
         measure(f"{round_}: old log-probs",
                 lambda: rl.recompute_logprobs(model, samples, rl_cfg, 0, device))
-        metrics = measure(f"{round_}: train step", lambda: rl.train_step(
+        measure(f"{round_}: train step", lambda: rl.train_step(
             model, optimizer, samples, rl_cfg, round_, 0, device))
-        record[f"{round_}: micro_batches"] = metrics["num_micro_batches"]
         measure(f"{round_}: wake + weight sync",
                 lambda: rl.sync_weights(engine, model, torch.bfloat16))
     engine.cfg = plain
     measure("last: rollout",
             lambda: rollout.generate(engine, None, tokenizer, problems, 2, plain, seed=99))
     results["rl_cycle"] = dict(
-        record, phases=phases, gpu_total_gib=total / 2**30, params_B=shape.numel() / 1e9,
+        K=engine.max_concurrency(), phases=phases, gpu_total_gib=total / 2**30,
+        params_B=shape.numel() / 1e9, plan_training_peak_gib=planned["train"]["peak"] / 2**30,
         plan_phases_gib={k: v / 2**30 for k, v in planned["phases"].items()},
-        plan_training_peak_gib=planned["train"]["peak"] / 2**30,
         plan_K=planned["engine"]["K"], plan_fits=planned["fits"])
     engine.close()
 
 
 def step_bench_args(cfg, model_dir, train_data):
-    """bench/rl.py's arguments: rl.py's 1-GPU config on the random model, tools off (random weights
-    never call it), every group trained (all rewards are 0), CUDA graphs as configured."""
+    """bench/rl.py's arguments: rl.py's 1-GPU config on the random model, tools off, all trained."""
     return ["configs/qwen3_1p7b_1gpu.yaml", f"model={model_dir}", f"train_data={train_data}",
             "rollout.use_tool=false", "filter_all_equal=false", "rollout.max_response_tokens=1024",
-            f"rollout.enforce_eager={cfg.enforce_eager}", f"bench_steps={cfg.step_bench_steps}"]
+            f"rollout.enforce_eager={cfg.enforce_eager}", "bench_steps=2"]
 
 
 def step_bench(cfg, out, results):
@@ -197,56 +186,48 @@ def main(cfg):
         check("rl_step_rollout", lambda: step_bench(cfg, out, results))
     results["failures"] = failures
     (out / "gpu_check.json").write_text(json.dumps(results, indent=1))
-    print("\n## gpu_check.py results\n```json\n" + json.dumps(results, indent=1) + "\n```")
-    print("\n" + verdict(results))
+    print(verdict(results))
     return 1 if failures else 0
 
 
 def sampling(engine, trainer, prompt, results):
-    """What Engine asks of the model runner CUDA runs (vLLM 0.33's V2; the CPU tests run V1): the
-    sampled tokens' log-probs at T = 0.6 are the trainer's log_softmax(logits / 0.6)
-    (processed_logprobs, sample/sampler.py), and a request's seed fixes its tokens."""
+    """On the model runner CUDA runs (vLLM 0.33's V2; CPU tests: V1): sampled log-probs at T = 0.6
+    are the trainer's log_softmax(logits / 0.6), and a request's seed fixes its tokens."""
     engine.update_weights(trainer.state_dict().items())
     ids = itertools.count()
 
-    def sample(seed, others=0):
-        requests = [f"sampling-{next(ids)}" for _ in range(1 + others)]
-        for i, request in enumerate(requests):
-            engine.add(request, prompt, 48, seed + 1000 * i, [], 0.6, 1.0)
+    def sample(seed):
+        request = f"sampling-{next(ids)}"
+        engine.add(request, prompt, 48, seed, [], 0.6, 1.0)
         done = {}
         while engine.has_unfinished():
             done.update((request, (tokens, logprobs))
                         for request, tokens, logprobs in engine.step())
-        return done[requests[0]]
+        return done[request]
 
     tokens, logprobs = sample(7)
     tempered = (torch.tensor(logprobs)
                 - trainer_logprobs(trainer, prompt, tokens, temperature=0.6)).abs()
-    rerun, batched, other = sample(7)[0], sample(7, others=15)[0], sample(8)[0]
+    rerun, other = sample(7)[0], sample(8)[0]
     results["sampling"] = {"tokens": len(tokens), "vs_trainer_at_0.6_mean": tempered.mean().item(),
                            "vs_trainer_at_0.6_max": tempered.max().item(),
-                           "same_seed_same_tokens": rerun == tokens,  # bf16 may vary in a batch:
-                           "same_seed_in_batch_of_16_same_tokens": batched == tokens,  # reported
+                           "same_seed_same_tokens": rerun == tokens,
                            "other_seed_other_tokens": other != tokens}
     if tempered.mean() > 0.05 or rerun != tokens or other == tokens:
         raise AssertionError(f"sampling: {results['sampling']}")
 
 
-def brief(value):  # a check's scalars on one line, 3 significant digits
-    if not isinstance(value, dict):
-        return f"{value:.3g}" if isinstance(value, float) else str(value)
-    return "  ".join(f"{k}={brief(v)}" for k, v in value.items()
-                     if isinstance(v, (int, float, str, bool)))
+def brief(value):  # a check's scalars on one line, floats to 3 significant digits
+    return "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                     for k, v in value.items() if isinstance(v, (int, float, str, bool)))
 
 
 def verdict(results):
-    """One screen, printed last: PASS or FAIL per check with its numbers or its error's last line,
-    and per phase of the RL cycle its time, device memory used and PyTorch's peak."""
+    """One screen: PASS or FAIL per check with its numbers or its error's last line, and a row per
+    phase of the RL cycle."""
     failures = results.get("failures", [])
-    scalars = {k: v for k, v in results.items() if not isinstance(v, (dict, list))}
-    lines = [f"gpu_check.py on {results.get('env', {}).get('gpu', '?')}: "
-             f"{'FAIL (' + ', '.join(failures) + ')' if failures else 'PASS'}  "
-             f"{brief(scalars)}".rstrip()]
+    lines = [f"gpu_check.py on {results['env']['gpu']}: "
+             f"{'FAIL (' + ', '.join(failures) + ')' if failures else 'PASS'}"]
     for name, value in results.items():
         if name in ("env", "failures") or not isinstance(value, dict):
             continue
@@ -262,18 +243,15 @@ def verdict(results):
 def checks_1_to_4(cfg, out, results, check):
     init_distributed()
 
+    # tiny.py's Qwen3 layout at ~200M parameters (random weights: agreement and speed)
     model_dir = tiny.build_tiny_model(tiny.TinyConfig(
-        out_dir=str(out / "model"), hidden_size=cfg.hidden_size,
-        intermediate_size=3 * cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
+        out_dir=str(out / "model"), hidden_size=1024, intermediate_size=3072, num_hidden_layers=12,
         num_attention_heads=8, num_key_value_heads=4, head_dim=128, pretrain_steps=0))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rcfg = rollout.RolloutConfig(dtype="bfloat16", enforce_eager=cfg.enforce_eager,
                                  gpu_memory_utilization=0.4, max_prompt_tokens=512,
                                  max_response_tokens=1024)
-    start = time.perf_counter()
-    engine = Engine(model_dir, rcfg, seed=0)
-    results["engine_start_s"] = time.perf_counter() - start
-    results["max_concurrency_K"] = engine.max_concurrency()
+    engine = Engine(model_dir, rcfg, seed=0)  # its start is timed in the RL cycle (5)
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
     prompt = render_prompt(tokenizer, "Compute 4821 * 37 - 905.", rcfg)
     fixed = tokenizer.encode(" I will compute it. </reason>\n"
@@ -286,16 +264,10 @@ def checks_1_to_4(cfg, out, results, check):
         trainer(batch, labels=batch).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        engine.update_weights(trainer.state_dict().items())
-        torch.cuda.synchronize()
-        update_s = time.perf_counter() - start
+        engine.update_weights(trainer.state_dict().items())  # timed in the RL cycle's weight sync
         bf16 = (torch.tensor(engine.score([prompt], [fixed])[0])
                 - trainer_logprobs(trainer, prompt, fixed)).abs()
-        results["logprobs_bf16"] = {"update_weights_s": update_s, "tokens": len(fixed),
-                                    "params_M": sum(p.numel() for p in trainer.parameters()) / 1e6,
-                                    "vs_trainer_bf16_max": bf16.max().item(),
+        results["logprobs_bf16"] = {"tokens": len(fixed), "vs_trainer_bf16_max": bf16.max().item(),
                                     "vs_trainer_bf16_mean": bf16.mean().item()}
         if bf16.mean() > 0.05:
             raise AssertionError(f"engine vs trainer mean |diff| {bf16.mean():.3g}")
@@ -308,32 +280,24 @@ def checks_1_to_4(cfg, out, results, check):
     def sleep_wake():
         engine.update_weights(trainer.state_dict().items())
         reference = engine.score([prompt], [fixed])[0]
-        try:
-            for level in (2, 1):
-                engine.cfg = dataclasses.replace(rcfg, sleep_level=level)
-                awake, rss = gpu_memory_used_gib(), psutil.Process().memory_info().rss
-                start = time.perf_counter()
-                engine.sleep()
-                sleep_s, asleep = time.perf_counter() - start, gpu_memory_used_gib()
-                host = (psutil.Process().memory_info().rss - rss) / 2**30
-                start = time.perf_counter()
-                engine.wake_up(tags=["weights"])
-                if level == 2:
-                    engine.update_weights(trainer.state_dict().items())
-                engine.wake_up(tags=["kv_cache"])
-                wake_s = time.perf_counter() - start
+        for level in (2, 1):  # the engine is closed after this check: its cfg need not go back
+            engine.cfg = dataclasses.replace(rcfg, sleep_level=level)
+            awake, rss = gpu_memory_used_gib(), psutil.Process().memory_info().rss
+            engine.sleep()
+            asleep = gpu_memory_used_gib()
+            host = (psutil.Process().memory_info().rss - rss) / 2**30
+            engine.wake_up(tags=["weights"])
+            if level == 2:
+                engine.update_weights(trainer.state_dict().items())
+            engine.wake_up(tags=["kv_cache"])
 
-                drift = max(abs(a - b)
-                            for a, b in zip(reference, engine.score([prompt], [fixed])[0]))
-                results[f"sleep_wake_level{level}"] = {
-                    "gpu_used_awake_gib": awake, "gpu_used_asleep_gib": asleep,
-                    "host_rss_growth_asleep_gib": host, "sleep_s": sleep_s, "wake_s": wake_s,
-                    "logprob_drift_after_wake": drift}
-                if asleep > awake - 0.5 or drift > 1e-3:
-                    raise AssertionError(f"level {level}: sleep freed {awake - asleep:.2f} GiB, "
-                                         f"log-prob drift {drift:.3g}")
-        finally:
-            engine.cfg = rcfg  # whatever failed, the next checks sample at the config's level
+            drift = max(abs(a - b) for a, b in zip(reference, engine.score([prompt], [fixed])[0]))
+            results[f"sleep_wake_level{level}"] = {
+                "gpu_used_awake_gib": awake, "gpu_used_asleep_gib": asleep,
+                "host_rss_growth_asleep_gib": host, "logprob_drift_after_wake": drift}
+            if asleep > awake - 0.5 or drift > 1e-3:
+                raise AssertionError(f"level {level}: sleep freed {awake - asleep:.2f} GiB, "
+                                     f"log-prob drift {drift:.3g}")
 
     check("sleep_wake", sleep_wake)
 
@@ -342,7 +306,7 @@ def checks_1_to_4(cfg, out, results, check):
     engine.close()  # frees the GPU for the benchmark's own engine
 
     check("barrier_bench", lambda: results.update(barrier_bench=rollout_bench.bench(
-        rollout_bench.BenchConfig(model=str(model_dir), trajectories=cfg.bench_trajectories,
+        rollout_bench.BenchConfig(model=str(model_dir), trajectories=64,
                                   tool_latencies_s=[0.0, 0.3], repeats=1,
                                   rollout=dataclasses.replace(rcfg)))))
 
