@@ -1,6 +1,6 @@
 """Benchmarks, one per method file they measure, each run from the repo root as a module
-(`python -m bench.executor`, `bench.reward`, `bench.rollout`, `bench.rl`, `bench.scale`,
-`bench.chaos`; docs/benchmarks.md lists their commands and figures). Each prints its ratios against
+(`python -m bench.executor`, `bench.reward`, `bench.rollout`, `bench.rl`, `bench.scale`;
+docs/benchmarks.md lists their commands and figures). Each prints its ratios against
 a baseline measured in the same run. The method files never import from here; tests may (the
 scripted policy, the labeled answer sets, busy_processes).
 """
