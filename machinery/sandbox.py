@@ -36,8 +36,7 @@ EXIT_MEMORY = 201         # the child's exit code for an uncaught MemoryError (s
 EXIT_SETUP = 202          # the child could not enter the sandbox: an executor failure
 STARTUP_TIMEOUT_S = 120.0  # a heavy worker imports sympy in 1-2 s; generous for a loaded machine
 
-# A call's deadline stretches by its CPU waits, to at most this x timeout_s: the backstop for a
-# call starved to under 1/20 of a core. All of its processes together get timeout_s of CPU.
+# a call's deadline stretches by its CPU waits to at most this x timeout_s; its CPU is timeout_s
 STRETCH_CAP = 20
 BACKSTOP_GRACE_S = 5.0    # the parent gives up on a worker silent for STRETCH_CAP x timeout + this
 
@@ -213,7 +212,7 @@ def _resolve_interpreter_paths():
 
 
 def _interpreter_path():
-    """The interpreter, its directory resolved (not the file: a venv is found from its directory)"""
+    """The interpreter, its directory resolved (a venv is found from its directory)."""
     return os.path.join(os.path.realpath(os.path.dirname(sys.executable)),
                         os.path.basename(sys.executable))
 
@@ -513,10 +512,8 @@ def _run_call(code, stdin, cfg, state):
 
 def _past_deadline(pid, start, now, ran_ns, cfg, state):
     """At the deadline: (why the call is killed or None, the next deadline, its CPU ns so far).
-    Time spent waiting for a CPU is the machine's: else the tool-error ratio RoC ranks by (Eq. 4)
-    would measure the load. A sleep counts in full; a task runnable and not run since our last look
-    is still waiting (the kernel books a wait when it runs again). CPU: all the PID namespace but
-    PID 1 (or the main process), with reaped children."""
+    A wait for a CPU is the machine's, else RoC's tool-error ratio (Eq. 4) would measure the load;
+    runnable and not run since our last look is waiting too (the kernel books it when it runs)."""
     own_proc = state["private_proc"] or not state["pid_namespace"]   # /proc/<pid> is our child
     pids = ([p for p in os.listdir("/proc") if p.isdigit() and p != "1"]
             if state["pid_namespace"] and own_proc else [pid] if own_proc else [])
@@ -718,7 +715,6 @@ def _worker_main(cfg_json):
             sys.path.insert(0, cfg["repo"])
             grader = importlib.import_module("machinery.verifier")
             sys.path.remove(cfg["repo"])
-            os.chdir("/")
             grader.warm_up()
             info, problem = {"level": "none"}, None
         else:
@@ -747,7 +743,6 @@ def _start_worker(cfg):
     _resolve_interpreter_paths()   # before _isolate takes the paths to keep
     interpreter = _interpreter_identity()
     info = _isolate(cfg)   # from here on PID 1 of the worker's namespaces (if the OS allowed them)
-    os.chdir("/")   # the cwd we were started in may be hidden
     for name in LIGHT_PRELOAD:
         __import__(name)
     if cfg["kind"] == "heavy":   # numpy and sympy: the project's own dependencies
@@ -867,8 +862,8 @@ class WorkerProcess:
             self.proc.kill()
 
     def stop(self):
-        """Kill, reap and close the pipes. Only the thread that uses this worker may call it: an fd
-        closed under a reader can come back as someone else's."""
+        """Kill, reap and close the pipes; only from the thread that uses this worker (an fd closed
+        under a reader can come back as someone else's)."""
         if self.proc is not None:
             self.kill()
             self.proc.wait()

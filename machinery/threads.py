@@ -1,12 +1,11 @@
 """How many torch threads each CPU phase runs on when the config leaves it to the run
-(train_threads=0), decided once at the start. Every torch kernel ends at an OpenMP barrier, so a
-count above the free cores waits on preempted threads (beside busy processes on 2 cores, 2 threads
-took 2.7-3.7x the time of 1), while on a free machine one thread leaves a core idle
-(docs/benchmarks.md, "Threads"). The rule: the update takes this rank's share of the cores that
-processes outside the run's own tree left idle FREE_WHEN_IDLE of WINDOW_S (its own start-up counts
-as free, so an idle machine decides the same every time); the decode one less when the tool's
-workers run beside it. train_threads=N sets the update's count; OMP_NUM_THREADS, where set, both.
-config.yaml keeps the count chosen, so a resume sums as the run did."""
+(train_threads=0), decided once at the start. A count above the free cores waits at every kernel's
+OpenMP barrier (2 threads beside busy processes on 2 cores: 2.7-3.7x the time of 1), one below
+leaves a core idle (docs/benchmarks.md, "Threads"). The rule: the update takes this rank's share of
+the cores that processes outside the run's own tree left idle FREE_WHEN_IDLE of WINDOW_S (its own
+start-up counts as free, so an idle machine decides the same every time); the decode one less when
+the tool's workers run beside it. train_threads=N sets the update's count; OMP_NUM_THREADS, where
+set, both. config.yaml keeps the count chosen, so a resume sums as the run did."""
 import dataclasses
 import math
 import os

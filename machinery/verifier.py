@@ -1,9 +1,7 @@
-"""math-verify on the sandbox's worker pool: warm "grader" workers (machinery/sandbox.py) answer
-each check under a budget of their own CPU time, so a verdict does not depend on the machine's
-load; a check past its budget gets the safe result, a worker past the wall-clock backstop is
-replaced. Processes, not threads: a big-int power holds the GIL, so only RLIMIT_CPU's signal ends a
-check stuck in C code. A worker runs its checks itself: a fork per check cost ~4x a check's CPU
-(docs/benchmarks.md, "Reward")."""
+"""math-verify on the sandbox's worker pool: warm "grader" workers answer each check under a budget
+of their own CPU time, so a verdict does not depend on the machine's load; a worker past the
+wall-clock backstop is replaced. Processes, not threads: only RLIMIT_CPU's signal ends a big-int
+power stuck in C code. No fork per check: ~4x a check's CPU (docs/benchmarks.md, "Reward")."""
 import atexit
 import logging
 import math

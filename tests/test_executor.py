@@ -193,8 +193,7 @@ def test_time_hostile_snippets_time_out(ex, code):
 
 def test_time_spent_waiting_for_a_cpu_does_not_count(busy_machine):
     """The deadline moves out by the time a call waited for a CPU: ~0.25 s of CPU at timeout_s=1
-    beside 24 busy processes on 2 cores takes ~3 s of wall time and is "ok" (a sleep is not a wait:
-    the sleep cases above are cut at timeout_s)."""
+    beside 24 busy processes on 2 cores takes ~3 s of wall time and is "ok"."""
     benign = "s = 0\nfor i in range(3_000_000):\n    s += i * i\nprint(s % 7)"
     with Executor(workers=2, timeout_s=1.0) as e:
         e.wait_ready()
