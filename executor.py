@@ -28,7 +28,7 @@ import weakref
 from concurrent.futures import Future
 
 from machinery.sandbox import (BACKSTOP_GRACE_S, HEAVY_RE, STRETCH_CAP, WorkerGone, WorkerProcess,
-                               check_executor_arguments, truncate_middle)
+                               truncate_middle)
 
 MAX_CODE_CHARS = 16 << 20  # bigger code or stdin is a caller's bug, refused by submit()
 
@@ -107,8 +107,6 @@ class Executor:
         # only queues inside the kernel instead of in our queue (and risks timeouts).
         if workers is None:
             workers = len(os.sched_getaffinity(0))  # the cores this process may use
-        check_executor_arguments(workers, timeout_s, memory_mb, max_output_chars, max_processes,
-                         max_file_mb, output_limit_mb, hide_paths)
         self.workers, self.timeout_s = workers, float(timeout_s)
         # Hidden by default: the repo (data/ with the answer keys, out/ with checkpoints, the
         # trainer's code), the trainer's cwd (where a run writes) and home (~/.ssh, tokens).

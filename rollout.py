@@ -64,7 +64,7 @@ class RolloutConfig:
     tool_timeout_s: PositiveFloat = 4.0  # code-judge MAX_EXECUTION_TIME in the release's launch
                                          # commands
     tool_workers: NonNegativeInt = 0  # 0 = the executor's default
-    tool_memory_mb: int = 1024
+    tool_memory_mb: PositiveInt = 1024
     # engine (vLLM, machinery/engine.py)
     dtype: str = "auto"           # the checkpoint's; float32 on CPU for exact log-probs
                                   # (docs/design.md, the CPU stack)

@@ -4,9 +4,7 @@
     python -m bench.executor scale=0.2     # the same, a fifth of the calls: a quick look
     python -m bench.executor mode=soak calls=10000 timeout_s=2   # hostile mix: leaks, strays
 
-tests/test_executor.py imports the soak and the leak counters from here. The fork floor and the
-per-fault accounting docs/benchmarks.md quotes from before issue 46: this file at eb8d287.
-"""
+tests/test_executor.py imports the soak and the leak counters from here."""
 import contextlib
 import dataclasses
 import json
@@ -30,7 +28,6 @@ class ExecutorBenchConfig:
     mode: Literal["bench", "soak"] = "bench"
     workers: NonNegativeInt = 0  # 0 = one per core
     timeout_s: PositiveFloat = 4.0
-    memory_mb: PositiveInt = 1024
     calls: PositiveInt = 10000   # soak: the number of calls
     scale: PositiveFloat = 1.0     # bench: multiplies every call count
 
@@ -40,8 +37,8 @@ class ExecutorBenchConfig:
 
 
 def stray_processes(ex):
-    """The processes that calls of `ex` left behind: anything below a worker's PID 1 (or below the
-    worker, without a namespace), or running as one of its sandbox uids. Empty between calls."""
+    """The processes calls of `ex` left behind, empty between calls: anything below a worker's PID 1
+    (or the worker, without a namespace), or running as one of its sandbox uids."""
     pids = [w.proc.pid for slot in ex._slots for w in slot if w.proc is not None]
     roots = [psutil.Process(pid) for pid in pids]
     if ex.isolation["pid_namespace"]:   # the worker's waiter, then its PID 1
@@ -81,7 +78,7 @@ HOSTILE = [
 ]
 
 
-def soak(ex, calls, report_every=0, wave=500):
+def soak(ex, calls, wave=500):
     """`calls` calls in waves of `wave`, one in ten from HOSTILE; the leak counters after the first
     wave (allocators and caches warm) and at the end."""
     benign = [("print(sum(range(100)))", "ok", ""),
@@ -107,8 +104,6 @@ def soak(ex, calls, report_every=0, wave=500):
                 wrong.append((code, result))
         del futures, future, result   # what a rollout does with results: read them, let them go
         before = before or leak_counters(ex)
-        if report_every and (first + wave) % report_every == 0:
-            print(f"done {min(first + wave, calls)}", flush=True)
     after = leak_counters(ex)
     return dict(calls=calls, statuses=statuses, wrong=wrong, benign_timeouts=benign_timeouts,
                 load_average=round(os.getloadavg()[0], 1), zombies=after[0], strays=after[1],
@@ -141,16 +136,10 @@ def realistic_mix():
     light = ["print(sum(i * i for i in range(10000)))",
              "from fractions import Fraction\nprint(sum(Fraction(1, k) for k in range(1, 40)))"]
     errors = ["x = [1, 2, 3]\nprint(x[5])", "import sympy\nsympy.Symbol('x') + 'a'"]
-    calls = []
-    for i in range(100):
-        if i == 50:
-            calls.append(("while True:\n    pass", ""))
-        elif i % 10 == 3:
-            calls.append((errors[i % 2], ""))
-        elif i % 10 == 7:
-            calls.append(("a, b = map(int, input().split())\nprint(a * b)", "6 7"))
-        else:
-            calls.append((light[i % 2] if i % 10 in (1, 5) else heavy[i % 4], ""))
+    calls = [(light[i % 2] if i % 10 in (1, 5) else heavy[i % 4], "") for i in range(100)]
+    calls[3::10] = [(errors[i % 2], "") for i in range(3, 100, 10)]
+    calls[7::10] = [("a, b = map(int, input().split())\nprint(a * b)", "6 7")] * 10
+    calls[50] = ("while True:\n    pass", "")
     return calls
 
 
@@ -188,7 +177,7 @@ def bench(cfg):
     load_start = os.getloadavg()[0]
     print(f"{workers} workers, {os.cpu_count()} CPUs, load average {load_start:.1f}", flush=True)
     rows, summary = [], []
-    with Executor(workers=workers, timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb) as ex:
+    with Executor(workers=workers, timeout_s=cfg.timeout_s) as ex:
         ex.wait_ready()   # a heavy worker's 1-2 s start is not what a long run pays per call
         run = lambda code, stdin: ex.run(code, stdin).status
         for name, (calls, naive_calls) in workloads.items():
@@ -196,15 +185,12 @@ def bench(cfg):
             naive_calls = calls[:max(1, round(naive_calls * cfg.scale))]
             seconds, latencies = {c: 0.0 for c in concurrencies}, {c: [] for c in concurrencies}
             naive_seconds, rounds = 0.0, 5
-            for r in range(rounds):
+            for r in range(rounds):   # every fifth call, the two sides alternated
                 for c in concurrencies:
-                    part = calls[r * len(calls) // rounds:(r + 1) * len(calls) // rounds]
-                    spent, finished = _drive(run, part, c)
+                    spent, finished = _drive(run, calls[r::rounds], c)
                     seconds[c] += spent
                     latencies[c] += finished
-                part = naive_calls[r * len(naive_calls) // rounds:
-                                   (r + 1) * len(naive_calls) // rounds]
-                naive_seconds += _drive(naive, part, workers)[0]
+                naive_seconds += _drive(naive, naive_calls[r::rounds], workers)[0]
             rates = {c: len(calls) / seconds[c] for c in concurrencies}
             naive_rate = len(naive_calls) / naive_seconds
             queue = sorted(latencies[4 * workers])
@@ -220,12 +206,10 @@ def bench(cfg):
             before = sum(sum(p.cpu_times()[:4]) for p in ours)
             _drive(run, [(code, "")] * n, workers)
             executor_cpu = (sum(sum(p.cpu_times()[:4]) for p in ours) - before) / n
-            before = resource.getrusage(resource.RUSAGE_CHILDREN)
-            n_naive = max(2, n // 50)
+            reaped = lambda: sum(resource.getrusage(resource.RUSAGE_CHILDREN)[:2])   # user + system
+            before, n_naive = reaped(), max(2, n // 50)
             _drive(naive, [(code, "")] * n_naive, workers)
-            after = resource.getrusage(resource.RUSAGE_CHILDREN)
-            naive_cpu = (after.ru_utime + after.ru_stime
-                         - before.ru_utime - before.ru_stime) / n_naive
+            naive_cpu = (reaped() - before) / n_naive
             summary.append(f"{name}: CPU per call {1e3 * executor_cpu:.2f} ms (this process, the "
                            f"workers and their children) vs {1e3 * naive_cpu:.1f} ms for "
                            f"python -c: {naive_cpu / executor_cpu:.1f}x")
@@ -241,11 +225,9 @@ def bench(cfg):
 
 
 def run_soak(cfg):
-    with Executor(workers=cfg.workers or None, timeout_s=cfg.timeout_s,
-                  memory_mb=cfg.memory_mb) as ex:
-        start = time.perf_counter()
-        stats = soak(ex, cfg.calls, report_every=1000)
-        stats["seconds"] = round(time.perf_counter() - start, 1)
+    start = time.perf_counter()
+    with Executor(workers=cfg.workers or None, timeout_s=cfg.timeout_s) as ex:
+        stats = dict(soak(ex, cfg.calls), seconds=round(time.perf_counter() - start, 1))
     wrong = stats.pop("wrong")
     print(json.dumps(stats, indent=1))
     for code, result in wrong[:5]:

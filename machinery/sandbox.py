@@ -3,12 +3,9 @@ fork, watch, kill and sweep. Standard library only: a worker loads this file by 
 worker's fork stays cheap.
 
 Kinds: "light" (stdlib preloaded, ~1 ms fork), "heavy" (numpy and sympy warmed, ~8 ms fork) fork a
-child per call; a "grader" answers machinery/verifier.py's checks itself. A worker is PID 1 of its
-own PID, mount, net and IPC namespaces (the repo, cwd and home hidden, the rest read-only, private
-/tmp, GPUs masked, no network); the child runs as a uid of its own under hard rlimits. Where the OS
-refuses, a worker falls back once, at start: a user namespace, then a plain process under a
-subreaper (no hiding, no network cut, same-uid code can signal the caller). Linux 5.3+. Designs
-and hostile inputs: docs/design.md, "The sandbox"."""
+child per call; a "grader" answers machinery/verifier.py's checks itself. The isolation ladder
+(namespaces as root, else a user namespace, else a plain process under a subreaper), Linux 5.3+:
+docs/design.md, "The sandbox"."""
 import ast
 import builtins
 import contextlib
@@ -39,8 +36,7 @@ EXIT_MEMORY = 201         # the child's exit code for an uncaught MemoryError (s
 EXIT_SETUP = 202          # the child could not enter the sandbox: an executor failure
 STARTUP_TIMEOUT_S = 120.0  # a heavy worker imports sympy in 1-2 s; generous for a loaded machine
 
-# A call's deadline stretches by its CPU waits, to at most this x timeout_s: the backstop for a
-# call starved to under 1/20 of a core. All of its processes together get timeout_s of CPU.
+# a call's deadline stretches by its CPU waits to at most this x timeout_s; its CPU is timeout_s
 STRETCH_CAP = 20
 BACKSTOP_GRACE_S = 5.0    # the parent gives up on a worker silent for STRETCH_CAP x timeout + this
 
@@ -115,8 +111,8 @@ def _prctl(option, arg):
 
 
 def _drop_capabilities():
-    """For a child that stays uid 0 of a user namespace: CAP_SYS_ADMIN would let it unmount the
-    tmpfs that hides the repo. capset(2), header version 3, two empty data blocks."""
+    """CAP_SYS_ADMIN would let uid 0 of a user namespace unmount the tmpfs that hides the repo.
+    capset(2), header version 3, two empty data blocks."""
     for cap in range(64):
         if _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
             break
@@ -134,17 +130,14 @@ def _under(path, root):
 
 
 # -----------------------------------------------------------------------------
-# a worker's isolation, set up once when it starts (per call each layer would cost 0.5-2.5 ms; what
-# a worker's calls share is emptied between them). PID 1 of a PID namespace: kill(-1) reaches every
-# process a call made, even past setsid. The sandbox uid (root only) cannot signal the worker or
-# the trainer, and RLIMIT_NPROC then counts one call's processes.
+# a worker's isolation, set up once when it starts (per call each layer would cost 0.5-2.5 ms).
+# PID 1 of a PID namespace: kill(-1) reaches every process a call made, even past setsid.
 
 
 def _isolate(cfg):
-    """Enter the strongest sandbox the OS allows; -> its report. With a PID namespace this forks:
-    the caller waits outside (its death kills PID 1, via PDEATHSIG); PID 1 returns."""
-    # pid_namespace: also the mount, net and IPC ones; else a subreaper catches every descendant
-    info = dict(level="process", pid_namespace=False, user_namespace=False, sandbox_uid=None,
+    """Enter the strongest sandbox the OS allows; -> its report. With a PID namespace (and mount,
+    net, IPC ones) this forks: the caller waits outside (its death kills PID 1); PID 1 returns."""
+    info = dict(level="process", pid_namespace=False, sandbox_uid=None,
                 capabilities_dropped=False, private_proc=False, hidden_paths=[],
                 readonly_mounts=False, private_tmp=False, gpu_devices_masked=[], warnings=[],
                 kept_paths=_keep_paths({os.path.realpath(p) for p in cfg["hide_paths"]}))
@@ -160,7 +153,7 @@ def _isolate(cfg):
             _write_text("/proc/self/setgroups", "deny")
             _write_text("/proc/self/uid_map", f"0 {euid} 1")
             _write_text("/proc/self/gid_map", f"0 {egid} 1")
-            info.update(level="user-namespace", user_namespace=True)
+            info["level"] = "user-namespace"
         except OSError as user_error:
             info["warnings"].append(f"no namespaces ({root_error.strerror}; "
                                     f"user namespace: {user_error.strerror})")
@@ -168,7 +161,7 @@ def _isolate(cfg):
     if info["level"] == "process":
         # a call's orphans re-parent to us, not to init: none escapes the sweep
         _prctl(PR_SET_CHILD_SUBREAPER, 1)
-        if euid == 0 and not _interpreter_unreachable(info["kept_paths"]):
+        if euid == 0 and not any(map(_closed_to_others, info["kept_paths"])):
             info["sandbox_uid"] = SANDBOX_UID_BASE + host_pid
         info["capabilities_dropped"] = euid == 0 and info["sandbox_uid"] is None
         return info
@@ -180,14 +173,16 @@ def _isolate(cfg):
         os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
     # PDEATHSIG follows the parent *thread*; the waiter has one, so: when the waiter dies
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if info["user_namespace"]:
+    if info["level"] == "user-namespace":
         info["capabilities_dropped"] = True   # one uid is mapped: no switch to another
     else:
         info["sandbox_uid"] = SANDBOX_UID_BASE + host_pid
 
     # a failed step is reported; the probe call (_probe_sandbox) decides whether calls still run
     steps = (("private mounts", lambda: _mount(None, "/", None, MS_REC | MS_PRIVATE)),
-             ("fresh /proc", lambda: _private_proc(info)),
+             # a /proc of this PID namespace: no other process is seen, /proc/<pid> is ours
+             ("fresh /proc",
+              lambda: _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)),
              ("hidden paths", lambda: _hide_paths(cfg["hide_paths"], info["kept_paths"], info)),
              ("GPU masks", lambda: _mask_gpus(info)),
              ("read-only mounts", lambda: _remount_readonly(info)),
@@ -195,6 +190,7 @@ def _isolate(cfg):
     for name, step in steps:
         try:
             step()
+            info["private_proc"] |= name == "fresh /proc"
         except OSError as e:
             info["warnings"].append(f"{name}: {e}")
             if name == "private mounts":
@@ -207,22 +203,16 @@ def _isolate(cfg):
     return info
 
 
-def _private_proc(info):
-    # a /proc of this PID namespace: no other process is seen, and /proc/<pid> is ours
-    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    info["private_proc"] = True
-
-
 def _resolve_interpreter_paths():
     """The interpreter's prefixes and sys.path as real paths: a venv reached through a link in /tmp
-    or home would be imported through a link the sandbox removes (the real ones are bound back)."""
+    or home would be imported through a link the sandbox removes."""
     for name in ("prefix", "base_prefix", "exec_prefix", "base_exec_prefix"):
         setattr(sys, name, os.path.realpath(getattr(sys, name)))
     sys.path[:] = dict.fromkeys(os.path.realpath(p) if p else p for p in sys.path)
 
 
 def _interpreter_path():
-    """The interpreter, its directory resolved (not the file: a venv is found from its directory)"""
+    """The interpreter, its directory resolved (a venv is found from its directory)."""
     return os.path.join(os.path.realpath(os.path.dirname(sys.executable)),
                         os.path.basename(sys.executable))
 
@@ -239,26 +229,22 @@ def _keep_paths(hide=()):
 
 
 def _interpreter_identity():
-    """[path, st_dev, st_ino] of the interpreter and its own sys.path entries before any mount: in
-    the sandbox each must be that very file, not missing, not an empty cover."""
+    """[path, st_dev, st_ino] of the interpreter and its own sys.path entries (not a .pth line into
+    the hidden repo) before any mount: the probe call must find each, not an empty cover."""
     prefixes = (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)
     own = [sys.executable] + [p for p in sys.path
                               if p and os.path.isdir(p) and any(_under(p, q) for q in prefixes)]
     return [[p, st.st_dev, st.st_ino] for p in own for st in [os.stat(p)]]
 
 
-def _closed_ancestors(path):
-    """The directories above `path` that others may not enter (o-x), like a 0700 /root."""
-    closed, path = [], os.path.dirname(path)
+def _closed_to_others(path):
+    """`path` and the directories above it that others may not enter (o-x), like a 0700 /root."""
+    closed = []
     while path != "/":
         if not os.stat(path).st_mode & 0o001:
             closed.append(path)
         path = os.path.dirname(path)
     return closed
-
-
-def _interpreter_unreachable(keep):
-    return any(_closed_ancestors(k) or not os.stat(k).st_mode & 0o001 for k in keep)
 
 
 def _bind_back(inside, readonly=False):
@@ -279,11 +265,9 @@ def _hide_paths(hide_paths, keep, info):
     """An empty read-only tmpfs over each hidden directory, the kept paths inside bound back; so
     over an ancestor a sandbox uid could not pass. Never a system directory, whatever the cwd."""
     hide = {os.path.realpath(p) for p in hide_paths if os.path.isdir(p)}
-    for k in keep:
-        hide.update(_closed_ancestors(k))
-    system = {"/", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/dev", "/proc", "/sys",
-              "/var", "/run", "/tmp"}
-    hide = sorted(h for h in hide if h not in system)
+    hide.update(h for k in keep for h in _closed_to_others(os.path.dirname(k)))
+    hide = sorted(hide - {"/", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/dev", "/proc",
+                          "/sys", "/var", "/run", "/tmp"})
     hide = [h for h in hide if not any(o != h and _under(h, o) for o in hide)]   # the outermost
     for h in hide:
         bind = _bind_back([k for k in keep if _under(k, h)])
@@ -294,28 +278,25 @@ def _hide_paths(hide_paths, keep, info):
 
 
 def _mask_gpus(info):
-    """CUDA_VISIBLE_DEVICES="" is a request and GPU nodes are often 0666: /dev/null over the NVIDIA
-    and AMD (kfd) nodes, an empty tmpfs over /dev/dri."""
+    """CUDA_VISIBLE_DEVICES="" is only a request, and GPU nodes are often 0666: /dev/null over the
+    NVIDIA and AMD (kfd) nodes, an empty tmpfs over /dev/dri (docs/design.md, "GPU masking")."""
     for name in sorted(os.listdir("/dev")):
         path = "/dev/" + name
-        try:
-            if name.startswith("nvidia") and not os.path.isdir(path) or name == "kfd":
-                _mount("/dev/null", path, None, MS_BIND)
-            elif name in ("dri", "nvidia-caps"):
-                _mount("tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k")
-            else:
-                continue
-            info["gpu_devices_masked"].append(path)
-        except OSError as e:
-            info["warnings"].append(f"could not mask {path}: {e.strerror}")
+        if name == "dri":
+            _mount("tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k")
+        elif name == "kfd" or name.startswith("nvidia") and not os.path.isdir(path):
+            _mount("/dev/null", path, None, MS_BIND)
+        else:
+            continue
+        info["gpu_devices_masked"].append(path)
 
 
 def _remount_readonly(info):
     """Every mount read-only but /proc, /sys and /dev (/dev/shm gets its own tmpfs next)."""
     failures = 0
     with open("/proc/self/mountinfo") as f:
-        rows = [line.split() for line in f]
-    for row in rows:
+        rows = f.read().splitlines()   # all of it before the first remount changes it
+    for row in map(str.split, rows):
         target = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), row[4])   # \040: " "
         options = row[5].split(",")
         if any(_under(target, p) for p in ("/proc", "/sys", "/dev")) or "ro" in options:
@@ -430,9 +411,8 @@ def _run_snippet(code, private_tmp):
 
 
 # -----------------------------------------------------------------------------
-# one call, in the worker: fork, watch, kill, sweep, describe. The worker holds the clock and the
-# output caps: a snippet can catch any exception or sit in C code (10**10**9), so only a SIGKILL
-# from outside is sure to stop it.
+# one call, in the worker: fork, watch, kill, sweep, describe. Only a SIGKILL from outside is sure
+# to stop a snippet (it can catch any exception or sit in C code, 10**10**9).
 
 
 class _Capture:
@@ -452,27 +432,22 @@ class _Capture:
             del self.tail[:max(0, len(self.tail) - self.keep)]
 
     def text(self, max_chars):
-        """(text, truncated): decoded (bad UTF-8 as U+FFFD), cut as truncate_middle cuts."""
+        """(text, truncated): decoded (bad UTF-8 as U+FFFD), cut as truncate_middle cuts; `keep`
+        (2 * max_chars + 4 bytes) holds max_chars // 2 characters of 4 bytes at each end."""
         if self.total == len(self.head) + len(self.tail):
             text = (self.head + self.tail).decode("utf-8", "replace")
-            if len(text) <= max_chars:
-                return text, False
-            return truncate_middle(text, max_chars), True
-        # `keep` (2 * max_chars + 4 bytes) holds max_chars // 2 characters of 4 bytes at each end
+            return truncate_middle(text, max_chars), len(text) > max_chars
         half = max_chars // 2
-        head = self.head.decode("utf-8", "replace")[:half]
         tail = self.tail.decode("utf-8", "replace")[-half:] if half else ""
-        return head + TRUNCATION_MARK + tail, True
+        return self.head.decode("utf-8", "replace")[:half] + TRUNCATION_MARK + tail, True
 
 
 def _run_call(code, stdin, cfg, state):
     """One call from fork to sweep; returns the fields of an ExecResult."""
     workdir = _fresh_workdir(state)
     # on disk as for `python main.py`: tracebacks show source lines, inspect works
-    fd = os.open(os.path.join(workdir, MAIN), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
-                 0o644)
-    os.write(fd, code.encode("utf-8", "surrogatepass"))
-    os.close(fd)
+    with open(os.path.join(workdir, MAIN), "x", encoding="utf-8", errors="surrogatepass") as f:
+        f.write(code)
     # stdin as a file, not a pipe: writing it cannot block, and reads past its end get EOF at once
     stdin_fd = os.memfd_create("stdin")
     os.write(stdin_fd, stdin.encode("utf-8", "replace"))
@@ -500,10 +475,8 @@ def _run_call(code, stdin, cfg, state):
     # limit (killed_for: why *we* killed it); then a short drain
     while open_fds or returncode is None:
         now = time.monotonic()
-        if returncode is not None:
-            wait_until = drain_until
-        else:
-            wait_until = deadline if killed_for is None else now + 1.0
+        wait_until = (drain_until if returncode is not None
+                      else deadline if killed_for is None else now + 1.0)
         for fd, _ in poller.poll(max(0.0, wait_until - now) * 1000):
             if fd == pidfd:
                 _, status, usage = os.wait4(pid, 0)
@@ -539,15 +512,18 @@ def _run_call(code, stdin, cfg, state):
 
 def _past_deadline(pid, start, now, ran_ns, cfg, state):
     """At the deadline: (why the call is killed or None, the next deadline, its CPU ns so far).
-    Time spent waiting for a CPU is the machine's: else the tool-error ratio RoC ranks by (Eq. 4)
-    would measure the load. A sleep counts in full; a task runnable and not run since our last look
-    is still waiting (the kernel books a wait when it runs again)."""
+    A wait for a CPU is the machine's, else RoC's tool-error ratio (Eq. 4) would measure the load;
+    runnable and not run since our last look is waiting too (the kernel books it when it runs)."""
     own_proc = state["private_proc"] or not state["pid_namespace"]   # /proc/<pid> is our child
-    run_ns, wait_ns, runnable = _schedstat(pid) if own_proc else (0, 0, False)
+    pids = ([p for p in os.listdir("/proc") if p.isdigit() and p != "1"]
+            if state["pid_namespace"] and own_proc else [pid] if own_proc else [])
+    ticks = sum(sum(map(int, fields[11:15]))   # utime, stime, cutime, cstime
+                for fields in map(_proc_fields, pids) if fields)
+    cpu_left = cfg["timeout_s"] - ticks / os.sysconf("SC_CLK_TCK")
+    run_ns, wait_ns = map(int, (own_proc and _proc_fields(pid, "schedstat") or [0, 0])[:2])
     stretched = start + cfg["timeout_s"] + wait_ns / 1e9
-    if runnable and run_ns == ran_ns:
+    if run_ns == ran_ns and own_proc and (_proc_fields(pid) or ["?"])[0] == "R":
         stretched = max(stretched, now + 0.05)
-    cpu_left = cfg["timeout_s"] - (_call_cpu_s(state, pid) if own_proc else 0.0)
     backstop = start + STRETCH_CAP * cfg["timeout_s"]
 
     if stretched <= now + 0.001:
@@ -563,33 +539,14 @@ def _past_deadline(pid, start, now, ran_ns, cfg, state):
     return killed_for, now, run_ns
 
 
-def _proc_stat(pid):
-    """/proc/<pid>/stat's fields after the command's name (state first); None if gone."""
+def _proc_fields(pid, name="stat"):
+    """/proc/<pid>/<name>, split (of stat, the fields after the command's name: state first); None
+    if gone. schedstat: ns on a CPU, ns waiting for one."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+        with open(f"/proc/{pid}/{name}") as f:
+            return f.read().rsplit(")", 1)[-1].split()
+    except OSError:
         return None
-
-
-def _schedstat(pid):
-    """(ns on a CPU, ns waiting for one, runnable now?); zeros where it is gone or unrecorded."""
-    try:
-        with open(f"/proc/{pid}/schedstat") as f:
-            run_ns, wait_ns = (int(x) for x in f.read().split()[:2])
-    except (OSError, ValueError):
-        return 0, 0, False
-    return run_ns, wait_ns, (_proc_stat(pid) or ["?"])[0] == "R"
-
-
-def _call_cpu_s(state, pid):
-    """The call's CPU seconds with reaped children: all the PID namespace but PID 1, or the main
-    process."""
-    pids = ([p for p in os.listdir("/proc") if p.isdigit() and p != "1"]
-            if state["pid_namespace"] else [pid])
-    ticks = sum(sum(map(int, fields[11:15]))   # utime, stime, cutime, cstime
-                for fields in map(_proc_stat, pids) if fields)
-    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _signal_everything(state, pid):
@@ -599,20 +556,15 @@ def _signal_everything(state, pid):
 
 
 def _kill_leftovers(state, session):
-    """Kill and reap all the call left: from PID 1 the namespace, else the subreaper's children."""
+    """Kill and reap all the call left: from PID 1 the namespace, else the subreaper's children (or,
+    where the kernel has no task/*/children, the call's session)."""
     deadline = time.monotonic() + 5.0
     while time.monotonic() < deadline:
         if state["pid_namespace"]:
             _signal_everything(state, session)
         else:
-            try:
-                with open(f"/proc/self/task/{os.getpid()}/children") as f:
-                    children = [int(pid) for pid in f.read().split()]
-            except OSError:   # no task/*/children: the call's session is all we can reach
-                children = []
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(session, signal.SIGKILL)
-            for pid in children:
+            children = _proc_fields(f"self/task/{os.getpid()}", "children")
+            for pid in [-session] if children is None else map(int, children):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         try:
@@ -639,12 +591,9 @@ def _clean_after_call(state, workdir):
     """Nothing a call wrote survives it: the private tmpfs emptied but for the interpreter bound
     back there (or the call's directory removed)."""
     if not state["private_tmp"]:
-        _remove_tree(workdir)
-        return
-    keep = [k for k in state["kept_paths"] if any(_under(k, root) for root in TMP_DIRS)]
-    for root in TMP_DIRS:
-        if os.path.isdir(root):
-            _empty_dir(root, keep)
+        return _remove_tree(workdir)
+    for root in filter(os.path.isdir, TMP_DIRS):
+        _empty_dir(root, state["kept_paths"])
 
 
 def _empty_dir(path, keep):
@@ -674,8 +623,7 @@ def _remove_tree(path):
 
 
 def _describe(returncode, killed_for, elapsed, cpu_s, out, err, cfg):
-    """Status and reason from how the child ended, plus a last stderr line where Python wrote
-    none."""
+    """Status and reason from how the child ended; a last stderr line where Python wrote none."""
     stdout, cut_out = out.text(cfg["max_output_chars"])
     stderr, cut_err = err.text(cfg["max_output_chars"])
     status, note = "error", ""
@@ -692,11 +640,8 @@ def _describe(returncode, killed_for, elapsed, cpu_s, out, err, cfg):
         killed_for, status = "memory limit", "oom"
     elif returncode == 0:
         status = "ok"
-    elif returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:   # a real-time signal
-            name = str(-returncode)
+    elif returncode < 0:   # a real-time signal has no name
+        name = next((s.name for s in signal.Signals if s == -returncode), str(-returncode))
         killed_for, note = f"signal {name}", f"Killed by signal {-returncode} ({name})"
     else:
         killed_for = f"exit status {returncode}"
@@ -749,19 +694,13 @@ def _poll(fd, event, deadline):
             raise WorkerGone("the worker did not answer in time")
 
 
-# The call a worker makes itself before it reports ready: the whole path of a call, and the
-# interpreter's own files as the sandbox uid sees them.
+# a worker's own call before it reports ready: the interpreter's files as a call sees them
 SANDBOX_PROBE = """
 import json, os, sys
-missing = []
-for path, dev, ino in json.load(sys.stdin):
-    try:
-        st = os.stat(path)
-        if (st.st_dev, st.st_ino) != (dev, ino) or not os.access(path, os.R_OK | os.X_OK):
-            missing.append(path)
-    except OSError:
-        missing.append(path)
-print(json.dumps(missing))
+def reached(path, dev, ino):
+    st = os.stat(path) if os.path.exists(path) else None
+    return st and (st.st_dev, st.st_ino) == (dev, ino) and os.access(path, os.R_OK | os.X_OK)
+print(json.dumps([path for path, dev, ino in json.load(sys.stdin) if not reached(path, dev, ino)]))
 """
 
 
@@ -776,7 +715,6 @@ def _worker_main(cfg_json):
             sys.path.insert(0, cfg["repo"])
             grader = importlib.import_module("machinery.verifier")
             sys.path.remove(cfg["repo"])
-            os.chdir("/")
             grader.warm_up()
             info, problem = {"level": "none"}, None
         else:
@@ -801,21 +739,15 @@ def _worker_main(cfg_json):
 
 
 def _start_worker(cfg):
-    """Isolation, preloads and the per-child state: (the isolation report, the state every child
-    gets)."""
+    """Isolation, preloads and limits: (the isolation report, the state every child gets)."""
     _resolve_interpreter_paths()   # before _isolate takes the paths to keep
     interpreter = _interpreter_identity()
     info = _isolate(cfg)   # from here on PID 1 of the worker's namespaces (if the OS allowed them)
-    os.chdir("/")   # the cwd we were started in may be hidden
     for name in LIGHT_PRELOAD:
         __import__(name)
-    if cfg["kind"] == "heavy":   # numpy and sympy imported and warmed
-        try:   # without them the worker still runs plain Python
-            exec(HEAVY_WARMUP, {})
-        except Exception as e:
-            info["warnings"].append(f"heavy warm-up failed: {e!r}")
-    # argv and an empty __main__ (the snippet's functions then pickle), set once: a child's changes
-    # die with it
+    if cfg["kind"] == "heavy":   # numpy and sympy: the project's own dependencies
+        exec(HEAVY_WARMUP, {})
+    # argv and an empty __main__ (the snippet's functions then pickle); a child's changes die
     sys.argv = [MAIN]
     main = types.ModuleType("__main__")
     main.__builtins__, main.__file__ = builtins, MAIN
@@ -827,9 +759,9 @@ def _start_worker(cfg):
     vm_bytes = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
     address_space = vm_bytes + (cfg["memory_mb"] << 20)
     cpu_s = math.ceil(cfg["timeout_s"]) + 1   # past the wall clock, so the clock's kill comes first
-    nproc = cfg["max_processes"]
+    nproc = cfg["max_processes"]   # without a uid of its own, NPROC counts all of ours
     if info["level"] == "process" and info["sandbox_uid"] is None:
-        nproc += _processes_of_uid(os.getuid())   # without a uid of its own, NPROC counts all ours
+        nproc += _processes_of_uid(os.getuid())
     # Hard = soft, or nearly: code-judge and SandboxFusion set only soft limits, which the snippet
     # raises right back (docs/design.md, the sandbox's hostile inputs).
     rlimits = [(resource.RLIMIT_AS, address_space, address_space),  # bytearray(10**11): MemoryError
@@ -849,27 +781,24 @@ def _start_worker(cfg):
 
 def _processes_of_uid(uid):
     count = 0
-    for name in os.listdir("/proc"):
+    for name in filter(str.isdigit, os.listdir("/proc")):
         with contextlib.suppress(OSError):   # gone meanwhile
-            count += name.isdigit() and os.stat(f"/proc/{name}").st_uid == uid
+            count += os.stat(f"/proc/{name}").st_uid == uid
     return count
 
 
 def _probe_sandbox(cfg, state):
     """None if a call runs and sees the interpreter, else what is wrong."""
-    warnings = "isolation warnings: " + ("; ".join(state["warnings"]) or "none")
-    try:   # generous: a loaded machine must not fail a worker's start
-        result = _run_call(SANDBOX_PROBE, json.dumps(state["interpreter"]),
-                           dict(cfg, timeout_s=max(cfg["timeout_s"], 30.0)), state)
-    except OSError as e:
-        return f"a call could not run in the sandbox ({e}; {warnings})"
+    # generous: a loaded machine must not fail a worker's start
+    result = _run_call(SANDBOX_PROBE, json.dumps(state["interpreter"]),
+                       dict(cfg, timeout_s=max(cfg["timeout_s"], 30.0)), state)
     if result["status"] != "ok":
-        return (f"a call could not run in the sandbox ({result['reason']}: "
-                f"{result['stderr'][-1000:].strip()}; {warnings})")
-    missing = json.loads(result["stdout"])
-    if missing:
-        return f"the sandbox cannot reach the interpreter's files {missing} ({warnings})"
-    return None
+        problem = f"a call failed ({result['reason']}: {result['stderr'][-1000:].strip()})"
+    elif json.loads(result["stdout"]):
+        problem = f"the interpreter's files {result['stdout'].strip()} are out of reach"
+    else:
+        return None
+    return f"{problem}; isolation warnings: {'; '.join(state['warnings']) or 'none'}"
 
 
 # -----------------------------------------------------------------------------
@@ -877,8 +806,7 @@ def _probe_sandbox(cfg, state):
 
 
 class WorkerGone(Exception):
-    """The worker died, hung or sent garbage; it gets replaced. sent=False: before it had the
-    call."""
+    """The worker died or hung; it gets replaced. sent=False: before it had the call."""
     sent = True
 
 
@@ -913,9 +841,8 @@ class WorkerProcess:
         self.start()
 
     def start(self):
-        # Popen, not fork: this process has threads (ours, vLLM's), and only exec leaves them behind
-        # cleanly. Our ends of the pipes are close-on-exec. start_new_session: a ^C in the terminal
-        # goes to the foreground group, and the workers are not in it.
+        # Popen, not fork: only exec leaves this process's threads (ours, vLLM's) behind cleanly.
+        # start_new_session: a ^C in the terminal goes to the foreground group, not the workers.
         req_r, self.req_w = os.pipe()
         self.resp_r, resp_w = os.pipe()
         cfg = dict(self.settings, kind=self.kind, request_fd=req_r, response_fd=resp_w)
@@ -935,8 +862,8 @@ class WorkerProcess:
             self.proc.kill()
 
     def stop(self):
-        """Kill, reap and close the pipes. Only the thread that uses this worker may call it: an fd
-        closed under a reader can come back as someone else's."""
+        """Kill, reap and close the pipes; only from the thread that uses this worker (an fd closed
+        under a reader can come back as someone else's)."""
         if self.proc is not None:
             self.kill()
             self.proc.wait()
@@ -964,8 +891,7 @@ class WorkerProcess:
             try:
                 return self.wait_ready()
             except WorkerGone as gone:
-                raise RuntimeError(f"Executor: a {self.kind} worker failed to start ({gone})") \
-                    from None
+                raise RuntimeError(f"Executor: a {self.kind} worker failed to start ({gone})")
 
     def ask(self, request, timeout_s):
         """Send one request, return the worker's answer; WorkerGone past the backstop."""
@@ -986,19 +912,3 @@ class WorkerProcess:
         if message is None:
             raise WorkerGone(f"the worker exited (code {self.proc.poll()})")
         return message
-
-
-def check_executor_arguments(workers, timeout_s, memory_mb, max_output_chars, max_processes,
-                             max_file_mb, output_limit_mb, hide_paths):
-    """Executor's arguments, each wrong one refused in a ValueError that names it."""
-    for name, value, low in (("workers", workers, 1), ("memory_mb", memory_mb, 16),
-                             ("max_output_chars", max_output_chars, 8),
-                             ("max_processes", max_processes, 1), ("max_file_mb", max_file_mb, 1),
-                             ("output_limit_mb", output_limit_mb, 1)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"Executor: {name} must be an int >= {low}, got {value!r}")
-    if isinstance(timeout_s, bool) or not 0 < timeout_s <= 3600:   # a str raises TypeError
-        raise ValueError(f"Executor: timeout_s must be in (0, 3600] seconds, got {timeout_s!r}")
-    if isinstance(hide_paths, str) or not all(map(os.path.isabs, hide_paths)):
-        raise ValueError(f"Executor: hide_paths must be a list of absolute paths, got "
-                         f"{hide_paths!r}")

@@ -1,12 +1,11 @@
 """How many torch threads each CPU phase runs on when the config leaves it to the run
-(train_threads=0), decided once at the start. Every torch kernel ends at an OpenMP barrier, so a
-count above the free cores waits on preempted threads (beside busy processes on 2 cores, 2 threads
-took 2.7-3.7x the time of 1), while on a free machine one thread leaves a core idle
-(docs/benchmarks.md, "Threads"). The rule: the update takes this rank's share of the cores that
-processes outside the run's own tree left idle FREE_WHEN_IDLE of WINDOW_S (its own start-up counts
-as free, so an idle machine decides the same every time); the decode one less when the tool's
-workers run beside it. train_threads=N sets the update's count; OMP_NUM_THREADS, where set, both.
-config.yaml keeps the count chosen, so a resume sums as the run did."""
+(train_threads=0), decided once at the start. A count above the free cores waits at every kernel's
+OpenMP barrier (2 threads beside busy processes on 2 cores: 2.7-3.7x the time of 1), one below
+leaves a core idle (docs/benchmarks.md, "Threads"). The rule: the update takes this rank's share of
+the cores that processes outside the run's own tree left idle FREE_WHEN_IDLE of WINDOW_S (its own
+start-up counts as free, so an idle machine decides the same every time); the decode one less when
+the tool's workers run beside it. train_threads=N sets the update's count; OMP_NUM_THREADS, where
+set, both. config.yaml keeps the count chosen, so a resume sums as the run did."""
 import dataclasses
 import math
 import os
@@ -76,10 +75,8 @@ def threads_for(train_threads, use_tool, cores, ranks_on_node, idle, omp=None):
         update, why = train_threads, f"train_threads={train_threads}"
     elif omp:
         update, why = omp, f"OMP_NUM_THREADS={omp}"
-    elif cores == 1:
-        update, why = 1, "the rule: this rank's share of the node is 1 core"
-    elif idle is None:
-        update, why = 1, "the rule: no CPU counters to read, so the count that waits on no one"
+    elif idle is None:   # a share of 1 core, or no CPU counters to read
+        update, why = 1, f"the rule: nothing measured, {cores} core(s) in this rank's share"
     else:
         update = max(1, min(cores, math.floor(idle / ranks_on_node + 1 - FREE_WHEN_IDLE)))
         share = f", this rank's share {cores}" if ranks_on_node > 1 else ""
@@ -97,27 +94,21 @@ def decide(train_threads, use_tool):
                        idle_cores() if measure else None, omp)
 
 
-def settings_line(threads, use_tool):
-    """The line a script prints once at its start. use_tool None: no engine (sft.py)."""
-    kept = f"; config.yaml: train_threads={threads.update}"
-    if use_tool is None:
-        return f"threads: update {threads.update} ({threads.why}){kept}"
-    beside = ("; the tool workers keep a core beside the decode" if use_tool
-              and threads.decode < threads.update else "")
-    return (f"threads: update {threads.update}, decode {threads.decode} ({threads.why}{beside})"
-            f"{kept}")
-
-
 def choose_threads(cfg, device, rank):
-    """On CPU: torch on the update's count, the settings line on rank 0; -> cfg with train_threads
-    resolved (config.yaml records it). On GPU: cfg as it is."""
+    """On CPU: torch on the update's count, the settings line on rank 0 (no decode for sft.py,
+    which has no engine); -> cfg with train_threads resolved (config.yaml records it). On GPU: cfg
+    as it is."""
     if device.type != "cpu":
         return cfg
     use_tool = cfg.rollout.use_tool if hasattr(cfg, "rollout") else None
     threads = decide(cfg.train_threads, use_tool)
     cpu_threads(threads.update, device)
+    beside = ("; the tool workers keep a core beside the decode" if use_tool
+              and threads.decode < threads.update else "")
+    decode = "" if use_tool is None else f", decode {threads.decode}"
     if rank == 0:
-        print(settings_line(threads, use_tool), flush=True)
+        print(f"threads: update {threads.update}{decode} ({threads.why}{beside}); config.yaml: "
+              f"train_threads={threads.update}", flush=True)
     return dataclasses.replace(cfg, train_threads=threads.update)
 
 

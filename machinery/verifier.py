@@ -1,9 +1,7 @@
-"""math-verify on the sandbox's worker pool: warm "grader" workers (machinery/sandbox.py) answer
-each check under a budget of their own CPU time, so a verdict does not depend on the machine's
-load; a check past its budget gets the safe result, a worker past the wall-clock backstop is
-replaced. Processes, not threads: a big-int power holds the GIL, so only RLIMIT_CPU's signal ends a
-check stuck in C code. A worker runs its checks itself: a fork per check cost ~4x a check's CPU
-(docs/benchmarks.md, "Reward")."""
+"""math-verify on the sandbox's worker pool: warm "grader" workers answer each check under a budget
+of their own CPU time, so a verdict does not depend on the machine's load; a worker past the
+wall-clock backstop is replaced. Processes, not threads: only RLIMIT_CPU's signal ends a big-int
+power stuck in C code. No fork per check: ~4x a check's CPU (docs/benchmarks.md, "Reward")."""
 import atexit
 import logging
 import math
@@ -103,8 +101,6 @@ _WARMUP_PAIRS = [("\\frac{\\sqrt{2}}{2}", "\\sqrt{2}/2"), ("(x+1)^2", "x^2+2x+1"
 def warm_up():
     """In a grader worker before it reports ready: math-verify imported (raises where missing),
     sympy's lazy paths run once (~1.5 s, outside any budget), the timer and memory cap set."""
-    import math_verify  # noqa: F401
-
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)   # "Timeout is disabled": the point
     for pred, gold in _WARMUP_PAIRS:
         _math_verify_equivalent(pred, gold)
@@ -142,8 +138,7 @@ def check_in_worker(request):
 def default_num_workers():
     """This rank's share of the cores, at most 8 (the fast path leaves 25% of MATH-500 open; more
     workers would mostly hold memory, ~65 MB each)."""
-    # imported here: the grader workers import this file, and torch would add ~1 s to each start
-    from machinery.distributed import cores_per_rank
+    from machinery.distributed import cores_per_rank   # here: torch would cost each grader ~1 s
 
     return min(8, cores_per_rank())
 
@@ -171,8 +166,8 @@ class VerifierPool:
 
     def run(self, tasks, timeouts):
         """[("verify", pred, gold) or ("value", answer), ...], each under its CPU budget ->
-        (results, CPU seconds, unfinished). Out of budget: the safe result (False, None) and
-        infinite seconds; ended by the backstop: the same, and unfinished (no verdict)."""
+        (results, CPU seconds, unfinished). Out of budget: the safe result (False, None), infinite
+        seconds; ended by the backstop: the same, unfinished (no verdict)."""
         outcomes = list(self.threads.map(self._check, tasks, timeouts))
         return tuple(list(column) for column in zip(*outcomes)) if outcomes else ([], [], [])
 
@@ -210,26 +205,23 @@ class VerifierPool:
         self.workers = []
 
 
-# One pool per process, started on first use, kept for the run (a worker costs ~2 s of CPU to
-# start). A forked child (a DataLoader worker) sees owner_pid differ and starts its own.
+# One pool per process, kept for the run (a worker costs ~2 s of CPU to start); a forked child (a
+# DataLoader worker) sees owner_pid differ and starts its own.
 _POOL = None
 _POOL_LOCK = threading.RLock()  # re-entered by run_in_pool -> start_pool
 
 
 def start_pool(num_workers=None):
-    """Start (or restart with a new size) the shared pool. Optional: the first check starts it."""
+    """The shared pool, started if this process has none. Optional: the first check starts it."""
     global _POOL
     with _POOL_LOCK:
-        if _POOL is not None and _POOL.owner_pid == os.getpid():
-            if num_workers is None or _POOL.num_workers == num_workers:
-                return _POOL
-            _POOL.close()
-        _POOL = VerifierPool(num_workers)
+        if _POOL is None or _POOL.owner_pid != os.getpid():
+            _POOL = VerifierPool(num_workers)
         return _POOL
 
 
 def shutdown_pool():
-    """Stop the shared pool's workers (also run at exit). The next check starts a new pool."""
+    """Stop the shared pool's workers (also at exit); the next check starts a new pool."""
     global _POOL
     with _POOL_LOCK:
         if _POOL is not None:

@@ -1,8 +1,6 @@
 """executor.py: the python_code_with_standard_io tool and its sandbox, run for real. The hostile
 cases follow docs/design.md, "The sandbox: designs and hostile inputs" (A time ... J load); each
-asserts the status the model sees and the containment (nothing of the call left, the next call
-works). The namespace cases need root (CI runs as root). About 2 minutes on 2 cores; the 10,000-call
-soak is `python -m bench.executor mode=soak`."""
+asserts the status the model sees and the containment. The namespace cases need root (CI's)."""
 import json
 import os
 import socket
@@ -17,7 +15,7 @@ import psutil
 import pytest
 
 from bench.executor import leak_counters, soak, stray_processes
-from machinery.sandbox import SANDBOX_UID_BASE, truncate_middle
+from machinery.sandbox import SANDBOX_UID_BASE
 from executor import ExecResult, Executor
 
 REPO = Path(__file__).resolve().parent.parent
@@ -109,18 +107,15 @@ def test_exceptions_show_the_snippets_traceback_only(ex):
     assert "sandbox.py" not in result.stderr                              # no wrapper frames
 
 
-def test_the_snippet_runs_as_a_script_named_main(ex):
+def test_the_snippet_runs_as_a_script_named_main_in_an_empty_main_each_call(ex):
+    ex.run("import sys\nleft_behind = 1\nsys.argv.append('x')\n"
+           "sys.modules['__main__'].__dict__['also'] = 2")
     result = ex.run("import sys, os\nprint(__name__, __file__, sys.argv, os.listdir('.'))\n"
                     "def g(): pass\nimport pickle\nprint(len(pickle.dumps(g)) > 0)")
     assert result.stdout == "__main__ main.py ['main.py'] ['main.py']\nTrue\n"
-
-
-def test_each_call_finds_an_empty_main_and_argv_and_the_workers_environment_stays_its_own(ex):
-    ex.run("import sys\nleft_behind = 1\nsys.argv.append('x')\n"
-           "sys.modules['__main__'].__dict__['also'] = 2")
     result = ex.run("import os, sys\nprint(sorted(k for k in globals() if not k.startswith('__')), "
-                    "sys.argv, 'LD_BIND_NOW' in os.environ)")
-    assert result.stdout == "['os', 'sys'] ['main.py'] False\n", result
+                    "sys.argv)")
+    assert result.stdout == "['os', 'sys'] ['main.py']\n", result
 
 
 # -----------------------------------------------------------------------------
@@ -140,14 +135,6 @@ def test_tool_response_matches_the_releases_wording():
                                                     "stderr: Traceback ...\nNameError: x\n")
     assert (ExecResult("oom", "", "MemoryError\n", 0.1, False).tool_response(show_time=False)
             .startswith("Tool call failure\nreason: memory_limit\n"))
-
-
-def test_tool_response_is_cut_in_the_middle_to_256_chars_by_default():
-    long = ExecResult("error", "x" * 1000, "Traceback\n" + "y" * 500 + "\nValueError: the end\n",
-                      1.0, False)
-    text = long.tool_response(show_time=False)
-    assert text == truncate_middle(long.tool_response(max_chars=0, show_time=False), 256)
-    assert text.endswith("ValueError: the end\n") and len(text) == 256 + len("...(truncated)...")
 
 
 def test_each_stream_keeps_head_and_tail_at_max_output_chars(ex):
@@ -177,7 +164,6 @@ def test_tool_responses_are_byte_identical_across_executors():
 @pytest.mark.parametrize("code", [
     "while True:\n    pass",
     "import time\ntime.sleep(10**6)",
-    "import threading\nthreading.Event().wait()",
     "import re\nre.match('(a+)+$', 'a' * 40 + 'b')",                       # C code holding the GIL
     """
     import signal
@@ -195,7 +181,7 @@ def test_tool_responses_are_byte_identical_across_executors():
         except BaseException:
             pass
     """,
-], ids=["cpu-loop", "sleep", "event-wait", "regex-backtracking", "alarm-and-sigterm-defused",
+], ids=["cpu-loop", "sleep", "regex-backtracking", "alarm-and-sigterm-defused",
         "catch-everything"])
 def test_time_hostile_snippets_time_out(ex, code):
     result = run_hostile(ex, code, "timeout")
@@ -207,8 +193,7 @@ def test_time_hostile_snippets_time_out(ex, code):
 
 def test_time_spent_waiting_for_a_cpu_does_not_count(busy_machine):
     """The deadline moves out by the time a call waited for a CPU: ~0.25 s of CPU at timeout_s=1
-    beside 24 busy processes on 2 cores takes ~3 s of wall time and is "ok" (a sleep is not a wait:
-    the sleep cases above are cut at timeout_s)."""
+    beside 24 busy processes on 2 cores takes ~3 s of wall time and is "ok"."""
     benign = "s = 0\nfor i in range(3_000_000):\n    s += i * i\nprint(s % 7)"
     with Executor(workers=2, timeout_s=1.0) as e:
         e.wait_ready()
@@ -330,14 +315,6 @@ def test_orphans_and_escapees_die_with_the_call(ex, code):
     assert run_hostile(ex, code, "ok").stdout == "parent done\n"
 
 
-def test_zombies_do_not_accumulate(ex):
-    code = ("import os\nfor _ in range(20):\n    if os.fork() == 0:\n        os._exit(0)\n"
-            "print('left 20 zombies')")
-    for result in ex.map([code] * 20):
-        assert result.stdout == "left 20 zombies\n"
-    assert_contained(ex)
-
-
 def test_blas_and_openmp_run_single_threaded(ex):
     code = ("import os\nprint([os.environ[k] for k in "
             "('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'MKL_NUM_THREADS')])")
@@ -400,29 +377,23 @@ def test_nothing_persists_between_calls_in_the_same_worker(solo):
     look = ("import os\nprint(sorted(os.listdir('.')), "
             "[sorted(os.listdir(d)) for d in ('/tmp', '/var/tmp', '/dev/shm', '/run/lock')])")
     assert solo.run(textwrap.dedent(write)).stdout == "['.cache', 'here.txt', 'main.py']\n"
-    # the call's directory remains, and the road to a venv under /tmp (a CI clone)
-    venv_roots = sorted({k.split("/")[2] for k in solo.isolation["kept_paths"]
-                         if k.startswith("/tmp/")})
     assert (solo.run(look).stdout
-            == f"['main.py'] [{sorted(['sandbox'] + venv_roots)}, [], [], []]\n")
+            == f"['main.py'] [{sorted(['sandbox'] + venv_roots(solo))}, [], [], []]\n")
 
 
-# calls that change what they were given while keeping the tmpfs inode counts equal
+def venv_roots(e):
+    """The road to a venv under /tmp (a CI clone), bound back into the private /tmp."""
+    return sorted({k.split("/")[2] for k in e.isolation["kept_paths"] if k.startswith("/tmp/")})
+
+
+# calls that change what they were given: the next call still gets a fresh directory and main.py
 SWAPS = {
-    "main.py replaced by another name": "import os\nos.unlink('main.py')\n"
-                                        "open('other', 'w').write('x')",
     "main.py replaced, mode 000": "import os\nos.unlink('main.py')\n"
                                   "open('main.py', 'w').write('x')\nos.chmod('main.py', 0)",
     "the call's directory replaced by a file": "import os\nos.chdir('/tmp')\n"
                                                "os.unlink('sandbox/main.py')\n"
                                                "os.rmdir('sandbox')\n"
                                                "open('/tmp/sandbox', 'w').write('x')",
-    "main.py moved out, a new one made": "import os\nos.rename('main.py', '/tmp/moved')\n"
-                                         "open('main.py', 'w').write('x')",
-    "main.py replaced by a hard link": "import os\nos.unlink('main.py')\n"
-                                       "open('/tmp/x', 'w').write('x')\n"
-                                       "os.link('/tmp/x', 'main.py')",
-    "a subdirectory in place of main.py": "import os\nos.unlink('main.py')\nos.mkdir('main.py')",
     "an extended attribute on the call's directory": "import os\nos.setxattr('.', 'user.note', "
                                                      "b'x' * 64)",
 }
@@ -435,10 +406,8 @@ def test_nothing_persists_when_a_call_swaps_what_it_was_given(solo, swap):
     look = ("import os\nprint(sorted(os.listdir('.')), sorted(os.listdir('/tmp')), "
             "os.listdir('/dev/shm'), os.listxattr('.'), "
             "oct(os.stat('main.py').st_mode), os.path.isfile('main.py'))")
-    venv_roots = sorted({k.split("/")[2] for k in solo.isolation["kept_paths"]
-                         if k.startswith("/tmp/")})
     assert (solo.run(look).stdout
-            == f"['main.py'] {sorted(['sandbox'] + venv_roots)} [] [] 0o100644 True\n")
+            == f"['main.py'] {sorted(['sandbox'] + venv_roots(solo))} [] [] 0o100644 True\n")
 
 
 @needs_root
@@ -517,19 +486,6 @@ def test_no_network_not_even_the_hosts_loopback(ex):
     with pytest.raises(socket.timeout):
         listener.accept()
     listener.close()
-
-
-@needs_root
-def test_concurrent_calls_can_bind_the_same_port_as_the_host(ex):
-    """Each worker has its own network namespace (SandboxFusion's port-conflict test)."""
-    host = socket.socket()
-    host.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    host.bind(("127.0.0.1", 5000))
-    host.listen()
-    code = ("import socket, time\ns = socket.socket()\ns.bind(('127.0.0.1', 5000))\ns.listen()\n"
-            "time.sleep(0.3)\nprint('bound')")
-    assert [r.stdout for r in ex.map([code] * 4)] == ["bound\n"] * 4
-    host.close()
 
 
 # -----------------------------------------------------------------------------
@@ -648,12 +604,6 @@ def test_parser_bombs_and_huge_code_are_contained(ex):
 
 
 def test_bad_arguments_name_the_problem():
-    with pytest.raises(ValueError, match="workers must be an int >= 1"):
-        Executor(workers=0)
-    with pytest.raises(ValueError, match="timeout_s must be"):
-        Executor(timeout_s=-1)
-    with pytest.raises(ValueError, match="hide_paths must be a list of absolute paths"):
-        Executor(hide_paths="data")
     with Executor(workers=1) as e:
         with pytest.raises(TypeError, match="code must be a str, got bytes"):
             e.submit(b"print(1)")
@@ -700,9 +650,8 @@ def test_starts_fast_and_close_leaves_nothing():
 
 
 def test_soak_1000_mixed_calls_leaks_nothing():
-    """The short form of `python -m bench.executor mode=soak`: one call in ten hostile (timeouts,
-    escapes, floods, kill(-1), fork bombs). No unexpected status, no zombie, no stray, no fd or
-    memory growth."""
+    """The short form of `python -m bench.executor mode=soak`, one call in ten hostile: no
+    unexpected status, no zombie, no stray, no fd or memory growth."""
     with Executor(workers=2, timeout_s=TIMEOUT) as e:
         stats = soak(e, 1000)
     assert stats["wrong"] == [] and stats["benign_after"]
@@ -865,9 +814,8 @@ def test_an_interpreter_reached_through_a_symlink_works(tmp_path, placement):
 
 
 def test_a_sandbox_that_cannot_run_calls_fails_at_construction_naming_why():
-    """Here the interpreter's own site-packages is hidden: every call would fail to import numpy.
-    The worker checks a call before it reports ready, so Executor() raises and names the
-    directory."""
+    """The interpreter's own site-packages hidden: every call would fail to import numpy, so
+    Executor() raises and names the directory."""
     site_packages = sysconfig.get_paths()["purelib"]
     with pytest.raises(RuntimeError, match="could not set up its sandbox") as raised:
         Executor(workers=1, hide_paths=[site_packages])

@@ -4,7 +4,6 @@ import contextlib
 import glob
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -16,9 +15,8 @@ from math_verify import parse, verify
 
 import machinery.sandbox
 import reward
-from bench.reward import (NOTATION_SHAPES, _decided_without_verify, audit_fast_path,
-                          math500_labeled_set)
-from machinery.verifier import run_in_pool, shutdown_pool, start_pool
+from bench.reward import NOTATION_SHAPES, audit_fast_path, math500_labeled_set
+from machinery.verifier import shutdown_pool, start_pool
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -80,11 +78,6 @@ def test_require_answer_tag_only_reads_the_last_answer_block():
     assert reward.extract_answer(fake, require_answer_tag=True) is None
 
 
-def test_extract_answer_rejects_a_non_string():
-    with pytest.raises(TypeError, match="must be a str"):
-        reward.extract_answer(42)
-
-
 # -----------------------------------------------------------------------------
 # is_equivalent: hand-written cases, with the path that decides them
 
@@ -142,9 +135,8 @@ def test_near_misses_are_rejected(pred, gold):
     assert reward.is_equivalent(pred, gold) is False
 
 
-# Shapes from third-party grader test suites, as (gold, pred, what plain math-verify 0.9.0 says).
-# The project must agree with math-verify on every one: test_project_agrees_with_plain_math_verify
-# checks both.
+# Shapes from third-party grader test suites, as (gold, pred, what plain math-verify 0.9.0 says):
+# the project must agree on every one.
 MATH_VERIFY_SHAPES = [
     # thousands separators: a bare comma, MATH's ",\!" or "{,}", before exactly three digits,
     # decimals allowed
@@ -196,8 +188,7 @@ def test_project_agrees_with_plain_math_verify(gold, pred, expected):
 
 
 def test_fast_path_says_not_equal_only_for_two_plain_numbers():
-    # The rule that keeps the fast path from missing a shape it does not know: any other pair is
-    # deferred.
+    # what keeps the fast path from missing a shape it does not know: any other pair is deferred
     answers = sorted({a for gold, pred, _ in MATH_VERIFY_SHAPES for a in (gold, pred)}
                      | set(NOTATION_SHAPES)
                      | {a for pair in FAST_PATH_EQUAL + MATH_VERIFY_EQUAL + NOT_EQUAL
@@ -209,15 +200,15 @@ def test_fast_path_says_not_equal_only_for_two_plain_numbers():
 
 
 def test_audit_finds_no_disagreement_with_math_verify_on_notation_shapes():
+    """What skips verify agrees with verify (all pairs of MATH-500's answers too: `python -m
+    bench.reward audit_all_pairs=true`)."""
     decided, wrong = audit_fast_path(NOTATION_SHAPES)
     assert decided > 1000
     assert wrong == []
 
 
-# Several boxes: only the last one counts here. math-verify 0.9.0 instead joins every box of the
-# text into one set, so "\\boxed{3} and \\boxed{5}" equals neither 3 nor 5 there, and
-# "\\boxed{1}, \\boxed{2}" equals the list "1,2". A list answer must therefore be given in one
-# box, as the prompt asks.
+# Several boxes: only the last one counts here; math-verify 0.9.0 joins every box of the text into
+# one set (docs/design.md, "Reward": a list answer goes in one box).
 @pytest.mark.parametrize("response, gold, ours, math_verify", [
     ("The answer is \\boxed{3} and \\boxed{5}", "5", 1.0, False),
     ("The answer is \\boxed{3} and \\boxed{5}", "3", 0.0, False),
@@ -236,19 +227,12 @@ def test_empty_missing_or_overlong_answers_are_never_equal(pred):
     assert reward.is_equivalent(pred, "3") is False
 
 
-@pytest.mark.parametrize("gold", ["", "   ", "\\boxed{}"])
-def test_an_empty_gold_is_a_data_error(gold):
-    with pytest.raises(ValueError, match="gold answer is empty"):
+@pytest.mark.parametrize("gold, problem", [(g, "empty") for g in ["", "   ", "\\boxed{}"]] + [
+    (g, "malformed") for g in ["\\boxed{3", "\\frac{1}{2", "3}", "\\boxed{\\frac{1}{2}"]])
+def test_an_empty_or_unbalanced_gold_is_a_data_error(gold, problem):
+    with pytest.raises(ValueError, match=f"gold answer is {problem}"):
         reward.is_equivalent("3", gold)
-    with pytest.raises(ValueError, match=r"golds\[0\].*empty"):
-        reward.grade_batch(["\\boxed{3}"], [gold])[0]
-
-
-@pytest.mark.parametrize("gold", ["\\boxed{3", "\\frac{1}{2", "3}", "\\boxed{\\frac{1}{2}"])
-def test_a_gold_with_unbalanced_braces_is_reported_as_malformed(gold):
-    with pytest.raises(ValueError, match="gold answer is malformed, its braces do not balance"):
-        reward.is_equivalent("3", gold)
-    with pytest.raises(ValueError, match=r"golds\[0\].*malformed"):
+    with pytest.raises(ValueError, match=rf"golds\[0\].*{problem}"):
         reward.grade_batch(["\\boxed{3}"], [gold])[0]
 
 
@@ -263,10 +247,8 @@ def reward_of(response, gold, finished=True, require_answer_tag=False):
 
 def test_the_reward_is_binary_and_zero_for_truncated_rollouts():
     response = "<reason>2+2</reason><answer>\\boxed{4}</answer>"
-    assert reward_of(response, "4") == 1.0
-    assert reward_of(response, "5") == 0.0
+    assert (reward_of(response, "4"), reward_of(response, "5")) == (1.0, 0.0)
     assert reward_of(response, "4", finished=False) == 0.0  # paper §4.3.1
-    assert reward_of("<reason>it is 4</reason>", "4") == 0.0  # no box, no reward
     assert reward_of("\\boxed{4}", "4", require_answer_tag=True) == 0.0
 
 
@@ -310,6 +292,7 @@ def test_grade_batch_is_safe_to_call_from_several_threads():
     (lambda: reward.grade_batch(["a"], ["1"], finished=["yes"]), TypeError,
      r"finished\[0\] must be a bool"),
     (lambda: reward.is_equivalent(3, "3"), TypeError, "pred must be a str or None"),
+    (lambda: reward.extract_answer(42), TypeError, "must be a str"),
 ])
 def test_bad_input_gets_an_error_that_names_it(call, error, message):
     with pytest.raises(error, match=message):
@@ -330,20 +313,8 @@ def test_every_gold_answer_in_the_data_boxed_is_equivalent_to_itself():
     assert [g for g, r in zip(golds, rewards) if r != 1.0] == []
 
 
-def test_math_verify_itself_accepts_every_benchmark_gold_against_itself():
-    # The fast path accepts identical strings without looking; this checks the slow path would too.
-    paths = ["aime24", "aime25", "amc23", "hmmt_feb_2025", "math500"]
-    golds = sorted({json.loads(line)["answer"] for p in paths
-                    for line in open(os.path.join(REPO, f"data/{p}.jsonl"), encoding="utf-8")})
-    golds = [g for g in golds if not g.lstrip("-").isdigit()]
-    results, _, _ = run_in_pool([("verify", g, g) for g in golds], [10.0] * len(golds))
-    # Misses, with the reason (math-verify 0.9.0): none.
-    assert [g for g, ok in zip(golds, results) if not ok] == []
-
-
-# Misses of grade_batch on the MATH-500 labeled set, with the reason: none. 500/500 positives,
-# 0/1000 false positives (and 10/10 truly equal cross pairs accepted). Plain math-verify also scores
-# it perfectly (`python -m bench.reward`), so neither side has a miss to list.
+# Misses of grade_batch on the MATH-500 labeled set, with the reason: none (plain math-verify has
+# none either, `python -m bench.reward`).
 LABELED_SET_MISSES = {}
 
 
@@ -356,26 +327,6 @@ def test_math500_labeled_set_is_scored_exactly():
               for r, g, label, got in zip(responses, golds, labels, rewards)
               if bool(got) != label}
     assert misses == LABELED_SET_MISSES
-
-
-def test_what_skips_verify_agrees_with_verify_on_the_labeled_set():
-    # on every pair decided without verify, verify says the same (`python -m bench.reward
-    # audit_all_pairs=true`: all 90,000 ordered pairs of distinct MATH-500 answers)
-    triples = math500_labeled_set(os.path.join(REPO, "data/math500.jsonl"), negatives_per_problem=2)
-    responses, golds, _ = zip(*triples)
-    reward.grade_batch(responses, golds, timeout_s=10)   # fills in the values it needs
-    decided = {}
-    for response, gold in zip(responses, golds):
-        pred = reward.extract_answer(response)
-        if re.fullmatch(r"-?\d+", reward.normalize_answer(pred)) and \
-                re.fullmatch(r"-?\d+", reward.normalize_answer(gold)):
-            continue  # two integers: compared exactly, nothing for math-verify to add
-        verdict = _decided_without_verify(pred, gold)  # now with every needed value known
-        if verdict is not None:
-            decided[pred, gold] = verdict
-    assert len(decided) > 400
-    checks, _, _ = run_in_pool([("verify", p, g) for p, g in decided], [10.0] * len(decided))
-    assert [pair for pair, check in zip(decided, checks) if decided[pair] != check] == []
 
 
 # -----------------------------------------------------------------------------
@@ -442,8 +393,7 @@ def grade_with_a_fresh_worker(responses, golds, timeout_s, busy=None):
 
 
 def test_a_verdict_does_not_depend_on_the_load(busy_machine):
-    # The budget is CPU time: beside eight busy processes on 2 cores (a 0.2 s check takes 2 s of
-    # wall time), every answer keeps its idle verdict.
+    # the budget is CPU time: beside eight busy processes on 2 cores every answer keeps its verdict
     responses = [f"\\boxed{{{pred}}}" for pred, _ in EXPENSIVE_CORRECT]
     golds = [gold for _, gold in EXPENSIVE_CORRECT]
     timeout_s = 3.0  # the F_n sum takes 0.5-1.2 s of CPU idle, by the core it runs on
