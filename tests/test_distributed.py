@@ -192,7 +192,7 @@ def test_torchrun_restarts_a_job_whose_rank_died_on_one_node_and_on_two_to_the_s
     # the survivors' one line each (a gloo error, or torchrun's SIGTERM if that came first)
     for rank, phase, left in ((0, "rollout", 2), (1, "checkpoint", 1)):
         assert re.search(f"rl.py: rank {rank} (lost another rank|stopped by SIGTERM) in step 2 "
-                         rf"\({phase}\).*\({left} of --max-restarts=2 restarts left\)", text)
+                         rf"\({phase}\).*\({left} of --max-restarts=2 left\)", text)
     assert text.count(f"resumed from {alone / 'checkpoints' / 'step_00000001'}") == 2
     assert f"removed {alone / 'checkpoints' / 'step_00000002.tmp'}" in text
     assert not list((alone / "checkpoints").glob("*.tmp"))
