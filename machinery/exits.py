@@ -100,8 +100,7 @@ def restart_or_resume(script, argv):
     """torchrun's restart of the job while --max-restarts allows, else the command that resumes."""
     allowed = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
     if restarts_left() > 0:
-        return (f"torchrun restarts the job from the newest checkpoint ({restarts_left()} of "
-                f"--max-restarts={allowed} restarts left)")
+        return f"torchrun restarts the job ({restarts_left()} of --max-restarts={allowed} left)"
     return f"no restart left (--max-restarts={allowed}); to resume: {rerun_command(script, argv)}"
 
 
@@ -133,8 +132,7 @@ def fault_point(point):
     for fault in os.environ.get("RSTAR2_FAULTS", "").split(","):
         action = fault.removeprefix(here) if fault.startswith(here) else None
         if action == "raise":
-            raise RuntimeError(f"RSTAR2_FAULTS: a fault injected at rank {rank}, step "
-                               f"{WHERE['step']}, {point}")
+            raise RuntimeError(f"RSTAR2_FAULTS: rank {rank}, step {WHERE['step']}, {point}")
         if action in ("kill", "stop"):
             os.kill(os.getpid(), signal.SIGKILL if action == "kill" else signal.SIGSTOP)
 
@@ -160,8 +158,7 @@ def crash_loop(records_dir, skip_prompts):
         return None
     ids = ",".join(map(str, last[1]["prompts"]))
     return (f"step {last[1]['step']} failed in its {last[1]['phase']} on the last 2 attempts, "
-            f"prompts {ids} in flight: skip them with skip_prompts={ids} (or delete "
-            f"{records_dir / 'failures.jsonl'} to retry them)")
+            f"prompts {ids} in flight: skip them with skip_prompts={ids}")
 
 
 def watch_progress(store, rank, world_size, heartbeat_s, script):
@@ -241,9 +238,8 @@ def bound_exit(code):
     """End this process with `code` after LEAVE_TIMEOUT_S whatever runs; faulthandler's C watchdog
     (exit 1, at most 5 s later) for a C call that holds the GIL."""
     def give_up():
-        print(f"rank {os.environ.get('RANK', '0')}: the exit handlers (vLLM's engine shutdown, "
-              f"the workers') were still running after {LEAVE_TIMEOUT_S:.0f} s: left without them",
-              file=sys.stderr, flush=True)
+        print(f"rank {os.environ.get('RANK', '0')}: the exit handlers were still running after "
+              f"{LEAVE_TIMEOUT_S:.0f} s: left without them", file=sys.stderr, flush=True)
         os._exit(code)
 
     threading.Timer(LEAVE_TIMEOUT_S, give_up).start()  # os._exit ends it with the process
@@ -290,8 +286,7 @@ def shown(path):
 
 def typed(path):
     """shown without resolving links (.venv may link to a shared environment)."""
-    cwd = os.getcwd().rstrip("/") + "/"
-    return path.removeprefix(cwd)
+    return path.removeprefix(os.getcwd().rstrip("/") + "/")
 
 
 def rerun_command(script, argv, set_keys=None):

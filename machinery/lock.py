@@ -56,8 +56,7 @@ def take_lock(directory):
         os.close(fd)
         raise
     if holder is not None:  # flock is free and any lease expired: its holder is gone
-        print(f"{path}: taking over from {_describe(holder)}, which ended without releasing it",
-              flush=True)
+        print(f"{path}: taking over from {_describe(holder)}, which ended", flush=True)
     if not _HELD:
         atexit.register(_release_all)  # an exit by exception or sys.exit leaves no stale text
     _HELD[os.path.realpath(directory)] = (fd, me)
@@ -98,18 +97,17 @@ def _release_all():
 
 def _wait_out_lease(fd, path, holder):
     """Another host's holder once its lease expired (None: it let go); renewed meanwhile, refused"""
-    renewed = holder.get("renewed")
-    left = min(renewed + LEASE_S - time.time() if isinstance(renewed, (int, float)) else 0, LEASE_S)
+    left = min(holder["renewed"] + LEASE_S - time.time(), LEASE_S)
     if left > 0:
-        print(f"{path}: held by {_describe(holder)} on another host; waiting up to {left:.0f} s "
-              "for its lease to expire", flush=True)
+        print(f"{path}: held by {_describe(holder)}; waiting {left:.0f} s for its lease",
+              flush=True)
     deadline = time.monotonic() + left
     while time.monotonic() < deadline:
         time.sleep(min(LEASE_POLL_S, max(deadline - time.monotonic(), 0)))
         now = _read_holder(fd)
         if now != holder and now is not None:
-            raise ConfigError(f"{path}: in use by {_describe(now)}, which renewed its lease while "
-                              "this start waited; stop it or use another out_dir")
+            raise ConfigError(f"{path}: in use by {_describe(now)}, which renewed its lease; "
+                              "stop it or use another out_dir")
         if now is None:  # released meanwhile
             return None
     return holder
@@ -121,8 +119,8 @@ def _settle(fd, path, me):
     time.sleep(SETTLE_S)
     current = _read_holder(fd)
     if current != me:
-        raise ConfigError(f"{path}: in use by {_describe(current)}, which took the expired lease "
-                          "at the same time; stop it or use another out_dir")
+        raise ConfigError(f"{path}: in use by {_describe(current)}, which took the lease first; "
+                          "stop it or use another out_dir")
 
 
 def _read_holder(fd):

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from machinery.checkpoint import check_fits, checkpoint_step, requested_checkpoint
 from machinery.config import (ConfigError, atomic_write_text, flatten_config, read_records,
                               read_saved_config, save_config)
+from machinery.distributed import differing
 from machinery.lock import LOCK_NAME, hold_lease, release_lock, take_lock, timestamp
 from machinery.metrics import check_logger_packages
 
@@ -79,35 +80,24 @@ def finish_run_dir(run_dir, step):
 def _claim(cfg, out_dir, free_keys, steps, export):
     check_logger_packages(cfg.wandb_project, cfg.tensorboard)
     try:
-        if out_dir.exists() and not out_dir.is_dir():
-            raise ConfigError(f"out_dir={out_dir}: is a file, not a directory; choose a directory")
         out_dir.mkdir(parents=True, exist_ok=True)
         take_lock(out_dir)
-    except OSError as e:  # a read-only filesystem, a directory of another user
-        raise ConfigError(f"out_dir={out_dir}: cannot write there ({e.strerror}: {e.filename}); "
-                          "choose a writable out_dir") from None
+    except OSError as e:  # a read-only filesystem, a directory of another user, a file
+        raise ConfigError(f"out_dir={out_dir}: {e.strerror}: {e.filename}") from None
 
     # refuse a directory this run may not write into, before anything in it is touched
     old, entries = read_saved_config(out_dir), _results(out_dir)
     listed = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
     if cfg.resume == "never" and entries:
-        raise ConfigError(f"resume=never: {out_dir} already holds a run ({listed}); use a new "
-                          "out_dir, or move the old run away")
+        raise ConfigError(f"resume=never: {out_dir} already holds a run ({listed}); use a new one")
     if old is None and entries:
-        raise ConfigError(f"out_dir={out_dir}: not empty ({listed}) and holds no run (no "
-                          "config.yaml); use a new or empty out_dir")
+        raise ConfigError(f"out_dir={out_dir}: holds no config.yaml but {listed}; use a new one")
     if not entries:
         old = None  # a start that wrote nothing but its config: nothing of it to mix or to lose
 
     history = read_history(out_dir)
     new = dataclasses.asdict(cfg)
-    changes = {}  # dotted key: (old value, new value); a key one lacks (added since) differs
-    if old is not None:
-        before, after = flatten_config(old), flatten_config(new)
-        for key in sorted(set(before) | set(after)):
-            pair = (before.get(key, "(not set)"), after.get(key, "(not set)"))
-            if pair[0] != pair[1]:
-                changes[key] = pair
+    changes = differing(flatten_config(old), flatten_config(new)) if old is not None else {}
     free_keys = {*free_keys, *(f"rollout.{name}" for name in ROLLOUT_RESOURCE_FIELDS)}
     method = {key: change for key, change in changes.items() if key not in free_keys}
     checkpoint = requested_checkpoint(cfg.resume, out_dir / "checkpoints")
@@ -123,8 +113,7 @@ def _claim(cfg, out_dir, free_keys, steps, export):
     finished = last.get("at_step") if last.get("event") == "finished" else None
     if finished is not None and finished >= steps and (out_dir / export.format(
             step=finished)).exists():
-        print(f"{out_dir}: already at step {finished} (steps={steps}); nothing written. To train "
-              "further, raise steps", flush=True)
+        print(f"{out_dir}: already at step {finished} (steps={steps}); nothing written", flush=True)
         release_lock(out_dir)
         return {"done": True}
     event = ("new" if old is None else "continued_with_changes" if method else "resumed")

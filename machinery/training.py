@@ -35,9 +35,8 @@ def micro_batches(samples, cfg):
     for i in order:
         length = len(samples[i])
         if length > cfg.micro_batch_tokens:
-            raise ConfigError(f"a trajectory of {length} tokens does not fit micro_batch_tokens="
-                              f"{cfg.micro_batch_tokens}; raise it to at least "
-                              "max_prompt_tokens + max_response_tokens")
+            raise ConfigError(f"micro_batch_tokens={cfg.micro_batch_tokens}: a trajectory of "
+                              f"{length} tokens does not fit; raise it")
         grown = max(longest, length) * (len(current) + 1)  # padded size if this sample joins
         full = cfg.micro_batch_size and len(current) >= cfg.micro_batch_size
         if current and (grown > cfg.micro_batch_tokens or full):

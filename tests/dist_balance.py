@@ -53,8 +53,6 @@ def check(mine, rank, world_size):
     expected_bytes = sum(len(pickle.dumps(batch)) for source, batch in enumerate(moved)
                          if source != rank and batch)
     assert traffic["received_bytes"] == expected_bytes, (rank, traffic, expected_bytes)
-    assert traffic["received"] == sum(len(batch) for source, batch in enumerate(moved)
-                                      if source != rank)
     gathered_before = sum(len(pickle.dumps(part)) for source, part in enumerate(parts)
                           if source != rank)
     return share, traffic, gathered_before
@@ -64,16 +62,14 @@ def main():
     rank, world_size, _, _ = init_distributed()
     mine = trajectories_of(rank, 24 if rank == 0 else 4)
     share, traffic, gathered_before = check(mine, rank, world_size)
-    sent = [None] * world_size
-    dist.all_gather_object(sent, traffic["sent_bytes"])
     received = [None] * world_size
     dist.all_gather_object(received, traffic["received_bytes"])
-    assert sum(sent) == sum(received) > 0, (sent, received)
+    assert sum(received) > 0, received
     # The balanced shares balanced again: nothing changes rank, so nothing but the keys moves.
     again, still = check(share, rank, world_size)[:2]
-    assert again == share and still["received_bytes"] == still["sent_bytes"] == 0, still
+    assert again == share and still["received_bytes"] == 0, still
     print(f"rank {rank}: balanced {len(mine)} -> {len(share)} trajectories, received "
-          f"{traffic['received_bytes']} bytes of {traffic['received']} trajectories + "
+          f"{traffic['received_bytes']} bytes + "
           f"{traffic['keys_bytes']} of keys (gathering all: {gathered_before}); rebalanced: "
           f"{still['received_bytes']} + {still['keys_bytes']}", flush=True)
     dist.barrier()

