@@ -53,7 +53,6 @@ class DemoConfig:
     rl_config: str = "configs/tiny.yaml"
     sft_args: list[str] = dataclasses.field(default_factory=list)   # extra key=value for sft.py
     rl_args: list[str] = dataclasses.field(default_factory=list)    # ... for rl.py (both arms)
-    verbose: bool = False                    # all of vLLM's logging in rl.py (default: warnings)
     # ablation
     ablation_dir: str = "runs/ablation"
     ablation_steps: PositiveInt = 20
@@ -241,8 +240,7 @@ def train_rl(cfg, out_dir, args, log=None):
     if reuse_stage(name, out_dir, inputs, cfg.fresh,
                    any(resolve(out_dir).glob("hf_step_*/config.json"))):
         return read_metrics(resolve(out_dir)), 0.0
-    verbose = ["verbose=true"] if cfg.verbose else []  # logging only: not an input
-    seconds = run(["rl.py", cfg.rl_config, *verbose, *overrides], log=log)
+    seconds = run(["rl.py", cfg.rl_config, *overrides], log=log)
     stage_done(name)
     return read_metrics(resolve(out_dir)), seconds
 

@@ -96,7 +96,7 @@ def apply_model_format(cfg, model_dir):
     saved = read_format(model_dir)
     if saved is None:
         if cfg.prompt_variant == AUTO_VARIANT:
-            warnings.warn(f"{model_dir} has no {FORMAT_FILE}: evaluating with "
+            warnings.warn(f"{model_dir} has no {FORMAT_FILE} (not saved by sft.py or rl.py): "
                           "rollout.prompt_variant=paper, the released rStar2-Agent-14B's format")
             return dataclasses.replace(cfg, prompt_variant="paper")
         return cfg
