@@ -301,8 +301,10 @@ def check_config(cfg):
 def check_inputs(cfg, world_size=None, gpus_per_node=None):
     """The inputs checked before a model or an engine loads; LOCAL_WORLD_SIZE read before vLLM's
     CPU platform rewrites it. cfg.world_size is mode=plan's assumption, not a requirement."""
-    world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    gpus_per_node = gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        gpus_per_node = gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    gpus_per_node = gpus_per_node or world_size
     tp = cfg.rollout.tensor_parallel_size
     for ranks, what in ((world_size, "ranks"), (gpus_per_node, "GPUs per node")):
         if ranks % tp:  # an engine across two nodes would all-reduce over the network every token

@@ -32,6 +32,8 @@ FORMAT_SCHEMA_FILE = "rstar2_tool_schema.json"
 
 def format_paths(cfg):
     """(template, schema) paths; prompt_variant=auto is resolved first by apply_model_format."""
+    if cfg.prompt_variant == AUTO_VARIANT:
+        raise ValueError("rollout.prompt_variant=auto: apply_model_format(cfg, model_dir) first")
     template, schema = PROMPT_VARIANTS[cfg.prompt_variant]
     return resolve(cfg.chat_template or template), resolve(cfg.tool_schema or schema)
 
