@@ -13,12 +13,7 @@ transcript of how to run the pieces by hand:
 A stage whose result exists is reused while what made it is unchanged (stage_inputs; recorded in
 runs/demo-stages/); a change reruns that stage and the ones after it, and says which files changed.
 fresh=true reruns all. rl_args / sft_args pass key=value overrides through, e.g.
-`python demo.py rl_args=steps=30,lr=1e-4`.
-
-The ablation follows the paper's comparison (Fig. 4 and 9), with the same seeds, prompts and steps
-in every arm: plain GRPO samples G rollouts per prompt and trains on all; GRPO-RoC samples 2G and
-keeps G; the equal-compute control, plain GRPO with 2G sampled and all kept, separates the effect
-of choosing positives from the effect of sampling more.
+`python demo.py rl_args=steps=30,lr=1e-4`. The ablation's arms (Fig. 4 and 9): see ablation().
 """
 import ast
 import concurrent.futures
@@ -58,7 +53,6 @@ class DemoConfig:
     rl_config: str = "configs/tiny.yaml"
     sft_args: list[str] = dataclasses.field(default_factory=list)   # extra key=value for sft.py
     rl_args: list[str] = dataclasses.field(default_factory=list)    # ... for rl.py (both arms)
-    verbose: bool = False                    # all of vLLM's logging in rl.py (default: warnings)
     # ablation
     ablation_dir: str = "runs/ablation"
     ablation_steps: PositiveInt = 20
@@ -73,12 +67,9 @@ class DemoConfig:
     plot: str = "assets/ablation.png"        # the numbers go next to it as .json and .md
 
     def validate(self):
-        if not self.ablation_seeds:
-            raise ConfigError("ablation_seeds is empty")
         for name in ("sft_config", "rl_config"):
             if not resolve(getattr(self, name)).is_file():
                 raise ConfigError(f"{name}: file not found: {getattr(self, name)}")
-
 
 RUNNING = set()  # the stages' processes now running, for an interrupt to wait on
 
@@ -249,8 +240,7 @@ def train_rl(cfg, out_dir, args, log=None):
     if reuse_stage(name, out_dir, inputs, cfg.fresh,
                    any(resolve(out_dir).glob("hf_step_*/config.json"))):
         return read_metrics(resolve(out_dir)), 0.0
-    verbose = ["verbose=true"] if cfg.verbose else []  # logging only: not an input
-    seconds = run(["rl.py", cfg.rl_config, *verbose, *overrides], log=log)
+    seconds = run(["rl.py", cfg.rl_config, *overrides], log=log)
     stage_done(name)
     return read_metrics(resolve(out_dir)), seconds
 
@@ -336,9 +326,7 @@ def ablation(cfg):
                    for key, (out_dir, args) in jobs.items()}
         results = {key: future.result() for key, future in futures.items()}
     timing = {"seconds": time.time() - started, "parallel": cfg.ablation_parallel,
-              "load_average_before": load_before, "load_average_after": os.getloadavg(),
-              "seconds_per_run": {f"{name} seed {seed}": s
-                                  for (name, seed), (_, s) in results.items()}}
+              "load_average_before": load_before, "load_average_after": os.getloadavg()}
     # the table and plot of tools/compare.py, which compares any arms' run directories this way
     lines = write_comparison(
         {key: metrics for key, (metrics, _) in results.items()}, cfg.plot, "GRPO-RoC",

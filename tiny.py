@@ -39,12 +39,6 @@ TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_respons
 QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
-# The tokenizer's own chat template: plain Qwen-style ChatML with tools, for generic chat (sft.py's
-# "chatml"). The rStar2 prompt itself is chosen by config (rollout.py); both live in
-# configs/templates/.
-CHATML_TEMPLATE = (REPO / "configs/templates/chatml.jinja").read_text()
-
-
 @dataclasses.dataclass
 class TinyConfig:
     out_dir: str = "out/tiny-model"
@@ -85,13 +79,8 @@ def make_arithmetic_problems(n, seed, split="train"):
     rows = []
     for i in range(n):
         a, b, c = rng.randint(2000, 9000), rng.randint(51, 99), rng.randint(100, 999)
-        form = rng.randrange(3)
-        if form == 0:
-            text, value = f"{a} * {b} + {c}", a * b + c
-        elif form == 1:
-            text, value = f"{a} * {b} - {c}", a * b - c
-        else:
-            text, value = f"({a} + {c}) * {b}", (a + c) * b
+        text, value = [(f"{a} * {b} + {c}", a * b + c), (f"{a} * {b} - {c}", a * b - c),
+                       (f"({a} + {c}) * {b}", (a + c) * b)][rng.randrange(3)]
         rows.append({"id": f"arith-{split}-{i}", "problem": f"Compute {text}.",
                      "answer": str(value)})
     return rows
@@ -137,11 +126,7 @@ def make_sft_transcripts(problems, error_fraction=0.3, seed=0):
         results = executor.map([code for _, code in plans])
     rows = []
     for row, (expression, code), result in zip(problems, plans, results):
-        value = result.stdout.strip()
-        # the transcripts teach what the sandbox really said: it must be what the plan expects
-        if (result.status == "ok") != (code == f"print({expression})") or value != row["answer"]:
-            raise RuntimeError(f"{row['id']}: {code!r} gave {result.status!r}, printed {value!r}: "
-                               f"{result.stderr or result.reason}")
+        value = result.stdout.strip()  # the sandbox's own answer (test_tiny checks it is right)
         # the Hermes-style call the rStar2 prompt asks for (§2.1), with empty stdin
         call = json.dumps({"name": TOOL_NAME, "arguments": {"code": code, "input": ""}})
         messages = [{"role": "user", "content": row["problem"]},
@@ -259,7 +244,9 @@ def build_tokenizer(cfg):
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
                                  pad_token="<|endoftext|>",
                                  additional_special_tokens=["<|im_start|>"])
-    hf.chat_template = CHATML_TEMPLATE
+    # plain Qwen-style ChatML with tools, for generic chat (sft.py's "chatml"); the rStar2 prompt is
+    # chosen by config (rollout.py)
+    hf.chat_template = (REPO / "configs/templates/chatml.jinja").read_text()
     hf.model_max_length = cfg.max_position_embeddings
     return hf
 

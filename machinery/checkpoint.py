@@ -53,13 +53,9 @@ def checkpoint_damage(checkpoint):
     except Exception as e:  # missing, or cut off mid-write: whatever the parser raises
         return f"{checkpoint}/.metadata or COMPLETE: unreadable ({type(e).__name__})"
 
-    needed = {}
     for info in storage.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0),
-                                         info.offset + info.length)
-    for name, size in sorted(needed.items()):
-        path = checkpoint / name
-        if not path.is_file() or path.stat().st_size < size:
+        path = checkpoint / info.relative_path
+        if not path.is_file() or path.stat().st_size < info.offset + info.length:
             return f"{path}: {'truncated' if path.is_file() else 'missing'}"
     for rank in range(ranks):
         path = checkpoint / f"trainer_state_rank{rank}.pt"
@@ -119,8 +115,8 @@ def write_checkpoint(ckpt_root, step, model, optimizer, trainer_state):
 
 def commit_checkpoint(tmp, keep=2, keep_through=0):
     """Rank 0, holding the run's lease, commits step_N.tmp/: COMPLETE (with the world size) and the
-    rename, each fsynced; once step_N/ reads back intact, the newest `keep` after step
-    `keep_through` are kept (older ones: earlier settings, run_dir.py). Collective."""
+    rename, each fsynced; then the newest `keep` after step `keep_through` are kept (older ones:
+    earlier settings, run_dir.py). Collective."""
     final = tmp.with_name(tmp.name[:-len(".tmp")])
     fault_point("checkpoint_commit")  # a test's SIGKILL mid-save: every shard written, no commit
     if dist.get_rank() == 0:
@@ -135,15 +131,9 @@ def commit_checkpoint(tmp, keep=2, keep_through=0):
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_directory(final.parent)
-
-        damage = checkpoint_damage(final)
-        if damage:  # nothing older goes: the last good checkpoint stays
-            print(f"WARNING: {damage}: the checkpoint just saved; older ones are kept", flush=True)
-        else:
-            hold_lease(tmp.parent.parent)
-            for old in [p for p in committed_checkpoints(final.parent)
-                        if checkpoint_step(p) > keep_through][:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
+        for old in [p for p in committed_checkpoints(final.parent)
+                    if checkpoint_step(p) > keep_through][:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
 
@@ -195,8 +185,8 @@ def load_training_state(path, model, optimizer):
 
 
 def requested_checkpoint(resume, ckpt_root):
-    """The checkpoint `resume` names: None (never), the newest intact one (auto; a damaged newer
-    one passed over with a warning), or the path given, intact: asked for, never swapped."""
+    """The checkpoint `resume` names: None (never), the newest intact one (auto; each damaged
+    newer one passed over with a warning), or the path given, intact, never swapped."""
     if resume == "never":
         return None
 
@@ -232,8 +222,7 @@ def start_checkpoint(cfg, checkpoint):
         source = resolve(cfg.init_from)
         checkpoint = (latest_checkpoint(source) or latest_checkpoint(source / "checkpoints")
                       or source)
-        damage = ("no COMPLETE" if not (checkpoint / "COMPLETE").is_file()
-                  else checkpoint_damage(checkpoint))
+        damage = checkpoint_damage(checkpoint)  # no COMPLETE: unreadable
         if damage:
             raise ConfigError(f"init_from={cfg.init_from}: {checkpoint}: {damage}; name an intact "
                               "step_N directory")
@@ -282,8 +271,8 @@ def restore(cfg, checkpoint, device, rank):
     if weights_only:
         load_weights(checkpoint, model)
         if rank == 0:
-            print(f"initialised from {checkpoint}: its weights only, a fresh optimizer from step 0 "
-                  "(init_optimizer=false)", flush=True)
+            print(f"initialised from {checkpoint}: its weights only (init_optimizer=false)",
+                  flush=True)
     elif checkpoint is not None:
         state = load_checkpoint(checkpoint, model, optimizer)
         if rank == 0:
@@ -332,10 +321,6 @@ def check_inputs(cfg, world_size=None, gpus_per_node=None):
     return model, problems, eval_rows
 
 
-# The paper's stage 1 is 300 steps x 512 prompts over 42K problems: about 3.7 passes (§4.2, §4.3)
-EPOCHS_WARN = 5.0
-
-
 def epoch_plan(cfg, num_problems, start_step):
     """(passes over train_data this run makes, the line train() prints; a warning past 5)."""
     prompts = (cfg.steps - start_step) * cfg.prompts_per_step
@@ -343,7 +328,7 @@ def epoch_plan(cfg, num_problems, start_step):
     line = (f"plan: steps {start_step} -> {cfg.steps} x {cfg.prompts_per_step} prompts = "
             f"{prompts:,} prompts over {num_problems:,} problems of {cfg.train_data}: "
             f"{epochs:.1f} epochs")
-    if epochs > EPOCHS_WARN:
-        line += (f"\nWARNING: {epochs:.1f} passes over the same problems, above {EPOCHS_WARN} (the "
+    if epochs > 5:  # the paper's stage 1: 300 steps x 512 prompts over 42K problems, 3.7 (§4.2)
+        line += (f"\nWARNING: {epochs:.1f} passes over the same problems, above 5.0 (the "
                  "paper's stage 1: 3.7); add problems, or lower steps or prompts_per_step")
     return epochs, line

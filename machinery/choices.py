@@ -49,8 +49,8 @@ def read_gpqa_csv(path):
         reader = csv.DictReader(f)
         missing = [c for c in GPQA_COLUMNS if c not in (reader.fieldnames or [])]
         if missing:
-            raise ConfigError(f"{path}: not GPQA's CSV, no column {', '.join(map(repr, missing))}"
-                              f" (eval.py reads {', '.join(GPQA_COLUMNS)}; {GPQA_HOWTO})")
+            raise ConfigError(f"{path}: not GPQA's CSV, no column {', '.join(map(repr, missing))}; "
+                              f"{GPQA_HOWTO}")
         problems, first_line = [], 2
         for row in reader:  # a quoted field may span lines: say the line the row starts on
             empty = [c for c in GPQA_COLUMNS if not (row[c] or "").strip()]
@@ -60,8 +60,6 @@ def read_gpqa_csv(path):
             qid = (row.get("Record ID") or "").strip() or f"{path.stem}-{len(problems)}"
             problems.append((qid, row["Question"].strip(),
                              [row[c].strip() for c in GPQA_COLUMNS[1:]]))
-    if not problems:
-        raise ConfigError(f"{path}: no questions")
     return problems
 
 
@@ -72,12 +70,10 @@ def read_choices_jsonl(path):
         choices, where = row.get("choices"), f"{resolve(path)}: question {row['id']!r}"
         if (not isinstance(choices, list) or len(choices) < 2
                 or not all(isinstance(c, str) and c.strip() for c in choices)):
-            raise ConfigError(f"{where}: 'choices' must be a list of two or more non-empty "
-                              "strings")
+            raise ConfigError(f"{where}: 'choices' must be two or more non-empty strings")
         if row["answer"] not in LETTERS[:len(choices)]:
-            raise ConfigError(f"{where}: 'answer' must be the letter of one of the "
-                              f"{len(choices)} choices (A-{LETTERS[len(choices) - 1]}), "
-                              f"got {row['answer']!r}")
+            raise ConfigError(f"{where}: 'answer' {row['answer']!r} is not a letter "
+                              f"A-{LETTERS[len(choices) - 1]}")
         correct = LETTERS.index(row["answer"])
         problems.append((row["id"], row["question"].strip(), [choices[correct].strip()]
                          + [c.strip() for i, c in enumerate(choices) if i != correct]))
@@ -110,7 +106,6 @@ def load_choices(path, seed):
         seen.add(qid)
         rows.append(choice_problem(qid, question, options, seed))
     return rows
-
 
 # Grading: the letter the final answer names
 

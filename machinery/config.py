@@ -28,7 +28,6 @@ class ConfigError(ValueError):
         super().__init__(message)
         self.this_rank_only = this_rank_only
 
-
 # A key's bounds are declared beside it, `epochs: Annotated[int, Ge(1)] = 3` (annotated_types, the
 # constraints pydantic reads), and checked as the value is read, so the refusal names file:line.
 BOUNDS = {Gt: (operator.gt, ">"), Ge: (operator.ge, ">="), Lt: (operator.lt, "<"),
@@ -64,11 +63,7 @@ def _coerce(value, tp, where, typed=None):
         return value
     if origin is typing.Literal:
         choices = list(typing.get_args(tp))
-        if isinstance(value, bool) and value not in choices:  # YAML 1.1: off, no, n, false ...
-            instead = "none, or one of" if "none" in choices else "one of"
-            raise ConfigError(f"{where}: YAML reads {typed or value!r} as {str(value).lower()}; "
-                              f"write {instead} {choices}")
-        if value not in choices:
+        if value not in choices:  # YAML 1.1 reads off as false: `typed` shows what was written
             raise ConfigError(f"{where}: {typed or value!r} is not one of {choices}")
         return value
     if origin is list:
@@ -82,9 +77,7 @@ def _coerce(value, tp, where, typed=None):
         return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
 
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if tp is typing.Any or (tp is bool and isinstance(value, bool)) or (
-            tp is int and number and isinstance(value, int)) or (tp is str and isinstance(
-                value, str)):
+    if tp is typing.Any or type(value) is tp:  # bool is an int's subclass, not its type
         return value
     if tp is float and (number or isinstance(value, str)):
         try:  # YAML 1.1 reads 1e-6 (no dot) as a string
@@ -156,15 +149,13 @@ def load_config(cls, argv=None, doc=None):
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
         if not isinstance(data, dict | None):
-            raise ConfigError(f"{path}: the top level must be a mapping of keys, "
-                              f"got {type(data).__name__}")
+            raise ConfigError(f"{path}: the top level must be a mapping of keys")
         _apply(cfg, data or {}, str(path), _line_numbers(text))
 
     for arg in argv:
         key, _, raw = arg.partition("=")
         if not key or "=" not in arg:
-            raise ConfigError(f"command line: bad override {arg!r}; expected key=value after the "
-                              "config file")
+            raise ConfigError(f"command line: bad override {arg!r}; expected key=value")
         try:
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError:
@@ -184,21 +175,11 @@ def load_config(cls, argv=None, doc=None):
 # --help: every key with its default, bounds and comment, read from the dataclass's source, so the
 # help cannot drift from the code
 
-def usage_line():
-    path = Path(sys.argv[0]) if sys.argv else Path()
-    script = (f"-m tools.{path.stem}" if path.parent.name == "tools" and path.suffix == ".py"
-              else path.name if path.suffix == ".py" else "SCRIPT.py")
-    return f"usage: python {script} [CONFIG.yaml] [key=value ...]        (-h, --help: this text)"
-
-
 def field_comments(cls):
     """({field: its comment}, {field: the heading comments above it}) from the class's source: a
     comment on a field's line, continued by lines indented past the body; a comment line at the
     body's indent heads the next field. Tokenized: a '#' in a string is no comment."""
-    try:
-        source = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):
-        return {}, {}
+    source = textwrap.dedent(inspect.getsource(cls))
     fields = {f.name for f in dataclasses.fields(cls)}
     lines = source.splitlines()
     comments, headings, pending, last, body_indent = {}, {}, [], None, None
@@ -256,7 +237,10 @@ def _keys_help(cls, instance, prefix=""):
 def config_help(cls, doc=None):
     """--help: the usage line, the docstring's first paragraph and first indented block (its
     commands), and every key of `cls` under its source's headings."""
-    parts = [usage_line()]
+    path = Path(sys.argv[0]) if sys.argv else Path()
+    script = (f"-m tools.{path.stem}" if path.parent.name == "tools" and path.suffix == ".py"
+              else path.name if path.suffix == ".py" else "SCRIPT.py")
+    parts = [f"usage: python {script} [CONFIG.yaml] [key=value ...]        (-h, --help: this text)"]
     paragraphs = textwrap.dedent(doc or "").strip("\n").split("\n\n")
     commands = next((p for p in paragraphs[1:] if p.startswith(" ")), None)
     parts += [p for p in paragraphs[:1] + [commands] if p]
@@ -296,8 +280,7 @@ def read_saved_config(run_dir):
     except yaml.YAMLError:
         saved = None
     if not isinstance(saved, dict):
-        raise ConfigError(f"{path}: not a YAML mapping of settings; fix it, or move the run "
-                          "directory away")
+        raise ConfigError(f"{path}: not a YAML mapping of settings; fix or move it")
     return saved
 
 
@@ -312,51 +295,52 @@ def atomic_write_text(path, text):
     os.replace(tmp, path)
 
 
-def read_records(path):
-    """The JSON objects of a JSONL file a run appends to (.gz too), [] if none. A torn last line is
-    dropped with one warning; a bad line before it is a ConfigError naming file:line."""
+def read_records(path, required=(), torn_tail=True):
+    """The JSON objects of a JSONL file (.gz too), [] if none, each `required` key a non-empty
+    string. A torn last line of a file a run appends to (torn_tail) is dropped with one warning;
+    any other bad line is a ConfigError naming file:line."""
     path = Path(path)
     if not path.is_file():
         return []
 
     data, torn = path.read_bytes(), False
-    if path.suffix == ".gz":
-        data, torn = _gunzip(data)
+    if path.suffix == ".gz":  # every member before a tear, which gzip.open drops
+        members = []
+        while data:  # one member per write; appended files have several
+            member = zlib.decompressobj(wbits=31)
+            try:
+                members.append(member.decompress(data))
+            except zlib.error:
+                break
+            if not member.eof:
+                break
+            data = member.unused_data
+        data, torn = b"".join(members), bool(data)  # data left: a tear
+
     records = []
-    numbered = [(number, line) for number, line in
-                enumerate(data.decode("utf-8", errors="replace").splitlines(), 1) if line.strip()]
+    numbered = [(number, line) for number, line in  # "\n" alone: JSON may hold a raw U+2028
+                enumerate(data.decode("utf-8", errors="replace").split("\n"), 1) if line.strip()]
     for number, line in numbered:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            if number == numbered[-1][0]:
+            if torn_tail and number == numbered[-1][0]:
                 torn = True
                 break
-            raise ConfigError(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno}), "
-                              "and not the last line: fix or move the file") from None
+            raise ConfigError(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno}); "
+                              "fix or move the file") from None
         if not isinstance(record, dict):
             raise ConfigError(f"{path}:{number}: expected a JSON object, got "
                               f"{type(record).__name__}")
+        for key in required:
+            if not isinstance(record.get(key), str) or not record[key].strip():
+                raise ConfigError(f"{path}:{number}: '{key}' must be a non-empty string, "
+                                  f"got {record.get(key)!r}")
         records.append(record)
 
     if torn:
         warn_torn(path, f"the {len(records)} records before it are kept")
     return records
-
-
-def _gunzip(data):
-    """(a gzip file's bytes, whether it is torn): all before a tear, which gzip.open drops."""
-    out = []
-    while data:  # one member per write; appended files have several
-        member = zlib.decompressobj(wbits=31)
-        try:
-            out.append(member.decompress(data))
-        except zlib.error:
-            return b"".join(out), True
-        if not member.eof:
-            return b"".join(out), True
-        data = member.unused_data
-    return b"".join(out), False
 
 
 def warn_torn(path, kept):
@@ -365,7 +349,6 @@ def warn_torn(path, kept):
         _TORN_WARNED.add(str(path))
         print(f"WARNING: {path}: its end is torn (a kill, a crash or a full disk mid-write) and "
               f"dropped; {kept}", flush=True)
-
 
 _TORN_WARNED = set()
 

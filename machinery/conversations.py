@@ -24,22 +24,19 @@ def check_conversation(row, where):
                           f"got {messages!r:.80}")
 
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ROLES:
-            role = message.get("role") if isinstance(message, dict) else message
+        role = message.get("role") if isinstance(message, dict) else message
+        if not isinstance(message, dict) or role not in ROLES:
             raise ConfigError(f"{where}: message {i}: role must be one of {list(ROLES)}, "
                               f"got {role!r:.80}")
-        if not isinstance(message.get("content"), str):
-            raise ConfigError(f"{where}: message {i} ({message['role']}): 'content' must be a "
-                              f"string, got {message.get('content')!r:.80}")
-        if message["role"] == "assistant" and not message["content"]:
-            raise ConfigError(f"{where}: message {i}: an assistant message has empty content")
+        content = message.get("content")
+        if not isinstance(content, str) or (role == "assistant" and not content):
+            raise ConfigError(f"{where}: message {i} ({role}): 'content' must be a string, "
+                              f"non-empty for the assistant, got {content!r:.80}")
 
-    if messages[0]["role"] not in ("system", "user"):
-        raise ConfigError(f"{where}: the conversation must start with a system or user message, "
-                          f"not {messages[0]['role']!r}")
-    if messages[-1]["role"] != "assistant":
-        raise ConfigError(f"{where}: the last message is {messages[-1]['role']!r}; end with the "
-                          "assistant's (a turn after it trains nothing)")
+    first, last = messages[0]["role"], messages[-1]["role"]
+    if first not in ("system", "user") or last != "assistant":  # a turn after it trains nothing
+        raise ConfigError(f"{where}: the messages run from {first!r} to {last!r}; start with a "
+                          "system or user message, end with the assistant's")
 
     tools = row.get("tools")
     if tools is not None and not (isinstance(tools, list)
@@ -86,32 +83,27 @@ def end_of_turn_ids(tokenizer):
     """[END_OF_TURN's id]; without it as one token a turn cannot end as it does in rollout.py."""
     ids = tokenizer.encode(END_OF_TURN, add_special_tokens=False)
     if len(ids) != 1:
-        raise ConfigError(f"the tokenizer has no single {END_OF_TURN} token (it encodes to {ids}); "
-                          "sft.py and rollout.py need ChatML's end-of-turn token")
+        raise ConfigError(f"the tokenizer has no single {END_OF_TURN} token; use a ChatML one")
     return ids
 
 
 def check_context(tokenizer, messages, k, prompt, covered, tools, chat_template, where):
     """`prompt` (the text up to assistant message k, tool contents as DATA_PLACEHOLDER) must extend
     what the earlier segments `covered`, each tool message in it once and verbatim."""
-    if not prompt.startswith(covered):
-        raise ConfigError(f"{where}: the chat template renders the turns before message {k} "
-                          "differently once more follow; it cannot be cut into rollout segments")
     tool_texts = [m["content"] for m in messages[:k] if m["role"] == "tool"]
     parts = prompt.split(DATA_PLACEHOLDER)
-    if len(parts) != len(tool_texts) + 1 or chat_text(
+    if not prompt.startswith(covered) or len(parts) != len(tool_texts) + 1 or chat_text(
             tokenizer, messages[:k], tools, chat_template, add_generation_prompt=True) != "".join(
                 part + text for part, text in zip(parts, tool_texts + [""])):
-        raise ConfigError(f"{where}: the chat template does not render each tool message before "
-                          f"message {k} once and verbatim")
+        raise ConfigError(f"{where}: the chat template does not render the turns before message "
+                          f"{k} as one prefix, each tool message once and verbatim")
 
 
 def check_turn(covered, written, k, where):
     """The text through assistant message k must start with `written` (the generation prompt + the
     content) + END_OF_TURN, or SFT would train on text the model never sees at rollout time."""
     if not covered.startswith(written + END_OF_TURN):
-        raise ConfigError(f"{where}: the chat template rewrites assistant message {k} (not the "
-                          f"generation prompt + content + {END_OF_TURN}); use one that does not")
+        raise ConfigError(f"{where}: the chat template rewrites assistant message {k}")
 
 
 # packing: a micro-batch of (input_ids, loss_mask) into model inputs and labels

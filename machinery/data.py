@@ -1,12 +1,9 @@
 """Problem files: JSONL rows with a problem and an answer; the benchmarks and training sets in
 data/; prompts too long for the budget dropped up front."""
-import json
-
 import numpy as np
 
-from machinery.config import ConfigError, resolve
+from machinery.config import ConfigError, read_records, resolve
 from machinery.prompts import render_prompt
-
 
 # The benchmarks eval.py knows, and the files training may read: no training problem is a benchmark
 # problem (tests/test_common.py).
@@ -14,41 +11,20 @@ BENCHMARKS = {"aime24": "data/aime24.jsonl", "aime25": "data/aime25.jsonl",
               "hmmt25": "data/hmmt_feb_2025.jsonl", "amc23": "data/amc23.jsonl",
               "math500": "data/math500.jsonl", "gsm8k": "data/gsm8k_test.jsonl"}
 
-
 # Multiple-choice sets in data/ (machinery/choices.py); GPQA-Diamond is gated: given by its path.
 SCIENCE_BENCHMARKS = {"mmlu_science": "data/mmlu_college_science.jsonl"}
-
 
 TRAINING_FILES = ["data/train_int_mix.jsonl", "data/math_train.jsonl", "data/math_test4500.jsonl",
                   "data/aime_1983_2023.jsonl", "data/gsm8k_train.jsonl"]
 
 
-def load_jsonl(path, required=None):
-    """The rows of a JSONL file, JSON objects whose `required` keys are non-empty strings; a bad row
-    stops with file:line (a skipped one would silently change the dataset)."""
+def load_jsonl(path, required=()):
+    """The rows of a JSONL file, JSON objects whose `required` keys are non-empty strings; any bad
+    row, the last too, stops with file:line (a skipped one would silently change the dataset)."""
     path = resolve(path)
     if not path.is_file():
         raise ConfigError(f"data file not found: {path}")
-
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{lineno}: not valid JSON "
-                                  f"({e.msg} at column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise ConfigError(f"{path}:{lineno}: expected a JSON object, "
-                                  f"got {type(row).__name__}")
-            for key in required or ():
-                if not isinstance(row.get(key), str) or not row[key].strip():
-                    raise ConfigError(f"{path}:{lineno}: '{key}' must be a non-empty string, "
-                                      f"got {row.get(key)!r}")
-            rows.append(row)
-
+    rows = read_records(path, required, torn_tail=False)
     if not rows:
         raise ConfigError(f"{path}: no rows")
     return rows
@@ -56,19 +32,12 @@ def load_jsonl(path, required=None):
 
 def load_problems(path):
     """Math problems: rows with a non-empty string id, problem and answer; ids unique."""
-    rows = load_jsonl(path, required=("id", "problem", "answer"))
-    seen = {}
-    for lineno, row in enumerate(rows, 1):
+    rows, seen = load_jsonl(path, required=("id", "problem", "answer")), set()
+    for row in rows:
         if row["id"] in seen:
-            raise ConfigError(f"{resolve(path)}: duplicate id {row['id']!r} "
-                              f"(rows {seen[row['id']]} and {lineno})")
-        seen[row["id"]] = lineno
+            raise ConfigError(f"{resolve(path)}: duplicate id {row['id']!r}")
+        seen.add(row["id"])
     return rows
-
-
-def normalize_problem(text):
-    """The key under which two problems count as the same: whitespace collapsed."""
-    return " ".join(text.split())
 
 
 def drop_long_prompts(rows, tokenizer, rollout_cfg, name):
@@ -102,10 +71,8 @@ def prompt_indices(num_problems, seed, start, count):
 def check_prompt_lengths(todo, tokenizer, rollout_cfg):
     """Every prompt must fit rollout.max_prompt_tokens; found out here, not an hour into the run."""
     limit = rollout_cfg.max_prompt_tokens
-    too_long = [(name, row["id"], n) for name, row in todo
+    too_long = [f"{name}/{row['id']} ({n} tokens)" for name, row in todo
                 if (n := len(render_prompt(tokenizer, row["problem"], rollout_cfg))) > limit]
     if too_long:
-        listed = ", ".join(f"{name}/{pid} ({n} tokens)" for name, pid, n in too_long[:5])
-        more = ", ..." if len(too_long) > 5 else ""
         raise ConfigError(f"{len(too_long)} prompt(s) exceed rollout.max_prompt_tokens={limit}: "
-                          f"{listed}{more}; raise it")
+                          f"{', '.join(too_long[:5])}; raise it")

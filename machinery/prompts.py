@@ -10,7 +10,6 @@ from typing import Literal
 
 from machinery.config import ConfigError, resolve
 
-
 # The two prompt formats (paper vs release differ in four places,
 # tests/reference/prompt_template_paper_fig3.txt); explicit paths override either file.
 PROMPT_VARIANTS = {
@@ -20,10 +19,8 @@ PROMPT_VARIANTS = {
               "configs/templates/execute_python_code_with_standard_io.json"),
 }
 
-
 AUTO_VARIANT = "auto"  # the format saved in the model directory (FORMAT_FILE)
 PromptVariant = Literal["code", "paper", "auto"]  # rollout.prompt_variant: a variant, or auto
-
 
 # The format a checkpoint was trained with, written beside config.json by sft.py and rl.py
 # (write_format), so eval.py evaluates it in that format by default: in another one its tool calls
@@ -34,26 +31,22 @@ FORMAT_SCHEMA_FILE = "rstar2_tool_schema.json"
 
 
 def format_paths(cfg):
+    """(template, schema) paths; prompt_variant=auto is resolved first by apply_model_format."""
     if cfg.prompt_variant == AUTO_VARIANT:
-        raise ValueError("rollout.prompt_variant=auto is read from the model directory: call "
-                         "machinery.prompts.apply_model_format(cfg, model_dir) before rendering")
+        raise ValueError("rollout.prompt_variant=auto: apply_model_format(cfg, model_dir) first")
     template, schema = PROMPT_VARIANTS[cfg.prompt_variant]
-    # Relative to the repo, so a config works from any working directory.
     return resolve(cfg.chat_template or template), resolve(cfg.tool_schema or schema)
 
 
 @functools.lru_cache(maxsize=8)
 def _read_format(template_path, schema_path):
-    template = Path(template_path).read_text()
     try:
         schema = json.loads(Path(schema_path).read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"rollout.tool_schema {schema_path}: not valid JSON ({e})") from None
-    name = schema.get("function", {}).get("name") if isinstance(schema, dict) else None
-    if not name:
-        raise ValueError(f"rollout.tool_schema {schema_path}: expected {{\"type\": \"function\", "
-                         f"\"function\": {{\"name\": ...}}}}, found no function name")
-    return template, schema
+        if not schema["function"]["name"]:
+            raise KeyError("name")
+    except (ValueError, TypeError, KeyError):  # not JSON, or not {"function": {"name": ...}}
+        raise ValueError(f"rollout.tool_schema {schema_path}: no function name") from None
+    return Path(template_path).read_text(), schema
 
 
 def load_format(cfg):
@@ -72,8 +65,8 @@ def variant_of(template, schema):
 
 
 def write_format(directory, template, schema, written_by):
-    """A run's prompt format into the Hugging Face directory being written: the template and
-    schema (either may be None) and FORMAT_FILE naming them and their variant (null: custom)."""
+    """The template and schema (either may be None) into a model directory, and FORMAT_FILE naming
+    them and their variant (null: custom)."""
     directory = Path(directory)
     record = {"prompt_variant": variant_of(template, schema), "chat_template": None,
               "tool_schema": None, "written_by": written_by}
@@ -89,18 +82,13 @@ def write_format(directory, template, schema, written_by):
 def read_format(model_dir):
     """(record, template or None, schema or None) from model_dir's FORMAT_FILE, or None."""
     model_dir = Path(model_dir)
-    path = model_dir / FORMAT_FILE
-    if not path.is_file():
+    if not (model_dir / FORMAT_FILE).is_file():
         return None
-    try:
-        record = json.loads(path.read_text())
-        template = ((model_dir / record["chat_template"]).read_text()
-                    if record["chat_template"] else None)
-        schema = (json.loads((model_dir / record["tool_schema"]).read_text())
-                  if record["tool_schema"] else None)
-    except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not a prompt format written by sft.py / rl.py "
-                         f"({type(e).__name__}: {e})") from None
+    record = json.loads((model_dir / FORMAT_FILE).read_text())
+    template = ((model_dir / record["chat_template"]).read_text()
+                if record["chat_template"] else None)
+    schema = (json.loads((model_dir / record["tool_schema"]).read_text())
+              if record["tool_schema"] else None)
     return record, template, schema
 
 
@@ -108,39 +96,33 @@ def apply_model_format(cfg, model_dir):
     """cfg (a RolloutConfig) for evaluating model_dir: "auto" takes its saved format, else the
     paper's (rStar2-Agent-14B's); an explicit setting wins, warned where it differs."""
     saved = read_format(model_dir)
-
-    if cfg.prompt_variant == AUTO_VARIANT:
-        if saved is None:
+    if saved is None:
+        if cfg.prompt_variant == AUTO_VARIANT:
             warnings.warn(f"{model_dir} has no {FORMAT_FILE} (not saved by sft.py or rl.py): "
-                          "evaluating with rollout.prompt_variant=paper, the released "
-                          "rStar2-Agent-14B's format")
+                          "rollout.prompt_variant=paper, the released rStar2-Agent-14B's format")
             return dataclasses.replace(cfg, prompt_variant="paper")
-        record, template, schema = saved
-        # a custom format: the parts it lacks are the paper's
-        variant = record["prompt_variant"] or "paper"
-        variant_template, variant_schema, _ = load_format(dataclasses.replace(
-            cfg, prompt_variant=variant, chat_template="", tool_schema=""))
+        return cfg
 
-        # the variant's own files where the saved ones equal them: the config reads as the variant
-        chat_template = ("" if template in (None, variant_template)
-                         else str(Path(model_dir) / FORMAT_TEMPLATE_FILE))
-        tool_schema = ("" if schema in (None, variant_schema)
-                       else str(Path(model_dir) / FORMAT_SCHEMA_FILE))
-        cfg = dataclasses.replace(cfg, prompt_variant=variant,
-                                  chat_template=cfg.chat_template or chat_template,
-                                  tool_schema=cfg.tool_schema or tool_schema)
+    record, template, schema = saved
+    if cfg.prompt_variant == AUTO_VARIANT:
+        # a named variant reads as that variant; a custom one (null) as its own files, the paper's
+        # for the parts it lacks
+        custom = record["prompt_variant"] is None
+        own = [str(Path(model_dir) / name) if custom and part is not None else ""
+               for name, part in ((FORMAT_TEMPLATE_FILE, template), (FORMAT_SCHEMA_FILE, schema))]
+        cfg = dataclasses.replace(cfg, prompt_variant=record["prompt_variant"] or "paper",
+                                  chat_template=cfg.chat_template or own[0],
+                                  tool_schema=cfg.tool_schema or own[1])
 
-    if saved is not None:
-        record, template, schema = saved
-        used_template, used_schema, _ = load_format(cfg)
-        differ = [name for name, used, trained in (("chat template", used_template, template),
-                                                   ("tool schema", used_schema, schema))
-                  if trained is not None and used != trained]
-        if differ:
-            warnings.warn(f"{model_dir} was trained with another {' and '.join(differ)} "
-                          f"(prompt_variant={record['prompt_variant']}; here rollout."
-                          f"prompt_variant={cfg.prompt_variant}): its tool calls may fail; "
-                          "rollout.prompt_variant=auto evaluates it in its own format")
+    used_template, used_schema, _ = load_format(cfg)
+    differ = [name for name, used, trained in (("chat template", used_template, template),
+                                               ("tool schema", used_schema, schema))
+              if trained is not None and used != trained]
+    if differ:
+        warnings.warn(f"{model_dir} was trained with another {' and '.join(differ)} "
+                      f"(prompt_variant={record['prompt_variant']}; here rollout."
+                      f"prompt_variant={cfg.prompt_variant}): its tool calls may fail; "
+                      "rollout.prompt_variant=auto evaluates it in its own format")
     return cfg
 
 
@@ -161,7 +143,6 @@ def render_prompt(tokenizer, problem_text, cfg):
                    add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)
 
-
 # Stands in for untrusted text while a template renders: the template's own text told from data.
 DATA_PLACEHOLDER = "\x00data\x00"
 
@@ -179,13 +160,8 @@ def _plain_tokenizer(tokenizer):
 def _control_tokens(tokenizer):
     """(regex matching any added token's text, leftmost-longest as the tokenizer matches them; text
     -> id)."""
-    added = tokenizer.added_tokens_decoder
-    odd = [t.content for t in added.values() if t.lstrip or t.rstrip or t.single_word]
-    # such tokens change the whitespace around them, which encode_rendered does not reproduce
-    if odd:
-        raise ValueError(f"tokenizer {tokenizer.name_or_path}: added tokens with "
-                         f"lstrip/rstrip/single_word ({odd[:3]}) are not supported")
-    ids = {t.content: i for i, t in added.items()}
+    # Qwen's added tokens have no lstrip/rstrip/single_word, whose whitespace rules this skips
+    ids = {t.content: i for i, t in tokenizer.added_tokens_decoder.items()}
     return re.compile("|".join(re.escape(t) for t in sorted(ids, key=len, reverse=True))), ids
 
 
@@ -201,12 +177,7 @@ def encode_rendered(tokenizer, fixed, data):
     def flush():
         text = "".join(stretch)
         stretch.clear()
-        encoded = plain.encode(text, add_special_tokens=False).ids if text else []
-        if set(encoded) & set(control_ids.values()):
-            raise ValueError(f"tokenizer {tokenizer.name_or_path}: its BPE alone encodes "
-                             f"{text[:80]!r} with a control token; cannot keep data apart from "
-                             "control tokens")
-        ids.extend(encoded)
+        ids.extend(plain.encode(text, add_special_tokens=False).ids if text else [])
 
     for i, part in enumerate(fixed):
         at = 0
@@ -231,26 +202,20 @@ def render_tool_turn(tokenizer, tool_text, cfg):
     before = _render(tokenizer, question, cfg, add_generation_prompt=False)
     after = _render(tokenizer, question + [{"role": "tool", "content": DATA_PLACEHOLDER}], cfg,
                     add_generation_prompt=True)
-    if not after.startswith(before):
-        raise ValueError(f"chat template {format_paths(cfg)[0]}: rendering a tool message changes "
-                         "the text before it; cannot cut out the tool turn")
     fixed = after[len(before):].split(DATA_PLACEHOLDER)
     real = _render(tokenizer, question + [{"role": "tool", "content": tool_text}], cfg,
                    add_generation_prompt=True)
-    if len(fixed) != 2 or real != before + fixed[0] + tool_text + fixed[1]:
-        raise ValueError(f"chat template {format_paths(cfg)[0]}: the tool message's content is not "
-                         "rendered once and verbatim; cannot tell the tool's text from the "
-                         "template's")
+    if (not after.startswith(before) or len(fixed) != 2
+            or real != before + fixed[0] + tool_text + fixed[1]):
+        raise ValueError(f"chat template {format_paths(cfg)[0]}: a tool message is not rendered "
+                         "once, verbatim, after the text before it")
     return encode_rendered(tokenizer, fixed, [tool_text])
 
 
 def check_format_files(cfg):
-    """A ConfigError naming the rollout.* template or schema file the format needs and lacks."""
-    names = ("chat_template", "tool_schema")
-    if cfg.prompt_variant == AUTO_VARIANT:  # only what is set; the rest comes from the model
-        paths = [(name, resolve(getattr(cfg, name))) for name in names if getattr(cfg, name)]
-    else:
-        paths = zip(names, format_paths(cfg))
-    for name, path in paths:
-        if not path.is_file():
-            raise ConfigError(f"rollout.{name}: file not found: {path}")
+    """A ConfigError naming a rollout.* template or schema file set and missing (the variants' own
+    files are the repo's)."""
+    for name in ("chat_template", "tool_schema"):
+        path = getattr(cfg, name)
+        if path and not resolve(path).is_file():
+            raise ConfigError(f"rollout.{name}: file not found: {resolve(path)}")

@@ -24,7 +24,6 @@ OPTIONS = ["1 N", "2 N", "3 N", "4 N"]
     r"The net force is 3 N, so \boxed{C}.",
     r"\boxed{(C)}",
     r"$\boxed{\text{C}}$",
-    r"\boxed{\textbf{(C)}}",
     r"\boxed{ c }",
     r"\boxed{C) 3 N}",
     r"\boxed{3 N}",                         # the option's text
@@ -35,7 +34,6 @@ OPTIONS = ["1 N", "2 N", "3 N", "4 N"]
     "<answer>(C) 3 N</answer>",
     "Answer: C",
     "answer: c",
-    "ANSWER: (C)",
     "Answer - C",
     "**Answer:** C",
     "**Final Answer: C**",
@@ -43,7 +41,6 @@ OPTIONS = ["1 N", "2 N", "3 N", "4 N"]
     "The answer is C because the forces add.",
     "The correct answer is (C).",
     "The best choice is C.",
-    "So the answer is option (c).",
     "The answer is 3 N.",
     'The JSON: {"answer": "C"}',
     "I choose C.",
@@ -53,7 +50,6 @@ OPTIONS = ["1 N", "2 N", "3 N", "4 N"]
     "Option C is the best answer here.",
     "Reasoning...\n\nC",
     "Reasoning...\n(C)",
-    "Reasoning...\nC.",
     "Reasoning...\n**C**",
     "Reasoning...\nC) 3 N",
     "Reasoning...\n3 N",
@@ -67,7 +63,6 @@ OPTIONS = ["1 N", "2 N", "3 N", "4 N"]
     "Therefore C is the answer.",
     "I'd say C.",
     "Final Answer: The final answer is C. I hope it is correct.",
-    "My final choice is C.",
     "Answer：C",
     "Answer: {C}",
 ])
@@ -102,7 +97,6 @@ def test_the_final_statement_wins_and_prose_is_not_taken_for_a_letter(response, 
     "Answer: A and C",
     "The answer is (B) or (D).",
     r"\boxed{C} ... on reflection the answer is either A or B.",
-    "Answer: E",
     "I am not sure.",
     "",
     "The answer is a matter of debate.",
@@ -161,7 +155,7 @@ def test_a_question_keeps_its_order_whatever_the_file_order_slice_or_process(tmp
 
 def test_the_bundled_science_set_loads_whole_with_golds_spread_over_the_letters():
     path = SCIENCE_BENCHMARKS["mmlu_science"]
-    assert is_choice_file(path)
+    assert is_choice_file(path) and not is_choice_file(REPO / "data/aime24.jsonl")
     rows = load_choices(path, seed=0)
     assert len(rows) == 346 and len({r["id"] for r in rows}) == 346
     assert all(len(r["options"]) == 4 for r in rows)
@@ -172,9 +166,8 @@ def test_the_bundled_science_set_loads_whole_with_golds_spread_over_the_letters(
 
 # GPQA's CSV and the JSONL: what is read, and what is refused
 
-def write_gpqa(path, rows, columns=("Pre-Revision Question",) + GPQA_COLUMNS + ("Record ID",),
-               bom=True):
-    with open(path, "w", encoding="utf-8-sig" if bom else "utf-8", newline="") as f:
+def write_gpqa(path, rows, columns=("Pre-Revision Question",) + GPQA_COLUMNS + ("Record ID",)):
+    with open(path, "w", encoding="utf-8-sig", newline="") as f:  # a spreadsheet's BOM
         writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
@@ -209,7 +202,6 @@ CHOICE_REFUSALS = [
     ("mine.csv", lambda path: write_gpqa(path, [GPQA_ROW], columns=GPQA_COLUMNS[:3]),
      ["'Incorrect Answer 2', 'Incorrect Answer 3'", "gpqa_diamond.csv"]),
     ("gpqa_diamond.csv", lambda path: path.write_text(""), ["'Question'"]),
-    ("gpqa_diamond.csv", lambda path: path.write_text("\u00c9\x00\x01binary"), ["'Question'"]),
     # line 4: the header, the first row over two lines (its question holds a newline), then it
     ("gpqa_diamond.csv", lambda path: write_gpqa(path, [GPQA_ROW, {**GPQA_ROW,
                                                                     "Incorrect Answer 3": " "}]),
@@ -219,17 +211,11 @@ CHOICE_REFUSALS = [
                                                      "choices": ["x"], "answer": "A"}),
      ["question 'a'", "'choices'"]),
     ("mine.jsonl", lambda path: write_choices(path, {"id": "a", "question": "q",
-                                                     "choices": ["x", ""], "answer": "A"}),
-     ["question 'a'", "'choices'"]),
-    ("mine.jsonl", lambda path: write_choices(path, {"id": "a", "question": "q",
                                                      "choices": ["x", "y"], "answer": "C"}),
      ["question 'a'", "'answer'", "'C'"]),
     ("mine.jsonl", lambda path: write_choices(path, {"id": "a", "question": "q",
                                                      "choices": ["x", "y"], "answer": 0}),
      [":2: ", "'answer'"]),
-    ("mine.jsonl", lambda path: write_choices(path, {"id": "", "question": "q",
-                                                     "choices": ["x", "y"], "answer": "A"}),
-     [":2: ", "'id'"]),
     ("mine.jsonl", lambda path: write_choices(path, {"id": "ok", "question": "q",
                                                      "choices": ["x", "y"], "answer": "A"}),
      ["'ok'"]),
@@ -246,10 +232,6 @@ def test_a_bad_choice_file_is_refused_in_one_line_naming_the_file_and_the_part(t
     message = str(refused.value)
     assert "\n" not in message and message.startswith(str(path)), message
     assert all(part in message for part in named), message
-
-
-def test_a_math_jsonl_is_not_a_choice_file():
-    assert not is_choice_file(REPO / "data/aime24.jsonl")
 
 
 def test_degenerate_responses_are_still_read_to_their_final_answer():

@@ -1,13 +1,11 @@
 """prepare_data.py: a DAPO-shaped problem set becomes data/'s format, integer answers only, each
 problem once, none that is (or is a rewording of) a benchmark problem."""
 import json
-import subprocess
-import sys
 
 import pytest
 
 import prepare_data
-from machinery.config import REPO, ConfigError, load_config
+from machinery.config import ConfigError, load_config
 from machinery.data import load_problems
 
 
@@ -61,18 +59,8 @@ def test_a_dapo_set_becomes_integer_problems_without_duplicates_or_benchmark_pro
     ]
     assert dropped == {"duplicate": 4, "answer not an integer": 1, "benchmark problem": 1,
                        "8-gram overlap with a benchmark": 1}
-
-
-def test_the_command_writes_a_file_rl_py_can_read(dapo_file, tmp_path):
-    out = tmp_path / "train.jsonl"
-    proc = subprocess.run([sys.executable, "prepare_data.py", f"source={dapo_file}", f"out={out}",
-                           "question_key=prompt", "answer_key=reward_model.ground_truth",
-                           "name=dapo"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    # no merge_with here
-    assert [r["id"] for r in load_problems(out)] == ["dapo-1", "dapo-4", "dapo-8", "dapo-10"]
-    assert "dropped 3: duplicate" in proc.stdout
+    prepare_data.main(cfg)  # a file rl.py reads: merge_with's rows, then the new ones
+    assert load_problems(cfg.out) == kept + new
 
 
 def test_bad_input_names_the_key_or_the_missing_reader(dapo_file, tmp_path):

@@ -14,8 +14,8 @@ from tiny import (TOOL_TOKENS, build_tokenizer, random_model, make_arithmetic_pr
                   make_sft_transcripts, pretrain_base_model, pretraining_documents, TinyConfig,
                   write_sft_transcripts)
 from machinery.conversations import check_conversation
+from machinery.prompts import render_prompt
 
-CODE_TEMPLATE = (REPO / "configs/templates/rstar2_code.jinja").read_text()
 CODE_TOOL = json.loads((REPO / "configs/templates/python_code_with_standard_io.json").read_text())
 
 
@@ -64,17 +64,9 @@ def test_chatml_template_renders_roles_tools_and_generation_prompt(tokenizer):
     assert "}}}\n</tools><|im_end|>\n<|im_start|>user\nQ<|im_end|>\n" in text
 
 
-def test_rstar2_prompt_renders_exactly_the_released_text_and_is_short(tokenizer):
-    """configs/templates/rstar2_code.jinja reproduces tests/reference/prompt_rendered_code.txt byte
-    for byte, and the BPE (trained on the templates) keeps the long system prompt to a few hundred
-    tokens."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "{Question}"}],
-                                         tools=[CODE_TOOL], chat_template=CODE_TEMPLATE,
-                                         add_generation_prompt=True, tokenize=False)
-    # the released code's text, with its sources
-    reference = REPO / "tests/reference/prompt_rendered_code.txt"
-    assert text == reference.read_text().split("=" * 68 + "\n", 1)[1]
-    assert len(tokenizer(text, add_special_tokens=False).input_ids) < 600
+def test_the_bpe_trained_on_the_templates_keeps_the_long_rstar2_prompt_short(tokenizer):
+    # its text byte for byte: test_rollout.py
+    assert len(render_prompt(tokenizer, "{Question}", rollout.RolloutConfig())) < 600
 
 
 def test_model_directory_loads_with_auto_classes(tiny_model_dir, tokenizer):
@@ -88,18 +80,13 @@ def test_model_directory_loads_with_auto_classes(tiny_model_dir, tokenizer):
     assert logits.shape == (1, ids.shape[1], config.vocab_size) and torch.isfinite(logits).all()
 
 
-def test_arithmetic_problems_are_deterministic_and_correct():
-    rows = make_arithmetic_problems(50, seed=3)
-    assert (rows == make_arithmetic_problems(50, seed=3)
-            and rows != make_arithmetic_problems(50, seed=4))
-    for row in rows:
-        expression = row["problem"][len("Compute "):-1]
-        assert str(eval(expression)) == row["answer"]
-
-
-def test_every_number_has_a_fixed_width_so_each_copied_digit_sits_at_a_fixed_distance():
+def test_arithmetic_problems_are_seeded_correct_and_of_fixed_widths():
+    """Every number has a fixed width, so each copied digit sits at a fixed distance."""
+    rows = make_arithmetic_problems(3000, seed=0)
+    assert rows[:50] == make_arithmetic_problems(50, seed=0) != make_arithmetic_problems(50, seed=4)
     shapes = set()
-    for row in make_arithmetic_problems(3000, seed=0):
+    for row in rows:
+        assert str(eval(row["problem"][len("Compute "):-1])) == row["answer"]
         shapes.add(re.sub(r"\d", "9", row["problem"]))
         assert len(row["answer"]) == 6
     assert shapes == {"Compute 9999 * 99 + 999.", "Compute 9999 * 99 - 999.",
