@@ -33,9 +33,8 @@ def sft_policy(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def saved_run(sft_policy, tmp_path_factory):
-    """A real 2-step run saving its rollouts and a checkpoint after each step, on MEMO_PROBLEMS
-    three times under different ids (the data order matters); args: its config file and overrides
-    (what a replay is given), started: its time.time()."""
+    """A real 2-step run saving rollouts and a checkpoint each step, on MEMO_PROBLEMS three times
+    under other ids; args: its config file and overrides (a replay's), started: its time.time()."""
     out = tmp_path_factory.mktemp("saved")
     data = out / "train.jsonl"
     data.write_text("".join(json.dumps({**p, "id": f"{p['id']}-{k}"}) + "\n"

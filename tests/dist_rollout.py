@@ -1,25 +1,14 @@
 """torchrun checks of the colocated engine: FSDP2 trainer + one in-process vLLM engine per rank
-(external_launcher).
+(external_launcher); run by tests/test_rollout.py.
 
-    torchrun --nproc_per_node=2 tests/dist_rollout.py MODEL_DIR
-        # weight sync + prompt claiming
-    torchrun --nproc_per_node=2 tests/dist_rollout.py MODEL_DIR tp
-        # one engine over both ranks (TP=2)
+    torchrun --nproc_per_node=2 tests/dist_rollout.py MODEL_DIR      # weight sync + claiming
+    torchrun --nproc_per_node=2 tests/dist_rollout.py MODEL_DIR tp   # one engine over both ranks
 
-Each rank: shards the tiny model with FSDP2 (per decoder layer, then the model; gloo, fp32), takes
-an optimizer step so the weights really change, pushes the full state dict into its own engine with
-update_weights, and checks that the engine's log-probs equal the trainer's, both on fixed tokens
-(score) and on the tokens the engine samples in rollouts. The rollouts also check the shared prompt
-counter: every problem is claimed by exactly one rank, with more samples than K (one) each sample
-is claimed alone and the groups come back whole on one rank (regroup), and balance_by_tokens hands
-every trajectory to exactly one rank. Both modes first check where each rank's engine sits (check_colocation: its own
-rank and device, torchrun's world group). Exits non-zero on any failure; prints one summary line per
-rank. Run by tests/test_rollout.py::test_torchrun_weight_sync_and_prompt_claiming.
-
-The tp mode runs one engine with tensor_parallel_size=2 over both ranks: the leader drives the loop
-(with a tool call whose result arrives while the other trajectories decode) and the follower replays
-its engine calls; the leader gets every trajectory, the follower none, and both score the same
-tokens identically.
+Each rank checks where its engine sits (check_colocation), takes an optimizer step, pushes the
+full state dict into its engine and checks the engine's log-probs against the trainer's, on fixed
+tokens and on sampled ones; every problem is claimed by one rank, regrouped whole, and balanced
+onto one rank. In tp mode the leader drives the loop and the follower replays its engine calls.
+Exits non-zero on any failure; prints one summary line per rank.
 """
 import dataclasses
 import json
@@ -44,8 +33,7 @@ from machinery.exits import end_process_group, leave
 
 
 def say(line):
-    """One write(2) per line: both ranks share the test's pipe, and print()'s pieces interleave
-    between them."""
+    """One write(2) per line: the ranks share a pipe, where print()'s pieces interleave."""
     os.write(sys.stdout.fileno(), (line + "\n").encode())
 
 
@@ -55,41 +43,30 @@ def worker_placement(worker):
 
 
 def check_colocation(engine, default_group, default_store, tp_size):
-    """Each rank's engine under torchrun (docs/gpu.md, "Colocation under torchrun"): its worker is
-    this rank on this rank's device, vLLM's world group is torchrun's world, joined through the
-    process group already up (no second init_process_group, no store of its own), its
-    tensor-parallel group is the ranks of this engine, and the engine core runs in this process. ZMQ
-    sockets (vLLM's shared-memory broadcaster) exist only for a group of >1 rank."""
+    """docs/gpu.md, "Colocation under torchrun": the worker is this rank on its device, vLLM's
+    world group torchrun's (the process group and store already up), its TP group this engine's
+    ranks, the engine core in this process; a shared-memory broadcaster only for >1 rank."""
     # vLLM after rollout.Engine set VLLM_ENABLE_V1_MULTIPROCESSING, as rollout.py imports it
     from vllm.distributed import parallel_state
 
     rank, local_rank = dist.get_rank(), int(os.environ["LOCAL_RANK"])
-    assert dist.group.WORLD is default_group, \
-        f"rank {rank}: vLLM replaced the default process group"
-    assert dist.distributed_c10d._get_default_store() is default_store, \
-        f"rank {rank}: vLLM made its own store"
+    assert dist.group.WORLD is default_group, rank
+    assert dist.distributed_c10d._get_default_store() is default_store, rank
     world = parallel_state.get_world_group()
-    assert (world.ranks, world.rank_in_group, world.local_rank) == \
-        (list(range(dist.get_world_size())), rank, local_rank), \
-        f"rank {rank}: vLLM's world group {world.ranks} (rank {world.rank_in_group}, " \
-        f"local {world.local_rank})"
+    assert (world.ranks, world.rank_in_group, world.local_rank) == (
+        list(range(dist.get_world_size())), rank, local_rank), (rank, world.ranks)
     first = rank - rank % tp_size
     tp = parallel_state.get_tp_group()
-    assert tp.ranks == list(range(first, first + tp_size)), \
-        f"rank {rank}: vLLM's TP group {tp.ranks}"
-    assert (tp.mq_broadcaster is not None) == (tp_size > 1), \
-        f"rank {rank}: broadcaster {tp.mq_broadcaster}"
+    assert tp.ranks == list(range(first, first + tp_size)), (rank, tp.ranks)
+    assert (tp.mq_broadcaster is not None) == (tp_size > 1), (rank, tp.mq_broadcaster)
     device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
     placement = engine.llm.collective_rpc(worker_placement)
-    assert placement == [(rank, local_rank, device)], \
-        f"rank {rank}: worker (rank, local rank, device) {placement}"
+    assert placement == [(rank, local_rank, device)], (rank, placement)
     parallel = engine.engine.vllm_config.parallel_config
-    assert (parallel.distributed_executor_backend, parallel.world_size) == \
-        ("external_launcher", tp_size), \
-        f"rank {rank}: vLLM backend {parallel.distributed_executor_backend}, " \
-        f"world size {parallel.world_size}"
-    assert type(engine.engine.engine_core).__name__ == "InprocClient", \
-        type(engine.engine.engine_core)
+    assert (parallel.distributed_executor_backend, parallel.world_size) == (
+        "external_launcher", tp_size), (rank, parallel.distributed_executor_backend)
+    assert type(engine.engine.engine_core).__name__ == "InprocClient", type(
+        engine.engine.engine_core)
     return placement[0]
 
 
@@ -123,7 +100,7 @@ def main(model_dir):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     cfg = rollout.RolloutConfig(dtype="float32", enforce_eager=True, gpu_memory_utilization=0.1,
-                                max_prompt_tokens=448, max_response_tokens=64)
+                                max_prompt_tokens=448, max_response_tokens=32)
     default_group, default_store = dist.group.WORLD, dist.distributed_c10d._get_default_store()
     engine = Engine(model_dir, cfg, seed=rank)
     placement = check_colocation(engine, default_group, default_store, tp_size=1)
@@ -134,41 +111,38 @@ def main(model_dir):
 
     # 1. an optimizer step moves the trainer away from the engine's weights
     optimizer_step(model, optimizer, tokenizer)
-    before = (torch.tensor(engine.score([prompt], [fixed])[0])
-              - trainer_logprobs(model, prompt, fixed)).abs().max()
+    def engine_gap():
+        return (torch.tensor(engine.score([prompt], [fixed])[0])
+                - trainer_logprobs(model, prompt, fixed)).abs().max()
+
+    before = engine_gap()
     assert before > 1e-2, f"rank {rank}: the optimizer step did not change the log-probs ({before})"
 
     # 2. the full state dict on every rank (cpu_offload=False), into this rank's engine
     state = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
     engine.update_weights(state.items())
-    after = (torch.tensor(engine.score([prompt], [fixed])[0])
-             - trainer_logprobs(model, prompt, fixed)).abs().max()
-    assert after < TOLERANCE, \
-        f"rank {rank}: engine vs trainer after update_weights: max |diff| {after}"
+    after = engine_gap()
+    assert after < TOLERANCE, f"rank {rank}: engine vs trainer after update_weights: {after}"
 
     # 3. the lazy path for big models: a generator gathering one DTensor at a time (collective,
     # same order on all ranks)
     optimizer_step(model, optimizer, tokenizer)
     engine.update_weights((name, tensor.full_tensor())
                           for name, tensor in model.state_dict().items())
-    lazy = (torch.tensor(engine.score([prompt], [fixed])[0])
-            - trainer_logprobs(model, prompt, fixed)).abs().max()
-    assert lazy < TOLERANCE, \
-        f"rank {rank}: engine vs trainer after a lazy update: max |diff| {lazy}"
+    lazy = engine_gap()
+    assert lazy < TOLERANCE, f"rank {rank}: engine vs trainer after a lazy update: {lazy}"
 
     # 4. rollouts: prompts claimed from the shared counter, sampled log-probs = the trainer's
-    problems = [row["problem"] for row in __import__("tiny").make_arithmetic_problems(6, seed=3)]
+    problems = [row["problem"] for row in __import__("tiny").make_arithmetic_problems(4, seed=3)]
     with Executor(workers=1, timeout_s=2.0) as executor:
         groups = rollout.generate(engine, executor, tokenizer, problems, 2, cfg, seed=0, step=0)
     mine = [g[0].problem_index for g in groups]
     claimed = [None] * world_size
     dist.all_gather_object(claimed, mine)
     every = sorted(i for part in claimed for i in part)
-    assert every == list(range(len(problems))), \
-        f"rank {rank}: claims {claimed} do not cover each problem once"
-    # FSDP's forward is collective, so every rank scores every rank's trajectories, in the same
-    # order
+    assert every == list(range(len(problems))), f"rank {rank}: claims {claimed}"
+    # FSDP's forward is collective: every rank scores every rank's trajectories, in one order
     everyone = [None] * world_size
     dist.all_gather_object(everyone, [t for g in groups for t in g])
     gap = 0.0
@@ -179,11 +153,8 @@ def main(model_dir):
         gap = max(gap, diff.abs().max().item())
     assert gap < TOLERANCE, f"rank {rank}: sampled log-probs vs trainer: max |diff| {gap}"
 
-    # 4b. more samples than K (one here): each is claimed alone, wherever there is room, and
-    # generate regroups them: every problem's group whole on one rank, the same tokens (request
-    # seeds do not depend on the rank)
-    # sample r of each on rank r; problem p's group comes back whole on rank p % 2, not all on the
-    # lowest holder (regroup_owner)
+    # 4b. more samples than K (one here): each claimed alone, then regrouped whole on one rank,
+    # the same tokens; sample r of each on rank r: problem p's group whole on rank p % 2
     held = regroup([[rollout.Trajectory(p, rank, [])] for p in range(3)])
     assert [[(t.problem_index, t.sample_index) for t in g] for g in held] == [
         [(p, 0), (p, 1)] for p in range(3) if p % world_size == rank], f"rank {rank}: {held}"
@@ -194,8 +165,7 @@ def main(model_dir):
     dist.all_gather_object(regrouped, [[(t.problem_index, t.sample_index, t.response_ids)
                                         for t in g] for g in split])
     whole = sorted((g[0][0], g) for part in regrouped for g in part)
-    assert [p for p, _ in whole] == list(range(len(problems))), \
-        f"rank {rank}: regrouped problems {[p for p, _ in whole]}"
+    assert [p for p, _ in whole] == list(range(len(problems))), (rank, whole)
     sampled = {(t.problem_index, t.sample_index): t.response_ids
                for part in everyone for t in part}
     for p, g in whole:
@@ -208,8 +178,7 @@ def main(model_dir):
     dist.all_gather_object(shares, [(t.problem_index, t.sample_index,
                                      len(t.prompt_ids) + len(t.response_ids)) for t in share])
     keys = sorted(k[:2] for part in shares for k in part)
-    assert keys == [(p, s) for p in range(len(problems)) for s in range(2)], \
-        f"rank {rank}: bad split {shares}"
+    assert keys == [(p, s) for p in range(len(problems)) for s in range(2)], (rank, shares)
     loads = [sum(k[2] for k in part) for part in shares]
 
     say(f"rank {rank}: claimed {mine}, before {before:.3g}, after {after:.2g}, lazy {lazy:.2g}, "
@@ -241,8 +210,8 @@ def main_tensor_parallel(model_dir):
                                   [problem, "Compute 1 + 2.", "Compute 3 + 4."], 2, cfg, seed=0)
     trajs = [t for g in groups for t in g]
     if rank == 0:
-        assert sorted((t.problem_index, t.sample_index) for t in trajs) == \
-            [(p, s) for p in range(3) for s in range(2)]
+        assert sorted((t.problem_index, t.sample_index) for t in trajs) == [
+            (p, s) for p in range(3) for s in range(2)]
         scripted = [t for t in trajs if t.problem_index == 0]
         assert all(t.finished and t.tool_calls[0]["status"] == "ok"
                    and "stdout: 42" in t.response_text

@@ -13,7 +13,6 @@ from grpo_roc import (LOSS_AGGREGATIONS, POSITIVE_RULES, ROLLOUT_CORRECTIONS, Ro
                       policy_loss, resample_on_correct, roc_penalty, rollout_correction,
                       rollout_weights, select_group)
 
-# -----------------------------------------------------------------------------
 # roc_penalty: Eq. 4 (p_err) + Eq. 5 (p_format)
 
 
@@ -31,12 +30,11 @@ from grpo_roc import (LOSS_AGGREGATIONS, POSITIVE_RULES, ROLLOUT_CORRECTIONS, Ro
 ])
 def test_roc_penalty_is_the_error_ratio_plus_the_format_penalty(counts, penalty):
     assert roc_penalty(*counts) == pytest.approx(penalty)
-
-
-def test_each_penalty_term_can_be_switched_off():
-    assert roc_penalty(4, 2, 3, 4, use_error_ratio=False) == pytest.approx(0.5)
-    assert roc_penalty(4, 2, 3, 4, use_answer_format=False) == pytest.approx(0.5)
-    assert roc_penalty(4, 2, 3, 4, use_error_ratio=False, use_answer_format=False) == 0.0
+    # each term can be switched off
+    errors, answers = roc_penalty(*counts, use_answer_format=False), roc_penalty(
+        *counts, use_error_ratio=False)
+    assert errors + answers == pytest.approx(penalty)
+    assert roc_penalty(*counts, use_error_ratio=False, use_answer_format=False) == 0.0
 
 
 @pytest.mark.parametrize("args, message", [
@@ -48,7 +46,6 @@ def test_roc_penalty_rejects_impossible_counts(args, message):
         roc_penalty(*args)
 
 
-# -----------------------------------------------------------------------------
 # filter_groups
 
 
@@ -60,11 +57,9 @@ def test_filter_drops_all_equal_groups_and_reports_their_fraction_even_when_off(
         filter_groups([[1, 0], []])
 
 
-# -----------------------------------------------------------------------------
 # resample_on_correct: counts, determinism, and who gets picked
 
 def _rollouts(rewards, penalties=None, lengths=None):
-    """Rollout records with these rewards, penalties (default 0) and response lengths."""
     return [Rollout(r, 0.0 if penalties is None else penalties[i],
                     0 if lengths is None else lengths[i]) for i, r in enumerate(rewards)]
 
@@ -80,24 +75,13 @@ def _group(num_pos, num_rollouts, penalty_fn=lambda i: 0.1 * (i % 7)):
 ALL_RULES = list(POSITIVE_RULES)  # every rule in the mapping gets the invariant tests
 
 
-# Kept positives of G for each number of positives among 2G, derived by hand from the rule:
-# round(n / 2) with halves to even, then at least min(2, available) of each side. For an odd G = 7
-# the release's two rounded shares would add up to 6 or 8 rollouts (5 correct: round(2.5) +
-# round(4.5) = 6); here positives round and negatives take the rest.
+# Kept positives of G for each number of positives among 2G, by hand: round(n / 2), halves to even,
+# then at least min(2, available) of each side; for an odd G negatives take the rest (the release's
+# two rounded shares would add up to 6 or 8 of G = 7).
 EXPECTED_KEPT_POSITIVES = {
     16: [0, 1, 2, 2, 2, 2, 3, 4, 4, 4, 5, 6, 6, 6, 7, 8, 8,
          8, 9, 10, 10, 10, 11, 12, 12, 12, 13, 14, 14, 14, 14, 15, 16],
     7: [0, 1, 2, 2, 2, 2, 3, 4, 4, 4, 5, 5, 5, 6, 7]}
-
-
-@pytest.mark.parametrize("rule", ALL_RULES)
-@pytest.mark.parametrize("keep", [16, 7])
-def test_counts_per_side_for_every_split_of_2g(rule, keep):
-    for num_pos, expected in enumerate(EXPECTED_KEPT_POSITIVES[keep]):
-        rollouts = _group(num_pos, 2 * keep)
-        kept = resample_on_correct(rollouts, keep, np.random.default_rng(0), rule)
-        assert len(kept) == len(set(kept)) == keep and kept == sorted(kept), num_pos
-        assert sum(rollouts[i].reward for i in kept) == expected, num_pos
 
 
 @pytest.mark.parametrize("rule", ALL_RULES)
@@ -108,7 +92,9 @@ def test_pos_neg_ratio_preserved_for_every_split_of_2g(keep, rule):
         kept = resample_on_correct(rollouts, keep, np.random.default_rng(1), rule)
         kept_pos = sum(rollouts[i].reward for i in kept)
         kept_neg = keep - kept_pos
-        assert len(kept) == keep
+        assert len(kept) == len(set(kept)) == keep and kept == sorted(kept), num_pos
+        if keep in EXPECTED_KEPT_POSITIVES:
+            assert kept_pos == EXPECTED_KEPT_POSITIVES[keep][num_pos], num_pos
         # Each side is halved to within rounding, or lifted to the 2-per-side minimum.
         assert abs(kept_pos - num_pos / 2) <= 0.5 or kept_pos == min(2, num_pos) \
             or kept_neg == min(2, 2 * keep - num_pos), (keep, num_pos, kept_pos)
@@ -136,7 +122,7 @@ def test_shortest_keeps_the_fewest_response_tokens_among_the_correct_ties_in_ord
 
 
 def _exact_inclusion(weights, k):
-    """P(item i is among k drawn one by one without replacement, each draw ~ weight)."""
+    """P(item i among k drawn one by one without replacement, each draw ~ weight)."""
     inclusion = np.zeros(len(weights))
     for order in itertools.permutations(range(len(weights)), k):
         prob, left = 1.0, sum(weights)
@@ -199,7 +185,6 @@ def test_resample_rejects_bad_input(kwargs, error, message):
         resample_on_correct(**{**args, **kwargs})
 
 
-# -----------------------------------------------------------------------------
 # select_group: RoC vs the plain-GRPO ablation
 
 
@@ -215,16 +200,8 @@ def test_plain_grpo_keeps_all_of_g_and_thins_a_larger_group_uniformly_regardless
     assert min(kept_correct) == 0
 
 
-def test_roc_mode_is_resample_on_correct():
-    rollouts = _group(11, 32)
-    assert select_group(rollouts, 16, np.random.default_rng(4), positive_rule="topk") \
-        == resample_on_correct(rollouts, 16, np.random.default_rng(4), "topk")
-
-
 def test_roc_keeps_fewer_positives_with_tool_errors_than_uniform_selection():
-    """What RoC is for (§2.2.3, Fig. 4), on 2G = 8 rollouts per question (tool calls, failed calls,
-    reward): a clean answer makes 1 call, a recovered one 2 (penalty 0.5). Uniform selection (plain
-    GRPO's) keeps positives with errors at their share in the batch; RoC keeps far fewer."""
+    """What RoC is for (§2.2.3, Fig. 4); per rollout (tool calls, failed calls, reward)."""
     clean_right, recovered_right, clean_wrong, failed_wrong = ((1, 0, 1.0), (2, 1, 1.0),
                                                                (1, 0, 0.0), (2, 1, 0.0))
     batch = [
@@ -251,13 +228,11 @@ def test_roc_keeps_fewer_positives_with_tool_errors_than_uniform_selection():
                 / sum(t[2] for group in batch for t in group))
     # uniform: the batch's own share (10 of 25)
     assert abs(share["grpo"] - in_batch) < 0.03, (share, in_batch)
-    # RoC: clean positives weigh 1/0.1 against 1/0.6 (penalty_offset 0.1), so a recovered one is
-    # kept only when too few clean ones are left to fill the positive slots.
+    # RoC: clean positives weigh 1/0.1 against 1/0.6 (penalty_offset 0.1)
     assert share["roc"] < 0.5 * share["grpo"], share
     assert kept["roc"][1] < kept["grpo"][1], kept
 
 
-# -----------------------------------------------------------------------------
 # group_advantages (Eq. 7)
 
 
@@ -293,12 +268,11 @@ def test_the_batch_std_is_the_unbiased_std_of_every_reward_the_step_sampled():
     assert batch_reward_std([[1.0]]) == 0.0
 
 
-# -----------------------------------------------------------------------------
 # policy_loss (Eq. 6)
 
 def _corrected(logp, old_logp, advantages, mask, engine_logp, correction, threshold,
                num_tokens=None):
-    """train_step's composition: the correction's weights and gap metrics, then Eq. 6."""
+    """As train_step: the correction's weights and gap metrics, then Eq. 6."""
     num_tokens = mask.sum() if num_tokens is None else num_tokens
     weights, gap = rollout_correction(old_logp, engine_logp, mask, correction, threshold,
                                       num_tokens)
@@ -374,13 +348,9 @@ def test_padding_with_minus_inf_is_ignored():
     grad, = torch.autograd.grad(loss, logp)
     assert loss.item() == reference.item()
     assert torch.equal(grad, grad_reference) and torch.isfinite(metrics["approx_kl"])
-
-
-def test_per_token_advantages_equal_broadcast_per_rollout_advantages():
-    logp, old_logp, advantages, mask = _batch(4, [3, 5, 1])
-    per_rollout, _ = policy_loss(logp, old_logp, advantages, mask)
+    # per-token advantages, as the per-rollout ones broadcast
     per_token, _ = policy_loss(logp, old_logp, advantages[:, None].expand_as(logp), mask)
-    assert per_token.item() == per_rollout.item()
+    assert per_token.item() == reference.item()
 
 
 def test_dual_clip_bounds_the_loss_of_exploded_negative_tokens():
@@ -392,7 +362,6 @@ def test_dual_clip_bounds_the_loss_of_exploded_negative_tokens():
                        dual_clip=3.0)[0].item() == pytest.approx(3.0)
 
 
-# -----------------------------------------------------------------------------
 # the field's loss variants: aggregation (loss_weights) and GSPO's sequence-level ratio
 
 def _on_policy(lengths, advantages):
@@ -475,8 +444,8 @@ def test_a_sequence_level_ratio_is_the_geometric_mean_of_the_token_ratios_clippe
 
 @pytest.mark.parametrize("aggregation", LOSS_AGGREGATIONS)
 def test_at_ratio_1_the_clips_and_the_sequence_ratio_leave_the_gradient_as_it_was(aggregation):
-    """With old_logp = logp (one optimizer step per batch) the clips and the sequence-level ratio
-    give the token-level gradient; off ratio 1, or with weights varying within a rollout, not."""
+    """old_logp = logp: the token-level gradient; off ratio 1, or with weights varying within a
+    rollout, not."""
     logp, old_logp, advantages, mask = _batch(11, [6, 2, 5, 4])
     per_rollout = torch.tensor([[0.7], [1.3], [1.0], [0.4]], dtype=torch.float64)
     per_token = torch.rand(4, 6, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
@@ -496,7 +465,6 @@ def test_at_ratio_1_the_clips_and_the_sequence_ratio_leave_the_gradient_as_it_wa
             assert torch.allclose(changed, paper, rtol=1e-12, atol=1e-15) is not acts, (name, acts)
 
 
-# -----------------------------------------------------------------------------
 # rollout correction: the engine sampled, the trainer's pi_old is in the ratio (Yao et al. 2025)
 
 @pytest.mark.parametrize("correction", ROLLOUT_CORRECTIONS)
@@ -578,8 +546,7 @@ def test_the_mismatch_metrics_are_their_direct_computation_whatever_the_setting(
 
 
 def test_a_geometric_weight_does_not_shrink_with_length_as_a_product_would():
-    """trl#5814: a per-sequence product of token ratios collapses on long responses; the
-    geometric mean of the same ratios stays at their typical size."""
+    # trl#5814: a per-sequence product of token ratios collapses on long responses
     log_rho = torch.full((1, 8192), -0.01, dtype=torch.float64)
     mask = torch.ones_like(log_rho, dtype=torch.bool)
     weights, _ = rollout_weights(log_rho, torch.zeros_like(log_rho), mask, "geometric_tis", 2.0)
@@ -600,8 +567,7 @@ def test_policy_loss_rejects_bad_input(change, message):
 
 
 def test_one_synthetic_group_through_steps_1_to_4():
-    """The module docstring's steps on 2G = 8 rollouts: the penalty ranks the positives, RoC keeps
-    G = 4 with both outcomes, and the kept group's advantages are centred with unit spread."""
+    """The module docstring's steps on 2G = 8 rollouts; RoC mode is resample_on_correct."""
     # (tool calls, failed calls, <answer> blocks, assistant turns, reward)
     counts = [(3, 0, 1, 4, 1.0), (2, 2, 1, 3, 1.0), (0, 0, 1, 1, 1.0), (4, 1, 3, 5, 1.0),
               (1, 0, 1, 2, 0.0), (5, 5, 0, 6, 0.0), (2, 1, 1, 3, 0.0), (0, 0, 1, 1, 0.0)]
@@ -610,6 +576,7 @@ def test_one_synthetic_group_through_steps_1_to_4():
     assert [r.penalty for r in rollouts][:4] == pytest.approx([0, 1, 0.5, 0.65])
     assert filter_groups([[r.reward for r in rollouts]])[1] == 0.0
     kept = select_group(rollouts, 4, np.random.default_rng(0), mode="roc")
+    assert kept == resample_on_correct(rollouts, 4, np.random.default_rng(0))
     assert len(kept) == 4 and sorted(rollouts[i].reward for i in kept) == [0, 0, 1, 1]
     advantages = group_advantages([rollouts[i].reward for i in kept])
     assert sum(advantages) == pytest.approx(0)
