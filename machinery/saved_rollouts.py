@@ -275,19 +275,3 @@ def kept_statistics(records):
 def mean(values):
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
-
-
-def print_steps_table(rows):
-    """Several replayed steps as a markdown table: per number a row, per step a column of
-    live -> replay, and their mean over the steps."""
-    keys = list(rows[0]["replay"])
-    means = {"step": "mean", **{side: {k: mean([r[side].get(k) for r in rows]) for k in keys}
-                                for side in ("live", "replay")}}
-    columns = [*rows, means] if len(rows) > 1 else rows
-    print("\n| kept set, live -> replay | " + " | ".join(f"step {c['step']}" for c in columns)
-          + " |\n|---|" + "---|" * len(columns))
-    for key in keys:
-        cells = [[c[side].get(key) for side in ("live", "replay")] for c in columns]
-        print(f"| {key} | " + " | ".join(" -> ".join("-" if v is None else f"{v:.4g}" for v in pair)
-                                         for pair in cells) + " |")
-    print(flush=True)
