@@ -355,9 +355,9 @@ def test_vllm_logs_warnings_and_drops_exactly_the_harmless_ones_unless_asked_for
 
 
 def test_every_dropped_message_is_the_one_vllm_logs():
-    """Each filtered message, word for word, is a string literal (adjacent literals joined) of the
-    module its logger is named after, read from vLLM's source: a release that rewords one shows it
-    again instead of the filter silently dropping something else."""
+    """Each filtered message starts a string literal (adjacent literals joined) of the module its
+    logger is named after, read from vLLM's source: a release that rewords one shows it again
+    instead of the filter silently dropping something else."""
     for logger, messages in HARMLESS_VLLM_WARNINGS.items():
         spec = importlib.util.find_spec(logger.split(".")[0])
         path = Path(spec.submodule_search_locations[0]).joinpath(*logger.split(".")[1:])
@@ -366,11 +366,11 @@ def test_every_dropped_message_is_the_one_vllm_logs():
                    if isinstance(node, ast.Constant) and isinstance(node.value, str)}
         for message in messages:
             if logger == RELOAD_LOGGER:  # formatted from the layer's class name
-                assert message == "RotaryEmbedding: Failed to load weights"
+                assert message == "RotaryEmbedding: Failed to load weights$"
                 assert ('logger.warning("%s: Failed to load weights", layer.__class__.__name__)'
                         in source)
             else:
-                assert message in strings, (logger, message)
+                assert any(re.match(message, s) for s in strings), (logger, message)
 
 
 # -----------------------------------------------------------------------------

@@ -23,8 +23,7 @@ from machinery.distributed import cpu_threads, init_distributed
 from machinery.exits import is_main_rank, run_script
 from machinery.metrics import step_metrics
 from machinery.model import check_model_dir
-from machinery.saved_rollouts import (kept_statistics, print_columns, print_replay, read_rollouts,
-                                      replay_policy)
+from machinery.saved_rollouts import kept_statistics, print_replay, read_rollouts, replay_policy
 from machinery.threads import recorded_train_threads
 from machinery.training import collate, equal_micro_batches, token_logprobs
 
@@ -73,14 +72,12 @@ def replay(cfg):
     live_records = read_rollouts(run_dir, number)[2]
     live_kept = {(r["position"], r["sample_index"]) for r in live_records if r["selected"]}
     seconds = {"load": loaded - started, "steps 4-7": time.perf_counter() - loaded}
-    print_replay(cfg, run_dir, number, meta, source, metrics, train_metrics, kept, live_kept,
-                 seconds, world_size)
     # what the rule chose: the kept set live and replayed, and how much of it is the same
     live, replayed = (kept_statistics(live_records),
                       kept_statistics([r for part in parts for r in part[0]]))
     replayed["kept/overlap_with_live"] = len(set(kept) & live_kept) / max(len(live_kept), 1)
-    print_columns("kept set (mean per trajectory)",
-                  {key: (live.get(key, 1.0), value) for key, value in replayed.items()})
+    print_replay(cfg, run_dir, number, meta, source, metrics, train_metrics, kept, live_kept,
+                 seconds, world_size, {k: (live.get(k, 1.0), v) for k, v in replayed.items()})
     return SimpleNamespace(metrics=metrics, kept=kept)
 
 
