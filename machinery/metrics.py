@@ -104,12 +104,11 @@ class MetricsLogger:
 SAMPLE_COLUMNS = ("id", "sample_index", "reward", "selected", "advantage", "penalty",
                   "num_tool_calls", "num_tool_errors", "errors_by_kind", "response_tokens",
                   "stop_reason", "response_text")
-WANDB_ID_FILE = "wandb_run_id"
 
 
 def wandb_run_id(run_dir):
     """The W&B run id of this run directory, made at its first start and kept in it."""
-    path = Path(run_dir) / WANDB_ID_FILE
+    path = Path(run_dir) / "wandb_run_id"
     if not path.is_file() or not path.read_text().strip():
         atomic_write_text(path, secrets.token_hex(4) + "\n")
     return path.read_text().strip()
@@ -353,21 +352,15 @@ def warn_untrained(streak, metrics, every):
     if not times or streak % every or times & (times - 1):  # N x a power of two only
         return
 
-    groups = metrics["groups"]
+    groups, why = metrics["groups"], "no kept trajectory had a model-written token"
     if metrics["all_equal_group_fraction"] == 1.0:
         right = round(metrics["accuracy"] * groups)  # all-equal groups: accuracy = all-1 groups
-        why = (f"every group is all-equal: {groups - right} of {groups} groups got reward 0 on "
-               f"every rollout, {right} got reward 1 on every rollout, and filter_all_equal drops "
-               "them (a group with one reward has no advantage, Eq. 7)")
-        if right == 0:
-            why += (". All rewards are 0: too hard, an unreadable answer format, the tool off or "
-                    f"too few rollout.max_response_tokens (truncation_ratio "
-                    f"{metrics['truncation_ratio']:.2f})")
-        elif right == groups:
-            why += ". All rewards are 1: too easy (python -m tools.filter_solved drops those)"
-    else:
-        why = "no kept trajectory had a model-written token"
-
+        why = (f"{groups - right} of {groups} groups got reward 0 on every rollout, {right} got "
+               "reward 1 on every rollout: filter_all_equal drops them (no advantage, Eq. 7)")
+        if right in (0, groups):
+            why += (". All rewards are 1: too easy (tools.filter_solved)" if right else
+                    ". All rewards are 0: too hard, the answer format, the tool or "
+                    f"max_response_tokens (truncation_ratio {metrics['truncation_ratio']:.2f})")
     text = textwrap.fill(f"WARNING: {streak} steps in a row trained on nothing (skipped_updates in "
                          f"metrics.jsonl): {why}.", 100, break_on_hyphens=False)
     print(f"\n{'!' * 100}\n{text}\n{'!' * 100}", flush=True)

@@ -165,12 +165,8 @@ def chosen_steps(run_dir, value, key):
 def rank_files(folder, meta, rank=0, world_size=1):
     """The rank files of a saved step, those of writers r with r % world_size == rank: a group is
     whole in its writer's file, so a reader on several ranks gets whole groups."""
-    for writer in range(rank, meta["ranks"], world_size):
-        path = Path(folder) / f"rank_{writer:05d}.jsonl.gz"
-        if not path.is_file():
-            raise ConfigError(f"{path}: missing, though {STEP_FILE} says {meta['ranks']} ranks "
-                              "wrote this step")
-        yield path
+    return [Path(folder) / f"rank_{writer:05d}.jsonl.gz"
+            for writer in range(rank, meta["ranks"], world_size)]
 
 
 def read_rollouts(run_dir, step=0, rank=0, world_size=1):
@@ -228,8 +224,9 @@ def replayable(run_dir, steps):
 
 
 def print_replay(cfg, run_dir, number, meta, source, metrics, learner, kept, live_kept, seconds,
-                 world_size):
-    """The replay's numbers beside the live step's (metrics.jsonl), with what the config changed."""
+                 world_size, kept_rows):
+    """The replay's numbers beside the live step's (metrics.jsonl), with what the config changed,
+    then `kept_rows` {key: (live, replay)}: the kept set's statistics."""
     live_cfg, now = flatten_config(meta["config"]), flatten_config(dataclasses.asdict(cfg))
     ignored = ("mode", "replay_step", "replay_weights", "replay_update_effect")
     changed = [f"{k}: {live_cfg.get(k)} -> {v}" for k, v in now.items()
@@ -242,18 +239,13 @@ def print_replay(cfg, run_dir, number, meta, source, metrics, learner, kept, liv
     keys = ("selected", "selected_reward_mean", "roc_penalty_kept_positives", *learner,
             "logprob_gap_mean", *(k for k in metrics if k.startswith("replay/")))
     # a replay/ number has no live counterpart
-    print_columns("", {k: (None if k.startswith("replay/") else live.get(k), metrics.get(k))
-                       for k in keys})
+    rows = {k: (None if k.startswith("replay/") else live.get(k), metrics.get(k)) for k in keys}
+    print(f"{'':34}{'live':>14}{'replay':>14}")
+    for key, cells in {**rows, **kept_rows}.items():
+        print(f"{key:34}" + "".join(f"{'-' if v is None else f'{v:.6g}':>14}" for v in cells))
     print(f"kept: {len(kept)} trajectories, {len(set(kept) & live_kept)} of them kept live too "
           f"(live kept {len(live_kept)})\nreplayed on {world_size} rank(s): "
           + ", ".join(f"{phase} {s:.1f} s" for phase, s in seconds.items()), flush=True)
-
-
-def print_columns(title, rows):
-    """{name: (live, replay)} as aligned columns under `title`, "-" where a number is None."""
-    print(f"{title:34}{'live':>14}{'replay':>14}")
-    for key, cells in rows.items():
-        print(f"{key:34}" + "".join(f"{'-' if v is None else f'{v:.6g}':>14}" for v in cells))
 
 
 def kept_statistics(records):
@@ -275,19 +267,3 @@ def kept_statistics(records):
 def mean(values):
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
-
-
-def print_steps_table(rows):
-    """Several replayed steps as a markdown table: per number a row, per step a column of
-    live -> replay, and their mean over the steps."""
-    keys = list(rows[0]["replay"])
-    means = {"step": "mean", **{side: {k: mean([r[side].get(k) for r in rows]) for k in keys}
-                                for side in ("live", "replay")}}
-    columns = [*rows, means] if len(rows) > 1 else rows
-    print("\n| kept set, live -> replay | " + " | ".join(f"step {c['step']}" for c in columns)
-          + " |\n|---|" + "---|" * len(columns))
-    for key in keys:
-        cells = [[c[side].get(key) for side in ("live", "replay")] for c in columns]
-        print(f"| {key} | " + " | ".join(" -> ".join("-" if v is None else f"{v:.4g}" for v in pair)
-                                         for pair in cells) + " |")
-    print(flush=True)

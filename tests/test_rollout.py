@@ -327,7 +327,8 @@ def test_vllm_logs_warnings_and_drops_exactly_the_harmless_ones_unless_asked_for
 
 
 def test_every_dropped_message_is_the_one_vllm_logs():
-    """Word for word a string literal of its logger's module: a reworded one shows again."""
+    """Each filtered message starts a string literal of its logger's module, read from vLLM's
+    source: a release that rewords one shows it again."""
     for logger, messages in HARMLESS_VLLM_WARNINGS.items():
         spec = importlib.util.find_spec(logger.split(".")[0])
         path = Path(spec.submodule_search_locations[0]).joinpath(*logger.split(".")[1:])
@@ -336,11 +337,11 @@ def test_every_dropped_message_is_the_one_vllm_logs():
                    if isinstance(node, ast.Constant) and isinstance(node.value, str)}
         for message in messages:
             if logger == RELOAD_LOGGER:  # formatted from the layer's class name
-                assert message == "RotaryEmbedding: Failed to load weights"
+                assert message == "RotaryEmbedding: Failed to load weights$"
                 assert ('logger.warning("%s: Failed to load weights", layer.__class__.__name__)'
                         in source)
             else:
-                assert message in strings, (logger, message)
+                assert any(re.match(message, s) for s in strings), (logger, message)
 
 
 # the CPU KV cache: sized from the config, never from what the process holds

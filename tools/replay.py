@@ -3,15 +3,12 @@ on the trajectories the run saved, from the weights that sampled them, under thi
 engine, no tool, nothing written. RoC rules, losses or corrections compared on the same data.
 
     python -m tools.replay configs/tiny.yaml replay_step=1 positive_rule=topk
-    python -m tools.replay configs/tiny.yaml replay_step=all positive_rule=shortest   # + the mean
     torchrun --nproc_per_node=2 -m tools.replay configs/tiny.yaml    # the newest saved step
 
 The config is the run's (rl.py's keys, out_dir the run directory) plus the replay_* keys below.
 Unchanged, a replay reproduces the live step exactly (docs/design.md, Saved rollouts).
 """
-import contextlib
 import dataclasses
-import io
 import time
 from types import SimpleNamespace
 
@@ -26,8 +23,7 @@ from machinery.distributed import cpu_threads, init_distributed
 from machinery.exits import is_main_rank, run_script
 from machinery.metrics import step_metrics
 from machinery.model import check_model_dir
-from machinery.saved_rollouts import (chosen_steps, kept_statistics, print_columns, print_replay,
-                                      print_steps_table, read_rollouts, replay_policy, replayable)
+from machinery.saved_rollouts import kept_statistics, print_replay, read_rollouts, replay_policy
 from machinery.threads import recorded_train_threads
 from machinery.training import collate, equal_micro_batches, token_logprobs
 
@@ -35,8 +31,7 @@ from machinery.training import collate, equal_micro_batches, token_logprobs
 @dataclasses.dataclass
 class ReplayConfig(RLConfig):
     """rl.py's config (the run's own, with what the replay changes) and which step to replay."""
-    # the saved step (as in metrics.jsonl); 0 = the newest; N,M,... or all: each, then the mean
-    replay_step: str = "0"
+    replay_step: int = 0          # the saved step (as in metrics.jsonl); 0 = the newest
     replay_weights: str = ""      # "": those that sampled it (exact); or a checkpoint / HF dir
     replay_update_effect: bool = False  # also the kept tokens' log-prob change the update made
 
@@ -44,11 +39,13 @@ class ReplayConfig(RLConfig):
 def replay(cfg):
     """Select, compute advantages and update once on saved step replay_step of out_dir, with the
     weights that sampled it; print the live step's numbers beside the replay's. Returns (rank 0)
-    its metrics, kept trajectories {(stream position, sample_index): advantage} and kept set row."""
+    its metrics and kept trajectories {(stream position, sample_index): advantage}."""
     started = time.perf_counter()
     rank, world_size, _, device = init_distributed(cfg.collective_timeout_min)
+    for line in cfg.inert_keys() if is_main_rank() else []:
+        print(f"tools.replay: {line}", flush=True)
     run_dir = resolve(cfg.out_dir)
-    number, meta, saved = read_rollouts(run_dir, int(cfg.replay_step), rank, world_size)
+    number, meta, saved = read_rollouts(run_dir, cfg.replay_step, rank, world_size)
     step, position = number - 1, meta["data_position"]
     groups, rewards = saved_groups(saved, meta, cfg)
     model, optimizer, source = replay_policy(cfg, run_dir, number, device, rank)
@@ -75,41 +72,13 @@ def replay(cfg):
     live_records = read_rollouts(run_dir, number)[2]
     live_kept = {(r["position"], r["sample_index"]) for r in live_records if r["selected"]}
     seconds = {"load": loaded - started, "steps 4-7": time.perf_counter() - loaded}
-    print_replay(cfg, run_dir, number, meta, source, metrics, train_metrics, kept, live_kept,
-                 seconds, world_size)
     # what the rule chose: the kept set live and replayed, and how much of it is the same
-    row = {"step": number, "live": kept_statistics(live_records),
-           "replay": kept_statistics([r for part in parts for r in part[0]])}
-    row["live"]["kept/overlap_with_live"] = 1.0
-    row["replay"]["kept/overlap_with_live"] = len(set(kept) & live_kept) / max(len(live_kept), 1)
-    print_columns("kept set (mean per trajectory)",
-                  {key: (row["live"].get(key), value) for key, value in row["replay"].items()})
-    return SimpleNamespace(metrics=metrics, kept=kept, row=row)
-
-
-def replay_all(cfg):
-    """replay_step=N,M,... or all: each step replayed, then a table of the kept sets live -> replay
-    per step and their mean, printed before each step's own numbers; the replays' results."""
-    steps = chosen_steps(resolve(cfg.out_dir), cfg.replay_step, "replay_step")
-    for line in cfg.inert_keys() if is_main_rank() else []:
-        print(f"tools.replay: {line}", flush=True)
-    if cfg.replay_step == "all" and not cfg.replay_weights:
-        exact = replayable(resolve(cfg.out_dir), steps)
-        if len(exact) < len(steps) and is_main_rank():
-            print(f"replay_step=all: saved steps {sorted(set(steps) - set(exact))} left out: the "
-                  "checkpoints that sampled them are gone (keep_checkpoints)", flush=True)
-        steps = exact
-    if len(steps) == 1:
-        return [replay(dataclasses.replace(cfg, replay_step=str(steps[0])))]
-    results, dumps = [], []
-    for n in steps:
-        with contextlib.redirect_stdout(io.StringIO()) as dump:  # after the summary
-            results.append(replay(dataclasses.replace(cfg, replay_step=str(n))))
-        dumps.append(dump.getvalue())
-    if results[0] is not None:
-        print_steps_table([r.row for r in results])
-    print("".join(dumps), end="", flush=True)
-    return results
+    live, replayed = (kept_statistics(live_records),
+                      kept_statistics([r for part in parts for r in part[0]]))
+    replayed["kept/overlap_with_live"] = len(set(kept) & live_kept) / max(len(live_kept), 1)
+    print_replay(cfg, run_dir, number, meta, source, metrics, train_metrics, kept, live_kept,
+                 seconds, world_size, {k: (live.get(k, 1.0), v) for k, v in replayed.items()})
+    return SimpleNamespace(metrics=metrics, kept=kept)
 
 
 def saved_groups(records, meta, cfg):
@@ -148,4 +117,4 @@ def update_effect(model, samples, cfg, pad_id, device):
 
 if __name__ == "__main__":
     run_script("tools.replay", lambda argv: load_config(ReplayConfig, argv, doc=__doc__),
-               replay_all, lambda cfg, argv: "tools.replay: interrupted")  # it writes nothing
+               replay, lambda cfg, argv: "tools.replay: interrupted")  # it writes nothing
