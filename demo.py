@@ -67,9 +67,12 @@ class DemoConfig:
     plot: str = "assets/ablation.png"        # the numbers go next to it as .json and .md
 
     def validate(self):
+        if not self.ablation_seeds:
+            raise ConfigError("ablation_seeds: empty; give at least one seed, e.g. [0]")
         for name in ("sft_config", "rl_config"):
             if not resolve(getattr(self, name)).is_file():
                 raise ConfigError(f"{name}: file not found: {getattr(self, name)}")
+
 
 RUNNING = set()  # the stages' processes now running, for an interrupt to wait on
 
