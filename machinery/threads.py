@@ -32,12 +32,11 @@ def idle_cores(window_s=WINDOW_S):
     """This process's affinity cores idle over the next window_s, or busy with its own tree; None
     where the kernel's counters cannot be read."""
     try:
-        before = cpu_seconds()
+        idle_before, all_before, own_before = cpu_seconds()
         time.sleep(window_s)
-        after = cpu_seconds()
+        idle_after, all_after, own_after = cpu_seconds()
     except (OSError, psutil.Error):
         return None
-    (idle_before, all_before, own_before), (idle_after, all_after, own_after) = before, after
     cores = len(os.sched_getaffinity(0))
     if all_after <= all_before:
         return None
