@@ -274,11 +274,9 @@ def _remount_readonly(info):
         if any(_under(target, p) for p in ("/proc", "/sys", "/dev")) or "ro" in options:
             continue
         # MS_BIND with MS_REMOUNT changes this mount's flags only: the host keeps rw
-        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
-        for option in options:
-            flags |= _MOUNT_OPTION_FLAGS.get(option, 0)
+        locked = {_MOUNT_OPTION_FLAGS.get(option, 0) for option in options}   # distinct bits
         try:
-            _mount(None, target, None, flags)
+            _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | sum(locked))
         except OSError:
             failures += 1
     info["readonly_mounts"] = failures == 0
@@ -498,7 +496,34 @@ def _run_call(code, stdin, cfg, state):
             _empty_dir(root, state["kept_paths"])
     else:
         _remove_tree(workdir)
-    return _describe(returncode, killed_for, elapsed, cpu_s, captures[out_r], captures[err_r], cfg)
+
+    # status and reason from how the child ended; a last stderr line where Python wrote none
+    stdout, cut_out = captures[out_r].text(cfg["max_output_chars"])
+    stderr, cut_err = captures[err_r].text(cfg["max_output_chars"])
+    status, note = "error", ""
+    if killed_for in ("wall-clock limit", "wall-clock backstop"):
+        status, note = "timeout", (f"TimeoutError: the code ran longer than {cfg['timeout_s']:g} s "
+                                   "and was killed")
+    elif killed_for == "output limit":
+        note = (f"OutputLimitError: the code wrote more than {cfg['output_limit_mb']} MiB and was "
+                "killed")
+    elif killed_for == "cpu-time limit" or returncode == -signal.SIGXCPU:
+        killed_for, status = "cpu-time limit", "timeout"
+        note = "TimeoutError: the code used more than its CPU time limit and was killed"
+    elif returncode == EXIT_MEMORY:   # the child's own word (the OOM killer is a signal)
+        killed_for, status = "memory limit", "oom"
+    elif returncode == 0:
+        status = "ok"
+    elif returncode < 0:   # a real-time signal has no name
+        name = next((s.name for s in signal.Signals if s == -returncode), str(-returncode))
+        killed_for, note = f"signal {name}", f"Killed by signal {-returncode} ({name})"
+    else:
+        killed_for = f"exit status {returncode}"
+
+    if note:   # after the truncation, so the model always sees why the call ended
+        stderr += ("" if not stderr or stderr.endswith("\n") else "\n") + note + "\n"
+    return dict(status=status, stdout=stdout, stderr=stderr, elapsed_s=elapsed, cpu_s=cpu_s,
+                truncated=cut_out or cut_err, reason=killed_for or "", returncode=returncode)
 
 
 def _past_deadline(pid, start, now, ran_ns, cfg, state):
@@ -589,36 +614,6 @@ def _remove_tree(path):
                 if not os.path.islink(os.path.join(root, d)):
                     os.chmod(os.path.join(root, d), 0o700)
         shutil.rmtree(path, ignore_errors=True)
-
-
-def _describe(returncode, killed_for, elapsed, cpu_s, out, err, cfg):
-    """Status and reason from how the child ended; a last stderr line where Python wrote none."""
-    stdout, cut_out = out.text(cfg["max_output_chars"])
-    stderr, cut_err = err.text(cfg["max_output_chars"])
-    status, note = "error", ""
-    if killed_for in ("wall-clock limit", "wall-clock backstop"):
-        status, note = "timeout", (f"TimeoutError: the code ran longer than {cfg['timeout_s']:g} s "
-                                   "and was killed")
-    elif killed_for == "output limit":
-        note = (f"OutputLimitError: the code wrote more than {cfg['output_limit_mb']} MiB and was "
-                "killed")
-    elif killed_for == "cpu-time limit" or returncode == -signal.SIGXCPU:
-        killed_for, status = "cpu-time limit", "timeout"
-        note = "TimeoutError: the code used more than its CPU time limit and was killed"
-    elif returncode == EXIT_MEMORY:   # the child's own word (the OOM killer is a signal)
-        killed_for, status = "memory limit", "oom"
-    elif returncode == 0:
-        status = "ok"
-    elif returncode < 0:   # a real-time signal has no name
-        name = next((s.name for s in signal.Signals if s == -returncode), str(-returncode))
-        killed_for, note = f"signal {name}", f"Killed by signal {-returncode} ({name})"
-    else:
-        killed_for = f"exit status {returncode}"
-
-    if note:   # after the truncation, so the model always sees why the call ended
-        stderr += ("" if not stderr or stderr.endswith("\n") else "\n") + note + "\n"
-    return dict(status=status, stdout=stdout, stderr=stderr, elapsed_s=elapsed, cpu_s=cpu_s,
-                truncated=cut_out or cut_err, reason=killed_for or "", returncode=returncode)
 
 
 # -----------------------------------------------------------------------------
