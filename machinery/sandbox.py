@@ -485,8 +485,23 @@ def _run_call(code, stdin, cfg, state):
         if returncode is not None and now >= drain_until:
             break   # a writer stuck in uninterruptible I/O still holds a pipe: stop waiting
 
-    # the sweep, before the answer: when the parent has the result, the call left nothing behind
-    _kill_leftovers(state, pid)
+    # the sweep, before the answer: when the parent has the result, the call left nothing behind.
+    # Kill and reap: from PID 1 the namespace, else the subreaper's children (or, where the kernel
+    # has no task/*/children, the call's session); one stuck in uninterruptible I/O after 5 s: the
+    # next call's sweep reaps it
+    sweep_until = time.monotonic() + 5.0
+    while time.monotonic() < sweep_until:
+        if state["pid_namespace"]:
+            _signal_everything(state, pid)
+        else:
+            children = _proc_fields(f"self/task/{os.getpid()}", "children")
+            for leftover in [-pid] if children is None else map(int, children):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(leftover, signal.SIGKILL)
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
     for fd in (out_r, err_r, pidfd):
         os.close(fd)
     # nothing a call wrote survives it: the private tmpfs emptied but for the interpreter bound
@@ -569,25 +584,6 @@ def _signal_everything(state, pid):
     """SIGKILL the main process and, from PID 1, everything in the namespace (the sweep reaps)."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(-1 if state["pid_namespace"] else pid, signal.SIGKILL)
-
-
-def _kill_leftovers(state, session):
-    """Kill and reap all the call left: from PID 1 the namespace, else the subreaper's children (or,
-    where the kernel has no task/*/children, the call's session)."""
-    deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline:
-        if state["pid_namespace"]:
-            _signal_everything(state, session)
-        else:
-            children = _proc_fields(f"self/task/{os.getpid()}", "children")
-            for pid in [-session] if children is None else map(int, children):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        try:
-            os.waitpid(-1, 0)
-        except ChildProcessError:
-            return
-    # one stuck in uninterruptible I/O after 5 s: the next call's sweep reaps it
 
 
 def _empty_dir(path, keep):
