@@ -777,20 +777,6 @@ _BOOT = ("import importlib.util, sys; "
          "spec.loader.exec_module(m); m._worker_main(sys.argv[2])")
 
 
-def _worker_env():
-    """A worker's whole environment, built rather than scrubbed: /proc/<pid>/environ keeps what a
-    process was started with, so a secret deleted from os.environ later would still be there."""
-    return {"PATH": f"{os.path.dirname(_interpreter_path())}:/usr/local/bin:/usr/bin:/bin",
-            "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "USER": "sandbox", "LOGNAME": "sandbox",
-            "HOME": "/nonexistent",
-            "PYTHONHASHSEED": "0",   # the order of a set of strings is then the same on every rerun
-            "PYTHONDONTWRITEBYTECODE": "1", "MPLBACKEND": "Agg",
-            "PYTHONIOENCODING": "utf-8:surrogateescape",   # stdin and stdout as in a UTF-8 locale
-            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-            "NUMEXPR_NUM_THREADS": "1",
-            "CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": ""}
-
-
 class WorkerProcess:
     """One warm worker and its two pipes. One thread at a time uses it, holding `lock`."""
 
@@ -805,10 +791,22 @@ class WorkerProcess:
         req_r, self.req_w = os.pipe()
         self.resp_r, resp_w = os.pipe()
         cfg = dict(self.settings, kind=self.kind, request_fd=req_r, response_fd=resp_w)
+        # the whole environment, built rather than scrubbed: /proc/<pid>/environ keeps what a
+        # process was started with, so a secret deleted from os.environ later would still be there
+        env = {"PATH": f"{os.path.dirname(_interpreter_path())}:/usr/local/bin:/usr/bin:/bin",
+               "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "USER": "sandbox", "LOGNAME": "sandbox",
+               "HOME": "/nonexistent",
+               "PYTHONHASHSEED": "0",   # a set of strings in the same order on every rerun
+               "PYTHONDONTWRITEBYTECODE": "1", "MPLBACKEND": "Agg",
+               "PYTHONIOENCODING": "utf-8:surrogateescape",   # stdin and stdout as in UTF-8
+               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+               "NUMEXPR_NUM_THREADS": "1",
+               "CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": ""}
+
         self.proc = subprocess.Popen([_interpreter_path(), "-s", "-B", "-c", _BOOT,
                                       os.path.abspath(__file__), json.dumps(cfg)],
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     env=_worker_env(), cwd="/", pass_fds=(req_r, resp_w),
+                                     env=env, cwd="/", pass_fds=(req_r, resp_w),
                                      start_new_session=True)
         os.close(req_r)
         os.close(resp_w)
