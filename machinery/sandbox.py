@@ -106,18 +106,7 @@ def _mount(source, target, fstype, flags, data=None):
 
 
 def _prctl(option, arg):
-    _check(_libc.prctl(ctypes.c_int(option), ctypes.c_ulong(arg), ctypes.c_ulong(0),
-                       ctypes.c_ulong(0), ctypes.c_ulong(0)), f"prctl {option}")
-
-
-def _drop_capabilities():
-    """CAP_SYS_ADMIN would let uid 0 of a user namespace unmount the tmpfs that hides the repo.
-    capset(2), header version 3, two empty data blocks."""
-    for cap in range(64):
-        if _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
-            break
-    header = (ctypes.c_uint32 * 2)(0x20080522, 0)
-    _check(_libc.capset(header, (ctypes.c_uint32 * 6)()), "capset")
+    _check(_libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0), f"prctl {option}")
 
 
 def _write_text(path, text):
@@ -178,7 +167,7 @@ def _isolate(cfg):
     else:
         info["sandbox_uid"] = SANDBOX_UID_BASE + host_pid
 
-    # a failed step is reported; the probe call (_probe_sandbox) decides whether calls still run
+    # a failed step is reported; the probe call (_worker_main) decides whether calls still run
     steps = (("private mounts", lambda: _mount(None, "/", None, MS_REC | MS_PRIVATE)),
              # a /proc of this PID namespace: no other process is seen, /proc/<pid> is ours
              ("fresh /proc",
@@ -203,14 +192,6 @@ def _isolate(cfg):
     return info
 
 
-def _resolve_interpreter_paths():
-    """The interpreter's prefixes and sys.path as real paths: a venv reached through a link in /tmp
-    or home would be imported through a link the sandbox removes."""
-    for name in ("prefix", "base_prefix", "exec_prefix", "base_exec_prefix"):
-        setattr(sys, name, os.path.realpath(getattr(sys, name)))
-    sys.path[:] = dict.fromkeys(os.path.realpath(p) if p else p for p in sys.path)
-
-
 def _interpreter_path():
     """The interpreter, its directory resolved (a venv is found from its directory)."""
     return os.path.join(os.path.realpath(os.path.dirname(sys.executable)),
@@ -226,15 +207,6 @@ def _keep_paths(hide=()):
     paths = {os.path.realpath(p) for p in paths}   # a bind needs the real directory
     paths = sorted(p for p in paths if not any(_under(h, p) for h in hide))
     return [p for p in paths if not any(q != p and _under(p, q) for q in paths)]
-
-
-def _interpreter_identity():
-    """[path, st_dev, st_ino] of the interpreter and its own sys.path entries (not a .pth line into
-    the hidden repo) before any mount: the probe call must find each, not an empty cover."""
-    prefixes = (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)
-    own = [sys.executable] + [p for p in sys.path
-                              if p and os.path.isdir(p) and any(_under(p, q) for q in prefixes)]
-    return [[p, st.st_dev, st.st_ino] for p in own for st in [os.stat(p)]]
 
 
 def _closed_to_others(path):
@@ -302,11 +274,9 @@ def _remount_readonly(info):
         if any(_under(target, p) for p in ("/proc", "/sys", "/dev")) or "ro" in options:
             continue
         # MS_BIND with MS_REMOUNT changes this mount's flags only: the host keeps rw
-        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
-        for option in options:
-            flags |= _MOUNT_OPTION_FLAGS.get(option, 0)
+        locked = {_MOUNT_OPTION_FLAGS.get(option, 0) for option in options}   # distinct bits
         try:
-            _mount(None, target, None, flags)
+            _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | sum(locked))
         except OSError:
             failures += 1
     info["readonly_mounts"] = failures == 0
@@ -341,9 +311,8 @@ def _run_child(code, seed, stdin_fd, out_fd, err_fd, workdir, state):
 
     try:
         os.setsid()   # its own session and group: from PID 2 on, kill(0) must not mean the worker
-        os.dup2(stdin_fd, 0)
-        os.dup2(out_fd, 1)
-        os.dup2(err_fd, 2)
+        for fd, standard in ((stdin_fd, 0), (out_fd, 1), (err_fd, 2)):
+            os.dup2(fd, standard)
         os.closerange(3, state["max_fd"])   # the worker's pipes to the parent must not be reachable
         signal.signal(signal.SIGINT, signal.default_int_handler)   # the worker ignores it
         with contextlib.suppress(OSError):   # under host memory pressure the kernel kills us first
@@ -360,7 +329,13 @@ def _run_child(code, seed, stdin_fd, out_fd, err_fd, workdir, state):
         if not state["pid_namespace"]:
             _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)   # without a namespace, die with the worker
         if state["capabilities_dropped"]:
-            _drop_capabilities()
+            # CAP_SYS_ADMIN would let uid 0 of a user namespace unmount the tmpfs that hides the
+            # repo. capset(2), header version 3, two empty data blocks
+            for cap in range(64):
+                if _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+                    break
+            header = (ctypes.c_uint32 * 2)(0x20080522, 0)
+            _check(_libc.capset(header, (ctypes.c_uint32 * 6)()), "capset")
     except BaseException as exc:
         os.write(2, f"ExecutorError: the sandbox could not be set up: {exc!r}\n".encode())
         os._exit(EXIT_SETUP)
@@ -444,7 +419,15 @@ class _Capture:
 
 def _run_call(code, stdin, cfg, state):
     """One call from fork to sweep; returns the fields of an ExecResult."""
-    workdir = _fresh_workdir(state)
+    # an empty directory of the sandbox uid; with a private /tmp always the same path
+    if state["private_tmp"]:
+        workdir = "/tmp/sandbox"
+        shutil.rmtree(workdir, ignore_errors=True)   # left by a call whose clean-up failed half-way
+        os.mkdir(workdir, 0o700)
+    else:
+        workdir = tempfile.mkdtemp(prefix="rstar2-exec-")
+    if state["sandbox_uid"] is not None:
+        os.chown(workdir, state["sandbox_uid"], state["sandbox_uid"])
     # on disk as for `python main.py`: tracebacks show source lines, inspect works
     with open(os.path.join(workdir, MAIN), "x", encoding="utf-8", errors="surrogatepass") as f:
         f.write(code)
@@ -502,12 +485,60 @@ def _run_call(code, stdin, cfg, state):
         if returncode is not None and now >= drain_until:
             break   # a writer stuck in uninterruptible I/O still holds a pipe: stop waiting
 
-    # the sweep, before the answer: when the parent has the result, the call left nothing behind
-    _kill_leftovers(state, pid)
+    # the sweep, before the answer: when the parent has the result, the call left nothing behind.
+    # Kill and reap: from PID 1 the namespace, else the subreaper's children (or, where the kernel
+    # has no task/*/children, the call's session); one stuck in uninterruptible I/O after 5 s: the
+    # next call's sweep reaps it
+    sweep_until = time.monotonic() + 5.0
+    while time.monotonic() < sweep_until:
+        if state["pid_namespace"]:
+            _signal_everything(state, pid)
+        else:
+            children = _proc_fields(f"self/task/{os.getpid()}", "children")
+            for leftover in [-pid] if children is None else map(int, children):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(leftover, signal.SIGKILL)
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
     for fd in (out_r, err_r, pidfd):
         os.close(fd)
-    _clean_after_call(state, workdir)
-    return _describe(returncode, killed_for, elapsed, cpu_s, captures[out_r], captures[err_r], cfg)
+    # nothing a call wrote survives it: the private tmpfs emptied but for the interpreter bound
+    # back there (or the call's directory removed)
+    if state["private_tmp"]:
+        for root in filter(os.path.isdir, TMP_DIRS):
+            _empty_dir(root, state["kept_paths"])
+    else:
+        _remove_tree(workdir)
+
+    # status and reason from how the child ended; a last stderr line where Python wrote none
+    stdout, cut_out = captures[out_r].text(cfg["max_output_chars"])
+    stderr, cut_err = captures[err_r].text(cfg["max_output_chars"])
+    status, note = "error", ""
+    if killed_for in ("wall-clock limit", "wall-clock backstop"):
+        status, note = "timeout", (f"TimeoutError: the code ran longer than {cfg['timeout_s']:g} s "
+                                   "and was killed")
+    elif killed_for == "output limit":
+        note = (f"OutputLimitError: the code wrote more than {cfg['output_limit_mb']} MiB and was "
+                "killed")
+    elif killed_for == "cpu-time limit" or returncode == -signal.SIGXCPU:
+        killed_for, status = "cpu-time limit", "timeout"
+        note = "TimeoutError: the code used more than its CPU time limit and was killed"
+    elif returncode == EXIT_MEMORY:   # the child's own word (the OOM killer is a signal)
+        killed_for, status = "memory limit", "oom"
+    elif returncode == 0:
+        status = "ok"
+    elif returncode < 0:   # a real-time signal has no name
+        name = next((s.name for s in signal.Signals if s == -returncode), str(-returncode))
+        killed_for, note = f"signal {name}", f"Killed by signal {-returncode} ({name})"
+    else:
+        killed_for = f"exit status {returncode}"
+
+    if note:   # after the truncation, so the model always sees why the call ended
+        stderr += ("" if not stderr or stderr.endswith("\n") else "\n") + note + "\n"
+    return dict(status=status, stdout=stdout, stderr=stderr, elapsed_s=elapsed, cpu_s=cpu_s,
+                truncated=cut_out or cut_err, reason=killed_for or "", returncode=returncode)
 
 
 def _past_deadline(pid, start, now, ran_ns, cfg, state):
@@ -555,47 +586,6 @@ def _signal_everything(state, pid):
         os.kill(-1 if state["pid_namespace"] else pid, signal.SIGKILL)
 
 
-def _kill_leftovers(state, session):
-    """Kill and reap all the call left: from PID 1 the namespace, else the subreaper's children (or,
-    where the kernel has no task/*/children, the call's session)."""
-    deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline:
-        if state["pid_namespace"]:
-            _signal_everything(state, session)
-        else:
-            children = _proc_fields(f"self/task/{os.getpid()}", "children")
-            for pid in [-session] if children is None else map(int, children):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        try:
-            os.waitpid(-1, 0)
-        except ChildProcessError:
-            return
-    # one stuck in uninterruptible I/O after 5 s: the next call's sweep reaps it
-
-
-def _fresh_workdir(state):
-    """An empty directory of the sandbox uid; with a private /tmp always the same path."""
-    if state["private_tmp"]:
-        path = "/tmp/sandbox"
-        shutil.rmtree(path, ignore_errors=True)   # left by a call whose clean-up failed half-way
-        os.mkdir(path, 0o700)
-    else:
-        path = tempfile.mkdtemp(prefix="rstar2-exec-")
-    if state["sandbox_uid"] is not None:
-        os.chown(path, state["sandbox_uid"], state["sandbox_uid"])
-    return path
-
-
-def _clean_after_call(state, workdir):
-    """Nothing a call wrote survives it: the private tmpfs emptied but for the interpreter bound
-    back there (or the call's directory removed)."""
-    if not state["private_tmp"]:
-        return _remove_tree(workdir)
-    for root in filter(os.path.isdir, TMP_DIRS):
-        _empty_dir(root, state["kept_paths"])
-
-
 def _empty_dir(path, keep):
     for entry in os.scandir(path):
         if entry.path in keep:
@@ -620,36 +610,6 @@ def _remove_tree(path):
                 if not os.path.islink(os.path.join(root, d)):
                     os.chmod(os.path.join(root, d), 0o700)
         shutil.rmtree(path, ignore_errors=True)
-
-
-def _describe(returncode, killed_for, elapsed, cpu_s, out, err, cfg):
-    """Status and reason from how the child ended; a last stderr line where Python wrote none."""
-    stdout, cut_out = out.text(cfg["max_output_chars"])
-    stderr, cut_err = err.text(cfg["max_output_chars"])
-    status, note = "error", ""
-    if killed_for in ("wall-clock limit", "wall-clock backstop"):
-        status, note = "timeout", (f"TimeoutError: the code ran longer than {cfg['timeout_s']:g} s "
-                                   "and was killed")
-    elif killed_for == "output limit":
-        note = (f"OutputLimitError: the code wrote more than {cfg['output_limit_mb']} MiB and was "
-                "killed")
-    elif killed_for == "cpu-time limit" or returncode == -signal.SIGXCPU:
-        killed_for, status = "cpu-time limit", "timeout"
-        note = "TimeoutError: the code used more than its CPU time limit and was killed"
-    elif returncode == EXIT_MEMORY:   # the child's own word (the OOM killer is a signal)
-        killed_for, status = "memory limit", "oom"
-    elif returncode == 0:
-        status = "ok"
-    elif returncode < 0:   # a real-time signal has no name
-        name = next((s.name for s in signal.Signals if s == -returncode), str(-returncode))
-        killed_for, note = f"signal {name}", f"Killed by signal {-returncode} ({name})"
-    else:
-        killed_for = f"exit status {returncode}"
-
-    if note:   # after the truncation, so the model always sees why the call ended
-        stderr += ("" if not stderr or stderr.endswith("\n") else "\n") + note + "\n"
-    return dict(status=status, stdout=stdout, stderr=stderr, elapsed_s=elapsed, cpu_s=cpu_s,
-                truncated=cut_out or cut_err, reason=killed_for or "", returncode=returncode)
 
 
 # -----------------------------------------------------------------------------
@@ -708,6 +668,7 @@ def _worker_main(cfg_json):
     """A worker's life. One whose sandbox cannot run calls says why in its first message."""
     cfg = json.loads(cfg_json)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # a ^C in the terminal is for the trainer
+    problem = None
     try:
         if cfg["kind"] == "grader":
             # trusted code on untrusted strings, in this process: no sandbox (a PID namespace's
@@ -716,10 +677,18 @@ def _worker_main(cfg_json):
             grader = importlib.import_module("machinery.verifier")
             sys.path.remove(cfg["repo"])
             grader.warm_up()
-            info, problem = {"level": "none"}, None
+            info = {"level": "none"}
         else:
             info, state = _start_worker(cfg)
-            problem = _probe_sandbox(cfg, state)
+            # a call must run and see the interpreter (generous: a loaded machine must not fail it)
+            probe = _run_call(SANDBOX_PROBE, json.dumps(state["interpreter"]),
+                              dict(cfg, timeout_s=max(cfg["timeout_s"], 30.0)), state)
+            if probe["status"] != "ok":
+                problem = f"a call failed ({probe['reason']}: {probe['stderr'][-1000:].strip()})"
+            elif json.loads(probe["stdout"]):
+                problem = f"the interpreter's files {probe['stdout'].strip()} are out of reach"
+            if problem:
+                problem += f"; isolation warnings: {'; '.join(state['warnings']) or 'none'}"
     except Exception as exc:   # a bug or an OS we do not know: the parent gets the reason
         info, problem = {}, f"{type(exc).__name__}: {exc}"
     _send(cfg["response_fd"], {"ready": not problem, "error": problem, "isolation": info})
@@ -740,8 +709,18 @@ def _worker_main(cfg_json):
 
 def _start_worker(cfg):
     """Isolation, preloads and limits: (the isolation report, the state every child gets)."""
-    _resolve_interpreter_paths()   # before _isolate takes the paths to keep
-    interpreter = _interpreter_identity()
+    # the prefixes and sys.path as real paths, before _isolate takes the paths to keep: a venv
+    # reached through a link in /tmp or home would be imported through a link the sandbox removes
+    prefixes = ("prefix", "base_prefix", "exec_prefix", "base_exec_prefix")
+    for name in prefixes:
+        setattr(sys, name, os.path.realpath(getattr(sys, name)))
+    sys.path[:] = dict.fromkeys(os.path.realpath(p) if p else p for p in sys.path)
+    # [path, st_dev, st_ino] of the interpreter and its own sys.path entries (not a .pth line into
+    # the hidden repo) before any mount: the probe call must find each, not an empty cover
+    own = [sys.executable] + [p for p in sys.path if p and os.path.isdir(p)
+                              and any(_under(p, getattr(sys, q)) for q in prefixes)]
+    interpreter = [[p, st.st_dev, st.st_ino] for p in own for st in [os.stat(p)]]
+
     info = _isolate(cfg)   # from here on PID 1 of the worker's namespaces (if the OS allowed them)
     for name in LIGHT_PRELOAD:
         __import__(name)
@@ -761,7 +740,9 @@ def _start_worker(cfg):
     cpu_s = math.ceil(cfg["timeout_s"]) + 1   # past the wall clock, so the clock's kill comes first
     nproc = cfg["max_processes"]   # without a uid of its own, NPROC counts all of ours
     if info["level"] == "process" and info["sandbox_uid"] is None:
-        nproc += _processes_of_uid(os.getuid())
+        for name in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError):   # gone meanwhile
+                nproc += os.stat(f"/proc/{name}").st_uid == os.getuid()
     # Hard = soft, or nearly: code-judge and SandboxFusion set only soft limits, which the snippet
     # raises right back (docs/design.md, the sandbox's hostile inputs).
     rlimits = [(resource.RLIMIT_AS, address_space, address_space),  # bytearray(10**11): MemoryError
@@ -777,28 +758,6 @@ def _start_worker(cfg):
         os.environ.update(HOME="/tmp/sandbox", TMPDIR="/tmp/sandbox")
     _prctl(PR_SET_NO_NEW_PRIVS, 1)   # no setuid binary or file capability lifts a child back up
     return info, state
-
-
-def _processes_of_uid(uid):
-    count = 0
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError):   # gone meanwhile
-            count += os.stat(f"/proc/{name}").st_uid == uid
-    return count
-
-
-def _probe_sandbox(cfg, state):
-    """None if a call runs and sees the interpreter, else what is wrong."""
-    # generous: a loaded machine must not fail a worker's start
-    result = _run_call(SANDBOX_PROBE, json.dumps(state["interpreter"]),
-                       dict(cfg, timeout_s=max(cfg["timeout_s"], 30.0)), state)
-    if result["status"] != "ok":
-        problem = f"a call failed ({result['reason']}: {result['stderr'][-1000:].strip()})"
-    elif json.loads(result["stdout"]):
-        problem = f"the interpreter's files {result['stdout'].strip()} are out of reach"
-    else:
-        return None
-    return f"{problem}; isolation warnings: {'; '.join(state['warnings']) or 'none'}"
 
 
 # -----------------------------------------------------------------------------
@@ -818,20 +777,6 @@ _BOOT = ("import importlib.util, sys; "
          "spec.loader.exec_module(m); m._worker_main(sys.argv[2])")
 
 
-def _worker_env():
-    """A worker's whole environment, built rather than scrubbed: /proc/<pid>/environ keeps what a
-    process was started with, so a secret deleted from os.environ later would still be there."""
-    return {"PATH": f"{os.path.dirname(_interpreter_path())}:/usr/local/bin:/usr/bin:/bin",
-            "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "USER": "sandbox", "LOGNAME": "sandbox",
-            "HOME": "/nonexistent",
-            "PYTHONHASHSEED": "0",   # the order of a set of strings is then the same on every rerun
-            "PYTHONDONTWRITEBYTECODE": "1", "MPLBACKEND": "Agg",
-            "PYTHONIOENCODING": "utf-8:surrogateescape",   # stdin and stdout as in a UTF-8 locale
-            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-            "NUMEXPR_NUM_THREADS": "1",
-            "CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": ""}
-
-
 class WorkerProcess:
     """One warm worker and its two pipes. One thread at a time uses it, holding `lock`."""
 
@@ -846,10 +791,22 @@ class WorkerProcess:
         req_r, self.req_w = os.pipe()
         self.resp_r, resp_w = os.pipe()
         cfg = dict(self.settings, kind=self.kind, request_fd=req_r, response_fd=resp_w)
+        # the whole environment, built rather than scrubbed: /proc/<pid>/environ keeps what a
+        # process was started with, so a secret deleted from os.environ later would still be there
+        env = {"PATH": f"{os.path.dirname(_interpreter_path())}:/usr/local/bin:/usr/bin:/bin",
+               "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "USER": "sandbox", "LOGNAME": "sandbox",
+               "HOME": "/nonexistent",
+               "PYTHONHASHSEED": "0",   # a set of strings in the same order on every rerun
+               "PYTHONDONTWRITEBYTECODE": "1", "MPLBACKEND": "Agg",
+               "PYTHONIOENCODING": "utf-8:surrogateescape",   # stdin and stdout as in UTF-8
+               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+               "NUMEXPR_NUM_THREADS": "1",
+               "CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": ""}
+
         self.proc = subprocess.Popen([_interpreter_path(), "-s", "-B", "-c", _BOOT,
                                       os.path.abspath(__file__), json.dumps(cfg)],
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     env=_worker_env(), cwd="/", pass_fds=(req_r, resp_w),
+                                     env=env, cwd="/", pass_fds=(req_r, resp_w),
                                      start_new_session=True)
         os.close(req_r)
         os.close(resp_w)

@@ -6,6 +6,7 @@ the cores that processes outside the run's own tree left idle FREE_WHEN_IDLE of 
 start-up counts as free, so an idle machine decides the same every time); the decode one less when
 the tool's workers run beside it. train_threads=N sets the update's count; OMP_NUM_THREADS, where
 set, both. config.yaml keeps the count chosen, so a resume sums as the run did."""
+import contextlib
 import dataclasses
 import math
 import os
@@ -32,12 +33,11 @@ def idle_cores(window_s=WINDOW_S):
     """This process's affinity cores idle over the next window_s, or busy with its own tree; None
     where the kernel's counters cannot be read."""
     try:
-        before = cpu_seconds()
+        idle_before, all_before, own_before = cpu_seconds()
         time.sleep(window_s)
-        after = cpu_seconds()
+        idle_after, all_after, own_after = cpu_seconds()
     except (OSError, psutil.Error):
         return None
-    (idle_before, all_before, own_before), (idle_after, all_after, own_after) = before, after
     cores = len(os.sched_getaffinity(0))
     if all_after <= all_before:
         return None
@@ -56,10 +56,8 @@ def cpu_seconds():
     me = psutil.Process()
     own = 0.0
     for process in [me, *me.children(recursive=True)]:
-        try:
+        with contextlib.suppress(psutil.Error):   # gone meanwhile
             own += sum(process.cpu_times()[:4])   # user, system, children_user, children_system
-        except psutil.Error:   # gone meanwhile
-            pass
     return idle, total, own
 
 
