@@ -212,10 +212,9 @@ def step_metrics(records, num_groups):
     calls = sum(r["tool_calls"] for r in records)
     correct = [r for r in records if r["reward"] > 0]
     positives = [r for r in correct if not r["all_equal"]]
-    by_kind = {}
+    by_kind = Counter()
     for r in records:
-        for kind, count in r["errors_by_kind"].items():
-            by_kind[kind] = by_kind.get(kind, 0) + count
+        by_kind.update(r["errors_by_kind"])
     out = {
         "accuracy": mean("reward"),  # the mean 0/1 reward of everything sampled
         "selected_reward_mean": mean("reward", [r for r in records if r["selected"]]),
@@ -286,7 +285,11 @@ def gather_step_metrics(local, learner, step, logprob_gap_warn):
     # prompt + response tokens through the trainer (the update, and any old log-prob pass)
     row["train_tokens_per_s"] = (sum(p["trained_tokens"] for p in gathered)
                                  / max(row["time/train"] + row["time/old_logprobs"], 1e-9))
-    warn_logprob_gap(row, step, logprob_gap_warn)
+    if row["logprob_gap_mean"] > logprob_gap_warn:  # the engine is not sampling from the policy
+        print(f"\n{'!' * 100}\nWARNING step {step}: logprob_gap_mean "
+              f"{row['logprob_gap_mean']:.4f} > logprob_gap_warn={logprob_gap_warn}: the engine is "
+              "not sampling from the trained policy: check the weight sync, the temperature and "
+              "the chat template\n" + "!" * 100, flush=True)
     return row
 
 
@@ -320,16 +323,6 @@ def progress_fields(metrics):
             "err_ok": "-" if in_correct is None else f"{in_correct:.3f}",
             "gap": f"{metrics['logprob_gap_mean']:.1e}",
             "tok_s": f"{metrics['rollout_tokens_per_s']:.0f}"}
-
-
-def warn_logprob_gap(metrics, step, threshold):
-    """The sync guard's alarm: the engine is not sampling from the policy being trained."""
-    if metrics["logprob_gap_mean"] <= threshold:
-        return
-    print(f"\n{'!' * 100}\nWARNING step {step}: logprob_gap_mean "
-          f"{metrics['logprob_gap_mean']:.4f} > logprob_gap_warn={threshold}: the engine is not "
-          "sampling from the trained policy: check the weight sync, the temperature and the chat "
-          "template\n" + "!" * 100, flush=True)
 
 
 def print_rl_written(out_dir, hf_dir, ckpt_root, untrained, device):

@@ -1,4 +1,5 @@
 """Model directories: checked, built as an FSDP2-sharded causal LM, exported with their format."""
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -101,10 +102,8 @@ def save_hf_model(model, tokenizer, model_path, out, save_dtype, rank, prompt_fo
         finally:  # the caller's tokenizer stays as it was
             tokenizer.chat_template = base_template
         write_format(tmp, *prompt_format, written_by=written_by)
-        try:  # keep the base model's sampling defaults (eos ids etc.)
+        with contextlib.suppress(OSError):  # the base model's sampling defaults (eos ids)
             GenerationConfig.from_pretrained(model_path).save_pretrained(tmp)
-        except OSError:
-            pass
 
         if out.exists():
             os.replace(out, old)

@@ -23,10 +23,9 @@ def generation_settings(model_path, cfg):
     when it matches (benchmarks and limit only add problems)."""
     settings = {"model": str(Path(model_path).resolve()), "n": cfg.n, "seed": cfg.seed,
                 "require_answer_tag": cfg.require_answer_tag}
-    rollout = dataclasses.asdict(cfg.rollout)
-    for name in ROLLOUT_RESOURCE_FIELDS:  # how fast, not what: may change between run and resume
-        rollout.pop(name, None)
-    settings["rollout"] = rollout
+    # how fast, not what: the resource fields may change between run and resume
+    settings["rollout"] = {k: v for k, v in dataclasses.asdict(cfg.rollout).items()
+                           if k not in ROLLOUT_RESOURCE_FIELDS}
     return settings
 
 

@@ -105,10 +105,10 @@ def token_logprobs(model, input_ids, temperature, chunk_tokens=0, with_entropy=F
         head = model.get_output_embeddings()
         rows = []
         for start in range(0, len(flat_targets), chunk_tokens):
-            piece = (head, hidden[start:start + chunk_tokens],
-                     flat_targets[start:start + chunk_tokens], temperature, with_entropy)
-            rows.append(checkpoint(projected_logprobs, *piece, use_reentrant=False)
-                        if torch.is_grad_enabled() else projected_logprobs(*piece))
+            piece = (hidden[start:start + chunk_tokens], flat_targets[start:start + chunk_tokens],
+                     temperature, with_entropy, head)
+            rows.append(checkpoint(head_logprobs, *piece, use_reentrant=False)
+                        if torch.is_grad_enabled() else head_logprobs(*piece))
 
     join = torch.cat if chunk_tokens else torch.stack  # chunks of flat positions, or rows
     if not with_entropy:
@@ -117,9 +117,10 @@ def token_logprobs(model, input_ids, temperature, chunk_tokens=0, with_entropy=F
             join([entropy for _, entropy in rows]).view(targets.shape))
 
 
-def head_logprobs(logits, targets, temperature, with_entropy=False):
-    """log_softmax(logits / T) at the targets in fp32; with_entropy: and its entropy, detached."""
-    logits = logits.float() / temperature
+def head_logprobs(logits, targets, temperature, with_entropy=False, head=None):
+    """log_softmax(logits / T) at the targets in fp32; with_entropy: and its entropy, detached;
+    head: `logits` are hidden states, projected here (inside a chunk's checkpoint)."""
+    logits = (logits if head is None else head(logits)).float() / temperature
     normalizer = logits.logsumexp(-1)
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - normalizer
     if not with_entropy:
@@ -128,10 +129,6 @@ def head_logprobs(logits, targets, temperature, with_entropy=False):
         probs = (logits - normalizer[:, None]).exp_()
         entropy = normalizer - torch.linalg.vecdot(probs, logits)
     return logp, entropy
-
-
-def projected_logprobs(head, hidden, targets, temperature, with_entropy=False):
-    return head_logprobs(head(hidden), targets, temperature, with_entropy)
 
 
 def last_hidden_states(model, input_ids):
