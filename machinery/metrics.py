@@ -119,7 +119,7 @@ class TimedExecutor:
     decoding)."""
 
     def __init__(self, executor):
-        self.executor, self.busy_s = executor, 0.0
+        self.executor, self.busy_s, self.close = executor, 0.0, executor.close
 
     def submit(self, code, stdin=""):
         future = self.executor.submit(code, stdin=stdin)
@@ -130,9 +130,6 @@ class TimedExecutor:
         if future.exception() is None:
             # float += under the GIL: the callbacks' threads cannot tear it
             self.busy_s += future.result().elapsed_s
-
-    def close(self):
-        self.executor.close()
 
 
 def pass_at_k(n, c, k):
@@ -147,12 +144,11 @@ def trajectory_record(t, correct, answer, ungraded=False):
     """One graded trajectory's numbers, as eval.py writes them per sample and sample_metrics
     averages them. ungraded: the verifier reached no verdict, so correct=False is not wrong."""
     return {"answer": answer, "correct": correct, "ungraded": ungraded, "finished": t.finished,
-            "truncated": t.truncated,
-            "stop_reason": t.stop_reason, "response_tokens": len(t.response_ids),
-            "model_tokens": t.num_model_tokens, "num_turns": t.num_turns,
-            "num_tool_calls": t.num_tool_calls, "num_tool_errors": t.num_tool_errors,
-            "tool_errors_by_kind": {k: v for k, v in t.tool_errors_by_kind.items() if v},
-            "num_answer_tags": t.num_answer_tags}
+            "truncated": t.truncated, "stop_reason": t.stop_reason,
+            "response_tokens": len(t.response_ids), "model_tokens": t.num_model_tokens,
+            "num_turns": t.num_turns, "num_tool_calls": t.num_tool_calls,
+            "num_tool_errors": t.num_tool_errors, "num_answer_tags": t.num_answer_tags,
+            "tool_errors_by_kind": {k: v for k, v in t.tool_errors_by_kind.items() if v}}
 
 
 def sample_metrics(samples):

@@ -72,10 +72,9 @@ def build_model(cfg, model_path, device, rank):
     full_state = source.state_dict() if rank == 0 else {}
     set_model_state_dict(model, full_state,
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    source_buffers = dict(source.named_buffers()) if rank == 0 else {}
     for name, buffer in model.named_buffers():
         if rank == 0:
-            buffer.copy_(source_buffers[name])
+            buffer.copy_(source.get_buffer(name))
         dist.broadcast(buffer, src=0)
     del source, full_state
     model.train()
