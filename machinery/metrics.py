@@ -24,8 +24,7 @@ def check_logger_packages(wandb_project, tensorboard):
     for key, wanted, package in (("wandb_project", wandb_project, "wandb"),
                                  ("tensorboard", tensorboard, "tensorboard")):
         if wanted and importlib.util.find_spec(package) is None:
-            raise ConfigError(f"{key}: the {package} package is not installed; "
-                              f"{typed(sys.executable)} -m pip install {package}")
+            raise ConfigError(f"{key}: {typed(sys.executable)} -m pip install {package}")
 
 
 class MetricsLogger:
@@ -153,9 +152,8 @@ def trajectory_record(t, correct, answer, ungraded=False):
 
 def sample_metrics(samples):
     """Means over trajectory_record dicts: lengths, tool use and errors, answers, truncation."""
-    metrics = {}
-    metrics["response_tokens"] = statistics.fmean(r["response_tokens"] for r in samples)
-    metrics["model_tokens"] = statistics.fmean(r["model_tokens"] for r in samples)
+    metrics = {"response_tokens": statistics.fmean(r["response_tokens"] for r in samples),
+               "model_tokens": statistics.fmean(r["model_tokens"] for r in samples)}
 
     calls = sum(r["num_tool_calls"] for r in samples)
     errors = sum(r["num_tool_errors"] for r in samples)

@@ -37,11 +37,9 @@ def check_model_dir(path, allow_hub_id=True):
         raise ConfigError(f"model directory not found: {local} ({local.parent} holds: {there})")
 
     if not (local / "config.json").is_file():
-        raise ConfigError(f"model={path}: {local} has no config.json; expected a Hugging Face "
-                          "model directory")
+        raise ConfigError(f"model={path}: {local} has no config.json; not a model directory")
     if not any((local / name).is_file() for name in TOKENIZER_FILES):
-        raise ConfigError(f"model directory {local} has no tokenizer (none of "
-                          f"{', '.join(TOKENIZER_FILES)}); save it beside the weights")
+        raise ConfigError(f"model directory {local} has no tokenizer; save it beside the weights")
     return str(local)
 
 

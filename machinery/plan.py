@@ -174,8 +174,7 @@ def resolve_model_config(cfg):
                  REPO / "configs" / "models" / f"{Path(cfg.model).name}.json"):
         if path.is_file():
             return path
-    raise ConfigError(f"model={cfg.model}: no config.json there nor in configs/models/; pass "
-                      "plan_model_config=PATH (a config.json)")
+    raise ConfigError(f"model={cfg.model}: no config.json; pass plan_model_config=PATH")
 
 
 def plan(cfg, m, world, gpu_bytes):
@@ -456,8 +455,8 @@ def print_plan(cfg, world, plan_args=()):
     a = load_assumptions(cfg, plan_args)
     tp = cfg.rollout.tensor_parallel_size
     if world % tp or a.plan_gpus_per_node % tp:
-        raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide the {world} ranks "
-                          f"and the {a.plan_gpus_per_node} GPUs per node (plan_gpus_per_node)")
+        raise ConfigError(f"rollout.tensor_parallel_size={tp}: must divide {world} ranks and "
+                          f"plan_gpus_per_node={a.plan_gpus_per_node}")
     path = resolve_model_config(cfg)
     print(format_plan(cfg, ModelShape.from_config(path), world, a,
                       path.relative_to(REPO) if path.is_relative_to(REPO) else path))

@@ -51,8 +51,7 @@ def open_samples(out_dir, settings, n, resume):
         changed = ([k for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
                    if saved else ["generation.json is missing"])
         # Not "resume=false": that would delete another experiment's samples to make room.
-        raise ConfigError(f"out_dir={out_dir}: holds samples made with other settings "
-                          f"({', '.join(changed)}); give this evaluation its own out_dir")
+        raise ConfigError(f"out_dir={out_dir}: other settings ({', '.join(changed)}); use another")
 
     groups = {}
     for record in read_records(samples_path):  # a line cut off mid-write: dropped, with a warning
@@ -83,8 +82,7 @@ def work_left(model_path, problems, cfg, out_dir, rank, world_size):
         except ConfigError as e:  # every rank raises it: all stop at once, rank 0 prints it
             refusal = str(e)
         except OSError as e:  # a read-only filesystem, a directory of another user
-            refusal = (f"out_dir={out_dir}: cannot write there ({e.strerror}: {e.filename}); "
-                       "choose a writable out_dir")
+            refusal = f"out_dir={out_dir}: {e.strerror}: {e.filename}; choose a writable one"
 
     done = [set(finished), refusal]
     if world_size > 1:

@@ -155,8 +155,7 @@ def chosen_steps(run_dir, value, key):
         raise ConfigError(f"{key}={value!r}: a step (0: the newest), N,M,... or all") from None
     for step in wanted:
         if step not in saved:
-            raise ConfigError(f"{key}={step}: no complete saved step {step} under {root} (saved: "
-                              f"{', '.join(map(str, saved))})")
+            raise ConfigError(f"{key}={step}: not saved under {root} (saved: {saved})")
     return wanted
 
 
@@ -193,8 +192,7 @@ def replay_policy(cfg, run_dir, number, device, rank):
             model, optimizer = load_policy(dataclasses.replace(cfg, model=str(source)), device,
                                            rank)
         else:
-            raise ConfigError(f"replay_weights={cfg.replay_weights!r}: neither a complete rl.py "
-                              "checkpoint (step_N/COMPLETE) nor a Hugging Face model directory")
+            raise ConfigError(f"replay_weights={source}: not a checkpoint nor a model directory")
         return model, optimizer, f"{source} (replay_weights, not the step's own)"
 
     if number == 1:  # where a fresh run starts: no checkpoint of its own, resume=auto
@@ -208,8 +206,7 @@ def replay_policy(cfg, run_dir, number, device, rank):
     checkpoint = run_dir / "checkpoints" / f"{CHECKPOINT_PREFIX}{number - 1:08d}"
     if not (checkpoint / "COMPLETE").is_file():
         exact = ",".join(map(str, replayable(run_dir, saved_steps(run_dir)))) or "none"
-        raise ConfigError(f"{checkpoint}: missing, and its weights sampled step {number}; "
-                          f"replay_step={exact} replays exactly, or set replay_weights=")
+        raise ConfigError(f"{checkpoint}: missing; replay_step={exact} or set replay_weights=")
     load_training_state(checkpoint, model, optimizer)
     return model, optimizer, f"{checkpoint} (the weights that sampled it)"
 

@@ -30,20 +30,17 @@ class TrainSample:
 
 def micro_batches(samples, cfg):
     """This rank's samples in micro-batches under the token and size caps, longest first."""
-    order = sorted(range(len(samples)), key=lambda i: -len(samples[i]))
-    batches, current, longest = [], [], 0
-    for i in order:
-        length = len(samples[i])
-        if length > cfg.micro_batch_tokens:
-            raise ConfigError(f"micro_batch_tokens={cfg.micro_batch_tokens}: a trajectory of "
-                              f"{length} tokens does not fit; raise it")
-        grown = max(longest, length) * (len(current) + 1)  # padded size if this sample joins
+    batches, current = [], []
+    for sample in sorted(samples, key=len, reverse=True):  # stable: equal lengths keep their order
+        if len(sample) > cfg.micro_batch_tokens:
+            raise ConfigError(f"micro_batch_tokens={cfg.micro_batch_tokens}: needs {len(sample)}")
+        # padded size if this sample joins: longest first, current[0] is the longest
+        grown = len(current[0] if current else sample) * (len(current) + 1)
         full = cfg.micro_batch_size and len(current) >= cfg.micro_batch_size
         if current and (grown > cfg.micro_batch_tokens or full):
             batches.append(current)
-            current, longest = [], 0
-        current.append(samples[i])
-        longest = max(longest, length)
+            current = []
+        current.append(sample)
     if current:
         batches.append(current)
     return batches
