@@ -28,8 +28,7 @@ def check_model_dir(path, allow_hub_id=True):
         if hub_id and allow_hub_id:
             return path
         if hub_id:
-            raise ConfigError(f"model={path}: eval.py reads a local directory; download it first "
-                              f"(huggingface-cli download {path} --local-dir DIR)")
+            raise ConfigError(f"model={path}: huggingface-cli download {path} --local-dir DIR")
         # what the folder holds: a step or a name mistyped shows beside the real one
         there = (", ".join(sorted(p.name for p in local.parent.iterdir()
                                   if not p.name.startswith("."))[:12]) or "nothing"

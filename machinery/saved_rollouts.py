@@ -70,10 +70,9 @@ def save_rollouts(run, step, position, rows, groups, rewards, records, samples):
              for (t, reward), record in zip(flat, records)]
 
     if saving:
-        write_rollouts(run.out_dir, step + 1, lines, keep=cfg.keep_rollouts,
-                       meta={"data_position": position,
-                             "rollouts_per_prompt": cfg.rollouts_per_prompt,
-                             "config": dataclasses.asdict(cfg)})
+        meta = {"data_position": position, "rollouts_per_prompt": cfg.rollouts_per_prompt,
+                "config": dataclasses.asdict(cfg)}
+        write_rollouts(run.out_dir, step + 1, lines, meta, keep=cfg.keep_rollouts)
         if dist.get_rank() == 0 and (why := not_replayable(cfg, step + 1)):
             print(f"saved rollouts of step {step + 1}: they will not replay exactly: {why}",
                   flush=True)
@@ -116,9 +115,8 @@ def write_rollouts(run_dir, step, records, meta, keep=0):
     if rank == 0:
         atomic_write_text(folder / STEP_FILE,
                           json.dumps({"step": step, "ranks": world_size, **meta}, indent=1) + "\n")
-        if keep:
-            for old in saved_steps(run_dir)[:-keep]:
-                shutil.rmtree(step_dir(run_dir, old), ignore_errors=True)
+        for old in saved_steps(run_dir)[:-keep]:  # keep=0: [:-0] is empty, all are kept
+            shutil.rmtree(step_dir(run_dir, old), ignore_errors=True)
     dist.barrier()
     return folder
 
