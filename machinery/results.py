@@ -106,9 +106,9 @@ def gather_records(chunk, records, rank, world_size):
     if world_size > 1:
         parts = [None] * world_size if rank == 0 else None
         dist.gather_object(records, parts, dst=0)
-        records = [r for part in parts for r in part] if rank == 0 else []
-    if rank != 0:
-        return records
+        if rank != 0:
+            return []
+        records = [r for part in parts for r in part]
     # The ranks of a tensor-parallel group share an engine, and may all report its samples.
     order = {(name, row["id"]): i for i, (name, row) in enumerate(chunk)}
     unique = {(r["benchmark"], r["problem_id"], r["sample_index"]): r for r in reversed(records)}
