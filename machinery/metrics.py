@@ -209,7 +209,7 @@ def step_metrics(records, num_groups):
     by_kind = Counter()
     for r in records:
         by_kind.update(r["errors_by_kind"])
-    out = {
+    return {
         "accuracy": mean("reward"),  # the mean 0/1 reward of everything sampled
         "selected_reward_mean": mean("reward", [r for r in records if r["selected"]]),
         "all_equal_group_fraction": sum(r["all_equal"] for r in records) / max(n, 1),
@@ -232,9 +232,8 @@ def step_metrics(records, num_groups):
         "truncation_ratio": mean("truncated"),
         # trajectories the verifier reached no verdict on (reward 0, not wrong): see sample_metrics
         "ungraded": sum(bool(r.get("ungraded")) for r in records),
+        **{f"tool_errors/{kind}": count for kind, count in sorted(by_kind.items())},
     }
-    out.update({f"tool_errors/{kind}": count for kind, count in sorted(by_kind.items())})
-    return out
 
 
 def global_metrics(per_batch, world_size):
@@ -248,9 +247,8 @@ def global_metrics(per_batch, world_size):
                            for k in max_keys])
     dist.all_reduce(packed)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-    out = {k: float(v) / world_size for k, v in zip(keys, packed)}
-    out.update({k: float(v) for k, v in zip(max_keys, largest)})
-    return out
+    return {**{k: float(v) / world_size for k, v in zip(keys, packed)},
+            **{k: float(v) for k, v in zip(max_keys, largest)}}
 
 
 def gather_step_metrics(local, learner, step, logprob_gap_warn):

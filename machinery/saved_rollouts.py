@@ -151,9 +151,8 @@ def chosen_steps(run_dir, value, key):
         wanted = [int(part) or saved[-1] for part in str(value).split(",")]
     except ValueError:
         raise ConfigError(f"{key}={value!r}: a step (0: the newest), N,M,... or all") from None
-    for step in wanted:
-        if step not in saved:
-            raise ConfigError(f"{key}={step}: not saved under {root} (saved: {saved})")
+    if missing := [step for step in wanted if step not in saved]:
+        raise ConfigError(f"{key}={missing[0]}: not saved under {root} (saved: {saved})")
     return wanted
 
 
