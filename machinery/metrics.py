@@ -263,8 +263,7 @@ def gather_step_metrics(local, learner, step, logprob_gap_warn):
     row = step_metrics([r for part in gathered for r in part["records"]],
                        sum(p["groups"] for p in gathered))
     row.update(learner)
-    for key in local["times"]:
-        row[f"time/{key}"] = max(part["times"][key] for part in gathered)
+    row.update({f"time/{key}": max(p["times"][key] for p in gathered) for key in local["times"]})
 
     # the straggler: how long the fastest rank's rollouts waited for the slowest's (time/generate
     # overlaps time/rollout); the collective timeout must stay above it (docs/gpu.md, Several nodes)

@@ -21,12 +21,11 @@ CHUNK_PROBLEMS = 64
 def generation_settings(model_path, cfg):
     """Everything that decides what a sample is and its grade: finished samples are reused only
     when it matches (benchmarks and limit only add problems)."""
-    settings = {"model": str(Path(model_path).resolve()), "n": cfg.n, "seed": cfg.seed,
-                "require_answer_tag": cfg.require_answer_tag}
-    # how fast, not what: the resource fields may change between run and resume
-    settings["rollout"] = {k: v for k, v in dataclasses.asdict(cfg.rollout).items()
-                           if k not in ROLLOUT_RESOURCE_FIELDS}
-    return settings
+    return {"model": str(Path(model_path).resolve()), "n": cfg.n, "seed": cfg.seed,
+            "require_answer_tag": cfg.require_answer_tag,
+            # how fast, not what: the resource fields may change between run and resume
+            "rollout": {k: v for k, v in dataclasses.asdict(cfg.rollout).items()
+                        if k not in ROLLOUT_RESOURCE_FIELDS}}
 
 
 def open_samples(out_dir, settings, n, resume):
