@@ -352,10 +352,9 @@ def warn_untrained(streak, metrics, every):
 
 def print_sft_data(examples, dropped, total_steps, cfg, world_size, accumulation):
     """sft.py's data line: conversations kept and dropped, tokens, and the steps' batch split."""
-    tokens, trained = (sum(len(ids) for ids, _ in examples),
-                       sum(sum(mask) for _, mask in examples))
     print(f"data: {len(examples)} conversations ({dropped} longer than {cfg.max_seq_len} "
-          f"tokens dropped), {tokens} tokens, {trained} trained | {total_steps} steps of "
+          f"tokens dropped), {sum(len(ids) for ids, _ in examples)} tokens, "
+          f"{sum(sum(mask) for _, mask in examples)} trained | {total_steps} steps of "
           f"{cfg.global_batch_size} = {world_size} ranks x {accumulation} micro-batches x "
           f"{cfg.micro_batch_size}", flush=True)
 
