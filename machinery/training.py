@@ -108,10 +108,9 @@ def token_logprobs(model, input_ids, temperature, chunk_tokens=0, with_entropy=F
                         if torch.is_grad_enabled() else head_logprobs(*piece))
 
     join = torch.cat if chunk_tokens else torch.stack  # chunks of flat positions, or rows
-    if not with_entropy:
-        return join(rows).view(targets.shape)
-    return (join([logp for logp, _ in rows]).view(targets.shape),
-            join([entropy for _, entropy in rows]).view(targets.shape))
+    parts = zip(*rows) if with_entropy else [rows]
+    out = [join(list(part)).view(targets.shape) for part in parts]
+    return tuple(out) if with_entropy else out[0]  # (log-probs, entropies) or log-probs
 
 
 def head_logprobs(logits, targets, temperature, with_entropy=False, head=None):
