@@ -257,5 +257,4 @@ def kept_statistics(records):
 
 
 def mean(values):
-    values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
