@@ -24,7 +24,7 @@ def check_logger_packages(wandb_project, tensorboard):
     for key, wanted, package in (("wandb_project", wandb_project, "wandb"),
                                  ("tensorboard", tensorboard, "tensorboard")):
         if wanted and importlib.util.find_spec(package) is None:
-            raise ConfigError(f"{key}: no {package}; {typed(sys.executable)} -m pip install {package}")
+            raise ConfigError(f"{key}: {typed(sys.executable)} -m pip install {package}")
 
 
 class MetricsLogger:
