@@ -24,8 +24,7 @@ def check_logger_packages(wandb_project, tensorboard):
     for key, wanted, package in (("wandb_project", wandb_project, "wandb"),
                                  ("tensorboard", tensorboard, "tensorboard")):
         if wanted and importlib.util.find_spec(package) is None:
-            raise ConfigError(f"{key}: the {package} package is not installed; "
-                              f"{typed(sys.executable)} -m pip install {package}")
+            raise ConfigError(f"{key}: {typed(sys.executable)} -m pip install {package}")
 
 
 class MetricsLogger:
@@ -119,7 +118,7 @@ class TimedExecutor:
     decoding)."""
 
     def __init__(self, executor):
-        self.executor, self.busy_s = executor, 0.0
+        self.executor, self.busy_s, self.close = executor, 0.0, executor.close
 
     def submit(self, code, stdin=""):
         future = self.executor.submit(code, stdin=stdin)
@@ -130,9 +129,6 @@ class TimedExecutor:
         if future.exception() is None:
             # float += under the GIL: the callbacks' threads cannot tear it
             self.busy_s += future.result().elapsed_s
-
-    def close(self):
-        self.executor.close()
 
 
 def pass_at_k(n, c, k):
@@ -147,19 +143,17 @@ def trajectory_record(t, correct, answer, ungraded=False):
     """One graded trajectory's numbers, as eval.py writes them per sample and sample_metrics
     averages them. ungraded: the verifier reached no verdict, so correct=False is not wrong."""
     return {"answer": answer, "correct": correct, "ungraded": ungraded, "finished": t.finished,
-            "truncated": t.truncated,
-            "stop_reason": t.stop_reason, "response_tokens": len(t.response_ids),
-            "model_tokens": t.num_model_tokens, "num_turns": t.num_turns,
-            "num_tool_calls": t.num_tool_calls, "num_tool_errors": t.num_tool_errors,
-            "tool_errors_by_kind": {k: v for k, v in t.tool_errors_by_kind.items() if v},
-            "num_answer_tags": t.num_answer_tags}
+            "truncated": t.truncated, "stop_reason": t.stop_reason,
+            "response_tokens": len(t.response_ids), "model_tokens": t.num_model_tokens,
+            "num_turns": t.num_turns, "num_tool_calls": t.num_tool_calls,
+            "num_tool_errors": t.num_tool_errors, "num_answer_tags": t.num_answer_tags,
+            "tool_errors_by_kind": {k: v for k, v in t.tool_errors_by_kind.items() if v}}
 
 
 def sample_metrics(samples):
     """Means over trajectory_record dicts: lengths, tool use and errors, answers, truncation."""
-    metrics = {}
-    metrics["response_tokens"] = statistics.fmean(r["response_tokens"] for r in samples)
-    metrics["model_tokens"] = statistics.fmean(r["model_tokens"] for r in samples)
+    metrics = {"response_tokens": statistics.fmean(r["response_tokens"] for r in samples),
+               "model_tokens": statistics.fmean(r["model_tokens"] for r in samples)}
 
     calls = sum(r["num_tool_calls"] for r in samples)
     errors = sum(r["num_tool_errors"] for r in samples)
@@ -212,11 +206,10 @@ def step_metrics(records, num_groups):
     calls = sum(r["tool_calls"] for r in records)
     correct = [r for r in records if r["reward"] > 0]
     positives = [r for r in correct if not r["all_equal"]]
-    by_kind = {}
+    by_kind = Counter()
     for r in records:
-        for kind, count in r["errors_by_kind"].items():
-            by_kind[kind] = by_kind.get(kind, 0) + count
-    out = {
+        by_kind.update(r["errors_by_kind"])
+    return {
         "accuracy": mean("reward"),  # the mean 0/1 reward of everything sampled
         "selected_reward_mean": mean("reward", [r for r in records if r["selected"]]),
         "all_equal_group_fraction": sum(r["all_equal"] for r in records) / max(n, 1),
@@ -239,9 +232,8 @@ def step_metrics(records, num_groups):
         "truncation_ratio": mean("truncated"),
         # trajectories the verifier reached no verdict on (reward 0, not wrong): see sample_metrics
         "ungraded": sum(bool(r.get("ungraded")) for r in records),
+        **{f"tool_errors/{kind}": count for kind, count in sorted(by_kind.items())},
     }
-    out.update({f"tool_errors/{kind}": count for kind, count in sorted(by_kind.items())})
-    return out
 
 
 def global_metrics(per_batch, world_size):
@@ -255,9 +247,8 @@ def global_metrics(per_batch, world_size):
                            for k in max_keys])
     dist.all_reduce(packed)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-    out = {k: float(v) / world_size for k, v in zip(keys, packed)}
-    out.update({k: float(v) for k, v in zip(max_keys, largest)})
-    return out
+    return {**{k: float(v) / world_size for k, v in zip(keys, packed)},
+            **{k: float(v) for k, v in zip(max_keys, largest)}}
 
 
 def gather_step_metrics(local, learner, step, logprob_gap_warn):
@@ -272,8 +263,7 @@ def gather_step_metrics(local, learner, step, logprob_gap_warn):
     row = step_metrics([r for part in gathered for r in part["records"]],
                        sum(p["groups"] for p in gathered))
     row.update(learner)
-    for key in local["times"]:
-        row[f"time/{key}"] = max(part["times"][key] for part in gathered)
+    row.update({f"time/{key}": max(p["times"][key] for p in gathered) for key in local["times"]})
 
     # the straggler: how long the fastest rank's rollouts waited for the slowest's (time/generate
     # overlaps time/rollout); the collective timeout must stay above it (docs/gpu.md, Several nodes)
@@ -286,7 +276,11 @@ def gather_step_metrics(local, learner, step, logprob_gap_warn):
     # prompt + response tokens through the trainer (the update, and any old log-prob pass)
     row["train_tokens_per_s"] = (sum(p["trained_tokens"] for p in gathered)
                                  / max(row["time/train"] + row["time/old_logprobs"], 1e-9))
-    warn_logprob_gap(row, step, logprob_gap_warn)
+    if row["logprob_gap_mean"] > logprob_gap_warn:  # the engine is not sampling from the policy
+        print(f"\n{'!' * 100}\nWARNING step {step}: logprob_gap_mean "
+              f"{row['logprob_gap_mean']:.4f} > logprob_gap_warn={logprob_gap_warn}: the engine is "
+              "not sampling from the trained policy: check the weight sync, the temperature and "
+              "the chat template\n" + "!" * 100, flush=True)
     return row
 
 
@@ -320,16 +314,6 @@ def progress_fields(metrics):
             "err_ok": "-" if in_correct is None else f"{in_correct:.3f}",
             "gap": f"{metrics['logprob_gap_mean']:.1e}",
             "tok_s": f"{metrics['rollout_tokens_per_s']:.0f}"}
-
-
-def warn_logprob_gap(metrics, step, threshold):
-    """The sync guard's alarm: the engine is not sampling from the policy being trained."""
-    if metrics["logprob_gap_mean"] <= threshold:
-        return
-    print(f"\n{'!' * 100}\nWARNING step {step}: logprob_gap_mean "
-          f"{metrics['logprob_gap_mean']:.4f} > logprob_gap_warn={threshold}: the engine is not "
-          "sampling from the trained policy: check the weight sync, the temperature and the chat "
-          "template\n" + "!" * 100, flush=True)
 
 
 def print_rl_written(out_dir, hf_dir, ckpt_root, untrained, device):
@@ -368,10 +352,9 @@ def warn_untrained(streak, metrics, every):
 
 def print_sft_data(examples, dropped, total_steps, cfg, world_size, accumulation):
     """sft.py's data line: conversations kept and dropped, tokens, and the steps' batch split."""
-    tokens, trained = (sum(len(ids) for ids, _ in examples),
-                       sum(sum(mask) for _, mask in examples))
     print(f"data: {len(examples)} conversations ({dropped} longer than {cfg.max_seq_len} "
-          f"tokens dropped), {tokens} tokens, {trained} trained | {total_steps} steps of "
+          f"tokens dropped), {sum(len(ids) for ids, _ in examples)} tokens, "
+          f"{sum(sum(mask) for _, mask in examples)} trained | {total_steps} steps of "
           f"{cfg.global_batch_size} = {world_size} ranks x {accumulation} micro-batches x "
           f"{cfg.micro_batch_size}", flush=True)
 

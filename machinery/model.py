@@ -1,4 +1,5 @@
 """Model directories: checked, built as an FSDP2-sharded causal LM, exported with their format."""
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -27,8 +28,7 @@ def check_model_dir(path, allow_hub_id=True):
         if hub_id and allow_hub_id:
             return path
         if hub_id:
-            raise ConfigError(f"model={path}: eval.py reads a local directory; download it first "
-                              f"(huggingface-cli download {path} --local-dir DIR)")
+            raise ConfigError(f"model={path}: huggingface-cli download {path} --local-dir DIR")
         # what the folder holds: a step or a name mistyped shows beside the real one
         there = (", ".join(sorted(p.name for p in local.parent.iterdir()
                                   if not p.name.startswith("."))[:12]) or "nothing"
@@ -36,11 +36,9 @@ def check_model_dir(path, allow_hub_id=True):
         raise ConfigError(f"model directory not found: {local} ({local.parent} holds: {there})")
 
     if not (local / "config.json").is_file():
-        raise ConfigError(f"model={path}: {local} has no config.json; expected a Hugging Face "
-                          "model directory")
+        raise ConfigError(f"model={path}: {local} has no config.json; not a model directory")
     if not any((local / name).is_file() for name in TOKENIZER_FILES):
-        raise ConfigError(f"model directory {local} has no tokenizer (none of "
-                          f"{', '.join(TOKENIZER_FILES)}); save it beside the weights")
+        raise ConfigError(f"model directory {local} has no tokenizer; save it beside the weights")
     return str(local)
 
 
@@ -71,10 +69,9 @@ def build_model(cfg, model_path, device, rank):
     full_state = source.state_dict() if rank == 0 else {}
     set_model_state_dict(model, full_state,
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    source_buffers = dict(source.named_buffers()) if rank == 0 else {}
     for name, buffer in model.named_buffers():
         if rank == 0:
-            buffer.copy_(source_buffers[name])
+            buffer.copy_(source.get_buffer(name))
         dist.broadcast(buffer, src=0)
     del source, full_state
     model.train()
@@ -101,10 +98,8 @@ def save_hf_model(model, tokenizer, model_path, out, save_dtype, rank, prompt_fo
         finally:  # the caller's tokenizer stays as it was
             tokenizer.chat_template = base_template
         write_format(tmp, *prompt_format, written_by=written_by)
-        try:  # keep the base model's sampling defaults (eos ids etc.)
+        with contextlib.suppress(OSError):  # the base model's sampling defaults (eos ids)
             GenerationConfig.from_pretrained(model_path).save_pretrained(tmp)
-        except OSError:
-            pass
 
         if out.exists():
             os.replace(out, old)

@@ -18,11 +18,8 @@ GPUS = {"H100-80GB": 81559 * 2**20, "H200": 143771 * 2**20, "MI300X": 196592 * 2
 PEAK_BF16_FLOPS = {"H100-80GB": 989e12, "H200": 989e12, "MI300X": 1307e12}
 # Estimates of what a CPU cannot measure (tools/gpu_check.py records the real ones)
 CUDA_CONTEXT = 1 * GiB           # CUDA/HIP context, cuBLAS/NCCL workspaces: outside every tensor
-CUDA_GRAPHS = 1 * GiB            # vLLM's graph pool, captured after the KV cache is sized
 ENGINE_BATCH_TOKENS = 16384      # vLLM's max_num_batched_tokens on GPUs >= 70 GiB (arg_utils)
 ENGINE_MAX_SEQS = 1024           # ... and max_num_seqs, which caps K
-KV_BLOCK = 16                    # vLLM's default block size (the KV cache's unit, in tokens)
-SYNC_BUCKET = 64 * 2**20         # distributed.WEIGHT_SYNC_BUCKET_BYTES
 TOLERANCE = 0.20  # a memory term's error bound (tests/test_plan.py): estimates count this higher
 
 
@@ -128,7 +125,7 @@ def trainer_memory(m, world, tokens, chunk, checkpointing, c=2, prefetch=2):
 
 
 def max_concurrency(kv_cache_bytes, m, context_len, tp=1, c=2, max_seqs=ENGINE_MAX_SEQS,
-                    block=KV_BLOCK):  # K of §3.2 as the engine counts it
+                    block=16):  # K of §3.2 as the engine counts it; 16: vLLM's block size
     per_token = kv_bytes_per_token(m.layers, m.kv_heads, m.head_dim, c, tp)
     return trajectories_that_fit(max(0, kv_cache_bytes) // (block * per_token), block, context_len,
                                  max_seqs)
@@ -145,7 +142,8 @@ def engine_memory(m, rollout, gpu_bytes, c=2):
     kv_cache = budget - weights - activations - CUDA_CONTEXT
     return dict(budget=budget, weights=weights, activations=activations, kv_cache=kv_cache,
                 K=max_concurrency(kv_cache, m, rollout.context_len, tp, c),
-                graphs=0 if rollout.enforce_eager else CUDA_GRAPHS)
+                # vLLM's CUDA graph pool (estimate), captured after the KV cache is sized
+                graphs=0 if rollout.enforce_eager else 1 * GiB)
 
 
 def fsdp_bytes_per_micro_batch(m, world, c=2):
@@ -174,8 +172,7 @@ def resolve_model_config(cfg):
                  REPO / "configs" / "models" / f"{Path(cfg.model).name}.json"):
         if path.is_file():
             return path
-    raise ConfigError(f"model={cfg.model}: no config.json there nor in configs/models/; pass "
-                      "plan_model_config=PATH (a config.json)")
+    raise ConfigError(f"model={cfg.model}: no config.json; pass plan_model_config=PATH")
 
 
 def plan(cfg, m, world, gpu_bytes):
@@ -187,9 +184,10 @@ def plan(cfg, m, world, gpu_bytes):
     phases = {
         # gradients are freed after optimizer.step(): master and AdamW moments stay
         "rollout": train["resident_rollout"] + CUDA_CONTEXT + engine["budget"] + engine["graphs"],
-        # engine weights awake, KV cache asleep, one bucket of full bf16 tensors (or the largest)
+        # engine weights awake, KV cache asleep, one bucket of full bf16 tensors (or the largest;
+        # 64 MiB: distributed.WEIGHT_SYNC_BUCKET_BYTES)
         "weight sync": (train["resident_rollout"] + CUDA_CONTEXT + engine["weights"]
-                        + engine["graphs"] + max(SYNC_BUCKET, 2 * max(map(math.prod, m.shapes())))),
+                        + engine["graphs"] + max(64 * 2**20, 2 * max(map(math.prod, m.shapes())))),
         "training": train["peak"] + CUDA_CONTEXT + engine["graphs"],  # the engine asleep
     }
 
@@ -456,8 +454,8 @@ def print_plan(cfg, world, plan_args=()):
     a = load_assumptions(cfg, plan_args)
     tp = cfg.rollout.tensor_parallel_size
     if world % tp or a.plan_gpus_per_node % tp:
-        raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide the {world} ranks "
-                          f"and the {a.plan_gpus_per_node} GPUs per node (plan_gpus_per_node)")
+        raise ConfigError(f"rollout.tensor_parallel_size={tp}: must divide {world} ranks and "
+                          f"plan_gpus_per_node={a.plan_gpus_per_node}")
     path = resolve_model_config(cfg)
     print(format_plan(cfg, ModelShape.from_config(path), world, a,
                       path.relative_to(REPO) if path.is_relative_to(REPO) else path))

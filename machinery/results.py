@@ -21,13 +21,11 @@ CHUNK_PROBLEMS = 64
 def generation_settings(model_path, cfg):
     """Everything that decides what a sample is and its grade: finished samples are reused only
     when it matches (benchmarks and limit only add problems)."""
-    settings = {"model": str(Path(model_path).resolve()), "n": cfg.n, "seed": cfg.seed,
-                "require_answer_tag": cfg.require_answer_tag}
-    rollout = dataclasses.asdict(cfg.rollout)
-    for name in ROLLOUT_RESOURCE_FIELDS:  # how fast, not what: may change between run and resume
-        rollout.pop(name, None)
-    settings["rollout"] = rollout
-    return settings
+    return {"model": str(Path(model_path).resolve()), "n": cfg.n, "seed": cfg.seed,
+            "require_answer_tag": cfg.require_answer_tag,
+            # how fast, not what: the resource fields may change between run and resume
+            "rollout": {k: v for k, v in dataclasses.asdict(cfg.rollout).items()
+                        if k not in ROLLOUT_RESOURCE_FIELDS}}
 
 
 def open_samples(out_dir, settings, n, resume):
@@ -52,8 +50,7 @@ def open_samples(out_dir, settings, n, resume):
         changed = ([k for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
                    if saved else ["generation.json is missing"])
         # Not "resume=false": that would delete another experiment's samples to make room.
-        raise ConfigError(f"out_dir={out_dir}: holds samples made with other settings "
-                          f"({', '.join(changed)}); give this evaluation its own out_dir")
+        raise ConfigError(f"out_dir={out_dir}: other settings ({', '.join(changed)}); use another")
 
     groups = {}
     for record in read_records(samples_path):  # a line cut off mid-write: dropped, with a warning
@@ -84,8 +81,7 @@ def work_left(model_path, problems, cfg, out_dir, rank, world_size):
         except ConfigError as e:  # every rank raises it: all stop at once, rank 0 prints it
             refusal = str(e)
         except OSError as e:  # a read-only filesystem, a directory of another user
-            refusal = (f"out_dir={out_dir}: cannot write there ({e.strerror}: {e.filename}); "
-                       "choose a writable out_dir")
+            refusal = f"out_dir={out_dir}: {e.strerror}: {e.filename}; choose a writable one"
 
     done = [set(finished), refusal]
     if world_size > 1:
@@ -109,9 +105,9 @@ def gather_records(chunk, records, rank, world_size):
     if world_size > 1:
         parts = [None] * world_size if rank == 0 else None
         dist.gather_object(records, parts, dst=0)
-        records = [r for part in parts for r in part] if rank == 0 else []
-    if rank != 0:
-        return records
+        if rank != 0:
+            return []
+        records = [r for part in parts for r in part]
     # The ranks of a tensor-parallel group share an engine, and may all report its samples.
     order = {(name, row["id"]): i for i, (name, row) in enumerate(chunk)}
     unique = {(r["benchmark"], r["problem_id"], r["sample_index"]): r for r in reversed(records)}

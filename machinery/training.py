@@ -30,20 +30,17 @@ class TrainSample:
 
 def micro_batches(samples, cfg):
     """This rank's samples in micro-batches under the token and size caps, longest first."""
-    order = sorted(range(len(samples)), key=lambda i: -len(samples[i]))
-    batches, current, longest = [], [], 0
-    for i in order:
-        length = len(samples[i])
-        if length > cfg.micro_batch_tokens:
-            raise ConfigError(f"micro_batch_tokens={cfg.micro_batch_tokens}: a trajectory of "
-                              f"{length} tokens does not fit; raise it")
-        grown = max(longest, length) * (len(current) + 1)  # padded size if this sample joins
+    batches, current = [], []
+    for sample in sorted(samples, key=len, reverse=True):  # stable: equal lengths keep their order
+        if len(sample) > cfg.micro_batch_tokens:
+            raise ConfigError(f"micro_batch_tokens={cfg.micro_batch_tokens}: needs {len(sample)}")
+        # padded size if this sample joins: longest first, current[0] is the longest
+        grown = len(current[0] if current else sample) * (len(current) + 1)
         full = cfg.micro_batch_size and len(current) >= cfg.micro_batch_size
         if current and (grown > cfg.micro_batch_tokens or full):
             batches.append(current)
-            current, longest = [], 0
-        current.append(samples[i])
-        longest = max(longest, length)
+            current = []
+        current.append(sample)
     if current:
         batches.append(current)
     return batches
@@ -105,21 +102,21 @@ def token_logprobs(model, input_ids, temperature, chunk_tokens=0, with_entropy=F
         head = model.get_output_embeddings()
         rows = []
         for start in range(0, len(flat_targets), chunk_tokens):
-            piece = (head, hidden[start:start + chunk_tokens],
-                     flat_targets[start:start + chunk_tokens], temperature, with_entropy)
-            rows.append(checkpoint(projected_logprobs, *piece, use_reentrant=False)
-                        if torch.is_grad_enabled() else projected_logprobs(*piece))
+            piece = (hidden[start:start + chunk_tokens], flat_targets[start:start + chunk_tokens],
+                     temperature, with_entropy, head)
+            rows.append(checkpoint(head_logprobs, *piece, use_reentrant=False)
+                        if torch.is_grad_enabled() else head_logprobs(*piece))
 
     join = torch.cat if chunk_tokens else torch.stack  # chunks of flat positions, or rows
-    if not with_entropy:
-        return join(rows).view(targets.shape)
-    return (join([logp for logp, _ in rows]).view(targets.shape),
-            join([entropy for _, entropy in rows]).view(targets.shape))
+    parts = zip(*rows) if with_entropy else [rows]
+    out = [join(list(part)).view(targets.shape) for part in parts]
+    return tuple(out) if with_entropy else out[0]  # (log-probs, entropies) or log-probs
 
 
-def head_logprobs(logits, targets, temperature, with_entropy=False):
-    """log_softmax(logits / T) at the targets in fp32; with_entropy: and its entropy, detached."""
-    logits = logits.float() / temperature
+def head_logprobs(logits, targets, temperature, with_entropy=False, head=None):
+    """log_softmax(logits / T) at the targets in fp32; with_entropy: and its entropy, detached;
+    head: `logits` are hidden states, projected here (inside a chunk's checkpoint)."""
+    logits = (logits if head is None else head(logits)).float() / temperature
     normalizer = logits.logsumexp(-1)
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - normalizer
     if not with_entropy:
@@ -128,10 +125,6 @@ def head_logprobs(logits, targets, temperature, with_entropy=False):
         probs = (logits - normalizer[:, None]).exp_()
         entropy = normalizer - torch.linalg.vecdot(probs, logits)
     return logp, entropy
-
-
-def projected_logprobs(head, hidden, targets, temperature, with_entropy=False):
-    return head_logprobs(head(hidden), targets, temperature, with_entropy)
 
 
 def last_hidden_states(model, input_ids):
