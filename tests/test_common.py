@@ -192,7 +192,8 @@ def test_loader_reports_file_and_line_of_a_bad_row(tmp_path):
     cases = {
         "{not json\n": "c.jsonl:2: not valid JSON",
         '["a list"]\n': "c.jsonl:2: not a JSON object",
-        json.dumps({"id": "b", "problem": "x"}) + "\n": "c.jsonl:2: 'answer' must be a non-empty string",
+        json.dumps({"id": "b", "problem": "x"}) + "\n":
+            "c.jsonl:2: 'answer' must be a non-empty string",
         json.dumps({"id": "b", "problem": "x", "answer": 3}) + "\n":
             "c.jsonl:2: 'answer' must be a non-empty string",
         json.dumps({"id": "b", "problem": "x", "answer": "  "}) + "\n":
