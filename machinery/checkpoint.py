@@ -325,6 +325,6 @@ def epoch_plan(cfg, num_problems, start_step):
             f"{prompts:,} prompts over {num_problems:,} problems of {cfg.train_data}: "
             f"{epochs:.1f} epochs")
     if epochs > 5:  # the paper's stage 1: 300 steps x 512 prompts over 42K problems, 3.7 (§4.2)
-        line += (f"\nWARNING: {epochs:.1f} passes over the same problems, above 5.0 (the "
-                 "paper's stage 1: 3.7); add problems, or lower steps or prompts_per_step")
+        line += f"\nWARNING: {epochs:.1f} passes over the same problems (> 5.0); add problems"
+
     return epochs, line

@@ -203,8 +203,8 @@ def field_comments(cls):
 def _value_text(value):
     if isinstance(value, str):
         return repr(value) if value == "" or ":" in value or " " in value else value
-    return yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix(
-        "\n...").strip()
+    return yaml.safe_dump(value, default_flow_style=True, width=10**4).strip().removesuffix("\n...")
+
 
 
 def _keys_help(cls, instance, prefix=""):

