@@ -402,6 +402,5 @@ def check_engine(engine, rollout_cfg):
     """An engine passed in was built for its own max_model_len: the eval's sequences must fit it."""
     built = getattr(engine, "cfg", None)
     if built is not None and built.context_len < rollout_cfg.context_len:
-        raise ConfigError(f"the engine passed holds {built.context_len} tokens, the eval needs "
-                          f"{rollout_cfg.context_len}")
+        raise ConfigError(f"engine holds {built.context_len} tokens < {rollout_cfg.context_len}")
 

@@ -119,8 +119,9 @@ def apply_model_format(cfg, model_dir):
                                                ("tool schema", used_schema, schema))
               if trained is not None and used != trained]
     if differ:
-        warnings.warn(f"{model_dir} was trained with another {' and '.join(differ)}: its tool "
-                      "calls may fail; rollout.prompt_variant=auto evaluates it in its own")
+        warnings.warn(f"{model_dir} was trained with another {' and '.join(differ)} "
+                      f"(prompt_variant={record['prompt_variant']}, here rollout.prompt_variant="
+                      f"{cfg.prompt_variant}): its tool calls may fail; use prompt_variant=auto")
     return cfg
 
 
