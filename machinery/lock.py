@@ -105,7 +105,7 @@ def _wait_out_lease(fd, path, holder):
         time.sleep(min(LEASE_POLL_S, max(deadline - time.monotonic(), 0)))
         now = _read_holder(fd)
         if now != holder and now is not None:
-            raise ConfigError(f"{path}: in use by {_describe(now)} (renewed its lease); stop it")
+            raise ConfigError(f"{path}: in use by {_describe(now)}: it renewed its lease; stop it")
         if now is None:  # released meanwhile
             return None
     return holder

@@ -98,7 +98,7 @@ def apply_model_format(cfg, model_dir):
     saved = read_format(model_dir)
     if saved is None:
         if cfg.prompt_variant == AUTO_VARIANT:
-            warnings.warn(f"{model_dir} has no {FORMAT_FILE}: rollout.prompt_variant=paper")
+            warnings.warn(f"{model_dir} has no {FORMAT_FILE} to read: rollout.prompt_variant=paper")
 
             return dataclasses.replace(cfg, prompt_variant="paper")
         return cfg
