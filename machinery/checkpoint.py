@@ -81,8 +81,7 @@ def check_fits(checkpoint, model):
     differs = [name for name in sorted(shapes.keys() | saved.keys())
                if shapes.get(name) != saved.get(name)]
     if differs:
-        raise ConfigError(f"{checkpoint}: a checkpoint of another model ({differs[0]}: "
-                          f"{saved.get(differs[0])} saved, {shapes.get(differs[0])} in {model}); "
+        raise ConfigError(f"{checkpoint}: a checkpoint of another model ({differs[0]} differs); "
                           "resume it with its own model, or use another out_dir")
 
 
@@ -205,8 +204,7 @@ def requested_checkpoint(resume, ckpt_root):
 
     checkpoint = resolve(resume)
     if not (COMMITTED.fullmatch(checkpoint.name) and (checkpoint / "COMPLETE").is_file()):
-        raise ConfigError(f"resume={resume}: not a committed checkpoint (a step_N directory "
-                          "holding COMPLETE); name one")
+        raise ConfigError(f"resume={resume}: not a committed checkpoint (step_N/COMPLETE)")
     damage = checkpoint_damage(checkpoint)
     if damage:
         raise ConfigError(f"resume={resume}: damaged ({damage}); name an intact one as resume=")
@@ -224,8 +222,7 @@ def start_checkpoint(cfg, checkpoint):
                       or source)
         damage = checkpoint_damage(checkpoint)  # no COMPLETE: unreadable
         if damage:
-            raise ConfigError(f"init_from={cfg.init_from}: {checkpoint}: {damage}; name an intact "
-                              "step_N directory")
+            raise ConfigError(f"init_from={cfg.init_from}: {damage}; name an intact step_N")
         check_fits(checkpoint, cfg.model)
     return checkpoint, initial and not cfg.init_optimizer
 
@@ -247,8 +244,7 @@ def resume_run(checkpoint, model, optimizer, run_state, rank, ckpt_root):
     saved = load_checkpoint(checkpoint, model, optimizer)
     mismatch = {k: (saved.get(k), v) for k, v in run_state.items() if saved.get(k) != v}
     if mismatch:
-        raise ConfigError(f"resume from {checkpoint}: the run changed since it was saved (saved, "
-                          f"now): {mismatch}; the data order would differ. Use a new out_dir")
+        raise ConfigError(f"{checkpoint}: the run changed since it was saved: {mismatch}")
     if rank == 0:
         print(f"resumed from {checkpoint} at step {saved['step']}", flush=True)
     return saved["step"]
@@ -308,11 +304,11 @@ def check_inputs(cfg, world_size=None, gpus_per_node=None):
     tp = cfg.rollout.tensor_parallel_size
     for ranks, what in ((world_size, "ranks"), (gpus_per_node, "GPUs per node")):
         if ranks % tp:  # an engine across two nodes would all-reduce over the network every token
-            raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide the {ranks} "
-                              f"{what} into engines; use a divisor of --nproc_per_node")
+            raise ConfigError(f"rollout.tensor_parallel_size={tp} must divide the {ranks} {what}")
+
     if cfg.prompts_per_step < world_size // tp:
-        raise ConfigError(f"prompts_per_step={cfg.prompts_per_step} is fewer than the "
-                          f"{world_size // tp} engines: some would idle")
+        raise ConfigError(f"prompts_per_step={cfg.prompts_per_step} < {world_size // tp} engines")
+
     model = check_model_dir(cfg.model)
     if resolve(model).is_dir():  # a hub id's config is read as the engine starts
         check_heads_split(model, tp)
@@ -329,6 +325,6 @@ def epoch_plan(cfg, num_problems, start_step):
             f"{prompts:,} prompts over {num_problems:,} problems of {cfg.train_data}: "
             f"{epochs:.1f} epochs")
     if epochs > 5:  # the paper's stage 1: 300 steps x 512 prompts over 42K problems, 3.7 (§4.2)
-        line += (f"\nWARNING: {epochs:.1f} passes over the same problems, above 5.0 (the "
-                 "paper's stage 1: 3.7); add problems, or lower steps or prompts_per_step")
+        line += f"\nWARNING: {epochs:.1f} passes over the same problems (> 5.0); add problems"
+
     return epochs, line

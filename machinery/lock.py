@@ -99,15 +99,13 @@ def _wait_out_lease(fd, path, holder):
     """Another host's holder once its lease expired (None: it let go); renewed meanwhile, refused"""
     left = min(holder["renewed"] + LEASE_S - time.time(), LEASE_S)
     if left > 0:
-        print(f"{path}: held by {_describe(holder)}; waiting {left:.0f} s for its lease",
-              flush=True)
+        print(f"{path}: held by {_describe(holder)}; waiting {left:.0f} s", flush=True)
     deadline = time.monotonic() + left
     while time.monotonic() < deadline:
         time.sleep(min(LEASE_POLL_S, max(deadline - time.monotonic(), 0)))
         now = _read_holder(fd)
         if now != holder and now is not None:
-            raise ConfigError(f"{path}: in use by {_describe(now)}, which renewed its lease; "
-                              "stop it or use another out_dir")
+            raise ConfigError(f"{path}: in use by {_describe(now)}: it renewed its lease; stop it")
         if now is None:  # released meanwhile
             return None
     return holder
@@ -119,8 +117,8 @@ def _settle(fd, path, me):
     time.sleep(SETTLE_S)
     current = _read_holder(fd)
     if current != me:
-        raise ConfigError(f"{path}: in use by {_describe(current)}, which took the lease first; "
-                          "stop it or use another out_dir")
+        raise ConfigError(f"{path}: in use by {_describe(current)}; stop it or use another out_dir")
+
 
 
 def _read_holder(fd):

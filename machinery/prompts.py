@@ -98,8 +98,8 @@ def apply_model_format(cfg, model_dir):
     saved = read_format(model_dir)
     if saved is None:
         if cfg.prompt_variant == AUTO_VARIANT:
-            warnings.warn(f"{model_dir} has no {FORMAT_FILE} (not saved by sft.py or rl.py): "
-                          "rollout.prompt_variant=paper, the released rStar2-Agent-14B's format")
+            warnings.warn(f"{model_dir} has no {FORMAT_FILE} to read: rollout.prompt_variant=paper")
+
             return dataclasses.replace(cfg, prompt_variant="paper")
         return cfg
 
@@ -120,9 +120,8 @@ def apply_model_format(cfg, model_dir):
               if trained is not None and used != trained]
     if differ:
         warnings.warn(f"{model_dir} was trained with another {' and '.join(differ)} "
-                      f"(prompt_variant={record['prompt_variant']}; here rollout."
-                      f"prompt_variant={cfg.prompt_variant}): its tool calls may fail; "
-                      "rollout.prompt_variant=auto evaluates it in its own format")
+                      f"(prompt_variant={record['prompt_variant']}, here rollout.prompt_variant="
+                      f"{cfg.prompt_variant}): its tool calls may fail; use prompt_variant=auto")
     return cfg
 
 
@@ -207,8 +206,8 @@ def render_tool_turn(tokenizer, tool_text, cfg):
                    add_generation_prompt=True)
     if (not after.startswith(before) or len(fixed) != 2
             or real != before + fixed[0] + tool_text + fixed[1]):
-        raise ValueError(f"chat template {format_paths(cfg)[0]}: a tool message is not rendered "
-                         "once, verbatim, after the text before it")
+        raise ValueError(f"{format_paths(cfg)[0]}: a tool message is not rendered once, verbatim")
+
     return encode_rendered(tokenizer, fixed, [tool_text])
 
 

@@ -105,9 +105,9 @@ def _claim(cfg, out_dir, free_keys, steps, export):
     at_step = checkpoint_step(checkpoint) if checkpoint is not None else 0
     if method and not cfg.continue_with_changes:
         differs = "; ".join(f"{key}: {a!r} -> {b!r}" for key, (a, b) in method.items())
-        raise ConfigError(f"{out_dir}: holds a run with other settings ({differs}); use "
-                          f"out_dir=NEW_DIR, or continue_with_changes=true to continue it from "
-                          f"step {at_step}")
+        raise ConfigError(f"{out_dir}: holds a run with other settings ({differs}); use another "
+                          f"out_dir, or continue_with_changes=true from step {at_step}")
+
 
     last = history[-1] if history else {}
     finished = last.get("at_step") if last.get("event") == "finished" else None

@@ -200,7 +200,7 @@ def write_choices(path, row):
 # Each refusal: (the file's name, what writes it, what the one line names after the file's path)
 CHOICE_REFUSALS = [
     ("mine.csv", lambda path: write_gpqa(path, [GPQA_ROW], columns=GPQA_COLUMNS[:3]),
-     ["'Incorrect Answer 2', 'Incorrect Answer 3'", "gpqa_diamond.csv"]),
+     ["'Incorrect Answer 2'", "gpqa_diamond.csv"]),
     ("gpqa_diamond.csv", lambda path: path.write_text(""), ["'Question'"]),
     # line 4: the header, the first row over two lines (its question holds a newline), then it
     ("gpqa_diamond.csv", lambda path: write_gpqa(path, [GPQA_ROW, {**GPQA_ROW,
@@ -212,7 +212,7 @@ CHOICE_REFUSALS = [
      ["question 'a'", "'choices'"]),
     ("mine.jsonl", lambda path: write_choices(path, {"id": "a", "question": "q",
                                                      "choices": ["x", "y"], "answer": "C"}),
-     ["question 'a'", "'answer'", "'C'"]),
+     ["question 'a'", "'answer'"]),
     ("mine.jsonl", lambda path: write_choices(path, {"id": "a", "question": "q",
                                                      "choices": ["x", "y"], "answer": 0}),
      [":2: ", "'answer'"]),

@@ -93,7 +93,7 @@ BOUND_REFUSALS = [  # on Choices: bounds and Literals, declared on the field
     (None, ["warmup_ratio=1"], ["'warmup_ratio'", ">= 0 and < 1", "1.0"]),
     ("correction: off\n", [], ["c.yaml:1", "'correction'", "'off'", "['none', 'tis']"]),
     (None, ["dtype=no"], ["'dtype'", "'no'", "['auto', 'float32']"]),
-    (None, ["name=yes"], ["'name'", "(\"yes\")"]),
+    (None, ["name=yes"], ["'name'", "quote it"]),
     (None, ["correction=tiss"], ["'correction'", "'tiss'"]),
 ]
 
@@ -191,8 +191,9 @@ def test_loader_reports_file_and_line_of_a_bad_row(tmp_path):
     good = {"id": "a", "problem": "1+1?", "answer": "2"}
     cases = {
         "{not json\n": "c.jsonl:2: not valid JSON",
-        '["a list"]\n': "c.jsonl:2: expected a JSON object",
-        json.dumps({"id": "b", "problem": "x"}) + "\n": "c.jsonl:2: 'answer' .* got None",
+        '["a list"]\n': "c.jsonl:2: not a JSON object",
+        json.dumps({"id": "b", "problem": "x"}) + "\n":
+            "c.jsonl:2: 'answer' must be a non-empty string",
         json.dumps({"id": "b", "problem": "x", "answer": 3}) + "\n":
             "c.jsonl:2: 'answer' must be a non-empty string",
         json.dumps({"id": "b", "problem": "x", "answer": "  "}) + "\n":
