@@ -15,9 +15,9 @@ READING_PATH = ("grpo_roc", "rollout", "reward", "executor", "rl", "sft", "eval"
 # The house's budget: lines and code lines (non-blank, not comment, not docstring). A ratchet at
 # what the house holds now; issue 46's target is machinery 5,800 / 4,000, outside tests
 # 12,000 / 8,000, tests 9,500: lower these as cuts land, never raise them.
-MACHINERY_LINES, MACHINERY_CODE_LINES = 6_310, 4_520
-OUTSIDE_TESTS_LINES, OUTSIDE_TESTS_CODE_LINES = 12_650, 8_740
-TESTS_LINES = 10_450
+MACHINERY_LINES, MACHINERY_CODE_LINES = 5_710, 4_030
+OUTSIDE_TESTS_LINES, OUTSIDE_TESTS_CODE_LINES = 11_760, 8_015
+TESTS_LINES = 9_420
 # where no source of the repo lives: the virtual environment, run outputs, caches
 NOT_SOURCE = {"tests", "out", "runs", "tmp", "htmlcov"}
 
