@@ -82,10 +82,11 @@ def preflight(backend, world_size, timeout):
         if "by peer" in str(e):  # it was reached, then died: exits.run_script names a lost peer
             raise
         env, reason = os.environ.get, (str(e).strip().splitlines() or [""])[0][:300]
-        raise ConfigError(f"rank {env('RANK')} could not reach {env('MASTER_ADDR')} ({reason}): "
-                          f"set GLOO_SOCKET_IFNAME={env('GLOO_SOCKET_IFNAME')} and "
-                          "NCCL_SOCKET_IFNAME to the nodes' shared interface",
-                          this_rank_only=True) from None
+        raise ConfigError(f"rank {env('RANK')} could not reach the other ranks within "
+                          f"{short.total_seconds():.0f} s at {env('MASTER_ADDR')}:"
+                          f"{env('MASTER_PORT')} ({reason}): set GLOO_SOCKET_IFNAME="
+                          f"{env('GLOO_SOCKET_IFNAME', '(unset)')} and NCCL_SOCKET_IFNAME to the "
+                          "interface the nodes share", this_rank_only=True) from None
     _set_pg_timeout(timeout)  # both halves of "cpu:gloo,cuda:nccl"
     _get_default_store().set_timeout(timeout)  # vLLM's groups and the claims wait on it too
 

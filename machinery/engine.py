@@ -402,5 +402,6 @@ def check_engine(engine, rollout_cfg):
     """An engine passed in was built for its own max_model_len: the eval's sequences must fit it."""
     built = getattr(engine, "cfg", None)
     if built is not None and built.context_len < rollout_cfg.context_len:
-        raise ConfigError(f"engine holds {built.context_len} tokens < {rollout_cfg.context_len}")
-
+        raise ConfigError(f"the engine passed to evaluate holds {built.context_len} tokens per "
+                          "sequence, the eval needs max_prompt_tokens + max_response_tokens = "
+                          f"{rollout_cfg.context_len}")
