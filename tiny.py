@@ -39,6 +39,7 @@ TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_respons
 QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
+
 @dataclasses.dataclass
 class TinyConfig:
     out_dir: str = "out/tiny-model"

@@ -28,6 +28,7 @@ class ConfigError(ValueError):
         super().__init__(message)
         self.this_rank_only = this_rank_only
 
+
 # A key's bounds are declared beside it, `epochs: Annotated[int, Ge(1)] = 3` (annotated_types, the
 # constraints pydantic reads), and checked as the value is read, so the refusal names file:line.
 BOUNDS = {Gt: (operator.gt, ">"), Ge: (operator.ge, ">="), Lt: (operator.lt, "<"),

@@ -142,6 +142,7 @@ def render_prompt(tokenizer, problem_text, cfg):
                    add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)
 
+
 # Stands in for untrusted text while a template renders: the template's own text told from data.
 DATA_PLACEHOLDER = "\x00data\x00"
 
