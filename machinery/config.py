@@ -364,3 +364,11 @@ def flatten_config(config, prefix=""):
         else:
             flat[f"{prefix}{key}"] = value
     return flat
+
+
+def differing(before, after):
+    """{dotted key: (before's value, after's)} where two flattened configs differ; a key one lacks
+    (added since) differs."""
+    return {key: (before.get(key, "(not set)"), after.get(key, "(not set)"))
+            for key in sorted(before.keys() | after.keys())
+            if before.get(key, "(not set)") != after.get(key, "(not set)")}

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout
 from torch.distributed.tensor import DTensor, Shard
 
-from machinery.config import ConfigError, flatten_config, resolve
+from machinery.config import ConfigError, differing, flatten_config, resolve
 from machinery.exits import fault_point
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
@@ -133,14 +133,6 @@ def check_same_settings(cfg, rank, world_size):
             differ.setdefault(key, f"{key}: {first!r} on rank 0, {here!r} on rank {r}")
     if differ:
         raise ConfigError(f"ranks started with other settings: {'; '.join(differ.values())}")
-
-
-def differing(before, after):
-    """{dotted key: (before's value, after's)} where two flattened configs differ; a key one lacks
-    (added since) differs."""
-    return {key: (before.get(key, "(not set)"), after.get(key, "(not set)"))
-            for key in sorted(before.keys() | after.keys())
-            if before.get(key, "(not set)") != after.get(key, "(not set)")}
 
 
 def check_shared_paths(out_dir, inputs, rank, world_size):

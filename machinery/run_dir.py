@@ -12,9 +12,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from machinery.checkpoint import check_fits, checkpoint_step, requested_checkpoint
-from machinery.config import (ConfigError, atomic_write_text, flatten_config, read_records,
-                              read_saved_config, save_config)
-from machinery.distributed import differing
+from machinery.config import (ConfigError, atomic_write_text, differing, flatten_config,
+                              read_records, read_saved_config, save_config)
 from machinery.lock import LOCK_NAME, hold_lease, release_lock, take_lock, timestamp
 from machinery.metrics import check_logger_packages
 
